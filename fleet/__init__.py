@@ -1,0 +1,14 @@
+"""fleet: a Celery + Redis worker fleet in front of a self-hosted vLLM reasoning model."""
+
+from fleet.codes import Code
+from fleet.models import Envelope, Job, Message, Source
+
+__all__ = ["Client", "Code", "Envelope", "Job", "Message", "Source"]
+
+
+def __getattr__(name: str):  # noqa: ANN202 - lazy: importing fleet must not import Celery
+    if name == "Client":
+        from fleet.client import Client  # noqa: PLC0415
+
+        return Client
+    raise AttributeError(name)

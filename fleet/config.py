@@ -63,6 +63,11 @@ class AdmissionSettings(_Section):
     kv_usage_hold: float = Field(0.95, gt=0, le=1)
     aging_s: float = Field(60.0, gt=0)
     metrics_port: int = Field(9810, ge=0)
+    # How long the first job in fair order may be passed by smaller jobs while it does not fit
+    # the KV budget or the prefill bucket (schedulers/limits.py); after that everyone waits.
+    hol_bypass_s: float = Field(10.0, ge=0)
+    # Longest blocking wait of an idle dispatcher; wakes are event-driven, this is a safety net.
+    max_wait_s: float = Field(1.0, gt=0)
 
 
 class TimeoutSettings(_Section):

@@ -13,7 +13,12 @@ Life of a job in the store:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from schedulers.limits import Limits
+
+if TYPE_CHECKING:
+    from fleet.config import Settings
 
 Band = Literal["interactive", "batch"]
 
@@ -60,6 +65,32 @@ class StoreSnapshot:
     holds: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StoreConfig:
+    """Everything a store needs to decide; built from Settings by ``StoreConfig.from_settings``."""
+
+    limits: Limits = field(default_factory=Limits)
+    lease_ttl_s: float = 30.0
+    aging_s: float = 60.0
+    weights: dict[str, float] = field(default_factory=dict)  # project -> weight (default 1.0)
+    gate: bool = True  # False: ignore the backend gate (unit tests without a scraper)
+    scrape_stale_s: float = 5.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings, gate: bool = True) -> StoreConfig:
+        return cls(
+            limits=Limits.from_settings(settings),
+            lease_ttl_s=settings.admission.lease_ttl_s,
+            aging_s=settings.admission.aging_s,
+            weights={name: p.weight for name, p in settings.projects.items()},
+            gate=gate,
+            scrape_stale_s=settings.admission.scrape_stale_s,
+        )
+
+    def weight(self, project: str) -> float:
+        return self.weights.get(project, 1.0)
+
+
 class AdmissionStore(Protocol):
     def add_pending(self, item: PendingItem) -> None: ...
 
@@ -76,3 +107,12 @@ class AdmissionStore(Protocol):
     def snapshot(self) -> StoreSnapshot: ...
 
     def wait_for_wake(self, timeout_s: float) -> bool: ...
+
+    # Added by the dispatcher work (issue 4).
+    def lease_valid(self, job_id: str, fence: int) -> bool: ...
+
+    def wake(self) -> None: ...
+
+    def next_expiry(self) -> float | None: ...
+
+    def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str]) -> None: ...

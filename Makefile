@@ -1,0 +1,33 @@
+# Quick start: `make demo` runs the fleet end to end; `make test` runs the test suite.
+# Both create .venv with what they need on a machine that has only Python 3.11+.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/fleet demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(BIN)/ruff check fleet schedulers tests
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/fleet bench sim
+	$(BIN)/fleet bench dispatch
+	$(BIN)/fleet bench loops
+	$(BIN)/fleet bench collect
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis

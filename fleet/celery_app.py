@@ -1,0 +1,98 @@
+"""The Celery application: queues, routing and reliability settings, all in this one place.
+
+Queues
+  fleet.<project>  one per project: producers' jobs land here; prep workers verify, collect,
+                   trim and plan, then hand the job to the dispatcher store (never to vLLM)
+  fleet.infer      inference tasks, sent only by a dispatcher after it admitted the job and
+                   issued a lease; consumed by inference workers (threads pool, one thread per
+                   streaming request)
+
+Reliability
+  acks_late + reject_on_worker_lost: a message is acknowledged only after its task returned, so a
+  dead worker's task is delivered again. The Redis transport's visibility timeout
+  (``visibility_timeout_s``, default 4 h) is longer than the longest reasoning attempt, so a task
+  still running is never handed to a second worker by the broker. A re-delivered inference task
+  carries its old fencing token and is dropped; the job itself was already re-admitted when its
+  lease expired (see schedulers/store.py).
+  prefetch 1: a worker reserves no more than it runs.
+  Broker keys (queues, unacked sets) live under ``<key_prefix>q:`` (kombu's global_keyprefix), so
+  several fleets or test runs can share one Redis.
+
+Flower sees tasks because workers send task events and producers send "sent" events; the task
+names are ``fleet.prep`` / ``fleet.infer`` and their keyword arguments carry project and job id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu import Queue
+
+from fleet.config import Settings, load_settings
+
+PREP_TASK = "fleet.prep"
+INFER_TASK = "fleet.infer"
+INFER_QUEUE = "fleet.infer"
+
+
+def project_queue(project: str) -> str:
+    return f"fleet.{project}"
+
+
+def route_task(name: str, args: Any, kwargs: dict[str, Any], options: Any, task: Any = None,
+               **_: Any) -> dict[str, str] | None:
+    """Celery router: the only place that knows which task goes to which queue."""
+    if name == PREP_TASK:
+        return {"queue": project_queue(kwargs["project"])}
+    if name == INFER_TASK:
+        return {"queue": INFER_QUEUE}
+    return None
+
+
+def create_app(settings: Settings) -> Celery:
+    app = Celery("fleet", broker=settings.broker_url, set_as_current=False)
+    app.conf.update(
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_s,
+            "global_keyprefix": f"{settings.key_prefix}q:",
+        },
+        broker_connection_retry_on_startup=True,
+        task_routes=(route_task,),
+        task_queues=[Queue(INFER_QUEUE)] + [Queue(project_queue(p)) for p in settings.projects],
+        task_default_queue=INFER_QUEUE,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_ignore_result=True,
+        task_serializer="json",
+        accept_content=["json"],
+        worker_prefetch_multiplier=1,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+    )
+    app.fleet_settings = settings  # type: ignore[attr-defined]
+    return app
+
+
+def worker_app(settings: Settings | None = None) -> Celery:
+    """The app a worker runs: the Celery app with the fleet's tasks registered."""
+    from fleet.tasks import register_tasks  # noqa: PLC0415 - tasks import the heavy modules
+
+    app = create_app(settings or load_settings())
+    register_tasks(app)
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    # `celery -A fleet.celery_app ...` (Flower, inspect) looks up `app` here; built on demand so
+    # that importing this module never reads the configuration as a side effect.
+    if name in ("app", "celery"):
+        global _app
+        try:
+            return _app
+        except NameError:
+            _app = worker_app()
+            return _app
+    raise AttributeError(name)

@@ -1,0 +1,142 @@
+"""``fleet.Client``: what a project's code uses to talk to the fleet.
+
+    client = Client()                                  # settings from fleet.toml / FLEET_*
+    job_id = client.submit({"project": "reports", "messages": [...]})
+    envelope = client.result(job_id, timeout=600)      # blocks on Redis, no polling
+    client.cancel(job_id)
+
+``submit`` validates the job locally (``InputInvalid`` with the field named), signs it with the
+project's secret, claims the idempotency key (a second submit with the same key returns the
+first job's id and sends nothing), records the job and sends ``fleet.prep`` to the project's queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from fleet.celery_app import PREP_TASK, create_app
+from fleet.codes import Code
+from fleet.config import Settings, load_settings
+from fleet.errors import InputInvalid
+from fleet.events import EventSink, decode_event
+from fleet.keys import Keys
+from fleet.models import Envelope, Job
+from fleet.results import ResultStore
+from fleet.signing import sign
+
+
+class Client:
+    def __init__(self, settings: Settings | None = None, *, redis_client: redis.Redis | None = None,
+                 secrets: Mapping[str, str] | None = None) -> None:
+        self.settings = settings or load_settings()
+        self.redis = redis_client or redis.Redis.from_url(self.settings.broker_url)
+        self.keys = Keys(self.settings.key_prefix)
+        self.results = ResultStore(self.redis, self.keys, self.settings)
+        self._secrets = dict(secrets or {})
+        self._celery = create_app(self.settings)
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _secret(self, project: str) -> str:
+        if project in self._secrets:
+            return self._secrets[project]
+        found = self.settings.project(project)
+        if found is None:
+            raise InputInvalid(f"unknown project {project!r}")
+        return found.secret
+
+    # -- submitting -------------------------------------------------------------------------
+    def submit(self, job: Job | Mapping[str, Any]) -> str:
+        if not isinstance(job, Job):
+            try:
+                job = Job.model_validate(job)
+            except ValidationError as exc:
+                raise InputInvalid(_first_error(exc)) from exc
+        raw = job.model_dump(mode="json", exclude_none=True)
+        if job.idempotency_key:
+            key = self.keys.idem(job.project, job.idempotency_key)
+            if not self.redis.set(key, job.id, nx=True, ex=self.settings.result_ttl_s):
+                existing = self.redis.get(key)
+                return existing.decode() if existing else job.id
+        return self.submit_raw(raw, project=job.project, job_id=job.id, kind=job.kind)
+
+    def submit_raw(self, raw: Mapping[str, Any], *, project: str, job_id: str,
+                   kind: str = "infer", secret: str | None = None) -> str:
+        """Sign and send a job dict as is (no local validation): the worker judges it."""
+        signed = sign(raw, project, secret if secret is not None else self._secret(project))
+        self.results.record(job_id, state="submitted", project=project, kind=kind,
+                            submitted_at=time.time())
+        EventSink(self.redis, self.keys, job_id, self.settings.events_ttl_s).emit(
+            "queued", project=project)
+        self._celery.send_task(PREP_TASK, kwargs={"project": project, "job_id": job_id,
+                                                  "signed": signed})
+        return job_id
+
+    # -- reading ----------------------------------------------------------------------------
+    def result(self, job_id: str, timeout: float | None = None) -> Envelope | None:
+        return self.results.wait(job_id, 10**9 if timeout is None else timeout)
+
+    def status(self, job_id: str) -> dict[str, Any]:
+        record: dict[str, Any] = self.results.job_record(job_id)
+        record.pop("job", None)
+        envelope = self.results.get(job_id)
+        if envelope is not None:
+            record.update(state="final", code=envelope.code.value, message=envelope.message)
+        return record
+
+    def events(self, job_id: str, *, follow: bool = True, block_ms: int = 1000,
+               idle_timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
+        """Yield the job's events from the start; with ``follow``, until its final event."""
+        key, cursor = self.keys.events(job_id), "0-0"
+        idle_since = time.monotonic()
+        while True:
+            reply = self.redis.xread({key: cursor}, block=block_ms if follow else None, count=200)
+            entries = reply[0][1] if reply else []
+            for entry_id, fields in entries:
+                cursor = entry_id
+                event = decode_event(entry_id, fields)
+                yield event
+                if event["type"] in ("final", "rejected"):
+                    return
+            if entries:
+                idle_since = time.monotonic()
+            if not follow or (idle_timeout_s and time.monotonic() - idle_since > idle_timeout_s):
+                return
+
+    # -- cancelling -------------------------------------------------------------------------
+    def cancel(self, job_id: str) -> bool:
+        """Cancel a job: a queued one ends at once, a running one within about a second.
+        False when the job already had its final result."""
+        if self.results.get(job_id) is not None:
+            return False
+        self.redis.set(self.keys.cancel(job_id), "1", ex=self.settings.result_ttl_s)
+        state = self.results.job_record(job_id).get("state", "")
+        if state == "running":
+            return True
+        from fleet.dispatcher import make_store  # noqa: PLC0415
+
+        pending = make_store(self.settings, self.redis).cancel_pending(job_id)
+        if pending or state in ("submitted", "prepared", ""):
+            project = self.results.job_record(job_id).get("project", "")
+            self.results.publish(Envelope.failure(job_id, project, Code.E_CANCELLED,
+                                                  "cancelled while queued"))
+        return True
+
+
+def _first_error(exc: ValidationError) -> str:
+    item = exc.errors()[0]
+    where = ".".join(str(p) for p in item["loc"]) or "job"
+    what = "unknown field" if item["type"] == "extra_forbidden" else item["msg"]
+    return f"invalid job: {where}: {what}"

@@ -1,0 +1,55 @@
+"""What one worker or dispatcher process holds: settings, one Redis connection pool and the
+objects built on it. Built once per process (per Celery app) and injected into the tasks, so no
+module keeps a global client of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import redis
+
+from fleet.config import Settings
+from fleet.keys import Keys
+from fleet.results import ResultStore
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+
+    @cached_property
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(
+            self.settings.broker_url, health_check_interval=30, socket_keepalive=True
+        )
+
+    @cached_property
+    def keys(self) -> Keys:
+        return Keys(self.settings.key_prefix)
+
+    @cached_property
+    def results(self) -> ResultStore:
+        return ResultStore(self.redis, self.keys, self.settings)
+
+    @cached_property
+    def store(self):  # type: ignore[no-untyped-def]
+        from fleet.dispatcher import make_store  # noqa: PLC0415
+
+        return make_store(self.settings, self.redis)
+
+    @cached_property
+    def counter(self):  # type: ignore[no-untyped-def]
+        from fleet.tokens import TokenCounter  # noqa: PLC0415
+
+        backend = self.settings.backend
+        return TokenCounter(backend.url, backend.model, self.redis, self.keys)
+
+    @cached_property
+    def vllm(self):  # type: ignore[no-untyped-def]
+        from fleet.vllm import VllmClient  # noqa: PLC0415
+
+        backend = self.settings.backend
+        return VllmClient(
+            backend.url, backend.model, api_key=backend.api_key, timeouts=self.settings.timeouts
+        )

@@ -1,0 +1,37 @@
+"""Prose samples (written for these tests) used to check the simulator tokenizer's ratio."""
+
+ENGLISH = (
+    "The warehouse on the edge of town had been empty for nearly a decade before the cooperative "
+    "bought it. Nobody expected much from the place: the roof leaked, the loading docks were "
+    "cracked, and the only heating came from an old furnace that groaned like a tired animal. "
+    "Still, the members saw something the bankers had missed. It was close to the railway, the "
+    "rent was cheap, and the floor could hold the weight of a dozen printing presses.\n\n"
+    "Within a year the building was busy from dawn until well after dark. Volunteers repaired the "
+    "windows, a retired electrician rewired the upper floor, and a group of students painted a "
+    "mural of the river along the southern wall. The cooperative printed newspapers for three "
+    "villages, posters for the regional theatre, and, on quiet afternoons, small books of poetry "
+    "that sold surprisingly well at the Saturday market.\n\n"
+    "Money was always tight. When the largest customer cancelled its contract, the members met "
+    "in the canteen and argued for hours about whether to cut wages or sell one of the presses. "
+    "In the end they did neither. They wrote to every school within fifty kilometres, offering "
+    "to print exam papers at cost, and by the spring the orders had doubled. Looking back, the "
+    "founders say the crisis taught them more about running a business than any course could "
+    "have done: listen to your neighbours, keep your promises, and never assume that next "
+    "month will look like this one."
+)
+
+JAPANESE = (
+    "町はずれの倉庫は、協同組合が買い取るまで十年近く空き家のままだった。屋根は雨漏りし、"
+    "荷積み場はひび割れ、暖房といえば疲れた動物のようにうなる古いボイラーだけだった。"
+    "それでも組合員たちは、銀行が見落としたものに気づいていた。鉄道に近く、家賃は安く、"
+    "床は十数台の印刷機の重さにも耐えられたのである。\n\n"
+    "一年もしないうちに、建物は夜明けから夜遅くまでにぎわうようになった。ボランティアが窓を直し、"
+    "引退した電気技師が二階の配線をやり直し、学生たちが南側の壁に川の壁画を描いた。"
+    "組合は三つの村の新聞や地域劇場のポスターを刷り、静かな午後には小さな詩集も作った。"
+    "詩集は土曜市で意外なほどよく売れた。\n\n"
+    "資金はいつも足りなかった。最大の取引先が契約を打ち切ったとき、組合員たちは食堂に集まり、"
+    "賃金を下げるか印刷機を一台売るかで何時間も議論した。結局どちらもしなかった。"
+    "半径五十キロ以内のすべての学校に手紙を書き、試験問題を原価で印刷すると申し出たところ、"
+    "春には注文が倍になった。創業者たちは、あの危機から学んだことはどんな講座よりも多かったと言う。"
+    "近所の声に耳を傾けること、約束を守ること、そして来月が今月と同じだと決して思い込まないことだ。"
+)
