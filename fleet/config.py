@@ -94,9 +94,13 @@ class WatcherSettings(_Section):
     max_period_chars: int = Field(2048, gt=0)
     min_repeats: int = Field(3, ge=2)
     min_repeat_span_chars: int = Field(600, gt=0)
+    key_chars: int = Field(32, ge=4)
+    check_every_chars: int = Field(32, ge=1)
+    max_period_candidates: int = Field(8, ge=1)
     paragraph_jaccard: float = Field(0.8, gt=0, le=1)
     similar_paragraphs: int = Field(4, ge=2)
     paragraph_window: int = Field(16, ge=2)
+    min_paragraph_words: int = Field(12, ge=3)
     stall_s: float = Field(60.0, gt=0)
 
 

@@ -64,9 +64,12 @@ class Source(_Strict):
 
 
 class TrimPolicy(_Strict):
+    """How fleet/trim.py cuts material that does not fit (see fleet/prepare.py)."""
+
     strategy: Literal["head_tail", "head", "tail"] = "head_tail"
     drop_near_duplicates: bool = True
     normalise_whitespace: bool = True
+    head_fraction: float = Field(0.6, ge=0, le=1)  # head_tail: share of the kept text from the head
 
 
 class Job(_Strict):

@@ -1,0 +1,106 @@
+"""Scenario markers: how a test asks the simulator to misbehave, inside a vLLM-shaped request.
+
+Grammar (fixed; other parts of the fleet rely on it). In the LAST user message, any number of::
+
+    [sim:NAME]  [sim:NAME=VALUE]  [sim:NAME/K]  [sim:NAME=VALUE/K]
+
+``/K`` limits the marker to the first K requests that carry this exact marker text together with
+the same first user message (counted per (marker, sha256 of the first user message)); from the
+(K+1)-th such request on, the marker is ignored. ``POST /sim/reset`` clears those counts.
+
+Names (times are simulated seconds):
+
+===================  ======================================================================
+``loop``             reasoning falls into one paragraph repeated verbatim, never answering
+                     (until max tokens, or until ``thinking_token_budget`` forces the end)
+``loop_fuzzy``       the same with near-duplicates: one word and one number change each time
+``slow_first_token=S``  the first token comes S seconds after prefill ends
+``stall=S``          the stream pauses S seconds in the middle of the reasoning, then goes on
+``http500``          500 InternalServerError JSON answer, before any streaming
+``http503``          503 ServiceUnavailableError JSON answer ("engine busy")
+``drop``             connection closed mid-reasoning without ``[DONE]`` (incomplete body)
+``error_event``      mid-stream ``data: {"error": ...}`` then ``[DONE]``, HTTP 200
+                     (non-streaming: a 500 error answer after the same delay)
+``bad_json``         the answer is invalid JSON, even with ``response_format``
+``empty``            reasoning, then an empty answer, ``finish_reason: "stop"``
+``tool`` / ``tool=NAME``  answer with a tool call (first tool of the request, or NAME)
+``think=N``          exactly N reasoning tokens (before budget and max-token caps)
+``answer=N``         exactly N answer tokens (prose answers)
+``prompt_pad=N``     count the prompt as N tokens longer (unique tokens, never prefix-cached)
+``dead`` / ``dead=S``  the engine dies: in-flight requests fail, ``/health`` answers 503, new
+                     requests get 500; for S seconds, or until ``POST /sim/reset``
+===================  ======================================================================
+
+``--fault-rate P`` adds, to each request with probability P, one of ``http500``, ``http503``,
+``drop``, ``error_event``, drawn from a generator seeded by ``--seed``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+MARKER_RE = re.compile(r"\[sim:([a-z_]+)(?:=([^\]/\s]+))?(?:/(\d+))?\]")
+FAULTS = ("http500", "http503", "drop", "error_event")
+KNOWN = {
+    "loop", "loop_fuzzy", "slow_first_token", "stall", "http500", "http503", "drop",
+    "error_event", "bad_json", "empty", "tool", "think", "answer", "prompt_pad", "dead",
+}
+
+
+@dataclass
+class Scenario:
+    """The active markers of one request: name -> value ("" when the marker has none)."""
+
+    active: dict[str, str] = field(default_factory=dict)
+
+    def has(self, name: str) -> bool:
+        return name in self.active
+
+    def number(self, name: str, default: float = 0.0) -> float:
+        try:
+            return float(self.active.get(name) or default)
+        except ValueError:
+            return default
+
+    def integer(self, name: str) -> int | None:
+        if name not in self.active:
+            return None
+        try:
+            return max(0, int(float(self.active[name])))
+        except ValueError:
+            return None
+
+
+class ScenarioBook:
+    """Parses markers and keeps the ``/K`` counts. One per server; reset by ``/sim/reset``."""
+
+    def __init__(self, seed: int, fault_rate: float = 0.0) -> None:
+        self._seed = seed
+        self._fault_rate = fault_rate
+        self._counts: Counter[tuple[str, str]] = Counter()
+        self._faults = random.Random(seed ^ 0x5EED)
+
+    def reset(self) -> None:
+        self._counts.clear()
+        self._faults = random.Random(self._seed ^ 0x5EED)
+
+    def resolve(self, last_user: str, first_user: str) -> Scenario:
+        scenario = Scenario()
+        digest = hashlib.sha256(first_user.encode()).hexdigest()
+        for m in MARKER_RE.finditer(last_user):
+            name, value, limit = m.group(1), m.group(2) or "", m.group(3)
+            if name not in KNOWN:
+                continue
+            if limit is not None:
+                key = (m.group(0), digest)
+                self._counts[key] += 1
+                if self._counts[key] > int(limit):
+                    continue
+            scenario.active[name] = value
+        if self._fault_rate > 0 and self._faults.random() < self._fault_rate:
+            scenario.active.setdefault(self._faults.choice(FAULTS), "")
+        return scenario

@@ -1,0 +1,56 @@
+import threading
+
+from fleet.codes import Code
+from fleet.config import EXAMPLE_CONFIG, load_settings
+from fleet.keys import Keys
+from fleet.models import Envelope
+from fleet.results import ResultFollower, ResultStore
+
+
+def store(redis_client, key_prefix):
+    return ResultStore(redis_client, Keys(key_prefix), load_settings(EXAMPLE_CONFIG, env={}))
+
+
+def test_publish_is_exactly_once(redis_client, key_prefix):
+    results = store(redis_client, key_prefix)
+    first = Envelope(job_id="j1", project="reports", code=Code.OK, content="a")
+    second = Envelope(job_id="j1", project="reports", code=Code.E_INTERNAL)
+    assert results.publish(first) is True
+    assert results.publish(second) is False
+    assert results.get("j1").code == Code.OK
+    assert redis_client.xlen(Keys(key_prefix).results("reports")) == 1
+
+
+def test_wait_blocks_until_published(redis_client, key_prefix):
+    results = store(redis_client, key_prefix)
+    started = threading.Event()
+
+    def finish():
+        started.wait()
+        results.publish(Envelope(job_id="j2", project="triage", code=Code.OK))
+
+    thread = threading.Thread(target=finish)
+    thread.start()
+    assert results.wait("j2", 0.01) is None
+    started.set()
+    envelope = results.wait("j2", 30)
+    thread.join()
+    assert envelope is not None and envelope.code == Code.OK
+
+
+def test_rejections_stay_out_of_project_results(redis_client, key_prefix):
+    results = store(redis_client, key_prefix)
+    results.reject("j3", "reports", "bad signature")
+    keys = Keys(key_prefix)
+    assert results.get("j3").code == Code.E_AUTH
+    assert redis_client.xlen(keys.results("reports")) == 0
+    assert redis_client.xlen(keys.rejections) == 1
+
+
+def test_follower_sees_results_and_rejections(redis_client, key_prefix):
+    results = store(redis_client, key_prefix)
+    follower = ResultFollower(results, {"reports"})
+    results.publish(Envelope(job_id="a", project="reports", code=Code.OK))
+    results.reject("b", "reports", "bad signature")
+    got = {e.job_id: e.code for e in follower.follow({"a", "b"}, timeout_s=10, block_ms=50)}
+    assert got == {"a": Code.OK, "b": Code.E_AUTH}
