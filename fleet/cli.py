@@ -240,6 +240,14 @@ def queues() -> None:
 
 
 @app.command()
+def codes() -> None:
+    """The message-code catalogue (the README's table is generated from the same source)."""
+    from fleet.codes import markdown_table  # noqa: PLC0415
+
+    typer.echo(markdown_table())
+
+
+@app.command()
 def rejections(count: Annotated[int, typer.Option()] = 20) -> None:
     """The latest E_AUTH rejections (kept apart from every project's results)."""
     with client_or_exit() as client:

@@ -206,13 +206,12 @@ class Collector:
             info = os.fstat(handle.fileno())
             if not stat.S_ISREG(info.st_mode):
                 raise SourceError("not a regular file")
-            if info.st_size > self.settings.max_bytes:
-                raise SourceError(
-                    f"file is {info.st_size} bytes, over collect.max_bytes ({self.settings.max_bytes})"
-                )
-            body = handle.read(self.settings.max_bytes + 1)
-        if len(body) > self.settings.max_bytes:
-            raise SourceError(f"file grew past collect.max_bytes ({self.settings.max_bytes})")
+            cap = self.settings.max_bytes
+            if info.st_size > cap:
+                raise SourceError(f"file is {info.st_size} bytes, over collect.max_bytes ({cap})")
+            body = handle.read(cap + 1)
+        if len(body) > cap:
+            raise SourceError(f"file grew past collect.max_bytes ({cap})")
         return body
 
     # -- URLs -----------------------------------------------------------------------------

@@ -69,7 +69,7 @@ class TrimPolicy(_Strict):
     strategy: Literal["head_tail", "head", "tail"] = "head_tail"
     drop_near_duplicates: bool = True
     normalise_whitespace: bool = True
-    head_fraction: float = Field(0.6, ge=0, le=1)  # head_tail: share of the kept text from the head
+    head_fraction: float = Field(default=0.6, ge=0, le=1)  # head_tail: share of the kept text from the head
 
 
 class Job(_Strict):

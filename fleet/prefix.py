@@ -89,13 +89,23 @@ def check_prefix(settings: Settings, project_name: str, counter: TokenCounter) -
     messages = stable_prefix(project)
     if not messages:
         return PrefixReport(
-            project_name, 0, 0, True, block, 0,
+            project_name,
+            0,
+            0,
+            True,
+            block,
+            0,
             "no system_prompt configured: the project's jobs share no prefix to cache",
         )
     tokens, exact = counter.count_messages([m.to_openai() for m in messages])
     chars = sum(len(m.text()) for m in messages)
     return PrefixReport(
-        project_name, chars, tokens, exact, block, tokens // block,
+        project_name,
+        chars,
+        tokens,
+        exact,
+        block,
+        tokens // block,
         prefix_warning(tokens, block, exact),
     )
 

@@ -35,6 +35,7 @@ class LocalFleet:
     worker_concurrency: int = 40
     dispatchers: int = 1
     log_level: str = "WARNING"
+    config_path: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     broker: EmbeddedRedis | None = None
     children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
@@ -43,6 +44,8 @@ class LocalFleet:
         self.broker = ensure_broker(self.settings.broker_url)
         self.env = {**os.environ, "FLEET_BROKER_URL": self.broker.url,
                     "FLEET_KEY_PREFIX": self.settings.key_prefix}
+        if self.config_path:
+            self.env["FLEET_CONFIG"] = self.config_path
         if not os.environ.get("FLEET_BACKEND_URL"):
             self._start_sim()
         for n in range(self.dispatchers):

@@ -59,7 +59,9 @@ def estimate_text(text: str) -> int:
     return math.ceil((len(text) - non_ascii) / CHARS_PER_TOKEN) + non_ascii
 
 
-def estimate_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
+def estimate_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> int:
     total = MESSAGE_OVERHEAD_TOKENS  # the generation prompt
     for message in messages:
         total += MESSAGE_OVERHEAD_TOKENS + estimate_text(_message_text(message))
@@ -146,7 +148,9 @@ class TokenCounter:
         self.close()
 
     # -- internals ------------------------------------------------------------------------
-    def _count(self, kind: str, body: dict[str, Any], estimate: Callable[[], int]) -> tuple[int, bool]:
+    def _count(
+        self, kind: str, body: dict[str, Any], estimate: Callable[[], int]
+    ) -> tuple[int, bool]:
         digest = self._digest(kind, body)
         cached = self._cache_get(digest)
         if cached is not None:

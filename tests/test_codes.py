@@ -23,4 +23,4 @@ def test_ok_codes_are_the_success_family():
 
 def test_readme_table_is_generated_from_the_catalogue():
     readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
-    assert markdown_table() in readme, "README code table is stale: run python -m fleet.codes"
+    assert markdown_table() in readme, "README code table is stale: run fleet codes"

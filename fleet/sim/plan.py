@@ -1,0 +1,203 @@
+"""What one request will generate, decided up front: token counts, texts, finish reason, events.
+
+The engine only needs the total number of completion tokens (and the token positions where a
+stall happens); the response writer walks the same plan with an ``OutputCursor`` to turn the
+engine's token counts into reasoning text, content text or tool-call pieces.
+
+Length rules (VLLM_API.md):
+- ``max_tokens`` M is already ``min(max_model_len - prompt_len, requested)`` (vLLM 0.33: too
+  large a request is lowered silently, not rejected).
+- Thinking on: R reasoning tokens (drawn, ``think=N``, or unbounded for loops), cut to the
+  ``thinking_token_budget`` B when set (the forced end). If R >= M the output is all reasoning:
+  ``finish_reason: "length"``, no content. Otherwise one ``</think>`` token follows (it counts as a
+  completion token but is in neither text), then the answer, cut at M (``length``) or complete
+  (``stop`` / ``tool_calls``).
+- Thinking off (``chat_template_kwargs.enable_thinking: false``): the answer only.
+- ``usage.completion_tokens_details.reasoning_tokens`` is R after the caps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleet.sim.jsongen import generate_json, generate_object
+from fleet.sim.scenarios import Scenario
+from fleet.sim.textgen import FixedPieces, LoopStream, PieceStream, ProseStream
+from fleet.sim.tokenizer import split_pieces
+
+REASONING, CONTENT, HIDDEN, TOOL_START, TOOL_ARGS = "reasoning", "content", "hidden", "tool", "args"
+
+
+@dataclass(frozen=True)
+class LengthDistribution:
+    """Log-uniform draws for thinking and answer lengths (tokens)."""
+
+    think_min: int = 800
+    think_max: int = 12_000
+    answer_min: int = 120
+    answer_max: int = 600
+
+    def thinking(self, rng: random.Random) -> int:
+        return _log_uniform(rng, self.think_min, self.think_max)
+
+    def answer(self, rng: random.Random) -> int:
+        return _log_uniform(rng, self.answer_min, self.answer_max)
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    lo, hi = max(1, lo), max(1, lo, hi)
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str
+    call_id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+
+
+@dataclass
+class RequestShape:
+    """The parts of a validated request that shape its output."""
+
+    max_tokens: int
+    thinking: bool = True
+    budget: int | None = None
+    response_format: dict[str, Any] | None = None
+    tool: dict[str, Any] | None = None  # the chosen tool definition, when a call is due
+
+
+@dataclass
+class OutputPlan:
+    segments: list[tuple[str, int, PieceStream]]
+    reasoning_tokens: int
+    finish_reason: str
+    tool_call: ToolCall | None = None
+    stall_at: int | None = None
+    break_at: int | None = None  # drop / error_event position (tokens)
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, n, _ in self.segments)
+
+
+def _content_pieces(
+    shape: RequestShape, scenario: Scenario, rng: random.Random, dist: LengthDistribution
+) -> tuple[list[tuple[str, list[str]]] | PieceStream, int, ToolCall | None]:
+    """The answer as (kind, pieces) parts, or a prose stream and its length."""
+    if scenario.has("empty"):
+        return [], 0, None
+    if shape.tool is not None:
+        fn = shape.tool.get("function", shape.tool)
+        call = ToolCall(str(fn.get("name", "tool")), generate_json(fn.get("parameters", {}), rng))
+        head = split_pieces(f'<tool_call>\n{{"name": "{call.name}", "arguments": ')
+        parts = [(HIDDEN, head[:-1]), (TOOL_START, head[-1:]),
+                 (TOOL_ARGS, split_pieces(call.arguments)), (HIDDEN, split_pieces("}\n</tool_call>"))]
+        return parts, sum(len(p) for _, p in parts), call
+    text = _json_text(shape.response_format, rng)
+    if scenario.has("bad_json"):
+        text = _break_json(text if text is not None else generate_object(rng))
+    if text is not None:
+        pieces = split_pieces(text)
+        return [(CONTENT, pieces)], len(pieces), None
+    n = scenario.integer("answer")
+    return ProseStream(rng), dist.answer(rng) if n is None else n, None
+
+
+def _json_text(response_format: dict[str, Any] | None, rng: random.Random) -> str | None:
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema") or {}
+        return generate_json(spec.get("schema", spec.get("schema_", {})), rng)
+    if kind == "json_object":
+        return generate_object(rng)
+    return None
+
+
+def _break_json(text: str) -> str:
+    cut = text[: max(1, len(text) * 2 // 3)]
+    try:
+        json.loads(cut)
+    except ValueError:
+        return cut
+    return "{" + cut + ","
+
+
+def _reasoning_stream(scenario: Scenario, rng: random.Random) -> PieceStream:
+    if scenario.has("loop"):
+        return LoopStream(rng, exact=True)
+    if scenario.has("loop_fuzzy"):
+        return LoopStream(rng, exact=False)
+    return ProseStream(rng)
+
+
+def build_plan(
+    shape: RequestShape, scenario: Scenario, rng: random.Random, dist: LengthDistribution
+) -> OutputPlan:
+    m = shape.max_tokens
+    segments: list[tuple[str, int, PieceStream]] = []
+    reasoning = 0
+    if shape.thinking:
+        looping = scenario.has("loop") or scenario.has("loop_fuzzy")
+        fixed = scenario.integer("think")
+        natural = m if looping else (dist.thinking(rng) if fixed is None else fixed)
+        reasoning = natural if shape.budget is None else min(natural, shape.budget)
+        stream = _reasoning_stream(scenario, rng)
+        if reasoning >= m:
+            segments.append((REASONING, m, stream))
+            return _with_events(OutputPlan(segments, m, "length"), scenario)
+        segments.append((REASONING, reasoning, stream))
+        segments.append((HIDDEN, 1, FixedPieces(["</think>"])))
+    content, full, call = _content_pieces(shape, scenario, rng, dist)
+    room = m - sum(n for _, n, _ in segments)
+    finish = "tool_calls" if call is not None else "stop"
+    if full > room:
+        finish, full = "length", room
+    if isinstance(content, PieceStream):
+        segments.append((CONTENT, full, content))
+    else:
+        left = full
+        for kind, pieces in content:
+            take = min(left, len(pieces))
+            if take:
+                segments.append((kind, take, FixedPieces(pieces[:take])))
+            left -= take
+    return _with_events(OutputPlan(segments, reasoning, finish, call), scenario)
+
+
+def _with_events(plan: OutputPlan, scenario: Scenario) -> OutputPlan:
+    middle = max(1, min(plan.reasoning_tokens, plan.total) // 2)
+    if scenario.has("stall"):
+        plan.stall_at = middle
+    if scenario.has("drop") or scenario.has("error_event"):
+        plan.break_at = min(middle, max(0, plan.total - 1))
+    return plan
+
+
+class OutputCursor:
+    """Walks a plan: ``take_pieces(k)`` -> the next k tokens as (kind, pieces) runs of one kind."""
+
+    def __init__(self, plan: OutputPlan) -> None:
+        self._segments = [[kind, n, stream] for kind, n, stream in plan.segments]
+        self._i = 0
+
+    def take_pieces(self, k: int) -> list[tuple[str, list[str]]]:
+        out: list[tuple[str, list[str]]] = []
+        while k > 0 and self._i < len(self._segments):
+            seg = self._segments[self._i]
+            n = min(k, seg[1])
+            if n:
+                out.append((seg[0], seg[2].take(n)))
+                seg[1] -= n
+                k -= n
+            if seg[1] == 0:
+                self._i += 1
+        return out
+
