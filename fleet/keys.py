@@ -19,20 +19,27 @@ Jobs and results (fleet/results.py, fleet/client.py)
   {p}attempts:<id>            list   attempt history (JSON) kept for carry-over between attempts
   {p}retry_budget:<project>   hash   sliding counters of first attempts and retries (retry budget)
   {p}tokcache:<sha256>        string cached /tokenize count for a piece of content
+  {p}stats:codes              hash   final results counted by "<project>|<code>" (for /metrics)
 
-Dispatcher (schedulers/redis_store.py; its Lua scripts repeat this part of the schema)
-  {p}d:pending:<project>      zset   pending job ids of a project, score = band/priority/seq order
-  {p}d:item:<id>              hash   admission facts of a pending/in-flight job (tokens, band, ...)
-  {p}d:projects               set    projects that have pending work
-  {p}d:vtime                  hash   per-project virtual time (token-weighted fair queuing)
-  {p}d:leases                 zset   in-flight job ids, score = lease expiry (unix ms)
-  {p}d:lease:<id>             hash   fence, prompt tokens, kv tokens, long flag, admitted_at
-  {p}d:state                  hash   in-flight count, reserved kv, long in-flight, bucket, last admit
+Dispatcher (schedulers/redis_store.py; its docstring repeats this part with the scripts)
+  {p}d:pending:<project>:<band>:<size>
+                              zset   pending job ids; band interactive|batch, size short|long
+                                     (prompt over backend.long_prompt_tokens); score =
+                                     enqueued_at - priority * aging_s, in ms (fixed at submission:
+                                     an expired lease puts the job back at its original place)
+  {p}d:item:<id>              hash   admission facts of a pending/in-flight job: project band size
+                                     prompt max_new kv long enq score pending(1|0)
+  {p}d:projects               set    projects that may have pending work
+  {p}d:vtime                  hash   per-project finish tag (token-weighted fair queuing)
+  {p}d:leases                 zset   in-flight job ids, score = lease expiry (unix seconds)
+  {p}d:lease:<id>             hash   fence, kv tokens, long flag, expires, admitted_at, project
+  {p}d:state                  hash   in_flight, kv, long (sums over live leases), bucket,
+                                     bucket_at, last_admit, blocked_job, blocked_since, vtime
   {p}d:fence                  string monotonically increasing fencing token counter
-  {p}d:seq                    string arrival counter (original place in line)
-  {p}d:wake                   list   pushed on release/submit; dispatchers BLPOP it (no polling)
-  {p}d:backend                hash   last /metrics scrape of the backend (saturation gate)
-  {p}d:stats                  hash   admissions and holds by reason
+  {p}d:wake                   list   pushed on submit/release/expiry (capped at 100);
+                                     dispatchers BLPOP it (no polling)
+  {p}d:backend                hash   last /metrics + /health scrape: scraped_at, hold, figures
+  {p}d:stats                  hash   admissions, hold:<reason>
 """
 
 from __future__ import annotations
@@ -80,6 +87,10 @@ class Keys:
 
     def tokcache(self, digest: str) -> str:
         return f"{self.prefix}tokcache:{digest}"
+
+    @property
+    def code_counts(self) -> str:
+        return f"{self.prefix}stats:codes"
 
     # -- dispatcher -------------------------------------------------------------------------
     @property

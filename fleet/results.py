@@ -33,8 +33,9 @@ from fleet.models import Envelope
 
 log = logging.getLogger(__name__)
 
-# KEYS: result, results stream, events stream, job hash
-# ARGV: envelope json, result ttl s, stream maxlen, events ttl s, now, code
+# KEYS: result, results stream, events stream, job hash, code counters
+# ARGV: envelope json, result ttl s, stream maxlen, events ttl s, now, code, events maxlen,
+#       counter field (project|code)
 _PUBLISH = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) == false then
   return 0
@@ -47,6 +48,7 @@ redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'type', 'final', 'ts', 
 redis.call('EXPIRE', KEYS[3], ARGV[4])
 redis.call('HSET', KEYS[4], 'state', 'final', 'code', ARGV[6], 'finished_at', ARGV[5])
 redis.call('EXPIRE', KEYS[4], ARGV[2])
+redis.call('HINCRBY', KEYS[5], ARGV[8], 1)
 return 1
 """
 
@@ -85,6 +87,7 @@ class ResultStore:
                 stream,
                 self.keys.events(envelope.job_id),
                 self.keys.job(envelope.job_id),
+                self.keys.code_counts,
             ],
             args=[
                 envelope.model_dump_json(),
@@ -94,6 +97,7 @@ class ResultStore:
                 f"{time.time():.6f}",
                 envelope.code.value,
                 EVENTS_MAXLEN,
+                f"{envelope.project}|{envelope.code.value}",
             ],
         )
         if written:

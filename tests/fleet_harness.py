@@ -47,7 +47,7 @@ def write_config(path: Path, data: dict[str, Any]) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def test_config(tmp: Path, **sections: dict[str, Any]) -> Path:
+def make_config(tmp: Path, **sections: dict[str, Any]) -> Path:
     data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
     data["broker_url"] = TEST_BROKER
     data["key_prefix"] = f"t-{uuid.uuid4().hex[:10]}:"

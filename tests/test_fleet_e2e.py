@@ -10,14 +10,14 @@ import httpx
 import pytest
 
 from fleet.codes import Code
-from tests.fleet_harness import Harness, test_config
+from tests.fleet_harness import Harness, make_config
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    config = test_config(tmp_path_factory.mktemp("fleet"), admission={"lease_ttl_s": 5})
+    config = make_config(tmp_path_factory.mktemp("fleet"), admission={"lease_ttl_s": 5})
     with Harness(config) as harness:
         yield harness
 

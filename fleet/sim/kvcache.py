@@ -1,0 +1,81 @@
+"""The KV block pool and the block-granular prefix cache.
+
+Pool: ``kv_pool_tokens // block_tokens`` whole blocks (530,000 / 1,072 -> 494). A running sequence
+holds ``ceil(computed_tokens / block_tokens)`` blocks, at least one; blocks are taken as prefill
+chunks and decode steps need them and all come back when the sequence finishes, is aborted or is
+preempted. Blocks shared through the prefix cache are counted once per sequence (vLLM would share
+them); with the 32-sequence ceiling binding long before the pool, this only matters for
+simulated long-prompt pile-ups, where it errs on the side of preempting a little early.
+
+Prefix cache: a prompt's token ids are hashed per whole block, each hash chained on the previous
+one, so a block hash names the block *and* everything before it. A lookup counts the leading
+blocks whose hashes are cached, limited to ``(prompt_len - 1) // block_tokens`` blocks (vLLM never
+serves the last prompt token from cache, and with 1,072-token blocks a prefix shorter than one
+block never hits). Hashes enter the cache when a prompt's prefill completes and are evicted least
+recently used beyond the pool's block count. ``queries`` and ``hits`` count tokens, like vLLM's
+``prefix_cache_queries``/``prefix_cache_hits`` counters.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: int = 0) -> list[int]:
+    """Chained hash of every whole block of ``token_ids``."""
+    out: list[int] = []
+    prev = salt
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        prev = hash((prev, tuple(token_ids[start : start + block_tokens])))
+        out.append(prev)
+    return out
+
+
+class BlockPool:
+    def __init__(self, pool_tokens: int, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self.total = max(1, pool_tokens // block_tokens)
+        self.used = 0
+
+    @property
+    def free(self) -> int:
+        return self.total - self.used
+
+    def blocks_for(self, tokens: int) -> int:
+        return max(1, -(-tokens // self.block_tokens))
+
+    def usage(self) -> float:
+        return self.used / self.total
+
+
+class PrefixCache:
+    def __init__(self, capacity_blocks: int, block_tokens: int) -> None:
+        self.capacity = capacity_blocks
+        self.block_tokens = block_tokens
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self.queries = 0
+        self.hits = 0
+
+    def lookup(self, hashes: list[int], prompt_len: int) -> int:
+        """Tokens served from cache for this prompt; updates the counters."""
+        limit = min(len(hashes), (prompt_len - 1) // self.block_tokens)
+        n = 0
+        while n < limit and hashes[n] in self._lru:
+            self._lru.move_to_end(hashes[n])
+            n += 1
+        hit = n * self.block_tokens
+        self.queries += prompt_len
+        self.hits += hit
+        return hit
+
+    def insert(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self._lru[h] = None
+            self._lru.move_to_end(h)
+        while len(self._lru) > self.capacity:
+            self._lru.popitem(last=False)
+
+    def clear_counters(self) -> None:
+        self.queries = 0
+        self.hits = 0

@@ -1,0 +1,447 @@
+"""The admission store on Redis: every decision is one atomic Lua script, so any number of
+dispatcher processes on any number of hosts can admit at once and never pass a limit.
+
+Key schema (D = ``Keys(prefix).dispatch`` = ``{p}d:``; the same list is in fleet/keys.py):
+  D pending:<project>:<band>:<size>  zset  pending job ids; band interactive|batch, size
+                                           short|long; score = fairshare.pending_score (ms)
+  D item:<id>      hash    project band size prompt max_new kv long enq score pending(1|0);
+                           lives while the job is pending or leased (a lease needs it to requeue)
+  D projects       set     projects that may have pending work (pruned when found empty)
+  D vtime          hash    project -> finish tag F_p (start-time fair queuing, tokens/weight)
+  D leases         zset    in-flight job ids, score = lease expiry (unix seconds)
+  D lease:<id>     hash    fence kv long expires admitted_at project
+  D state          hash    in_flight kv long (counters of live leases), bucket bucket_at
+                           (prefill token bucket), last_admit, blocked_job blocked_since
+                           (head-of-line reservation), vtime (V)
+  D fence          string  fencing token counter (INCR; every grant gets a new, larger one)
+  D wake           list    LPUSHed on submit/release/expiry, capped at 100; dispatchers BLPOP it
+  D backend        hash    scraped_at hold (gate verdict) + raw figures (fleet/scrape.py)
+  D stats          hash    admissions, hold:<reason>
+
+Admission takes two round trips. ``HEADS`` reads the head of every queue of every project (one
+call, read-mostly); Python orders them with the pure policy (schedulers/fairshare.py); ``ADMIT``
+then, atomically, re-reads those candidates, drops any that another dispatcher took meanwhile,
+applies the backend gate and every limit (the rules of schedulers/limits.py, in the same order),
+and grants the first that fits: pop from pending, counters, bucket, virtual times, fence, lease.
+A race between dispatchers can only change who goes first, never what is allowed; when every
+candidate was taken, admission reads the heads again.
+
+Times come from the caller (``now``), not from Redis TIME, so tests can drive a fake clock;
+dispatchers on several hosts need synchronised clocks (NTP) for lease expiry to mean the same.
+Keys are built inside the scripts from the prefix: this targets a standalone Redis, not Cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from fleet.keys import Keys
+from schedulers import fairshare
+from schedulers.limits import kv_tokens
+from schedulers.store import AdmitResult, Grant, PendingItem, StoreConfig, StoreSnapshot
+
+log = logging.getLogger(__name__)
+
+_PRELUDE = """
+local D = ARGV[1]
+local function k(...) return D .. table.concat({...}, ':') end
+local function num(v, default) if v then return tonumber(v) end return default end
+local function fmt(x) return string.format('%.17g', x) end
+local function wake()
+  redis.call('LPUSH', k('wake'), '1')
+  redis.call('LTRIM', k('wake'), 0, 99)
+end
+-- Give back what a lease holds; the counters always equal the sum over live leases.
+local function free_lease(id)
+  local lease = k('lease', id)
+  local f = redis.call('HMGET', lease, 'kv', 'long')
+  if not f[1] then return false end
+  redis.call('HINCRBY', k('state'), 'in_flight', -1)
+  redis.call('HINCRBY', k('state'), 'kv', -tonumber(f[1]))
+  if f[2] == '1' then redis.call('HINCRBY', k('state'), 'long', -1) end
+  redis.call('DEL', lease)
+  redis.call('ZREM', k('leases'), id)
+  return true
+end
+"""
+
+# ARGV: D, id, project, band, size, prompt, max_new, kv, long, enq, score
+_ADD = """
+local item = k('item', ARGV[2])
+if redis.call('HGET', item, 'pending') == '1' then return 0 end
+redis.call('HSET', item, 'project', ARGV[3], 'band', ARGV[4], 'size', ARGV[5], 'prompt', ARGV[6],
+  'max_new', ARGV[7], 'kv', ARGV[8], 'long', ARGV[9], 'enq', ARGV[10], 'score', ARGV[11],
+  'pending', '1')
+redis.call('ZADD', k('pending', ARGV[3], ARGV[4], ARGV[5]), ARGV[11], ARGV[2])
+redis.call('SADD', k('projects'), ARGV[3])
+wake()
+return 1
+"""
+
+# ARGV: D. Returns {V, {project, F, {band, size, id, score, prompt, max_new, enq}...}...}
+_HEADS = """
+local out = {redis.call('HGET', k('state'), 'vtime') or '0'}
+for _, project in ipairs(redis.call('SMEMBERS', k('projects'))) do
+  local row = {project, redis.call('HGET', k('vtime'), project) or '0'}
+  for _, band in ipairs({'interactive', 'batch'}) do
+    for _, size in ipairs({'short', 'long'}) do
+      local head = redis.call('ZRANGE', k('pending', project, band, size), 0, 0, 'WITHSCORES')
+      if head[1] then
+        local f = redis.call('HMGET', k('item', head[1]), 'prompt', 'max_new', 'enq')
+        table.insert(row, {band, size, head[1], head[2], f[1], f[2], f[3]})
+      end
+    end
+  end
+  if #row > 2 then table.insert(out, row) else redis.call('SREM', k('projects'), project) end
+end
+return out
+"""
+
+# ARGV: D, now, ttl, max_seqs, kv_budget, max_long, rate, burst, spacing, bypass, gate, stale,
+#       then (id, project, weight) per candidate in fair order.
+# Returns {1, id, project, fence, prompt, kv, long, expires, waited} or {0, reason, retry_in}.
+_ADMIT = """
+local now, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
+local max_seqs, kv_budget, max_long = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local rate, burst, spacing = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local bypass, gate, stale = tonumber(ARGV[10]), ARGV[11] == '1', tonumber(ARGV[12])
+local st = k('state')
+local function hold(reason, retry)
+  redis.call('HINCRBY', k('stats'), 'hold:' .. reason, 1)
+  return {0, reason, retry and fmt(retry) or ''}
+end
+local cands = {}
+for i = 13, #ARGV, 3 do
+  local id = ARGV[i]
+  local f = redis.call('HMGET', k('item', id), 'pending', 'band', 'size', 'prompt', 'kv', 'long',
+    'enq', 'max_new')
+  if f[1] == '1' then
+    table.insert(cands, {id = id, project = ARGV[i + 1], weight = tonumber(ARGV[i + 2]),
+      band = f[2], size = f[3], prompt = tonumber(f[4]), kv = tonumber(f[5]), long = f[6] == '1',
+      enq = tonumber(f[7]), max_new = tonumber(f[8])})
+  end
+end
+if #cands == 0 then return {0, 'conflict', ''} end
+if gate then
+  local b = redis.call('HMGET', k('backend'), 'scraped_at', 'hold')
+  if not b[1] or now - tonumber(b[1]) > stale then return hold('backend_stale') end
+  if b[2] and b[2] ~= '' then return hold('backend_' .. b[2]) end
+end
+local s = redis.call('HMGET', st, 'in_flight', 'kv', 'long', 'bucket', 'bucket_at', 'last_admit',
+  'blocked_job', 'blocked_since', 'vtime')
+local in_flight, kv_used, long_used = num(s[1], 0), num(s[2], 0), num(s[3], 0)
+if in_flight >= max_seqs then return hold('seqs') end
+if s[6] and spacing > 0 then
+  local wait = tonumber(s[6]) + spacing - now
+  if wait > 0 then return hold('spacing', wait) end
+end
+local level = burst
+if s[4] then level = math.min(burst, tonumber(s[4]) + math.max(0, now - tonumber(s[5])) * rate) end
+local first_reason, soonest, pick = nil, nil, nil
+for i, c in ipairs(cands) do
+  local why, retry = nil, nil
+  if kv_used + c.kv > kv_budget and in_flight > 0 then why = 'kv'
+  elseif c.long and long_used >= max_long then why = 'long'
+  else
+    local need = math.min(c.prompt, burst)
+    if level < need then why, retry = 'bucket', (need - level) / rate end
+  end
+  if not why then pick = i break end
+  if retry and (not soonest or retry < soonest) then soonest = retry end
+  if i == 1 then
+    first_reason = why
+    if why == 'kv' or why == 'bucket' then
+      if s[7] ~= c.id then
+        s[8] = fmt(now)
+        redis.call('HSET', st, 'blocked_job', c.id, 'blocked_since', s[8])
+      end
+      if now - tonumber(s[8]) >= bypass then return hold(why, retry) end
+    end
+  end
+end
+if not pick then return hold(first_reason, soonest) end
+local c, top = cands[pick], cands[1]
+free_lease(c.id)
+redis.call('HINCRBY', st, 'in_flight', 1)
+redis.call('HINCRBY', st, 'kv', c.kv)
+if c.long then redis.call('HINCRBY', st, 'long', 1) end
+redis.call('HSET', st, 'bucket', fmt(level - c.prompt), 'bucket_at', fmt(now),
+  'last_admit', fmt(now))
+if pick == 1 then redis.call('HDEL', st, 'blocked_job', 'blocked_since') end
+local V = math.max(num(s[9], 0), num(redis.call('HGET', k('vtime'), top.project), 0))
+local start = math.max(V, num(redis.call('HGET', k('vtime'), c.project), 0))
+redis.call('HSET', k('vtime'), c.project, fmt(start + (c.prompt + c.max_new) / c.weight))
+redis.call('HSET', st, 'vtime', fmt(V))
+local fence = redis.call('INCR', k('fence'))
+local expires = now + ttl
+redis.call('HSET', k('lease', c.id), 'fence', fence, 'kv', c.kv, 'long', c.long and '1' or '0',
+  'expires', fmt(expires), 'admitted_at', fmt(now), 'project', c.project)
+redis.call('ZADD', k('leases'), fmt(expires), c.id)
+redis.call('ZREM', k('pending', c.project, c.band, c.size), c.id)
+redis.call('HSET', k('item', c.id), 'pending', '0')
+redis.call('HINCRBY', k('stats'), 'admissions', 1)
+return {1, c.id, c.project, fence, c.prompt, c.kv, c.long and 1 or 0, fmt(expires),
+  fmt(math.max(0, now - c.enq))}
+"""
+
+# ARGV: D, id, fence, now, ttl
+_RENEW = """
+local f = redis.call('HMGET', k('lease', ARGV[2]), 'fence', 'expires')
+if f[1] ~= ARGV[3] or tonumber(f[2]) < tonumber(ARGV[4]) then return 0 end
+local expires = fmt(tonumber(ARGV[4]) + tonumber(ARGV[5]))
+redis.call('HSET', k('lease', ARGV[2]), 'expires', expires)
+redis.call('ZADD', k('leases'), expires, ARGV[2])
+return 1
+"""
+
+# ARGV: D, id, fence
+_RELEASE = """
+if redis.call('HGET', k('lease', ARGV[2]), 'fence') ~= ARGV[3] then return 0 end
+free_lease(ARGV[2])
+if redis.call('HGET', k('item', ARGV[2]), 'pending') ~= '1' then redis.call('DEL', k('item', ARGV[2])) end
+wake()
+return 1
+"""
+
+# ARGV: D, now. Expired leases (expiry < now): free them, requeue the job at its original score.
+_REAP = """
+local ids = redis.call('ZRANGEBYSCORE', k('leases'), '-inf', '(' .. ARGV[2], 'LIMIT', 0, 200)
+for _, id in ipairs(ids) do
+  free_lease(id)
+  local item = k('item', id)
+  local f = redis.call('HMGET', item, 'pending', 'project', 'band', 'size', 'score')
+  if f[2] and f[1] ~= '1' then
+    redis.call('ZADD', k('pending', f[2], f[3], f[4]), f[5], id)
+    redis.call('HSET', item, 'pending', '1')
+    redis.call('SADD', k('projects'), f[2])
+  end
+end
+if #ids > 0 then wake() end
+return ids
+"""
+
+# ARGV: D, id
+_CANCEL = """
+local item = k('item', ARGV[2])
+local f = redis.call('HMGET', item, 'pending', 'project', 'band', 'size')
+if f[1] ~= '1' then return 0 end
+redis.call('ZREM', k('pending', f[2], f[3], f[4]), ARGV[2])
+if redis.call('EXISTS', k('lease', ARGV[2])) == 1 then
+  redis.call('HSET', item, 'pending', '0')
+else
+  redis.call('DEL', item)
+end
+return 1
+"""
+
+_ROUNDS = 4  # admission attempts when other dispatchers keep taking our candidates
+
+
+class RedisStore:
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        config: StoreConfig,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self._client = client
+        self._d = keys.dispatch
+        self._clock = clock
+        self._scripts = {
+            name: client.register_script(_PRELUDE + body)
+            for name, body in (
+                ("add", _ADD),
+                ("heads", _HEADS),
+                ("admit", _ADMIT),
+                ("renew", _RENEW),
+                ("release", _RELEASE),
+                ("reap", _REAP),
+                ("cancel", _CANCEL),
+            )
+        }
+
+    def _run(self, name: str, *args: Any) -> Any:
+        return self._scripts[name](args=[self._d, *args])
+
+    # -- submit / cancel ---------------------------------------------------------------------
+    def add_pending(self, item: PendingItem) -> None:
+        enqueued_at = item.enqueued_at or self._clock()
+        limits = self.config.limits
+        long = item.prompt_tokens > limits.long_prompt_tokens
+        score = fairshare.pending_score(enqueued_at, item.priority, self.config.aging_s)
+        self._run(
+            "add",
+            item.job_id,
+            item.project,
+            item.band,
+            "long" if long else "short",
+            item.prompt_tokens,
+            item.max_new_tokens,
+            kv_tokens(item.prompt_tokens, item.max_new_tokens, limits.block_tokens),
+            "1" if long else "0",
+            repr(enqueued_at),
+            repr(score),
+        )
+
+    def cancel_pending(self, job_id: str) -> bool:
+        return bool(self._run("cancel", job_id))
+
+    # -- admission ---------------------------------------------------------------------------
+    def admit_next(self, now: float) -> AdmitResult:
+        for _ in range(_ROUNDS):
+            heads = self._heads(now)
+            if not heads:
+                self._client.hincrby(self._d + "stats", "hold:empty", 1)
+                return AdmitResult(None, "empty")
+            result = self._admit(heads, now)
+            if result.hold_reason != "conflict":
+                return result
+        return AdmitResult(None, "conflict", 0.0)
+
+    def _heads(self, now: float) -> list[fairshare.Head]:
+        raw = self._run("heads")
+        views = []
+        for row in raw[1:]:
+            project = row[0].decode()
+            heads = tuple(_head(project, fields) for fields in row[2:])
+            views.append(
+                fairshare.ProjectView(project, self.config.weight(project), float(row[1]), heads)
+            )
+        snapshot = fairshare.FairSnapshot(tuple(views), float(raw[0]), now)
+        return fairshare.order(snapshot, self.config.aging_s)
+
+    def _admit(self, heads: list[fairshare.Head], now: float) -> AdmitResult:
+        limits, config = self.config.limits, self.config
+        args: list[Any] = [
+            repr(now),
+            repr(config.lease_ttl_s),
+            limits.max_num_seqs,
+            limits.kv_budget_tokens,
+            limits.max_long,
+            repr(limits.prefill_tokens_per_s),
+            limits.prefill_burst_tokens,
+            repr(limits.min_spacing_s),
+            repr(limits.hol_bypass_s),
+            "1" if config.gate else "0",
+            repr(config.scrape_stale_s),
+        ]
+        for head in heads:
+            args += [head.job_id, head.project, repr(config.weight(head.project))]
+        reply = self._run("admit", *args)
+        if reply[0] == 0:
+            retry = reply[2].decode()
+            return AdmitResult(None, reply[1].decode(), float(retry) if retry else None)
+        return AdmitResult(
+            Grant(
+                job_id=reply[1].decode(),
+                project=reply[2].decode(),
+                fence=int(reply[3]),
+                prompt_tokens=int(reply[4]),
+                kv_tokens=int(reply[5]),
+                long=bool(reply[6]),
+                lease_expires_at=float(reply[7]),
+                waited_s=float(reply[8]),
+            )
+        )
+
+    # -- leases ------------------------------------------------------------------------------
+    def renew(self, job_id: str, fence: int, now: float) -> bool:
+        return bool(self._run("renew", job_id, fence, repr(now), repr(self.config.lease_ttl_s)))
+
+    def release(self, job_id: str, fence: int) -> bool:
+        return bool(self._run("release", job_id, fence))
+
+    def lease_valid(self, job_id: str, fence: int) -> bool:
+        value = self._client.hget(f"{self._d}lease:{job_id}", "fence")
+        return value is not None and int(value) == fence
+
+    def reap_expired(self, now: float) -> list[str]:
+        expired = [job_id.decode() for job_id in self._run("reap", repr(now))]
+        if expired:
+            log.warning("leases expired, jobs back in line: %s", ", ".join(expired))
+        return expired
+
+    def next_expiry(self) -> float | None:
+        first = self._client.zrange(self._d + "leases", 0, 0, withscores=True)
+        return float(first[0][1]) if first else None
+
+    # -- backend gate, wakes, observation ----------------------------------------------------
+    def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str]) -> None:
+        mapping = {**figures, "scraped_at": repr(scraped_at), "hold": hold}
+        self._client.hset(self._d + "backend", mapping=mapping)
+
+    def backend(self) -> dict[str, str]:
+        raw = self._client.hgetall(self._d + "backend")
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def wake(self) -> None:
+        pipe = self._client.pipeline()
+        pipe.lpush(self._d + "wake", "1")
+        pipe.ltrim(self._d + "wake", 0, 99)
+        pipe.execute()
+
+    def wait_for_wake(self, timeout_s: float) -> bool:
+        return self._client.blpop([self._d + "wake"], timeout=max(timeout_s, 0.001)) is not None
+
+    def snapshot(self) -> StoreSnapshot:
+        projects = sorted(p.decode() for p in self._client.smembers(self._d + "projects"))
+        pipe = self._client.pipeline(transaction=False)
+        for project in projects:
+            for band in fairshare.BANDS:
+                for size in fairshare.SIZES:
+                    pipe.zcard(f"{self._d}pending:{project}:{band}:{size}")
+        pipe.hgetall(self._d + "state")
+        pipe.hgetall(self._d + "stats")
+        *counts, state, stats = pipe.execute()
+        pending: dict[str, dict[str, int]] = {}
+        for index, project in enumerate(projects):
+            for b, band in enumerate(fairshare.BANDS):
+                n = counts[index * 4 + b * 2] + counts[index * 4 + b * 2 + 1]
+                if n:
+                    pending.setdefault(project, {})[band] = n
+        holds = {
+            k.decode()[5:]: int(v) for k, v in stats.items() if k.decode().startswith("hold:")
+        }
+        return StoreSnapshot(
+            pending=pending,
+            in_flight=int(state.get(b"in_flight", 0)),
+            reserved_kv_tokens=int(state.get(b"kv", 0)),
+            long_in_flight=int(state.get(b"long", 0)),
+            admissions=int(stats.get(b"admissions", 0)),
+            holds=holds,
+        )
+
+    def lease_fences(self) -> dict[str, int]:
+        """Live leases (job id -> fence), for invariant checks and ``fleet queues``."""
+        ids = [i.decode() for i in self._client.zrange(self._d + "leases", 0, -1)]
+        pipe = self._client.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(f"{self._d}lease:{job_id}", "fence")
+        return {job_id: int(f) for job_id, f in zip(ids, pipe.execute(), strict=True)}
+
+    def pending_ids(self) -> set[str]:
+        ids: set[str] = set()
+        for key in self._client.scan_iter(match=f"{self._d}pending:*", count=500):
+            ids.update(i.decode() for i in self._client.zrange(key, 0, -1))
+        return ids
+
+
+def _head(project: str, fields: list[bytes]) -> fairshare.Head:
+    band, size, job_id, score, prompt, max_new, enq = (f.decode() for f in fields)
+    return fairshare.Head(
+        job_id=job_id,
+        project=project,
+        band=band,
+        prompt_tokens=int(prompt),
+        max_new_tokens=int(max_new),
+        enqueued_at=float(enq),
+        score=float(score),
+        long=size == "long",
+    )
