@@ -6,14 +6,15 @@ forced end without an answer), its reasoning is mined for conclusions - sentence
 marker ("so", "therefore", "thus", "the answer is", "we get", an equation with a number ...) -
 de-duplicated (exact after normalising, and near-duplicates by word-set Jaccard, which a loop
 produces by the dozen), and bounded (``MAX_NOTE_CHARS``, the latest conclusions win). The retry gets
-a note appended to its last user message::
+a note::
 
     [fleet note] A previous attempt concluded:
     - ...
     Do not redo that work; build on it and conclude with the answer.
 
-(Appended to the last user message rather than sent as a new message, so the job's own last user
-turn - and anything the template keys on it - stays last.) The next attempt also gets a new seed
+The note goes into the leading system message (inserted if the job has none): the job's own
+user turns stay exactly as they were and last, and templates that accept a system message only in
+first place still render it. The next attempt also gets a new seed
 and a slightly higher temperature (fleet/inference.py).
 
 Attempt history: ``{p}attempts:<job id>`` is a Redis list of attempt JSON (code, cause, carried
@@ -110,18 +111,13 @@ def retry_note(conclusions: list[str], cause: str) -> str:
 
 
 def with_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
-    """A copy of ``messages`` with ``note`` appended to the last user message."""
+    """A copy of ``messages`` with ``note`` appended to the leading system message (one is
+    inserted when there is none)."""
     out = [dict(m) for m in messages]
-    for message in reversed(out):
-        if message.get("role") != "user":
-            continue
-        content = message.get("content")
-        if isinstance(content, list):
-            message["content"] = [*content, {"type": "text", "text": note}]
-        else:
-            message["content"] = f"{content or ''}\n\n{note}"
-        return out
-    out.append({"role": "user", "content": note})
+    if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
+        out[0]["content"] = f"{out[0]['content']}\n\n{note}"
+    else:
+        out.insert(0, {"role": "system", "content": note})
     return out
 
 

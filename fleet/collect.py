@@ -186,7 +186,7 @@ class Collector:
             real = path.resolve(strict=True)
         except FileNotFoundError as exc:
             raise SourceError("no such file") from exc
-        except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        except (OSError, RuntimeError, ValueError) as exc:  # symlink loop, NUL in the path
             raise SourceError(f"cannot resolve the path ({exc})") from exc
         if not self._inside(real):
             lexical = Path(os.path.normpath(path.absolute()))
@@ -198,18 +198,22 @@ class Collector:
         return any(path.is_relative_to(root) for root in self._roots)
 
     def _read_capped_file(self, real: Path) -> bytes:
+        cap = self.settings.max_bytes
         try:
             fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
             raise SourceError(f"cannot open the file ({exc.strerror})") from exc
-        with os.fdopen(fd, "rb") as handle:
-            info = os.fstat(handle.fileno())
+        try:
+            info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise SourceError("not a regular file")
-            cap = self.settings.max_bytes
             if info.st_size > cap:
                 raise SourceError(f"file is {info.st_size} bytes, over collect.max_bytes ({cap})")
-            body = handle.read(cap + 1)
+            body = _read_fd(fd, cap + 1)
+        except OSError as exc:
+            raise SourceError(f"cannot read the file ({exc.strerror})") from exc
+        finally:
+            os.close(fd)
         if len(body) > cap:
             raise SourceError(f"file grew past collect.max_bytes ({cap})")
         return body
@@ -264,6 +268,17 @@ class Collector:
                 raise SourceError(f"download took longer than {self._deadline_s:g}s")
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+def _read_fd(fd: int, limit: int) -> bytes:
+    chunks, size = [], 0
+    while size < limit:
+        chunk = os.read(fd, min(1 << 20, limit - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def _check_scheme(url: str) -> None:
@@ -344,6 +359,6 @@ def html_to_text(html: str) -> str:
 def _pretty_json(text: str, notes: list[str]) -> str:
     try:
         return json.dumps(json.loads(text), indent=2, ensure_ascii=False)
-    except ValueError:
-        notes.append("declared JSON but did not parse; kept as plain text")
+    except (ValueError, RecursionError):  # RecursionError: hostile nesting depth
+        notes.append("declared JSON but could not be parsed; kept as plain text")
         return text

@@ -68,6 +68,8 @@ class AdmissionSettings(_Section):
     hol_bypass_s: float = Field(10.0, ge=0)
     # Longest blocking wait of an idle dispatcher; wakes are event-driven, this is a safety net.
     max_wait_s: float = Field(1.0, gt=0)
+    # False: no /metrics scraping and no saturation gate (a backend without /metrics, tests).
+    backend_gate: bool = True
 
 
 class TimeoutSettings(_Section):
@@ -97,10 +99,11 @@ class WatcherSettings(_Section):
     key_chars: int = Field(32, ge=4)
     check_every_chars: int = Field(32, ge=1)
     max_period_candidates: int = Field(8, ge=1)
-    paragraph_jaccard: float = Field(0.8, gt=0, le=1)
+    paragraph_jaccard: float = Field(0.75, gt=0, le=1)
     similar_paragraphs: int = Field(4, ge=2)
     paragraph_window: int = Field(16, ge=2)
-    min_paragraph_words: int = Field(12, ge=3)
+    min_paragraph_words: int = Field(16, ge=3)
+    drop_numbers: bool = True
     stall_s: float = Field(60.0, gt=0)
 
 

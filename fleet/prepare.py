@@ -53,6 +53,7 @@ from fleet.errors import Cancelled, CollectFailed, PromptTooLong
 from fleet.keys import Keys
 from fleet.models import Job, Message, TrimPolicy
 from fleet.prefix import leading_system, prefix_warning, stable_prefix
+from fleet.security import build_request_messages, tools_allowed
 from fleet.tokens import TokenCounter
 from fleet.trim import allocate, drop_near_duplicates, fit_text, normalise_whitespace
 
@@ -73,10 +74,18 @@ class Prepared:
 
 
 class _Tally:
-    """Counts through the TokenCounter and remembers whether any count was an estimate."""
+    """Counts through the TokenCounter and remembers whether any count was an estimate.
 
-    def __init__(self, counter: TokenCounter) -> None:
+    ``prompt`` counts a message list the way fleet/inference.py will send it: untrusted parts
+    neutralised and fenced with the data note, tools as ``tools_allowed`` leaves them
+    (fleet/security.py). Both are deterministic functions of the job, so the count made here
+    is the count vLLM sees.
+    """
+
+    def __init__(self, counter: TokenCounter, job: Job, project: ProjectSettings) -> None:
         self.counter = counter
+        self.job = job
+        self.project = project
         self.estimated = False
 
     def text(self, text: str) -> int:
@@ -84,10 +93,19 @@ class _Tally:
         self.estimated |= not exact
         return tokens
 
-    def messages(
-        self, messages: list[Message], tools: list[dict[str, Any]] | None
+    def prompt(self, messages: list[Message]) -> tuple[int, bool]:
+        view = self.job.model_copy(update={"messages": messages, "sources": []})
+        wire, _ = build_request_messages(view)
+        tools, _, _ = tools_allowed(view, self.project)
+        return self._count(wire, tools)
+
+    def plain(self, messages: list[Message]) -> tuple[int, bool]:
+        return self._count([m.to_openai() for m in messages], None)
+
+    def _count(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> tuple[int, bool]:
-        tokens, exact = self.counter.count_messages([m.to_openai() for m in messages], tools)
+        tokens, exact = self.counter.count_messages(messages, tools)
         self.estimated |= not exact
         return tokens, exact
 
@@ -143,13 +161,13 @@ def prepare(
     collected = _collect(job, settings, collector, warnings)
     material = [_entry(item) for item in collected]
     _check_cancelled(job, client, keys)
-    tally = _Tally(counter)
+    tally = _Tally(counter, job, project)
     prefix = stable_prefix(project, job)
     slots, pieces = _layout(job, prefix, collected, material)
     if job.kind == "collect":
-        tokens, exact = tally.messages([s.build() for s in slots], job.tools)
+        tokens, exact = tally.prompt([s.build() for s in slots])
     else:
-        _tidy(pieces, job.trim or TrimPolicy(), job, material)
+        _tidy(pieces, job.trim or TrimPolicy(), job)
         _apply_quotas(pieces, job, tally)
         tokens, exact = _fit(job, slots, pieces, room_tokens, tally, settings, project)
         _report_trims(pieces, warnings)
@@ -193,6 +211,7 @@ def _entry(item: Collected) -> dict[str, Any]:
         "name": item.name,
         "type": item.type,
         "chars": len(item.text),
+        "collected_chars": len(item.text),
         "tokens": 0,
         "untrusted": item.untrusted,
         "trimmed": False,
@@ -234,9 +253,7 @@ def _layout(
 
 
 # -- trim -----------------------------------------------------------------------------------
-def _tidy(
-    pieces: list[_Piece], policy: TrimPolicy, job: Job, material: list[dict[str, Any]]
-) -> None:
+def _tidy(pieces: list[_Piece], policy: TrimPolicy, job: Job) -> None:
     """Whitespace and near-duplicates: always on material, on messages only if asked for."""
     for piece in pieces:
         if piece.entry is None and job.trim is None:
@@ -282,7 +299,7 @@ def _fit(
     settings: Settings,
     project: ProjectSettings,
 ) -> tuple[int, bool]:
-    full, exact = tally.messages([s.build() for s in slots], job.tools)
+    full, exact = tally.prompt([s.build() for s in slots])
     if full <= room:
         return full, exact
     too_long = _TooLong(full, room, settings, project)
@@ -290,7 +307,7 @@ def _fit(
         raise too_long("trimming is not allowed (allow_trim is false)")
     if not pieces:
         raise too_long("nothing in it can be trimmed (only material and untrusted user text can)")
-    fixed, _ = tally.messages([s.build(blank=True) for s in slots], job.tools)
+    fixed, _ = tally.prompt([s.build(blank=True) for s in slots])
     available = room - fixed
     policy = job.trim or TrimPolicy()
     for _round in range(MAX_ROUNDS):
@@ -299,7 +316,7 @@ def _fit(
         limits = allocate([p.size for p in pieces], available)
         for piece, limit in zip(pieces, limits, strict=True):
             _cut(piece, limit, tally, policy)
-        full, exact = tally.messages([s.build() for s in slots], job.tools)
+        full, exact = tally.prompt([s.build() for s in slots])
         if full <= room:
             return full, exact
         too_long.prompt_tokens = full
@@ -354,7 +371,7 @@ def _prefix_check(
 ) -> int:
     if not prefix:
         return 0
-    tokens, exact = tally.messages(prefix, None)
+    tokens, exact = tally.plain(prefix)
     warning = prefix_warning(tokens, settings.backend.block_tokens, exact)
     if warning:
         warnings.append(warning)

@@ -10,9 +10,9 @@ control tags that would let it forge a turn (``<|im_start|>system``), close the 
    the hermes tool parser never sees its markers, while the text still reads the same. Covered:
    ``<|...|>`` and DeepSeek's full-width ``<｜...｜>`` tokens, the ``think``/``tool_call``/
    ``tool_response``/``tools``/``function``/``parameter`` tags (any case, any spacing),
-   ``[INST]``/``<<SYS>>``/``<s>``/``</s>``/``<start_of_turn>``/``<end_of_turn>``, and role headers at
-   the start of a line (``system:``, ``assistant:``, ``### Human:`` ...) which get the break before
-   the colon. The function is idempotent.
+   ``[INST]``/``<<SYS>>``/``<s>``/``</s>``/``<start_of_turn>``/``<end_of_turn>``, and role
+   headers at the start of a line (``system:``, ``assistant:``, ``### Human:`` ...), which get
+   the break before the colon. The function is idempotent.
 2. ``build_request_messages(job)``: untrusted parts are neutralised and fenced between markers
    that carry a per-job tag (so a document cannot close its own fence), and a system note says
    that fenced text is data, never instructions.
@@ -131,7 +131,9 @@ def tools_allowed(
     allowed = set(project.allowed_tools)
     kept = [t for t in job.tools if _tool_name(t) in allowed]
     removed = sorted(_tool_name(t) for t in job.tools if _tool_name(t) not in allowed)
-    warnings = [f"tools not allowed for this project removed: {', '.join(removed)}"] if removed else []
+    warnings = []
+    if removed:
+        warnings.append(f"tools not allowed for this project removed: {', '.join(removed)}")
     choice = job.tool_choice
     if isinstance(choice, dict) and _tool_name(choice) not in {_tool_name(t) for t in kept}:
         warnings.append(f"tool_choice {_tool_name(choice)!r} is not allowed; using 'none'")

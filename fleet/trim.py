@@ -6,10 +6,11 @@ The steps, in the order fleet/prepare.py applies them:
   1. ``normalise_whitespace``: CRLF -> LF, trailing blanks dropped, runs of blanks inside a line
      collapsed (indentation kept, so code survives), three or more newlines -> one blank line.
   2. ``drop_near_duplicates``: paragraphs (blank-line separated) that repeat an earlier one are
-     dropped. Near-duplicate means equal after lower-casing and removing digits, punctuation
-     and whitespace (boilerplate, repeated log lines with other timestamps), or sharing the
-     first or last words with an earlier paragraph and >= 90% of its words (one word changed).
-     Short paragraphs (``}``, ``---``) are never dropped.
+     dropped. Near-duplicate means the same words (letters and digits) after lower-casing,
+     whatever the punctuation and whitespace (repeated boilerplate, a page's nav and footer),
+     or sharing the first or last three words with an earlier paragraph and >= 80% of its
+     distinct words (a word or two changed). Digits count as words, so table rows or log lines
+     that differ only in their numbers are kept. Short paragraphs (``}``, ``---``) never drop.
   3. ``fit_text``: cut to a token limit, keeping the head, the tail or both, with an elision
      marker ``\\n[... N tokens elided ...]\\n`` where the text was cut.
   4. ``allocate``: share a token budget between several texts (max-min fair: texts smaller
@@ -37,8 +38,10 @@ MARKER = "\n[... {n} tokens elided ...]\n"
 SAFETY_MARGIN = 0.03  # shrink a missed guess by this much more than the measured overshoot
 GOOD_ENOUGH = 0.97  # stop searching once a fitting cut uses this share of the limit
 SNAP_CHARS = 200  # move a cut back to a line or word boundary within this many characters
+SNAP_SHARE = 8  # ... and at most 1/8 of the kept part, so a short cut keeps most of its room
+MARKER_TOKENS_GUESS = 12  # what the elision marker costs, for the first guess only
 MIN_DUPLICATE_CHARS = 40  # shorter paragraphs are never treated as duplicates
-SIMILAR_WORDS = 0.9
+SIMILAR_WORDS = 0.8
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ def normalise_whitespace(text: str) -> str:
 
 # -- 2. near-duplicate paragraphs ---------------------------------------------------------
 _PARAGRAPH_SPLIT = re.compile(r"\n[ \t]*\n")
-_WORD = re.compile(r"[^\W\d_]+")
+_WORD = re.compile(r"[^\W_]+")
 
 
 def drop_near_duplicates(text: str) -> tuple[str, int]:
@@ -123,17 +126,19 @@ def cut(text: str, keep_chars: int, strategy: Strategy, head_fraction: float, ra
     else:
         head_chars = round(keep_chars * head_fraction)
         tail_chars = keep_chars - head_chars
-    head_end = _snap_back(text, head_chars)
-    tail_start = _snap_forward(text, len(text) - tail_chars)
+    head_end = _snap_back(text, head_chars, min(SNAP_CHARS, head_chars // SNAP_SHARE))
+    tail_start = _snap_forward(
+        text, len(text) - tail_chars, min(SNAP_CHARS, tail_chars // SNAP_SHARE)
+    )
     elided = max(1, round((tail_start - head_end) / ratio))
     return text[:head_end] + marker(elided) + text[tail_start:]
 
 
-def _snap_back(text: str, end: int) -> int:
-    """A cut at ``end`` moved back to just after a newline (else a space) when one is close."""
+def _snap_back(text: str, end: int, reach: int) -> int:
+    """A cut at ``end`` moved back to just after a newline (else a space) within ``reach``."""
     if end <= 0 or end >= len(text):
         return max(0, min(end, len(text)))
-    window = text[max(0, end - SNAP_CHARS) : end]
+    window = text[max(0, end - reach) : end]
     for sep in ("\n", " "):
         at = window.rfind(sep)
         if at >= 0:
@@ -141,10 +146,10 @@ def _snap_back(text: str, end: int) -> int:
     return end
 
 
-def _snap_forward(text: str, start: int) -> int:
+def _snap_forward(text: str, start: int, reach: int) -> int:
     if start <= 0 or start >= len(text):
         return max(0, min(start, len(text)))
-    window = text[start : start + SNAP_CHARS]
+    window = text[start : start + reach]
     for sep in ("\n", " "):
         at = window.find(sep)
         if at >= 0:
@@ -174,37 +179,50 @@ def fit_text(
     if tokens <= limit_tokens:
         return Fitted(text, tokens, False, 0, calls)
     ratio = max(len(text), 1) / max(tokens, 1)
+    target = limit_tokens - max(1, math.floor(limit_tokens * SAFETY_MARGIN))
     best: Fitted | None = None
-    fits_below, misses_above = 0, len(text)  # known-good and known-bad kept-character counts
-    guess = math.floor(limit_tokens * ratio * (1 - SAFETY_MARGIN))
-    while calls < max_counts and fits_below < misses_above - 1:
-        guess = max(fits_below, min(guess, misses_above - 1))
+    fits_at, misses_at = -1, len(text)  # largest fitting / smallest missing kept-char count
+    points: list[tuple[int, int]] = []
+    guess = math.floor((target - MARKER_TOKENS_GUESS) * ratio)
+    while calls < max_counts and fits_at + 1 <= misses_at - 1:
+        guess = max(fits_at + 1, min(guess, misses_at - 1))
         candidate = cut(text, guess, strategy, head_fraction, ratio)
         measured = count(candidate)
         calls += 1
-        if measured <= limit_tokens:
-            fits_below = guess
+        points.append((guess, measured))
+        if measured > limit_tokens:
+            misses_at = guess
+        else:
+            fits_at = guess
             if best is None or measured > best.tokens:
                 best = Fitted(candidate, measured, True, max(0, tokens - measured), calls)
             if measured >= limit_tokens * GOOD_ENOUGH:
                 break
-            guess = _next_guess(guess, measured, limit_tokens, misses_above)
-        else:
-            misses_above = guess
-            guess = math.floor(guess * limit_tokens / measured * (1 - SAFETY_MARGIN))
-            if best is not None and guess <= fits_below:
-                break  # the best fitting cut is already measured
+        guess = _next_guess(points, ratio, target, fits_at, misses_at)
     if best is not None:
         return Fitted(best.text, best.tokens, True, best.elided_tokens, calls)
     return _smallest_cut(text, limit_tokens, count, strategy, head_fraction, ratio, tokens, calls)
 
 
-def _next_guess(guess: int, measured: int, limit_tokens: int, misses_above: int) -> int:
-    """Grow a fitting cut towards the limit, staying below the smallest known miss."""
-    grown = math.floor(guess * limit_tokens / max(measured, 1) * (1 - SAFETY_MARGIN / 2))
-    if grown <= guess:
-        grown = guess + max(1, (misses_above - guess) // 2)
-    return min(grown, misses_above - 1)
+def _next_guess(
+    points: list[tuple[int, int]], ratio: float, target: int, fits_at: int, misses_at: int
+) -> int:
+    """Secant step towards ``target`` tokens from the last measurements.
+
+    The slope (tokens per kept character) comes from the last two points when they give a
+    usable one, else from the whole text's ratio; the offset absorbs the marker and boundary
+    effects. A step that lands outside the open bracket (fits_at, misses_at) bisects instead.
+    """
+    g1, m1 = points[-1]
+    slope = 1 / ratio
+    if len(points) >= 2:
+        g0, m0 = points[-2]
+        if g1 != g0 and (m1 - m0) / (g1 - g0) > 0:
+            slope = (m1 - m0) / (g1 - g0)
+    guess = math.floor(g1 + (target - m1) / slope)
+    if fits_at < guess < misses_at:
+        return guess
+    return fits_at + max(1, (misses_at - fits_at) // 2)
 
 
 def _smallest_cut(

@@ -97,15 +97,20 @@ class StreamResult:
 
     @property
     def reasoning_tokens(self) -> int:
-        """From the usage chunk when there was one, else one token per delta (vLLM's pace)."""
+        """From the usage chunk; an aborted stream has none, so estimate (a delta carries at
+        least one token, a token is about 4 characters)."""
         details = (self.usage or {}).get("completion_tokens_details") or {}
         value = details.get("reasoning_tokens")
-        return int(value) if value is not None else self.reasoning_deltas
+        if value is not None:
+            return int(value)
+        return max(self.reasoning_deltas, round(len(self.reasoning) / 4))
 
     @property
     def completion_tokens(self) -> int:
         value = (self.usage or {}).get("completion_tokens")
-        return int(value) if value is not None else self.reasoning_deltas + self.content_deltas
+        if value is not None:
+            return int(value)
+        return self.reasoning_tokens + max(self.content_deltas, round(len(self.content) / 4))
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -353,7 +358,7 @@ class VllmClient:
         timeouts: TimeoutSettings | None = None,
     ) -> None:
         self.model = model
-        self.timeouts = timeouts or TimeoutSettings()
+        self.timeouts = timeouts or TimeoutSettings.model_validate({})
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"),
@@ -445,7 +450,7 @@ class VllmClient:
 
     @staticmethod
     def _events(response: httpx.Response, parser: SseParser) -> Iterator[SseEvent]:
-        for raw in response.iter_raw():
+        for raw in response.iter_bytes():
             yield from parser.feed(raw)
         yield from parser.close()
 

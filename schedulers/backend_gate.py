@@ -5,8 +5,11 @@ hold, and the raw figures for ``fleet queues``); the admission script reads it o
 so all dispatchers see one gate. Hold reasons:
 
 ``health``       ``/health`` did not answer 200 (engine dead or restarting);
-``waiting``      ``vllm:num_requests_waiting > 0`` (when ``hold_on_waiting``): vLLM is queueing
-                 inside, so more requests would only add latency for everyone;
+``waiting``      ``vllm:num_requests_waiting > 0`` in this scrape and the previous one (when
+                 ``hold_on_waiting``): vLLM is queueing inside, so more requests would only add
+                 latency for everyone. One scrape alone does not hold: at the instant a slot
+                 changes hands the engine may briefly count the newcomer as waiting, and a false
+                 hold would idle a freed slot for a whole scrape interval;
 ``kv_usage``     ``vllm:kv_cache_usage_perc`` above ``kv_usage_hold``: near preemption;
 ``preemptions``  ``vllm:num_preemptions_total`` rose since the previous scrape;
 ``stale``        (decided at admission time) the last scrape is older than ``scrape_stale_s`` -
@@ -76,12 +79,15 @@ def sample_from(text: str, healthy: bool, scraped_at: float) -> BackendSample:
 
 
 def decide(
-    sample: BackendSample, previous_preemptions: float | None, admission: AdmissionSettings
+    sample: BackendSample,
+    previous_preemptions: float | None,
+    admission: AdmissionSettings,
+    previous_waiting: float | None = None,
 ) -> str | None:
     """The hold reason of one scrape, or None when the backend can take more."""
     if not sample.healthy:
         return "health"
-    if admission.hold_on_waiting and (sample.waiting or 0) > 0:
+    if admission.hold_on_waiting and (sample.waiting or 0) > 0 and (previous_waiting or 0) > 0:
         return "waiting"
     if sample.kv_usage is not None and sample.kv_usage > admission.kv_usage_hold:
         return "kv_usage"

@@ -23,11 +23,14 @@ Queues of one project
   prompt that cannot go (three long ones in flight), the first short job behind it may.
 
 Bands and aging across projects
-  A project is in tier 0 when it has an interactive job or a batch head that has waited
-  ``aging_s``, else in tier 1. Tier 0 goes before tier 1: fresh interactive work is strictly
-  first, and batch work that has waited ``aging_s`` competes with it by weight, so a stream of
-  interactive jobs cannot starve batch. Inside one project the interactive band is strictly
-  first (a project flooding its own interactive band delays only its own batch work).
+  While some project has interactive work, a project is in tier 0 when it has an interactive job
+  or a batch head that has waited ``aging_s``, else in tier 1; tier 0 goes first, by virtual
+  time. So fresh interactive work is strictly first, and batch work that has waited ``aging_s``
+  competes with it by weight: a stream of interactive jobs cannot starve batch. With no
+  interactive work anywhere there is one tier (age does not put one project's batch before
+  another's: that would make a newly arrived project wait ``aging_s`` behind a backlog). Inside
+  one project the interactive band is strictly first (a project flooding its own interactive
+  band delays only its own batch work).
 """
 
 from __future__ import annotations
@@ -110,13 +113,13 @@ def tier(candidates: Sequence[Head], now: float, aging_s: float) -> int:
 
 def order(snapshot: FairSnapshot, aging_s: float) -> list[Head]:
     """Every candidate, in the order admission should try them."""
+    per_project = [(view, project_candidates(view)) for view in snapshot.projects]
+    per_project = [(view, candidates) for view, candidates in per_project if candidates]
+    banded = any(candidates[0].band == "interactive" for _, candidates in per_project)
     ranked = []
-    for view in snapshot.projects:
-        candidates = project_candidates(view)
-        if not candidates:
-            continue
+    for view, candidates in per_project:
         key = (
-            tier(candidates, snapshot.now, aging_s),
+            tier(candidates, snapshot.now, aging_s) if banded else 0,
             start_tag(snapshot.vtime, view.finish_tag),
             candidates[0].score,
             view.project,

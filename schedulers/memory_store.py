@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from schedulers import fairshare, limits
@@ -57,6 +57,7 @@ class MemoryStore:
         self._admissions = 0
         self._holds: dict[str, int] = {}
         self._backend: tuple[float, str] | None = None
+        self._figures: dict[str, str] = {}
 
     # -- submit / cancel ---------------------------------------------------------------------
     def add_pending(self, item: PendingItem) -> None:
@@ -69,6 +70,10 @@ class MemoryStore:
                 return
             self._push(_Entry(item, score, size))
             self._signal()
+
+    def add_pending_many(self, items: Iterable[PendingItem]) -> None:
+        for item in items:
+            self.add_pending(item)
 
     def cancel_pending(self, job_id: str) -> bool:
         with self._lock:
@@ -141,12 +146,16 @@ class MemoryStore:
         limits.admit(self.config.limits, self._state, cost, now)
         self._vtime = max(self._vtime, self._finish.get(top.project, 0.0))
         _, self._finish[head.project] = fairshare.charge(
-            self._vtime, self._finish.get(head.project, 0.0), self.config.weight(head.project),
+            self._vtime,
+            self._finish.get(head.project, 0.0),
+            self.config.weight(head.project),
             head.cost,
         )
         self._fence += 1
         expires_at = now + self.config.lease_ttl_s
-        self._leases[head.job_id] = _Lease(entry, self._fence, cost.kv_tokens, cost.long, expires_at)
+        self._leases[head.job_id] = _Lease(
+            entry, self._fence, cost.kv_tokens, cost.long, expires_at
+        )
         return Grant(
             job_id=head.job_id,
             project=head.project,
@@ -212,6 +221,11 @@ class MemoryStore:
     def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str]) -> None:
         with self._lock:
             self._backend = (scraped_at, hold)
+            self._figures = {**figures, "scraped_at": repr(scraped_at), "hold": hold}
+
+    def backend(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._figures)
 
     def wake(self) -> None:
         with self._lock:

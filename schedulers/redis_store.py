@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
@@ -203,7 +203,9 @@ return 1
 _RELEASE = """
 if redis.call('HGET', k('lease', ARGV[2]), 'fence') ~= ARGV[3] then return 0 end
 free_lease(ARGV[2])
-if redis.call('HGET', k('item', ARGV[2]), 'pending') ~= '1' then redis.call('DEL', k('item', ARGV[2])) end
+if redis.call('HGET', k('item', ARGV[2]), 'pending') ~= '1' then
+  redis.call('DEL', k('item', ARGV[2]))
+end
 wake()
 return 1
 """
@@ -272,12 +274,21 @@ class RedisStore:
 
     # -- submit / cancel ---------------------------------------------------------------------
     def add_pending(self, item: PendingItem) -> None:
+        self._run("add", *self._add_args(item))
+
+    def add_pending_many(self, items: Iterable[PendingItem]) -> None:
+        """``add_pending`` for a batch, in one pipelined round trip (each add stays atomic)."""
+        pipe = self._client.pipeline(transaction=False)
+        for item in items:
+            self._scripts["add"](args=[self._d, *self._add_args(item)], client=pipe)
+        pipe.execute()
+
+    def _add_args(self, item: PendingItem) -> list[Any]:
         enqueued_at = item.enqueued_at or self._clock()
         limits = self.config.limits
         long = item.prompt_tokens > limits.long_prompt_tokens
         score = fairshare.pending_score(enqueued_at, item.priority, self.config.aging_s)
-        self._run(
-            "add",
+        return [
             item.job_id,
             item.project,
             item.band,
@@ -288,7 +299,7 @@ class RedisStore:
             "1" if long else "0",
             repr(enqueued_at),
             repr(score),
-        )
+        ]
 
     def cancel_pending(self, job_id: str) -> bool:
         return bool(self._run("cancel", job_id))
@@ -309,7 +320,7 @@ class RedisStore:
         raw = self._run("heads")
         views = []
         for row in raw[1:]:
-            project = row[0].decode()
+            project = _text(row[0])
             heads = tuple(_head(project, fields) for fields in row[2:])
             views.append(
                 fairshare.ProjectView(project, self.config.weight(project), float(row[1]), heads)
@@ -336,12 +347,12 @@ class RedisStore:
             args += [head.job_id, head.project, repr(config.weight(head.project))]
         reply = self._run("admit", *args)
         if reply[0] == 0:
-            retry = reply[2].decode()
-            return AdmitResult(None, reply[1].decode(), float(retry) if retry else None)
+            retry = _text(reply[2])
+            return AdmitResult(None, _text(reply[1]), float(retry) if retry else None)
         return AdmitResult(
             Grant(
-                job_id=reply[1].decode(),
-                project=reply[2].decode(),
+                job_id=_text(reply[1]),
+                project=_text(reply[2]),
                 fence=int(reply[3]),
                 prompt_tokens=int(reply[4]),
                 kv_tokens=int(reply[5]),
@@ -363,7 +374,7 @@ class RedisStore:
         return value is not None and int(value) == fence
 
     def reap_expired(self, now: float) -> list[str]:
-        expired = [job_id.decode() for job_id in self._run("reap", repr(now))]
+        expired = [_text(job_id) for job_id in self._run("reap", repr(now))]
         if expired:
             log.warning("leases expired, jobs back in line: %s", ", ".join(expired))
         return expired
@@ -374,12 +385,11 @@ class RedisStore:
 
     # -- backend gate, wakes, observation ----------------------------------------------------
     def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str]) -> None:
-        mapping = {**figures, "scraped_at": repr(scraped_at), "hold": hold}
+        mapping: dict[Any, Any] = {**figures, "scraped_at": repr(scraped_at), "hold": hold}
         self._client.hset(self._d + "backend", mapping=mapping)
 
     def backend(self) -> dict[str, str]:
-        raw = self._client.hgetall(self._d + "backend")
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return _texts(self._client.hgetall(self._d + "backend"))
 
     def wake(self) -> None:
         pipe = self._client.pipeline()
@@ -391,7 +401,7 @@ class RedisStore:
         return self._client.blpop([self._d + "wake"], timeout=max(timeout_s, 0.001)) is not None
 
     def snapshot(self) -> StoreSnapshot:
-        projects = sorted(p.decode() for p in self._client.smembers(self._d + "projects"))
+        projects = sorted(_text(p) for p in self._client.smembers(self._d + "projects"))
         pipe = self._client.pipeline(transaction=False)
         for project in projects:
             for band in fairshare.BANDS:
@@ -406,21 +416,20 @@ class RedisStore:
                 n = counts[index * 4 + b * 2] + counts[index * 4 + b * 2 + 1]
                 if n:
                     pending.setdefault(project, {})[band] = n
-        holds = {
-            k.decode()[5:]: int(v) for k, v in stats.items() if k.decode().startswith("hold:")
-        }
+        state, stats = _texts(state), _texts(stats)
+        holds = {k[5:]: int(v) for k, v in stats.items() if k.startswith("hold:")}
         return StoreSnapshot(
             pending=pending,
-            in_flight=int(state.get(b"in_flight", 0)),
-            reserved_kv_tokens=int(state.get(b"kv", 0)),
-            long_in_flight=int(state.get(b"long", 0)),
-            admissions=int(stats.get(b"admissions", 0)),
+            in_flight=int(state.get("in_flight", 0)),
+            reserved_kv_tokens=int(state.get("kv", 0)),
+            long_in_flight=int(state.get("long", 0)),
+            admissions=int(stats.get("admissions", 0)),
             holds=holds,
         )
 
     def lease_fences(self) -> dict[str, int]:
         """Live leases (job id -> fence), for invariant checks and ``fleet queues``."""
-        ids = [i.decode() for i in self._client.zrange(self._d + "leases", 0, -1)]
+        ids = [_text(i) for i in self._client.zrange(self._d + "leases", 0, -1)]
         pipe = self._client.pipeline(transaction=False)
         for job_id in ids:
             pipe.hget(f"{self._d}lease:{job_id}", "fence")
@@ -429,12 +438,21 @@ class RedisStore:
     def pending_ids(self) -> set[str]:
         ids: set[str] = set()
         for key in self._client.scan_iter(match=f"{self._d}pending:*", count=500):
-            ids.update(i.decode() for i in self._client.zrange(key, 0, -1))
+            ids.update(_text(i) for i in self._client.zrange(key, 0, -1))
         return ids
 
 
-def _head(project: str, fields: list[bytes]) -> fairshare.Head:
-    band, size, job_id, score, prompt, max_new, enq = (f.decode() for f in fields)
+def _text(value: Any) -> str:
+    """Redis replies as str whether or not the client was made with decode_responses."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _texts(mapping: Any) -> dict[str, str]:
+    return {_text(k): _text(v) for k, v in mapping.items()}
+
+
+def _head(project: str, fields: list[Any]) -> fairshare.Head:
+    band, size, job_id, score, prompt, max_new, enq = (_text(f) for f in fields)
     return fairshare.Head(
         job_id=job_id,
         project=project,

@@ -51,7 +51,10 @@ class AdmitResult:
     """What one admission round decided: a grant, or why nothing was admitted."""
 
     grant: Grant | None
-    hold_reason: str | None = None  # "empty", "seqs", "kv", "long", "bucket", "spacing", "backend"
+    # "empty", "seqs", "kv", "long", "bucket", "spacing", "backend_<why>" (stale, health,
+    # waiting, kv_usage, preemptions; see schedulers/backend_gate.py), "conflict" (other
+    # dispatchers kept taking the candidates; try again at once)
+    hold_reason: str | None = None
     retry_in_s: float | None = None  # when a time-based hold (bucket, spacing) lifts
 
 
@@ -77,13 +80,13 @@ class StoreConfig:
     scrape_stale_s: float = 5.0
 
     @classmethod
-    def from_settings(cls, settings: Settings, gate: bool = True) -> StoreConfig:
+    def from_settings(cls, settings: Settings) -> StoreConfig:
         return cls(
             limits=Limits.from_settings(settings),
             lease_ttl_s=settings.admission.lease_ttl_s,
             aging_s=settings.admission.aging_s,
             weights={name: p.weight for name, p in settings.projects.items()},
-            gate=gate,
+            gate=settings.admission.backend_gate,
             scrape_stale_s=settings.admission.scrape_stale_s,
         )
 
@@ -116,3 +119,5 @@ class AdmissionStore(Protocol):
     def next_expiry(self) -> float | None: ...
 
     def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str]) -> None: ...
+
+    def backend(self) -> dict[str, str]: ...

@@ -162,7 +162,7 @@ _FORMATS = {
     f"{r.randint(0, 23):02d}:{r.randint(0, 59):02d}:00Z",
     "email": lambda r: f"user{r.randint(1, 999)}@example.com",
     "uri": lambda r: f"https://example.com/item/{r.randint(1, 9999)}",
-    "uuid": lambda r: "%08x-0000-4000-8000-%012x" % (r.getrandbits(32), r.getrandbits(48)),
+    "uuid": lambda r: f"{r.getrandbits(32):08x}-0000-4000-8000-{r.getrandbits(48):012x}",
 }
 
 

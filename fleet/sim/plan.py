@@ -96,8 +96,9 @@ def _content_pieces(
         fn = shape.tool.get("function", shape.tool)
         call = ToolCall(str(fn.get("name", "tool")), generate_json(fn.get("parameters", {}), rng))
         head = split_pieces(f'<tool_call>\n{{"name": "{call.name}", "arguments": ')
+        tail = split_pieces("}\n</tool_call>")
         parts = [(HIDDEN, head[:-1]), (TOOL_START, head[-1:]),
-                 (TOOL_ARGS, split_pieces(call.arguments)), (HIDDEN, split_pieces("}\n</tool_call>"))]
+                 (TOOL_ARGS, split_pieces(call.arguments)), (HIDDEN, tail)]
         return parts, sum(len(p) for _, p in parts), call
     text = _json_text(shape.response_format, rng)
     if scenario.has("bad_json"):
@@ -185,7 +186,7 @@ class OutputCursor:
     """Walks a plan: ``take_pieces(k)`` -> the next k tokens as (kind, pieces) runs of one kind."""
 
     def __init__(self, plan: OutputPlan) -> None:
-        self._segments = [[kind, n, stream] for kind, n, stream in plan.segments]
+        self._segments: list[list[Any]] = [[kind, n, stream] for kind, n, stream in plan.segments]
         self._i = 0
 
     def take_pieces(self, k: int) -> list[tuple[str, list[str]]]:

@@ -9,8 +9,8 @@ Decode throughput
 -----------------
 BRIEF.md measured the aggregate output rate (sum over all running requests) by concurrency:
 1: 81, 4: 216, 8: 334, 16: 464, 24: 544 tok/s. ``DecodeCurve.aggregate(n)`` interpolates these
-points piecewise linearly, goes through (0, 0) below the first point, and extrapolates past the last
-point with the slope of the last segment (10 tok/s per extra sequence, so 32 running give 624 tok/s).
+points piecewise linearly, goes through (0, 0) below the first point, and extrapolates past the
+last point with the slope of the last segment (10 tok/s per extra sequence: 32 running give 624).
 The measured curve is still rising linearly between 16 and 24, so the last slope is the most
 honest guess for 24..32; a saturating fit would only lower 32 by a few percent.
 

@@ -43,7 +43,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-MARKER_RE = re.compile(r"\[sim:([a-z_]+)(?:=([^\]/\s]+))?(?:/(\d+))?\]")
+MARKER_RE = re.compile(r"\[sim:([a-z0-9_]+)(?:=([^\]/\s]+))?(?:/(\d+))?\]")
 FAULTS = ("http500", "http503", "drop", "error_event")
 KNOWN = {
     "loop", "loop_fuzzy", "slow_first_token", "stall", "http500", "http503", "drop",

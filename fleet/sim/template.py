@@ -54,7 +54,8 @@ def _tool_calls_text(calls: Any) -> str:
         args = fn.get("arguments", "{}")
         if not isinstance(args, str):
             args = json.dumps(args, ensure_ascii=False)
-        out.append(f'\n<tool_call>\n{{"name": "{fn.get("name", "")}", "arguments": {args}}}\n</tool_call>')
+        name = fn.get("name", "")
+        out.append(f'\n<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>')
     return "".join(out)
 
 

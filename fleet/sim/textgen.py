@@ -4,9 +4,11 @@ Every stream hands out *token pieces* (strings from ``tokenizer.split_pieces``),
 tokens the engine counts is exactly the number of pieces the client receives, and re-tokenising the
 text gives the same count back (up to joins at word boundaries).
 
-- ``ProseStream``: sentences of 7-22 words drawn from a word list, with connectives, numbers and
-  questions mixed in; paragraphs of 3-6 sentences. With ~400 words and random structure, word
-  8-grams essentially never repeat, so a loop detector watching normal output sees no loop.
+- ``ProseStream``: sentences from ten patterns ("If the {N} is {A}, then the {N} {M} {V} {num}
+  {Ns}.") filled from word lists (~170 nouns, ~70 adjectives, ~90 verbs), some opened by a
+  connective ("Wait,", "Hmm,"); paragraphs of 3-6 sentences. Slots are filled independently, so
+  runs of more than a few words essentially never repeat and a loop detector watching normal
+  output sees no loop.
 - ``LoopStream(exact=True)``: some normal prose, then one paragraph repeated verbatim forever
   (a model circling in its reasoning).
 - ``LoopStream(exact=False)``: the same paragraph, but each repetition changes one word and bumps a
@@ -23,48 +25,63 @@ from collections.abc import Iterator
 
 from fleet.sim.tokenizer import split_pieces
 
-_WORDS = """
-the a this that each every some any which what when where because although while since so then
-thus therefore however still also perhaps maybe probably clearly actually really simply only just
-first second next finally again instead otherwise meanwhile anyway indeed
-I we it they user request question answer value result number list table record field column row
-file function module service server queue worker task job step stage phase part piece section
-chapter paragraph sentence word token budget limit ceiling threshold window interval deadline
-error failure retry attempt timeout delay latency throughput rate speed cost price total sum
-average median range minimum maximum count ratio share weight priority order sequence pattern
-case example detail point issue problem reason cause effect consequence option choice plan idea
-approach method strategy rule constraint assumption condition requirement goal target estimate
-should would could might must can will may need want try check verify confirm compare consider
-recall remember notice assume suppose expect imagine guess decide choose prefer keep drop move
-split merge sort filter count measure compute calculate derive reduce increase grow shrink fit
-write read parse format convert translate summarize explain describe mention include exclude
-return send receive store load save open close start stop begin finish continue repeat skip
-look see find search scan list map track follow lead leave reach hold fill free use build
-correct wrong right left large small long short early late new old same different similar
-simple complex careful rough exact approximate important minor major obvious subtle likely
-unlikely possible impossible safe risky valid invalid empty full partial whole complete missing
-extra remaining previous following current final initial main other original internal external
+
+def _split(text: str) -> list[str]:
+    return text.split()
+
+
+_NOUNS = _split("""
+request answer value result number list table record field column row file function module
+service server queue worker task job step stage phase part section chapter paragraph sentence word
+token budget limit ceiling threshold window interval deadline error failure retry attempt timeout
+delay latency rate speed cost price total sum average median range minimum maximum count ratio
+share weight priority order sequence pattern case example detail point issue problem reason cause
+effect option choice plan idea approach method strategy rule constraint assumption condition
+requirement goal target estimate customer supplier invoice contract shipment warehouse payment
+account balance report summary draft version change update note comment review approval meeting
+schedule calendar morning evening week month year discount margin revenue river mountain village
+station bridge library garden market kitchen window letter story document paper question reply
+schema parameter argument output input prompt context message header footer title label category
+""")
+_ADJS = _split("""
+correct wrong large small long short early late new old same different similar simple complex
+careful rough exact approximate important minor major obvious subtle likely unlikely possible
+safe risky valid invalid empty full partial whole complete missing extra remaining previous
+following current final initial main other original internal external clear vague strict loose
+cheap expensive recent stable fragile useful
+""")
+_VERBS = _split("""
+check verify confirm compare consider recall notice assume expect decide choose keep drop move
+split merge sort filter count measure compute calculate derive reduce increase fit write read
+parse format convert translate summarize explain describe mention include exclude return send
+receive store load save open close start stop finish continue repeat skip find search scan map
+track follow reach hold fill use build revise test adjust review list group rank estimate
+""")
+_PREPS = _split("""
 about above across after against along among around before behind below beside between beyond
-during except from inside into near outside over past through toward under until upon within
-without customer supplier invoice contract shipment warehouse order payment account balance
-report summary draft version change update note comment review approval meeting schedule
-calendar morning evening week month year today tomorrow price discount margin revenue budget
-river mountain village station bridge library garden market kitchen window letter story
-""".split()
+during from inside into near outside over past through toward under within without for with
+""")
+_SUBJECTS = ["I", "we", "the user", "the reader", "the team", "the client", "this step"]
+_MODALS = ["should", "could", "might", "must", "can", "will", "need to", "want to", "have to"]
+_ADVERBS = _split("""quickly carefully again first later slightly mostly probably clearly roughly
+already still only simply exactly""")
+_WORDS = _NOUNS + _ADJS + _VERBS
 _CONNECTIVES = [
     "Wait,", "Hmm,", "Okay,", "So", "Now", "But", "Also,", "Alternatively,", "Let me see,",
     "Actually,", "First,", "Then", "On the other hand,", "In that case", "Right,", "Well,",
 ]
-_CAPS: dict[str, str] = {}
-
-
-def _cap(word: str) -> str:
-    out = _CAPS.get(word)
-    if out is None:
-        out = _CAPS[word] = word[:1].upper() + word[1:]
-    return out
-
-
+_PATTERNS = [
+    "{S} {M} {V} the {A} {N} {P} the {N}.",
+    "The {N} {Vs} the {N} {D}, so {s} {M} {V} the {N} first.",
+    "If the {N} is {A}, then the {N} {M} {V} {num} {Ns}.",
+    "That means the {N} of the {N} is {A}, not {A}.",
+    "{S} {M} {V} whether the {N} {P} the {N} is still {A}.",
+    "Why would the {N} {V} the {A} {N} {P} the {N}?",
+    "There are {num} {Ns} in the {N}, which {M} {V} the {N}.",
+    "So the {N} is about {num} {Ns}, which fits the {A} {N}.",
+    "The {A} {N} {Vs} {num} {Ns}, and the {N} {Vs} the rest.",
+    "{S} {M} {V} the {N} and then {V} the {A} {Ns} {P} it.",
+]
 class PieceStream:
     """A source of token pieces; ``take(n)`` returns the next ``n`` (may be fewer if finite)."""
 
@@ -93,21 +110,48 @@ class FixedPieces(PieceStream):
         self._buf = list(pieces)
 
 
+def _plural(noun: str) -> str:
+    if noun.endswith("y") and noun[-2:-1] not in "aeiou":
+        return noun[:-1] + "ies"
+    if noun.endswith(("s", "x", "ch", "sh")):
+        return noun + "es"
+    return noun + "s"
+
+
+def _fill(rng: random.Random, slot: str) -> str:
+    choice = rng.choice
+    if slot == "N":
+        return choice(_NOUNS)
+    if slot == "Ns":
+        return _plural(choice(_NOUNS))
+    if slot == "A":
+        return choice(_ADJS)
+    if slot == "V":
+        return choice(_VERBS)
+    if slot == "Vs":
+        return _plural(choice(_VERBS))
+    if slot == "P":
+        return choice(_PREPS)
+    if slot in ("S", "s"):
+        return choice(_SUBJECTS)
+    if slot == "M":
+        return choice(_MODALS)
+    if slot == "D":
+        return choice(_ADVERBS)
+    return str(rng.randint(2, 4000))
+
+
 def sentence(rng: random.Random) -> str:
-    """One sentence, leading space included."""
-    words: list[str] = []
-    if rng.random() < 0.3:
-        words.append(rng.choice(_CONNECTIVES))
-    for _ in range(rng.randint(7, 22)):
-        r = rng.random()
-        if r < 0.04:
-            words.append(str(rng.randint(2, 4000)))
-        elif r < 0.08 and words:
-            words[-1] += ","
-        words.append(rng.choice(_WORDS))
-    words[0] = _cap(words[0].rstrip(","))
-    end = "?" if rng.random() < 0.12 else "."
-    return " " + " ".join(words).rstrip(",") + end
+    """One sentence from a random pattern, leading space included."""
+    pattern = rng.choice(_PATTERNS)
+    words = [_fill(rng, w[1:-1]) if w.startswith("{") else w
+             for w in pattern.replace("{", " {").replace("}", "} ").split()]
+    text = " ".join(words).replace(" ,", ",").replace(" .", ".").replace(" ?", "?")
+    if rng.random() < 0.25:
+        text = rng.choice(_CONNECTIVES) + " " + text[0].lower() + text[1:]
+    if not text.startswith("I "):
+        text = text[0].upper() + text[1:]
+    return " " + text
 
 
 def paragraph(rng: random.Random) -> str:
@@ -133,7 +177,7 @@ class LoopStream(PieceStream):
         self._rng = rng
         self._exact = exact
         self._lead = ProseStream(rng).take(lead_tokens)
-        self._buf.extend(self._lead)
+        self._buf.extend(self._lead + ["\n\n"])
         self._words = paragraph(rng).split(" ")
         self._round = rng.randint(2, 9)
         self._fixed = split_pieces(" ".join(self._words))

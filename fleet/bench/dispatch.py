@@ -1,0 +1,279 @@
+"""``fleet bench dispatch``: the parts of issue 4's benchmarks that need only the dispatcher (and,
+for saturation, ``fleet sim``); the whole-fleet runs (Celery workers, crash, long prompts, the
+five-client baseline) build on the same figures elsewhere.
+
+``backlog_overhead``  no backend at all: 100,000 pending jobs in one RedisStore, then admission
+                      decisions per second (each an admit + release on the real Lua scripts), the
+                      Redis memory the backlog takes (MEMORY USAGE of every dispatcher key) and
+                      the dispatcher process's own memory (it holds nothing per job).
+``saturation``        ``fleet sim`` at ``--speed`` as the backend, ``run_dispatcher`` in a thread,
+                      and a pool of in-bench "workers" playing the inference worker: stream the
+                      chat completion with httpx, release the lease in ``finally``. Measures mean
+                      in-flight / cap over the busy period (while jobs were still pending), the
+                      simulator's own peak running count, release-to-next-admission latency and
+                      release-to-next-request-at-the-backend latency (the simulator's request log).
+"""
+
+from __future__ import annotations
+
+import bisect
+import resource
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+import redis
+from rich.table import Table
+
+from fleet.config import Settings
+from fleet.dispatcher import make_store, run_dispatcher
+from fleet.keys import Keys
+from schedulers.redis_store import RedisStore
+from schedulers.store import Grant, PendingItem, StoreConfig
+
+PROJECTS = ("assistant", "reports", "translate", "triage", "research")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _delete(client: redis.Redis, prefix: str) -> None:
+    keys = list(client.scan_iter(match=f"{prefix}*", count=2000))
+    for start in range(0, len(keys), 1000):
+        client.delete(*keys[start : start + 1000])
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def backlog_overhead(redis_url: str, jobs: int = 100_000, decisions: int = 2_000) -> dict:
+    client = redis.Redis.from_url(redis_url)
+    prefix = f"bench-{uuid.uuid4().hex[:8]}:"
+    store = RedisStore(client, Keys(prefix), StoreConfig(gate=False))
+    try:
+        rss_before = _rss_mb()
+        started = time.perf_counter()
+        for start in range(0, jobs, 1000):
+            store.add_pending_many(
+                PendingItem(f"j{i}", PROJECTS[i % 5], 500 + i % 4000, 1000, enqueued_at=1e9 + i)
+                for i in range(start, min(jobs, start + 1000))
+            )
+        submit_s = time.perf_counter() - started
+        started = time.perf_counter()
+        for n in range(decisions):
+            grant = store.admit_next(2e9 + n).grant
+            assert grant is not None
+            store.release(grant.job_id, grant.fence)
+        decide_s = time.perf_counter() - started
+        redis_bytes = _key_bytes(client, prefix)
+        return {
+            "backlog jobs": jobs,
+            "submit jobs/s": jobs / submit_s,
+            "admission decisions/s (admit+release)": decisions / decide_s,
+            "admit+release latency ms": 1000 * decide_s / decisions,
+            "Redis bytes per pending job": redis_bytes / jobs,
+            "Redis MB for the backlog": redis_bytes / 1e6,
+            "dispatcher RSS MB (peak)": _rss_mb(),
+            "dispatcher RSS growth MB": _rss_mb() - rss_before,
+        }
+    finally:
+        _delete(client, prefix)
+        client.close()
+
+
+def _key_bytes(client: redis.Redis, prefix: str) -> int:
+    total = 0
+    keys = list(client.scan_iter(match=f"{prefix}*", count=2000))
+    for start in range(0, len(keys), 1000):
+        pipe = client.pipeline(transaction=False)
+        for key in keys[start : start + 1000]:
+            pipe.memory_usage(key)
+        total += sum(v or 0 for v in pipe.execute())
+    return total
+
+
+@dataclass
+class _Timeline:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    grants: list[float] = field(default_factory=list)
+    releases: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+
+    def add(self, kind: str, t: float) -> None:
+        with self.lock:
+            (self.grants if kind == "grant" else self.releases).append(t)
+
+
+def _stream(http: httpx.Client, grant: Grant, think: int, answer: int) -> int:
+    body = {
+        "model": "local",
+        "stream": True,
+        "max_tokens": think + answer + 64,
+        "messages": [
+            {
+                "role": "user",
+                "content": f"job {grant.job_id} [sim:think={think}] [sim:answer={answer}]",
+            }
+        ],
+    }
+    chunks = 0
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks += 1
+    return chunks
+
+
+def saturation(
+    redis_url: str,
+    jobs: int = 400,
+    cap: int = 32,
+    speed: float = 50.0,
+    think: int = 200,
+    answer: int = 50,
+    gate: bool = True,
+) -> dict:
+    from fleet.sim.server import start_sim_process
+
+    sim = start_sim_process(speed=speed, max_num_seqs=cap, log_level="warning")
+    client = redis.Redis.from_url(redis_url)
+    prefix = f"bench-{uuid.uuid4().hex[:8]}:"
+    settings = Settings.model_validate(
+        {
+            "key_prefix": prefix,
+            "backend": {"url": sim.base_url, "max_num_seqs": cap},
+            "admission": {"backend_gate": gate, "metrics_port": 0, "lease_ttl_s": 600},
+        }
+    )
+    store = make_store(settings, client)
+    timeline, stop = _Timeline(), threading.Event()
+    http = httpx.Client(
+        base_url=sim.base_url, timeout=120, limits=httpx.Limits(max_connections=cap * 2)
+    )
+    pool = ThreadPoolExecutor(max_workers=cap * 2)
+    done = threading.Semaphore(0)
+
+    def work(grant: Grant) -> None:
+        try:
+            _stream(http, grant, think, answer)
+        finally:
+            timeline.add("release", time.time())
+            store.release(grant.job_id, grant.fence)
+            done.release()
+
+    def send(grant: Grant) -> None:
+        timeline.add("grant", time.time())
+        pool.submit(work, grant)
+
+    try:
+        httpx.post(sim.base_url + "/sim/reset", timeout=10)
+        dispatcher = threading.Thread(
+            target=run_dispatcher, args=(settings, redis.Redis.from_url(redis_url), send, stop)
+        )
+        dispatcher.start()
+        started = time.time()
+        store.add_pending_many(
+            PendingItem(
+                f"s{i}", PROJECTS[i % 5], 300, think + answer + 64, enqueued_at=started + i * 1e-6
+            )
+            for i in range(jobs)
+        )
+        for _ in range(jobs):
+            done.acquire(timeout=600)
+        elapsed_s = time.time() - started
+        stats = httpx.get(sim.base_url + "/sim/stats", timeout=10).json()
+        log = httpx.get(sim.base_url + "/sim/requests", params={"limit": 2000}, timeout=30).json()
+        holds = store.snapshot().holds
+    finally:
+        stop.set()
+        store.wake()
+        pool.shutdown(wait=True)
+        http.close()
+        sim.stop()
+        _delete(client, prefix)
+        client.close()
+    received = sorted(r["received_at"] for r in log.get("requests", []))
+    return _saturation_figures(timeline, received, stats, cap, jobs, elapsed_s, holds)
+
+
+def _saturation_figures(
+    timeline: _Timeline,
+    received: list[float],
+    stats: dict,
+    cap: int,
+    jobs: int,
+    elapsed_s: float,
+    holds: dict[str, int],
+) -> dict:
+    grants, releases = sorted(timeline.grants), sorted(timeline.releases)
+    busy_end = grants[-1]  # the last admission: the backlog was non-empty until then
+    events = sorted([(t, 1) for t in grants] + [(t, -1) for t in releases])
+    area, level, last = 0.0, 0, grants[0]
+    for t, delta in events:
+        if t > busy_end:
+            break
+        area += level * (t - last)
+        level, last = level + delta, t
+    mean_in_flight = area / (busy_end - grants[0]) if busy_end > grants[0] else float("nan")
+    to_grant = _gaps(releases, grants, busy_end)
+    to_backend = _gaps(releases, received, busy_end)
+    return {
+        "jobs": jobs,
+        "cap": cap,
+        "wall s": elapsed_s,
+        "mean in-flight / cap (busy period, leases)": mean_in_flight / cap,
+        "sim max_running_seen": stats.get("max_running_seen"),
+        "sim max_waiting_seen": stats.get("max_waiting_seen"),
+        "release -> next admission p50 ms": 1000 * _percentile(to_grant, 0.5),
+        "release -> next admission p99 ms": 1000 * _percentile(to_grant, 0.99),
+        "release -> next request at backend p50 ms": 1000 * _percentile(to_backend, 0.5),
+        "release -> next request at backend p99 ms": 1000 * _percentile(to_backend, 0.99),
+        "sim output tok/s (wall)": stats.get("generation_tokens", 0) / elapsed_s,
+        "holds by reason": ", ".join(f"{k}={v}" for k, v in sorted(holds.items())),
+    }
+
+
+def _gaps(releases: list[float], followers: list[float], busy_end: float) -> list[float]:
+    """For each release during the busy period, the time to the first follower event after it."""
+    gaps = []
+    for t in releases:
+        if t >= busy_end:
+            break
+        index = bisect.bisect_left(followers, t)
+        if index < len(followers):
+            gaps.append(followers[index] - t)
+    return gaps
+
+
+def dispatch_bench(
+    redis_url: str = "redis://127.0.0.1:6379/15",
+    jobs: int = 100_000,
+    saturation_jobs: int = 400,
+    speed: float = 50.0,
+    with_sim: bool = True,
+) -> Table:
+    """Run the benchmarks and return one table of figures (the lead registers the command)."""
+    table = Table(title="fleet bench dispatch")
+    table.add_column("benchmark")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for name, figures in (("backlog", backlog_overhead(redis_url, jobs)),) + (
+        (("saturation", saturation(redis_url, saturation_jobs, speed=speed)),) if with_sim else ()
+    ):
+        for key, value in figures.items():
+            table.add_row(name, key, f"{value:,.2f}" if isinstance(value, float) else str(value))
+    return table
+
+
+if __name__ == "__main__":
+    from rich.console import Console
+
+    Console().print(dispatch_bench())

@@ -1,0 +1,51 @@
+"""Thinking-budget planning and its adaptive growth."""
+
+from __future__ import annotations
+
+from fleet.budget import grow_budget, grow_reserve, plan
+from fleet.config import EXAMPLE_CONFIG, load_settings
+from fleet.models import Job, Message
+
+CFG = load_settings(EXAMPLE_CONFIG, env={}, backend={"max_model_len": 40_000})
+REPORTS = CFG.projects["reports"]  # budget 10000, reserve 2048
+
+
+def job(**fields: object) -> Job:
+    return Job(project="reports", messages=[Message(role="user", content="x")], **fields)
+
+
+def test_project_defaults_and_job_overrides() -> None:
+    p = plan(job(), REPORTS, CFG, 1000)
+    assert (p.thinking_budget, p.content_reserve, p.max_tokens) == (10_000, 2048, 12_048)
+    assert p.room_tokens == 40_000 - 12_048 and p.fits
+    p = plan(job(thinking_budget=500, content_reserve=100), REPORTS, CFG, 1000)
+    assert p.max_tokens == 600
+
+
+def test_prompt_that_does_not_fit() -> None:
+    p = plan(job(), REPORTS, CFG, 30_000)
+    assert not p.fits and p.room_tokens == 27_952
+    capped = REPORTS.model_copy(update={"prompt_budget_tokens": 5000})
+    p = plan(job(), capped, CFG, 6000)
+    assert p.room_tokens == 5000 and not p.fits
+
+
+def test_unlimited_budget_uses_the_ceiling() -> None:
+    p = plan(job(thinking_budget=-1), REPORTS, CFG, 1000)
+    assert p.thinking_budget == -1
+    assert p.max_tokens == CFG.retry.thinking_budget_ceiling + 2048
+    assert grow_budget(p, 99_999) == p
+
+
+def test_growth_is_bounded_by_ceiling_and_context() -> None:
+    p = plan(job(thinking_budget=1000), REPORTS, CFG, 1000)
+    g = grow_budget(p, 32_768)
+    assert g.thinking_budget == 2024 and g.max_tokens == 2024 + 2048  # max(x2, +1024)
+    g = grow_budget(plan(job(thinking_budget=20_000), REPORTS, CFG, 1000), 32_768)
+    assert g.prompt_tokens + g.max_tokens <= 40_000 and g.thinking_budget > 20_000
+    assert grow_budget(plan(job(thinking_budget=3000), REPORTS, CFG, 1000), 3000).thinking_budget \
+        == 3000
+    r = grow_reserve(p)
+    assert r.content_reserve == 4096 and r.thinking_budget == 1000 and r.max_tokens == 5096
+    big = plan(job(thinking_budget=30_000, content_reserve=8000), REPORTS, CFG, 1000)
+    assert big.prompt_tokens + grow_reserve(big).max_tokens <= 40_000
