@@ -12,7 +12,7 @@ Rejected jobs (E_AUTH) are kept apart: ``{p}rejected:<id>`` and the operator's
 ``{p}rejections`` stream; never the claimed project's results stream.
 
 Waiting: ``wait_result`` reads the last event id, then the result key, then blocks on the event
-stream from that id (XREAD BLOCK). Because ``publish`` writes the result before the final event,
+stream from that id (XREAD BLOCK, at most 2 s at a time: redis-py closes sockets idle for 5 s). Because ``publish`` writes the result before the final event,
 a result missed by the GET is always seen by the XREAD: no sleep-polling, no lost wake-up.
 """
 
@@ -148,7 +148,7 @@ class ResultStore:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 return None
-            reply = self.client.xread({events: cursor}, block=min(remaining_ms, 5000), count=100)
+            reply = self.client.xread({events: cursor}, block=min(remaining_ms, 2000), count=100)
             for _stream, entries in reply or []:
                 if entries:
                     cursor = entries[-1][0]

@@ -46,6 +46,12 @@ class Runtime:
         return TokenCounter(backend.url, backend.model, self.redis, self.keys)
 
     @cached_property
+    def collector(self):  # type: ignore[no-untyped-def]
+        from fleet.collect import Collector  # noqa: PLC0415
+
+        return Collector(self.settings.collect)
+
+    @cached_property
     def vllm(self):  # type: ignore[no-untyped-def]
         from fleet.vllm import VllmClient  # noqa: PLC0415
 

@@ -100,13 +100,14 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
     if job.deadline is not None and job.deadline <= time.time():
         return _fail(rt, job.id, job.project, Code.E_DEADLINE, "deadline passed while queued")
     first = plan_budget(job, project, settings, 0)
-    prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, rt.counter)
+    prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, rt.counter,
+                       collector=rt.collector)
     if job.kind in ("collect", "trim"):
         envelope = Envelope(
             job_id=job.id, project=job.project, kind=job.kind, code=Code.OK_MATERIAL,
             message=f"{len(prepared.material)} sources, {prepared.prompt_tokens} tokens",
             material=prepared.material, warnings=prepared.warnings, metadata=job.metadata,
-            content="\n\n".join(m.text() for m in prepared.messages if m.untrusted) or None,
+            content="\n\n".join(str(m.get("text", "")) for m in prepared.material) or None,
         )
         rt.results.publish(envelope)
         return envelope.code.value
@@ -143,7 +144,12 @@ def infer_job(rt: Runtime, job_id: str, project: str, fence: int) -> str:
     try:
         rt.results.record(job_id, state="running", running_at=started, fence=fence)
         with keeper:
-            envelope = _run(rt, job_id, project, keeper)
+            try:
+                envelope = _run(rt, job_id, project, keeper)
+            except Exception as exc:  # noqa: BLE001 - close the job, keep the worker
+                log.exception("infer failed job=%s", job_id)
+                envelope = Envelope.failure(job_id, project, Code.E_INTERNAL,
+                                            f"inference task failed: {type(exc).__name__}")
     finally:
         store.release(job_id, fence)
     if keeper.lost and not keeper.cancelled:

@@ -9,11 +9,13 @@ default).
 ``start_sim_process(port, **options)`` runs ``python -m fleet.sim`` in a child process, waits until
 ``GET /health`` answers 200 and returns the ``Popen`` (a ``SimProcess`` with ``base_url``); its
 stdout/stderr go to a log file whose tail is included in the error if it does not come up.
-``stop()`` terminates it (then kills it after a grace period).
+``stop()`` terminates it (then kills it after a grace period) and removes the log; it is also a
+context manager (``with start_sim_process(...) as sim:``) that stops the process on exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -110,7 +112,8 @@ class SimProcess(subprocess.Popen):  # type: ignore[type-arg]
     base_url: str = ""
     log_path: str = ""
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float = 5.0, keep_log: bool = False) -> None:
+        """Terminate (kill after ``grace_s``); the log file is removed unless ``keep_log``."""
         if self.poll() is None:
             self.terminate()
             try:
@@ -118,6 +121,12 @@ class SimProcess(subprocess.Popen):  # type: ignore[type-arg]
             except subprocess.TimeoutExpired:
                 self.kill()
                 self.wait()
+        if self.log_path and not keep_log:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def start_sim_process(port: int | None = None, timeout_s: float = 30.0,
@@ -140,7 +149,7 @@ def start_sim_process(port: int | None = None, timeout_s: float = 30.0,
         except httpx.HTTPError:
             pass
         time.sleep(0.05)
-    proc.stop()
+    proc.stop(keep_log=True)
     with open(log_path, errors="replace") as f:
         tail = f.read()[-2000:]
     raise RuntimeError(f"fleet sim did not come up on {proc.base_url}:\n{tail}")
