@@ -3,6 +3,7 @@
 Queues
   fleet.<project>  one per project: producers' jobs land here; prep workers verify, collect,
                    trim and plan, then hand the job to the dispatcher store (never to vLLM)
+  fleet.unrouted   prep tasks claiming a project this fleet does not know (rejected E_AUTH)
   fleet.infer      inference tasks, sent only by a dispatcher after it admitted the job and
                    issued a lease; consumed by inference workers (threads pool, one thread per
                    streaming request)
@@ -34,20 +35,33 @@ from fleet.config import Settings, load_settings
 PREP_TASK = "fleet.prep"
 INFER_TASK = "fleet.infer"
 INFER_QUEUE = "fleet.infer"
+# Prep tasks that claim a project this fleet does not know land here, so a prep worker still
+# rejects them (E_AUTH) instead of leaving them in a queue nobody consumes.
+UNROUTED_QUEUE = "fleet.unrouted"
 
 
 def project_queue(project: str) -> str:
     return f"fleet.{project}"
 
 
-def route_task(name: str, args: Any, kwargs: dict[str, Any], options: Any, task: Any = None,
-               **_: Any) -> dict[str, str] | None:
+def prep_queues(settings: Settings) -> list[str]:
+    return [project_queue(p) for p in settings.projects] + [UNROUTED_QUEUE]
+
+
+def make_router(settings: Settings):  # type: ignore[no-untyped-def]
     """Celery router: the only place that knows which task goes to which queue."""
-    if name == PREP_TASK:
-        return {"queue": project_queue(kwargs["project"])}
-    if name == INFER_TASK:
-        return {"queue": INFER_QUEUE}
-    return None
+    known = set(settings.projects)
+
+    def route_task(name: str, args: Any, kwargs: dict[str, Any], options: Any, task: Any = None,
+                   **_: Any) -> dict[str, str] | None:
+        if name == PREP_TASK:
+            project = kwargs.get("project")
+            return {"queue": project_queue(project) if project in known else UNROUTED_QUEUE}
+        if name == INFER_TASK:
+            return {"queue": INFER_QUEUE}
+        return None
+
+    return route_task
 
 
 def create_app(settings: Settings) -> Celery:
@@ -58,8 +72,8 @@ def create_app(settings: Settings) -> Celery:
             "global_keyprefix": f"{settings.key_prefix}q:",
         },
         broker_connection_retry_on_startup=True,
-        task_routes=(route_task,),
-        task_queues=[Queue(INFER_QUEUE)] + [Queue(project_queue(p)) for p in settings.projects],
+        task_routes=(make_router(settings),),
+        task_queues=[Queue(q) for q in [INFER_QUEUE, *prep_queues(settings)]],
         task_default_queue=INFER_QUEUE,
         task_acks_late=True,
         task_reject_on_worker_lost=True,

@@ -57,7 +57,7 @@ def worker(
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Run a Celery worker (threads pool) for project queues and/or the inference queue."""
-    from fleet.celery_app import INFER_QUEUE, project_queue, worker_app  # noqa: PLC0415
+    from fleet.celery_app import INFER_QUEUE, prep_queues, worker_app  # noqa: PLC0415
 
     settings = settings_or_exit()
     setup_logging(log_level)
@@ -65,7 +65,7 @@ def worker(
     if role in ("all", "infer"):
         queues.append(INFER_QUEUE)
     if role in ("all", "prep"):
-        queues += [project_queue(p) for p in settings.projects]
+        queues += prep_queues(settings)
     if not queues:
         raise typer.BadParameter("role must be all, prep or infer")
     worker_app(settings).worker_main([
