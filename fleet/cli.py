@@ -134,7 +134,8 @@ def demo(
     """Run the fleet on embedded defaults, push a mixed batch through it and summarise."""
     from fleet.demo import run_demo  # noqa: PLC0415
 
-    raise typer.Exit(run_demo(settings_or_exit(), jobs=jobs, speed=speed, console=console))
+    wide = Console(width=max(console.width, 120))
+    raise typer.Exit(run_demo(settings_or_exit(), jobs=jobs, speed=speed, console=wide))
 
 
 # -- using the fleet --------------------------------------------------------------------------

@@ -9,7 +9,8 @@ live under a fresh prefix that is deleted at the end, so nothing is left behind.
 
 from __future__ import annotations
 
-import statistics
+import shutil
+import tempfile
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -33,6 +34,9 @@ TOPICS = [
     "List three checks to run before rotating a database password in production.",
     "Translate into plain English: the batch window overran because the upstream feed was late.",
 ]
+# Reasoning lengths for the demo's simulator: short enough that 50 jobs finish in well under a
+# minute, and inside every example project's thinking budget.
+SIM_ARGS = ["--think-min-tokens", "200", "--think-max-tokens", "1000"]
 SCHEMA = {
     "type": "object",
     "properties": {"title": {"type": "string"}, "severity": {"enum": ["low", "medium", "high"]},
@@ -70,7 +74,7 @@ def _p(values: list[float], q: float) -> float:
 
 
 def summary_table(envelopes: list[Envelope]) -> Table:
-    table = Table("project", "jobs", "codes", "attempts", "prompt tok", "completion tok",
+    table = Table("project", "jobs", "codes", "tries", "prompt tok", "output tok",
                   "wait p50/p95 s", "latency p50/p95 s", title="fleet demo")
     by_project: dict[str, list[Envelope]] = defaultdict(list)
     for envelope in envelopes:
@@ -93,10 +97,11 @@ def summary_table(envelopes: list[Envelope]) -> Table:
 def run_demo(settings: Settings, *, jobs: int, speed: float, console: Console) -> int:
     settings = settings.model_copy(update={"key_prefix": f"fleet-demo-{uuid.uuid4().hex[:8]}:"})
     started = time.monotonic()
-    fleet = LocalFleet(settings, sim_speed=speed)
+    logs = tempfile.mkdtemp(prefix="fleet-demo-logs-")
+    fleet = LocalFleet(settings, sim_speed=speed, sim_args=SIM_ARGS, log_dir=logs)
     with fleet:
         run_settings = settings.model_copy(update={"broker_url": fleet.env["FLEET_BROKER_URL"]})
-        console.print(f"broker {run_settings.broker_url}  backend {fleet.env['FLEET_BACKEND_URL']}"
+        console.print(f"logs {logs}\nbroker {run_settings.broker_url}  backend {fleet.env['FLEET_BACKEND_URL']}"
                       f"  projects {', '.join(settings.projects)}")
         envelopes = _push(run_settings, jobs, console)
     if fleet.broker is not None and not fleet.broker.started:
@@ -109,7 +114,11 @@ def run_demo(settings: Settings, *, jobs: int, speed: float, console: Console) -
     missing = jobs - len(envelopes)
     console.print(f"{len(envelopes)} results, {len(bad)} not OK, {missing} missing, "
                   f"{time.monotonic() - started:.1f} s in all")
-    return 0 if not bad and not missing else 1
+    if bad or missing:
+        console.print(f"process logs kept in {logs}")
+        return 1
+    shutil.rmtree(logs, ignore_errors=True)
+    return 0
 
 
 def _push(settings: Settings, jobs: int, console: Console) -> list[Envelope]:
@@ -128,6 +137,7 @@ def _push(settings: Settings, jobs: int, console: Console) -> list[Envelope]:
                 counts[envelope.code.value] += 1
                 live.update(f"{len(envelopes)}/{jobs} done  "
                             + " ".join(f"{c}={k}" for c, k in sorted(counts.items())))
+        console.print()
     return envelopes
 
 

@@ -36,6 +36,7 @@ class LocalFleet:
     dispatchers: int = 1
     log_level: str = "WARNING"
     config_path: str | None = None
+    log_dir: str | None = None  # children's output goes to <log_dir>/<name>.log when set
     env: dict[str, str] = field(default_factory=dict)
     broker: EmbeddedRedis | None = None
     children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
@@ -67,8 +68,16 @@ class LocalFleet:
 
     def spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
         env = {**self.env, **(extra_env or {})}
-        process = subprocess.Popen([sys.executable, "-m", "fleet", *args], env=env,
-                                   start_new_session=True)
+        output = None
+        if self.log_dir:
+            output = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115
+        try:
+            process = subprocess.Popen([sys.executable, "-m", "fleet", *args], env=env,
+                                       start_new_session=True, stdout=output,
+                                       stderr=subprocess.STDOUT if output else None)
+        finally:
+            if output is not None:
+                output.close()
         self.children.append((name, process))
         log.info("started %s pid=%d", name, process.pid)
 
