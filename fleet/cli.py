@@ -249,6 +249,23 @@ def codes() -> None:
 
 
 @app.command()
+def config(reference: Annotated[bool, typer.Option(help="print the key reference")] = False) -> None:
+    """Show the settings in force (file + FLEET_* variables), or the key reference."""
+    from fleet.config import config_path, reference_markdown  # noqa: PLC0415
+
+    if reference:
+        typer.echo(reference_markdown())
+        return
+    settings = settings_or_exit()
+    shown = settings.model_dump(mode="json")
+    for project in shown["projects"].values():
+        project["secret"] = "***"
+    shown["backend"]["api_key"] = "***" if shown["backend"]["api_key"] else ""
+    console.print(f"# from {config_path()}")
+    console.print_json(json.dumps(shown))
+
+
+@app.command()
 def rejections(count: Annotated[int, typer.Option()] = 20) -> None:
     """The latest E_AUTH rejections (kept apart from every project's results)."""
     with client_or_exit() as client:

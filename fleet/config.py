@@ -31,107 +31,170 @@ _ENV_NOT_SETTINGS = {"FLEET_CONFIG"}
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class BackendSettings(_Section):
     """One vLLM OpenAI-compatible server. Defaults are BRIEF.md's deployment."""
 
     url: str = "http://127.0.0.1:8100"
+    """Base URL of the vLLM OpenAI-compatible server (no /v1)."""
     model: str = "local"
+    """The server's --served-model-name."""
     api_key: str = ""
+    """Bearer token for the server, if it was started with --api-key."""
     max_num_seqs: int = Field(32, gt=0)
+    """The server's --max-num-seqs: never more requests in flight than this."""
     max_model_len: int = Field(262_144, gt=0)
+    """The server's --max-model-len: prompt + max_tokens must fit."""
     max_num_batched_tokens: int = Field(2048, gt=0)
+    """The server's --max-num-batched-tokens (prefill chunk per step)."""
     kv_pool_tokens: int = Field(530_000, gt=0)
+    """KV cache pool of the server in tokens (BRIEF.md: about 530K)."""
     block_tokens: int = Field(1072, gt=0)
+    """KV block size in tokens (1,072 on the hybrid Qwen3-Next deployment)."""
     long_prompt_tokens: int = Field(32_768, gt=0)
+    """A prompt above this many tokens counts as long."""
     max_long: int = Field(3, ge=1)
+    """At most this many long prompts in flight at once."""
 
 
 class AdmissionSettings(_Section):
     """Rate shaping in front of the backend (see schedulers/limits.py)."""
 
     kv_overcommit: float = Field(1.5, gt=0)
+    """Reserved KV (whole blocks of prompt + max_tokens) may reach pool x this; vLLM allocates lazily."""
     prefill_tokens_per_s: float = Field(60_000.0, gt=0)
+    """Token bucket rate on admitted prompt tokens (prefill pacing)."""
     prefill_burst_tokens: int = Field(262_144, gt=0)
+    """Token bucket size; a bigger prompt waits for a full bucket."""
     min_spacing_ms: float = Field(0.0, ge=0)
+    """Minimum time between two admissions."""
     lease_ttl_s: float = Field(30.0, gt=0)
+    """Lease lifetime; the worker renews every third of it; an expired lease re-queues the job."""
     scrape_interval_s: float = Field(1.0, gt=0)
+    """How often a dispatcher scrapes the backend's /metrics and /health."""
     scrape_stale_s: float = Field(5.0, gt=0)
+    """A scrape older than this holds admissions."""
     hold_on_waiting: bool = True
+    """Hold admissions while vLLM reports waiting requests (two scrapes in a row)."""
     kv_usage_hold: float = Field(0.95, gt=0, le=1)
+    """Hold admissions while vLLM's kv_cache_usage_perc is above this."""
     aging_s: float = Field(60.0, gt=0)
+    """Waiting this long lifts a batch job into the interactive tier (no starvation)."""
     metrics_port: int = Field(9810, ge=0)
-    # How long the first job in fair order may be passed by smaller jobs while it does not fit
-    # the KV budget or the prefill bucket (schedulers/limits.py); after that everyone waits.
+    """Port of the dispatcher's Prometheus /metrics (0 = off)."""
     hol_bypass_s: float = Field(10.0, ge=0)
-    # Longest blocking wait of an idle dispatcher; wakes are event-driven, this is a safety net.
+    """How long smaller jobs may pass the first job in fair order while it does not fit the KV
+    budget or the prefill bucket; after that everyone waits for it."""
     max_wait_s: float = Field(1.0, gt=0)
-    # False: no /metrics scraping and no saturation gate (a backend without /metrics, tests).
+    """Longest blocking wait of an idle dispatcher (wake-ups are events; this is a safety net)."""
     backend_gate: bool = True
+    """Scrape the backend's /metrics and /health and hold admissions when it is saturated."""
 
 
 class TimeoutSettings(_Section):
     connect_s: float = Field(5.0, gt=0)
+    """Connecting to the backend (E_CONNECT_TIMEOUT)."""
     first_token_s: float = Field(300.0, gt=0)
+    """Request sent to first reasoning/content token (E_FIRST_TOKEN_TIMEOUT)."""
     idle_s: float = Field(120.0, gt=0)
+    """Longest silence between two stream events (E_STREAM_STALLED)."""
     attempt_s: float = Field(3600.0, gt=0)
+    """Whole attempt (E_UPSTREAM_TIMEOUT)."""
 
 
 class RetrySettings(_Section):
     max_attempts: int = Field(3, ge=1)
+    """Attempts per job in all (first + retries)."""
     backoff_base_s: float = Field(1.0, ge=0)
+    """Full-jitter backoff: wait U(0, min(max, base x 2^(n-1)))."""
     backoff_max_s: float = Field(30.0, ge=0)
+    """Cap of the backoff."""
     budget_ratio: float = Field(0.2, ge=0)
+    """Retries may add at most this share of a project's first attempts."""
     thinking_budget_ceiling: int = Field(32_768, gt=0)
+    """Adaptive retries never raise the thinking budget above this."""
     reask_invalid: int = Field(1, ge=0)
+    """Re-asks with the validation error before E_OUTPUT_INVALID."""
 
 
 class WatcherSettings(_Section):
     """Loop watcher thresholds (fleet/loopwatch.py); defaults never cut normal reasoning."""
 
     enabled: bool = True
+    """Watch reasoning for loops and stalls."""
     min_period_chars: int = Field(8, gt=0)
+    """Shortest repeating period looked for."""
     max_period_chars: int = Field(2048, gt=0)
+    """Longest repeating period looked for (~512 tokens)."""
     min_repeats: int = Field(3, ge=2)
+    """Repeats of a period at the tail that count as a loop."""
     min_repeat_span_chars: int = Field(600, gt=0)
+    """...and the repeats must cover at least this many characters."""
     key_chars: int = Field(32, ge=4)
+    """Length of the tail key searched for earlier occurrences."""
     check_every_chars: int = Field(32, ge=1)
+    """Run the periodic check every this many new characters."""
     max_period_candidates: int = Field(8, ge=1)
+    """Earlier occurrences of the key tried per check."""
     paragraph_jaccard: float = Field(0.75, gt=0, le=1)
+    """Word-trigram Jaccard at which two paragraphs are near-duplicates."""
     similar_paragraphs: int = Field(4, ge=2)
+    """This many similar paragraphs..."""
     paragraph_window: int = Field(16, ge=2)
+    """...among the last this many paragraphs is a loop."""
     min_paragraph_words: int = Field(16, ge=3)
+    """Shorter paragraphs are not compared."""
     drop_numbers: bool = True
+    """Ignore numbers when comparing paragraphs."""
     stall_s: float = Field(60.0, gt=0)
+    """No new reasoning or content for this long is a stall."""
 
 
 class SecuritySettings(_Section):
     max_clock_skew_s: float = Field(300.0, gt=0)
+    """A signed job's timestamp may be this far from the worker's clock."""
     nonce_ttl_s: float = Field(900.0, gt=0)
+    """Nonces are remembered this long (replays inside it are rejected)."""
 
 
 class CollectSettings(_Section):
     allowed_roots: list[str] = Field(default_factory=list)
+    """Folders file sources may be read from (nothing outside, symlinks resolved)."""
     connect_timeout_s: float = Field(5.0, gt=0)
+    """URL sources: connect timeout."""
     read_timeout_s: float = Field(15.0, gt=0)
+    """URL sources: read timeout per read."""
     max_bytes: int = Field(5_000_000, gt=0)
+    """A source larger than this fails (not truncated)."""
     max_redirects: int = Field(5, ge=0)
+    """Redirects followed per URL source."""
 
 
 class ProjectSettings(_Section):
     weight: float = Field(1.0, gt=0)
+    """Fair-share weight (tokens admitted are shared in proportion)."""
     secret: str = Field(min_length=8)
+    """HMAC secret the project's producers sign jobs with (8+ characters)."""
     thinking_budget: int = Field(8000, ge=-1)
+    """Default thinking_token_budget (-1 = unlimited)."""
     content_reserve: int = Field(1024, gt=0)
+    """Tokens reserved for the answer after thinking; max_tokens = budget + reserve."""
     prompt_budget_tokens: int | None = Field(None, gt=0)
+    """Optional cap on prompt tokens, below what max_model_len allows."""
     allowed_tools: list[str] = Field(default_factory=list)
+    """Tool names this project may send; others are removed with a warning."""
     response_schema: dict[str, Any] | None = None
+    """Default JSON Schema for answers (a job's own wins)."""
     min_answer_chars: int = Field(1, ge=0)
+    """Text check: shortest acceptable answer."""
     max_answer_chars: int | None = Field(None, gt=0)
+    """Text check: longest acceptable answer."""
     answer_pattern: str | None = None
+    """Text check: a regular expression the answer must match."""
     system_prompt: str | None = None
+    """Stable system prompt put first in every job (prefix-cache friendly)."""
 
 
 class Settings(BaseSettings):
@@ -141,14 +204,21 @@ class Settings(BaseSettings):
         env_nested_max_split=1,
         extra="forbid",
         frozen=True,
+        use_attribute_docstrings=True,
     )
 
     broker_url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL shared by producers, workers and dispatchers."""
     key_prefix: str = "fleet:"
+    """Prefix of every Redis key and Celery queue key of this fleet."""
     result_ttl_s: int = Field(7 * 24 * 3600, gt=0)
+    """How long job records and final envelopes are kept."""
     events_ttl_s: int = Field(24 * 3600, gt=0)
+    """How long per-job event streams are kept."""
     results_stream_maxlen: int = Field(100_000, gt=0)
+    """Approximate cap of each project's results stream."""
     visibility_timeout_s: int = Field(4 * 3600, gt=0)
+    """Broker redelivery timeout for unacknowledged tasks (longer than any attempt)."""
     backend: BackendSettings = BackendSettings()
     admission: AdmissionSettings = AdmissionSettings()
     timeouts: TimeoutSettings = TimeoutSettings()
@@ -180,6 +250,28 @@ class Settings(BaseSettings):
 
     def project(self, name: str) -> ProjectSettings | None:
         return self.projects.get(name)
+
+
+def reference_markdown() -> str:
+    """The README's configuration reference, generated from the models above."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+
+    def add(prefix: str, model: type[BaseModel]) -> None:
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, _Section):
+                add(f"{prefix}{name}.", annotation)
+                continue
+            if name == "projects":
+                add("projects.<name>.", ProjectSettings)
+                continue
+            default = field.get_default(call_default_factory=True)
+            shown = "required" if field.is_required() else f"`{default!r}`"
+            meaning = " ".join((field.description or "").split())
+            rows.append(f"| `{prefix}{name}` | {shown} | {meaning} |")
+
+    add("", Settings)
+    return "\n".join(rows)
 
 
 def config_path(env: dict[str, str] | None = None) -> Path:

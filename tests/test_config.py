@@ -64,3 +64,10 @@ def test_broken_toml_is_a_config_error(tmp_path: Path):
     path.write_text("[backend\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_settings(path, env={})
+
+
+def test_readme_configuration_reference_is_generated_from_the_models():
+    from fleet.config import reference_markdown
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    assert reference_markdown() in readme, "README config table is stale: fleet config --reference"
