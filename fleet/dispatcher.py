@@ -82,12 +82,33 @@ class StoreCollector(Collector):
         yield holds
 
 
-class DispatcherMetrics:
-    """This process's registry: the store's shared figures plus its own queue-wait histogram."""
+class ResultCodeCollector(Collector):
+    """Final results by project and code, counted atomically when each envelope is published
+    (fleet/results.py) in ``{p}stats:codes``; read on every scrape."""
 
-    def __init__(self, store: AdmissionStore) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self._client = client
+        self._key = keys.code_counts
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "fleet_results", "Final envelopes by project and message code", labels=["project", "code"]
+        )
+        for field, count in sorted(self._client.hgetall(self._key).items()):
+            project, _, code = field.decode().partition("|")
+            family.add_metric([project, code], int(count))
+        yield family
+
+
+class DispatcherMetrics:
+    """This process's registry: the store's shared figures, the fleet's result codes and this
+    dispatcher's own queue-wait histogram."""
+
+    def __init__(self, store: AdmissionStore, results: Collector | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(StoreCollector(store))
+        if results is not None:
+            self.registry.register(results)
         self.queue_wait = Histogram(
             "fleet_dispatch_queue_wait_seconds",
             "Time from submission to admission",
@@ -155,7 +176,7 @@ def run_dispatcher(
     """Run until ``stop`` is set (it is checked after every wake; ``store.wake()`` hurries it)."""
     stop = stop or threading.Event()
     store = make_store(settings, client)
-    metrics = DispatcherMetrics(store)
+    metrics = DispatcherMetrics(store, ResultCodeCollector(client, Keys(settings.key_prefix)))
     admission = settings.admission
     server = _serve_metrics(metrics, admission.metrics_port)
     scraper_stop = threading.Event()

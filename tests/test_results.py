@@ -54,3 +54,19 @@ def test_follower_sees_results_and_rejections(redis_client, key_prefix):
     results.reject("b", "reports", "bad signature")
     got = {e.job_id: e.code for e in follower.follow({"a", "b"}, timeout_s=10, block_ms=50)}
     assert got == {"a": Code.OK, "b": Code.E_AUTH}
+
+
+def test_result_codes_reach_the_metrics(redis_client, key_prefix):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from fleet.dispatcher import ResultCodeCollector
+
+    results = store(redis_client, key_prefix)
+    results.publish(Envelope(job_id="x1", project="reports", code=Code.OK))
+    results.publish(Envelope(job_id="x2", project="reports", code=Code.OK))
+    results.publish(Envelope(job_id="x3", project="triage", code=Code.E_THINK_LOOP))
+    registry = CollectorRegistry()
+    registry.register(ResultCodeCollector(redis_client, Keys(key_prefix)))
+    text = generate_latest(registry).decode()
+    assert 'fleet_results_total{code="OK",project="reports"} 2.0' in text
+    assert 'fleet_results_total{code="E_THINK_LOOP",project="triage"} 1.0' in text
