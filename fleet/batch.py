@@ -107,18 +107,18 @@ def output_line(line: BatchLine, envelope: Envelope | None, model: str) -> dict[
     if not envelope.ok:
         out.update(response=None, error={"code": envelope.code.value, "message": envelope.message})
         return out
-    message: dict[str, Any] = {"role": "assistant", "content": envelope.content}
+    reply: dict[str, Any] = {"role": "assistant", "content": envelope.content}
     if envelope.reasoning:
-        message["reasoning"] = envelope.reasoning
+        reply["reasoning"] = envelope.reasoning
     if envelope.tool_calls:
-        message["tool_calls"] = envelope.tool_calls
+        reply["tool_calls"] = envelope.tool_calls
     finish = "tool_calls" if envelope.tool_calls else (
         "length" if envelope.code == Code.OK_TRUNCATED else "stop")
     usage = envelope.usage
     body = {
         "id": f"chatcmpl-{envelope.job_id}", "object": "chat.completion",
         "created": int(envelope.finished_at), "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        "choices": [{"index": 0, "message": reply, "finish_reason": finish}],
         "usage": {"prompt_tokens": usage.prompt_tokens,
                   "completion_tokens": usage.completion_tokens,
                   "total_tokens": usage.prompt_tokens + usage.completion_tokens,

@@ -99,14 +99,14 @@ def worker_app(settings: Settings | None = None) -> Celery:
     return app
 
 
+_APPS: dict[str, Celery] = {}
+
+
 def __getattr__(name: str) -> Any:
     # `celery -A fleet.celery_app ...` (Flower, inspect) looks up `app` here; built on demand so
     # that importing this module never reads the configuration as a side effect.
     if name in ("app", "celery"):
-        global _app
-        try:
-            return _app
-        except NameError:
-            _app = worker_app()
-            return _app
+        if "app" not in _APPS:
+            _APPS["app"] = worker_app()
+        return _APPS["app"]
     raise AttributeError(name)

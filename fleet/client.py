@@ -34,7 +34,7 @@ class Client:
     def __init__(self, settings: Settings | None = None, *, redis_client: redis.Redis | None = None,
                  secrets: Mapping[str, str] | None = None) -> None:
         self.settings = settings or load_settings()
-        self.redis = redis_client or redis.Redis.from_url(self.settings.broker_url)
+        self.redis: Any = redis_client or redis.Redis.from_url(self.settings.broker_url)
         self.keys = Keys(self.settings.key_prefix)
         self.results = ResultStore(self.redis, self.keys, self.settings)
         self._secrets = dict(secrets or {})

@@ -15,10 +15,11 @@ naming the key, e.g. ``backend.max_num_seqs: Input should be greater than 0``.
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -276,9 +277,9 @@ def reference_markdown() -> str:
 
 def config_path(env: dict[str, str] | None = None) -> Path:
     """Which file configures this process (``FLEET_CONFIG`` > ./fleet.toml > the example)."""
-    env = os.environ if env is None else env
-    if env.get("FLEET_CONFIG"):
-        return Path(env["FLEET_CONFIG"])
+    values: Mapping[str, str] = os.environ if env is None else env
+    if values.get("FLEET_CONFIG"):
+        return Path(values["FLEET_CONFIG"])
     local = Path.cwd() / "fleet.toml"
     return local if local.exists() else EXAMPLE_CONFIG
 

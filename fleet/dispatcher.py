@@ -95,7 +95,8 @@ class ResultCodeCollector(Collector):
             "fleet_results", "Final envelopes by project and message code", labels=["project", "code"]
         )
         for field, count in sorted(self._client.hgetall(self._key).items()):
-            project, _, code = field.decode().partition("|")
+            text = field.decode() if isinstance(field, bytes) else str(field)
+            project, _, code = text.partition("|")
             family.add_metric([project, code], int(count))
         yield family
 

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import redis
@@ -107,9 +108,9 @@ def start_redis(timeout_s: float = 10.0) -> EmbeddedRedis:
 
 
 def ensure_broker(configured_url: str, env: dict[str, str] | None = None) -> EmbeddedRedis:
-    env = os.environ if env is None else env
-    if env.get("FLEET_BROKER_URL"):
-        return EmbeddedRedis(url=env["FLEET_BROKER_URL"])
+    values: Mapping[str, str] = os.environ if env is None else env
+    if values.get("FLEET_BROKER_URL"):
+        return EmbeddedRedis(url=values["FLEET_BROKER_URL"])
     if redis_answers(configured_url):
         return EmbeddedRedis(url=configured_url)
     log.info("nothing answers on %s; starting a private redis-server", configured_url)

@@ -24,7 +24,7 @@ class EventSink:
     """Appends events for one job; every stream gets a TTL so nothing lingers."""
 
     def __init__(self, client: redis.Redis, keys: Keys, job_id: str, ttl_s: int) -> None:
-        self._client = client
+        self._client: Any = client
         self._key = keys.events(job_id)
         self._ttl_s = ttl_s
 

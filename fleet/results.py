@@ -11,9 +11,10 @@ changes nothing and returns False, so consumers never see two results for one jo
 Rejected jobs (E_AUTH) are kept apart: ``{p}rejected:<id>`` and the operator's
 ``{p}rejections`` stream; never the claimed project's results stream.
 
-Waiting: ``wait_result`` reads the last event id, then the result key, then blocks on the event
-stream from that id (XREAD BLOCK, at most 2 s at a time: redis-py closes sockets idle for 5 s). Because ``publish`` writes the result before the final event,
-a result missed by the GET is always seen by the XREAD: no sleep-polling, no lost wake-up.
+Waiting: ``wait`` reads the last event id, then the result key, then blocks on the event stream
+from that id (XREAD BLOCK, at most 2 s at a time: redis-py's default socket timeout is 5 s).
+Because ``publish`` writes the result before the final event, a result missed by the GET is
+always seen by the XREAD: no sleep-polling, no lost wake-up.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ STATES = ("submitted", "prepared", "pending", "running", "final")
 
 class ResultStore:
     def __init__(self, client: redis.Redis, keys: Keys, settings: Settings) -> None:
-        self.client = client
+        self.client: Any = client  # redis-py's response types are unions; we know the shapes
         self.keys = keys
         self.settings = settings
         self._publish = client.register_script(_PUBLISH)
@@ -135,7 +136,7 @@ class ResultStore:
         raw = self.client.get(self.keys.result(job_id)) or self.client.get(self.keys.rejected(job_id))
         return Envelope.model_validate_json(raw) if raw else None
 
-    def wait(self, job_id: str, timeout_s: float) -> Envelope | None:
+    def wait(self, job_id: str, timeout_s: float) -> Envelope | None:  # noqa: C901
         """Block until the job's final envelope exists or ``timeout_s`` passes."""
         deadline = time.monotonic() + timeout_s
         events = self.keys.events(job_id)
@@ -165,7 +166,7 @@ class ResultFollower:
 
     def __init__(self, store: ResultStore, projects: set[str]) -> None:
         self.store = store
-        self.cursors: dict[str, bytes | str] = {}
+        self.cursors: dict[str, Any] = {}
         for project in projects:
             key = store.keys.results(project)
             last = store.client.xrevrange(key, count=1)
@@ -188,7 +189,7 @@ class ResultFollower:
                         yield envelope
             if not got:
                 for job_id in list(remaining):
-                    envelope = self.store.get(job_id)
-                    if envelope is not None:
+                    found = self.store.get(job_id)
+                    if found is not None:
                         remaining.discard(job_id)
-                        yield envelope
+                        yield found

@@ -3,12 +3,12 @@ on Redis database 15 under a private key prefix, configured by a generated fleet
 
 from __future__ import annotations
 
-import tomllib
 import uuid
 from pathlib import Path
 from typing import Any
 
 import redis
+import tomllib
 
 from fleet.client import Client
 from fleet.config import EXAMPLE_CONFIG, load_settings
