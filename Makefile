@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/fleet demo
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)

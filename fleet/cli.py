@@ -52,7 +52,9 @@ def client_or_exit():  # type: ignore[no-untyped-def]
 @app.command()
 def worker(
     role: Annotated[str, typer.Option(help="all | prep | infer: which queues to consume")] = "all",
-    concurrency: Annotated[int, typer.Option(help="threads in this worker")] = 40,
+    concurrency: Annotated[int, typer.Option(help="threads (or processes) in this worker")] = 40,
+    pool: Annotated[str, typer.Option(help="threads (inference: one thread per stream) or "
+                                           "prefork (CPU-bound prep at scale)")] = "threads",
     hostname: Annotated[str, typer.Option(help="Celery node name")] = "fleet@%h",
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
@@ -69,7 +71,7 @@ def worker(
     if not queues:
         raise typer.BadParameter("role must be all, prep or infer")
     worker_app(settings).worker_main([
-        "worker", "-Q", ",".join(queues), "-P", "threads", "-c", str(concurrency), "-E",
+        "worker", "-Q", ",".join(queues), "-P", pool, "-c", str(concurrency), "-E",
         "-n", hostname, "--loglevel", log_level, "--without-mingle", "--without-gossip",
     ])
 

@@ -15,8 +15,8 @@ naming the key, e.g. ``backend.max_num_seqs: Input should be greater than 0``.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import tomllib
