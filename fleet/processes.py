@@ -37,17 +37,18 @@ class LocalFleet:
     log_level: str = "WARNING"
     config_path: str | None = None
     log_dir: str | None = None  # children's output goes to <log_dir>/<name>.log when set
+    extra_env: dict[str, str] = field(default_factory=dict)  # FLEET_* overrides for children
     env: dict[str, str] = field(default_factory=dict)
     broker: EmbeddedRedis | None = None
     children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
 
     def start(self) -> LocalFleet:
         self.broker = ensure_broker(self.settings.broker_url)
-        self.env = {**os.environ, "FLEET_BROKER_URL": self.broker.url,
+        self.env = {**os.environ, **self.extra_env, "FLEET_BROKER_URL": self.broker.url,
                     "FLEET_KEY_PREFIX": self.settings.key_prefix}
         if self.config_path:
             self.env["FLEET_CONFIG"] = self.config_path
-        if not os.environ.get("FLEET_BACKEND_URL"):
+        if not self.env.get("FLEET_BACKEND_URL"):
             self._start_sim()
         for n in range(self.dispatchers):
             extra = {} if n == 0 else {"FLEET_ADMISSION_METRICS_PORT": "0"}

@@ -3,16 +3,25 @@ on Redis database 15 under a private key prefix, configured by a generated fleet
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
 import uuid
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import redis
 import tomllib
 
 from fleet.client import Client
 from fleet.config import EXAMPLE_CONFIG, load_settings
+from fleet.dispatcher import make_store
 from fleet.processes import LocalFleet
+from schedulers.store import StoreSnapshot
 
 TEST_BROKER = "redis://127.0.0.1:6379/15"
 
@@ -83,3 +92,61 @@ class Harness:
         for start in range(0, len(keys), 500):
             client.delete(*keys[start:start + 500])
         client.close()
+
+
+# -- helpers for integration tests (what reached the simulator, what the fleet published) -------
+def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str,
+               every_s: float = 0.05) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` after
+    ``timeout_s`` (a generous safety net, never an assertion about speed)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what} after {timeout_s:.0f} s")
+        time.sleep(every_s)
+
+
+class FleetProbe:
+    """Read-only views of a running Harness: the simulator's request log and counters, the
+    results streams and the dispatcher store."""
+
+    def __init__(self, harness: Harness) -> None:
+        self.h = harness
+
+    def sim_requests(self, job_id: str | None = None, limit: int = 2000) -> list[dict[str, Any]]:
+        """Chat request bodies the simulator received (oldest first), of one job if given."""
+        reply = httpx.get(f"{self.h.backend_url}/sim/requests", params={"limit": limit},
+                          timeout=10)
+        bodies = [r["body"] for r in reply.json()["requests"]]
+        if job_id is None:
+            return bodies
+        return [b for b in bodies if str(b.get("request_id", "")).startswith(f"{job_id}-")]
+
+    def sim_stats(self) -> dict[str, Any]:
+        return httpx.get(f"{self.h.backend_url}/sim/stats", timeout=10).json()
+
+    def sim_reset(self) -> None:
+        httpx.post(f"{self.h.backend_url}/sim/reset", timeout=10).raise_for_status()
+
+    def envelope_counts(self) -> Counter[str]:
+        """How many envelopes each job id has across every project's results stream."""
+        client, counts = self.h.client.redis, Counter[str]()
+        for project in self.h.settings.projects:
+            for _id, fields in client.xrange(self.h.client.keys.results(project)):
+                counts[json.loads(fields[b"envelope"])["job_id"]] += 1
+        return counts
+
+    def snapshot(self) -> StoreSnapshot:
+        return make_store(self.h.settings, self.h.client.redis).snapshot()
+
+    def state(self, job_id: str) -> str:
+        return self.h.client.results.job_record(job_id).get("state", "")
+
+    def cli(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run ``python -m fleet ARGS`` against this fleet (same broker, prefix and config)."""
+        env = {**self.h.fleet.env, "COLUMNS": "200"}
+        return subprocess.run([sys.executable, "-m", "fleet", *args], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)

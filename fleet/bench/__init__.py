@@ -76,3 +76,19 @@ def collect(
     with _redis_url(redis_url) as broker:
         bench_collect(jobs=jobs, sources_per_job=sources_per_job, doc_kb=doc_kb,
                       redis_url=broker.url)
+
+
+@bench_app.command("pipeline")
+def pipeline(
+    infer_jobs: Annotated[int, typer.Option(help="ready inference jobs per phase")] = 200,
+    heavy_jobs: Annotated[int, typer.Option(help="collect-heavy jobs in the backlog")] = 40,
+    doc_kb: Annotated[int, typer.Option(help="size of each source document")] = 200,
+    speed: Annotated[float, typer.Option(help="simulator speed")] = 30.0,
+    redis_url: Annotated[str, typer.Option(help="Redis for the fleet")] = BENCH_REDIS,
+) -> None:
+    """Backend utilization with and without a backlog of collect-heavy jobs (same run)."""
+    from fleet.bench.pipeline import bench_pipeline  # noqa: PLC0415
+
+    with _redis_url(redis_url) as broker:
+        console.print(bench_pipeline(infer_jobs=infer_jobs, heavy_jobs=heavy_jobs, doc_kb=doc_kb,
+                                     speed=speed, redis_url=broker.url))

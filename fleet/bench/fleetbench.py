@@ -1,0 +1,545 @@
+"""``fleet bench dispatch --fleet``: issue 4's whole-fleet benchmarks, every figure next to its
+baseline measured in the same run, against one ``fleet sim`` process.
+
+What runs (``FleetBench``): a generated fleet.toml (the example's five projects, Redis DB 15, a
+private key prefix ``fbench-<hex>:``), then ``LocalFleet`` starts the simulator and the Celery
+workers as real processes; the dispatcher is started per phase, only after every job of the phase
+is prepared and pending, so "N jobs queued" means queued at the dispatcher. Between phases the
+dispatcher is stopped and the simulator's counters are reset (``POST /sim/reset``). The in-bench
+"direct" clients (the ideal closed loop, the FIFO drained by 32 threads, five independent
+projects) send the same request bodies straight at the same simulator with httpx, streaming.
+
+Measuring:
+  * a sampler thread reads ``/sim/stats`` (and the store's snapshot) every ``sample_s``; mean
+    in-flight over a window is the simulator's own time integral (``running_seconds`` over
+    ``sim_time``), tokens per second its ``generation_tokens`` over real time.
+  * the busy period is the first to the last admission (fleet: an infer task starting, from the
+    envelopes' timings; direct clients: the first and last request sent): the backlog was
+    non-empty all along.
+  * latency "service" = admitted (fleet) / sent (direct) -> final; "e2e" = phase start -> final.
+  * CPU: each child process's utime+stime from /proc and the whole machine's busy share over
+    the phase, so a CPU-bound shortfall shows as such.
+
+Settings scaled by ``--speed`` so proportions stay those of the real deployment: the prefill
+token bucket (``admission.prefill_tokens_per_s`` x speed). Lease TTL is not scaled (it is about
+detecting a dead worker in real time).
+
+Failure handling: everything started is stopped in ``close`` (also on error), and every key under
+the prefix is deleted (SCAN + DEL, never FLUSHDB).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import tomllib
+import uuid
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from fleet.client import Client
+from fleet.config import EXAMPLE_CONFIG, Settings, load_settings
+from fleet.dispatcher import make_store
+from fleet.models import Envelope
+from fleet.processes import LocalFleet
+from fleet.results import ResultFollower
+
+log = logging.getLogger(__name__)
+
+PROJECTS = ("assistant", "reports", "translate", "triage", "research")
+TOPIC = "Summarise the operational risks of the nightly batch and propose two checks."
+
+
+# -- workload -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec:
+    """One job: who sends it, its exact reasoning/answer lengths, and whether its prompt is long."""
+
+    project: str
+    think: int
+    answer: int
+    long: bool = False
+    tag: str = ""
+
+    @property
+    def thinking_budget(self) -> int:
+        return self.think + 64
+
+    @property
+    def content_reserve(self) -> int:
+        return self.answer + 64
+
+
+def short_mix(n: int, think: int, answer: int, projects: tuple[str, ...] = PROJECTS) -> list[Spec]:
+    """``n`` short jobs round-robin over ``projects``; lengths vary +-25% (seeded) around the mean."""
+    rng = random.Random(7)
+    return [Spec(projects[i % len(projects)], int(think * rng.uniform(0.75, 1.25)),
+                 int(answer * rng.uniform(0.75, 1.25)), tag=f"s{i}") for i in range(n)]
+
+
+def with_long(specs: list[Spec], share: float) -> list[Spec]:
+    """Every ``1/share``-th job becomes a long-prompt job (same lengths otherwise)."""
+    step = round(1 / share)
+    return [Spec(s.project, s.think, s.answer, long=(i % step == step - 1), tag=s.tag)
+            for i, s in enumerate(specs)]
+
+
+class LongText:
+    """A ~``target`` token document for the simulator's tokenizer; each job gets a unique head so
+    the simulator's prefix cache never hits (a real 60K-token prompt, sent and counted as such)."""
+
+    def __init__(self, base_url: str, target_tokens: int) -> None:
+        rng = random.Random(11)
+        words = ("ledger", "queue", "invoice", "shard", "latency", "replica", "batch", "cursor",
+                 "budget", "region", "tenant", "kernel", "packet", "vector", "schema")
+        body = " ".join(f"{rng.choice(words)} {rng.randint(0, 999)}." for _ in range(target_tokens // 3))
+        count = _tokenize(base_url, body)
+        while count < target_tokens:  # top up until the count reaches the target
+            extra = " ".join(f"{rng.choice(words)} {rng.randint(0, 999)}."
+                             for _ in range((target_tokens - count) // 3 + 10))
+            body += " " + extra
+            count = _tokenize(base_url, body)
+        self.body, self.tokens = body, count
+
+    def content(self, tag: str) -> str:
+        return f"Document {tag} {uuid.uuid4().hex}:\n{self.body}\n\n{TOPIC}"
+
+
+def _tokenize(base_url: str, text: str) -> int:
+    reply = httpx.post(base_url + "/tokenize", json={"prompt": text}, timeout=60)
+    reply.raise_for_status()
+    return int(reply.json()["count"])
+
+
+def content_of(spec: Spec, long_text: LongText | None) -> str:
+    markers = f"[sim:think={spec.think}] [sim:answer={spec.answer}]"
+    if spec.long:
+        assert long_text is not None
+        return f"{long_text.content(spec.tag)} {markers}"
+    return f"{TOPIC} {markers}"
+
+
+def job_of(spec: Spec, long_text: LongText | None) -> dict[str, Any]:
+    return {"project": spec.project, "thinking_budget": spec.thinking_budget,
+            "content_reserve": spec.content_reserve, "metadata": {"tag": spec.tag, "long": spec.long},
+            "messages": [{"role": "user", "content": content_of(spec, long_text)}]}
+
+
+def body_of(spec: Spec, long_text: LongText | None, model: str) -> dict[str, Any]:
+    """What the inference worker sends for this job (same messages, caps and budget)."""
+    return {"model": model, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": spec.thinking_budget + spec.content_reserve,
+            "thinking_token_budget": spec.thinking_budget,
+            "messages": [{"role": "user", "content": content_of(spec, long_text)}]}
+
+
+# -- measuring ----------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def jain(values: list[float]) -> float:
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values)) if values else float("nan")
+
+
+class Sampler:
+    """Samples ``/sim/stats`` (plus the dispatcher store's in-flight and pending) every
+    ``interval_s`` in a thread; ``window`` turns two instants into the simulator's own figures."""
+
+    def __init__(self, base_url: str, store: Any = None, interval_s: float = 0.05) -> None:
+        self.http = httpx.Client(base_url=base_url, timeout=10)
+        self.store, self.interval_s = store, interval_s
+        self.samples: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.http.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                stats = self.http.get("/sim/stats").json()
+                if self.store is not None:
+                    snap = self.store.snapshot()
+                    stats["leases"] = snap.in_flight
+                    stats["pending"] = sum(sum(b.values()) for b in snap.pending.values())
+                stats["t"] = time.time()
+                self.samples.append(stats)
+            except (httpx.HTTPError, redis.RedisError) as exc:
+                log.warning("sampler: %s", exc)
+            self._stop.wait(self.interval_s)
+
+    def between(self, t0: float, t1: float) -> list[dict[str, Any]]:
+        return [s for s in self.samples if t0 <= s["t"] <= t1]
+
+    def window(self, t0: float, t1: float, cap: int) -> dict[str, float]:
+        inside = self.between(t0, t1)
+        if len(inside) < 2:
+            return {"mean in-flight / cap": float("nan"), "output tok/s": float("nan"),
+                    "mean waiting": float("nan"), "max waiting": float("nan")}
+        a, b = inside[0], inside[-1]
+        sim_dt = b["sim_time"] - a["sim_time"]
+        return {
+            "mean in-flight / cap": (b["running_seconds"] - a["running_seconds"]) / sim_dt / cap,
+            "output tok/s": (b["generation_tokens"] - a["generation_tokens"]) / (b["t"] - a["t"]),
+            "mean waiting": sum(s["waiting"] for s in inside) / len(inside),
+            "max waiting": max(s["waiting"] for s in inside),
+            "window s": b["t"] - a["t"],
+        }
+
+
+class CpuMeter:
+    """CPU seconds of given processes and the machine's busy share between ``start`` and ``stop``."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.before = self._read()
+
+    @staticmethod
+    def _proc(pid: int) -> float:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            return 0.0
+
+    @staticmethod
+    def _machine() -> tuple[float, float]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        idle = values[3] + values[4]
+        return sum(values) - idle, float(sum(values))
+
+    def _read(self) -> dict[str, Any]:
+        return {"t": time.time(), "self": time.process_time(), "machine": self._machine(),
+                **{name: self._proc(pid) for name, pid in self.pids.items()}}
+
+    def stop(self) -> dict[str, float]:
+        after = self._read()
+        wall = after["t"] - self.before["t"]
+        busy = (after["machine"][0] - self.before["machine"][0]) / max(
+            1.0, after["machine"][1] - self.before["machine"][1])
+        figures = {"machine busy %": 100 * busy, "bench process CPU %":
+                   100 * (after["self"] - self.before["self"]) / wall}
+        for name in self.pids:
+            figures[f"{name} CPU %"] = 100 * (after[name] - self.before[name]) / wall
+        return figures
+
+
+# -- direct clients -------------------------------------------------------------------------------
+@dataclass
+class DirectRecord:
+    project: str
+    long: bool
+    sent: float
+    done: float
+    tokens: int
+    ok: bool
+
+
+def stream_once(http: httpx.Client, body: dict[str, Any]) -> tuple[int, bool]:
+    tokens, ok = 0, False
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            return 0, False
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                ok = True
+            elif line.startswith("data: ") and '"usage"' in line and '"completion_tokens"' in line:
+                tokens = int(line.split('"completion_tokens":')[1].split(",")[0].split("}")[0])
+    return tokens, ok
+
+
+def run_direct(base_url: str, groups: dict[str, tuple[int, list[dict[str, Any]]]],
+               specs: dict[str, list[Spec]]) -> tuple[list[DirectRecord], float, float, float]:
+    """Each group: ``concurrency`` threads popping its own FIFO of bodies straight at the sim.
+    Returns the records, the start, the last send and the end (unix s)."""
+    records: list[DirectRecord] = []
+    lock = threading.Lock()
+    last_sent = [0.0]
+    threads = []
+    total = sum(c for c, _ in groups.values())
+    http = httpx.Client(base_url=base_url, timeout=600, limits=httpx.Limits(max_connections=total + 8))
+    start = time.time()
+    for name, (concurrency, bodies) in groups.items():
+        fifo: queue.SimpleQueue[tuple[dict[str, Any], Spec]] = queue.SimpleQueue()
+        for body, spec in zip(bodies, specs[name], strict=True):
+            fifo.put((body, spec))
+
+        def drain(fifo: queue.SimpleQueue = fifo) -> None:  # type: ignore[type-arg]
+            while True:
+                try:
+                    body, spec = fifo.get_nowait()
+                except queue.Empty:
+                    return
+                sent = time.time()
+                with lock:
+                    last_sent[0] = max(last_sent[0], sent)
+                try:
+                    tokens, ok = stream_once(http, body)
+                except httpx.HTTPError:
+                    tokens, ok = 0, False
+                with lock:
+                    records.append(DirectRecord(spec.project, spec.long, sent, time.time(), tokens, ok))
+
+        threads += [threading.Thread(target=drain, daemon=True) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    http.close()
+    return records, start, last_sent[0], time.time()
+
+
+# -- the fleet ------------------------------------------------------------------------------------
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return repr(value)
+
+
+def write_toml(path: Path, data: dict[str, Any]) -> None:
+    """A minimal TOML writer for the settings shape (scalars, tables, tables of tables)."""
+    lines = [f"{k} = {_toml(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for name, table in data.items():
+        if not isinstance(table, dict):
+            continue
+        lines.append(f"\n[{name}]")
+        lines += [f"{k} = {_toml(v)}" for k, v in table.items() if not isinstance(v, dict)]
+        for sub, values in table.items():
+            if isinstance(values, dict):
+                lines.append(f"\n[{name}.{sub}]")
+                lines += [f"{k} = {_toml(v)}" for k, v in values.items()]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+@dataclass
+class FleetRun:
+    envelopes: list[Envelope]
+    start: float  # dispatcher started
+    first_admit: float
+    last_admit: float
+    end: float
+    missing: int
+    cpu: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def admitted_at(e: Envelope) -> float:
+        return e.timings.queued_s + _submitted(e)
+
+    @staticmethod
+    def finished_at(e: Envelope) -> float:
+        return e.timings.total_s + _submitted(e)
+
+
+def _submitted(e: Envelope) -> float:
+    return float(e.metadata["submitted_at"])
+
+
+class FleetBench:
+    """One fleet (sim + workers; a dispatcher per phase) for all the whole-fleet phases."""
+
+    def __init__(self, redis_url: str, speed: float, workers: int = 2, concurrency: int = 32,
+                 lease_ttl_s: float = 5.0, cap: int = 32) -> None:
+        self.redis_url, self.speed, self.cap = redis_url, speed, cap
+        self.tmp = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
+        data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
+        data["broker_url"] = redis_url
+        data["key_prefix"] = f"fbench-{uuid.uuid4().hex[:8]}:"
+        data["backend"]["max_num_seqs"] = cap
+        admission = data.setdefault("admission", {})
+        admission.update(metrics_port=0, lease_ttl_s=lease_ttl_s,
+                         prefill_tokens_per_s=float(admission.get("prefill_tokens_per_s", 60000)) * speed)
+        write_toml(self.tmp / "fleet.toml", data)
+        self.settings = load_settings(self.tmp / "fleet.toml", env={})
+        long_threshold = self.settings.backend.long_prompt_tokens
+        self.fleet = LocalFleet(
+            self.settings, sim_speed=speed, workers=workers, worker_concurrency=concurrency,
+            dispatchers=0, config_path=str(self.tmp / "fleet.toml"), log_dir=str(self.tmp),
+            sim_args=["--long-threshold", str(long_threshold), "--max-num-seqs", str(cap)])
+        self.redis = redis.Redis.from_url(redis_url)
+        self._dispatcher_n = 0
+        self._worker_n = workers
+
+    def __enter__(self) -> FleetBench:
+        try:
+            self.fleet.start()
+            self.base_url = self.fleet.env["FLEET_BACKEND_URL"]
+            self.settings = self.settings.model_copy(update={"backend": self.settings.backend.model_copy(
+                update={"url": self.base_url})})
+            self.client = Client(self.settings)
+            self.store = make_store(self.settings, self.redis)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if hasattr(self, "client"):
+            self.client.close()
+        self.fleet.close(grace_s=5)
+        keys = list(self.redis.scan_iter(match=f"{self.settings.key_prefix}*", count=2000))
+        for start in range(0, len(keys), 1000):
+            self.redis.delete(*keys[start:start + 1000])
+        self.redis.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # processes
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.fleet.children if p.poll() is None}
+
+    def start_dispatcher(self) -> str:
+        name = f"dispatcher-{self._dispatcher_n}"
+        self._dispatcher_n += 1
+        self.fleet.spawn(name, ["dispatcher", "--log-level", "WARNING"])
+        return name
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        for index, (child, process) in enumerate(self.fleet.children):
+            if child == name:
+                if process.poll() is None:
+                    os.killpg(process.pid, sig)
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait(timeout=5)
+                del self.fleet.children[index]
+                return
+
+    def start_worker(self) -> str:
+        name = f"worker-{self._worker_n}"
+        self._worker_n += 1
+        self.fleet.spawn(name, ["worker", "--concurrency", str(self.fleet.worker_concurrency),
+                                "--hostname", f"{name}-{os.getpid()}@%h", "--log-level", "WARNING"])
+        return name
+
+    def reset_sim(self) -> None:
+        httpx.post(self.base_url + "/sim/reset", timeout=10).raise_for_status()
+
+    def wait_idle(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            stats = httpx.get(self.base_url + "/sim/stats", timeout=10).json()
+            if stats["running"] == 0 and stats["waiting"] == 0:
+                return
+            time.sleep(0.2)
+        raise RuntimeError("simulator did not go idle")
+
+    # phases
+    def submit(self, specs: list[Spec], long_text: LongText | None) -> dict[str, Spec]:
+        ids: dict[str, Spec] = {}
+        for spec in specs:
+            job = job_of(spec, long_text)
+            job["id"] = uuid.uuid4().hex
+            job["metadata"]["submitted_at"] = time.time()
+            job["submitted_at"] = job["metadata"]["submitted_at"]
+            ids[self.client.submit(job)] = spec
+        return ids
+
+    def wait_prepared(self, count: int, follower_ids: set[str], timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            snap = self.store.snapshot()
+            pending = sum(sum(b.values()) for b in snap.pending.values())
+            if pending >= count:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"only {pending} of {count} jobs prepared in {timeout_s:.0f} s")
+
+    def run_fleet(self, specs: list[Spec], long_text: LongText | None, sampler_out: list[Sampler],
+                  timeout_s: float = 1200, during: Any = None) -> tuple[FleetRun, dict[str, Spec]]:
+        """Submit every job, wait until all are pending, then start a dispatcher and collect."""
+        self.wait_idle()
+        follower = ResultFollower(self.client.results, set(PROJECTS))
+        ids = self.submit(specs, long_text)
+        self.wait_prepared(len(ids), set(ids))
+        self.reset_sim()
+        sampler = Sampler(self.base_url, self.store)
+        sampler_out.append(sampler)
+        with sampler:
+            cpu = CpuMeter(self.pids())
+            start = time.time()
+            name = self.start_dispatcher()
+            watcher = threading.Thread(target=during, args=(start,), daemon=True) if during else None
+            if watcher:
+                watcher.start()
+            envelopes = list(follower.follow(set(ids), timeout_s))
+            end = time.time()
+            if watcher:
+                watcher.join()
+            figures = cpu.stop()
+        self.stop(name)
+        admitted = sorted(FleetRun.admitted_at(e) for e in envelopes)
+        run = FleetRun(envelopes, start, admitted[0] if admitted else start,
+                       admitted[-1] if admitted else end, end, len(ids) - len(envelopes), figures)
+        return run, ids
+
+    def run_direct(self, groups: dict[str, tuple[int, list[Spec]]], long_text: LongText | None,
+                   sampler_out: list[Sampler]) -> tuple[list[DirectRecord], float, float, float, dict]:
+        self.wait_idle()
+        model = self.settings.backend.model
+        bodies = {name: (c, [body_of(s, long_text, model) for s in specs])
+                  for name, (c, specs) in groups.items()}
+        self.reset_sim()
+        sampler = Sampler(self.base_url)
+        sampler_out.append(sampler)
+        with sampler:
+            cpu = CpuMeter({"sim": self.pids()["sim"]})
+            records, start, last_sent, end = run_direct(
+                self.base_url, bodies, {n: s for n, (_c, s) in groups.items()})
+            figures = cpu.stop()
+        return records, start, last_sent, end, figures
+
+
+def stats_max(sampler: Sampler) -> dict[str, Any]:
+    last = sampler.samples[-1] if sampler.samples else {}
+    return {k: last.get(k) for k in ("max_running_seen", "max_waiting_seen", "max_long_running_seen",
+                                      "preemptions")}
+
+
+def codes(envelopes: list[Envelope]) -> str:
+    return " ".join(f"{c}={n}" for c, n in sorted(Counter(e.code.value for e in envelopes).items()))
+
+
+def tokens_of(envelopes: list[Envelope]) -> int:
+    return sum(e.usage.completion_tokens for e in envelopes)
+
+
+def by_project(envelopes: list[Envelope]) -> dict[str, list[Envelope]]:
+    out: dict[str, list[Envelope]] = defaultdict(list)
+    for e in envelopes:
+        out[e.project].append(e)
+    return out

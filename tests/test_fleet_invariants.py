@@ -1,0 +1,141 @@
+"""ARCHITECTURE.md invariants 1 and 2 through the REAL fleet: two dispatcher processes, two Celery
+worker processes, ``fleet sim`` and Redis (database 15, a private key prefix).
+
+The fleet's cap is small (``backend.max_num_seqs`` = 4) while the simulator keeps its own 32, so
+the simulator only observes: its ``max_running_seen`` is the number of requests the fleet had in
+flight at the backend at any one moment, counted by the backend itself.
+
+Crash: every job's first request stalls for good (``[sim:stall=.../1]``, the ``/1`` makes only the
+first request of each job stall), so a ``kill -9`` of the worker that runs some of them cannot
+race the stream's end. The victim's leases then expire (``lease_ttl_s`` 3 s) and its jobs are
+admitted again; the survivor's stalled streams hit the idle timeout (``timeouts.idle_s`` 4 s) and
+retry. Either way the second request does not stall, so every job ends OK, exactly once, with two
+requests at the simulator.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from fleet.codes import Code
+from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
+
+pytestmark = pytest.mark.slow
+
+CAP = 4
+LEASE_TTL_S = 3
+SIM_ARGS = ["--think-min-tokens", "100", "--think-max-tokens", "300",
+            "--answer-min-tokens", "10", "--answer-max-tokens", "40"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
+    config = make_config(
+        tmp_path_factory.mktemp("fleet-invariants"),
+        backend={"max_num_seqs": CAP},
+        admission={"lease_ttl_s": LEASE_TTL_S},
+        timeouts={"idle_s": 4},
+        retry={"backoff_base_s": 0.2, "backoff_max_s": 0.5},
+    )
+    with Harness(config, sim_speed=100, sim_args=SIM_ARGS, workers=2, dispatchers=2) as harness:
+        yield harness
+
+
+@pytest.fixture
+def probe(fleet: Harness) -> FleetProbe:
+    return FleetProbe(fleet)
+
+
+def ask(project: str, text: str) -> dict:
+    return {"project": project, "messages": [{"role": "user", "content": text}],
+            "thinking_budget": 4000, "content_reserve": 256}
+
+
+def test_cap_holds_and_every_job_ends_exactly_once(fleet: Harness, probe: FleetProbe) -> None:
+    probe.sim_reset()
+    admitted_before = probe.snapshot().admissions
+    projects = sorted(fleet.settings.projects)
+    ids = [fleet.client.submit(ask(projects[n % len(projects)],
+                                   f"job {n}: [sim:think=1000] [sim:answer=20]"))
+           for n in range(40)]
+    envelopes = {job_id: fleet.client.result(job_id, timeout=120) for job_id in ids}
+
+    assert {job_id: env.code if env else None for job_id, env in envelopes.items()} == \
+        dict.fromkeys(ids, Code.OK)
+    stats = probe.sim_stats()
+    # The backend's own count: full (the cap was reached) and never over-full.
+    assert stats["max_running_seen"] == CAP
+    assert stats["total_requests"] == 40 and stats["running"] == 0
+    # One request per job, one admission per job, one envelope per job.
+    request_ids = Counter(b["request_id"] for b in probe.sim_requests())
+    assert request_ids == Counter({f"{job_id}-1": 1 for job_id in ids})
+    snap = probe.snapshot()
+    assert snap.admissions - admitted_before == 40
+    assert snap.in_flight == 0 and snap.reserved_kv_tokens == 0
+    counts = probe.envelope_counts()
+    assert {job_id: counts[job_id] for job_id in ids} == dict.fromkeys(ids, 1)
+    assert fleet.fleet.check() == []
+
+
+def _workers(fleet: Harness) -> dict[str, int]:
+    return {name: p.pid for name, p in fleet.fleet.children
+            if name.startswith("worker-") and p.poll() is None}
+
+
+def _active_infer_jobs(fleet: Harness) -> dict[int, set[str]]:
+    """Worker index -> job ids of the fleet.infer tasks it is running (Celery remote control)."""
+    replies = fleet.client._celery.control.inspect(timeout=2.0).active() or {}
+    found: dict[int, set[str]] = {}
+    for hostname, tasks in replies.items():
+        index = int(hostname.split("@")[0].split("-")[1])
+        found[index] = {t["kwargs"]["job_id"] for t in tasks if t["name"] == "fleet.infer"}
+    return found
+
+
+def test_kill_9_of_a_streaming_worker_loses_nothing(fleet: Harness, probe: FleetProbe) -> None:
+    probe.sim_reset()
+    admitted_before = probe.snapshot().admissions
+    ids = [fleet.client.submit(ask(p, f"crash {p}: [sim:stall=1000000/1] [sim:think=400] "
+                                      "[sim:answer=20]"))
+           for p in ("reports", "triage", "research", "translate")]
+    wait_until(lambda: probe.sim_stats()["running"] == CAP, 60, "every job streaming")
+    active = wait_until(
+        lambda: (found := _active_infer_jobs(fleet)) and sum(map(len, found.values())) == CAP
+        and found, 60, "the workers to report their streams")
+    victim_index, victim_jobs = max(active.items(), key=lambda item: len(item[1]))
+    assert victim_jobs, active
+    victim = next(p for name, p in fleet.fleet.children if name == f"worker-{victim_index}")
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=10)
+    fleet.fleet.spawn("worker-9", ["worker", "--concurrency", "40", "--hostname",
+                                   f"fleet-9-{os.getpid()}@%h", "--log-level", "WARNING"])
+
+    envelopes = {job_id: fleet.client.result(job_id, timeout=120) for job_id in ids}
+    assert {job_id: env.code if env else None for job_id, env in envelopes.items()} == \
+        dict.fromkeys(ids, Code.OK)
+    counts = probe.envelope_counts()
+    assert {job_id: counts[job_id] for job_id in ids} == dict.fromkeys(ids, 1)
+    for job_id in ids:
+        request_ids = [b["request_id"] for b in probe.sim_requests(job_id)]
+        if job_id in victim_jobs:
+            # The killed stream, then the re-admitted job's attempt (the killed one left no record).
+            assert request_ids == [f"{job_id}-1", f"{job_id}-1"], job_id
+            assert [a.code for a in envelopes[job_id].attempts] == [Code.OK]
+        else:
+            # Stalled stream cut by the idle timeout, then the retry.
+            assert request_ids == [f"{job_id}-1", f"{job_id}-2"], job_id
+            assert [a.code for a in envelopes[job_id].attempts] == [Code.E_STREAM_STALLED, Code.OK]
+    # No capacity leak: every lease is gone, the killed ones included.
+    snap = probe.snapshot()
+    assert snap.admissions - admitted_before == len(ids) + len(victim_jobs)
+    assert snap.in_flight == 0 and snap.reserved_kv_tokens == 0
+    assert probe.sim_stats()["running"] == 0
+    queues = probe.cli("queues")
+    assert queues.returncode == 0, queues.stderr
+    assert f"in flight 0/{CAP}" in queues.stdout
+    assert {name for name in _workers(fleet)} == {f"worker-{1 - victim_index}", "worker-9"}
