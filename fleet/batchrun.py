@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fleet.batch import BatchLine, output_line, parse_lines
+from fleet.batch import output_line, parse_lines
 from fleet.client import Client
 from fleet.errors import FleetError
 from fleet.models import Envelope
@@ -24,31 +24,32 @@ def run_batch(client: Client, file: Path, project: str, *, wait: bool, out: Path
               timeout_s: float, console: Console) -> int:
     lines = parse_lines(file.read_text(encoding="utf-8").splitlines(), project)
     follower = ResultFollower(client.results, {project})
-    by_job: dict[str, BatchLine] = {}
+    job_of: dict[int, str] = {}  # line number -> job id (two lines may share an idempotency key)
     for line in lines:
         if line.job is None:
             continue
         try:
-            by_job[client.submit(line.job)] = line
+            job_of[line.number] = client.submit(line.job)
         except FleetError as exc:
             line.error = f"line {line.number}: {exc.message}"
-    console.print(f"submitted {len(by_job)} of {len(lines)} lines to project {project}")
+    console.print(f"submitted {len(job_of)} of {len(lines)} lines to project {project}")
     if not wait:
-        for job_id, line in by_job.items():
-            console.print(f"{line.custom_id}\t{job_id}")
-        return 0 if len(by_job) == len(lines) else 1
+        for line in lines:
+            if line.number in job_of:
+                console.print(f"{line.custom_id}\t{job_of[line.number]}")
+        return 0 if len(job_of) == len(lines) else 1
     envelopes: dict[str, Envelope] = {}
     counts: Counter[str] = Counter("E_INPUT_INVALID" for line in lines if line.job is None or line.error)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task(_counts_text(counts), total=len(lines), completed=sum(counts.values()))
-        for envelope in follower.follow(set(by_job), timeout_s):
+        for envelope in follower.follow(set(job_of.values()), timeout_s):
             envelopes[envelope.job_id] = envelope
-            counts[envelope.code.value] += 1
-            progress.update(task, advance=1, description=_counts_text(counts))
+            counts[envelope.code.value] += sum(1 for n in job_of if job_of[n] == envelope.job_id)
+            done = sum(1 for n in job_of if job_of[n] == envelope.job_id)
+            progress.update(task, advance=done, description=_counts_text(counts))
     model = client.settings.backend.model
-    job_of = {id(line): job_id for job_id, line in by_job.items()}
-    rows = [output_line(line, envelopes.get(job_of.get(id(line), "")), model) for line in lines]
+    rows = [output_line(line, envelopes.get(job_of.get(line.number, "")), model) for line in lines]
     if out is not None:
         out.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows),
                        encoding="utf-8")

@@ -31,6 +31,7 @@ from typing import Any
 import redis
 
 from fleet.keys import Keys
+from fleet.security import neutralise
 
 MAX_NOTE_CHARS = 1500
 MAX_SENTENCE_CHARS = 300
@@ -112,7 +113,9 @@ def retry_note(conclusions: list[str], cause: str) -> str:
 
 def with_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
     """A copy of ``messages`` with ``note`` appended to the leading system message (one is
-    inserted when there is none)."""
+    inserted when there is none). The note is neutralised: it quotes model output, which may
+    echo chat-template tags from untrusted material, and it lands in the system turn."""
+    note = neutralise(note)
     out = [dict(m) for m in messages]
     if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
         out[0]["content"] = f"{out[0]['content']}\n\n{note}"

@@ -65,19 +65,24 @@ class Client:
             except ValidationError as exc:
                 raise InputInvalid(_first_error(exc)) from exc
         raw = job.model_dump(mode="json", exclude_none=True)
-        if job.idempotency_key:
-            key = self.keys.idem(job.project, job.idempotency_key)
-            if not self.redis.set(key, job.id, nx=True, ex=self.settings.result_ttl_s):
-                existing = self.redis.get(key)
-                return existing.decode() if existing else job.id
-        return self.submit_raw(raw, project=job.project, job_id=job.id, kind=job.kind)
+        if not job.idempotency_key:
+            return self.submit_raw(raw, project=job.project, job_id=job.id, kind=job.kind)
+        key = self.keys.idem(job.project, job.idempotency_key)
+        if not self.redis.set(key, job.id, nx=True, ex=self.settings.result_ttl_s):
+            existing = self.redis.get(key)
+            return existing.decode() if existing else job.id
+        try:
+            return self.submit_raw(raw, project=job.project, job_id=job.id, kind=job.kind)
+        except BaseException:
+            self.redis.delete(key)  # the job never left: a retry with the key must send it
+            raise
 
     def submit_raw(self, raw: Mapping[str, Any], *, project: str, job_id: str,
                    kind: str = "infer", secret: str | None = None) -> str:
         """Sign and send a job dict as is (no local validation): the worker judges it."""
         signed = sign(raw, project, secret if secret is not None else self._secret(project))
         self.results.record(job_id, state="submitted", project=project, kind=kind,
-                            submitted_at=time.time())
+                            submitted_at=time.time(), nonce=signed["nonce"])
         EventSink(self.redis, self.keys, job_id, self.settings.events_ttl_s).emit(
             "queued", project=project)
         self._celery.send_task(PREP_TASK, kwargs={"project": project, "job_id": job_id,
@@ -91,7 +96,8 @@ class Client:
     def status(self, job_id: str) -> dict[str, Any]:
         record: dict[str, Any] = self.results.job_record(job_id)
         record.pop("job", None)
-        envelope = self.results.get(job_id)
+        record.pop("nonce", None)
+        envelope = self.results.final(job_id)
         if envelope is not None:
             record.update(state="final", code=envelope.code.value, message=envelope.message)
         return record
@@ -108,28 +114,36 @@ class Client:
                 cursor = entry_id
                 event = decode_event(entry_id, fields)
                 yield event
-                if event["type"] in ("final", "rejected"):
+                if self._ends(job_id, event):
                     return
             if entries:
                 idle_since = time.monotonic()
+                continue
             if not follow or (idle_timeout_s and time.monotonic() - idle_since > idle_timeout_s):
                 return
+
+    def _ends(self, job_id: str, event: dict[str, Any]) -> bool:
+        if event["type"] == "final":
+            return True
+        # a rejection ends the job only if it was of this client's own message (results.py)
+        return event["type"] == "rejected" and self.results.final(job_id) is not None
 
     # -- cancelling -------------------------------------------------------------------------
     def cancel(self, job_id: str) -> bool:
         """Cancel a job: a queued one ends at once, a running one within about a second.
-        False when the job already had its final result."""
-        if self.results.get(job_id) is not None:
+        False when the job is unknown or already had its final result."""
+        record = self.results.job_record(job_id)
+        if not record or self.results.get(job_id) is not None:
             return False
         self.redis.set(self.keys.cancel(job_id), "1", ex=self.settings.result_ttl_s)
-        state = self.results.job_record(job_id).get("state", "")
+        state = record.get("state", "")
         if state == "running":
             return True
         from fleet.dispatcher import make_store  # noqa: PLC0415
 
         pending = make_store(self.settings, self.redis).cancel_pending(job_id)
-        if pending or state in ("submitted", "prepared", ""):
-            project = self.results.job_record(job_id).get("project", "")
+        if pending or state == "submitted":
+            project = record.get("project", "")
             self.results.publish(Envelope.failure(job_id, project, Code.E_CANCELLED,
                                                   "cancelled while queued"))
         return True

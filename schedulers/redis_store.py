@@ -4,12 +4,17 @@ dispatcher processes on any number of hosts can admit at once and never pass a l
 Key schema (D = ``Keys(prefix).dispatch`` = ``{p}d:``; the same list is in fleet/keys.py):
   D pending:<project>:<band>:<size>  zset  pending job ids; band interactive|batch, size
                                            short|long; score = fairshare.pending_score (ms)
-  D item:<id>      hash    project band size prompt max_new kv long enq score pending(1|0);
-                           lives while the job is pending or leased (a lease needs it to requeue)
+  D item:<id>      hash    project band size prompt max_new kv long enq score pending(1|0)
+                           deadline (absent: none); lives while the job is pending or leased
+                           (a lease needs it to requeue)
+  D deadlines      zset    pending job ids that have a deadline, score = deadline (unix
+                           seconds); an entry leaves at admission, cancel or expiry and comes
+                           back when an expired lease requeues the job
   D projects       set     projects that may have pending work (pruned when found empty)
   D vtime          hash    project -> finish tag F_p (start-time fair queuing, tokens/weight)
   D leases         zset    in-flight job ids, score = lease expiry (unix seconds)
-  D lease:<id>     hash    fence kv long expires admitted_at project
+  D lease:<id>     hash    fence kv long expires admitted_at project owner (absent until
+                           the first ``claim``; a delivery of another owner is refused)
   D state          hash    in_flight kv long (counters of live leases), bucket bucket_at
                            (prefill token bucket), last_admit, blocked_job blocked_since
                            (head-of-line reservation), vtime (V)
@@ -25,6 +30,11 @@ applies the backend gate and every limit (the rules of schedulers/limits.py, in 
 and grants the first that fits: pop from pending, counters, bucket, virtual times, fence, lease.
 A race between dispatchers can only change who goes first, never what is allowed; when every
 candidate was taken, admission reads the heads again.
+
+``CLAIM`` (worker start), ``REQUEUE`` (a grant that could not be sent) and ``EXPIRE``
+(pending deadlines, at most 200 a call) are single scripts too. ``wait_for_wake`` never blocks
+longer than ``MAX_BLOCK_S`` (or 80% of the client's socket timeout, if that is shorter): redis-py
+8 gives every connection a 5 s socket timeout, and a BLPOP blocking past it raises TimeoutError.
 
 Times come from the caller (``now``), not from Redis TIME, so tests can drive a fake clock;
 dispatchers on several hosts need synchronised clocks (NTP) for lease expiry to mean the same.
@@ -68,9 +78,34 @@ local function free_lease(id)
   redis.call('ZREM', k('leases'), id)
   return true
 end
+-- Put a job whose lease is gone back in line at its original score (and its deadline back).
+local function requeue_item(id)
+  local item = k('item', id)
+  local f = redis.call('HMGET', item, 'pending', 'project', 'band', 'size', 'score', 'deadline')
+  if f[2] and f[1] ~= '1' then
+    redis.call('ZADD', k('pending', f[2], f[3], f[4]), f[5], id)
+    redis.call('HSET', item, 'pending', '1')
+    redis.call('SADD', k('projects'), f[2])
+    if f[6] then redis.call('ZADD', k('deadlines'), f[6], id) end
+  end
+end
+-- Take a pending job out of line (cancel, deadline); keep its item while a lease needs it.
+local function unqueue(id)
+  local item = k('item', id)
+  local f = redis.call('HMGET', item, 'pending', 'project', 'band', 'size')
+  redis.call('ZREM', k('deadlines'), id)
+  if f[1] ~= '1' then return false end
+  redis.call('ZREM', k('pending', f[2], f[3], f[4]), id)
+  if redis.call('EXISTS', k('lease', id)) == 1 then
+    redis.call('HSET', item, 'pending', '0')
+  else
+    redis.call('DEL', item)
+  end
+  return true
+end
 """
 
-# ARGV: D, id, project, band, size, prompt, max_new, kv, long, enq, score
+# ARGV: D, id, project, band, size, prompt, max_new, kv, long, enq, score, deadline ('' = none)
 _ADD = """
 local item = k('item', ARGV[2])
 if redis.call('HGET', item, 'pending') == '1' then return 0 end
@@ -78,6 +113,13 @@ redis.call('HSET', item, 'project', ARGV[3], 'band', ARGV[4], 'size', ARGV[5], '
   'max_new', ARGV[7], 'kv', ARGV[8], 'long', ARGV[9], 'enq', ARGV[10], 'score', ARGV[11],
   'pending', '1')
 redis.call('ZADD', k('pending', ARGV[3], ARGV[4], ARGV[5]), ARGV[11], ARGV[2])
+if ARGV[12] ~= '' then
+  redis.call('HSET', item, 'deadline', ARGV[12])
+  redis.call('ZADD', k('deadlines'), ARGV[12], ARGV[2])
+else
+  redis.call('HDEL', item, 'deadline')
+  redis.call('ZREM', k('deadlines'), ARGV[2])
+end
 redis.call('SADD', k('projects'), ARGV[3])
 wake()
 return 1
@@ -183,10 +225,24 @@ redis.call('HSET', k('lease', c.id), 'fence', fence, 'kv', c.kv, 'long', c.long 
   'expires', fmt(expires), 'admitted_at', fmt(now), 'project', c.project)
 redis.call('ZADD', k('leases'), fmt(expires), c.id)
 redis.call('ZREM', k('pending', c.project, c.band, c.size), c.id)
+redis.call('ZREM', k('deadlines'), c.id)
 redis.call('HSET', k('item', c.id), 'pending', '0')
 redis.call('HINCRBY', k('stats'), 'admissions', 1)
 return {1, c.id, c.project, fence, c.prompt, c.kv, c.long and 1 or 0, fmt(expires),
   fmt(math.max(0, now - c.enq))}
+"""
+
+# ARGV: D, id, fence, owner, now, ttl. Live lease with this fence, unclaimed or claimed by this
+# owner: record the owner and renew, in one step.
+_CLAIM = """
+local lease = k('lease', ARGV[2])
+local f = redis.call('HMGET', lease, 'fence', 'expires', 'owner')
+if f[1] ~= ARGV[3] or tonumber(f[2]) < tonumber(ARGV[5]) then return 0 end
+if f[3] and f[3] ~= ARGV[4] then return 0 end
+local expires = fmt(tonumber(ARGV[5]) + tonumber(ARGV[6]))
+redis.call('HSET', lease, 'owner', ARGV[4], 'expires', expires)
+redis.call('ZADD', k('leases'), expires, ARGV[2])
+return 1
 """
 
 # ARGV: D, id, fence, now, ttl
@@ -215,33 +271,40 @@ _REAP = """
 local ids = redis.call('ZRANGEBYSCORE', k('leases'), '-inf', '(' .. ARGV[2], 'LIMIT', 0, 200)
 for _, id in ipairs(ids) do
   free_lease(id)
-  local item = k('item', id)
-  local f = redis.call('HMGET', item, 'pending', 'project', 'band', 'size', 'score')
-  if f[2] and f[1] ~= '1' then
-    redis.call('ZADD', k('pending', f[2], f[3], f[4]), f[5], id)
-    redis.call('HSET', item, 'pending', '1')
-    redis.call('SADD', k('projects'), f[2])
-  end
+  requeue_item(id)
 end
 if #ids > 0 then wake() end
 return ids
 """
 
-# ARGV: D, id
-_CANCEL = """
-local item = k('item', ARGV[2])
-local f = redis.call('HMGET', item, 'pending', 'project', 'band', 'size')
-if f[1] ~= '1' then return 0 end
-redis.call('ZREM', k('pending', f[2], f[3], f[4]), ARGV[2])
-if redis.call('EXISTS', k('lease', ARGV[2])) == 1 then
-  redis.call('HSET', item, 'pending', '0')
-else
-  redis.call('DEL', item)
-end
+# ARGV: D, id, fence. Give a lease up at once and put the job back in line (a failed send).
+_REQUEUE = """
+if redis.call('HGET', k('lease', ARGV[2]), 'fence') ~= ARGV[3] then return 0 end
+free_lease(ARGV[2])
+requeue_item(ARGV[2])
+wake()
 return 1
 """
 
+# ARGV: D, id
+_CANCEL = """
+if unqueue(ARGV[2]) then return 1 end
+return 0
+"""
+
+# ARGV: D, now. Pending jobs whose deadline <= now leave the line; returns their ids. Entries
+# of jobs no longer pending (none expected; kept safe) are dropped without being returned.
+_EXPIRE = """
+local ids = redis.call('ZRANGEBYSCORE', k('deadlines'), '-inf', ARGV[2], 'LIMIT', 0, 200)
+local out = {}
+for _, id in ipairs(ids) do
+  if unqueue(id) then table.insert(out, id) end
+end
+return out
+"""
+
 _ROUNDS = 4  # admission attempts when other dispatchers keep taking our candidates
+MAX_BLOCK_S = 4.0  # longest BLPOP; below redis-py 8's default 5 s socket timeout
 
 
 class RedisStore:
@@ -256,16 +319,20 @@ class RedisStore:
         self._client = client
         self._d = keys.dispatch
         self._clock = clock
+        self._max_block_s = max_block_s(client)
         self._scripts = {
             name: client.register_script(_PRELUDE + body)
             for name, body in (
                 ("add", _ADD),
                 ("heads", _HEADS),
                 ("admit", _ADMIT),
+                ("claim", _CLAIM),
                 ("renew", _RENEW),
                 ("release", _RELEASE),
                 ("reap", _REAP),
+                ("requeue", _REQUEUE),
                 ("cancel", _CANCEL),
+                ("expire", _EXPIRE),
             )
         }
 
@@ -299,10 +366,18 @@ class RedisStore:
             "1" if long else "0",
             repr(enqueued_at),
             repr(score),
+            "" if item.deadline is None else repr(float(item.deadline)),
         ]
 
     def cancel_pending(self, job_id: str) -> bool:
         return bool(self._run("cancel", job_id))
+
+    def expire_deadlines(self, now: float) -> list[str]:
+        return [_text(job_id) for job_id in self._run("expire", repr(now))]
+
+    def next_deadline(self) -> float | None:
+        first = self._client.zrange(self._d + "deadlines", 0, 0, withscores=True)
+        return float(first[0][1]) if first else None
 
     # -- admission ---------------------------------------------------------------------------
     def admit_next(self, now: float) -> AdmitResult:
@@ -363,11 +438,18 @@ class RedisStore:
         )
 
     # -- leases ------------------------------------------------------------------------------
+    def claim(self, job_id: str, fence: int, owner: str, now: float) -> bool:
+        ttl = repr(self.config.lease_ttl_s)
+        return bool(self._run("claim", job_id, fence, owner, repr(now), ttl))
+
     def renew(self, job_id: str, fence: int, now: float) -> bool:
         return bool(self._run("renew", job_id, fence, repr(now), repr(self.config.lease_ttl_s)))
 
     def release(self, job_id: str, fence: int) -> bool:
         return bool(self._run("release", job_id, fence))
+
+    def requeue(self, job_id: str, fence: int) -> bool:
+        return bool(self._run("requeue", job_id, fence))
 
     def lease_valid(self, job_id: str, fence: int) -> bool:
         value = self._client.hget(f"{self._d}lease:{job_id}", "fence")
@@ -398,7 +480,9 @@ class RedisStore:
         pipe.execute()
 
     def wait_for_wake(self, timeout_s: float) -> bool:
-        return self._client.blpop([self._d + "wake"], timeout=max(timeout_s, 0.001)) is not None
+        """Block on the wake list; never longer than the client's socket timeout allows."""
+        timeout_s = min(max(timeout_s, 0.001), self._max_block_s)
+        return self._client.blpop([self._d + "wake"], timeout=timeout_s) is not None
 
     def snapshot(self) -> StoreSnapshot:
         projects = sorted(_text(p) for p in self._client.smembers(self._d + "projects"))
@@ -440,6 +524,18 @@ class RedisStore:
         for key in self._client.scan_iter(match=f"{self._d}pending:*", count=500):
             ids.update(_text(i) for i in self._client.zrange(key, 0, -1))
         return ids
+
+
+def max_block_s(client: redis.Redis) -> float:
+    """The longest BLPOP ``client`` survives: ``MAX_BLOCK_S``, or 80% of a shorter socket timeout.
+
+    redis-py 8 connections default to a 5 s socket timeout (not in ``connection_kwargs`` when
+    the client was made with ``from_url``); ``None`` means no timeout at all.
+    """
+    socket_timeout_s = client.connection_pool.connection_kwargs.get("socket_timeout", 5.0)
+    if socket_timeout_s is None:
+        return MAX_BLOCK_S
+    return max(0.01, min(MAX_BLOCK_S, 0.8 * float(socket_timeout_s)))
 
 
 def _text(value: Any) -> str:

@@ -4,10 +4,26 @@ schedulers/memory_store.py) and ``RedisStore`` (atomic Lua scripts, schedulers/r
 The same test suite runs against both.
 
 Life of a job in the store:
-  add_pending -> [fair pick + admit_next: lease granted, fence issued] -> renew ... -> release
-                 \\-> cancel_pending (job removed, never admitted)
+  add_pending -> [fair pick + admit_next: lease granted, fence issued] -> claim -> renew ...
+                 |                                                               -> release
+                 |\\-> cancel_pending (job removed, never admitted)
+                 \\-> expire_deadlines (its ``deadline`` passed while pending: removed)
   a lease not renewed before its expiry is reaped by ``reap_expired``: the job goes back to
   pending at its original place in line, and the old fence is dead (renew/release with it fail).
+  ``requeue`` does the same at once, for a grant the dispatcher could not hand to a worker.
+
+Claims: the broker may deliver one inference task twice (redelivery after a worker loss, a
+visibility timeout). The fence alone cannot tell the two deliveries apart, so the first worker
+to start calls ``claim(job_id, fence, owner, now)``: it succeeds only while the lease is live,
+carries that fence, and nobody else has claimed it (the same owner may claim again). The claim
+renews the lease in the same step, so the worker's first renewal happens at claim time, not a
+third of the TTL later. A second delivery's claim (another owner, same fence) returns False and
+that delivery is dropped. ``renew`` and ``release`` check only the fence, as before.
+
+Deadlines: a ``PendingItem`` may carry ``deadline`` (unix seconds). ``expire_deadlines(now)``
+removes every pending job whose deadline is at or before ``now`` (like ``cancel_pending``) and
+returns their ids, for the caller to publish E_DEADLINE. A job in flight is left alone; its
+deadline comes back with it if its lease expires and it returns to pending.
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ class PendingItem:
     band: Band = "batch"
     priority: int = 0  # higher first, inside a project's band
     enqueued_at: float = 0.0  # unix seconds; set by the store when 0
+    deadline: float | None = None  # unix seconds; expire_deadlines drops it from pending after
 
 
 @dataclass(frozen=True)
@@ -53,7 +70,8 @@ class AdmitResult:
     grant: Grant | None
     # "empty", "seqs", "kv", "long", "bucket", "spacing", "backend_<why>" (stale, health,
     # waiting, kv_usage, preemptions; see schedulers/backend_gate.py), "conflict" (other
-    # dispatchers kept taking the candidates; try again at once)
+    # dispatchers kept taking the candidates; try again at once); "send_failed" (set by the
+    # dispatcher, not the store: the grant could not be sent and was requeued; back off)
     hold_reason: str | None = None
     retry_in_s: float | None = None  # when a time-based hold (bucket, spacing) lifts
 
@@ -99,13 +117,21 @@ class AdmissionStore(Protocol):
 
     def admit_next(self, now: float) -> AdmitResult: ...
 
+    def claim(self, job_id: str, fence: int, owner: str, now: float) -> bool: ...
+
     def renew(self, job_id: str, fence: int, now: float) -> bool: ...
 
     def release(self, job_id: str, fence: int) -> bool: ...
 
     def reap_expired(self, now: float) -> list[str]: ...
 
+    def requeue(self, job_id: str, fence: int) -> bool: ...
+
     def cancel_pending(self, job_id: str) -> bool: ...
+
+    def expire_deadlines(self, now: float) -> list[str]: ...
+
+    def next_deadline(self) -> float | None: ...
 
     def snapshot(self) -> StoreSnapshot: ...
 

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+import tomllib
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -15,7 +16,6 @@ from typing import Any
 
 import httpx
 import redis
-import tomllib
 
 from fleet.client import Client
 from fleet.config import EXAMPLE_CONFIG, load_settings
@@ -150,3 +150,40 @@ class FleetProbe:
         env = {**self.h.fleet.env, "COLUMNS": "200"}
         return subprocess.run([sys.executable, "-m", "fleet", *args], env=env,
                               capture_output=True, text=True, timeout=timeout_s)
+
+    # -- Celery remote control (every live worker must answer, else None) -------------------
+    def live_workers(self) -> list[str]:
+        return [name for name, p in self.h.fleet.children
+                if name.startswith("worker-") and p.poll() is None]
+
+    def _inspect(self, method: str) -> dict[str, Any] | None:
+        live = len(self.live_workers())
+        inspect = self.h.client._celery.control.inspect(timeout=5.0, limit=live)
+        replies = getattr(inspect, method)() or {}
+        return replies if len(replies) == live else None
+
+    def active_tasks(self) -> dict[str, list[dict[str, Any]]] | None:
+        """Celery node name -> the tasks it is running now."""
+        return self._inspect("active")
+
+    def active_task_ids(self) -> set[str] | None:
+        active = self.active_tasks()
+        return None if active is None else {t["id"] for tasks in active.values() for t in tasks}
+
+    def tasks_taken(self, name: str) -> int | None:
+        """How many tasks called ``name`` the live workers have taken since they started."""
+        stats = self._inspect("stats")
+        return None if stats is None else sum(s.get("total", {}).get(name, 0) for s in stats.values())
+
+    def count_tasks_taken(self, name: str, timeout_s: float = 30) -> int:
+        """``tasks_taken`` once every live worker answers."""
+        found: list[int] = []
+
+        def answered() -> bool:
+            taken = self.tasks_taken(name)
+            if taken is not None:
+                found.append(taken)
+            return taken is not None
+
+        wait_until(answered, timeout_s, f"every worker to report its {name} count")
+        return found[-1]

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from fleet.celery_app import INFER_TASK
 from fleet.codes import Code
 from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
 
@@ -29,16 +30,23 @@ pytestmark = pytest.mark.slow
 
 CAP = 4
 LEASE_TTL_S = 3
+LONG_TOKENS = 400  # the fleet's long_prompt_tokens and the simulator's --long-threshold
+MAX_LONG = 1
+# KV budget (pool x overcommit 1.0, 1,072-token blocks): four jobs of thinking budget 2,000 fit
+# (3 blocks each), only two of thinking budget 8,000 (8 blocks each).
+KV_POOL_TOKENS = 20_000
 SIM_ARGS = ["--think-min-tokens", "100", "--think-max-tokens", "300",
-            "--answer-min-tokens", "10", "--answer-max-tokens", "40"]
+            "--answer-min-tokens", "10", "--answer-max-tokens", "40",
+            "--long-threshold", str(LONG_TOKENS)]
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     config = make_config(
         tmp_path_factory.mktemp("fleet-invariants"),
-        backend={"max_num_seqs": CAP},
-        admission={"lease_ttl_s": LEASE_TTL_S},
+        backend={"max_num_seqs": CAP, "long_prompt_tokens": LONG_TOKENS, "max_long": MAX_LONG,
+                 "kv_pool_tokens": KV_POOL_TOKENS},
+        admission={"lease_ttl_s": LEASE_TTL_S, "kv_overcommit": 1.0},
         timeouts={"idle_s": 4},
         retry={"backoff_base_s": 0.2, "backoff_max_s": 0.5},
     )
@@ -51,9 +59,15 @@ def probe(fleet: Harness) -> FleetProbe:
     return FleetProbe(fleet)
 
 
-def ask(project: str, text: str) -> dict:
+def ask(project: str, text: str, thinking_budget: int = 2000) -> dict:
     return {"project": project, "messages": [{"role": "user", "content": text}],
-            "thinking_budget": 4000, "content_reserve": 256}
+            "thinking_budget": thinking_budget, "content_reserve": 256}
+
+
+def long_text(n: int) -> str:
+    """About 750 tokens of distinct sentences (above LONG_TOKENS)."""
+    return " ".join(f"Ledger {n} line {i} records {i * 37 % 101} crates of pears shipped north."
+                    for i in range(60))
 
 
 def test_cap_holds_and_every_job_ends_exactly_once(fleet: Harness, probe: FleetProbe) -> None:
@@ -82,18 +96,46 @@ def test_cap_holds_and_every_job_ends_exactly_once(fleet: Harness, probe: FleetP
     assert fleet.fleet.check() == []
 
 
-def _workers(fleet: Harness) -> dict[str, int]:
-    return {name: p.pid for name, p in fleet.fleet.children
-            if name.startswith("worker-") and p.poll() is None}
+def test_long_prompts_never_exceed_max_long(fleet: Harness, probe: FleetProbe) -> None:
+    probe.sim_reset()
+    projects = sorted(fleet.settings.projects)
+    long_ids = [fleet.client.submit(ask(projects[n], f"{long_text(n)} [sim:think=800] [sim:answer=10]"))
+                for n in range(4)]
+    short_ids = [fleet.client.submit(ask(projects[n % 5], f"short {n} [sim:think=300] [sim:answer=10]"))
+                 for n in range(12)]
+    envelopes = {j: fleet.client.result(j, timeout=120) for j in long_ids + short_ids}
+    assert {j: e.code if e else None for j, e in envelopes.items()} == \
+        dict.fromkeys(long_ids + short_ids, Code.OK)
+    assert all(envelopes[j].usage.prompt_tokens > LONG_TOKENS for j in long_ids)
+    assert all(envelopes[j].usage.prompt_tokens < LONG_TOKENS for j in short_ids)
+    stats = probe.sim_stats()
+    # The simulator's own count of long prompts running at once, and of all requests.
+    assert stats["max_long_running_seen"] == MAX_LONG
+    assert stats["max_running_seen"] <= CAP
+    snap = probe.snapshot()
+    assert snap.long_in_flight == 0 and snap.in_flight == 0
 
 
-def _active_infer_jobs(fleet: Harness) -> dict[int, set[str]]:
+def test_kv_budget_bounds_concurrency(fleet: Harness, probe: FleetProbe) -> None:
+    probe.sim_reset()
+    ids = [fleet.client.submit(ask(p, f"big budget {p} {n} [sim:think=1500] [sim:answer=10]",
+                                   thinking_budget=8000))
+           for n in range(2) for p in ("reports", "triage", "research")]
+    envelopes = [fleet.client.result(j, timeout=120) for j in ids]
+    assert [e.code if e else None for e in envelopes] == [Code.OK] * len(ids)
+    assert [b["max_completion_tokens"] for b in probe.sim_requests()] == [8256] * len(ids)
+    # 8 blocks of 1,072 tokens each: two fit the 20,000-token budget, a third does not.
+    assert probe.sim_stats()["max_running_seen"] == 2
+    snap = probe.snapshot()
+    assert snap.reserved_kv_tokens == 0 and snap.holds.get("kv", 0) > 0
+
+
+def _active_infer_jobs(probe: FleetProbe) -> dict[int, set[str]]:
     """Worker index -> job ids of the fleet.infer tasks it is running (Celery remote control)."""
-    replies = fleet.client._celery.control.inspect(timeout=2.0).active() or {}
     found: dict[int, set[str]] = {}
-    for hostname, tasks in replies.items():
-        index = int(hostname.split("@")[0].split("-")[1])
-        found[index] = {t["kwargs"]["job_id"] for t in tasks if t["name"] == "fleet.infer"}
+    for hostname, tasks in (probe.active_tasks() or {}).items():
+        index = int(hostname.split("@")[0].split("-")[1])  # fleet-<n>-<pid>@host
+        found[index] = {t["kwargs"]["job_id"] for t in tasks if t["name"] == INFER_TASK}
     return found
 
 
@@ -105,7 +147,7 @@ def test_kill_9_of_a_streaming_worker_loses_nothing(fleet: Harness, probe: Fleet
            for p in ("reports", "triage", "research", "translate")]
     wait_until(lambda: probe.sim_stats()["running"] == CAP, 60, "every job streaming")
     active = wait_until(
-        lambda: (found := _active_infer_jobs(fleet)) and sum(map(len, found.values())) == CAP
+        lambda: (found := _active_infer_jobs(probe)) and sum(map(len, found.values())) == CAP
         and found, 60, "the workers to report their streams")
     victim_index, victim_jobs = max(active.items(), key=lambda item: len(item[1]))
     assert victim_jobs, active
@@ -138,4 +180,4 @@ def test_kill_9_of_a_streaming_worker_loses_nothing(fleet: Harness, probe: Fleet
     queues = probe.cli("queues")
     assert queues.returncode == 0, queues.stderr
     assert f"in flight 0/{CAP}" in queues.stdout
-    assert {name for name in _workers(fleet)} == {f"worker-{1 - victim_index}", "worker-9"}
+    assert set(probe.live_workers()) == {f"worker-{1 - victim_index}", "worker-9"}

@@ -40,18 +40,29 @@ def test_wait_blocks_until_published(redis_client, key_prefix):
 
 def test_rejections_stay_out_of_project_results(redis_client, key_prefix):
     results = store(redis_client, key_prefix)
-    results.reject("j3", "reports", "bad signature")
+    results.record("j3", state="submitted", nonce="n-mine")
+    results.reject("j3", "reports", "bad signature", "n-mine")
     keys = Keys(key_prefix)
-    assert results.get("j3").code == Code.E_AUTH
+    assert results.final("j3").code == Code.E_AUTH  # the submitter sees its own rejection
+    assert results.get("j3") is None  # but the job has no final result
     assert redis_client.xlen(keys.results("reports")) == 0
     assert redis_client.xlen(keys.rejections) == 1
+
+
+def test_a_forged_message_cannot_end_someone_elses_job(redis_client, key_prefix):
+    results = store(redis_client, key_prefix)
+    results.record("victim", state="pending", nonce="n-real")
+    results.reject("victim", "reports", "bad signature", "n-forged")
+    assert results.final("victim") is None and results.get("victim") is None
+    assert results.publish(Envelope(job_id="victim", project="reports", code=Code.OK))
 
 
 def test_follower_sees_results_and_rejections(redis_client, key_prefix):
     results = store(redis_client, key_prefix)
     follower = ResultFollower(results, {"reports"})
     results.publish(Envelope(job_id="a", project="reports", code=Code.OK))
-    results.reject("b", "reports", "bad signature")
+    results.record("b", state="submitted", nonce="n-b")
+    results.reject("b", "reports", "bad signature", "n-b")
     got = {e.job_id: e.code for e in follower.follow({"a", "b"}, timeout_s=10, block_ms=50)}
     assert got == {"a": Code.OK, "b": Code.E_AUTH}
 

@@ -3,7 +3,7 @@ import pytest
 from fleet.config import EXAMPLE_CONFIG, load_settings
 from fleet.errors import AuthError
 from fleet.keys import Keys
-from fleet.signing import sign, verify
+from fleet.signing import _mac, sign, verify
 
 JOB = {"project": "reports", "messages": [{"role": "user", "content": "hi"}], "id": "j1"}
 
@@ -17,12 +17,31 @@ def secret(settings, project="reports"):
     return settings.projects[project].secret
 
 
-def test_genuine_job_verifies_once_then_is_a_replay(settings, redis_client, key_prefix):
+def test_redelivery_passes_but_the_nonce_on_another_job_is_a_replay(settings, redis_client,
+                                                                     key_prefix):
     keys = Keys(key_prefix)
     signed = sign(JOB, "reports", secret(settings))
     assert verify(signed, settings, redis_client, keys) == JOB
+    assert verify(signed, settings, redis_client, keys) == JOB  # Celery delivered it again
+    other = {**JOB, "id": "j2"}
+    # a genuinely signed message for another job that reuses the nonce
+    replay = {**signed, "job": other,
+              "sig": _mac(secret(settings), "reports", signed["ts"], signed["nonce"], other)}
     with pytest.raises(AuthError, match="replayed nonce"):
-        verify(signed, settings, redis_client, keys)
+        verify(replay, settings, redis_client, keys)
+
+
+def test_age_limits(settings, redis_client, key_prefix):
+    keys = Keys(key_prefix)
+    now = 1_800_000_000.0
+    backlog = sign(JOB, "reports", secret(settings), now=now - 3600)
+    assert verify(backlog, settings, redis_client, keys, now=now) == JOB  # an hour in the queue
+    old = sign(JOB, "reports", secret(settings), now=now - settings.security.max_age_s - 1)
+    with pytest.raises(AuthError, match="stale timestamp"):
+        verify(old, settings, redis_client, keys, now=now)
+    future = sign(JOB, "reports", secret(settings), now=now + 3600)
+    with pytest.raises(AuthError, match="in the future"):
+        verify(future, settings, redis_client, keys, now=now)
 
 
 @pytest.mark.parametrize(
@@ -32,6 +51,8 @@ def test_genuine_job_verifies_once_then_is_a_replay(settings, redis_client, key_
         (lambda s: s.update(sig="0" * 64), "bad signature"),
         (lambda s: s.update(project="nobody"), "unknown project"),
         (lambda s: s.update(ts="1000.000"), "stale timestamp"),
+        (lambda s: s.update(ts="nan"), "finite"),
+        (lambda s: s.update(sig="\u00e9" * 64), "bad signature"),
         (lambda s: s.pop("nonce"), "unsigned job"),
         (lambda s: s["job"].update(project="triage"), "differs"),
     ],

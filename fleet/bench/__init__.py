@@ -19,7 +19,7 @@ BENCH_REDIS = "redis://127.0.0.1:6379/15"
 def _redis_url(url: str):  # type: ignore[no-untyped-def]
     from fleet.embedded import ensure_broker  # noqa: PLC0415
 
-    return ensure_broker(url, env={})
+    return ensure_broker(url)
 
 
 @bench_app.command("sim")
