@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(BIN)/fleet bench dispatch
 	$(BIN)/fleet bench loops
 	$(BIN)/fleet bench collect
+	$(BIN)/fleet bench pipeline
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -33,8 +33,14 @@ def settings_or_exit() -> Settings:
 
 
 def setup_logging(level: str) -> None:
+    from fleet.config import EXAMPLE_CONFIG, config_path  # noqa: PLC0415
+
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config_path().resolve() == EXAMPLE_CONFIG.resolve():
+        logging.getLogger("fleet").warning(
+            "running on the example configuration (%s): its project secrets are public; "
+            "write your own fleet.toml before accepting real jobs", EXAMPLE_CONFIG)
 
 
 def client_or_exit():  # type: ignore[no-untyped-def]

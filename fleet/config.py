@@ -316,12 +316,14 @@ def _unknown_env_keys(env: dict[str, str]) -> list[str]:
     return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known | _ENV_NOT_SETTINGS)
 
 
-def _describe(error: ValidationError) -> str:
+def _describe(error: ValidationError, env: Mapping[str, str]) -> str:
     lines = []
     for item in error.errors():
         key = ".".join(str(part) for part in item["loc"]) or "(root)"
         message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
-        lines.append(f"{key}: {message}")
+        variable = ENV_PREFIX + "_".join(str(part) for part in item["loc"][:2]).upper()
+        where = f"{key} (from {variable})" if variable in env else key
+        lines.append(f"{where}: {message}")
     return "; ".join(lines)
 
 
@@ -350,7 +352,7 @@ def load_settings(
             os.environ.update(env)
         return Settings(**data)
     except ValidationError as exc:
-        raise ConfigError(f"{file}: {_describe(exc)}") from exc
+        raise ConfigError(f"{file}: {_describe(exc, env_map)}") from exc
     finally:
         if env is not None:
             os.environ.clear()

@@ -20,8 +20,10 @@
      +-- Cancelled                   E_CANCELLED
      +-- DeadlineExceeded            E_DEADLINE
 
-Foreign exceptions (httpx, redis, pydantic) are translated where they enter: the vLLM client,
-the stores and the job parser. Nothing above them ever sees a bare library exception.
+Foreign exceptions are translated where they enter: httpx errors in the vLLM client
+(fleet/vllm.py), pydantic errors in the job parser and the settings loader. Redis errors are not
+translated: the tasks' last line of defence turns whatever escapes into an E_INTERNAL envelope,
+live events swallow them (fleet/events.py), the dispatcher backs off and retries.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ Jobs and results (fleet/results.py, fleet/client.py)
   {p}tokcache:<sha256>        string cached /tokenize count for a piece of content
   {p}stats:codes              hash   final results counted by "<project>|<code>" (for /metrics)
 
+Broker (kombu, fleet/celery_app.py)
+  {p}q:*                      Celery's queues, unacked sets and bindings (kombu global_keyprefix)
+
 Dispatcher (schedulers/redis_store.py; its docstring repeats this part with the scripts)
   {p}d:pending:<project>:<band>:<size>
                               zset   pending job ids; band interactive|batch, size short|long

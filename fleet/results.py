@@ -1,7 +1,8 @@
 """Job records and final results in Redis (keys in fleet/keys.py).
 
 A job's life as the job hash records it (``{p}job:<id>`` field ``state``):
-    submitted -> prepared -> pending -> running -> final
+    submitted (client) -> pending (prep handed it to the dispatcher) -> running (an inference
+    worker claimed its lease) -> final
 A job ends with exactly one final Envelope. ``publish`` is one Lua script: it writes
 ``{p}result:<id>`` only if absent (SET NX) and, in the same atomic step, appends the envelope to
 ``{p}results:<project>``, adds the ``final`` event to ``{p}events:<id>`` and sets the TTLs. A
@@ -56,8 +57,6 @@ redis.call('HINCRBY', KEYS[5], ARGV[8], 1)
 return 1
 """
 
-STATES = ("submitted", "prepared", "pending", "running", "final")
-
 
 class ResultStore:
     def __init__(self, client: redis.Redis, keys: Keys, settings: Settings) -> None:
@@ -77,9 +76,6 @@ class ResultStore:
     def job_record(self, job_id: str) -> dict[str, str]:
         raw = self.client.hgetall(self.keys.job(job_id))
         return {k.decode(): v.decode() for k, v in raw.items()}
-
-    def set_state(self, job_id: str, state: str) -> None:
-        self.record(job_id, state=state, **{f"{state}_at": time.time()})
 
     # -- results --------------------------------------------------------------------------
     def publish(self, envelope: Envelope, *, to_project_stream: bool = True) -> bool:

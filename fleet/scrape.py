@@ -8,6 +8,10 @@ and admission holds ("backend_stale") until a fresh scrape arrives - the fleet n
 backend it cannot see. When a scrape finds no reason to hold, it wakes one dispatcher, so a hold
 lifts within one scrape interval without anyone polling. Several dispatchers each run a scraper;
 the last write wins, which is fine for a once-a-second gauge reading.
+
+The scraper thread must never die silently (a dead scraper holds every admission as "stale"
+with nothing in the log to say why): any error in one round is logged with its traceback and
+the next round goes on.
 """
 
 from __future__ import annotations
@@ -91,6 +95,9 @@ def run_scraper(
             hold = record(store, scrape_once(http, clock()), settings.admission)
         except (redis.RedisError, ValueError):  # keep scraping: a dead scraper means "stale"
             log.exception("recording the backend scrape failed")
+            hold = "error"
+        except Exception:  # a bug must not end the thread either (module docstring)
+            log.exception("backend scrape round failed")
             hold = "error"
         if hold != last_hold:
             log.info("backend gate: %s", hold or "open")

@@ -1,4 +1,5 @@
-"""The dispatcher process loop on a real Redis: event-driven wakes, metrics, ``fleet queues``."""
+"""The dispatcher process loop on a real Redis: event-driven wakes, metrics, ``fleet queues``,
+deadlines of pending jobs, failed sends, and surviving Redis errors."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import time
 from collections.abc import Callable, Iterator
 
 import httpx
+import kombu.exceptions
 import pytest
 import redis
+from pydantic import ValidationError
 from rich.console import Console
 
-from fleet.config import Settings
-from fleet.dispatcher import make_store, queues_table, run_dispatcher, wait_timeout_s
+from fleet.config import Settings, load_settings
+from fleet.dispatcher import Backoff, make_store, queues_table, run_dispatcher, wait_timeout_s
+from fleet.errors import ConfigError
 from schedulers.store import AdmitResult, Grant, PendingItem
 
 
@@ -66,10 +70,9 @@ class Recorder:
 def running(
     key_prefix: str, redis_url: str, redis_client: redis.Redis
 ) -> Iterator[tuple[Settings, Recorder, threading.Event]]:
-    # Both the idle wait and the lease TTL are an hour: only an event can wake the dispatcher.
-    settings = settings_for(
-        key_prefix, max_wait_s=3600.0, lease_ttl_s=3600.0, metrics_port=free_port()
-    )
+    # The lease TTL is an hour, so no expiry wakes the dispatcher; its idle wait (at most 4 s)
+    # may, but an idle round finds nothing new to admit.
+    settings = settings_for(key_prefix, max_wait_s=4.0, lease_ttl_s=3600.0, metrics_port=free_port())
     recorder, stop = Recorder(), threading.Event()
     client = redis.Redis.from_url(redis_url)
     thread = threading.Thread(target=run_dispatcher, args=(settings, client, recorder, stop))
@@ -95,7 +98,7 @@ def test_release_wakes_a_blocked_dispatcher(running, redis_client: redis.Redis) 
     with recorder.cond:
         recorder.log.append("release j1")
     assert store.release("j1", first.fence)
-    assert recorder.wait_for(2)  # only the release's wake can have done this (max wait 1 h)
+    assert recorder.wait_for(2)
     assert recorder.log == ["grant j1", "release j1", "grant j2"]
     assert recorder.grants[1].fence > first.fence
 
@@ -147,3 +150,144 @@ def test_wait_timeout_follows_the_next_event(key_prefix: str, redis_client: redi
     assert grant is not None
     timeout = wait_timeout_s(store, AdmitResult(None, "seqs"), 100.0, 3600.0)
     assert timeout == pytest.approx(settings.admission.lease_ttl_s)
+    store.add_pending(PendingItem("j2", "a", 100, 100, deadline=102.5))  # before the expiry
+    assert wait_timeout_s(store, AdmitResult(None, "seqs"), 100.0, 3600.0) == pytest.approx(2.5)
+    assert wait_timeout_s(store, AdmitResult(None, "send_failed"), 200.0, 1.0) == 0.001
+
+
+def test_max_wait_stays_under_the_socket_timeout(key_prefix: str) -> None:
+    with pytest.raises(ValidationError):
+        settings_for(key_prefix, max_wait_s=5.0)
+    with pytest.raises(ConfigError):
+        load_settings(env={}, admission={"max_wait_s": 30.0})
+    assert settings_for(key_prefix, max_wait_s=4.0).admission.max_wait_s == 4.0
+
+
+def test_backoff_doubles_to_its_cap_and_resets() -> None:
+    backoff = Backoff(0.5, 5.0)
+    assert [backoff.next_s() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    backoff.reset()
+    assert backoff.next_s() == 0.5
+
+
+class Dispatcher:
+    """``run_dispatcher`` in a thread with a fast back-off; stops and joins on ``close``."""
+
+    def __init__(self, settings: Settings, client: redis.Redis, send, **kw) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(
+            target=run_dispatcher,
+            args=(settings, client, send, self.stop),
+            kwargs={"backoff": Backoff(0.01, 0.05), **kw},
+        )
+        self.thread.start()
+
+    def close(self, store) -> None:
+        self.stop.set()
+        store.wake()
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
+
+
+class FlakyRedis(redis.Redis):
+    """A real client whose next ``failures`` commands raise ``error`` (a Redis blip)."""
+
+    failures = 0
+    error: type[redis.RedisError] = redis.ConnectionError
+
+    def execute_command(self, *args, **options):  # type: ignore[no-untyped-def]
+        if self.failures > 0:
+            self.failures -= 1
+            raise self.error(f"injected failure of {args[0]}")
+        return super().execute_command(*args, **options)
+
+
+@pytest.mark.parametrize("error", [redis.ConnectionError, redis.TimeoutError, redis.ResponseError])
+def test_dispatcher_survives_redis_errors(
+    error, key_prefix: str, redis_url: str, redis_client: redis.Redis, caplog
+) -> None:
+    settings = settings_for(key_prefix, lease_ttl_s=3600.0)
+    store = make_store(settings, redis_client)
+    store.add_pending(PendingItem("j1", "a", 100, 100))
+    flaky = FlakyRedis.from_url(redis_url)
+    flaky.failures, flaky.error = 5, error
+    recorder = Recorder()
+    caplog.set_level("WARNING", logger="fleet.dispatcher")
+    dispatcher = Dispatcher(settings, flaky, recorder)
+    try:
+        assert recorder.wait_for(1)  # admitted after the blip
+        assert flaky.failures == 0 and dispatcher.thread.is_alive()
+        blips = [r for r in caplog.records if "redis error" in r.getMessage()]
+        assert len(blips) == 5 and error.__name__ in blips[0].getMessage()
+        store.add_pending(PendingItem("j2", "b", 100, 100))  # and goes on working
+        assert store.release("j1", recorder.grants[0].fence)
+        assert recorder.wait_for(2) and recorder.grants[1].job_id == "j2"
+    finally:
+        dispatcher.close(store)
+        flaky.close()
+
+
+@pytest.mark.parametrize(
+    "error", [kombu.exceptions.OperationalError("broker down"), ConnectionRefusedError(), KeyError()]
+)
+def test_failed_send_puts_the_job_back_at_once(
+    error, key_prefix: str, redis_url: str, redis_client: redis.Redis
+) -> None:
+    settings = settings_for(key_prefix, lease_ttl_s=3600.0)  # no waiting out a lease here
+    store = make_store(settings, redis_client)
+    store.add_pending(PendingItem("j1", "a", 100, 100))
+    store.add_pending(PendingItem("j2", "a", 100, 100, enqueued_at=time.time() + 1))
+    attempts: list[Grant] = []
+    recorder = Recorder()
+
+    def send(grant: Grant) -> None:
+        attempts.append(grant)
+        if len(attempts) <= 2:
+            raise error
+        recorder(grant)
+
+    client = redis.Redis.from_url(redis_url)
+    dispatcher = Dispatcher(settings, client, send)
+    try:
+        assert recorder.wait_for(1)
+        # Both failed sends were of j1, which kept its place ahead of j2 (cap 1).
+        assert [g.job_id for g in attempts] == ["j1", "j1", "j1"]
+        assert attempts[0].fence < attempts[1].fence < attempts[2].fence
+        assert store.lease_fences() == {"j1": attempts[2].fence}
+        assert store.pending_ids() == {"j2"}
+    finally:
+        dispatcher.close(store)
+        client.close()
+
+
+def test_pending_deadline_is_expired_and_reported(
+    key_prefix: str, redis_url: str, redis_client: redis.Redis
+) -> None:
+    settings = settings_for(key_prefix, lease_ttl_s=3600.0, max_wait_s=4.0)
+    store = make_store(settings, redis_client)
+    store.add_pending(PendingItem("j1", "a", 100, 100, deadline=time.time() - 1))
+    expired: list[str] = []
+    reported = threading.Event()
+
+    def on_expired(job_id: str) -> None:
+        expired.append(job_id)
+        reported.set()
+
+    client = redis.Redis.from_url(redis_url)
+    recorder = Recorder()
+    dispatcher = Dispatcher(settings, client, recorder, on_expired=on_expired)
+    try:
+        assert reported.wait(20)
+        assert expired == ["j1"] and store.pending_ids() == set()
+        store.add_pending(PendingItem("j2", "a", 100, 100))
+        assert recorder.wait_for(1)  # cap 1: j2 holds the slot now
+        # j3 waits behind j2 with a deadline a moment away: it passes while j3 is pending.
+        reported.clear()
+        store.add_pending(PendingItem("j3", "a", 100, 100, deadline=time.time() + 0.2))
+        assert reported.wait(20)
+        assert expired == ["j1", "j3"]
+        assert [g.job_id for g in recorder.grants] == ["j2"]
+        assert store.pending_ids() == set() and store.lease_fences().keys() == {"j2"}
+    finally:
+        dispatcher.close(store)
+        client.close()

@@ -3,10 +3,12 @@ every dispatcher (httpx MockTransport as the backend, the in-memory store, a fak
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 
 from fleet.config import AdmissionSettings, Settings
-from fleet.scrape import record, scrape_once
+from fleet.scrape import record, run_scraper, scrape_once
 from schedulers.backend_gate import BackendSample, decide, sample_from
 from schedulers.memory_store import MemoryStore
 from schedulers.store import PendingItem, StoreConfig
@@ -97,3 +99,34 @@ def test_unreachable_backend_is_unhealthy() -> None:
     sample = scrape_once(http, 7.0)
     assert not sample.healthy and sample.error == "ConnectError"
     assert decide(sample, None, Settings().admission) == "health"
+
+
+class BrokenOnce(MemoryStore):
+    """A store whose first ``record_backend`` fails with an unexpected error; the third round
+    sets ``stop``."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        super().__init__(StoreConfig(gate=True))
+        self.stop, self.calls = stop, 0
+
+    def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str]) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("a bug")
+        super().record_backend(scraped_at, hold, figures)
+        if self.calls == 3:
+            self.stop.set()
+
+
+def test_scraper_survives_an_unexpected_error(caplog) -> None:
+    http = httpx.Client(transport=httpx.MockTransport(Backend()), base_url="http://vllm")
+    stop = threading.Event()
+    store = BrokenOnce(stop)
+    settings = Settings(admission={"scrape_interval_s": 0.01, "metrics_port": 0})
+    thread = threading.Thread(target=run_scraper, args=(settings, store, http, stop, lambda: 5.0))
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive() and store.calls == 3
+    assert store.backend()["hold"] == ""
+    failures = [r for r in caplog.records if r.getMessage() == "backend scrape round failed"]
+    assert len(failures) == 1 and failures[0].exc_info is not None

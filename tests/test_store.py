@@ -1,9 +1,10 @@
 """The admission store contract, run against the in-memory twin and against Redis (Lua).
 
 A fake clock drives every time-based rule; nothing sleeps. The hypothesis state machine throws
-random sequences of submit, admit, renew, release, crash, expire, stale-fence release and cancel
-at both stores and checks after every step that no limit is exceeded, no job is lost and the
-counters equal the sum over live leases.
+random sequences of submit (with or without a deadline), admit, claim, renew, release, requeue,
+crash, expire, stale-fence release, cancel and deadline expiry at both stores and checks after
+every step that no limit is exceeded, no job is lost, no lease has two owners and the counters
+equal the sum over live leases.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from hypothesis.stateful import (
 from fleet.keys import Keys
 from schedulers.limits import Limits, kv_tokens
 from schedulers.memory_store import MemoryStore
-from schedulers.redis_store import RedisStore
+from schedulers.redis_store import RedisStore, max_block_s
 from schedulers.store import PendingItem, StoreConfig
 
 from .conftest import TEST_REDIS_URL, delete_prefix
@@ -215,6 +216,88 @@ def test_expired_lease_goes_back_to_its_place(make_store: StoreFactory) -> None:
     assert store.release("j0", again.fence)
 
 
+def test_claim_drops_a_second_delivery(make_store: StoreFactory) -> None:
+    store = make_store()
+    store.add_pending(job("j0"))
+    grant = store.admit_next(1_010.0).grant
+    assert grant is not None and grant.lease_expires_at == pytest.approx(1_040.0)
+    assert not store.claim("j0", grant.fence + 1, "worker-a", 1_012.0)  # wrong fence
+    assert store.claim("j0", grant.fence, "worker-a", 1_012.0)
+    assert store.next_expiry() == pytest.approx(1_042.0)  # the claim renewed the lease
+    assert not store.claim("j0", grant.fence, "worker-b", 1_013.0)  # the duplicate delivery
+    assert store.next_expiry() == pytest.approx(1_042.0)  # ... changed nothing
+    assert store.claim("j0", grant.fence, "worker-a", 1_014.0)  # the same owner again
+    assert store.renew("j0", grant.fence, 1_020.0)  # renew checks the fence only, as before
+    assert store.next_expiry() == pytest.approx(1_050.0)
+    assert not store.claim("j0", grant.fence, "worker-a", 1_051.0)  # expired
+    assert store.reap_expired(1_051.0) == ["j0"]
+    again = store.admit_next(1_051.0).grant
+    assert again is not None and again.fence > grant.fence
+    assert not store.claim("j0", grant.fence, "worker-a", 1_052.0)  # the old fence is dead
+    assert store.claim("j0", again.fence, "worker-b", 1_052.0)  # a new lease, a new owner
+    assert store.release("j0", again.fence)
+    assert not store.claim("j0", again.fence, "worker-b", 1_053.0)  # no lease any more
+
+
+def test_requeue_gives_the_lease_back_at_once(make_store: StoreFactory) -> None:
+    store = make_store(limits(max_num_seqs=1))
+    for i in range(3):
+        store.add_pending(job(f"j{i}"))
+    first = store.admit_next(1_010.0).grant
+    assert first is not None and first.job_id == "j0"
+    assert not store.requeue("j0", first.fence + 1)
+    assert store.requeue("j0", first.fence)
+    assert store.snapshot().in_flight == 0 and store.lease_fences() == {}
+    assert not store.requeue("j0", first.fence)  # nothing to give back twice
+    again = store.admit_next(1_010.0).grant  # back at its original place: first in line
+    assert again is not None and again.job_id == "j0" and again.fence > first.fence
+    assert store.pending_ids() == {"j1", "j2"}
+
+
+def test_deadlines_expire_pending_jobs_only(make_store: StoreFactory) -> None:
+    store = make_store(limits(max_num_seqs=1))
+    store.add_pending(job("j0", deadline=1_020.0))  # admitted first: in flight, not touched
+    store.add_pending(job("j1", deadline=1_030.0))
+    store.add_pending(job("j2", deadline=1_020.0))
+    store.add_pending(job("j3"))
+    store.add_pending(job("j4", deadline=1_025.0))
+    grant = store.admit_next(1_010.0).grant
+    assert grant is not None and grant.job_id == "j0"
+    assert store.next_deadline() == pytest.approx(1_020.0)  # j2's (j0 left the deadlines)
+    assert store.expire_deadlines(1_019.0) == []
+    assert store.expire_deadlines(1_020.0) == ["j2"]  # deadline <= now
+    assert store.pending_ids() == {"j1", "j3", "j4"}
+    assert store.lease_fences() == {"j0": grant.fence}
+    assert store.cancel_pending("j4")  # a cancelled job's deadline goes with it
+    assert store.next_deadline() == pytest.approx(1_030.0)
+    assert store.expire_deadlines(1_035.0) == ["j1"]
+    assert store.next_deadline() is None
+    assert store.snapshot().pending == {"a": {"batch": 1}}
+    assert store.snapshot().in_flight == 1
+
+
+def test_deadline_comes_back_with_an_expired_lease(make_store: StoreFactory) -> None:
+    store = make_store()
+    store.add_pending(job("j0", deadline=1_100.0))
+    grant = store.admit_next(1_010.0).grant
+    assert grant is not None and store.next_deadline() is None
+    assert store.reap_expired(1_041.0) == ["j0"]
+    assert store.next_deadline() == pytest.approx(1_100.0)
+    assert store.expire_deadlines(1_100.0) == ["j0"]
+    assert store.pending_ids() == set() and store.admit_next(1_100.0).hold_reason == "empty"
+
+
+def test_resubmit_without_deadline_clears_it(make_store: StoreFactory) -> None:
+    store = make_store()
+    store.add_pending(job("j0", deadline=1_050.0))
+    grant = store.admit_next(1_010.0).grant
+    assert grant is not None
+    store.add_pending(job("j0"))  # submitted again while in flight, this time without one
+    assert store.next_deadline() is None
+    assert store.expire_deadlines(1_060.0) == []
+    assert store.pending_ids() == {"j0"}
+
+
 def test_cancel_and_duplicate_submit(make_store: StoreFactory) -> None:
     store = make_store()
     store.add_pending(job("j0"))
@@ -262,6 +345,18 @@ def test_interactive_and_priority_order(make_store: StoreFactory) -> None:
     assert admit_ids(store, 1_010.0) == ["i3", "b2", "b1"]
 
 
+def test_blocking_wait_stays_under_the_socket_timeout(redis_url: str, key_prefix: str) -> None:
+    assert max_block_s(redis.Redis.from_url(redis_url)) == 4.0  # redis-py 8 default: 5 s
+    assert max_block_s(redis.Redis.from_url(redis_url, socket_timeout=None)) == 4.0
+    short = redis.Redis.from_url(redis_url, socket_timeout=0.5)
+    assert max_block_s(short) == pytest.approx(0.4)
+    store = RedisStore(short, Keys(key_prefix), BASE)
+    try:
+        assert not store.wait_for_wake(60.0)  # would raise TimeoutError if it blocked 60 s
+    finally:
+        short.close()
+
+
 # -- random sequences ------------------------------------------------------------------------
 MACHINE = StoreConfig(
     limits=Limits(
@@ -294,6 +389,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.submitted: dict[str, PendingItem] = {}
         self.done: set[str] = set()
         self.live: dict[str, int] = {}  # job -> fence, as the model believes
+        self.owners: dict[tuple[str, int], str] = {}  # (job, fence) -> first claimant
         self.count = 0
 
     @rule(
@@ -301,10 +397,16 @@ class StoreMachine(RuleBasedStateMachine):
         prompt=st.sampled_from([300, 2_500, 9_000, 12_000]),
         new=st.integers(0, 4_000),
         band=st.sampled_from(["batch", "interactive"]),
+        deadline_in_s=st.sampled_from([None, None, 1.0, 10.0, 60.0]),
     )
-    def submit(self, project: str, prompt: int, new: int, band: str) -> None:
+    def submit(
+        self, project: str, prompt: int, new: int, band: str, deadline_in_s: float | None
+    ) -> None:
         self.count += 1
-        item = PendingItem(f"j{self.count}", project, prompt, new, band=band)  # type: ignore[arg-type]
+        deadline = None if deadline_in_s is None else self.clock.now + deadline_in_s
+        item = PendingItem(
+            f"j{self.count}", project, prompt, new, band=band, deadline=deadline  # type: ignore[arg-type]
+        )
         self.submitted[item.job_id] = item
         self.store.add_pending(item)
 
@@ -332,6 +434,38 @@ class StoreMachine(RuleBasedStateMachine):
         if self.live.get(job_id) != fence:
             assert not self.store.release(job_id, fence)
             assert not self.store.renew(job_id, fence, self.clock.now)
+
+    @rule(lease=leases, owner=st.sampled_from(["w1", "w2"]))
+    def claim(self, lease, owner: str) -> None:
+        job_id, fence = lease
+        live = self.live.get(job_id) == fence
+        ok = self.store.claim(job_id, fence, owner, self.clock.now)
+        if not live:
+            assert not ok
+        elif self.owners.setdefault((job_id, fence), owner) == owner:
+            assert ok
+        else:
+            assert not ok, "a second owner claimed the same lease"
+
+    @rule(lease=consumes(leases))
+    def requeue(self, lease) -> None:
+        job_id, fence = lease
+        ok = self.store.requeue(job_id, fence)
+        assert ok == (self.live.get(job_id) == fence)
+        if ok:
+            del self.live[job_id]
+
+    @rule()
+    def expire_deadlines(self) -> None:
+        now = self.clock.now
+        for job_id in self.store.expire_deadlines(now):
+            assert job_id not in self.live and job_id not in self.done
+            deadline = self.submitted[job_id].deadline
+            assert deadline is not None and deadline <= now
+            self.done.add(job_id)
+        for job_id in self.store.pending_ids():
+            deadline = self.submitted[job_id].deadline
+            assert deadline is None or deadline > now
 
     @rule(lease=leases)
     def renew(self, lease) -> None:

@@ -37,16 +37,46 @@ def sim(
 @bench_app.command("dispatch")
 def dispatch(
     jobs: Annotated[int, typer.Option(help="backlog size for the overhead figures")] = 100_000,
-    saturation_jobs: Annotated[int, typer.Option(help="jobs in the saturation run")] = 400,
-    speed: Annotated[float, typer.Option(help="simulator speed")] = 50.0,
+    saturation_jobs: Annotated[int, typer.Option(help="jobs in the in-bench saturation run")] = 400,
+    speed: Annotated[float, typer.Option(help="simulator speed of the in-bench saturation run")] = 50.0,
     redis_url: Annotated[str, typer.Option(help="Redis for the bench keys")] = BENCH_REDIS,
+    overhead: Annotated[bool, typer.Option(help="run the dispatcher-only overhead figures")] = True,
+    fleet: Annotated[bool, typer.Option(help="run the whole-fleet scenarios (real processes)")] = True,
+    scenarios: Annotated[str, typer.Option(help="whole-fleet scenarios, comma separated")]
+    = "fairness,saturation,long,crash",
+    fleet_speed: Annotated[float, typer.Option(help="simulator speed of the whole-fleet runs")] = 5.0,
+    fleet_jobs: Annotated[int, typer.Option(help="short jobs in the saturation scenario")] = 2000,
+    think: Annotated[int, typer.Option(help="reasoning tokens of a short job (+-25%)")] = 200,
+    answer: Annotated[int, typer.Option(help="answer tokens of a short job (+-25%)")] = 50,
+    long_jobs: Annotated[int, typer.Option(help="jobs in the long-prompt scenario (10% long)")] = 200,
+    long_tokens: Annotated[int, typer.Option(help="prompt tokens of a long job")] = 60_000,
+    fair_n: Annotated[int, typer.Option(help="jobs per small project; the big one sends 10x")] = 100,
+    crash_jobs: Annotated[int, typer.Option(help="jobs in the crash scenario")] = 400,
+    workers: Annotated[int, typer.Option(help="Celery workers (processes)")] = 2,
+    concurrency: Annotated[int, typer.Option(help="threads per Celery worker")] = 32,
+    lease_ttl_s: Annotated[float, typer.Option(help="lease TTL of the whole-fleet runs")] = 5.0,
+    markdown: Annotated[str, typer.Option(help="also write the whole-fleet rows as markdown here")] = "",
 ) -> None:
-    """Dispatcher: admission overhead at a large backlog, saturation against `fleet sim`."""
+    """Dispatcher benchmarks (issue 4): overhead at a large backlog and the in-bench saturation
+    run, then the whole-fleet scenarios (saturation, long prompts, fairness, crash, baselines)."""
     from fleet.bench.dispatch import dispatch_bench  # noqa: PLC0415
 
     with _redis_url(redis_url) as broker:
-        console.print(dispatch_bench(broker.url, jobs=jobs, saturation_jobs=saturation_jobs,
-                                     speed=speed))
+        if fleet:
+            from fleet.bench.fleetbench import fleet_bench, rows_markdown, rows_table  # noqa: PLC0415
+
+            rows = fleet_bench(
+                broker.url, speed=fleet_speed, jobs=fleet_jobs, think=think, answer=answer,
+                long_jobs=long_jobs, long_tokens=long_tokens, fair_n=fair_n, crash_jobs=crash_jobs,
+                only=tuple(s.strip() for s in scenarios.split(",") if s.strip()), workers=workers,
+                concurrency=concurrency, lease_ttl_s=lease_ttl_s)
+            console.print(rows_table(rows))
+            if markdown:
+                with open(markdown, "w", encoding="utf-8") as f:
+                    f.write(rows_markdown(rows))
+        if overhead:
+            console.print(dispatch_bench(broker.url, jobs=jobs, saturation_jobs=saturation_jobs,
+                                         speed=speed))
 
 
 @bench_app.command("loops")
