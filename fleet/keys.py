@@ -32,11 +32,14 @@ Dispatcher (schedulers/redis_store.py; its docstring repeats this part with the 
                                      enqueued_at - priority * aging_s, in ms (fixed at submission:
                                      an expired lease puts the job back at its original place)
   {p}d:item:<id>              hash   admission facts of a pending/in-flight job: project band size
-                                     prompt max_new kv long enq score pending(1|0)
+                                     prompt max_new kv long enq score pending(1|0) deadline
   {p}d:projects               set    projects that may have pending work
   {p}d:vtime                  hash   per-project finish tag (token-weighted fair queuing)
   {p}d:leases                 zset   in-flight job ids, score = lease expiry (unix seconds)
-  {p}d:lease:<id>             hash   fence, kv tokens, long flag, expires, admitted_at, project
+  {p}d:lease:<id>             hash   fence, kv tokens, long flag, expires, admitted_at, project,
+                                     owner (set by the first claim; another owner is refused)
+  {p}d:deadlines              zset   pending job ids with a deadline, score = deadline (unix s);
+                                     removed at admission, cancel or expiry
   {p}d:state                  hash   in_flight, kv, long (sums over live leases), bucket,
                                      bucket_at, last_admit, blocked_job, blocked_since, vtime
   {p}d:fence                  string monotonically increasing fencing token counter

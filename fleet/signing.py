@@ -82,7 +82,7 @@ def _claim_nonce(client: redis.Redis, keys: Keys, project: str, nonce: str, job_
     if client.set(key, job_id, nx=True, px=ttl_ms):
         return
     seen = client.get(key)
-    if seen is None or seen.decode() != job_id or not job_id:
+    if not isinstance(seen, bytes) or seen.decode() != job_id or not job_id:
         raise AuthError("replayed nonce")
 
 
