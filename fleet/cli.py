@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from datetime import UTC
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -86,36 +85,11 @@ def worker(
 @app.command()
 def dispatcher(log_level: Annotated[str, typer.Option()] = "INFO") -> None:
     """Run a rate-shaping dispatcher (any number may run; admission is atomic in Redis)."""
-    from datetime import datetime  # noqa: PLC0415
-
-    import redis  # noqa: PLC0415
-
-    from fleet.celery_app import INFER_TASK, create_app  # noqa: PLC0415
-    from fleet.codes import Code  # noqa: PLC0415
-    from fleet.dispatcher import run_dispatcher  # noqa: PLC0415
-    from fleet.keys import Keys  # noqa: PLC0415
-    from fleet.models import Envelope  # noqa: PLC0415
-    from fleet.results import ResultStore  # noqa: PLC0415
+    from fleet.dispatch_main import serve_dispatcher  # noqa: PLC0415
 
     settings = settings_or_exit()
     setup_logging(log_level)
-    celery = create_app(settings)
-    client = redis.Redis.from_url(settings.broker_url)
-    results = ResultStore(client, Keys(settings.key_prefix), settings)
-
-    def send(grant: Any) -> None:
-        # The message is useless once the lease it carries has expired (the job is pending
-        # again by then), so it expires with it instead of piling up while workers are down.
-        celery.send_task(INFER_TASK, kwargs={"job_id": grant.job_id, "project": grant.project,
-                                             "fence": grant.fence},
-                         expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC))
-
-    def on_expired(job_id: str) -> None:
-        project = results.job_record(job_id).get("project", "")
-        results.publish(Envelope.failure(job_id, project, Code.E_DEADLINE,
-                                         "the deadline passed while waiting for admission"))
-
-    run_dispatcher(settings, client, send, on_expired=on_expired)
+    serve_dispatcher(settings)
 
 
 @app.command()

@@ -12,6 +12,7 @@ first job's id and sends nothing), records the job and sends ``fleet.prep`` to t
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -81,8 +82,10 @@ class Client:
                    kind: str = "infer", secret: str | None = None) -> str:
         """Sign and send a job dict as is (no local validation): the worker judges it."""
         signed = sign(raw, project, secret if secret is not None else self._secret(project))
+        now = time.time()
         self.results.record(job_id, state="submitted", project=project, kind=kind,
-                            submitted_at=time.time(), nonce=signed["nonce"])
+                            submitted_at=now, nonce=signed["nonce"], signed=json.dumps(signed))
+        self.redis.zadd(self.keys.prepping, {job_id: now + self.settings.prep_unclaimed_s})
         EventSink(self.redis, self.keys, job_id, self.settings.events_ttl_s).emit(
             "queued", project=project)
         self._celery.send_task(PREP_TASK, kwargs={"project": project, "job_id": job_id,

@@ -230,8 +230,16 @@ class Settings(BaseSettings):
     """How long per-job event streams are kept."""
     results_stream_maxlen: int = Field(100_000, gt=0)
     """Approximate cap of each project's results stream."""
-    visibility_timeout_s: int = Field(4 * 3600, gt=0)
-    """Broker redelivery timeout for unacknowledged tasks (longer than any attempt)."""
+    prep_lease_s: float = Field(60.0, gt=0)
+    """A prep worker's claim on a job; renewed while it prepares, so a dead worker's job is sent
+    again after at most this long (fleet/prepwatch.py)."""
+    prep_unclaimed_s: float = Field(600.0, gt=0)
+    """A submitted job no prep worker has claimed after this long is sent again (a worker that
+    died holding it reserved); a deep backlog only makes harmless duplicates."""
+    visibility_timeout_s: int = Field(12 * 3600, gt=0)
+    """Broker redelivery of unacknowledged tasks; keep it above a whole job's inference
+    (max_attempts x attempt_s). Earlier redeliveries are harmless (claims refuse duplicates),
+    and dead workers are covered sooner by leases and the prep watchdog."""
     backend: BackendSettings = BackendSettings()
     admission: AdmissionSettings = AdmissionSettings()
     timeouts: TimeoutSettings = TimeoutSettings()

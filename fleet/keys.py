@@ -17,6 +17,9 @@ Jobs and results (fleet/results.py, fleet/client.py)
   {p}idem:<project>:<key>     string job id of the first submission with that idempotency key
   {p}nonce:<project>:<nonce>  string set NX when a signed job is verified; TTL nonce_ttl_s
   {p}cancel:<id>              string set by ``fleet cancel``; running attempts watch it
+  {p}prep:<id>                string the prep worker preparing the job; TTL prep_lease_s
+  {p}prepping                 zset   jobs not yet handed over, score = when the prep watchdog
+                                     looks at them (fleet/prepwatch.py)
   {p}attempts:<id>            list   attempt history (JSON) kept for carry-over between attempts
   {p}retry_budget:<project>   hash   sliding counters of first attempts and retries (retry budget)
   {p}tokcache:<sha256>        string cached /tokenize count for a piece of content
@@ -85,6 +88,13 @@ class Keys:
 
     def cancel(self, job_id: str) -> str:
         return f"{self.prefix}cancel:{job_id}"
+
+    def prep(self, job_id: str) -> str:
+        return f"{self.prefix}prep:{job_id}"
+
+    @property
+    def prepping(self) -> str:
+        return f"{self.prefix}prepping"
 
     def attempts(self, job_id: str) -> str:
         return f"{self.prefix}attempts:{job_id}"

@@ -32,14 +32,13 @@ from fleet.errors import AuthError, FleetError
 from fleet.events import EventSink
 from fleet.lease import LeaseKeeper
 from fleet.models import Envelope, Job, Timings
+from fleet.prepwatch import HANDED_OVER, PrepClaim
 from fleet.runtime import Runtime
 from fleet.signing import verify
 from schedulers.store import PendingItem
 
 log = logging.getLogger(__name__)
 
-# Job states after which a prep message for the job is a duplicate (see fleet/results.py).
-HANDED_OVER = ("pending", "running", "final")
 
 
 def register_tasks(app: Celery) -> None:
@@ -74,8 +73,22 @@ def prep_job(rt: Runtime, project: str, job_id: str, signed: dict[str, Any]) -> 
     except AuthError as exc:
         rt.results.reject(job_id, project, exc.message, nonce)
         return Code.E_AUTH.value
-    if rt.results.job_record(job_id).get("state") in HANDED_OVER:
-        return "duplicate"  # a redelivered prep message: the job already went on
+    claim = PrepClaim(rt.redis, rt.keys, job_id, _owner(), rt.settings.prep_lease_s)
+    if rt.results.job_record(job_id).get("state") in HANDED_OVER or not claim.acquire():
+        return "duplicate"  # a redelivered prep message: the job went on or is being prepared
+    try:
+        return _prep_claimed(rt, project, job_id, raw)
+    finally:
+        claim.release()
+
+
+def _owner() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _prep_claimed(rt: Runtime, project: str, job_id: str, raw: dict[str, Any]) -> str:
+    if rt.results.get(job_id) is not None:
+        return "already-final"
     try:
         job = Job.model_validate(raw)
     except ValidationError as exc:
@@ -151,8 +164,7 @@ def infer_job(rt: Runtime, job_id: str, project: str, fence: int) -> str:
     if rt.results.get(job_id) is not None:
         store.release(job_id, fence)
         return "already-final"
-    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    if not store.claim(job_id, fence, owner, time.time()):
+    if not store.claim(job_id, fence, _owner(), time.time()):
         log.info("dropped duplicate delivery job=%s fence=%d", job_id, fence)
         return "duplicate"
     keeper = LeaseKeeper(store, rt.redis, rt.keys.cancel(job_id), job_id, fence,

@@ -21,6 +21,7 @@ from fleet.client import Client
 from fleet.config import EXAMPLE_CONFIG, load_settings
 from fleet.dispatcher import make_store
 from fleet.processes import LocalFleet
+from schedulers.redis_store import RedisStore
 from schedulers.store import StoreSnapshot
 
 TEST_BROKER = "redis://127.0.0.1:6379/15"
@@ -139,8 +140,11 @@ class FleetProbe:
                 counts[json.loads(fields[b"envelope"])["job_id"]] += 1
         return counts
 
+    def store(self) -> RedisStore:
+        return make_store(self.h.settings, self.h.client.redis)
+
     def snapshot(self) -> StoreSnapshot:
-        return make_store(self.h.settings, self.h.client.redis).snapshot()
+        return self.store().snapshot()
 
     def state(self, job_id: str) -> str:
         return self.h.client.results.job_record(job_id).get("state", "")

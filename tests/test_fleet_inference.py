@@ -5,10 +5,19 @@ envelope's code and attempts and the request bodies that reached the simulator.
 The fleet's cap is 1 (``backend.max_num_seqs``), so a job that stalls for good occupies the
 backend and the jobs behind it are provably still queued (state ``pending`` in the dispatcher)
 when they are cancelled or their deadline passes.
+
+Also here because they need one inference worker and a known slot: a duplicate delivery of a
+running attempt's task (dropped), a dead engine (``[sim:dead]``: the dispatcher's health gate
+holds admissions until ``POST /sim/reset`` revives it), and a ``kill -9`` of the worker during a
+retry (the next delivery continues from the attempt history in Redis). The module's last tests
+replace its worker, so they stay last.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,13 +32,16 @@ pytestmark = pytest.mark.slow
 
 SIM_ARGS = ["--think-min-tokens", "100", "--think-max-tokens", "300",
             "--answer-min-tokens", "10", "--answer-max-tokens", "40"]
+LEASE_TTL_S = 4
+REDELIVERED: dict[str, Any] = {}  # the crash test's envelope, for the test after it
 TOOL = {"type": "function", "function": {"name": "search_docs", "parameters": {"type": "object"}}}
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     config = make_config(tmp_path_factory.mktemp("fleet-inference"),
-                         backend={"max_num_seqs": 1}, admission={"lease_ttl_s": 5})
+                         backend={"max_num_seqs": 1}, admission={"lease_ttl_s": LEASE_TTL_S},
+                         retry={"backoff_base_s": 0.2, "backoff_max_s": 0.5})
     with Harness(config, sim_speed=100, sim_args=SIM_ARGS) as harness:
         yield harness
 
@@ -85,6 +97,24 @@ def test_project_budget_is_sent_top_level(fleet: Harness, probe: FleetProbe) -> 
     assert body["max_completion_tokens"] == project.thinking_budget + project.content_reserve
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert envelope.attempts[0].thinking_budget == project.thinking_budget
+
+
+def test_invalid_json_is_reasked_with_the_error(fleet: Harness, probe: FleetProbe) -> None:
+    schema = {"type": "object", "properties": {"total": {"type": "integer"},
+                                               "currency": {"enum": ["EUR", "USD"]}},
+              "required": ["total", "currency"], "additionalProperties": False}
+    job_id = fleet.client.submit(ask("reports", "Sum the invoices. [sim:bad_json/1] [sim:think=60]",
+                                     response_schema=schema))
+    envelope = fleet.client.result(job_id, timeout=60)
+    assert envelope is not None and envelope.code == Code.OK, envelope
+    assert [a.code for a in envelope.attempts] == [Code.E_OUTPUT_INVALID, Code.OK]
+    assert isinstance(envelope.parsed, dict) and set(envelope.parsed) == {"total", "currency"}
+    first, second = probe.sim_requests(job_id)
+    for body in (first, second):
+        assert body["response_format"]["type"] == "json_schema"
+        assert body["response_format"]["json_schema"]["schema"] == schema
+    assert "previous answer was rejected" not in system_text(first)
+    assert "previous answer was rejected" in system_text(second)
 
 
 def test_untrusted_job_reaches_the_backend_without_tools(fleet: Harness, probe: FleetProbe) -> None:
@@ -152,16 +182,14 @@ def test_queued_jobs_cancelled_or_past_deadline_never_reach_the_backend(
     assert cancelled.attempts == []
     assert client.cancel(queued) is False  # already final
 
-    # The deadline passes while `late` waits (behind the blocker); then the slot frees up.
-    wait_until(lambda: probe.state(late) in ("pending", "final"), 60, "the late job to be queued")
-    wait_until(lambda: time.time() > 1.0 + float(client.results.job_record(late)["submitted_at"]),
-               10, "the late job's deadline to pass")
-    assert client.cancel(blocker) is True
-    blocked = client.result(blocker, timeout=30)
-    assert blocked is not None and blocked.code == Code.E_CANCELLED
+    # The deadline passes while `late` waits behind the blocker: it ends without a slot.
     expired = client.result(late, timeout=30)
     assert expired is not None and expired.code == Code.E_DEADLINE, expired
     assert expired.attempts == []
+    assert probe.state(blocker) == "running" and probe.sim_stats()["running"] == 1
+    assert client.cancel(blocker) is True
+    blocked = client.result(blocker, timeout=30)
+    assert blocked is not None and blocked.code == Code.E_CANCELLED
 
     # A job behind them in the same project runs: had `queued` still been pending, it would
     # have been admitted first.
@@ -185,12 +213,11 @@ def test_deadline_already_past_ends_at_once(fleet: Harness, probe: FleetProbe) -
     assert probe.sim_requests(job_id) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fleet/tasks.py infer_job only checks store.lease_valid(job_id, fence): a second delivery "
-    "of the SAME fleet.infer message while the first still streams carries the live fence, "
-    "passes the check and streams a second request for one lease (backend over the cap)"))
 def test_duplicate_delivery_of_a_running_attempt_is_dropped(
         fleet: Harness, probe: FleetProbe) -> None:
+    """The dispatcher's fleet.infer message delivered a second time while the first delivery
+    still streams (same job, same live fence): the second is dropped, the backend sees one
+    request. (Found by this test before the lead added ``store.claim``.)"""
     client = fleet.client
     blocker = client.submit(ask("reports", "Hold the slot. [sim:stall=1000000] [sim:think=200]"))
     try:
@@ -215,3 +242,76 @@ def test_duplicate_delivery_of_a_running_attempt_is_dropped(
         assert envelope is not None and envelope.code == Code.E_CANCELLED
         wait_until(lambda: probe.sim_stats()["running"] == 0, 30, "the streams to close")
     assert probe.envelope_counts()[blocker] == 1
+
+
+def test_dead_backend_holds_admissions_until_it_is_back(fleet: Harness, probe: FleetProbe) -> None:
+    client = fleet.client
+    killer = client.submit(ask("research", "Crash the engine. [sim:dead] [sim:think=50]"))
+    failed = client.result(killer, timeout=60)
+    # Every attempt met the dead engine (HTTP 500) until the retries ran out.
+    assert failed is not None and failed.code == Code.E_UPSTREAM_ERROR, failed
+    assert [a.code for a in failed.attempts] == [Code.E_UPSTREAM_ERROR] * 3
+    assert len(probe.sim_requests(killer)) == 3
+    wait_until(lambda: probe.store().backend().get("hold") == "health", 30,
+               "the gate to see the dead engine")
+    held = [client.submit(ask(p, f"Wait for the engine {p}. [sim:think=50]"))
+            for p in ("reports", "triage", "translate")]
+    wait_until(lambda: all(probe.state(j) == "pending" for j in held), 60, "the jobs to queue")
+    holds_before = probe.snapshot().holds.get("backend_health", 0)
+    wait_until(lambda: probe.snapshot().holds.get("backend_health", 0) > holds_before, 30,
+               "the dispatcher to hold them for the backend")
+    assert probe.snapshot().in_flight == 0
+    assert all(probe.sim_requests(j) == [] for j in held)
+
+    probe.sim_reset()  # revives the engine (and clears the simulator's request log)
+    envelopes = [client.result(j, timeout=60) for j in held]
+    assert [e.code if e else None for e in envelopes] == [Code.OK] * len(held)
+    assert all(len(e.attempts) == 1 for e in envelopes if e)
+    assert all(len(probe.sim_requests(j)) == 1 for j in held)
+
+
+def test_worker_killed_in_a_retry_continues_from_the_attempt_history(
+        fleet: Harness, probe: FleetProbe) -> None:
+    """Attempt 1 loops (cut, recorded in Redis with its conclusions); attempt 2 stalls and its
+    worker is killed; the job is admitted again after its lease expires and the next delivery
+    goes on from the history in Redis: a later attempt number, with the carry-over note of
+    attempt 1 (today the killed attempt leaves no record, so the number is 2 again)."""
+    client = fleet.client
+    job_id = client.submit(ask("reports", "Reconcile the ledger. [sim:loop/1] [sim:stall=1000000/2]",
+                               thinking_budget=3000, content_reserve=300))
+    wait_until(lambda: len(probe.sim_requests(job_id)) == 2 and probe.sim_stats()["running"] == 1,
+               60, "the second attempt to stream")
+    victim = next(p for name, p in fleet.fleet.children if name == "worker-0")
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=10)
+    fleet.fleet.spawn("worker-1", ["worker", "--concurrency", "40", "--hostname",
+                                   f"fleet-1-{os.getpid()}@%h", "--log-level", "WARNING"])
+    envelope = client.result(job_id, timeout=90)
+    assert envelope is not None and envelope.code == Code.OK, envelope
+    REDELIVERED["envelope"] = envelope
+    last = envelope.attempts[-1]
+    assert last.number >= 2 and last.code == Code.OK
+    assert last.carried  # attempt 1's conclusions, read back from Redis
+    history = [json.loads(x) for x in client.redis.lrange(client.keys.attempts(job_id), 0, -1)]
+    assert (history[0]["number"], history[0]["code"]) == (1, "E_THINK_LOOP")
+    assert (history[-1]["number"], history[-1]["code"]) == (last.number, "OK")
+    bodies = probe.sim_requests(job_id)
+    assert [b["request_id"] for b in bodies] == [f"{job_id}-1", f"{job_id}-2",
+                                                 f"{job_id}-{last.number}"]
+    assert "[fleet note]" in system_text(bodies[1]) and "[fleet note]" in system_text(bodies[2])
+    assert bodies[2]["seed"] != bodies[0]["seed"]
+    snap = probe.snapshot()
+    assert snap.in_flight == 0 and probe.envelope_counts()[job_id] == 1
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "fleet/inference.py _Run._load_history reads the earlier deliveries' attempts only for the "
+    "numbering and the carry-over; _envelope() lists self.attempts (this delivery's) alone, so "
+    "after a redelivery the Envelope lacks attempt 1 and its cause, contrary to the module "
+    "docstring ('Every attempt is an Attempt in the Envelope') and issue 5 item 6"))
+def test_envelope_after_a_redelivery_lists_every_attempt() -> None:
+    envelope = REDELIVERED.get("envelope")
+    if envelope is None:
+        pytest.skip("needs test_worker_killed_in_a_retry_continues_from_the_attempt_history")
+    assert [a.code for a in envelope.attempts][0] == Code.E_THINK_LOOP
+    assert [a.number for a in envelope.attempts][0] == 1

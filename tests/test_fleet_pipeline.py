@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +54,8 @@ LONG_TEXT = "\n\n".join(
 class Site(BaseHTTPRequestHandler):
     slow_requested = threading.Event()  # /slow.txt was asked for
     slow_release = threading.Event()  # ... and answers once this is set
+    gated_arrivals: list[int] = []  # /gated.txt: the n-th request waits for gates[n]
+    gates: list[threading.Event] = []
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002
         pass
@@ -64,6 +67,11 @@ class Site(BaseHTTPRequestHandler):
             Site.slow_requested.set()
             Site.slow_release.wait(60)
             pages[self.path] = ("text/plain", "Slow but complete material.")
+        if self.path == "/gated.txt":
+            n = len(Site.gated_arrivals)
+            Site.gated_arrivals.append(n)
+            Site.gates[n].wait(60)
+            pages[self.path] = ("text/plain", f"Gated material, delivery {n}.")
         if self.path not in pages:
             self.send_error(404, "Not Found")
             return
@@ -85,6 +93,8 @@ def site() -> Iterator[str]:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         Site.slow_release.set()
+        for gate in Site.gates:
+            gate.set()
         server.shutdown()
         server.server_close()
 
@@ -245,6 +255,36 @@ def test_too_long_without_trim_ends_before_the_backend(fleet: Harness, probe: Fl
     assert probe.snapshot().in_flight == 0
 
 
+def test_batch_lines_may_carry_sources(fleet: Harness, probe: FleetProbe, site: str,
+                                       tmp_path: Path) -> None:
+    lines = [
+        {"kind": "collect+trim+infer",
+         "sources": [{"type": "url", "url": f"{site}/article.html", "name": "article"}],
+         "messages": [{"role": "user", "content": "Count the herons. [sim:think=40] [sim:answer=10]"}]},
+        {"kind": "collect",
+         "sources": [{"type": "url", "url": f"{site}/notes.json", "name": "notes"}]},
+        {"kind": "collect+trim+infer",
+         "sources": [{"type": "url", "url": f"{site}/gone.html", "name": "gone-page"}],
+         "messages": [{"role": "user", "content": "Answer. [sim:think=40]"}]},
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    run = probe.cli("batch", str(src), "--project", "digest", "--wait", "--out", str(out),
+                    "--timeout", "60", timeout_s=120)
+    rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    assert [(r["custom_id"], r["code"]) for r in rows] == [
+        ("line-1", "OK"), ("line-2", "OK_MATERIAL"), ("line-3", "E_COLLECT_FAILED")]
+    assert run.returncode == 1, run.stderr  # one line failed
+    assert "gone-page" in rows[2]["error"]["message"]
+    assert rows[0]["response"]["body"]["choices"][0]["message"]["content"]
+    # The line's article reached the simulator as material, once.
+    job_id = rows[0]["response"]["request_id"]
+    [body] = probe.sim_requests(job_id)
+    assert any(ARTICLE_FACT in str(m["content"]) for m in body["messages"])
+    assert probe.sim_requests(rows[2]["id"].removeprefix("batch_req_")) == []
+
+
 def test_cancel_during_collection_ends_at_once_and_stops_there(
         fleet: Harness, probe: FleetProbe, site: str) -> None:
     client = fleet.client
@@ -269,37 +309,56 @@ def test_cancel_during_collection_ends_at_once_and_stops_there(
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "fleet/tasks.py prep_job verifies (and so claims the nonce of) every delivery first: a second "
-    "delivery of the same fleet.prep message is rejected as a 'replayed nonce', which publishes an "
-    "E_AUTH rejection for a job that then also ends OK - two outcomes for one job"))
-def test_duplicate_prep_delivery_is_not_a_rejection(
+    "fleet/tasks.py prep_job checks HANDED_OVER only when it starts: a redelivered fleet.prep "
+    "message that arrives while the first delivery still collects runs the whole prep again and "
+    "then overwrites the job record and add_pending()s a job that is already admitted and "
+    "streaming (schedulers/redis_store.py _ADD only refuses an item with pending='1'): the job is "
+    "admitted again, its running stream loses its lease and the job restarts on the 2nd material"))
+def test_duplicate_prep_delivery_never_admits_the_job_twice(
         fleet: Harness, probe: FleetProbe, site: str) -> None:
+    """The same fleet.prep message delivered twice, the second while the first is still
+    collecting (what a broker redelivery looks like); the first delivery finishes first and the
+    job streams (held by a stall) before the second one finishes its collection."""
     client = fleet.client
-    Site.slow_requested.clear()
-    Site.slow_release.clear()
+    Site.gated_arrivals.clear()
+    Site.gates[:] = [threading.Event(), threading.Event()]
     raw = Job.model_validate(job(
-        "collect+trim+infer", [{"type": "url", "url": f"{site}/slow.txt", "name": "slow"}],
-        "Answer. [sim:think=40] [sim:answer=10]")).model_dump(mode="json", exclude_none=True)
+        "collect+trim+infer", [{"type": "url", "url": f"{site}/gated.txt", "name": "gated"}],
+        "Answer. [sim:stall=1000000] [sim:think=40]")).model_dump(mode="json", exclude_none=True)
+    job_id = raw["id"]
     signed = sign(raw, "digest", fleet.settings.projects["digest"].secret)
-    message = {"project": "digest", "job_id": raw["id"], "signed": signed}
-    client.results.record(raw["id"], state="submitted", project="digest", kind=raw["kind"],
+    message = {"project": "digest", "job_id": job_id, "signed": signed}
+    client.results.record(job_id, state="submitted", project="digest", kind=raw["kind"],
                           submitted_at=time.time())
+    admitted_before = probe.snapshot().admissions
     try:
         client._celery.send_task(PREP_TASK, kwargs=message)
-        wait_until(Site.slow_requested.is_set, 60, "prep to fetch the slow source")
-        # The broker hands the same message out again (a redelivery) while the first still runs.
-        taken = probe.count_tasks_taken(PREP_TASK)
+        wait_until(lambda: len(Site.gated_arrivals) == 1, 60, "the first delivery to collect")
         duplicate = client._celery.send_task(PREP_TASK, kwargs=message)
-        wait_until(lambda: (probe.tasks_taken(PREP_TASK) or 0) > taken, 30, "the duplicate's delivery")
+        wait_until(lambda: len(Site.gated_arrivals) == 2, 60, "the second delivery to collect")
+        Site.gates[0].set()
+        wait_until(lambda: probe.state(job_id) == "running" and len(probe.sim_requests(job_id)) == 1,
+                   60, "the job to stream")
+        Site.gates[1].set()
         wait_until(lambda: (ids := probe.active_task_ids()) is not None and duplicate.id not in ids,
-                   30, "the duplicate to end")
-        # Dropped as a duplicate: no outcome while the first delivery still collects.
-        assert client.results.get(raw["id"]) is None
+                   60, "the second delivery to end")
+        # Its add_pending (if any) happened before the task ended: the job is either pending
+        # again or admitted a second time by now.
+        snap = probe.snapshot()
+        pending = sum(sum(bands.values()) for bands in snap.pending.values())
+        assert (snap.admissions - admitted_before, pending) == (1, 0)
+        assert "delivery 0" in client.results.job_record(job_id)["job"]
+        assert client.redis.xlen(client.keys.rejections) == 0
     finally:
-        Site.slow_release.set()
-    final = client.result(raw["id"], timeout=60)
-    assert final is not None and final.code == Code.OK
-    assert client.redis.xlen(client.keys.rejections) == 0
+        for gate in Site.gates:
+            gate.set()
+        client.cancel(job_id)
+        envelope = client.result(job_id, timeout=30)
+        assert envelope is not None and envelope.code == Code.E_CANCELLED
+        wait_until(lambda: probe.sim_stats()["running"] == 0, 30, "the streams to close")
+        wait_until(lambda: probe.snapshot().in_flight == 0, 30, "the leases to go")
+    assert len(probe.sim_requests(job_id)) == 1
+    assert probe.envelope_counts()[job_id] == 1
 
 
 @pytest.mark.xfail(strict=True, reason=(

@@ -1,0 +1,60 @@
+"""The prep watchdog on a real Redis: what stalled before hand-over is sent again, what went on
+is left alone, a live claim blocks a second preparation, a poison message ends E_INTERNAL."""
+
+import json
+
+from fleet.codes import Code
+from fleet.config import EXAMPLE_CONFIG, load_settings
+from fleet.keys import Keys
+from fleet.prepwatch import MAX_RESENDS, PrepClaim, watch_once
+from fleet.results import ResultStore
+
+
+def setup(redis_client, key_prefix):
+    settings = load_settings(EXAMPLE_CONFIG, env={})
+    keys = Keys(key_prefix)
+    return settings, keys, ResultStore(redis_client, keys, settings)
+
+
+def submitted(results, keys, job_id, state="submitted", due=0.0):
+    signed = {"project": "triage", "job": {"id": job_id}, "nonce": "n", "ts": "1", "sig": "x"}
+    results.record(job_id, state=state, project="triage", signed=json.dumps(signed))
+    results.client.zadd(keys.prepping, {job_id: due})
+
+
+def test_stalled_jobs_are_sent_again_and_handed_over_ones_dropped(redis_client, key_prefix):
+    _settings, keys, results = setup(redis_client, key_prefix)
+    submitted(results, keys, "stalled")
+    submitted(results, keys, "went-on", state="pending")
+    submitted(results, keys, "not-due", due=10_000.0)
+    sent = []
+    assert watch_once(results, sent.append, now=100.0, unclaimed_s=600) == ["stalled"]
+    assert [s["job"]["id"] for s in sent] == ["stalled"]
+    assert redis_client.zscore(keys.prepping, "stalled") == 700.0  # looked at again later
+    assert redis_client.zscore(keys.prepping, "went-on") is None
+    assert redis_client.zscore(keys.prepping, "not-due") == 10_000.0
+
+
+def test_a_live_claim_blocks_a_second_preparation_and_the_watchdog(redis_client, key_prefix):
+    _settings, keys, results = setup(redis_client, key_prefix)
+    submitted(results, keys, "busy")
+    first = PrepClaim(redis_client, keys, "busy", "worker-a", ttl_s=30)
+    assert first.acquire()
+    assert not PrepClaim(redis_client, keys, "busy", "worker-b", ttl_s=30).acquire()
+    sent = []
+    assert watch_once(results, sent.append, now=10**10, unclaimed_s=600) == []
+    first.release()
+    assert redis_client.zscore(keys.prepping, "busy") is None
+    assert not redis_client.exists(keys.prep("busy"))
+
+
+def test_a_job_that_never_prepares_ends_internal(redis_client, key_prefix):
+    _settings, keys, results = setup(redis_client, key_prefix)
+    submitted(results, keys, "poison")
+    sent = []
+    for n in range(MAX_RESENDS + 1):
+        redis_client.zadd(keys.prepping, {"poison": 0})
+        watch_once(results, sent.append, now=100.0 + n, unclaimed_s=600)
+    assert len(sent) == MAX_RESENDS
+    envelope = results.get("poison")
+    assert envelope is not None and envelope.code == Code.E_INTERNAL
