@@ -57,13 +57,18 @@ def write_config(path: Path, data: dict[str, Any]) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def make_config(tmp: Path, **sections: dict[str, Any]) -> Path:
+def make_config(tmp: Path, **sections: Any) -> Path:
+    """The example config on the test broker under a fresh prefix; a dict argument updates that
+    section (``backend={"max_num_seqs": 4}``), anything else sets a top-level key."""
     data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
     data["broker_url"] = TEST_BROKER
     data["key_prefix"] = f"t-{uuid.uuid4().hex[:10]}:"
     data.setdefault("admission", {})["metrics_port"] = 0
     for name, values in sections.items():
-        data.setdefault(name, {}).update(values)
+        if isinstance(values, dict):
+            data.setdefault(name, {}).update(values)
+        else:
+            data[name] = values
     path = tmp / "fleet.toml"
     write_config(path, data)
     return path

@@ -25,10 +25,12 @@ import signal
 from collections import Counter
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from fleet.celery_app import INFER_TASK
 from fleet.codes import Code
+from fleet.embedded import free_port
 from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
 
 pytestmark = pytest.mark.slow
@@ -45,13 +47,16 @@ SIM_ARGS = ["--think-min-tokens", "100", "--think-max-tokens", "300",
             "--long-threshold", str(LONG_TOKENS)]
 
 
+METRICS_PORT = free_port()  # dispatcher-0's Prometheus endpoint (the others have none)
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     config = make_config(
         tmp_path_factory.mktemp("fleet-invariants"),
         backend={"max_num_seqs": CAP, "long_prompt_tokens": LONG_TOKENS, "max_long": MAX_LONG,
                  "kv_pool_tokens": KV_POOL_TOKENS},
-        admission={"lease_ttl_s": LEASE_TTL_S, "kv_overcommit": 1.0},
+        admission={"lease_ttl_s": LEASE_TTL_S, "kv_overcommit": 1.0, "metrics_port": METRICS_PORT},
         timeouts={"idle_s": 4},
         retry={"backoff_base_s": 0.2, "backoff_max_s": 0.5},
     )
@@ -99,6 +104,35 @@ def test_cap_holds_and_every_job_ends_exactly_once(fleet: Harness, probe: FleetP
     counts = probe.envelope_counts()
     assert {job_id: counts[job_id] for job_id in ids} == dict.fromkeys(ids, 1)
     assert fleet.fleet.check() == []
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus text exposition."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        sample, _, rest = key.partition("{")
+        found = ",".join(sorted(rest.rstrip("}").split(","))) if rest else ""
+        if sample == name and found == wanted:
+            return float(value)
+    raise AssertionError(f"no sample {name}{{{wanted}}} in /metrics")
+
+
+def test_dispatcher_metrics_show_the_whole_fleet(fleet: Harness, probe: FleetProbe) -> None:
+    """Run after the 40 jobs above: the gauges read the shared store, so one dispatcher's
+    /metrics shows what both admitted; its queue-wait histogram counts its own admissions."""
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+    snap = probe.snapshot()
+    assert metric(text, "fleet_dispatch_admissions_total") == snap.admissions >= 40
+    assert metric(text, "fleet_dispatch_in_flight") == 0
+    assert metric(text, "fleet_dispatch_reserved_kv_tokens") == 0
+    waits = sum(metric(text, "fleet_dispatch_queue_wait_seconds_count", project=p)
+                for p in fleet.settings.projects
+                if f'fleet_dispatch_queue_wait_seconds_count{{project="{p}"}}' in text)
+    assert 0 < waits <= snap.admissions
+    assert metric(text, "fleet_results_total", project="reports", code="OK") >= 8
 
 
 def test_a_flood_does_not_starve_a_small_project_or_the_interactive_band(
