@@ -164,14 +164,21 @@ class _Run:
         self.budget = RetryBudget(ctx.redis, ctx.keys, job.project, self.s.retry.budget_ratio,
                                   clock=ctx.clock)
         self.first_token_s: float | None = None
+        self.earlier: list[Attempt] = []
         self.previous = self._load_history()
 
     # -- history --------------------------------------------------------------------------------
     def _load_history(self) -> int:
+        """Attempts of earlier deliveries (a worker died): they count in the numbering, the
+        carry-over, the Envelope's attempts and its usage."""
         history = carryover.load_attempts(self.ctx.redis, self.ctx.keys, self.job.id)
+        fields = set(Attempt.model_fields)
         for entry in history:
             self.conclusions = carryover.merge_conclusions(
                 self.conclusions, entry.get("conclusions") or [])
+            earlier = Attempt.model_validate({k: v for k, v in entry.items() if k in fields})
+            self.earlier.append(earlier)
+            self._add_usage(earlier.usage)
         if self.conclusions:
             self.carry_note = carryover.retry_note(self.conclusions, "an earlier delivery")
         return len(history)
@@ -270,12 +277,15 @@ class _Run:
             completion_tokens=result.completion_tokens,
             reasoning_tokens=result.reasoning_tokens,
         )
+        self._add_usage(usage)
+        return usage
+
+    def _add_usage(self, usage: Usage) -> None:
         self.usage = Usage(
             prompt_tokens=self.usage.prompt_tokens + usage.prompt_tokens,
             completion_tokens=self.usage.completion_tokens + usage.completion_tokens,
             reasoning_tokens=self.usage.reasoning_tokens + usage.reasoning_tokens,
         )
-        return usage
 
     @staticmethod
     def _conclusions_of(outcome: _Outcome) -> list[str]:
@@ -418,9 +428,9 @@ class _Run:
         ok = outcome.code.ok
         return Envelope(
             job_id=self.job.id, project=self.job.project, code=outcome.code,
-            message=outcome.cause if not ok else f"answered on attempt {len(self.attempts)}",
+            message=outcome.cause if not ok else f"answered on attempt {self.previous + len(self.attempts)}",
             retryable=False if ok else outcome.code.retryable,
-            attempts=self.attempts,
+            attempts=self.earlier + self.attempts,
             content=result.content if result is not None else None,
             reasoning=result.reasoning if result is not None else None,
             parsed=outcome.parsed, tool_calls=outcome.tool_calls, usage=self.usage,

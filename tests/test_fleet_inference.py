@@ -304,11 +304,6 @@ def test_worker_killed_in_a_retry_continues_from_the_attempt_history(
     assert snap.in_flight == 0 and probe.envelope_counts()[job_id] == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fleet/inference.py _Run._load_history reads the earlier deliveries' attempts only for the "
-    "numbering and the carry-over; _envelope() lists self.attempts (this delivery's) alone, so "
-    "after a redelivery the Envelope lacks attempt 1 and its cause, contrary to the module "
-    "docstring ('Every attempt is an Attempt in the Envelope') and issue 5 item 6"))
 def test_envelope_after_a_redelivery_lists_every_attempt() -> None:
     envelope = REDELIVERED.get("envelope")
     if envelope is None:
