@@ -73,11 +73,12 @@ def parse_line(text: str, project: str, number: int) -> BatchLine:
         if not isinstance(line, dict):
             raise ValueError("a line must be a JSON object")
         custom_id = str(line.get("custom_id") or custom_id)
-        if "body" in line or "custom_id" in line:
+        if "body" in line or "url" in line or "method" in line:
             job = _job_from_openai(line, project, number)
         else:
-            job = Job.model_validate({"project": project, **line,
-                                      "metadata": {**line.get("metadata", {}),
+            fields = {k: v for k, v in line.items() if k != "custom_id"}
+            job = Job.model_validate({"project": project, **fields,
+                                      "metadata": {**fields.get("metadata", {}),
                                                    "custom_id": custom_id}})
         if job.project != project:
             raise ValueError(f"line is for project {job.project!r}, batch is for {project!r}")

@@ -26,9 +26,11 @@ def test_fleet_job_lines_and_malformed_lines_are_per_line():
         "{not json",
         json.dumps({"messages": [{"role": "user", "content": "x"}], "colour": "red"}),
         json.dumps({**OPENAI, "url": "/v1/embeddings"}),
-        json.dumps({"kind": "collect", "sources": [{"type": "text", "text": "material"}]}),
+        json.dumps({"kind": "collect", "sources": [{"type": "text", "text": "material"}],
+                    "custom_id": "mine"}),
     ], "triage")
     assert [bool(line.job) for line in lines] == [True, False, False, False, True]
+    assert lines[4].custom_id == "mine" and lines[4].job.metadata["custom_id"] == "mine"
     assert lines[0].job.band == "interactive"
     assert "colour: unknown field" in lines[2].error
     assert "/v1/chat/completions" in lines[3].error
