@@ -84,6 +84,14 @@ def start_tag(vtime: float, finish_tag: float) -> float:
     return max(vtime, finish_tag)
 
 
+def forgive(vtime: float, finish_tags: Iterable[float]) -> float:
+    """Virtual time when an admission finds nothing in flight: the largest finish tag, so a
+    drained system starts even. Without it a project that was served far ahead of the others in
+    an earlier busy period (its finish tag far beyond V) would get nothing while they catch up,
+    long after the period that earned it the lead."""
+    return max([vtime, *finish_tags])
+
+
 def charge(vtime: float, finish_tag: float, weight: float, cost: int) -> tuple[float, float]:
     """Virtual time and the project's finish tag after admitting a job of ``cost`` tokens."""
     start = start_tag(vtime, finish_tag)

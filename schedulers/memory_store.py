@@ -72,6 +72,8 @@ class MemoryStore:
         with self._lock:
             if item.job_id in self._pending:
                 return
+            if not self._pending and self._state.in_flight == 0:
+                self._vtime = fairshare.forgive(self._vtime, self._finish.values())
             self._push(_Entry(item, score, size))
             self._signal()
 

@@ -109,6 +109,21 @@ end
 _ADD = """
 local item = k('item', ARGV[2])
 if redis.call('HGET', item, 'pending') == '1' then return 0 end
+-- A job arriving at a drained system (nothing pending, nothing in flight) restarts fair share
+-- even: V moves to the largest finish tag (fairshare.forgive).
+if num(redis.call('HGET', k('state'), 'in_flight'), 0) == 0 then
+  local drained = true
+  for _, p in ipairs(redis.call('SMEMBERS', k('projects'))) do
+    for _, q in ipairs({'interactive:short', 'interactive:long', 'batch:short', 'batch:long'}) do
+      if redis.call('ZCARD', k('pending', p, q)) > 0 then drained = false end
+    end
+  end
+  if drained then
+    local V = num(redis.call('HGET', k('state'), 'vtime'), 0)
+    for _, f in ipairs(redis.call('HVALS', k('vtime'))) do V = math.max(V, tonumber(f)) end
+    redis.call('HSET', k('state'), 'vtime', fmt(V))
+  end
+end
 redis.call('HSET', item, 'project', ARGV[3], 'band', ARGV[4], 'size', ARGV[5], 'prompt', ARGV[6],
   'max_new', ARGV[7], 'kv', ARGV[8], 'long', ARGV[9], 'enq', ARGV[10], 'score', ARGV[11],
   'pending', '1')

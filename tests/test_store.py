@@ -548,3 +548,24 @@ def test_random_sequences_redis(key_prefix: str) -> None:
     finally:
         delete_prefix(client, key_prefix)
         client.close()
+
+
+def test_a_drained_system_forgives_an_earlier_lead(make_store: StoreFactory) -> None:
+    """Project a ran alone with big jobs; everything drained; then a and b both queue: b must
+    not get everything while a's old lead is paid back (a gets its turn within the first few)."""
+    store = make_store(limits(max_num_seqs=1))
+    now = 1_100.0
+    for i in range(5):
+        store.add_pending(job(f"big{i}", "a", prompt=9_000, new=1_000))
+        grant = store.admit_next(now).grant
+        assert grant is not None and store.release(grant.job_id, grant.fence)
+    for i in range(6):
+        store.add_pending(job(f"a{i}", "a", enqueued_at=1_200.0 + i))
+        store.add_pending(job(f"b{i}", "b", enqueued_at=1_200.0 + i))
+    order = []
+    for _ in range(4):
+        grant = store.admit_next(now).grant
+        assert grant is not None
+        order.append(grant.project)
+        store.release(grant.job_id, grant.fence)
+    assert order.count("a") >= 1 and order.count("b") >= 1
