@@ -256,6 +256,15 @@ def test_forty_concurrent_requests_running_32_waiting_8(sim: SimProcess) -> None
     running, waiting, after = asyncio.run(scenario())
     assert (running, waiting) == (32, 8)
     assert after["max_running_seen"] >= 32 and after["kv_blocks_used"] == 0
+    assert after["max_waiting_seen"] >= 8
+
+
+def test_a_request_that_finds_a_free_slot_never_counts_as_waiting(
+        sim: SimProcess, client: openai.OpenAI) -> None:
+    wait_for(sim, lambda s: s["running"] + s["waiting"] == 0)
+    httpx.post(sim.base_url + "/sim/reset", timeout=5)
+    client.chat.completions.create(model="local", messages=user("[sim:think=5] [sim:answer=3] hi"))
+    assert stats(sim)["max_waiting_seen"] == 0
 
 
 def test_metrics_names_and_labels(sim: SimProcess) -> None:

@@ -147,8 +147,9 @@ class Engine:
         seq.target = seq.prompt_len
         self.waiting.append(seq)
         self.stats.total_requests += 1
-        self.stats.max_waiting_seen = max(self.stats.max_waiting_seen, len(self.waiting))
         self._admit()  # a free slot is taken at once, as vLLM's next step would
+        # the peak is taken after admission: a request that found a free slot never waited
+        self.stats.max_waiting_seen = max(self.stats.max_waiting_seen, len(self.waiting))
         self._wake.set()
 
     def abort(self, seq: Sequence) -> None:
