@@ -1,8 +1,12 @@
 """The Celery application: queues, routing and reliability settings, all in this one place.
 
 Queues
-  fleet.<project>  one per project: producers' jobs land here; prep workers verify, collect,
+  fleet.<project>  one per project: producers' jobs land here; prep workers verify, count,
                    trim and plan, then hand the job to the dispatcher store (never to vLLM)
+  fleet.<project>.collect
+                   the same for jobs that carry sources to collect: slow, I/O- and CPU-heavy
+                   work on its own queues (``fleet worker --role collect``), so a backlog of
+                   collection never delays the preparation of ready jobs
   fleet.unrouted   prep tasks claiming a project this fleet does not know (rejected E_AUTH)
   fleet.infer      inference tasks, sent only by a dispatcher after it admitted the job and
                    issued a lease; consumed by inference workers (threads pool, one thread per
@@ -44,8 +48,16 @@ def project_queue(project: str) -> str:
     return f"fleet.{project}"
 
 
+def collect_queue(project: str) -> str:
+    return f"fleet.{project}.collect"
+
+
 def prep_queues(settings: Settings) -> list[str]:
     return [project_queue(p) for p in settings.projects] + [UNROUTED_QUEUE]
+
+
+def collect_queues(settings: Settings) -> list[str]:
+    return [collect_queue(p) for p in settings.projects]
 
 
 def make_router(settings: Settings):  # type: ignore[no-untyped-def]
@@ -56,7 +68,12 @@ def make_router(settings: Settings):  # type: ignore[no-untyped-def]
                    **_: Any) -> dict[str, str] | None:
         if name == PREP_TASK:
             project = kwargs.get("project")
-            return {"queue": project_queue(project) if project in known else UNROUTED_QUEUE}
+            if project not in known:
+                return {"queue": UNROUTED_QUEUE}
+            signed = kwargs.get("signed")
+            job = signed.get("job") if isinstance(signed, dict) else None
+            collects = isinstance(job, dict) and bool(job.get("sources"))
+            return {"queue": collect_queue(project) if collects else project_queue(project)}
         if name == INFER_TASK:
             return {"queue": INFER_QUEUE}
         return None
@@ -73,7 +90,8 @@ def create_app(settings: Settings) -> Celery:
         },
         broker_connection_retry_on_startup=True,
         task_routes=(make_router(settings),),
-        task_queues=[Queue(q) for q in [INFER_QUEUE, *prep_queues(settings)]],
+        task_queues=[Queue(q) for q in [INFER_QUEUE, *prep_queues(settings),
+                                         *collect_queues(settings)]],
         task_default_queue=INFER_QUEUE,
         task_acks_late=True,
         task_reject_on_worker_lost=True,

@@ -57,7 +57,8 @@ def client_or_exit():  # type: ignore[no-untyped-def]
 # -- running the fleet ------------------------------------------------------------------------
 @app.command()
 def worker(
-    role: Annotated[str, typer.Option(help="all | prep | infer: which queues to consume")] = "all",
+    role: Annotated[str, typer.Option(
+        help="all | prep | collect | infer: which queues to consume")] = "all",
     concurrency: Annotated[int, typer.Option(help="threads (or processes) in this worker")] = 40,
     pool: Annotated[str, typer.Option(help="threads (inference: one thread per stream) or "
                                            "prefork (CPU-bound prep at scale)")] = "threads",
@@ -65,7 +66,12 @@ def worker(
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Run a Celery worker (threads pool) for project queues and/or the inference queue."""
-    from fleet.celery_app import INFER_QUEUE, prep_queues, worker_app  # noqa: PLC0415
+    from fleet.celery_app import (  # noqa: PLC0415
+        INFER_QUEUE,
+        collect_queues,
+        prep_queues,
+        worker_app,
+    )
 
     settings = settings_or_exit()
     setup_logging(log_level)
@@ -74,8 +80,10 @@ def worker(
         queues.append(INFER_QUEUE)
     if role in ("all", "prep"):
         queues += prep_queues(settings)
+    if role in ("all", "collect"):
+        queues += collect_queues(settings)
     if not queues:
-        raise typer.BadParameter("role must be all, prep or infer")
+        raise typer.BadParameter("role must be all, prep, collect or infer")
     worker_app(settings).worker_main([
         "worker", "-Q", ",".join(queues), "-P", pool, "-c", str(concurrency), "-E",
         "-n", hostname, "--loglevel", log_level, "--without-mingle", "--without-gossip",

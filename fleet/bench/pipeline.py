@@ -1,9 +1,11 @@
 """Benchmark: does a backlog of collect-heavy jobs lower the backend's utilization?
 
-The design says it must not: collection and trimming run on prep workers from the projects'
-queues, and only prepared jobs ever reach the dispatcher, so no inference slot waits for
-material. This measures it with the real fleet (separate processes: ``fleet sim``, one
-dispatcher, one inference worker (threads), one prep worker (prefork)), in one run, twice:
+The design says it must not: jobs with sources are collected on their own queues
+(``fleet.<project>.collect``, ``fleet worker --role collect``), ready jobs are prepared on the
+projects' queues, and only prepared jobs ever reach the dispatcher, so no inference slot waits
+for material. This measures it with the real fleet (separate processes: ``fleet sim``, one
+dispatcher, one inference worker (threads), one prep worker (threads) and one collect worker
+(prefork)), in one run, twice:
 
   alone         ``infer_jobs`` ready-to-run inference jobs spread over four projects;
   with backlog  the same jobs submitted right after ``heavy_jobs`` collect-heavy ``trim`` jobs
@@ -86,9 +88,12 @@ def bench_pipeline(infer_jobs: int = 200, heavy_jobs: int = 40, sources_per_job:
         fleet.spawn("infer-worker", ["worker", "--role", "infer", "--concurrency", "40",
                                      "--hostname", f"infer-{uuid.uuid4().hex[:6]}@%h",
                                      "--log-level", "WARNING"])
-        fleet.spawn("prep-worker", ["worker", "--role", "prep", "--pool", "prefork",
-                                    "--concurrency", "2", "--log-level", "WARNING",
+        fleet.spawn("prep-worker", ["worker", "--role", "prep", "--concurrency", "4",
+                                    "--log-level", "WARNING",
                                     "--hostname", f"prep-{uuid.uuid4().hex[:6]}@%h"])
+        fleet.spawn("collect-worker", ["worker", "--role", "collect", "--pool", "prefork",
+                                       "--concurrency", "2", "--log-level", "WARNING",
+                                       "--hostname", f"collect-{uuid.uuid4().hex[:6]}@%h"])
         run_settings = settings.model_copy(update={"broker_url": fleet.env["FLEET_BROKER_URL"]})
         heavy, _ = make_jobs("trim", heavy_jobs, sources_per_job, base, root, site,
                              doc_kb * 1024, tag=1)
