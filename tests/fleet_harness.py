@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import redis
+import tomli_w
 
 from fleet.client import Client
 from fleet.config import EXAMPLE_CONFIG, load_settings
@@ -27,34 +28,8 @@ from schedulers.store import StoreSnapshot
 TEST_BROKER = "redis://127.0.0.1:6379/15"
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)
-
-
 def write_config(path: Path, data: dict[str, Any]) -> None:
-    lines: list[str] = []
-    tables: list[tuple[str, dict[str, Any]]] = []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            tables.append((key, value))
-        else:
-            lines.append(f"{key} = {_toml_value(value)}")
-    for name, table in tables:
-        nested = {k: v for k, v in table.items() if isinstance(v, dict)}
-        flat = {k: v for k, v in table.items() if not isinstance(v, dict)}
-        if flat or not nested:
-            lines.append(f"\n[{name}]")
-            lines += [f"{k} = {_toml_value(v)}" for k, v in flat.items()]
-        for sub, values in nested.items():
-            lines.append(f"\n[{name}.{sub}]")
-            lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path.write_text(tomli_w.dumps(data), encoding="utf-8")
 
 
 def make_config(tmp: Path, **sections: Any) -> Path:

@@ -60,6 +60,7 @@ from typing import Any
 
 import httpx
 import redis
+import tomli_w
 
 from fleet.client import Client
 from fleet.config import EXAMPLE_CONFIG, load_settings
@@ -371,29 +372,8 @@ def run_direct(
 
 
 # -- the fleet ------------------------------------------------------------------------------------
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return repr(value)
-
-
 def write_toml(path: Path, data: dict[str, Any]) -> None:
-    """A minimal TOML writer for the settings shape (scalars, tables, tables of tables)."""
-    lines = [f"{k} = {_toml(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    for name, table in data.items():
-        if not isinstance(table, dict):
-            continue
-        lines.append(f"\n[{name}]")
-        lines += [f"{k} = {_toml(v)}" for k, v in table.items() if not isinstance(v, dict)]
-        for sub, values in table.items():
-            if isinstance(values, dict):
-                lines.append(f"\n[{name}.{sub}]")
-                lines += [f"{k} = {_toml(v)}" for k, v in values.items()]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path.write_text(tomli_w.dumps(data), encoding="utf-8")
 
 
 @dataclass
