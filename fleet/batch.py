@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from fleet.codes import Code
-from fleet.models import Envelope, Job
+from fleet.models import Envelope, Job, describe_invalid
 
 CHAT_URL = "/v1/chat/completions"
 # Body fields of an OpenAI request that the fleet maps onto a Job; anything else is refused.
@@ -84,10 +84,7 @@ def parse_line(text: str, project: str, number: int) -> BatchLine:
             raise ValueError(f"line is for project {job.project!r}, batch is for {project!r}")
         return BatchLine(number, custom_id, job=job)
     except ValidationError as exc:
-        item = exc.errors()[0]
-        where = ".".join(str(p) for p in item["loc"]) or "line"
-        what = "unknown field" if item["type"] == "extra_forbidden" else item["msg"]
-        return BatchLine(number, custom_id, error=f"line {number}: {where}: {what}")
+        return BatchLine(number, custom_id, error=f"line {number}: {describe_invalid(exc, 1)}")
     except (ValueError, TypeError) as exc:
         return BatchLine(number, custom_id, error=f"line {number}: {exc}")
 

@@ -26,7 +26,7 @@ from fleet.config import Settings, load_settings
 from fleet.errors import InputInvalid
 from fleet.events import EventSink, decode_event
 from fleet.keys import Keys
-from fleet.models import Envelope, Job
+from fleet.models import Envelope, Job, describe_invalid
 from fleet.results import ResultStore
 from fleet.signing import sign
 
@@ -64,7 +64,7 @@ class Client:
             try:
                 job = Job.model_validate(job)
             except ValidationError as exc:
-                raise InputInvalid(_first_error(exc)) from exc
+                raise InputInvalid(f"invalid job: {describe_invalid(exc, 1)}") from exc
         raw = job.model_dump(mode="json", exclude_none=True)
         if not job.idempotency_key:
             return self.submit_raw(raw, project=job.project, job_id=job.id, kind=job.kind)
@@ -150,10 +150,3 @@ class Client:
             self.results.publish(Envelope.failure(job_id, project, Code.E_CANCELLED,
                                                   "cancelled while queued"))
         return True
-
-
-def _first_error(exc: ValidationError) -> str:
-    item = exc.errors()[0]
-    where = ".".join(str(p) for p in item["loc"]) or "job"
-    what = "unknown field" if item["type"] == "extra_forbidden" else item["msg"]
-    return f"invalid job: {where}: {what}"

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fleet.codes import Code
 
@@ -22,6 +22,16 @@ Band = Literal["interactive", "batch"]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def describe_invalid(exc: ValidationError, limit: int = 5) -> str:
+    """A job's validation errors in one line that names each field (``E_INPUT_INVALID``)."""
+    parts = []
+    for item in exc.errors()[:limit]:
+        where = ".".join(str(part) for part in item["loc"]) or "job"
+        what = "unknown field" if item["type"] == "extra_forbidden" else item["msg"]
+        parts.append(f"{where}: {what}")
+    return "; ".join(parts)
 
 
 class Message(_Strict):

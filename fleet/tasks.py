@@ -31,7 +31,7 @@ from fleet.codes import Code
 from fleet.errors import AuthError, FleetError
 from fleet.events import EventSink
 from fleet.lease import LeaseKeeper
-from fleet.models import Envelope, Job, Timings
+from fleet.models import Envelope, Job, Timings, describe_invalid
 from fleet.prepwatch import HANDED_OVER, PrepClaim
 from fleet.runtime import Runtime
 from fleet.signing import verify
@@ -92,7 +92,7 @@ def _prep_claimed(rt: Runtime, project: str, job_id: str, raw: dict[str, Any]) -
     try:
         job = Job.model_validate(raw)
     except ValidationError as exc:
-        return _fail(rt, job_id, project, Code.E_INPUT_INVALID, _validation_text(exc))
+        return _fail(rt, job_id, project, Code.E_INPUT_INVALID, f"invalid job: {describe_invalid(exc)}")
     if job.id != job_id:
         return _fail(rt, job_id, project, Code.E_INPUT_INVALID, "job id differs from the message")
     try:
@@ -102,14 +102,6 @@ def _prep_claimed(rt: Runtime, project: str, job_id: str, raw: dict[str, Any]) -
     except Exception as exc:  # noqa: BLE001 - the last line of defence: close the job, keep the worker
         log.exception("prep failed job=%s", job.id)
         return _fail(rt, job.id, job.project, Code.E_INTERNAL, f"prep failed: {type(exc).__name__}")
-
-
-def _validation_text(exc: ValidationError) -> str:
-    parts = []
-    for item in exc.errors()[:5]:
-        where = ".".join(str(p) for p in item["loc"]) or "job"
-        parts.append(f"{where}: {'unknown field' if item['type'] == 'extra_forbidden' else item['msg']}")
-    return "invalid job: " + "; ".join(parts)
 
 
 def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
