@@ -6,12 +6,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import redis
 
 from fleet.config import Settings
 from fleet.keys import Keys
 from fleet.results import ResultStore
+
+if TYPE_CHECKING:  # the heavy modules are imported on first use, in the worker that needs them
+    from fleet.collect import Collector
+    from fleet.tokens import TokenCounter
+    from fleet.vllm import VllmClient
+    from schedulers.redis_store import RedisStore
 
 
 @dataclass
@@ -33,26 +40,26 @@ class Runtime:
         return ResultStore(self.redis, self.keys, self.settings)
 
     @cached_property
-    def store(self):  # type: ignore[no-untyped-def]
+    def store(self) -> RedisStore:
         from fleet.dispatcher import make_store  # noqa: PLC0415
 
         return make_store(self.settings, self.redis)
 
     @cached_property
-    def counter(self):  # type: ignore[no-untyped-def]
+    def counter(self) -> TokenCounter:
         from fleet.tokens import TokenCounter  # noqa: PLC0415
 
         backend = self.settings.backend
         return TokenCounter(backend.url, backend.model, self.redis, self.keys)
 
     @cached_property
-    def collector(self):  # type: ignore[no-untyped-def]
+    def collector(self) -> Collector:
         from fleet.collect import Collector  # noqa: PLC0415
 
         return Collector(self.settings.collect)
 
     @cached_property
-    def vllm(self):  # type: ignore[no-untyped-def]
+    def vllm(self) -> VllmClient:
         from fleet.vllm import VllmClient  # noqa: PLC0415
 
         backend = self.settings.backend
