@@ -569,3 +569,40 @@ def test_a_drained_system_forgives_an_earlier_lead(make_store: StoreFactory) -> 
         order.append(grant.project)
         store.release(grant.job_id, grant.fence)
     assert order.count("a") >= 1 and order.count("b") >= 1
+
+
+class TwoDispatchers:
+    """Two RedisStore instances, each with its own connection, over one key prefix: admission
+    rounds alternate between them as two dispatcher processes' would; everything else goes to
+    the first (workers and producers talk to the same shared state either way)."""
+
+    def __init__(self, first: RedisStore, second: RedisStore) -> None:
+        self._stores = (first, second)
+        self._turn = 0
+
+    def admit_next(self, now: float):
+        self._turn ^= 1
+        return self._stores[self._turn].admit_next(now)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stores[0], name)
+
+
+def test_random_sequences_redis_two_dispatchers(key_prefix: str) -> None:
+    clients = [redis.Redis.from_url(TEST_REDIS_URL) for _ in range(2)]
+    runs = iter(range(10**6))
+
+    def factory(clock: FakeClock) -> TwoDispatchers:
+        keys = Keys(f"{key_prefix}{next(runs)}:")
+        return TwoDispatchers(*(RedisStore(c, keys, MACHINE, clock=clock) for c in clients))
+
+    try:
+        run_state_machine_as_test(
+            _machine(factory),
+            settings=settings(max_examples=20, stateful_step_count=30, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow]),
+        )
+    finally:
+        delete_prefix(clients[0], key_prefix)
+        for client in clients:
+            client.close()
