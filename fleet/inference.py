@@ -88,6 +88,8 @@ class InferenceContext:
     sleep: Callable[[float], object] | None = None  # default: cancel.wait (wakes on cancel)
     rand: Callable[[], float] = random.random
     emit_interval_s: float = EMIT_INTERVAL_S
+    # Told when a retry grows the plan (the worker resizes the lease's KV reservation).
+    on_plan: Callable[[Plan], object] | None = None
 
     def __post_init__(self) -> None:
         if self.sleep is None:
@@ -410,6 +412,8 @@ class _Run:
             self.plan = grow_budget(self.plan, self.s.retry.thinking_budget_ceiling)
         elif kind == "reserve":
             self.plan = grow_reserve(self.plan)
+        if kind in ("budget", "reserve") and self.ctx.on_plan is not None:
+            self.ctx.on_plan(self.plan)  # the lease's KV reservation follows the larger plan
         if kind in ("carry", "backoff") and result is not None and result.reasoning:
             found = carryover.extract_conclusions(result.reasoning)
             self.conclusions = carryover.merge_conclusions(self.conclusions, found)

@@ -198,6 +198,7 @@ def _run(rt: Runtime, job_id: str, project: str, keeper: LeaseKeeper) -> Envelop
         settings=rt.settings, project=rt.settings.projects[job.project], redis=rt.redis,
         keys=rt.keys, events=events, cancel=keeper.cancel, client=rt.vllm,
         sleep=keeper.cancel.wait,
+        on_plan=lambda grown: rt.store.resize(job_id, keeper.fence, grown.max_tokens),
     )
     envelope = run_inference(job, plan, ctx)
     warnings = json.loads(record.get("warnings", "[]"))

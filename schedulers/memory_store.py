@@ -214,6 +214,17 @@ class MemoryStore:
             self._leases[job_id] = replace(lease, expires_at=now + self.config.lease_ttl_s)
             return True
 
+    def resize(self, job_id: str, fence: int, max_new_tokens: int) -> bool:
+        with self._lock:
+            lease = self._leases.get(job_id)
+            if lease is None or lease.fence != fence:
+                return False
+            item = replace(lease.entry.item, max_new_tokens=max_new_tokens)
+            kv = limits.kv_tokens(item.prompt_tokens, max_new_tokens, self.config.limits.block_tokens)
+            self._state.reserved_kv_tokens += kv - lease.kv_tokens
+            self._leases[job_id] = replace(lease, entry=replace(lease.entry, item=item), kv_tokens=kv)
+            return True
+
     def release(self, job_id: str, fence: int) -> bool:
         with self._lock:
             lease = self._leases.get(job_id)

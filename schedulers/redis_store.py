@@ -261,6 +261,17 @@ return 1
 """
 
 # ARGV: D, id, fence, now, ttl
+# ARGV: D, id, fence, max_new, kv
+_RESIZE = """
+local lease = k('lease', ARGV[2])
+local f = redis.call('HMGET', lease, 'fence', 'kv')
+if f[1] ~= ARGV[3] then return 0 end
+redis.call('HSET', lease, 'kv', ARGV[5])
+redis.call('HINCRBY', k('state'), 'kv', tonumber(ARGV[5]) - tonumber(f[2]))
+redis.call('HSET', k('item', ARGV[2]), 'max_new', ARGV[4], 'kv', ARGV[5])
+return 1
+"""
+
 _RENEW = """
 local f = redis.call('HMGET', k('lease', ARGV[2]), 'fence', 'expires')
 if f[1] ~= ARGV[3] or tonumber(f[2]) < tonumber(ARGV[4]) then return 0 end
@@ -343,6 +354,7 @@ class RedisStore:
                 ("admit", _ADMIT),
                 ("claim", _CLAIM),
                 ("renew", _RENEW),
+                ("resize", _RESIZE),
                 ("release", _RELEASE),
                 ("reap", _REAP),
                 ("requeue", _REQUEUE),
@@ -459,6 +471,13 @@ class RedisStore:
 
     def renew(self, job_id: str, fence: int, now: float) -> bool:
         return bool(self._run("renew", job_id, fence, repr(now), repr(self.config.lease_ttl_s)))
+
+    def resize(self, job_id: str, fence: int, max_new_tokens: int) -> bool:
+        prompt = self._client.hget(f"{self._d}item:{job_id}", "prompt")
+        if prompt is None:
+            return False
+        kv = kv_tokens(int(prompt), max_new_tokens, self.config.limits.block_tokens)
+        return bool(self._run("resize", job_id, fence, max_new_tokens, kv))
 
     def release(self, job_id: str, fence: int) -> bool:
         return bool(self._run("release", job_id, fence))

@@ -71,6 +71,7 @@ class Harness:
     def __init__(self, sim: str, client: redis.Redis, prefix: str, cfg: Settings) -> None:
         self.sim, self.redis, self.keys, self.cfg = sim, client, Keys(prefix), cfg
         self.sleeps: list[float] = []
+        self.plans: list[Any] = []  # what on_plan was told (lease resizes)
         self.cancel = threading.Event()
         self.vllm = VllmClient(sim, "local", timeouts=cfg.timeouts)
 
@@ -86,7 +87,8 @@ class Harness:
         ctx = InferenceContext(
             settings=self.cfg, project=project, redis=self.redis, keys=self.keys,
             events=events or EventSink(self.redis, self.keys, job.id, 60), cancel=self.cancel,
-            client=self.vllm, sleep=self.sleeps.append, rand=lambda: 0.5)
+            client=self.vllm, sleep=self.sleeps.append, rand=lambda: 0.5,
+            on_plan=self.plans.append)
         return run_inference(job, plan, ctx)
 
     def requests(self, job: Job) -> list[dict[str, Any]]:
@@ -257,6 +259,7 @@ def test_empty_answer_retries_with_a_larger_reserve(h: Harness) -> None:
     first, second = h.requests(job)
     assert second["max_completion_tokens"] > first["max_completion_tokens"]
     assert second["thinking_token_budget"] == first["thinking_token_budget"]
+    assert [p.max_tokens for p in h.plans] == [second["max_completion_tokens"]]
 
 
 def test_forced_thinking_end_with_an_answer(h: Harness) -> None:
@@ -273,6 +276,7 @@ def test_forced_thinking_end_with_empty_answer_grows_the_budget(h: Harness) -> N
     first, second = h.requests(job)
     assert second["thinking_token_budget"] > first["thinking_token_budget"] == 300
     assert env.attempts[1].thinking_budget == second["thinking_token_budget"]
+    assert [p.max_tokens for p in h.plans] == [second["max_completion_tokens"]]
 
 
 SCHEMA = {"type": "object", "properties": {"total": {"type": "number"}}, "required": ["total"]}
