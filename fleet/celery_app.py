@@ -15,7 +15,7 @@ Queues
 Reliability
   acks_late + reject_on_worker_lost: a message is acknowledged only after its task returned, so a
   dead worker's task is delivered again. The Redis transport's visibility timeout
-  (``visibility_timeout_s``, default 4 h) is longer than the longest reasoning attempt, so a task
+  (``visibility_timeout_s``, default 12 h) is longer than the longest reasoning attempt, so a task
   still running is never handed to a second worker by the broker. A re-delivered inference task
   carries its old fencing token and is dropped; the job itself was already re-admitted when its
   lease expired (see schedulers/store.py).

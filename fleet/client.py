@@ -75,7 +75,10 @@ class Client:
         try:
             return self.submit_raw(raw, project=job.project, job_id=job.id, kind=job.kind)
         except BaseException:
-            self.redis.delete(key)  # the job never left: a retry with the key must send it
+            # The job never left: forget it entirely (the prep watchdog must not send it later),
+            # so a retry with the same key sends it.
+            self.redis.delete(key, self.keys.job(job.id))
+            self.redis.zrem(self.keys.prepping, job.id)
             raise
 
     def submit_raw(self, raw: Mapping[str, Any], *, project: str, job_id: str,
@@ -136,7 +139,7 @@ class Client:
         """Cancel a job: a queued one ends at once, a running one within about a second.
         False when the job is unknown or already had its final result."""
         record = self.results.job_record(job_id)
-        if not record or self.results.get(job_id) is not None:
+        if not record or self.results.final(job_id) is not None:
             return False
         self.redis.set(self.keys.cancel(job_id), "1", ex=self.settings.result_ttl_s)
         state = record.get("state", "")

@@ -65,11 +65,12 @@ class LeaseKeeper:
                     self.cancel.set()
                     return
                 if time.monotonic() >= next_renew:
-                    next_renew = time.monotonic() + self.renew_every_s
+                    asked = time.monotonic()  # the server counts the TTL from about here
+                    next_renew = asked + self.renew_every_s
                     if not self.store.renew(self.job_id, self.fence, time.time()):
                         self._lose("renew refused")
                         return
-                    last_ok = time.monotonic()
+                    last_ok = asked
             except redis.RedisError as exc:
                 # Keep streaming through a Redis blip: the lease TTL covers several misses.
                 log.warning("lease keeper for job=%s: redis error %s", self.job_id, exc)

@@ -9,6 +9,9 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 import redis
+from redis import Redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from fleet.config import Settings
 from fleet.keys import Keys
@@ -32,6 +35,16 @@ class Runtime:
         )
 
     @cached_property
+    def lease_redis(self) -> Redis:
+        """The lease keeper's client: short timeouts and no retries, so one call to a Redis that
+        drops packets cannot block past the keeper's own 90%-of-TTL rule (fleet/lease.py)."""
+        timeout_s = max(0.2, min(2.0, self.settings.admission.lease_ttl_s / 10))
+        return redis.Redis.from_url(
+            self.settings.broker_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+
+    @cached_property
     def keys(self) -> Keys:
         return Keys(self.settings.key_prefix)
 
@@ -44,6 +57,13 @@ class Runtime:
         from fleet.dispatcher import make_store  # noqa: PLC0415
 
         return make_store(self.settings, self.redis)
+
+    @cached_property
+    def lease_store(self) -> RedisStore:
+        """The admission store on the lease keeper's client (renewals)."""
+        from fleet.dispatcher import make_store  # noqa: PLC0415
+
+        return make_store(self.settings, self.lease_redis)
 
     @cached_property
     def counter(self) -> TokenCounter:

@@ -24,6 +24,7 @@ import time
 import uuid
 from typing import Any
 
+import redis
 from celery import Celery
 from pydantic import ValidationError
 
@@ -74,9 +75,11 @@ def prep_job(rt: Runtime, project: str, job_id: str, signed: dict[str, Any]) -> 
         rt.results.reject(job_id, project, exc.message, nonce)
         return Code.E_AUTH.value
     claim = PrepClaim(rt.redis, rt.keys, job_id, _owner(), rt.settings.prep_lease_s)
-    if rt.results.job_record(job_id).get("state") in HANDED_OVER or not claim.acquire():
-        return "duplicate"  # a redelivered prep message: the job went on or is being prepared
+    if not claim.acquire():
+        return "duplicate"  # another delivery is preparing it right now
     try:
+        if rt.results.job_record(job_id).get("state") in HANDED_OVER:
+            return "duplicate"  # checked under the claim: an earlier delivery handed it over
         return _prep_claimed(rt, project, job_id, raw)
     finally:
         claim.release()
@@ -129,16 +132,18 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
     plan = plan_budget(job, project, settings, prepared.prompt_tokens)
     ready = job.model_copy(update={"messages": prepared.messages, "sources": []})
     rt.results.record(
-        job.id, state="pending", project=job.project, kind=job.kind,
-        job=ready.model_dump_json(), plan=json.dumps(plan.__dict__),
-        warnings=json.dumps(prepared.warnings), submitted_at=job.submitted_at,
-        pending_at=time.time(),
+        job.id, project=job.project, kind=job.kind, job=ready.model_dump_json(),
+        plan=json.dumps(plan.__dict__), warnings=json.dumps(prepared.warnings),
+        submitted_at=job.submitted_at,
     )
     rt.store.add_pending(PendingItem(
         job_id=job.id, project=job.project, prompt_tokens=prepared.prompt_tokens,
         max_new_tokens=plan.max_tokens, band=job.band, priority=job.priority,
         enqueued_at=job.submitted_at, deadline=job.deadline,
     ))
+    # Only now "pending": had this task died before add_pending, the job would still read
+    # "submitted", and a redelivery or the prep watchdog would prepare it again.
+    rt.results.record(job.id, state="pending", pending_at=time.time())
     if rt.redis.exists(rt.keys.cancel(job.id)) and rt.store.cancel_pending(job.id):
         # cancelled while this task prepared it: never let it take a slot
         return _fail(rt, job.id, job.project, Code.E_CANCELLED, "cancelled while queued")
@@ -153,13 +158,13 @@ def infer_job(rt: Runtime, job_id: str, project: str, fence: int) -> str:
     if not store.lease_valid(job_id, fence):
         log.info("dropped stale delivery job=%s fence=%d", job_id, fence)
         return "stale"
-    if rt.results.get(job_id) is not None:
-        store.release(job_id, fence)
-        return "already-final"
     if not store.claim(job_id, fence, _owner(), time.time()):
         log.info("dropped duplicate delivery job=%s fence=%d", job_id, fence)
         return "duplicate"
-    keeper = LeaseKeeper(store, rt.redis, rt.keys.cancel(job_id), job_id, fence,
+    if rt.results.get(job_id) is not None:
+        store.release(job_id, fence)  # ours: claimed above
+        return "already-final"
+    keeper = LeaseKeeper(rt.lease_store, rt.lease_redis, rt.keys.cancel(job_id), job_id, fence,
                          rt.settings.admission.lease_ttl_s)
     try:
         with keeper:
@@ -172,13 +177,22 @@ def infer_job(rt: Runtime, job_id: str, project: str, fence: int) -> str:
     # (A worker shutting down mid-stream raises BaseException: the lease is left to expire and
     # the job is admitted again at its place in line.)
     if keeper.lost and not keeper.cancelled:
-        store.release(job_id, fence)
-        return "lease-lost"  # the job is pending again; its next attempt will publish
+        # Put it back in line (fence-checked: if the lease was already reaped this is a no-op,
+        # the job is pending again anyway); its next attempt will publish.
+        store.requeue(job_id, fence)
+        return "lease-lost"
     # Publish first, then release: a crash or a Redis error in between leaves the lease to
     # expire and the job to run again (which finds its result and stops), never a lost job.
     rt.results.publish(envelope)
     store.release(job_id, fence)
     return envelope.code.value
+
+
+def _resize(rt: Runtime, job_id: str, fence: int, max_tokens: int) -> None:
+    try:
+        rt.store.resize(job_id, fence, max_tokens)
+    except redis.RedisError as exc:  # accounting only: never end a healthy retry over it
+        log.warning("lease of job=%s not resized: %s", job_id, exc)
 
 
 def _run(rt: Runtime, job_id: str, project: str, keeper: LeaseKeeper) -> Envelope:
@@ -198,7 +212,7 @@ def _run(rt: Runtime, job_id: str, project: str, keeper: LeaseKeeper) -> Envelop
         settings=rt.settings, project=rt.settings.projects[job.project], redis=rt.redis,
         keys=rt.keys, events=events, cancel=keeper.cancel, client=rt.vllm,
         sleep=keeper.cancel.wait,
-        on_plan=lambda grown: rt.store.resize(job_id, keeper.fence, grown.max_tokens),
+        on_plan=lambda grown: _resize(rt, job_id, keeper.fence, grown.max_tokens),
     )
     envelope = run_inference(job, plan, ctx)
     warnings = json.loads(record.get("warnings", "[]"))

@@ -48,13 +48,46 @@ def test_a_live_claim_blocks_a_second_preparation_and_the_watchdog(redis_client,
     assert not redis_client.exists(keys.prep("busy"))
 
 
-def test_a_job_that_never_prepares_ends_internal(redis_client, key_prefix):
+def test_a_job_whose_workers_keep_dying_ends_internal(redis_client, key_prefix):
     _settings, keys, results = setup(redis_client, key_prefix)
     submitted(results, keys, "poison")
     sent = []
     for n in range(MAX_RESENDS + 1):
         redis_client.zadd(keys.prepping, {"poison": 0})
+        results.record("poison", prep_claimed="1")  # a worker claimed it, then its claim lapsed
         watch_once(results, sent.append, now=100.0 + n, unclaimed_s=600)
     assert len(sent) == MAX_RESENDS
     envelope = results.get("poison")
     assert envelope is not None and envelope.code == Code.E_INTERNAL
+
+
+def test_a_job_only_waiting_in_a_queue_is_resent_but_never_failed(redis_client, key_prefix):
+    _settings, keys, results = setup(redis_client, key_prefix)
+    submitted(results, keys, "queued")
+    sent = []
+    for n in range(MAX_RESENDS + 3):
+        redis_client.zadd(keys.prepping, {"queued": 0})
+        watch_once(results, sent.append, now=100.0 + n, unclaimed_s=600)
+    assert len(sent) == MAX_RESENDS + 3 and results.get("queued") is None
+
+
+def test_a_due_job_is_sent_once_per_look(redis_client, key_prefix):
+    _settings, keys, results = setup(redis_client, key_prefix)
+    submitted(results, keys, "due")
+    sent = []
+    watch_once(results, sent.append, now=100.0, unclaimed_s=600)
+    watch_once(results, sent.append, now=100.0, unclaimed_s=600)  # e.g. another dispatcher
+    assert len(sent) == 1
+
+
+def test_a_lapsed_claim_cannot_release_its_successors(redis_client, key_prefix):
+    _settings, keys, results = setup(redis_client, key_prefix)
+    old = PrepClaim(redis_client, keys, "job", "worker-a", ttl_s=30)
+    assert old.acquire()
+    redis_client.delete(keys.prep("job"))  # a's claim lapsed
+    new = PrepClaim(redis_client, keys, "job", "worker-b", ttl_s=30)
+    assert new.acquire()
+    old.release()
+    assert redis_client.get(keys.prep("job")) == b"worker-b"
+    new.release()
+    assert not redis_client.exists(keys.prep("job"))
