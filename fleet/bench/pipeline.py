@@ -104,7 +104,7 @@ def bench_pipeline(infer_jobs: int = 200, heavy_jobs: int = 40, sources_per_job:
             started = time.monotonic()
             loaded = _phase(fleet, client, infer_jobs, heavy)
             loaded_wall = time.monotonic() - started
-        _cleanup(run_settings.broker_url, settings.key_prefix)
+    _cleanup(run_settings.broker_url, settings.key_prefix)  # after the workers stopped
     return _table(alone, loaded, infer_jobs, heavy_jobs, sources_per_job, doc_kb, loaded_wall)
 
 
