@@ -21,6 +21,7 @@ the ratio with/alone.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 import uuid
@@ -105,6 +106,7 @@ def bench_pipeline(infer_jobs: int = 200, heavy_jobs: int = 40, sources_per_job:
             loaded = _phase(fleet, client, infer_jobs, heavy)
             loaded_wall = time.monotonic() - started
     _cleanup(run_settings.broker_url, settings.key_prefix)  # after the workers stopped
+    shutil.rmtree(root, ignore_errors=True)
     return _table(alone, loaded, infer_jobs, heavy_jobs, sources_per_job, doc_kb, loaded_wall)
 
 
