@@ -55,7 +55,7 @@ from fleet.models import Job, Message, TrimPolicy
 from fleet.prefix import leading_system, prefix_warning, stable_prefix
 from fleet.security import build_request_messages, tools_allowed
 from fleet.tokens import TokenCounter
-from fleet.trim import allocate, drop_near_duplicates, fit_text, normalise_whitespace
+from fleet.trim import Fitted, allocate, drop_near_duplicates, fit_text, normalise_whitespace
 
 log = logging.getLogger(__name__)
 
@@ -275,14 +275,7 @@ def _apply_quotas(pieces: list[_Piece], job: Job, tally: _Tally) -> None:
         piece.size = tally.text(piece.original)
         quota = quotas.get(piece.source_index) if piece.source_index is not None else None
         if quota is not None and piece.size > quota:
-            fitted = fit_text(
-                piece.original,
-                quota,
-                tally.text,
-                strategy=policy.strategy,
-                head_fraction=policy.head_fraction,
-                tokens=piece.size,
-            )
+            fitted = _fit_piece(piece, quota, tally, policy)
             piece.original = piece.text = fitted.text
             piece.elided_tokens = fitted.elided_tokens
             piece.size = fitted.tokens
@@ -328,16 +321,15 @@ def _cut(piece: _Piece, limit: int, tally: _Tally, policy: TrimPolicy) -> None:
     if piece.size <= limit:
         piece.text = piece.original
         return
-    fitted = fit_text(
-        piece.original,
-        limit,
-        tally.text,
-        strategy=policy.strategy,
-        head_fraction=policy.head_fraction,
-        tokens=piece.size,
-    )
+    fitted = _fit_piece(piece, limit, tally, policy)
     piece.text = fitted.text
     piece.elided_tokens = fitted.elided_tokens
+
+
+def _fit_piece(piece: _Piece, limit: int, tally: _Tally, policy: TrimPolicy) -> Fitted:
+    """``piece``'s original text cut to ``limit`` tokens by the job's trim policy."""
+    return fit_text(piece.original, limit, tally.text, strategy=policy.strategy,
+                    head_fraction=policy.head_fraction, tokens=piece.size)
 
 
 class _TooLong:

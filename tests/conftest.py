@@ -7,8 +7,12 @@ import os
 import uuid
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import redis
+
+from fleet.keys import Keys
+from fleet.tokens import TokenCounter
 
 TEST_REDIS_URL = os.environ.get("FLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
@@ -42,3 +46,13 @@ def redis_client(redis_url: str, key_prefix: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()
+
+
+@pytest.fixture
+def counter(redis_client: redis.Redis, key_prefix: str) -> Iterator[TokenCounter]:
+    """A TokenCounter whose backend is a MockTransport /tokenize (tests/test_tokens.py)."""
+    from tests.test_tokens import fake_tokenize
+
+    with TokenCounter("http://backend", "local", redis_client, Keys(key_prefix),
+                      transport=httpx.MockTransport(fake_tokenize)) as made:
+        yield made

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 
@@ -25,7 +24,6 @@ from fleet.keys import Keys
 from fleet.models import Job, Message, Source
 from fleet.prepare import prepare
 from fleet.tokens import TokenCounter
-from tests.test_tokens import fake_tokenize
 
 ARTICLE = """<!doctype html><html><head><title>Fleet notes</title>
 <script>var tracking = "do not collect me";</script></head><body>
@@ -230,18 +228,6 @@ def bad_sources(site: str, tree: Path) -> list[tuple[Source, str]]:
         (Source(type="file", path=str(root / "blob.bin"), name="blob"), "binary content"),
         (Source(type="file", path="bad\x00name", name="nul"), "cannot resolve the path"),
     ]
-
-
-@pytest.fixture
-def counter(redis_client: redis.Redis, key_prefix: str) -> Iterator[TokenCounter]:
-    with TokenCounter(
-        "http://backend",
-        "local",
-        redis_client,
-        Keys(key_prefix),
-        transport=httpx.MockTransport(fake_tokenize),
-    ) as counter:
-        yield counter
 
 
 def run_prepare(job: Job, settings: Settings, redis_client, key_prefix, counter):

@@ -25,7 +25,6 @@ from fleet.models import Job, Message, Source, TrimPolicy
 from fleet.prepare import Prepared, prepare
 from fleet.security import build_request_messages
 from fleet.tokens import TokenCounter
-from tests.test_tokens import fake_tokenize
 
 SYSTEM = "You are the research assistant. Answer from the material only."
 
@@ -56,18 +55,6 @@ def make_settings(tmp_path: Path | None = None, system_prompt: str | None = SYST
     if tmp_path is not None:
         overrides["collect"] = {"allowed_roots": [str(tmp_path)]}
     return load_settings(EXAMPLE_CONFIG, env={}, **overrides)
-
-
-@pytest.fixture
-def counter(redis_client: redis.Redis, key_prefix: str) -> Iterator[TokenCounter]:
-    with TokenCounter(
-        "http://backend",
-        "local",
-        redis_client,
-        Keys(key_prefix),
-        transport=httpx.MockTransport(fake_tokenize),
-    ) as counter:
-        yield counter
 
 
 def run(
