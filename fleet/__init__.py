@@ -1,7 +1,7 @@
 """fleet: a Celery + Redis worker fleet in front of a self-hosted vLLM reasoning model."""
 
-from fleet.codes import Code
-from fleet.models import Envelope, Job, Message, Source
+from fleet.core.codes import Code
+from fleet.core.models import Envelope, Job, Message, Source
 
 __all__ = ["Client", "Code", "Envelope", "Job", "Message", "Source"]
 

@@ -1,3 +1,3 @@
-from fleet.cli import app
+from fleet.cli.main import app
 
 app()

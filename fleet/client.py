@@ -20,15 +20,15 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from fleet.celery_app import PREP_TASK, create_app
-from fleet.codes import Code
-from fleet.config import Settings, load_settings
-from fleet.errors import InputInvalid
-from fleet.events import EventSink, decode_event
-from fleet.keys import Keys
-from fleet.models import Envelope, Job, describe_invalid
-from fleet.results import ResultStore
-from fleet.signing import sign
+from fleet.core.codes import Code
+from fleet.core.config import Settings, load_settings
+from fleet.core.errors import InputInvalid
+from fleet.core.events import EventSink, decode_event
+from fleet.core.keys import Keys
+from fleet.core.models import Envelope, Job, describe_invalid
+from fleet.core.results import ResultStore
+from fleet.core.signing import sign
+from fleet.worker.app import PREP_TASK, create_app
 
 
 class Client:
@@ -145,7 +145,7 @@ class Client:
         state = record.get("state", "")
         if state == "running":
             return True
-        from fleet.dispatcher import make_store  # noqa: PLC0415
+        from schedulers.store import make_store  # noqa: PLC0415
 
         pending = make_store(self.settings, self.redis).cancel_pending(job_id)
         if pending or state == "submitted":

@@ -1,5 +1,12 @@
-"""Shared fixtures. Every test gets its own key prefix on Redis database 15, and deletes only
-the keys under that prefix when it ends; nothing it did not create is ever flushed."""
+"""Shared fixtures.
+
+Redis: ``FLEET_TEST_REDIS_URL`` points the suite at a Redis of your choosing (a database you can
+spare; the suite touches only keys under its own random prefixes and deletes them). Without it, the
+suite starts its own private redis-server on a free loopback port for the session and stops it at
+the end, so it never writes into whatever happens to answer on the default port.
+
+Every test gets its own key prefix and deletes only the keys under that prefix when it ends;
+nothing it did not create is ever flushed."""
 
 from __future__ import annotations
 
@@ -11,10 +18,19 @@ import httpx
 import pytest
 import redis
 
-from fleet.keys import Keys
-from fleet.tokens import TokenCounter
+from fleet.core.keys import Keys
+from fleet.local.embedded import start_redis
+from fleet.prep.tokens import TokenCounter
 
-TEST_REDIS_URL = os.environ.get("FLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+def _test_redis_url() -> str:
+    configured = os.environ.get("FLEET_TEST_REDIS_URL")
+    if configured:
+        return configured
+    return start_redis().url  # stopped (and its folder removed) when the session exits
+
+
+TEST_REDIS_URL = _test_redis_url()
 SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
 
 

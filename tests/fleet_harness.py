@@ -19,13 +19,15 @@ import redis
 import tomli_w
 
 from fleet.client import Client
-from fleet.config import EXAMPLE_CONFIG, load_settings
-from fleet.dispatcher import make_store
-from fleet.processes import LocalFleet
-from schedulers.redis_store import RedisStore
-from schedulers.store import StoreSnapshot
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.local.processes import LocalFleet
+from schedulers.store import make_store
+from schedulers.store.base import StoreSnapshot
+from schedulers.store.redis_store import RedisStore
 
-TEST_BROKER = "redis://127.0.0.1:6379/15"
+from .conftest import TEST_REDIS_URL
+
+TEST_BROKER = TEST_REDIS_URL
 
 
 def write_config(path: Path, data: dict[str, Any]) -> None:

@@ -1,8 +1,8 @@
 import json
 
-from fleet.batch import output_line, parse_lines
-from fleet.codes import Code
-from fleet.models import Envelope, Usage
+from fleet.cli.batchfile import output_line, parse_lines
+from fleet.core.codes import Code
+from fleet.core.models import Envelope, Usage
 
 OPENAI = {"custom_id": "a1", "method": "POST", "url": "/v1/chat/completions",
           "body": {"model": "local", "messages": [{"role": "user", "content": "hi"}],

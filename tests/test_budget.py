@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fleet.budget import grow_budget, grow_reserve, plan
-from fleet.config import EXAMPLE_CONFIG, load_settings
-from fleet.models import Job, Message
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.models import Job, Message
+from fleet.infer.budget import grow_budget, grow_reserve, plan
 
 CFG = load_settings(EXAMPLE_CONFIG, env={}, backend={"max_model_len": 40_000})
 REPORTS = CFG.projects["reports"]  # budget 10000, reserve 2048

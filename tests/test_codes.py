@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from fleet.codes import CATALOGUE, Code, markdown_table
+from fleet.core.codes import CATALOGUE, Code, markdown_table
 
 REQUIRED = {
     "OK", "OK_TRUNCATED", "OK_THINKING_FORCED", "E_INPUT_INVALID", "E_AUTH", "E_PROMPT_TOO_LONG",

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from fleet.codes import Code
-from fleet.collect import Collector
-from fleet.config import EXAMPLE_CONFIG, Settings, load_settings
-from fleet.errors import CollectFailed
-from fleet.keys import Keys
-from fleet.models import Job, Message, Source
-from fleet.prepare import prepare
-from fleet.tokens import TokenCounter
+from fleet.core.codes import Code
+from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
+from fleet.core.errors import CollectFailed
+from fleet.core.keys import Keys
+from fleet.core.models import Job, Message, Source
+from fleet.prep.collect import Collector
+from fleet.prep.prepare import prepare
+from fleet.prep.tokens import TokenCounter
 
 ARTICLE = """<!doctype html><html><head><title>Fleet notes</title>
 <script>var tracking = "do not collect me";</script></head><body>

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from fleet.config import EXAMPLE_CONFIG, load_settings
-from fleet.errors import ConfigError
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.errors import ConfigError
 
 
 def test_example_config_declares_five_weighted_projects():
@@ -67,7 +67,7 @@ def test_broken_toml_is_a_config_error(tmp_path: Path):
 
 
 def test_readme_configuration_reference_is_generated_from_the_models():
-    from fleet.config import reference_markdown
+    from fleet.core.config import reference_markdown
 
     readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
     assert reference_markdown() in readme, "README config table is stale: fleet config --reference"

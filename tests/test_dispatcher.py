@@ -15,10 +15,13 @@ import redis
 from pydantic import ValidationError
 from rich.console import Console
 
-from fleet.config import Settings, load_settings
-from fleet.dispatcher import Backoff, make_store, queues_table, run_dispatcher, wait_timeout_s
-from fleet.errors import ConfigError
-from schedulers.store import AdmitResult, Grant, PendingItem
+from fleet.cli.queues import queues_table
+from fleet.core.config import Settings, load_settings
+from fleet.core.errors import ConfigError
+from schedulers.backoff import Backoff
+from schedulers.dispatcher import run_dispatcher, wait_timeout_s
+from schedulers.store import make_store
+from schedulers.store.base import AdmitResult, Grant, PendingItem
 
 
 def free_port() -> int:
@@ -212,7 +215,7 @@ def test_dispatcher_survives_redis_errors(
     flaky = FlakyRedis.from_url(redis_url)
     flaky.failures, flaky.error = 5, error
     recorder = Recorder()
-    caplog.set_level("WARNING", logger="fleet.dispatcher")
+    caplog.set_level("WARNING", logger="schedulers.dispatcher")
     dispatcher = Dispatcher(settings, flaky, recorder)
     try:
         assert recorder.wait_for(1)  # admitted after the blip

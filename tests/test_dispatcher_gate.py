@@ -7,11 +7,11 @@ import threading
 
 import httpx
 
-from fleet.config import AdmissionSettings, Settings
-from fleet.scrape import record, run_scraper, scrape_once
-from schedulers.backend_gate import BackendSample, decide, sample_from
-from schedulers.memory_store import MemoryStore
-from schedulers.store import PendingItem, StoreConfig
+from fleet.core.config import AdmissionSettings, Settings
+from schedulers.policy.backend_gate import BackendSample, decide, sample_from
+from schedulers.scrape import record, run_scraper, scrape_once
+from schedulers.store.base import PendingItem, StoreConfig
+from schedulers.store.memory_store import MemoryStore
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

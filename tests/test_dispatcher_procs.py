@@ -16,9 +16,9 @@ from pathlib import Path
 
 import redis
 
-from fleet.config import Settings
-from fleet.dispatcher import make_store
-from schedulers.store import PendingItem
+from fleet.core.config import Settings
+from schedulers.store import make_store
+from schedulers.store.base import PendingItem
 
 from .conftest import TEST_REDIS_URL
 
@@ -30,8 +30,9 @@ DISPATCHERS = 3
 CHILD = """
 import os, random, sys, threading, time
 import redis
-from fleet.config import Settings
-from fleet.dispatcher import make_store, run_dispatcher
+from fleet.core.config import Settings
+from schedulers.dispatcher import run_dispatcher
+from schedulers.store import make_store
 
 url, prefix, cap = sys.argv[1], sys.argv[2], int(sys.argv[3])
 settings = Settings(key_prefix=prefix, backend={"max_num_seqs": cap},

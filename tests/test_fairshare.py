@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from schedulers.fairshare import FairSnapshot, Head, ProjectView, jain_index, order, pending_score
-from schedulers.limits import Limits
-from schedulers.memory_store import MemoryStore
-from schedulers.store import PendingItem, StoreConfig
+from schedulers.policy.fairshare import FairSnapshot, Head, ProjectView, jain_index, order, pending_score
+from schedulers.policy.limits import Limits
+from schedulers.store.base import PendingItem, StoreConfig
+from schedulers.store.memory_store import MemoryStore
 
 OPEN = Limits(
     max_num_seqs=32,

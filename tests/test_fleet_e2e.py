@@ -9,7 +9,7 @@ import sys
 import httpx
 import pytest
 
-from fleet.codes import Code
+from fleet.core.codes import Code
 from tests.fleet_harness import Harness, make_config
 
 pytestmark = pytest.mark.slow

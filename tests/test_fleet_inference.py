@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from fleet.celery_app import INFER_TASK
-from fleet.codes import Code
+from fleet.core.codes import Code
+from fleet.worker.app import INFER_TASK
 from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
 
 pytestmark = pytest.mark.slow

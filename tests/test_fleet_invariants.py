@@ -28,9 +28,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from fleet.celery_app import INFER_TASK
-from fleet.codes import Code
-from fleet.embedded import free_port
+from fleet.core.codes import Code
+from fleet.local.embedded import free_port
+from fleet.worker.app import INFER_TASK
 from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
 
 pytestmark = pytest.mark.slow

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from fleet.celery_app import PREP_TASK
-from fleet.codes import Code
-from fleet.models import Job
-from fleet.signing import sign
+from fleet.core.codes import Code
+from fleet.core.models import Job
+from fleet.core.signing import sign
+from fleet.worker.app import PREP_TASK
 from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
 
 pytestmark = pytest.mark.slow

@@ -17,16 +17,16 @@ import httpx
 import pytest
 import redis
 
-from fleet import carryover
-from fleet.budget import plan as make_plan
-from fleet.codes import Code
-from fleet.config import EXAMPLE_CONFIG, Settings, load_settings
-from fleet.events import EventSink, decode_event
-from fleet.inference import InferenceContext, run_inference
-from fleet.keys import Keys
-from fleet.models import Envelope, Job, Message
-from fleet.retrying import RetryBudget, backoff_s, fits_deadline, should_retry
-from fleet.vllm import VllmClient
+from fleet.core.codes import Code
+from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
+from fleet.core.events import EventSink, decode_event
+from fleet.core.keys import Keys
+from fleet.core.models import Envelope, Job, Message
+from fleet.infer import carryover
+from fleet.infer.attempts import InferenceContext, run_inference
+from fleet.infer.budget import plan as make_plan
+from fleet.infer.retrying import RetryBudget, backoff_s, fits_deadline, should_retry
+from fleet.infer.vllm import VllmClient
 
 SPEED = 40.0
 

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from fleet.config import WatcherSettings
-from fleet.loopwatch import LoopWatcher
+from fleet.core.config import WatcherSettings
+from fleet.infer.loopwatch import LoopWatcher
 from tests.conftest import SHARED
 
 TRACES = os.path.join(SHARED, "corpora", "reasoning", "normal_traces.jsonl")

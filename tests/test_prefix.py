@@ -1,4 +1,4 @@
-"""fleet/prefix.py: the stable prefix report (whole KV blocks, the warning below one block) and
+"""fleet/prep/prefix.py: the stable prefix report (whole KV blocks, the warning below one block) and
 the typer command, run through typer's CliRunner with a real config file and a dead backend."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import redis
 import typer
 from typer.testing import CliRunner
 
-from fleet.config import EXAMPLE_CONFIG, load_settings
-from fleet.keys import Keys
-from fleet.models import Job, Message
-from fleet.prefix import check_prefix, prefix_command, prefix_warning, stable_prefix
-from fleet.tokens import TokenCounter
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.keys import Keys
+from fleet.core.models import Job, Message
+from fleet.prep.prefix import check_prefix, prefix_command, prefix_warning, stable_prefix
+from fleet.prep.tokens import TokenCounter
 from tests.test_tokens import fake_tokenize  # one token per 4 characters, +3 per message
 
 

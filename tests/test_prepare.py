@@ -1,4 +1,4 @@
-"""fleet/prepare.py: layout (stable prefix first, material untrusted after it), trimming to the
+"""fleet/prep/prepare.py: layout (stable prefix first, material untrusted after it), trimming to the
 room with exact counts, quotas, PromptTooLong with the numbers, the collect/trim kinds, the
 estimate when the backend is unreachable, and a property test that a prepared prompt never
 exceeds its room. Counting goes through a TokenCounter over an in-process /tokenize (httpx
@@ -18,13 +18,13 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleet.config import EXAMPLE_CONFIG, Settings, load_settings
-from fleet.errors import Cancelled, PromptTooLong
-from fleet.keys import Keys
-from fleet.models import Job, Message, Source, TrimPolicy
-from fleet.prepare import Prepared, prepare
-from fleet.security import build_request_messages
-from fleet.tokens import TokenCounter
+from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
+from fleet.core.errors import Cancelled, PromptTooLong
+from fleet.core.keys import Keys
+from fleet.core.models import Job, Message, Source, TrimPolicy
+from fleet.core.request import build_request_messages
+from fleet.prep.prepare import Prepared, prepare
+from fleet.prep.tokens import TokenCounter
 
 SYSTEM = "You are the research assistant. Answer from the material only."
 
@@ -69,7 +69,7 @@ def run(
 
 
 def wire_count(counter: TokenCounter, job: Job, prepared: Prepared) -> tuple[int, bool]:
-    """What inference will send (fleet/security.py fences untrusted parts), counted."""
+    """What inference will send (fleet/core/request.py fences untrusted parts), counted."""
     sent = job.model_copy(update={"messages": prepared.messages, "sources": []})
     wire, _ = build_request_messages(sent)
     return counter.count_messages(wire, None)

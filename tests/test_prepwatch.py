@@ -3,11 +3,11 @@ is left alone, a live claim blocks a second preparation, a poison message ends E
 
 import json
 
-from fleet.codes import Code
-from fleet.config import EXAMPLE_CONFIG, load_settings
-from fleet.keys import Keys
-from fleet.prepwatch import MAX_RESENDS, PrepClaim, watch_once
-from fleet.results import ResultStore
+from fleet.core.codes import Code
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.keys import Keys
+from fleet.core.results import ResultStore
+from fleet.prep.watchdog import MAX_RESENDS, PrepClaim, watch_once
 
 
 def setup(redis_client, key_prefix):

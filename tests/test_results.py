@@ -1,10 +1,10 @@
 import threading
 
-from fleet.codes import Code
-from fleet.config import EXAMPLE_CONFIG, load_settings
-from fleet.keys import Keys
-from fleet.models import Envelope
-from fleet.results import ResultFollower, ResultStore
+from fleet.core.codes import Code
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.keys import Keys
+from fleet.core.models import Envelope
+from fleet.core.results import ResultFollower, ResultStore
 
 
 def store(redis_client, key_prefix):
@@ -70,7 +70,7 @@ def test_follower_sees_results_and_rejections(redis_client, key_prefix):
 def test_result_codes_reach_the_metrics(redis_client, key_prefix):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from fleet.dispatcher import ResultCodeCollector
+    from schedulers.dispatcher import ResultCodeCollector
 
     results = store(redis_client, key_prefix)
     results.publish(Envelope(job_id="x1", project="reports", code=Code.OK))

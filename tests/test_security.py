@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleet.config import ProjectSettings
-from fleet.models import Job, Message
-from fleet.security import build_request_messages, neutralise, tools_allowed
+from fleet.core.config import ProjectSettings
+from fleet.core.models import Job, Message
+from fleet.core.request import build_request_messages, neutralise, tools_allowed
 from tests.conftest import SHARED
 
 INJECTION = os.path.join(SHARED, "corpora", "injection")

@@ -1,9 +1,9 @@
 import pytest
 
-from fleet.config import EXAMPLE_CONFIG, load_settings
-from fleet.errors import AuthError
-from fleet.keys import Keys
-from fleet.signing import _mac, sign, verify
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.errors import AuthError
+from fleet.core.keys import Keys
+from fleet.core.signing import _mac, sign, verify
 
 JOB = {"project": "reports", "messages": [{"role": "user", "content": "hi"}], "id": "j1"}
 

@@ -26,11 +26,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from fleet.keys import Keys
-from schedulers.limits import Limits, kv_tokens
-from schedulers.memory_store import MemoryStore
-from schedulers.redis_store import RedisStore, max_block_s
-from schedulers.store import PendingItem, StoreConfig
+from fleet.core.keys import Keys
+from schedulers.policy.limits import Limits, kv_tokens
+from schedulers.store.base import PendingItem, StoreConfig
+from schedulers.store.memory_store import MemoryStore
+from schedulers.store.redis_store import RedisStore, max_block_s
 
 from .conftest import TEST_REDIS_URL, delete_prefix
 

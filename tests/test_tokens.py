@@ -1,4 +1,4 @@
-"""fleet/tokens.py: exact counts from /tokenize, the Redis cache by content hash, the estimate
+"""fleet/prep/tokens.py: exact counts from /tokenize, the Redis cache by content hash, the estimate
 and the short circuit when the backend is down (a real refused socket), Redis being down."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from fleet.keys import Keys
-from fleet.tokens import TokenCounter, estimate_text
+from fleet.core.keys import Keys
+from fleet.prep.tokens import TokenCounter, estimate_text
 
 
 def fake_tokenize(request: httpx.Request) -> httpx.Response:

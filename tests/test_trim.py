@@ -1,4 +1,4 @@
-"""fleet/trim.py: pure trimming functions with deterministic local counting functions, and a
+"""fleet/prep/trim.py: pure trimming functions with deterministic local counting functions, and a
 hypothesis property: whatever the text, limit, strategy and counter, the result fits."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleet.trim import (
+from fleet.prep.trim import (
     allocate,
     cut,
     drop_near_duplicates,

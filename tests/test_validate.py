@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fleet.config import ProjectSettings
-from fleet.models import Job, Message
-from fleet.validate import check_answer, reask_message, response_format
+from fleet.core.config import ProjectSettings
+from fleet.core.models import Job, Message
+from fleet.infer.validate import check_answer, reask_message, response_format
 
 SCHEMA = {"type": "object", "properties": {"total": {"type": "number"}}, "required": ["total"]}
 PROJECT = ProjectSettings(secret="s" * 8)

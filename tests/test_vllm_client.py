@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from fleet.codes import Code
-from fleet.config import TimeoutSettings
-from fleet.errors import FleetError
-from fleet.sse import SseEvent, SseParser
-from fleet.vllm import Delta, VllmClient
+from fleet.core.codes import Code
+from fleet.core.config import TimeoutSettings
+from fleet.core.errors import FleetError
+from fleet.infer.sse import SseEvent, SseParser
+from fleet.infer.vllm import Delta, VllmClient
 
 # -- helpers ------------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ BENCH_REDIS = "redis://127.0.0.1:6379/15"
 
 
 def _redis_url(url: str):  # type: ignore[no-untyped-def]
-    from fleet.embedded import ensure_broker  # noqa: PLC0415
+    from fleet.local.embedded import ensure_broker  # noqa: PLC0415
 
     return ensure_broker(url)
 

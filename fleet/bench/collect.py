@@ -36,12 +36,12 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from fleet.collect import Collector
-from fleet.config import Settings, load_settings
-from fleet.keys import Keys
-from fleet.models import Job, JobKind, Message, Source
-from fleet.prepare import prepare
-from fleet.tokens import TokenCounter
+from fleet.core.config import Settings, load_settings
+from fleet.core.keys import Keys
+from fleet.core.models import Job, JobKind, Message, Source
+from fleet.prep.collect import Collector
+from fleet.prep.prepare import prepare
+from fleet.prep.tokens import TokenCounter
 
 VOCAB = [
     "request", "queue", "worker", "lease", "token", "budget", "prefix", "block", "cache",

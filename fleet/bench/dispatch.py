@@ -29,11 +29,12 @@ import httpx
 import redis
 from rich.table import Table
 
-from fleet.config import Settings
-from fleet.dispatcher import make_store, run_dispatcher
-from fleet.keys import Keys
-from schedulers.redis_store import RedisStore
-from schedulers.store import Grant, PendingItem, StoreConfig
+from fleet.core.config import Settings
+from fleet.core.keys import Keys
+from schedulers.dispatcher import run_dispatcher
+from schedulers.store import make_store
+from schedulers.store.base import Grant, PendingItem, StoreConfig
+from schedulers.store.redis_store import RedisStore
 
 PROJECTS = ("assistant", "reports", "translate", "triage", "research")
 

@@ -63,11 +63,11 @@ import redis
 import tomli_w
 
 from fleet.client import Client
-from fleet.config import EXAMPLE_CONFIG, load_settings
-from fleet.dispatcher import make_store
-from fleet.models import Envelope
-from fleet.processes import LocalFleet
-from fleet.results import ResultFollower
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.models import Envelope
+from fleet.core.results import ResultFollower
+from fleet.local.processes import LocalFleet
+from schedulers.store import make_store
 
 log = logging.getLogger(__name__)
 

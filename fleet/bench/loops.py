@@ -31,14 +31,14 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from fleet.budget import plan as make_plan
-from fleet.config import EXAMPLE_CONFIG, Settings, WatcherSettings, load_settings
-from fleet.events import EventSink
-from fleet.inference import InferenceContext, run_inference
-from fleet.keys import Keys
-from fleet.loopwatch import LoopWatcher
-from fleet.models import Envelope, Job, Message
-from fleet.vllm import VllmClient
+from fleet.core.config import EXAMPLE_CONFIG, Settings, WatcherSettings, load_settings
+from fleet.core.events import EventSink
+from fleet.core.keys import Keys
+from fleet.core.models import Envelope, Job, Message
+from fleet.infer.attempts import InferenceContext, run_inference
+from fleet.infer.budget import plan as make_plan
+from fleet.infer.loopwatch import LoopWatcher
+from fleet.infer.vllm import VllmClient
 
 CORPUS = Path(__file__).resolve().parents[3] / "shared" / "corpora" / "reasoning" / \
     "normal_traces.jsonl"

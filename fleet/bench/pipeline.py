@@ -35,10 +35,10 @@ from rich.table import Table
 
 from fleet.bench.collect import Site, make_jobs, material_server
 from fleet.client import Client
-from fleet.config import load_settings
-from fleet.models import Envelope
-from fleet.processes import LocalFleet
-from fleet.results import ResultFollower
+from fleet.core.config import load_settings
+from fleet.core.models import Envelope
+from fleet.core.results import ResultFollower
+from fleet.local.processes import LocalFleet
 
 LIGHT_PROJECTS = ("assistant", "reports", "translate", "triage")
 

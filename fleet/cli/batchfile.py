@@ -1,0 +1,129 @@
+"""``fleet batch``: OpenAI Batch API files in, one result line per input line out.
+
+Input lines are either OpenAI batch requests
+    {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+or the fleet's own job lines (a ``Job`` as JSON; ``project`` defaults to ``--project``; ``sources``
+may replace finished messages). Output lines follow the OpenAI batch output shape
+    {"id", "custom_id", "response": {"status_code", "request_id", "body": chat.completion} | null,
+     "error": {"code", "message"} | null, "code": "<fleet message code>"}
+in input order. A malformed line becomes an error line (E_INPUT_INVALID) for that line only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from fleet.core.codes import Code
+from fleet.core.models import Envelope, Job, describe_invalid
+
+CHAT_URL = "/v1/chat/completions"
+# Body fields of an OpenAI request that the fleet maps onto a Job; anything else is refused.
+_BODY_FIELDS = {
+    "model", "messages", "thinking_token_budget", "max_tokens", "max_completion_tokens",
+    "response_format", "tools", "tool_choice", "temperature", "seed", "stream", "stream_options",
+    "priority", "chat_template_kwargs", "top_p", "metadata",
+}
+
+
+@dataclass
+class BatchLine:
+    number: int
+    custom_id: str
+    job: Job | None = None
+    error: str | None = None
+
+
+def _job_from_openai(line: dict[str, Any], project: str, number: int) -> Job:
+    if line.get("method", "POST") != "POST" or line.get("url", CHAT_URL) != CHAT_URL:
+        raise ValueError(f"only POST {CHAT_URL} is supported")
+    body = line.get("body")
+    if not isinstance(body, dict):
+        raise ValueError("'body' must be an object")
+    unknown = sorted(set(body) - _BODY_FIELDS)
+    if unknown:
+        raise ValueError(f"unsupported body fields: {', '.join(unknown)}")
+    budget = body.get("thinking_token_budget")
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    reserve = None
+    if limit is not None:
+        reserve = max(1, int(limit) - max(int(budget or 0), 0)) if budget else int(limit)
+    schema = None
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+    data = {
+        "project": project, "messages": body.get("messages"), "thinking_budget": budget,
+        "content_reserve": reserve, "response_schema": schema, "tools": body.get("tools"),
+        "tool_choice": body.get("tool_choice"), "temperature": body.get("temperature"),
+        "seed": body.get("seed"),
+        "metadata": {**(body.get("metadata") or {}), "custom_id": line.get("custom_id")},
+    }
+    return Job.model_validate({k: v for k, v in data.items() if v is not None})
+
+
+def parse_line(text: str, project: str, number: int) -> BatchLine:
+    custom_id = f"line-{number}"
+    try:
+        line = json.loads(text)
+        if not isinstance(line, dict):
+            raise ValueError("a line must be a JSON object")
+        custom_id = str(line.get("custom_id") or custom_id)
+        if "body" in line or "url" in line or "method" in line:
+            job = _job_from_openai(line, project, number)
+        else:
+            fields = {k: v for k, v in line.items() if k != "custom_id"}
+            job = Job.model_validate({"project": project, **fields,
+                                      "metadata": {**fields.get("metadata", {}),
+                                                   "custom_id": custom_id}})
+        if job.project != project:
+            raise ValueError(f"line is for project {job.project!r}, batch is for {project!r}")
+        return BatchLine(number, custom_id, job=job)
+    except ValidationError as exc:
+        return BatchLine(number, custom_id, error=f"line {number}: {describe_invalid(exc, 1)}")
+    except (ValueError, TypeError) as exc:
+        return BatchLine(number, custom_id, error=f"line {number}: {exc}")
+
+
+def parse_lines(lines: Iterable[str], project: str) -> list[BatchLine]:
+    return [parse_line(text, project, n) for n, text in enumerate(lines, 1) if text.strip()]
+
+
+def output_line(line: BatchLine, envelope: Envelope | None, model: str) -> dict[str, Any]:
+    if envelope is None:
+        code = Code.E_INPUT_INVALID if line.error else Code.E_INTERNAL
+        message = line.error or "no result"
+        return {"id": f"batch_req_line{line.number}", "custom_id": line.custom_id,
+                "response": None, "error": {"code": code.value, "message": message},
+                "code": code.value}
+    out: dict[str, Any] = {"id": f"batch_req_{envelope.job_id}", "custom_id": line.custom_id,
+                           "code": envelope.code.value}
+    if not envelope.ok:
+        out.update(response=None, error={"code": envelope.code.value, "message": envelope.message})
+        return out
+    reply: dict[str, Any] = {"role": "assistant", "content": envelope.content}
+    if envelope.reasoning:
+        reply["reasoning"] = envelope.reasoning
+    if envelope.tool_calls:
+        reply["tool_calls"] = envelope.tool_calls
+    finish = "tool_calls" if envelope.tool_calls else (
+        "length" if envelope.code == Code.OK_TRUNCATED else "stop")
+    usage = envelope.usage
+    body = {
+        "id": f"chatcmpl-{envelope.job_id}", "object": "chat.completion",
+        "created": int(envelope.finished_at), "model": model,
+        "choices": [{"index": 0, "message": reply, "finish_reason": finish}],
+        "usage": {"prompt_tokens": usage.prompt_tokens,
+                  "completion_tokens": usage.completion_tokens,
+                  "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+                  "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}},
+        "fleet": {"attempts": len(envelope.attempts), "warnings": envelope.warnings,
+                  "parsed": envelope.parsed},
+    }
+    out.update(response={"status_code": 200, "request_id": envelope.job_id, "body": body},
+               error=None)
+    return out

@@ -1,0 +1,302 @@
+"""The ``fleet`` command. Each command is a thin shell over a module that does the work; the
+commands of the simulator, dispatcher, collection and benchmarks live beside their code and are
+registered here, so this file is the whole CLI surface at a glance."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fleet.core.config import Settings, load_settings
+from fleet.core.errors import ConfigError, FleetError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="A worker fleet in front of a self-hosted vLLM reasoning model.")
+console = Console()
+err = Console(stderr=True)
+
+
+def settings_or_exit() -> Settings:
+    try:
+        return load_settings()
+    except ConfigError as exc:
+        err.print(f"[red]config error:[/red] {exc.message}")
+        raise typer.Exit(2) from exc
+
+
+def setup_logging(level: str) -> None:
+    from fleet.core.config import EXAMPLE_CONFIG, config_path  # noqa: PLC0415
+
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config_path().resolve() == EXAMPLE_CONFIG.resolve():
+        logging.getLogger("fleet").warning(
+            "running on the example configuration (%s): its project secrets are public; "
+            "write your own fleet.toml before accepting real jobs", EXAMPLE_CONFIG)
+
+
+def client_or_exit():  # type: ignore[no-untyped-def]
+    from fleet.client import Client  # noqa: PLC0415
+    from fleet.local.embedded import redis_answers  # noqa: PLC0415
+
+    settings = settings_or_exit()
+    if not redis_answers(settings.broker_url):
+        err.print(f"[red]no broker answers at {settings.broker_url}[/red] "
+                  "(set FLEET_BROKER_URL, or start the fleet with `fleet up`)")
+        raise typer.Exit(2)
+    return Client(settings)
+
+
+# -- running the fleet ------------------------------------------------------------------------
+@app.command()
+def worker(
+    role: Annotated[str, typer.Option(
+        help="all | prep | collect | infer: which queues to consume")] = "all",
+    concurrency: Annotated[int, typer.Option(help="threads (or processes) in this worker")] = 40,
+    pool: Annotated[str, typer.Option(help="threads (inference: one thread per stream) or "
+                                           "prefork (CPU-bound prep at scale)")] = "threads",
+    hostname: Annotated[str, typer.Option(help="Celery node name")] = "fleet@%h",
+    log_level: Annotated[str, typer.Option()] = "INFO",
+) -> None:
+    """Run a Celery worker (threads pool) for project queues and/or the inference queue."""
+    from fleet.worker.app import (  # noqa: PLC0415
+        INFER_QUEUE,
+        collect_queues,
+        prep_queues,
+        worker_app,
+    )
+
+    settings = settings_or_exit()
+    setup_logging(log_level)
+    queues = []
+    if role in ("all", "infer"):
+        queues.append(INFER_QUEUE)
+    if role in ("all", "prep"):
+        queues += prep_queues(settings)
+    if role in ("all", "collect"):
+        queues += collect_queues(settings)
+    if not queues:
+        raise typer.BadParameter("role must be all, prep, collect or infer")
+    worker_app(settings).worker_main([
+        "worker", "-Q", ",".join(queues), "-P", pool, "-c", str(concurrency), "-E",
+        "-n", hostname, "--loglevel", log_level, "--without-mingle", "--without-gossip",
+    ])
+
+
+@app.command()
+def dispatcher(log_level: Annotated[str, typer.Option()] = "INFO") -> None:
+    """Run a rate-shaping dispatcher (any number may run; admission is atomic in Redis)."""
+    from fleet.worker.dispatch import serve_dispatcher  # noqa: PLC0415
+
+    settings = settings_or_exit()
+    setup_logging(log_level)
+    serve_dispatcher(settings)
+
+
+@app.command()
+def flower(port: Annotated[int, typer.Option()] = 5555) -> None:
+    """Run Flower on the fleet's broker (tasks, workers, queues)."""
+    from fleet.worker.app import worker_app  # noqa: PLC0415
+
+    worker_app(settings_or_exit()).start(["flower", f"--port={port}"])
+
+
+@app.command()
+def up(
+    speed: Annotated[float, typer.Option(help="simulator speed when no backend is set")] = 1.0,
+    workers: Annotated[int, typer.Option()] = 1,
+    dispatchers: Annotated[int, typer.Option()] = 1,
+) -> None:
+    """Bring the whole fleet up locally (broker, sim if needed, dispatcher, workers) until Ctrl-C."""
+    import time  # noqa: PLC0415
+
+    from fleet.local.processes import LocalFleet  # noqa: PLC0415
+
+    fleet = LocalFleet(settings_or_exit(), sim_speed=speed, workers=workers,
+                       dispatchers=dispatchers, log_level="INFO")
+    with fleet:
+        console.print(f"broker  {fleet.env['FLEET_BROKER_URL']}\n"
+                      f"backend {fleet.env.get('FLEET_BACKEND_URL', fleet.settings.backend.url)}\n"
+                      "Ctrl-C to stop.")
+        try:
+            while not fleet.check():
+                time.sleep(1)
+            err.print(f"[red]stopped: {', '.join(fleet.check())} exited[/red]")
+        except KeyboardInterrupt:
+            pass
+
+
+@app.command()
+def demo(
+    jobs: Annotated[int, typer.Option(help="how many jobs to submit")] = 50,
+    speed: Annotated[float, typer.Option(help="simulator speed")] = 30.0,
+) -> None:
+    """Run the fleet on embedded defaults, push a mixed batch through it and summarise."""
+    from fleet.cli.demo import run_demo  # noqa: PLC0415
+
+    wide = Console(width=max(console.width, 120))
+    raise typer.Exit(run_demo(settings_or_exit(), jobs=jobs, speed=speed, console=wide))
+
+
+# -- using the fleet --------------------------------------------------------------------------
+@app.command()
+def submit(
+    project: Annotated[str, typer.Option("--project", "-p")],
+    prompt: Annotated[str | None, typer.Argument(help="user message text")] = None,
+    file: Annotated[Path | None, typer.Option(help="a job as JSON")] = None,
+    wait: Annotated[bool, typer.Option(help="wait for and print the result")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait")] = 3600,
+) -> None:
+    """Submit one job (a prompt, or a job JSON file) and print its id or its result."""
+    if (prompt is None) == (file is None):
+        raise typer.BadParameter("give a PROMPT or --file, not both")
+    job: dict[str, Any] = (json.loads(file.read_text()) if file
+                           else {"messages": [{"role": "user", "content": prompt}]})
+    job["project"] = job.get("project", project)
+    with client_or_exit() as client:
+        try:
+            job_id = client.submit(job)
+        except FleetError as exc:
+            err.print(f"[red]{exc.code.value}[/red] {exc.message}")
+            raise typer.Exit(1) from exc
+        if not wait:
+            console.print(job_id)
+            return
+        envelope = client.result(job_id, timeout=timeout)
+        if envelope is None:
+            err.print(f"no result within {timeout:.0f} s for {job_id}")
+            raise typer.Exit(1)
+        console.print_json(envelope.model_dump_json())
+        raise typer.Exit(0 if envelope.ok else 1)
+
+
+@app.command()
+def batch(
+    file: Annotated[Path, typer.Argument(help="JSONL: OpenAI batch lines or fleet job lines")],
+    project: Annotated[str, typer.Option("--project", "-p")],
+    wait: Annotated[bool, typer.Option(help="wait for every result")] = False,
+    out: Annotated[Path | None, typer.Option(help="write result lines here")] = None,
+    timeout: Annotated[float, typer.Option(help="seconds to wait in all")] = 24 * 3600,
+) -> None:
+    """Submit a batch file; with --wait, show progress by code and write one line per input."""
+    from fleet.cli.batch import run_batch  # noqa: PLC0415
+
+    with client_or_exit() as client:
+        code = run_batch(client, file, project, wait=wait, out=out, timeout_s=timeout,
+                         console=console)
+    raise typer.Exit(code)
+
+
+@app.command()
+def status(job_id: Annotated[str | None, typer.Argument()] = None) -> None:
+    """A job's state and code; without an id, the queues."""
+    if job_id is None:
+        queues()
+        return
+    with client_or_exit() as client:
+        record = client.status(job_id)
+    if not record:
+        err.print(f"unknown job {job_id}")
+        raise typer.Exit(1)
+    table = Table(show_header=False)
+    for key, value in record.items():
+        table.add_row(key, str(value))
+    console.print(table)
+
+
+@app.command()
+def tail(job_id: str, follow: Annotated[bool, typer.Option()] = True) -> None:
+    """Follow a job's live events (queued, admitted, attempts, deltas, retries, final)."""
+    with client_or_exit() as client:
+        for event in client.events(job_id, follow=follow):
+            data = event["data"]
+            text = data.get("text") if isinstance(data, dict) else None
+            if event["type"] in ("reasoning", "content") and text:
+                style = "dim" if event["type"] == "reasoning" else ""
+                console.print(text, style=style, end="", markup=False, highlight=False)
+            else:
+                console.print(f"\n[bold]{event['type']}[/bold] {json.dumps(data)}")
+
+
+@app.command()
+def cancel(job_id: str) -> None:
+    """Cancel a job: a queued one at once, a running one within a second (E_CANCELLED)."""
+    with client_or_exit() as client:
+        if client.cancel(job_id):
+            console.print(f"cancelling {job_id}")
+        else:
+            err.print(f"{job_id} already has its final result")
+            raise typer.Exit(1)
+
+
+@app.command()
+def queues() -> None:
+    """Pending per project and band, in flight, reserved KV, long prompts, holds."""
+    import redis  # noqa: PLC0415
+
+    from fleet.cli.queues import queues_table  # noqa: PLC0415
+
+    settings = settings_or_exit()
+    console.print(queues_table(settings, redis.Redis.from_url(settings.broker_url)))
+
+
+@app.command()
+def codes() -> None:
+    """The message-code catalogue (the README's table is generated from the same source)."""
+    from fleet.core.codes import markdown_table  # noqa: PLC0415
+
+    typer.echo(markdown_table())
+
+
+@app.command()
+def config(reference: Annotated[bool, typer.Option(help="print the key reference")] = False) -> None:
+    """Show the settings in force (file + FLEET_* variables), or the key reference."""
+    from fleet.core.config import config_path, reference_markdown  # noqa: PLC0415
+
+    if reference:
+        typer.echo(reference_markdown())
+        return
+    settings = settings_or_exit()
+    shown = settings.model_dump(mode="json")
+    for project in shown["projects"].values():
+        project["secret"] = "***"
+    shown["backend"]["api_key"] = "***" if shown["backend"]["api_key"] else ""
+    console.print(f"# from {config_path()}")
+    console.print_json(json.dumps(shown))
+
+
+@app.command()
+def rejections(count: Annotated[int, typer.Option()] = 20) -> None:
+    """The latest E_AUTH rejections (kept apart from every project's results)."""
+    with client_or_exit() as client:
+        entries = client.redis.xrevrange(client.keys.rejections, count=count)
+    table = Table("time", "job", "claimed project", "reason")
+    for _id, fields in entries:
+        f = {k.decode(): v.decode() for k, v in fields.items()}
+        table.add_row(f.get("ts", ""), f.get("job_id", ""), f.get("project", ""), f.get("reason", ""))
+    console.print(table)
+
+
+def _register_external() -> None:
+    """Commands that live beside their code."""
+    from fleet.bench import bench_app  # noqa: PLC0415
+    from fleet.prep.prefix import prefix_command  # noqa: PLC0415
+    from fleet.sim.server import sim_command  # noqa: PLC0415
+
+    app.command("sim", help="Run the vLLM-compatible simulator.")(sim_command)
+    app.command("prefix", help="Check a project's shared prefix against the KV block size.")(
+        prefix_command)
+    app.add_typer(bench_app, name="bench", help="Benchmarks (ratios against same-run baselines).")
+
+
+_register_external()
+
+if __name__ == "__main__":
+    sys.exit(app())

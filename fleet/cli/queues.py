@@ -1,0 +1,40 @@
+"""``fleet queues``: pending work per project and band, and the limits in use."""
+
+from __future__ import annotations
+
+import redis
+from rich.table import Table
+
+from fleet.core.config import Settings
+from schedulers.store import make_store
+
+
+def queues_table(settings: Settings, client: redis.Redis) -> Table:
+    """What ``fleet queues`` prints: pending per project and band, then the limits in use."""
+    store = make_store(settings, client)
+    snap = store.snapshot()
+    limits = store.config.limits
+    table = Table(title="Dispatcher queues")
+    for column in ("project", "weight", "interactive", "batch"):
+        table.add_column(column, justify="left" if column == "project" else "right")
+    for project in sorted(set(snap.pending) | set(settings.projects)):
+        bands = snap.pending.get(project, {})
+        weight = store.config.weight(project)
+        table.add_row(
+            project, f"{weight:g}", str(bands.get("interactive", 0)), str(bands.get("batch", 0))
+        )
+    backend = store.backend()
+    gate = backend.get("hold") or ("open" if backend else "no scrape yet")
+    holds = ", ".join(f"{reason}={count}" for reason, count in sorted(snap.holds.items())) or "-"
+    table.caption = "\n".join(
+        (
+            f"in flight {snap.in_flight}/{limits.max_num_seqs}, "
+            f"long {snap.long_in_flight}/{limits.max_long}",
+            f"KV {snap.reserved_kv_tokens:,}/{limits.kv_budget_tokens:,}",
+            f"admissions {snap.admissions}",
+            f"holds {holds}",
+            f"backend gate: {gate}",
+            f"running {backend.get('running', '?')}, waiting {backend.get('waiting', '?')}",
+        )
+    )
+    return table

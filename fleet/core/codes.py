@@ -1,0 +1,142 @@
+"""The message-code catalogue: every outcome the fleet reports has exactly one code from here.
+
+A code has a stable name (what consumers match on), a stable number (for logs and metrics that
+want an integer), a retryable flag (whether trying the same job again can succeed, and whether
+the inference worker retries it itself) and a one-line meaning. The README's table is generated
+from ``CATALOGUE`` (``python -m fleet.core.codes``) and a test checks that the two agree.
+
+Numbering: 0-99 success, 100-199 the job itself, 200-299 the model's answer, 300-399 the
+backend, 400-499 the job's life cycle, 500+ the fleet itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Code(StrEnum):
+    OK = "OK"
+    OK_TRUNCATED = "OK_TRUNCATED"
+    OK_THINKING_FORCED = "OK_THINKING_FORCED"
+    OK_MATERIAL = "OK_MATERIAL"
+    E_INPUT_INVALID = "E_INPUT_INVALID"
+    E_AUTH = "E_AUTH"
+    E_PROMPT_TOO_LONG = "E_PROMPT_TOO_LONG"
+    E_COLLECT_FAILED = "E_COLLECT_FAILED"
+    E_THINK_LOOP = "E_THINK_LOOP"
+    E_EMPTY_ANSWER = "E_EMPTY_ANSWER"
+    E_OUTPUT_INVALID = "E_OUTPUT_INVALID"
+    E_UPSTREAM_TIMEOUT = "E_UPSTREAM_TIMEOUT"
+    E_CONNECT_TIMEOUT = "E_CONNECT_TIMEOUT"
+    E_FIRST_TOKEN_TIMEOUT = "E_FIRST_TOKEN_TIMEOUT"
+    E_STREAM_STALLED = "E_STREAM_STALLED"
+    E_STREAM_DROPPED = "E_STREAM_DROPPED"
+    E_UPSTREAM_UNAVAILABLE = "E_UPSTREAM_UNAVAILABLE"
+    E_UPSTREAM_ERROR = "E_UPSTREAM_ERROR"
+    E_UPSTREAM_REJECTED = "E_UPSTREAM_REJECTED"
+    E_CANCELLED = "E_CANCELLED"
+    E_DEADLINE = "E_DEADLINE"
+    E_INTERNAL = "E_INTERNAL"
+
+    @property
+    def info(self) -> CodeInfo:
+        return CATALOGUE[self]
+
+    @property
+    def number(self) -> int:
+        return CATALOGUE[self].number
+
+    @property
+    def retryable(self) -> bool:
+        return CATALOGUE[self].retryable
+
+    @property
+    def ok(self) -> bool:
+        return self.value.startswith("OK")
+
+
+@dataclass(frozen=True)
+class CodeInfo:
+    number: int
+    retryable: bool
+    meaning: str
+
+
+CATALOGUE: dict[Code, CodeInfo] = {
+    Code.OK: CodeInfo(0, False, "The answer came back complete and passed every check."),
+    Code.OK_TRUNCATED: CodeInfo(
+        1, False, "An answer came back but was cut by max_tokens (finish_reason length)."
+    ),
+    Code.OK_THINKING_FORCED: CodeInfo(
+        2, False, "The thinking budget ran out and vLLM forced </think>; the answer still came."
+    ),
+    Code.OK_MATERIAL: CodeInfo(
+        3, False, "A collect or trim job finished; the material is in the envelope."
+    ),
+    Code.E_INPUT_INVALID: CodeInfo(
+        100, False, "The job is malformed: unknown field, bad type or an impossible setting."
+    ),
+    Code.E_AUTH: CodeInfo(
+        101, False, "Bad signature, unknown project, stale timestamp or replayed nonce."
+    ),
+    Code.E_PROMPT_TOO_LONG: CodeInfo(
+        102, False, "Prompt plus max_tokens cannot fit max_model_len or the project's budget."
+    ),
+    Code.E_COLLECT_FAILED: CodeInfo(
+        103, False, "A required source could not be collected (the source and reason are named)."
+    ),
+    Code.E_THINK_LOOP: CodeInfo(
+        200, True, "The reasoning looped or stalled on every attempt; no answer was produced."
+    ),
+    Code.E_EMPTY_ANSWER: CodeInfo(
+        201, True, "The model finished without any answer content, even with a larger reserve."
+    ),
+    Code.E_OUTPUT_INVALID: CodeInfo(
+        202, True, "The answer failed the job's JSON Schema or text checks after re-asking."
+    ),
+    Code.E_UPSTREAM_TIMEOUT: CodeInfo(
+        300, True, "An attempt ran past its total time limit; the stream was closed."
+    ),
+    Code.E_CONNECT_TIMEOUT: CodeInfo(
+        301, True, "The backend did not accept the connection in time."
+    ),
+    Code.E_FIRST_TOKEN_TIMEOUT: CodeInfo(
+        302, True, "No first token arrived within the first-token timeout."
+    ),
+    Code.E_STREAM_STALLED: CodeInfo(
+        303, True, "The stream went silent for longer than the idle-gap timeout."
+    ),
+    Code.E_STREAM_DROPPED: CodeInfo(
+        304, True, "The connection closed in the middle of the stream."
+    ),
+    Code.E_UPSTREAM_UNAVAILABLE: CodeInfo(
+        310, True, "The backend is down or busy (connection refused, 502/503/504, dead engine)."
+    ),
+    Code.E_UPSTREAM_ERROR: CodeInfo(
+        311, True, "The backend failed the request (HTTP 500 or an error event mid-stream)."
+    ),
+    Code.E_UPSTREAM_REJECTED: CodeInfo(
+        312, False, "The backend refused the request as invalid (HTTP 400/404/422)."
+    ),
+    Code.E_CANCELLED: CodeInfo(400, False, "The job was cancelled by a caller."),
+    Code.E_DEADLINE: CodeInfo(401, False, "The job's deadline passed before it could finish."),
+    Code.E_INTERNAL: CodeInfo(
+        500, True, "A fault inside the fleet; the job was closed so nothing is lost."
+    ),
+}
+
+
+def markdown_table() -> str:
+    """The README's code table, generated so the two never drift apart."""
+    rows = ["| code | number | retryable | meaning |", "|---|---|---|---|"]
+    for code, info in CATALOGUE.items():
+        rows.append(
+            f"| `{code.value}` | {info.number} | {'yes' if info.retryable else 'no'} "
+            f"| {info.meaning} |"
+        )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,367 @@
+"""Settings: read in exactly one place, typed, units in the names, unknown keys rejected.
+
+Where they come from, later wins:
+  1. the defaults below (BRIEF.md's deployment);
+  2. ``fleet.toml``: the file named by ``FLEET_CONFIG``, else ``./fleet.toml``, else the example
+     shipped in the package (``fleet/core/example.toml``, five demo projects);
+  3. ``FLEET_*`` environment variables. Top-level keys are ``FLEET_<KEY>`` (``FLEET_BROKER_URL``);
+     keys of a section are ``FLEET_<SECTION>_<KEY>`` (``FLEET_BACKEND_URL``,
+     ``FLEET_ADMISSION_LEASE_TTL_S``). ``FLEET_PROJECTS`` takes JSON.
+
+An unknown key (in the file or as a ``FLEET_*`` variable) or a bad value raises ``ConfigError``
+naming the key, e.g. ``backend.max_num_seqs: Input should be greater than 0``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from fleet.core.errors import ConfigError
+
+EXAMPLE_CONFIG = Path(__file__).with_name("example.toml")
+ENV_PREFIX = "FLEET_"
+# Variables with the prefix that are not settings keys.
+_ENV_NOT_SETTINGS = {"FLEET_CONFIG"}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class BackendSettings(_Section):
+    """One vLLM OpenAI-compatible server. Defaults are BRIEF.md's deployment."""
+
+    url: str = "http://127.0.0.1:8100"
+    """Base URL of the vLLM OpenAI-compatible server (no /v1)."""
+    model: str = "local"
+    """The server's --served-model-name."""
+    api_key: str = ""
+    """Bearer token for the server, if it was started with --api-key."""
+    max_num_seqs: int = Field(32, gt=0)
+    """The server's --max-num-seqs: never more requests in flight than this."""
+    max_model_len: int = Field(262_144, gt=0)
+    """The server's --max-model-len: prompt + max_tokens must fit."""
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    """The server's --max-num-batched-tokens (prefill chunk per step)."""
+    kv_pool_tokens: int = Field(530_000, gt=0)
+    """KV cache pool of the server in tokens (BRIEF.md: about 530K)."""
+    block_tokens: int = Field(1072, gt=0)
+    """KV block size in tokens (1,072 on the hybrid Qwen3-Next deployment)."""
+    long_prompt_tokens: int = Field(32_768, gt=0)
+    """A prompt above this many tokens counts as long."""
+    max_long: int = Field(3, ge=1)
+    """At most this many long prompts in flight at once."""
+
+
+class AdmissionSettings(_Section):
+    """Rate shaping in front of the backend (see schedulers/policy/limits.py)."""
+
+    kv_overcommit: float = Field(1.5, gt=0)
+    """Reserved KV (whole blocks of prompt + max_tokens) may reach pool x this; vLLM allocates lazily."""
+    prefill_tokens_per_s: float = Field(60_000.0, gt=0)
+    """Token bucket rate on admitted prompt tokens (prefill pacing)."""
+    prefill_burst_tokens: int = Field(262_144, gt=0)
+    """Token bucket size; a bigger prompt waits for a full bucket."""
+    min_spacing_ms: float = Field(0.0, ge=0)
+    """Minimum time between two admissions."""
+    lease_ttl_s: float = Field(30.0, gt=0)
+    """Lease lifetime; the worker renews every third of it; an expired lease re-queues the job."""
+    scrape_interval_s: float = Field(1.0, gt=0)
+    """How often a dispatcher scrapes the backend's /metrics and /health."""
+    scrape_stale_s: float = Field(5.0, gt=0)
+    """A scrape older than this holds admissions."""
+    hold_on_waiting: bool = True
+    """Hold admissions while vLLM reports waiting requests (two scrapes in a row)."""
+    kv_usage_hold: float = Field(0.95, gt=0, le=1)
+    """Hold admissions while vLLM's kv_cache_usage_perc is above this."""
+    aging_s: float = Field(60.0, gt=0)
+    """Waiting this long lifts a batch job into the interactive tier (no starvation)."""
+    metrics_port: int = Field(9810, ge=0)
+    """Port of the dispatcher's Prometheus /metrics (0 = off)."""
+    hol_bypass_s: float = Field(10.0, ge=0)
+    """How long smaller jobs may pass the first job in fair order while it does not fit the KV
+    budget or the prefill bucket; after that everyone waits for it."""
+    max_wait_s: float = Field(1.0, gt=0, le=4)
+    """Longest blocking wait of an idle dispatcher (wake-ups are events; this is a safety net).
+    At most 4: the wait is a BLPOP, and redis-py 8's default 5 s socket timeout would cut a
+    longer one with a TimeoutError."""
+    backend_gate: bool = True
+    """Scrape the backend's /metrics and /health and hold admissions when it is saturated."""
+
+
+class TimeoutSettings(_Section):
+    connect_s: float = Field(5.0, gt=0)
+    """Connecting to the backend (E_CONNECT_TIMEOUT)."""
+    first_token_s: float = Field(300.0, gt=0)
+    """Request sent to first reasoning/content token (E_FIRST_TOKEN_TIMEOUT)."""
+    idle_s: float = Field(120.0, gt=0)
+    """Longest silence between two stream events (E_STREAM_STALLED)."""
+    attempt_s: float = Field(3600.0, gt=0)
+    """Whole attempt (E_UPSTREAM_TIMEOUT)."""
+
+
+class RetrySettings(_Section):
+    max_attempts: int = Field(3, ge=1)
+    """Attempts per job in all (first + retries)."""
+    backoff_base_s: float = Field(1.0, ge=0)
+    """Full-jitter backoff: wait U(0, min(max, base x 2^(n-1)))."""
+    backoff_max_s: float = Field(30.0, ge=0)
+    """Cap of the backoff."""
+    budget_ratio: float = Field(0.2, ge=0)
+    """Retries may add at most this share of a project's first attempts."""
+    thinking_budget_ceiling: int = Field(32_768, gt=0)
+    """Adaptive retries never raise the thinking budget above this."""
+    reask_invalid: int = Field(1, ge=0)
+    """Re-asks with the validation error before E_OUTPUT_INVALID."""
+
+
+class WatcherSettings(_Section):
+    """Loop watcher thresholds (fleet/infer/loopwatch.py); defaults never cut normal reasoning."""
+
+    enabled: bool = True
+    """Watch reasoning for loops and stalls."""
+    min_period_chars: int = Field(8, gt=0)
+    """Shortest repeating period looked for."""
+    max_period_chars: int = Field(2048, gt=0)
+    """Longest repeating period looked for (~512 tokens)."""
+    min_repeats: int = Field(3, ge=2)
+    """Repeats of a period at the tail that count as a loop."""
+    min_repeat_span_chars: int = Field(600, gt=0)
+    """...and the repeats must cover at least this many characters."""
+    key_chars: int = Field(32, ge=4)
+    """Length of the tail key searched for earlier occurrences."""
+    check_every_chars: int = Field(32, ge=1)
+    """Run the periodic check every this many new characters."""
+    max_period_candidates: int = Field(8, ge=1)
+    """Earlier occurrences of the key tried per check."""
+    paragraph_jaccard: float = Field(0.75, gt=0, le=1)
+    """Word-trigram Jaccard at which two paragraphs are near-duplicates."""
+    similar_paragraphs: int = Field(4, ge=2)
+    """This many similar paragraphs..."""
+    paragraph_window: int = Field(16, ge=2)
+    """...among the last this many paragraphs is a loop."""
+    min_paragraph_words: int = Field(16, ge=3)
+    """Shorter paragraphs are not compared."""
+    drop_numbers: bool = True
+    """Ignore numbers when comparing paragraphs."""
+    stall_s: float = Field(60.0, gt=0)
+    """No new reasoning or content for this long is a stall."""
+
+
+class SecuritySettings(_Section):
+    max_clock_skew_s: float = Field(300.0, gt=0)
+    """A signed job's timestamp may be at most this far in the future of the worker's clock."""
+    max_age_s: float = Field(24 * 3600.0, gt=0)
+    """A signed job older than this when a prep worker picks it up is refused (a backlog or a
+    prep outage shorter than this never turns genuine jobs into E_AUTH)."""
+    nonce_ttl_s: float = Field(25 * 3600.0, gt=0)
+    """Nonces are remembered this long; must cover max_age_s + max_clock_skew_s so that a
+    replay is always either seen or too old."""
+
+    @model_validator(mode="after")
+    def _nonce_outlives_age(self) -> SecuritySettings:
+        if self.nonce_ttl_s < self.max_age_s + self.max_clock_skew_s:
+            raise ValueError("nonce_ttl_s must be at least max_age_s + max_clock_skew_s")
+        return self
+
+
+class CollectSettings(_Section):
+    allowed_roots: list[str] = Field(default_factory=list)
+    """Folders file sources may be read from (nothing outside, symlinks resolved)."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """URL sources: connect timeout."""
+    read_timeout_s: float = Field(15.0, gt=0)
+    """URL sources: read timeout per read."""
+    max_bytes: int = Field(5_000_000, gt=0)
+    """A source larger than this fails (not truncated)."""
+    max_redirects: int = Field(5, ge=0)
+    """Redirects followed per URL source."""
+
+
+class ProjectSettings(_Section):
+    weight: float = Field(1.0, gt=0)
+    """Fair-share weight (tokens admitted are shared in proportion)."""
+    secret: str = Field(min_length=8)
+    """HMAC secret the project's producers sign jobs with (8+ characters)."""
+    thinking_budget: int = Field(8000, ge=-1)
+    """Default thinking_token_budget (-1 = unlimited)."""
+    content_reserve: int = Field(1024, gt=0)
+    """Tokens reserved for the answer after thinking; max_tokens = budget + reserve."""
+    prompt_budget_tokens: int | None = Field(None, gt=0)
+    """Optional cap on prompt tokens, below what max_model_len allows."""
+    allowed_tools: list[str] = Field(default_factory=list)
+    """Tool names this project may send; others are removed with a warning."""
+    response_schema: dict[str, Any] | None = None
+    """Default JSON Schema for answers (a job's own wins)."""
+    min_answer_chars: int = Field(1, ge=0)
+    """Text check: shortest acceptable answer."""
+    max_answer_chars: int | None = Field(None, gt=0)
+    """Text check: longest acceptable answer."""
+    answer_pattern: str | None = None
+    """Text check: a regular expression the answer must match."""
+    system_prompt: str | None = None
+    """Stable system prompt put first in every job (prefix-cache friendly)."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="_",
+        env_nested_max_split=1,
+        extra="forbid",
+        frozen=True,
+        use_attribute_docstrings=True,
+    )
+
+    broker_url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL shared by producers, workers and dispatchers."""
+    key_prefix: str = "fleet:"
+    """Prefix of every Redis key and Celery queue key of this fleet."""
+    result_ttl_s: int = Field(7 * 24 * 3600, gt=0)
+    """How long job records and final envelopes are kept."""
+    events_ttl_s: int = Field(24 * 3600, gt=0)
+    """How long per-job event streams are kept."""
+    results_stream_maxlen: int = Field(100_000, gt=0)
+    """Approximate cap of each project's results stream."""
+    prep_lease_s: float = Field(60.0, gt=0)
+    """A prep worker's claim on a job; renewed while it prepares, so a dead worker's job is sent
+    again after at most this long (fleet/prep/watchdog.py)."""
+    prep_unclaimed_s: float = Field(600.0, gt=0)
+    """A submitted job no prep worker has claimed after this long is sent again (a worker that
+    died holding it reserved); a deep backlog only makes harmless duplicates."""
+    visibility_timeout_s: int = Field(12 * 3600, gt=0)
+    """Broker redelivery of unacknowledged tasks; keep it above a whole job's inference
+    (max_attempts x attempt_s). Earlier redeliveries are harmless (claims refuse duplicates),
+    and dead workers are covered sooner by leases and the prep watchdog."""
+    backend: BackendSettings = BackendSettings()
+    admission: AdmissionSettings = AdmissionSettings()
+    timeouts: TimeoutSettings = TimeoutSettings()
+    retry: RetrySettings = RetrySettings()
+    watcher: WatcherSettings = WatcherSettings()
+    security: SecuritySettings = SecuritySettings()
+    collect: CollectSettings = CollectSettings()
+    projects: dict[str, ProjectSettings] = Field(default_factory=dict)
+
+    @field_validator("projects")
+    @classmethod
+    def _project_names(cls, value: dict[str, ProjectSettings]) -> dict[str, ProjectSettings]:
+        for name in value:
+            if not name.replace("-", "").replace("_", "").isalnum():
+                raise ValueError(f"project name {name!r} must be letters, digits, - or _")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # init kwargs carry the parsed TOML file; the environment overrides it.
+        return (env_settings, init_settings)
+
+    def project(self, name: str) -> ProjectSettings | None:
+        return self.projects.get(name)
+
+
+def reference_markdown() -> str:
+    """The README's configuration reference, generated from the models above."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+
+    def add(prefix: str, model: type[BaseModel]) -> None:
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, _Section):
+                add(f"{prefix}{name}.", annotation)
+                continue
+            if name == "projects":
+                add("projects.<name>.", ProjectSettings)
+                continue
+            default = field.get_default(call_default_factory=True)
+            shown = "required" if field.is_required() else f"`{default!r}`"
+            meaning = " ".join((field.description or "").split())
+            rows.append(f"| `{prefix}{name}` | {shown} | {meaning} |")
+
+    add("", Settings)
+    return "\n".join(rows)
+
+
+def config_path(env: dict[str, str] | None = None) -> Path:
+    """Which file configures this process (``FLEET_CONFIG`` > ./fleet.toml > the example)."""
+    values: Mapping[str, str] = os.environ if env is None else env
+    if values.get("FLEET_CONFIG"):
+        return Path(values["FLEET_CONFIG"])
+    local = Path.cwd() / "fleet.toml"
+    return local if local.exists() else EXAMPLE_CONFIG
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _unknown_env_keys(env: dict[str, str]) -> list[str]:
+    known = set()
+    for name, field in Settings.model_fields.items():
+        known.add(ENV_PREFIX + name.upper())
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            known.update(f"{ENV_PREFIX}{name.upper()}_{sub.upper()}" for sub in annotation.model_fields)
+    return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known | _ENV_NOT_SETTINGS)
+
+
+def _describe(error: ValidationError, env: Mapping[str, str]) -> str:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(root)"
+        message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
+        variable = ENV_PREFIX + "_".join(str(part) for part in item["loc"][:2]).upper()
+        where = f"{key} (from {variable})" if variable in env else key
+        lines.append(f"{where}: {message}")
+    return "; ".join(lines)
+
+
+def load_settings(
+    path: Path | str | None = None,
+    env: dict[str, str] | None = None,
+    **overrides: Any,
+) -> Settings:
+    """Read the settings. ``overrides`` (nested dicts) win over the file, below the environment."""
+    env_map = dict(os.environ) if env is None else env
+    file = Path(path) if path is not None else config_path(env_map)
+    try:
+        data = tomllib.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {file} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
+    unknown = _unknown_env_keys(env_map)
+    if unknown:
+        raise ConfigError(f"unknown settings in the environment: {', '.join(unknown)}")
+    data = _merge(data, overrides)
+    saved = os.environ.copy()
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(f"{file}: {_describe(exc, env_map)}") from exc
+    finally:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(saved)

@@ -1,0 +1,109 @@
+"""Every error the fleet raises, each tied to exactly one message code.
+
+    FleetError                      (code E_INTERNAL)
+     +-- ConfigError                 settings file or FLEET_* variable is wrong; names the key
+     +-- JobError                    the job itself
+     |    +-- InputInvalid           E_INPUT_INVALID
+     |    +-- AuthError              E_AUTH
+     |    +-- PromptTooLong          E_PROMPT_TOO_LONG
+     |    +-- CollectFailed          E_COLLECT_FAILED
+     +-- AnswerError                 the model's answer
+     |    +-- ThinkLoop              E_THINK_LOOP
+     |    +-- EmptyAnswer            E_EMPTY_ANSWER
+     |    +-- OutputInvalid          E_OUTPUT_INVALID
+     +-- UpstreamError               the backend (translated at the vLLM client boundary)
+     |    +-- UpstreamTimeout        E_UPSTREAM_TIMEOUT / E_CONNECT_TIMEOUT /
+     |    |                          E_FIRST_TOKEN_TIMEOUT / E_STREAM_STALLED
+     |    +-- StreamDropped          E_STREAM_DROPPED
+     |    +-- UpstreamUnavailable    E_UPSTREAM_UNAVAILABLE
+     |    +-- UpstreamRejected       E_UPSTREAM_REJECTED
+     +-- Cancelled                   E_CANCELLED
+     +-- DeadlineExceeded            E_DEADLINE
+
+Foreign exceptions are translated where they enter: httpx errors in the vLLM client
+(fleet/infer/vllm.py), pydantic errors in the job parser and the settings loader. Redis errors are not
+translated: the tasks' last line of defence turns whatever escapes into an E_INTERNAL envelope,
+live events swallow them (fleet/core/events.py), the dispatcher backs off and retries.
+"""
+
+from __future__ import annotations
+
+from fleet.core.codes import Code
+
+
+class FleetError(Exception):
+    code: Code = Code.E_INTERNAL
+
+    def __init__(self, message: str, *, code: Code | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class ConfigError(FleetError):
+    code = Code.E_INPUT_INVALID
+
+
+class JobError(FleetError):
+    pass
+
+
+class InputInvalid(JobError):
+    code = Code.E_INPUT_INVALID
+
+
+class AuthError(JobError):
+    code = Code.E_AUTH
+
+
+class PromptTooLong(JobError):
+    code = Code.E_PROMPT_TOO_LONG
+
+
+class CollectFailed(JobError):
+    code = Code.E_COLLECT_FAILED
+
+
+class AnswerError(FleetError):
+    pass
+
+
+class ThinkLoop(AnswerError):
+    code = Code.E_THINK_LOOP
+
+
+class EmptyAnswer(AnswerError):
+    code = Code.E_EMPTY_ANSWER
+
+
+class OutputInvalid(AnswerError):
+    code = Code.E_OUTPUT_INVALID
+
+
+class UpstreamError(FleetError):
+    code = Code.E_UPSTREAM_ERROR
+
+
+class UpstreamTimeout(UpstreamError):
+    code = Code.E_UPSTREAM_TIMEOUT
+
+
+class StreamDropped(UpstreamError):
+    code = Code.E_STREAM_DROPPED
+
+
+class UpstreamUnavailable(UpstreamError):
+    code = Code.E_UPSTREAM_UNAVAILABLE
+
+
+class UpstreamRejected(UpstreamError):
+    code = Code.E_UPSTREAM_REJECTED
+
+
+class Cancelled(FleetError):
+    code = Code.E_CANCELLED
+
+
+class DeadlineExceeded(FleetError):
+    code = Code.E_DEADLINE

@@ -1,0 +1,184 @@
+"""The fleet's public data shapes: the ``Job`` a project submits and the ``Envelope`` it gets back.
+
+Both reject unknown fields, so a typo in a producer is an ``E_INPUT_INVALID`` rather than a
+setting silently ignored. Messages are OpenAI chat messages plus one fleet field, ``untrusted``,
+which marks material from outside (documents, web pages, tool output): such a job is never sent
+with tools and its text has chat-template control tags neutralised (fleet/core/request.py).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fleet.core.codes import Code
+
+JobKind = Literal["infer", "collect", "trim", "collect+trim+infer"]
+Band = Literal["interactive", "batch"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def describe_invalid(exc: ValidationError, limit: int = 5) -> str:
+    """A job's validation errors in one line that names each field (``E_INPUT_INVALID``)."""
+    parts = []
+    for item in exc.errors()[:limit]:
+        where = ".".join(str(part) for part in item["loc"]) or "job"
+        what = "unknown field" if item["type"] == "extra_forbidden" else item["msg"]
+        parts.append(f"{where}: {what}")
+    return "; ".join(parts)
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    untrusted: bool = False
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        if not self.content:
+            return ""
+        return "".join(str(p.get("text", "")) for p in self.content if isinstance(p, dict))
+
+    def to_openai(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True, exclude={"untrusted"})
+
+
+class Source(_Strict):
+    """Material to collect before inference (fleet/prep/collect.py)."""
+
+    type: Literal["text", "file", "url"]
+    text: str | None = None
+    path: str | None = None
+    url: str | None = None
+    name: str | None = None
+    untrusted: bool | None = None  # None: text is trusted, files and URLs are not
+    quota_tokens: int | None = Field(None, gt=0)
+    required: bool | None = None  # None: the job's on_source_error decides
+
+    @model_validator(mode="after")
+    def _one_value(self) -> Source:
+        value = {"text": self.text, "file": self.path, "url": self.url}[self.type]
+        if value is None:
+            raise ValueError(f"a {self.type!r} source needs its {self.type if self.type != 'file' else 'path'!r} field")
+        return self
+
+
+class TrimPolicy(_Strict):
+    """How fleet/prep/trim.py cuts material that does not fit (see fleet/prep/prepare.py)."""
+
+    strategy: Literal["head_tail", "head", "tail"] = "head_tail"
+    drop_near_duplicates: bool = True
+    normalise_whitespace: bool = True
+    head_fraction: float = Field(default=0.6, ge=0, le=1)  # head_tail: share of the kept text from the head
+
+
+class Job(_Strict):
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    project: str = Field(min_length=1)
+    kind: JobKind = "infer"
+    messages: list[Message] = Field(default_factory=list)
+    sources: list[Source] = Field(default_factory=list)
+    on_source_error: Literal["fail", "drop"] = "fail"
+    trim: TrimPolicy | None = None
+    allow_trim: bool = True
+    thinking_budget: int | None = Field(None, ge=-1)
+    content_reserve: int | None = Field(None, gt=0)
+    response_schema: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    seed: int | None = None
+    band: Band = "batch"
+    priority: int = Field(0, ge=-10, le=10)
+    deadline: float | None = None  # unix seconds
+    idempotency_key: str | None = Field(None, max_length=200)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    submitted_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _has_input(self) -> Job:
+        if self.kind in ("infer",) and not self.messages:
+            raise ValueError("an infer job needs at least one message")
+        if self.kind != "infer" and not self.sources and not self.messages:
+            raise ValueError(f"a {self.kind} job needs sources or messages")
+        return self
+
+    @property
+    def untrusted(self) -> bool:
+        return any(m.untrusted for m in self.messages)
+
+
+class Usage(_Strict):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+class Timings(_Strict):
+    queued_s: float | None = None
+    first_token_s: float | None = None
+    total_s: float | None = None
+
+
+class Attempt(_Strict):
+    number: int
+    code: Code
+    cause: str = ""
+    finish_reason: str | None = None
+    thinking_budget: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    usage: Usage = Field(default_factory=Usage)
+    carried: list[str] = Field(default_factory=list)
+    started_at: float = 0.0
+    duration_s: float = 0.0
+
+
+class Envelope(_Strict):
+    """The one result shape every consumer gets, whatever happened."""
+
+    job_id: str
+    project: str
+    kind: JobKind = "infer"
+    code: Code
+    message: str = ""
+    retryable: bool = False
+    attempts: list[Attempt] = Field(default_factory=list)
+    content: str | None = None
+    reasoning: str | None = None
+    parsed: Any = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    material: list[dict[str, Any]] | None = None
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    warnings: list[str] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    finished_at: float = Field(default_factory=time.time)
+
+    @property
+    def ok(self) -> bool:
+        return self.code.ok
+
+    @classmethod
+    def failure(
+        cls, job_id: str, project: str, code: Code, message: str, **extra: Any
+    ) -> Envelope:
+        return cls(
+            job_id=job_id,
+            project=project,
+            code=code,
+            message=message,
+            retryable=code.retryable,
+            **extra,
+        )

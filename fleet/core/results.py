@@ -1,0 +1,208 @@
+"""Job records and final results in Redis (keys in fleet/core/keys.py).
+
+A job's life as the job hash records it (``{p}job:<id>`` field ``state``):
+    submitted (client) -> pending (prep handed it to the dispatcher) -> running (an inference
+    worker claimed its lease) -> final
+A job ends with exactly one final Envelope. ``publish`` is one Lua script: it writes
+``{p}result:<id>`` only if absent (SET NX) and, in the same atomic step, appends the envelope to
+``{p}results:<project>``, adds the ``final`` event to ``{p}events:<id>`` and sets the TTLs. A
+second publish for the same job (a duplicate delivery, a late worker, a cancel racing a finish)
+changes nothing and returns False, so consumers never see two results for one job.
+
+Rejected messages (E_AUTH) are kept apart: ``{p}rejected:<nonce>`` and the operator's
+``{p}rejections`` stream; never the claimed project's results stream, never the claimed job's
+result key. The submitting client recorded its nonce in the job hash, so ``final`` shows it the
+rejection of its own message, while a forged message naming someone else's job id changes
+nothing for that job.
+
+Waiting: ``wait`` reads the last event id, then the result key, then blocks on the event stream
+from that id (XREAD BLOCK, at most 2 s at a time: redis-py's default socket timeout is 5 s).
+Because ``publish`` writes the result before the final event, a result missed by the GET is
+always seen by the XREAD: no sleep-polling, no lost wake-up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import redis
+
+from fleet.core.codes import Code
+from fleet.core.config import Settings
+from fleet.core.events import EVENTS_MAXLEN
+from fleet.core.keys import Keys
+from fleet.core.models import Envelope
+
+log = logging.getLogger(__name__)
+
+# KEYS: result, results stream, events stream, job hash, code counters
+# ARGV: envelope json, result ttl s, stream maxlen, events ttl s, now, code, events maxlen,
+#       counter field (project|code)
+_PUBLISH = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) == false then
+  return 0
+end
+if KEYS[2] ~= '' then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'envelope', ARGV[1])
+end
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'type', 'final', 'ts', ARGV[5],
+           'data', cjson.encode({code = ARGV[6]}))
+redis.call('EXPIRE', KEYS[3], ARGV[4])
+redis.call('HSET', KEYS[4], 'state', 'final', 'code', ARGV[6], 'finished_at', ARGV[5])
+redis.call('EXPIRE', KEYS[4], ARGV[2])
+redis.call('HINCRBY', KEYS[5], ARGV[8], 1)
+return 1
+"""
+
+
+class ResultStore:
+    def __init__(self, client: redis.Redis, keys: Keys, settings: Settings) -> None:
+        self.client: Any = client  # redis-py's response types are unions; we know the shapes
+        self.keys = keys
+        self.settings = settings
+        self._publish = client.register_script(_PUBLISH)
+
+    # -- job records ----------------------------------------------------------------------
+    def record(self, job_id: str, **fields: Any) -> None:
+        values = {k: v if isinstance(v, str | int | float) else json.dumps(v) for k, v in fields.items()}
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(self.keys.job(job_id), mapping=values)
+        pipe.expire(self.keys.job(job_id), self.settings.result_ttl_s)
+        pipe.execute()
+
+    def job_record(self, job_id: str) -> dict[str, str]:
+        raw = self.client.hgetall(self.keys.job(job_id))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    # -- results --------------------------------------------------------------------------
+    def publish(self, envelope: Envelope, *, to_project_stream: bool = True) -> bool:
+        """Write the one final envelope; False if the job already had one."""
+        stream = self.keys.results(envelope.project) if to_project_stream else ""
+        written = self._publish(
+            keys=[
+                self.keys.result(envelope.job_id),
+                stream,
+                self.keys.events(envelope.job_id),
+                self.keys.job(envelope.job_id),
+                self.keys.code_counts,
+            ],
+            args=[
+                envelope.model_dump_json(),
+                self.settings.result_ttl_s,
+                self.settings.results_stream_maxlen,
+                self.settings.events_ttl_s,
+                f"{time.time():.6f}",
+                envelope.code.value,
+                EVENTS_MAXLEN,
+                f"{envelope.project}|{envelope.code.value}",
+            ],
+        )
+        if written:
+            log.info(
+                "result job=%s project=%s code=%s attempts=%d",
+                envelope.job_id,
+                envelope.project,
+                envelope.code.value,
+                len(envelope.attempts),
+            )
+        return bool(written)
+
+    def reject(self, job_id: str, claimed_project: str, reason: str, nonce: str) -> None:
+        """Record an E_AUTH rejection where operators look, not in the project's results."""
+        envelope = Envelope.failure(job_id, claimed_project, Code.E_AUTH, reason)
+        pipe = self.client.pipeline(transaction=True)
+        if nonce:
+            pipe.set(self.keys.rejected(nonce), envelope.model_dump_json(), nx=True,
+                     ex=self.settings.result_ttl_s)
+        pipe.xadd(
+            self.keys.rejections,
+            {"job_id": job_id, "project": claimed_project, "reason": reason,
+             "ts": f"{time.time():.3f}"},
+            maxlen=self.settings.results_stream_maxlen,
+            approximate=True,
+        )
+        pipe.xadd(self.keys.events(job_id),
+                  {"type": "rejected", "ts": f"{time.time():.6f}",
+                   "data": json.dumps({"code": Code.E_AUTH.value, "nonce": nonce})},
+                  maxlen=EVENTS_MAXLEN, approximate=True)
+        pipe.expire(self.keys.events(job_id), self.settings.events_ttl_s)
+        pipe.execute()
+        log.warning("rejected job=%s claimed_project=%s reason=%s", job_id, claimed_project, reason)
+
+    def get(self, job_id: str) -> Envelope | None:
+        """The job's final envelope, if it has one (what the workers go by)."""
+        raw = self.client.get(self.keys.result(job_id))
+        return Envelope.model_validate_json(raw) if raw else None
+
+    def final(self, job_id: str) -> Envelope | None:
+        """What a submitter sees: the final envelope, else the rejection of its own message."""
+        envelope = self.get(job_id)
+        if envelope is not None:
+            return envelope
+        nonce = self.client.hget(self.keys.job(job_id), "nonce")
+        raw = self.client.get(self.keys.rejected(nonce.decode())) if nonce else None
+        if not raw:
+            return None
+        rejected = Envelope.model_validate_json(raw)
+        return rejected if rejected.job_id == job_id else None
+
+    def wait(self, job_id: str, timeout_s: float) -> Envelope | None:  # noqa: C901
+        """Block until the job's final envelope exists or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        events = self.keys.events(job_id)
+        last = self.client.xrevrange(events, count=1)
+        cursor = last[0][0] if last else b"0-0"
+        while True:
+            envelope = self.final(job_id)
+            if envelope is not None:
+                return envelope
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                return None
+            reply = self.client.xread({events: cursor}, block=min(remaining_ms, 2000), count=100)
+            for _stream, entries in reply or []:
+                if entries:
+                    cursor = entries[-1][0]
+
+
+class ResultFollower:
+    """Collects the final envelopes of many jobs as they finish (``fleet batch``, the demo).
+
+    Create it BEFORE submitting: it notes the tail of each project's results stream, then
+    blocks on those streams (XREAD BLOCK). When nothing arrives for a second it also reads the
+    remaining jobs' result keys directly, which catches rejections (never in a project stream)
+    and results that fell out of a capped stream.
+    """
+
+    def __init__(self, store: ResultStore, projects: set[str]) -> None:
+        self.store = store
+        self.cursors: dict[str, Any] = {}
+        for project in projects:
+            key = store.keys.results(project)
+            last = store.client.xrevrange(key, count=1)
+            self.cursors[key] = last[0][0] if last else "0-0"
+
+    def follow(self, job_ids: set[str], timeout_s: float, block_ms: int = 1000):  # type: ignore[no-untyped-def]
+        remaining = set(job_ids)
+        deadline = time.monotonic() + timeout_s
+        while remaining and time.monotonic() < deadline:
+            reply = self.store.client.xread(self.cursors, block=block_ms, count=500)
+            got = False
+            for stream, entries in reply or []:
+                name = stream.decode() if isinstance(stream, bytes) else stream
+                for entry_id, fields in entries:
+                    self.cursors[name] = entry_id
+                    envelope = Envelope.model_validate_json(fields[b"envelope"])
+                    if envelope.job_id in remaining:
+                        remaining.discard(envelope.job_id)
+                        got = True
+                        yield envelope
+            if not got:
+                for job_id in list(remaining):
+                    found = self.store.final(job_id)
+                    if found is not None:
+                        remaining.discard(job_id)
+                        yield found

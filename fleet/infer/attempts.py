@@ -1,0 +1,444 @@
+"""One inference job, from the planned prompt to its Envelope: the attempt loop.
+
+The lead's Celery task (fleet/worker/tasks.py) holds the lease and calls ``run_inference(job, plan, ctx)``;
+retries happen in here while the lease keeper renews the lease and sets ``ctx.cancel`` when the
+job is cancelled or the lease is lost. ``run_inference`` never raises: an unexpected exception
+becomes ``E_INTERNAL`` with a log line.
+
+Each attempt sends (fleet/core/request.py decides messages and tools)::
+
+    messages               untrusted parts neutralised and fenced; retry notes (carry-over,
+                           re-ask) appended to the leading system message
+    max_completion_tokens  plan.max_tokens = thinking budget + content reserve. Only this field:
+                           vLLM lets it win over the deprecated max_tokens, and sending one
+                           number keeps the two from ever disagreeing
+    thinking_token_budget  TOP LEVEL (anywhere else vLLM silently drops it); -1 = unlimited
+    response_format        json_schema of the job or project (fleet/infer/validate.py)
+    stream, stream_options {"include_usage": true}: the usage chunk gives reasoning_tokens
+    request_id             f"{job.id}-{attempt}" (also X-Request-Id)
+    seed, temperature      a new seed every attempt; +0.1 temperature after an answer-level
+                           failure (loop, empty, invalid), at most max(1.0, the job's own)
+
+How an attempt ends and what follows:
+    loop/stall verdict of the watcher  stream closed at once -> E_THINK_LOOP, retry with a
+                                       carry-over note of the attempt's conclusions
+    finish "repetition" (vLLM's own)   the same
+    content + finish "length"          OK_TRUNCATED (final)
+    forced end of thinking + answer    OK_THINKING_FORCED (final) if the answer checks out
+    forced end + empty/invalid answer  retry with grow_budget (E_EMPTY_ANSWER/E_OUTPUT_INVALID)
+    empty answer                       retry with grow_reserve (E_EMPTY_ANSWER)
+    invalid answer                     re-ask with the validation error, at most
+                                       retry.reask_invalid times (E_OUTPUT_INVALID)
+    retryable upstream error           backoff with full jitter, then retry (carry-over too when
+                                       the attempt had reasoning)
+    cancel / deadline / rejected       final at once: E_CANCELLED / E_DEADLINE / the error's code
+
+Retries (not re-asks) are bounded by retry.max_attempts, every retry by the project's retry
+budget (fleet/infer/retrying.py), backoff by the job's deadline. After the last attempt the job ends with
+that attempt's code (E_THINK_LOOP, E_EMPTY_ANSWER, E_OUTPUT_INVALID, an upstream code).
+Every attempt is an ``Attempt`` in the Envelope and a JSON entry in ``{p}attempts:<id>``; a
+redelivered job continues the numbering and the carry-over from that history.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from fleet.core.codes import Code
+from fleet.core.config import ProjectSettings, Settings
+from fleet.core.errors import FleetError, ThinkLoop
+from fleet.core.events import EventSink
+from fleet.core.keys import Keys
+from fleet.core.models import Attempt, Envelope, Job, Timings, Usage
+from fleet.core.request import build_request_messages, tools_allowed
+from fleet.infer import carryover
+from fleet.infer.budget import Plan, grow_budget, grow_reserve
+from fleet.infer.loopwatch import LoopWatcher, Verdict
+from fleet.infer.retrying import RetryBudget, backoff_s, fits_deadline, should_retry
+from fleet.infer.validate import check_answer, reask_message, response_format, schema_for
+from fleet.infer.vllm import Delta, StreamResult, VllmClient
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TEMPERATURE = 0.6  # Qwen3 thinking models' recommended sampling
+TEMPERATURE_STEP = 0.1
+EMIT_INTERVAL_S = 0.3
+MAX_REASKED_ANSWER_CHARS = 600
+
+
+@dataclass
+class InferenceContext:
+    settings: Settings
+    project: ProjectSettings
+    redis: redis.Redis
+    keys: Keys
+    events: EventSink
+    cancel: threading.Event
+    client: VllmClient
+    clock: Callable[[], float] = time.time
+    sleep: Callable[[float], object] | None = None  # default: cancel.wait (wakes on cancel)
+    rand: Callable[[], float] = random.random
+    emit_interval_s: float = EMIT_INTERVAL_S
+    # Told when a retry grows the plan (the worker resizes the lease's KV reservation).
+    on_plan: Callable[[Plan], object] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sleep is None:
+            self.sleep = self.cancel.wait
+
+
+class _LoopDetected(ThinkLoop):
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(f"{verdict.kind}: {verdict.detail}")
+        self.verdict = verdict
+
+
+@dataclass
+class _Outcome:
+    code: Code
+    cause: str
+    result: StreamResult | None = None
+    retry: str | None = None  # "carry" | "budget" | "reserve" | "reask" | "backoff" | None
+    parsed: Any = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _Coalescer:
+    """Reasoning/content deltas become a few events per second, not one per token."""
+
+    def __init__(self, events: EventSink, clock: Callable[[], float], interval_s: float) -> None:
+        self._events, self._clock, self._interval_s = events, clock, interval_s
+        self._parts: dict[str, list[str]] = {"reasoning": [], "content": []}
+        self._last = clock()
+
+    def add(self, kind: str, text: str) -> None:
+        self._parts[kind].append(text)
+        if self._clock() - self._last >= self._interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        for kind, parts in self._parts.items():
+            if parts:
+                self._events.emit(kind, text="".join(parts))
+                parts.clear()
+        self._last = self._clock()
+
+
+def run_inference(job: Job, plan: Plan, ctx: InferenceContext) -> Envelope:
+    run: _Run | None = None
+    try:
+        run = _Run(job, plan, ctx)
+        return run.run()
+    except Exception as exc:  # the one place a bug must not lose the job
+        log.exception("job %s: inference failed inside the fleet", job.id)
+        attempts = run.attempts if run is not None else []
+        return Envelope.failure(
+            job.id, job.project, Code.E_INTERNAL, f"internal error: {exc!r}", attempts=attempts
+        )
+
+
+class _Run:
+    def __init__(self, job: Job, plan: Plan, ctx: InferenceContext) -> None:
+        self.job, self.plan, self.ctx = job, plan, ctx
+        self.s = ctx.settings
+        self.started = ctx.clock()
+        self.messages, self.warnings = build_request_messages(job)
+        self.tools, self.tool_choice, tool_warnings = tools_allowed(job, ctx.project)
+        self.warnings += tool_warnings
+        self.response_format = response_format(job, ctx.project)
+        self.attempts: list[Attempt] = []
+        self.usage = Usage()
+        self.conclusions: list[str] = []
+        self.carry_note: str | None = None
+        self.reask_note: str | None = None
+        self.retries = 0
+        self.reasks = 0
+        self.heat = 0
+        self.budget = RetryBudget(ctx.redis, ctx.keys, job.project, self.s.retry.budget_ratio,
+                                  clock=ctx.clock)
+        self.first_token_s: float | None = None
+        self.earlier: list[Attempt] = []
+        self.previous = self._load_history()
+
+    # -- history --------------------------------------------------------------------------------
+    def _load_history(self) -> int:
+        """Attempts of earlier deliveries (a worker died): they count in the numbering, the
+        carry-over, the Envelope's attempts and its usage."""
+        history = carryover.load_attempts(self.ctx.redis, self.ctx.keys, self.job.id)
+        fields = set(Attempt.model_fields)
+        for entry in history:
+            self.conclusions = carryover.merge_conclusions(
+                self.conclusions, entry.get("conclusions") or [])
+            earlier = Attempt.model_validate({k: v for k, v in entry.items() if k in fields})
+            self.earlier.append(earlier)
+            self._add_usage(earlier.usage)
+        if self.conclusions:
+            self.carry_note = carryover.retry_note(self.conclusions, "an earlier delivery")
+        return len(history)
+
+    def _record(self, attempt: Attempt, conclusions: list[str]) -> None:
+        entry = {**attempt.model_dump(mode="json"), "conclusions": conclusions}
+        carryover.record_attempt(self.ctx.redis, self.ctx.keys, self.job.id, entry,
+                                 self.s.events_ttl_s)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self) -> Envelope:
+        if self.previous == 0:
+            self.budget.first_attempt()
+        while True:
+            number = self.previous + len(self.attempts) + 1
+            stop = self._stop_before_attempt()
+            if stop is not None:
+                return self._envelope(stop)
+            outcome = self._attempt(number)
+            if outcome.code.ok or outcome.retry is None or not self._prepare_retry(outcome):
+                return self._envelope(outcome)
+
+    def _stop_before_attempt(self) -> _Outcome | None:
+        if self.ctx.cancel.is_set():
+            return _Outcome(Code.E_CANCELLED, "cancelled before the attempt")
+        if self.job.deadline is not None and self.ctx.clock() >= self.job.deadline:
+            return _Outcome(Code.E_DEADLINE, "the job's deadline passed")
+        return None
+
+    def _temperature(self) -> float:
+        base = self.job.temperature if self.job.temperature is not None else DEFAULT_TEMPERATURE
+        return round(min(max(base, 1.0), base + TEMPERATURE_STEP * self.heat), 3)
+
+    def _seed(self, number: int) -> int:
+        base = self.job.seed
+        if base is None:
+            base = int(hashlib.sha256(self.job.id.encode()).hexdigest()[:8], 16)
+        return (base + (number - 1) * 1_000_003) % (2**31)
+
+    def _body(self, number: int, seed: int, temperature: float) -> dict[str, Any]:
+        messages = self.messages
+        for note in (self.carry_note, self.reask_note):
+            if note:
+                messages = carryover.with_note(messages, note)
+        body: dict[str, Any] = {
+            "messages": messages,
+            "max_completion_tokens": self.plan.max_tokens,
+            "thinking_token_budget": self.plan.thinking_budget,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "request_id": f"{self.job.id}-{number}",
+            "seed": seed,
+            "temperature": temperature,
+        }
+        if self.response_format is not None:
+            body["response_format"] = self.response_format
+        if self.tools:
+            body["tools"] = self.tools
+        if self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        return body
+
+    # -- one attempt ----------------------------------------------------------------------------
+    def _attempt(self, number: int) -> _Outcome:
+        ctx = self.ctx
+        seed, temperature = self._seed(number), self._temperature()
+        carried = self.conclusions or ([self.carry_note] if self.carry_note else [])
+        body = self._body(number, seed, temperature)
+        ctx.events.emit("attempt", number=number, thinking_budget=self.plan.thinking_budget,
+                        max_tokens=self.plan.max_tokens, seed=seed, temperature=temperature,
+                        carried=len(carried))
+        started = ctx.clock()
+        outcome = self._stream(body)
+        result = outcome.result
+        usage = self._usage(result)
+        attempt = Attempt(
+            number=number, code=outcome.code, cause=outcome.cause,
+            finish_reason=result.finish_reason if result else None,
+            thinking_budget=self.plan.thinking_budget, max_tokens=self.plan.max_tokens,
+            temperature=temperature, seed=seed, usage=usage, carried=list(carried),
+            started_at=started, duration_s=round(ctx.clock() - started, 3),
+        )
+        self.attempts.append(attempt)
+        self._record(attempt, self._conclusions_of(outcome))
+        if result is not None and result.first_token_s is not None:
+            self.first_token_s = result.first_token_s
+        log.info("job %s attempt %d: %s %s", self.job.id, number, outcome.code.value,
+                 outcome.cause)
+        return outcome
+
+    def _usage(self, result: StreamResult | None) -> Usage:
+        if result is None:
+            return Usage()
+        usage = Usage(
+            prompt_tokens=result.prompt_tokens or self.plan.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            reasoning_tokens=result.reasoning_tokens,
+        )
+        self._add_usage(usage)
+        return usage
+
+    def _add_usage(self, usage: Usage) -> None:
+        self.usage = Usage(
+            prompt_tokens=self.usage.prompt_tokens + usage.prompt_tokens,
+            completion_tokens=self.usage.completion_tokens + usage.completion_tokens,
+            reasoning_tokens=self.usage.reasoning_tokens + usage.reasoning_tokens,
+        )
+
+    @staticmethod
+    def _conclusions_of(outcome: _Outcome) -> list[str]:
+        if outcome.code.ok or outcome.result is None or not outcome.result.reasoning:
+            return []
+        return carryover.extract_conclusions(outcome.result.reasoning)
+
+    def _stream(self, body: dict[str, Any]) -> _Outcome:
+        ctx = self.ctx
+        watcher = LoopWatcher(self.s.watcher) if self.s.watcher.enabled else None
+        coalescer = _Coalescer(ctx.events, ctx.clock, ctx.emit_interval_s)
+
+        def on_delta(delta: Delta) -> None:
+            now = ctx.clock()
+            verdict = None
+            if delta.reasoning:
+                coalescer.add("reasoning", delta.reasoning)
+                if watcher is not None:
+                    verdict = watcher.feed(delta.reasoning, now)
+            if delta.content:
+                coalescer.add("content", delta.content)
+                if watcher is not None:
+                    watcher.touch(now)
+            if watcher is not None and verdict is None:
+                verdict = watcher.check_stall(now)
+            if verdict is not None:
+                raise _LoopDetected(verdict)
+
+        try:
+            result = ctx.client.stream_chat(body, on_delta, ctx.cancel, self.job.deadline)
+        except _LoopDetected as exc:
+            return _Outcome(Code.E_THINK_LOOP, f"loop watcher: {exc.message}",
+                            getattr(exc, "partial", None), retry="carry")
+        except FleetError as exc:
+            retry = "backoff" if should_retry(exc.code) else None
+            return _Outcome(exc.code, exc.message, getattr(exc, "partial", None), retry=retry)
+        finally:
+            coalescer.flush()
+        return self._classify(result)
+
+    def _classify(self, r: StreamResult) -> _Outcome:
+        budget = self.plan.thinking_budget
+        if r.finish_reason == "repetition":
+            return _Outcome(Code.E_THINK_LOOP, "vLLM stopped a repetition", r, retry="carry")
+        if r.finish_reason in ("abort", "error"):
+            return _Outcome(Code.E_UPSTREAM_ERROR, f"finish_reason {r.finish_reason}", r,
+                            retry="backoff")
+        calls = self._allowed_calls(r)
+        if calls:
+            return _Outcome(Code.OK, "tool call", r, tool_calls=calls)
+        grow = "budget" if r.thinking_forced else "reserve"
+        forced = f"thinking budget {budget} spent, " if r.thinking_forced else ""
+        if not r.content.strip():
+            return _Outcome(Code.E_EMPTY_ANSWER, f"{forced}empty answer "
+                            f"(finish_reason {r.finish_reason})", r, retry=grow)
+        checked = check_answer(r.content, self.job, self.ctx.project)
+        if r.finish_reason == "length":
+            if not checked.ok:
+                self.warnings.append(f"truncated answer fails its checks: {checked.error}")
+            return _Outcome(Code.OK_TRUNCATED, "answer cut by max_tokens", r, parsed=checked.parsed)
+        if not checked.ok:
+            return _Outcome(Code.E_OUTPUT_INVALID, f"{forced}{checked.error}", r,
+                            retry="budget" if r.thinking_forced else "reask",
+                            parsed=checked.parsed)
+        code = Code.OK_THINKING_FORCED if r.thinking_forced else Code.OK
+        return _Outcome(code, forced.rstrip(", "), r, parsed=checked.parsed)
+
+    def _allowed_calls(self, r: StreamResult) -> list[dict[str, Any]]:
+        if not r.tool_calls:
+            return []
+        sent = {str((t.get("function") or {}).get("name")) for t in self.tools or []}
+        kept = [c for c in r.tool_calls if c["function"]["name"] in sent]
+        dropped = sorted({c["function"]["name"] for c in r.tool_calls} - sent)
+        if dropped:
+            self.warnings.append(f"tool calls to tools not sent were dropped: {', '.join(dropped)}")
+        return kept
+
+    # -- between attempts -----------------------------------------------------------------------
+    def _prepare_retry(self, outcome: _Outcome) -> bool:
+        """Set up the next attempt; False when no retry may happen (the outcome is final)."""
+        kind = outcome.retry
+        if kind == "reask":
+            if self.reasks >= self.s.retry.reask_invalid:
+                return False
+        elif self.retries >= self.s.retry.max_attempts - 1:
+            return False
+        delay_s = self._delay(kind)
+        if delay_s is None:
+            return False
+        if not self.budget.try_spend():
+            self.warnings.append("no retry: the project's retry budget is used up")
+            return False
+        if kind == "reask":
+            self.reasks += 1
+        else:
+            self.retries += 1
+        self._adapt(outcome)
+        self.ctx.events.emit("retry", after=len(self.attempts), cause=outcome.code.value,
+                             how=kind, delay_s=round(delay_s, 3),
+                             thinking_budget=self.plan.thinking_budget,
+                             max_tokens=self.plan.max_tokens, carried=len(self.conclusions))
+        if delay_s > 0:
+            assert self.ctx.sleep is not None
+            self.ctx.sleep(delay_s)
+        return True
+
+    def _delay(self, kind: str | None) -> float | None:
+        if kind != "backoff":
+            return 0.0
+        r = self.s.retry
+        delay_s = backoff_s(self.retries + 1, r.backoff_base_s, r.backoff_max_s, self.ctx.rand)
+        if not fits_deadline(delay_s, self.ctx.clock(), self.job.deadline):
+            self.warnings.append(f"no retry: a {delay_s:.1f} s backoff would pass the deadline")
+            return None
+        return delay_s
+
+    def _adapt(self, outcome: _Outcome) -> None:
+        kind, result = outcome.retry, outcome.result
+        if kind != "backoff":
+            self.heat += 1
+        if kind == "budget":
+            self.plan = grow_budget(self.plan, self.s.retry.thinking_budget_ceiling)
+        elif kind == "reserve":
+            self.plan = grow_reserve(self.plan)
+        if kind in ("budget", "reserve") and self.ctx.on_plan is not None:
+            self.ctx.on_plan(self.plan)  # the lease's KV reservation follows the larger plan
+        if kind in ("carry", "backoff") and result is not None and result.reasoning:
+            found = carryover.extract_conclusions(result.reasoning)
+            self.conclusions = carryover.merge_conclusions(self.conclusions, found)
+            self.carry_note = carryover.retry_note(self.conclusions, outcome.cause)
+        elif kind == "carry":
+            self.carry_note = carryover.retry_note(self.conclusions, outcome.cause)
+        if kind == "reask" and result is not None:
+            has_schema = schema_for(self.job, self.ctx.project) is not None
+            answer = result.content.strip()[:MAX_REASKED_ANSWER_CHARS]
+            error = outcome.cause
+            self.reask_note = f"{reask_message(error, has_schema)}\nRejected answer: {answer}"
+
+    # -- the result -----------------------------------------------------------------------------
+    def _envelope(self, outcome: _Outcome) -> Envelope:
+        result = outcome.result
+        ok = outcome.code.ok
+        return Envelope(
+            job_id=self.job.id, project=self.job.project, code=outcome.code,
+            message=outcome.cause if not ok else f"answered on attempt {self.previous + len(self.attempts)}",
+            retryable=False if ok else outcome.code.retryable,
+            attempts=self.earlier + self.attempts,
+            content=result.content if result is not None else None,
+            reasoning=result.reasoning if result is not None else None,
+            parsed=outcome.parsed, tool_calls=outcome.tool_calls, usage=self.usage,
+            timings=Timings(first_token_s=self.first_token_s,
+                            total_s=round(self.ctx.clock() - self.started, 3)),
+            warnings=self.warnings,
+        )

@@ -1,0 +1,115 @@
+"""Thinking-budget planning: how many tokens a job may think, answer and send.
+
+    thinking_budget  job.thinking_budget, else the project's (-1: unlimited)
+    content_reserve  job.content_reserve, else the project's: tokens kept for the answer
+    max_tokens       thinking_budget + content_reserve; with an unlimited budget, the retry
+                     ceiling (``retry.thinking_budget_ceiling``) + reserve, so a runaway thought
+                     still ends and the prompt limit stays computable
+    room_tokens      max_model_len - max_tokens, and at most project.prompt_budget_tokens:
+                     the prompt limit the trimmer (fleet/prep/trim.py) must meet
+    fits             prompt_tokens <= room_tokens
+
+vLLM forces ``</think>`` when the budget is spent, but the answer still needs its own tokens: with
+``max_tokens`` below budget + reserve the answer comes back empty (BRIEF.md). A prompt that does not
+fit even after trimming ends ``E_PROMPT_TOO_LONG`` with these numbers, before reaching vLLM.
+
+Adaptive retries change a plan without touching the prompt: ``grow_budget`` (a forced end of
+thinking gave an empty or invalid answer) doubles the budget up to a ceiling; ``grow_reserve`` (an
+empty answer) doubles the reserve. Both keep ``prompt_tokens + max_tokens <= max_model_len``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fleet.core.config import ProjectSettings, Settings
+from fleet.core.models import Job
+
+UNLIMITED = -1
+MIN_GROWTH_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Plan:
+    thinking_budget: int
+    content_reserve: int
+    max_tokens: int
+    prompt_tokens: int
+    fits: bool
+    room_tokens: int
+    max_model_len: int
+    prompt_budget_tokens: int | None = None
+
+    def describe(self) -> str:
+        return (
+            f"prompt {self.prompt_tokens} + max_tokens {self.max_tokens} "
+            f"(thinking {self.thinking_budget} + reserve {self.content_reserve}); "
+            f"prompt limit {self.room_tokens}, max_model_len {self.max_model_len}"
+        )
+
+
+def plan(job: Job, project: ProjectSettings, settings: Settings, prompt_tokens: int) -> Plan:
+    budget = job.thinking_budget if job.thinking_budget is not None else project.thinking_budget
+    reserve = job.content_reserve if job.content_reserve is not None else project.content_reserve
+    ceiling = settings.retry.thinking_budget_ceiling
+    return _build(
+        budget, reserve, prompt_tokens, settings.backend.max_model_len,
+        project.prompt_budget_tokens, ceiling,
+    )
+
+
+def _build(
+    budget: int, reserve: int, prompt_tokens: int, max_model_len: int,
+    prompt_budget: int | None, ceiling: int,
+) -> Plan:
+    thinking = ceiling if budget == UNLIMITED else budget
+    max_tokens = thinking + reserve
+    room = max_model_len - max_tokens
+    if prompt_budget is not None:
+        room = min(room, prompt_budget)
+    return Plan(
+        thinking_budget=budget,
+        content_reserve=reserve,
+        max_tokens=max_tokens,
+        prompt_tokens=prompt_tokens,
+        fits=0 <= prompt_tokens <= room,
+        room_tokens=room,
+        max_model_len=max_model_len,
+        prompt_budget_tokens=prompt_budget,
+    )
+
+
+def _headroom(p: Plan) -> int:
+    """Tokens max_tokens may still grow by without the prompt overflowing max_model_len."""
+    return max(0, p.max_model_len - p.prompt_tokens - p.max_tokens)
+
+
+def _grown(value: int) -> int:
+    return max(value * 2, value + MIN_GROWTH_TOKENS)
+
+
+def grow_budget(p: Plan, ceiling: int) -> Plan:
+    """A larger thinking budget (doubled, at most ``ceiling``); unchanged when unlimited/at top."""
+    if p.thinking_budget == UNLIMITED:
+        return p
+    target = min(_grown(p.thinking_budget), max(ceiling, p.thinking_budget))
+    budget = min(target, p.thinking_budget + _headroom(p))
+    return _replan(p, budget, p.content_reserve)
+
+
+def grow_reserve(p: Plan) -> Plan:
+    """A larger content reserve (doubled), within what max_model_len leaves."""
+    reserve = min(_grown(p.content_reserve), p.content_reserve + _headroom(p))
+    return _replan(p, p.thinking_budget, reserve)
+
+
+def _replan(p: Plan, budget: int, reserve: int) -> Plan:
+    thinking = p.max_tokens - p.content_reserve if p.thinking_budget == UNLIMITED else budget
+    max_tokens = thinking + reserve
+    room = p.max_model_len - max_tokens
+    if p.prompt_budget_tokens is not None:
+        room = min(room, p.prompt_budget_tokens)
+    return replace(
+        p, thinking_budget=budget, content_reserve=reserve, max_tokens=max_tokens,
+        room_tokens=room,
+    )

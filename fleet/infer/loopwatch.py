@@ -1,0 +1,174 @@
+"""Loop watcher: decides, while the reasoning streams, that the model is circling.
+
+Three detectors, each cheap enough for a worker streaming 32 requests at once (the benchmark
+``fleet bench loops`` measures the CPU cost per 1,000 streamed tokens):
+
+1. Exact periodic repetition at the tail. Every ``check_every_chars`` new characters, the last
+   ``key_chars`` characters are searched backwards (``str.rfind``, C speed) in a bounded tail
+   window; each earlier occurrence at distance ``p`` (``min_period_chars <= p <=
+   max_period_chars``) is a candidate period. The tail has period ``p`` over a span ``S`` iff
+   ``tail[-S:-p] == tail[-S+p:]`` (one slice comparison). It fires when
+   ``S = max(min_repeats * p, min_repeat_span_chars)`` is periodic, i.e. at least ``min_repeats``
+   repeats that together cover at least ``min_repeat_span_chars``. The span floor is what keeps
+   short legitimate repetition (a row of digits, "= 0 = 0") from firing.
+2. Near-duplicate paragraphs. A paragraph ends at a blank line; one with at least
+   ``min_paragraph_words`` words (two or more letters: formulas and short asides like "Wait." or
+   "Hmm, let me check again." are skipped, normal reasoning repeats those) becomes a set of hashed
+   word trigrams and is compared with the last ``paragraph_window`` paragraphs; when it and at
+   least ``similar_paragraphs - 1`` of them have a Jaccard similarity ``>= paragraph_jaccard``
+   the reasoning is going round in paraphrases (the loop an exact detector, and vLLM's own
+   repetition detection, never sees). With ``drop_numbers`` the trigrams are over words only, so
+   "check step 7 ... check step 8" counts as the same paragraph.
+   Tuning on the 1,188 real traces (see the README, "Loop watcher"): zero alarms at 0.75 and 0.7, the
+   first at 0.65; the simulator's near-duplicate loop scores about 0.79.
+3. Stall: no new non-blank reasoning or content for ``stall_s`` while the stream is alive
+   (``check_stall``). Armed only after the first text: the wait for the first token belongs to
+   the client's first-token timeout.
+
+A watcher is per attempt and single-threaded. Verdicts are values; what to do with them (close the
+stream, retry with a carry-over note) is fleet/infer/attempts.py's business.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass
+
+from fleet.core.config import WatcherSettings
+
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
+_TOKEN = re.compile(r"\w+")
+# Words of two or more letters: a formula (single letters, digits) is not a paragraph of prose.
+_WORD = re.compile(r"[^\W\d_]{2,}")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: str  # "repeat" | "paragraphs" | "stall"
+    detail: str
+    at_chars: int
+    period_chars: int = 0
+    repeats: float = 0.0
+
+
+class LoopWatcher:
+    def __init__(self, settings: WatcherSettings) -> None:
+        self.s = settings
+        self.verdict: Verdict | None = None
+        self.chars = 0
+        self._tail = ""
+        self._pending: list[str] = []
+        self._pending_chars = 0
+        self._keep_chars = (
+            max(settings.min_repeats * settings.max_period_chars, settings.min_repeat_span_chars)
+            + settings.key_chars
+        )
+        self._paragraph: list[str] = []
+        self._recent: deque[frozenset[int]] = deque(maxlen=settings.paragraph_window)
+        self._last_progress: float | None = None
+
+    # -- input ----------------------------------------------------------------------------------
+    def feed(self, text_piece: str, now: float) -> Verdict | None:
+        """Take the next piece of reasoning; a verdict the first time a loop is seen."""
+        if self.verdict is not None or not text_piece:
+            return self.verdict
+        self.chars += len(text_piece)
+        if not text_piece.isspace():
+            self._last_progress = now
+        verdict = self._feed_paragraph(text_piece) or self._feed_tail(text_piece)
+        if verdict is not None:
+            self.verdict = verdict
+        return verdict
+
+    def touch(self, now: float) -> None:
+        """Progress outside the reasoning (answer content): keeps the stall detector quiet."""
+        self._last_progress = now
+
+    def check_stall(self, now: float) -> Verdict | None:
+        if self.verdict is None and self._last_progress is not None:
+            silent_s = now - self._last_progress
+            if silent_s >= self.s.stall_s:
+                self.verdict = Verdict("stall", f"no new text for {silent_s:.0f} s", self.chars)
+        return self.verdict
+
+    # -- exact periodic repetition --------------------------------------------------------------
+    def _feed_tail(self, piece: str) -> Verdict | None:
+        self._pending.append(piece)
+        self._pending_chars += len(piece)
+        if self._pending_chars < self.s.check_every_chars:
+            return None
+        self._tail = (self._tail + "".join(self._pending))[-self._keep_chars:]
+        self._pending.clear()
+        self._pending_chars = 0
+        return self._periodic_tail()
+
+    def _periodic_tail(self) -> Verdict | None:
+        tail, s = self._tail, self.s
+        n = len(tail)
+        key_len = s.key_chars
+        if n < s.min_repeat_span_chars or n <= key_len:
+            return None
+        key = tail[-key_len:]
+        end = n - 1  # matches must start before the key itself
+        for _ in range(s.max_period_candidates):
+            pos = tail.rfind(key, 0, end)
+            if pos < 0:
+                return None
+            period = n - key_len - pos
+            if period > s.max_period_chars:
+                return None
+            end = pos + key_len - 1
+            if period < s.min_period_chars:
+                continue
+            span = max(s.min_repeats * period, s.min_repeat_span_chars)
+            if span <= n and tail[n - span : n - period] == tail[n - span + period :]:
+                return Verdict(
+                    "repeat",
+                    f"the last {span} chars repeat with a period of {period} chars",
+                    self.chars, period_chars=period, repeats=span / period,
+                )
+        return None
+
+    # -- near-duplicate paragraphs --------------------------------------------------------------
+    def _feed_paragraph(self, piece: str) -> Verdict | None:
+        if "\n" not in piece:
+            self._paragraph.append(piece)
+            return None
+        parts = _PARAGRAPH_BREAK.split("".join(self._paragraph) + piece)
+        self._paragraph = [parts[-1]]
+        for paragraph in parts[:-1]:
+            verdict = self._paragraph_done(paragraph)
+            if verdict is not None:
+                return verdict
+        return None
+
+    def _paragraph_done(self, paragraph: str) -> Verdict | None:
+        lowered = paragraph.lower()
+        words = _WORD.findall(lowered)
+        if len(words) < self.s.min_paragraph_words:
+            return None
+        if not self.s.drop_numbers:
+            words = _TOKEN.findall(lowered)
+        grams = frozenset(map(hash, zip(words, words[1:], words[2:], strict=False)))
+        threshold = self.s.paragraph_jaccard
+        similar = sum(1 for old in self._recent if _jaccard(grams, old) >= threshold)
+        self._recent.append(grams)
+        if similar + 1 >= self.s.similar_paragraphs:
+            return Verdict(
+                "paragraphs",
+                f"{similar + 1} near-duplicate paragraphs among the last {len(self._recent)}",
+                self.chars, repeats=float(similar + 1),
+            )
+        return None
+
+
+def _jaccard(a: frozenset[int], b: frozenset[int]) -> float:
+    if not a or not b:
+        return 0.0
+    # Cheap bound first: Jaccard <= min/max size, which rules out most pairs without a set op.
+    small, large = sorted((len(a), len(b)))
+    if small < 0.5 * large:
+        return small / large
+    inter = len(a & b)
+    return inter / (len(a) + len(b) - inter)

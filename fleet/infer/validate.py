@@ -1,0 +1,95 @@
+"""Output checks: the answer against the job's JSON Schema and the project's text rules.
+
+Schema: ``job.response_schema``, else ``project.response_schema``. It is sent to vLLM as
+``response_format: {"type": "json_schema", ...}`` (structured output through xgrammar) and checked
+again on the answer here, because a forced end of thinking, a truncated answer or a backend without
+structured output can still return something else. The answer is parsed (a surrounding
+```` ```json ```` fence is tolerated) and validated with ``jsonschema``; the first (best-matching)
+error is reported with its JSON path so a re-ask can quote it.
+
+Text rules (per project): at least ``min_answer_chars`` (after stripping), at most
+``max_answer_chars``, and ``answer_pattern`` (``re.search``, multiline) must match.
+
+On a failure fleet/infer/attempts.py re-asks - the invalid answer and ``reask_message(error)`` are
+appended to the conversation - at most ``retry.reask_invalid`` times, then ends
+``E_OUTPUT_INVALID``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+from jsonschema.exceptions import best_match
+
+from fleet.core.config import ProjectSettings
+from fleet.core.models import Job
+
+_FENCE = re.compile(r"^\s*```(?:json)?\s*\n(.*?)\n\s*```\s*$", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Checked:
+    ok: bool
+    parsed: Any = None
+    error: str = ""
+
+
+def schema_for(job: Job, project: ProjectSettings) -> dict[str, Any] | None:
+    return job.response_schema if job.response_schema is not None else project.response_schema
+
+
+def response_format(job: Job, project: ProjectSettings) -> dict[str, Any] | None:
+    schema = schema_for(job, project)
+    if schema is None:
+        return None
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+                                                   "strict": True}}
+
+
+def _text_error(text: str, project: ProjectSettings) -> str:
+    if len(text) < project.min_answer_chars:
+        return f"the answer has {len(text)} characters; at least {project.min_answer_chars} needed"
+    if project.max_answer_chars is not None and len(text) > project.max_answer_chars:
+        return f"the answer has {len(text)} characters; at most {project.max_answer_chars} allowed"
+    if project.answer_pattern and not re.search(project.answer_pattern, text, re.MULTILINE):
+        return f"the answer does not match the required pattern {project.answer_pattern!r}"
+    return ""
+
+
+def parse_json(text: str) -> Any:
+    fenced = _FENCE.match(text)
+    return json.loads(fenced.group(1) if fenced else text)
+
+
+def check_answer(content: str, job: Job, project: ProjectSettings) -> Checked:
+    text = content.strip()
+    error = _text_error(text, project)
+    if error:
+        return Checked(False, error=error)
+    schema = schema_for(job, project)
+    if schema is None:
+        return Checked(True)
+    try:
+        parsed = parse_json(text)
+    except ValueError as exc:
+        return Checked(False, error=f"the answer is not valid JSON: {exc}")
+    try:
+        failure = best_match(jsonschema.Draft202012Validator(schema).iter_errors(parsed))
+    except jsonschema.SchemaError as exc:
+        return Checked(False, error=f"the response schema itself is invalid: {exc.message}")
+    if failure is not None:
+        where = failure.json_path if failure.path else "$"
+        return Checked(False, parsed=parsed, error=f"at {where}: {failure.message}")
+    return Checked(True, parsed=parsed)
+
+
+def reask_message(error: str, has_schema: bool) -> str:
+    shape = "only a JSON value that satisfies the required schema" if has_schema else "the answer"
+    return (
+        f"[fleet note] Your previous answer was rejected: {error}. "
+        f"Reply again with {shape}, fixing exactly that problem. Do not restart the reasoning."
+    )

@@ -1,0 +1,494 @@
+"""Synchronous streaming client for vLLM's OpenAI-compatible server: the one boundary where httpx,
+HTTP and vLLM errors become fleet errors (fleet/core/errors.py, one message code each).
+
+Threads: the inference worker runs one thread per in-flight request (up to 32+ per process), so
+the client is synchronous and thread-safe; one ``VllmClient`` (one httpx pool) serves them all.
+
+Timeouts of one streamed attempt, each with its own code:
+  connect         E_CONNECT_TIMEOUT       httpx connect timeout (``timeouts.connect_s``)
+  first token     E_FIRST_TOKEN_TIMEOUT   request sent -> first reasoning/content/tool delta
+  idle gap        E_STREAM_STALLED        after the first token, between two ``data:`` events
+                                          (keep-alive comments do not count as progress)
+  attempt total   E_UPSTREAM_TIMEOUT      the whole attempt (``timeouts.attempt_s``)
+  job deadline    E_DEADLINE              ``deadline`` (unix seconds) passed to ``stream_chat``
+  cancel          E_CANCELLED             the ``cancel`` event, honoured within READ_SLICE_S
+
+httpx fixes a response's read timeout once per request, which cannot express "min(idle, remaining
+first-token/total/deadline), recomputed per read" nor a cancel that wakes a blocked read. So the
+default transport (``sliced_transport``) gives httpcore a network backend whose ``read`` waits in
+slices of at most READ_SLICE_S, and between slices asks the stream's ``_StreamClock`` (found in a
+thread-local: one thread streams one request at a time) which limit is nearest and whether cancel
+is set. A slice that times out leaves the socket intact; a limit that expires raises the fleet
+error from inside the read, httpcore closes the connection (it is mid-response, so it cannot be
+reused) and vLLM aborts the sequence when it sees the disconnect. The same clock is also checked
+between events, so an injected transport (``httpx.MockTransport`` in tests) gets every limit
+except the wake-up of a blocked read.
+
+Errors raised by ``stream_chat`` carry ``exc.partial``: the ``StreamResult`` assembled so far (the
+reasoning of an aborted attempt is what carry-over works from). Exceptions raised by ``on_delta``
+(the loop watcher's verdict) close the stream the same way and propagate unchanged.
+
+HTTP status mapping: 400/404/422 (and other 4xx) -> E_UPSTREAM_REJECTED, except a 400 with
+``param: "input_tokens"`` -> E_PROMPT_TOO_LONG; 500 -> E_UPSTREAM_ERROR; 502/503/504/429 and
+connection refused -> E_UPSTREAM_UNAVAILABLE. A ``{"error": ...}`` event mid-stream ->
+E_UPSTREAM_ERROR. A body that ends without ``[DONE]``/finish_reason -> E_STREAM_DROPPED.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpcore
+import httpx
+
+from fleet.core.codes import Code
+from fleet.core.config import TimeoutSettings
+from fleet.core.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FleetError,
+    PromptTooLong,
+    StreamDropped,
+    UpstreamError,
+    UpstreamRejected,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from fleet.infer.sse import SseEvent, SseParser
+
+log = logging.getLogger(__name__)
+
+READ_SLICE_S = 0.25
+PLAIN_READ_TIMEOUT_S = 30.0
+
+_local = threading.local()
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One parsed chunk. A ``keepalive`` delta carries nothing; it lets a watcher see the clock."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    keepalive: bool = False
+
+
+@dataclass
+class StreamResult:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    first_token_s: float | None = None
+    duration_s: float = 0.0
+    thinking_forced: bool = False
+    reasoning_deltas: int = 0
+    content_deltas: int = 0
+    response_id: str | None = None
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """From the usage chunk; an aborted stream has none, so estimate (a delta carries at
+        least one token, a token is about 4 characters)."""
+        details = (self.usage or {}).get("completion_tokens_details") or {}
+        value = details.get("reasoning_tokens")
+        if value is not None:
+            return int(value)
+        return max(self.reasoning_deltas, round(len(self.reasoning) / 4))
+
+    @property
+    def completion_tokens(self) -> int:
+        value = (self.usage or {}).get("completion_tokens")
+        if value is not None:
+            return int(value)
+        return self.reasoning_tokens + max(self.content_deltas, round(len(self.content) / 4))
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        value = (self.usage or {}).get("prompt_tokens")
+        return int(value) if value is not None else None
+
+
+# -- timing -------------------------------------------------------------------------------------
+
+
+class _StreamClock:
+    """Which limit of one attempt is nearest, on a monotonic clock."""
+
+    def __init__(
+        self, timeouts: TimeoutSettings, cancel: threading.Event, deadline: float | None
+    ) -> None:
+        self.start = time.monotonic()
+        self.timeouts = timeouts
+        self.cancel = cancel
+        self.deadline = None if deadline is None else self.start + (deadline - time.time())
+        self.first_token_at: float | None = None
+        self.last_event_at = self.start
+
+    def remaining(self) -> tuple[float, Code]:
+        """Seconds until the nearest limit and the code it would end with."""
+        now = time.monotonic()
+        t = self.timeouts
+        if self.first_token_at is None:
+            limits = [(self.start + t.first_token_s - now, Code.E_FIRST_TOKEN_TIMEOUT)]
+        else:
+            limits = [(self.last_event_at + t.idle_s - now, Code.E_STREAM_STALLED)]
+        limits.append((self.start + t.attempt_s - now, Code.E_UPSTREAM_TIMEOUT))
+        if self.deadline is not None:
+            limits.append((self.deadline - now, Code.E_DEADLINE))
+        return min(limits, key=lambda item: item[0])
+
+    def check(self) -> float:
+        """Raise the fleet error of an expired limit or a cancel; else seconds left."""
+        if self.cancel.is_set():
+            raise Cancelled("cancelled while streaming")
+        left, code = self.remaining()
+        if left <= 0:
+            raise _expired(code, self)
+        return left
+
+
+def _expired(code: Code, clock: _StreamClock) -> FleetError:
+    elapsed = time.monotonic() - clock.start
+    if code is Code.E_DEADLINE:
+        return DeadlineExceeded(f"job deadline passed after {elapsed:.1f} s of streaming")
+    what = {
+        Code.E_FIRST_TOKEN_TIMEOUT: f"no first token within {clock.timeouts.first_token_s} s",
+        Code.E_STREAM_STALLED: f"stream silent for {clock.timeouts.idle_s} s",
+        Code.E_UPSTREAM_TIMEOUT: f"attempt ran past {clock.timeouts.attempt_s} s",
+    }[code]
+    return UpstreamTimeout(what, code=code)
+
+
+# -- transport whose reads are sliced -----------------------------------------------------------
+
+
+class _SlicedStream(httpcore.NetworkStream):
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        clock: _StreamClock | None = getattr(_local, "clock", None)
+        if clock is None:
+            return self._inner.read(max_bytes, timeout)
+        while True:
+            left = clock.check()
+            try:
+                return self._inner.read(max_bytes, min(left, READ_SLICE_S))
+            except httpcore.ReadTimeout:
+                continue  # only a slice ended; nothing was read, the socket is intact
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, timeout)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        return _SlicedStream(self._inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _SlicedBackend(httpcore.NetworkBackend):
+    def __init__(self) -> None:
+        self._inner = httpcore.SyncBackend()
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                    local_address: str | None = None, socket_options: Any = None,
+                    ) -> httpcore.NetworkStream:
+        stream = self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
+        return _SlicedStream(stream)
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options: Any = None) -> httpcore.NetworkStream:
+        return _SlicedStream(self._inner.connect_unix_socket(path, timeout, socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+def sliced_transport(max_connections: int = 256) -> httpx.HTTPTransport:
+    """An ``httpx.HTTPTransport`` whose pool reads through ``_SlicedBackend`` (see module doc)."""
+    transport = httpx.HTTPTransport()
+    # httpx offers no public hook for the network backend; replacing its pool with one built
+    # through httpcore's public constructor is the smallest way in.
+    transport._pool = httpcore.ConnectionPool(  # noqa: SLF001
+        max_connections=max_connections,
+        max_keepalive_connections=max_connections // 2,
+        keepalive_expiry=5.0,
+        network_backend=_SlicedBackend(),
+    )
+    return transport
+
+
+# -- error translation --------------------------------------------------------------------------
+
+
+def _error_body(response: httpx.Response) -> tuple[str, str | None]:
+    try:
+        error = response.json().get("error") or {}
+        return str(error.get("message") or response.text[:300]), error.get("param")
+    except (ValueError, AttributeError):
+        return response.text[:300], None
+
+
+def http_error(response: httpx.Response) -> FleetError:
+    """The fleet error for a non-200 answer (the body must have been read)."""
+    status = response.status_code
+    message, param = _error_body(response)
+    text = f"HTTP {status}: {message}"
+    if status == 400 and param == "input_tokens":
+        return PromptTooLong(text)
+    if status in (429, 502, 503, 504):
+        return UpstreamUnavailable(text)
+    if 400 <= status < 500:
+        return UpstreamRejected(text)
+    return UpstreamError(text)
+
+
+def translate(exc: httpx.HTTPError, streaming: bool) -> FleetError:
+    """httpx's exception tree onto fleet codes. ``streaming``: the response headers were in."""
+    if isinstance(exc, httpx.ConnectTimeout):
+        return UpstreamTimeout(f"connect timeout: {exc}", code=Code.E_CONNECT_TIMEOUT)
+    if isinstance(exc, httpx.ConnectError | httpx.PoolTimeout):
+        return UpstreamUnavailable(f"cannot connect: {exc}")
+    if isinstance(exc, httpx.TimeoutException):
+        code = Code.E_STREAM_STALLED if streaming else Code.E_FIRST_TOKEN_TIMEOUT
+        return UpstreamTimeout(f"read timeout: {exc}", code=code)
+    if isinstance(exc, httpx.TransportError):
+        if streaming:
+            return StreamDropped(f"connection dropped mid-stream: {exc!r}")
+        return UpstreamUnavailable(f"connection closed before a response: {exc!r}")
+    return UpstreamError(f"HTTP client error: {exc!r}")
+
+
+# -- assembling a stream ------------------------------------------------------------------------
+
+
+class _Assembler:
+    """Turns parsed chunks into Deltas and the final StreamResult."""
+
+    def __init__(self, thinking_budget: int | None) -> None:
+        self.result = StreamResult()
+        self._budget = thinking_budget
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+        self._tools: dict[int, dict[str, Any]] = {}
+        self.done = False
+
+    def chunk(self, data: dict[str, Any]) -> Delta | None:
+        if "error" in data:
+            error = data["error"] if isinstance(data["error"], dict) else {"message": data["error"]}
+            raise UpstreamError(f"error event mid-stream: {error.get('message', error)}")
+        if data.get("id") and self.result.response_id is None:
+            self.result.response_id = data["id"]
+        if data.get("usage"):
+            self.result.usage = data["usage"]
+        choices = data.get("choices") or []
+        if not choices:
+            return None
+        choice = choices[0]
+        delta = choice.get("delta") or {}
+        reasoning = delta.get("reasoning") or delta.get("reasoning_content") or ""
+        content = delta.get("content") or ""
+        tools = delta.get("tool_calls") or []
+        finish = choice.get("finish_reason")
+        if reasoning:
+            self._reasoning.append(reasoning)
+            self.result.reasoning_deltas += 1
+        if content:
+            self._content.append(content)
+            self.result.content_deltas += 1
+        for call in tools:
+            self._tool_delta(call)
+        if finish:
+            self.result.finish_reason = finish
+        return Delta(reasoning=reasoning, content=content, tool_calls=tools, finish_reason=finish)
+
+    def _tool_delta(self, call: dict[str, Any]) -> None:
+        index = int(call.get("index", len(self._tools)))
+        slot = self._tools.setdefault(
+            index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+        )
+        if call.get("id"):
+            slot["id"] = call["id"]
+        if call.get("type"):
+            slot["type"] = call["type"]
+        function = call.get("function") or {}
+        if function.get("name"):
+            slot["function"]["name"] += function["name"]
+        if function.get("arguments"):
+            slot["function"]["arguments"] += function["arguments"]
+
+    def finish(self, start: float) -> StreamResult:
+        result = self.result
+        result.reasoning = "".join(self._reasoning)
+        result.content = "".join(self._content)
+        result.tool_calls = [self._tools[i] for i in sorted(self._tools)]
+        result.duration_s = time.monotonic() - start
+        if self._budget is not None and self._budget >= 0:
+            result.thinking_forced = result.reasoning_tokens >= self._budget
+        return result
+
+
+# -- the client ---------------------------------------------------------------------------------
+
+
+class VllmClient:
+    """One backend. Thread-safe; share one instance per process."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str = "",
+        transport: httpx.BaseTransport | None = None,
+        timeouts: TimeoutSettings | None = None,
+    ) -> None:
+        self.model = model
+        self.timeouts = timeouts or TimeoutSettings.model_validate({})
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"),
+            headers=headers,
+            transport=transport if transport is not None else sliced_transport(),
+            timeout=httpx.Timeout(
+                PLAIN_READ_TIMEOUT_S, connect=self.timeouts.connect_s, pool=self.timeouts.connect_s
+            ),
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> VllmClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- streaming ------------------------------------------------------------------------------
+    def stream_chat(
+        self,
+        body: dict[str, Any],
+        on_delta: Callable[[Delta], None],
+        cancel: threading.Event,
+        deadline: float | None = None,
+    ) -> StreamResult:
+        """Stream one chat completion. Raises a FleetError (with ``.partial``) on any failure."""
+        body = {"model": self.model, **body, "stream": True}
+        body.setdefault("stream_options", {"include_usage": True})
+        headers = {"X-Request-Id": str(body["request_id"])} if body.get("request_id") else {}
+        clock = _StreamClock(self.timeouts, cancel, deadline)
+        budget = body.get("thinking_token_budget")
+        assembler = _Assembler(budget if isinstance(budget, int) else None)
+        _local.clock = clock
+        streaming = False
+        try:
+            # The read timeout only matters for a transport without sliced reads (a backstop);
+            # the sliced backend asks the clock instead.
+            left = clock.check()
+            timeout = httpx.Timeout(PLAIN_READ_TIMEOUT_S, connect=self.timeouts.connect_s,
+                                    read=left, pool=self.timeouts.connect_s)
+            with self._http.stream(
+                "POST", "/v1/chat/completions", json=body, headers=headers, timeout=timeout
+            ) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise http_error(response)
+                streaming = True
+                self._consume(response, assembler, clock, on_delta)
+            return assembler.finish(clock.start)
+        except httpx.HTTPError as exc:
+            error = translate(exc, streaming)
+            error.partial = assembler.finish(clock.start)  # type: ignore[attr-defined]
+            raise error from exc
+        except Exception as exc:
+            exc.partial = assembler.finish(clock.start)  # type: ignore[attr-defined]
+            raise
+        finally:
+            _local.clock = None
+
+    def _consume(
+        self,
+        response: httpx.Response,
+        assembler: _Assembler,
+        clock: _StreamClock,
+        on_delta: Callable[[Delta], None],
+    ) -> None:
+        parser = SseParser()
+        for event in self._events(response, parser):
+            clock.check()
+            if event.comment is not None:
+                on_delta(Delta(keepalive=True))
+                continue
+            clock.last_event_at = time.monotonic()
+            if event.is_done:
+                assembler.done = True
+                return
+            delta = self._parse(event, assembler)
+            if delta is None:
+                continue
+            token = delta.reasoning or delta.content or delta.tool_calls
+            if clock.first_token_at is None and token:
+                clock.first_token_at = clock.last_event_at
+                assembler.result.first_token_s = clock.first_token_at - clock.start
+            on_delta(delta)
+        if assembler.result.finish_reason is None:
+            raise StreamDropped("the stream ended without a finish_reason or [DONE]")
+
+    @staticmethod
+    def _events(response: httpx.Response, parser: SseParser) -> Iterator[SseEvent]:
+        for raw in response.iter_bytes():
+            yield from parser.feed(raw)
+        yield from parser.close()
+
+    @staticmethod
+    def _parse(event: SseEvent, assembler: _Assembler) -> Delta | None:
+        try:
+            data = json.loads(event.data or "")
+        except ValueError as exc:
+            raise UpstreamError(f"unparseable stream chunk: {str(event.data)[:200]!r}") from exc
+        if not isinstance(data, dict):
+            raise UpstreamError(f"unexpected stream chunk: {str(event.data)[:200]!r}")
+        return assembler.chunk(data)
+
+    # -- plain calls ----------------------------------------------------------------------------
+    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise translate(exc, streaming=False) from exc
+        if response.status_code != 200:
+            raise http_error(response)
+        return response
+
+    def tokenize(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                 ) -> int:
+        """Exact prompt tokens of a chat request, as vLLM's template counts them."""
+        body: dict[str, Any] = {"model": self.model, "messages": messages,
+                                "add_generation_prompt": True}
+        if tools:
+            body["tools"] = tools
+        data = self._call("POST", "/tokenize", json=body).json()
+        return int(data["count"])
+
+    def metrics_text(self) -> str:
+        return self._call("GET", "/metrics").text
+
+    def health(self) -> bool:
+        try:
+            return self._http.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False

@@ -1,0 +1,164 @@
+"""Nothing is lost before the dispatcher either: claims on preparation and a watchdog.
+
+Inference has leases (schedulers/store/base.py). Preparation has its own, simpler guard, because a
+prep message reserved or running on a worker that dies would otherwise wait for the broker's
+visibility timeout (hours) before anyone looks at it again.
+
+Keys (fleet/core/keys.py)
+  {p}prep:<id>     string  the worker preparing the job; TTL prep_lease_s, renewed while it runs
+  {p}prepping      zset    job ids not yet handed over, score = when the watchdog should look
+                           (submitted_at + prep_unclaimed_s, then claim expiry while preparing)
+  {p}job:<id>      hash    field ``signed``: the signed message as submitted, to send it again
+
+Flow
+  submit     -> ZADD prepping (now + prep_unclaimed_s); the job hash keeps the signed message
+  prep start -> SET prep:<id> NX PX (a second delivery running at the same time stops here);
+                ZADD prepping (claim expiry); a keeper thread renews both every third of the TTL
+  prep end   -> DEL prep:<id>, ZREM prepping (whatever the outcome)
+  watchdog   -> (a thread of every dispatcher) due entries whose job is neither handed over nor
+                final and has no live claim get their signed message sent again (the signature
+                check accepts the same message for the same job id); one watchdog takes each due
+                entry atomically. Jobs that were claimed and lost count: after ``MAX_RESENDS``
+                such losses the job ends E_INTERNAL, so a poison message cannot circulate
+                forever. Jobs never claimed are only waiting in a queue and are not counted.
+A job that merely waits long in a deep queue may be sent twice; the claim and the job's state
+make the copy a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from fleet.core.codes import Code
+from fleet.core.config import Settings
+from fleet.core.keys import Keys
+from fleet.core.models import Envelope
+from fleet.core.results import ResultStore
+
+log = logging.getLogger(__name__)
+
+HANDED_OVER = ("pending", "running", "final")
+MAX_RESENDS = 5
+WATCH_INTERVAL_S = 2.0
+
+# Owner-checked claim operations: a worker whose claim lapsed must not touch its successor's.
+# KEYS: claim, prepping zset; ARGV: owner, ttl ms, job id, next look (unix s)
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
+return 1
+"""
+# KEYS: claim, prepping zset; ARGV: owner, job id
+_RELEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[2])
+return 1
+"""
+# Take a due entry: only one watchdog (of several dispatchers) wins it.
+# KEYS: prepping zset; ARGV: job id, now, next look
+_TAKE_DUE = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score or tonumber(score) > tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+return 1
+"""
+
+
+class PrepClaim:
+    """Held by one prep task while it prepares one job (a context manager)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, job_id: str, owner: str, ttl_s: float) -> None:
+        self.client: Any = client
+        self.keys = keys
+        self.job_id = job_id
+        self.owner = owner
+        self.ttl_ms = int(ttl_s * 1000)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name=f"prep-{job_id[:8]}", daemon=True)
+
+    def acquire(self) -> bool:
+        if not self.client.set(self.keys.prep(self.job_id), self.owner, nx=True, px=self.ttl_ms):
+            return False
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zadd(self.keys.prepping, {self.job_id: time.time() + self.ttl_ms / 1000})
+        pipe.hset(self.keys.job(self.job_id), "prep_claimed", "1")
+        pipe.execute()
+        self._thread.start()
+        return True
+
+    def _renew(self) -> None:
+        renew = self.client.register_script(_RENEW)
+        keys = [self.keys.prep(self.job_id), self.keys.prepping]
+        while not self._stop.wait(self.ttl_ms / 3000):
+            try:
+                next_look = time.time() + self.ttl_ms / 1000
+                if not renew(keys=keys, args=[self.owner, self.ttl_ms, self.job_id, next_look]):
+                    log.warning("prep claim of job=%s lapsed", self.job_id)
+                    return
+            except redis.RedisError as exc:
+                log.warning("prep claim of job=%s not renewed: %s", self.job_id, exc)
+            except Exception:  # noqa: BLE001 - a dead keeper would let the claim lapse unseen
+                log.exception("prep claim keeper of job=%s failed", self.job_id)
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self.client.register_script(_RELEASE)(
+            keys=[self.keys.prep(self.job_id), self.keys.prepping], args=[self.owner, self.job_id])
+
+
+def watch_once(results: ResultStore, resend: Callable[[dict[str, Any]], None], now: float,
+               unclaimed_s: float) -> list[str]:
+    """One pass: send again what stalled before hand-over; returns the job ids sent again."""
+    client, keys = results.client, results.keys
+    take = client.register_script(_TAKE_DUE)
+    due = [d.decode() for d in client.zrangebyscore(keys.prepping, "-inf", now, start=0, num=100)]
+    sent = []
+    for job_id in due:
+        record = results.job_record(job_id)
+        if (record.get("state") in HANDED_OVER or results.final(job_id) is not None
+                or "signed" not in record):
+            client.zrem(keys.prepping, job_id)
+            continue
+        if client.exists(keys.prep(job_id)):
+            continue  # a live claim: its keeper moves the entry on
+        if not take(keys=[keys.prepping], args=[job_id, now, now + unclaimed_s]):
+            continue  # another dispatcher's watchdog took it
+        if record.get("prep_claimed"):
+            # a worker started preparing it and vanished: that counts against a poison message
+            resends = client.hincrby(keys.job(job_id), "prep_resends", 1)
+            client.hdel(keys.job(job_id), "prep_claimed")
+            if resends > MAX_RESENDS:
+                client.zrem(keys.prepping, job_id)
+                results.publish(Envelope.failure(
+                    job_id, record.get("project", ""), Code.E_INTERNAL,
+                    f"preparation never completed ({MAX_RESENDS} workers lost it)"))
+                continue
+        # never claimed: it may just wait in a deep queue; sending it again is harmless and
+        # is not counted (prep refuses it as stale after security.max_age_s)
+        resend(json.loads(record["signed"]))
+        log.warning("prep of job=%s stalled before hand-over; sent again", job_id)
+        sent.append(job_id)
+    return sent
+
+
+def run_prep_watchdog(settings: Settings, results: ResultStore,
+                      resend: Callable[[dict[str, Any]], None], stop: threading.Event) -> None:
+    while not stop.wait(WATCH_INTERVAL_S):
+        try:
+            watch_once(results, resend, time.time(), settings.prep_unclaimed_s)
+        except redis.RedisError as exc:
+            log.warning("prep watchdog: %s", exc)
+        except Exception:  # noqa: BLE001 - the watchdog must outlive one bad record
+            log.exception("prep watchdog pass failed")

@@ -1,0 +1,130 @@
+"""The Celery application: queues, routing and reliability settings, all in this one place.
+
+Queues
+  fleet.<project>  one per project: producers' jobs land here; prep workers verify, count,
+                   trim and plan, then hand the job to the dispatcher store (never to vLLM)
+  fleet.<project>.collect
+                   the same for jobs that carry sources to collect: slow, I/O- and CPU-heavy
+                   work on its own queues (``fleet worker --role collect``), so a backlog of
+                   collection never delays the preparation of ready jobs
+  fleet.unrouted   prep tasks claiming a project this fleet does not know (rejected E_AUTH)
+  fleet.infer      inference tasks, sent only by a dispatcher after it admitted the job and
+                   issued a lease; consumed by inference workers (threads pool, one thread per
+                   streaming request)
+
+Reliability
+  acks_late + reject_on_worker_lost: a message is acknowledged only after its task returned, so a
+  dead worker's task is delivered again. The Redis transport's visibility timeout
+  (``visibility_timeout_s``, default 12 h) is longer than the longest reasoning attempt, so a task
+  still running is never handed to a second worker by the broker. A re-delivered inference task
+  carries its old fencing token and is dropped; the job itself was already re-admitted when its
+  lease expired (see schedulers/store/base.py).
+  prefetch 1: a worker reserves no more than it runs.
+  Broker keys (queues, unacked sets) live under ``<key_prefix>q:`` (kombu's global_keyprefix), so
+  several fleets or test runs can share one Redis.
+
+Flower sees tasks because workers send task events and producers send "sent" events; the task
+names are ``fleet.prep`` / ``fleet.infer`` and their keyword arguments carry project and job id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu import Queue
+
+from fleet.core.config import Settings, load_settings
+
+PREP_TASK = "fleet.prep"
+INFER_TASK = "fleet.infer"
+INFER_QUEUE = "fleet.infer"
+# Prep tasks that claim a project this fleet does not know land here, so a prep worker still
+# rejects them (E_AUTH) instead of leaving them in a queue nobody consumes.
+UNROUTED_QUEUE = "fleet.unrouted"
+
+
+def project_queue(project: str) -> str:
+    return f"fleet.{project}"
+
+
+def collect_queue(project: str) -> str:
+    return f"fleet.{project}.collect"
+
+
+def prep_queues(settings: Settings) -> list[str]:
+    return [project_queue(p) for p in settings.projects] + [UNROUTED_QUEUE]
+
+
+def collect_queues(settings: Settings) -> list[str]:
+    return [collect_queue(p) for p in settings.projects]
+
+
+def make_router(settings: Settings):  # type: ignore[no-untyped-def]
+    """Celery router: the only place that knows which task goes to which queue."""
+    known = set(settings.projects)
+
+    def route_task(name: str, args: Any, kwargs: dict[str, Any], options: Any, task: Any = None,
+                   **_: Any) -> dict[str, str] | None:
+        if name == PREP_TASK:
+            project = kwargs.get("project")
+            if project not in known:
+                return {"queue": UNROUTED_QUEUE}
+            signed = kwargs.get("signed")
+            job = signed.get("job") if isinstance(signed, dict) else None
+            collects = isinstance(job, dict) and bool(job.get("sources"))
+            return {"queue": collect_queue(project) if collects else project_queue(project)}
+        if name == INFER_TASK:
+            return {"queue": INFER_QUEUE}
+        return None
+
+    return route_task
+
+
+def create_app(settings: Settings) -> Celery:
+    app = Celery("fleet", broker=settings.broker_url, set_as_current=False)
+    app.conf.update(
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_s,
+            "global_keyprefix": f"{settings.key_prefix}q:",
+        },
+        broker_connection_retry_on_startup=True,
+        task_routes=(make_router(settings),),
+        task_queues=[Queue(q) for q in [INFER_QUEUE, *prep_queues(settings),
+                                         *collect_queues(settings)]],
+        task_default_queue=INFER_QUEUE,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_ignore_result=True,
+        task_serializer="json",
+        accept_content=["json"],
+        worker_prefetch_multiplier=1,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+    )
+    app.fleet_settings = settings  # type: ignore[attr-defined]
+    return app
+
+
+def worker_app(settings: Settings | None = None) -> Celery:
+    """The app a worker runs: the Celery app with the fleet's tasks registered."""
+    from fleet.worker.tasks import register_tasks  # noqa: PLC0415 - tasks import the heavy modules
+
+    app = create_app(settings or load_settings())
+    register_tasks(app)
+    return app
+
+
+_APPS: dict[str, Celery] = {}
+
+
+def __getattr__(name: str) -> Any:
+    # `celery -A fleet.worker.app ...` (Flower, inspect) looks up `app` here; built on demand so
+    # that importing this module never reads the configuration as a side effect.
+    if name in ("app", "celery"):
+        if "app" not in _APPS:
+            _APPS["app"] = worker_app()
+        return _APPS["app"]
+    raise AttributeError(name)

@@ -1,0 +1,83 @@
+"""Keeps an admitted job's lease alive while its inference runs, and watches for cancel.
+
+A daemon thread renews the lease every ``ttl / 3`` and checks the job's cancel flag twice a
+second. Either failure sets the shared ``cancel`` event, which the streaming code checks between
+reads, so the vLLM stream is closed (and the sequence freed) within about a second:
+  - cancel flag set by ``fleet cancel``       -> ``cancelled`` is True
+  - renew refused (lease expired, fence stale) -> ``lost`` is True: the job was handed back to
+    the dispatcher; this worker must not publish a result for it.
+  - no successful renewal for 90% of the TTL (Redis unreachable) -> ``lost`` as well: the lease
+    may already have expired elsewhere, so the stream is closed rather than risk two runs.
+The first renewal is the claim the inference task makes before entering (schedulers/store/base.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+
+from schedulers.store.base import AdmissionStore
+
+log = logging.getLogger(__name__)
+
+CANCEL_CHECK_S = 0.5
+
+
+class LeaseKeeper:
+    def __init__(self, store: AdmissionStore, client: redis.Redis, cancel_key: str,
+                 job_id: str, fence: int, ttl_s: float) -> None:
+        self.store = store
+        self.client = client
+        self.cancel_key = cancel_key
+        self.job_id = job_id
+        self.fence = fence
+        self.ttl_s = ttl_s
+        self.renew_every_s = max(ttl_s / 3, 0.05)
+        self.cancel = threading.Event()
+        self.lost = False
+        self.cancelled = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{job_id[:8]}", daemon=True)
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _lose(self, why: str) -> None:
+        log.warning("lease lost job=%s fence=%d: %s", self.job_id, self.fence, why)
+        self.lost = True
+        self.cancel.set()
+
+    def _run(self) -> None:
+        last_ok = time.monotonic()
+        next_renew = last_ok + self.renew_every_s
+        while not self._stop.wait(min(CANCEL_CHECK_S, self.renew_every_s)):
+            try:
+                if self.client.exists(self.cancel_key):
+                    self.cancelled = True
+                    self.cancel.set()
+                    return
+                if time.monotonic() >= next_renew:
+                    asked = time.monotonic()  # the server counts the TTL from about here
+                    next_renew = asked + self.renew_every_s
+                    if not self.store.renew(self.job_id, self.fence, time.time()):
+                        self._lose("renew refused")
+                        return
+                    last_ok = asked
+            except redis.RedisError as exc:
+                # Keep streaming through a Redis blip: the lease TTL covers several misses.
+                log.warning("lease keeper for job=%s: redis error %s", self.job_id, exc)
+            except Exception:  # noqa: BLE001 - a dead keeper would stream on unrenewed
+                log.exception("lease keeper for job=%s failed", self.job_id)
+                self._lose("keeper failed")
+                return
+            if time.monotonic() - last_ok > 0.9 * self.ttl_s:
+                self._lose("no renewal for 90% of the lease TTL")
+                return

@@ -1,0 +1,88 @@
+"""What one worker or dispatcher process holds: settings, one Redis connection pool and the
+objects built on it. Built once per process (per Celery app) and injected into the tasks, so no
+module keeps a global client of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import redis
+from redis import Redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from fleet.core.config import Settings
+from fleet.core.keys import Keys
+from fleet.core.results import ResultStore
+
+if TYPE_CHECKING:  # the heavy modules are imported on first use, in the worker that needs them
+    from fleet.infer.vllm import VllmClient
+    from fleet.prep.collect import Collector
+    from fleet.prep.tokens import TokenCounter
+    from schedulers.store.redis_store import RedisStore
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+
+    @cached_property
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(
+            self.settings.broker_url, health_check_interval=30, socket_keepalive=True
+        )
+
+    @cached_property
+    def lease_redis(self) -> Redis:
+        """The lease keeper's client: short timeouts and no retries, so one call to a Redis that
+        drops packets cannot block past the keeper's own 90%-of-TTL rule (fleet/worker/lease.py)."""
+        timeout_s = max(0.2, min(2.0, self.settings.admission.lease_ttl_s / 10))
+        return redis.Redis.from_url(
+            self.settings.broker_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+
+    @cached_property
+    def keys(self) -> Keys:
+        return Keys(self.settings.key_prefix)
+
+    @cached_property
+    def results(self) -> ResultStore:
+        return ResultStore(self.redis, self.keys, self.settings)
+
+    @cached_property
+    def store(self) -> RedisStore:
+        from schedulers.store import make_store  # noqa: PLC0415
+
+        return make_store(self.settings, self.redis)
+
+    @cached_property
+    def lease_store(self) -> RedisStore:
+        """The admission store on the lease keeper's client (renewals)."""
+        from schedulers.store import make_store  # noqa: PLC0415
+
+        return make_store(self.settings, self.lease_redis)
+
+    @cached_property
+    def counter(self) -> TokenCounter:
+        from fleet.prep.tokens import TokenCounter  # noqa: PLC0415
+
+        backend = self.settings.backend
+        return TokenCounter(backend.url, backend.model, self.redis, self.keys)
+
+    @cached_property
+    def collector(self) -> Collector:
+        from fleet.prep.collect import Collector  # noqa: PLC0415
+
+        return Collector(self.settings.collect)
+
+    @cached_property
+    def vllm(self) -> VllmClient:
+        from fleet.infer.vllm import VllmClient  # noqa: PLC0415
+
+        backend = self.settings.backend
+        return VllmClient(
+            backend.url, backend.model, api_key=backend.api_key, timeouts=self.settings.timeouts
+        )

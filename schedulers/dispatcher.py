@@ -1,0 +1,196 @@
+"""The dispatcher process: admits pending jobs into the backend, one atomic decision at a time.
+
+Loop (``run_dispatcher``):
+  1. reap expired leases (their jobs go back in line at their original place);
+  2. drop pending jobs whose deadline passed (``expire_deadlines``) and hand each id to
+     ``on_expired`` (the caller publishes E_DEADLINE);
+  3. ``admit_next`` while it grants, calling ``send(grant)`` for each (the caller enqueues the
+     inference task with the job id and the fence);
+  4. block on the wake list (BLPOP) until a submit, a release, an expiry or a lifted backend hold
+     pushes to it, or until the next time-based event: lease expiry, pending deadline, bucket
+     refill, spacing, or ``admission.max_wait_s`` at most (<= 4 s, below redis-py's socket
+     timeout). Nothing sleep-polls; a freed slot is refilled as soon as the release's wake
+     reaches a dispatcher.
+
+Beside it, a thread scrapes the backend (schedulers/scrape.py) when ``admission.backend_gate`` is on,
+and prometheus_client serves ``/metrics`` on ``admission.metrics_port`` (0 = off). Any number of
+dispatchers may run against one Redis: the store's Lua script is the only place that decides.
+
+Failure cases:
+- ``send`` raises (broker down): the lease is given back at once with ``requeue`` (the job
+  returns to its place in line), the round ends and the dispatcher backs off before the next.
+  If even the requeue fails, the lease expires after ``lease_ttl_s`` and the job is admitted
+  again: nothing is lost and no capacity leaks.
+- Redis unreachable or slow (ConnectionError, TimeoutError, any RedisError) in reap, expiry,
+  admission or the wait: one log line, a back-off (0.5 s doubling to 5 s, reset after a good
+  round) on the stop event, and the loop goes on. The dispatcher never exits on a Redis blip.
+- ``on_expired`` raises: logged; the job has already left the line (its E_DEADLINE is lost).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import kombu.exceptions
+import redis
+
+from fleet.core.config import Settings
+from fleet.core.keys import Keys
+from schedulers.backoff import Backoff
+from schedulers.metrics import DispatcherMetrics, ResultCodeCollector, serve_metrics
+from schedulers.scrape import make_http, run_scraper
+from schedulers.store import make_store
+from schedulers.store.base import AdmissionStore, AdmitResult, Grant
+
+log = logging.getLogger(__name__)
+
+SEND_ERRORS = (kombu.exceptions.OperationalError, redis.RedisError, OSError)
+
+
+def admit_all(
+    store: AdmissionStore,
+    send: Callable[[Grant], None],
+    now: float,
+    metrics: DispatcherMetrics | None = None,
+) -> AdmitResult:
+    """Admit while the store grants; returns the round's final (holding) result, or
+    ``AdmitResult(None, "send_failed")`` after a grant that could not be sent (it is requeued)."""
+    while True:
+        result = store.admit_next(now)
+        grant = result.grant
+        if grant is None:
+            return result
+        log.info(
+            "admitted %s project=%s fence=%d prompt=%d kv=%d long=%s waited=%.3fs",
+            grant.job_id,
+            grant.project,
+            grant.fence,
+            grant.prompt_tokens,
+            grant.kv_tokens,
+            grant.long,
+            grant.waited_s,
+        )
+        if metrics is not None:
+            metrics.admitted(grant)
+        try:
+            send(grant)
+        except SEND_ERRORS as exc:
+            log.warning("sending %s failed (%r); back in line", grant.job_id, exc)
+            return _requeue(store, grant)
+        except Exception:  # a bug in send: same handling, with the traceback
+            log.exception("sending %s failed; back in line", grant.job_id)
+            return _requeue(store, grant)
+
+
+def _requeue(store: AdmissionStore, grant: Grant) -> AdmitResult:
+    """Give a grant's lease back at once. If Redis is down too, the RedisError reaches the loop,
+    and the lease simply expires after its TTL."""
+    store.requeue(grant.job_id, grant.fence)
+    return AdmitResult(None, "send_failed")
+
+
+def wait_timeout_s(store: AdmissionStore, result: AdmitResult, now: float, max_s: float) -> float:
+    """How long to block on the wake list: until the next time-based event, at most ``max_s``."""
+    timeout_s = max_s
+    if result.hold_reason == "conflict":
+        return 0.0
+    if result.retry_in_s is not None:
+        timeout_s = min(timeout_s, result.retry_in_s)
+    for event_at in (store.next_expiry(), store.next_deadline()):
+        if event_at is not None:
+            timeout_s = min(timeout_s, event_at - now)
+    return max(timeout_s, 0.001)
+
+
+def expire_deadlines(
+    store: AdmissionStore, now: float, on_expired: Callable[[str], None] | None
+) -> list[str]:
+    """Drop pending jobs past their deadline and report each to ``on_expired``."""
+    expired = store.expire_deadlines(now)
+    for job_id in expired:
+        log.info("deadline passed while pending: %s", job_id)
+        if on_expired is None:
+            continue
+        try:
+            on_expired(job_id)
+        except Exception:  # one failed report must not stop the others or the loop
+            log.exception("reporting the expired deadline of %s failed", job_id)
+    return expired
+
+
+def dispatch_round(
+    store: AdmissionStore,
+    send: Callable[[Grant], None],
+    clock: Callable[[], float],
+    metrics: DispatcherMetrics | None = None,
+    on_expired: Callable[[str], None] | None = None,
+) -> AdmitResult:
+    """One pass of the loop before its wait: reap, expire deadlines, admit."""
+    store.reap_expired(clock())
+    expire_deadlines(store, clock(), on_expired)
+    return admit_all(store, send, clock(), metrics)
+
+
+def run_dispatcher(
+    settings: Settings,
+    client: redis.Redis,
+    send: Callable[[Grant], None],
+    stop: threading.Event | None = None,
+    clock: Callable[[], float] = time.time,
+    on_expired: Callable[[str], None] | None = None,
+    backoff: Backoff | None = None,
+) -> None:
+    """Run until ``stop`` is set (it is checked after every wake; ``store.wake()`` hurries it).
+
+    ``on_expired(job_id)`` is called for each pending job dropped because its deadline passed;
+    ``backoff`` paces the retries after a Redis error or a failed send (module docstring).
+    """
+    stop = stop or threading.Event()
+    backoff = backoff or Backoff()
+    store = make_store(settings, client)
+    metrics = DispatcherMetrics(store, ResultCodeCollector(client, Keys(settings.key_prefix)))
+    admission = settings.admission
+    server = serve_metrics(metrics, admission.metrics_port)
+    scraper_stop = threading.Event()
+    scraper = _start_scraper(settings, store, scraper_stop, clock)
+    log.info(
+        "dispatcher running: cap=%d, prefix=%s", settings.backend.max_num_seqs, settings.key_prefix
+    )
+    try:
+        while not stop.is_set():
+            try:
+                result = dispatch_round(store, send, clock, metrics, on_expired)
+                if result.hold_reason == "send_failed":
+                    stop.wait(backoff.next_s())
+                    continue
+                store.wait_for_wake(wait_timeout_s(store, result, clock(), admission.max_wait_s))
+                backoff.reset()
+            except redis.RedisError as exc:
+                pause_s = backoff.next_s()
+                log.warning("redis error in the dispatcher loop (%r); again in %.1fs", exc, pause_s)
+                stop.wait(pause_s)
+    finally:
+        scraper_stop.set()
+        if scraper is not None:
+            scraper.join(timeout=5)
+        if server is not None:
+            server.shutdown()
+        log.info("dispatcher stopped")
+
+
+def _start_scraper(
+    settings: Settings, store: AdmissionStore, stop: threading.Event, clock: Callable[[], float]
+) -> threading.Thread | None:
+    if not settings.admission.backend_gate:
+        return None
+
+    def scrape() -> None:
+        with make_http(settings) as http:
+            run_scraper(settings, store, http, stop, clock)
+
+    thread = threading.Thread(target=scrape, name="backend-scraper", daemon=True)
+    thread.start()
+    return thread

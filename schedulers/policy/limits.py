@@ -1,0 +1,209 @@
+"""Admission limits for one backend, as pure functions of a small state and a clock.
+
+The Redis store (schedulers/store/redis_store.py) repeats exactly these rules inside its admission
+Lua script; the in-memory twin (schedulers/store/memory_store.py) calls them directly. The shared
+store test suite keeps the two in step.
+
+Limits, checked in this order for every candidate job:
+
+``seqs``     in-flight requests < ``max_num_seqs``. Global: when it fails nothing can go.
+``spacing``  at least ``min_spacing_s`` since the last admission. Global.
+``kv``       KV budget in whole blocks: the sum over in-flight requests of
+             ``ceil((prompt + max_new) / block) * block`` stays <= ``kv_pool_tokens *
+             kv_overcommit``. Why overcommit 1.5 by default: vLLM allocates KV blocks lazily as
+             tokens are produced, and most requests stop far below ``max_tokens`` (a reasoning
+             budget is a ceiling, not a forecast), so reserving the worst case would leave the
+             pool mostly idle. 1.5x keeps the worst case (every request running to its ceiling at
+             once) at the level where vLLM preempts and recomputes the newest request - slower,
+             never wrong - and the backend gate (KV usage, preemptions) holds admissions before
+             that happens. A single request larger than the whole budget is admitted when nothing
+             else is in flight: otherwise it could never run and would block its project forever.
+``long``     at most ``max_long`` requests with ``prompt_tokens > long_prompt_tokens`` at once
+             (four or more ultra-long prefills bring the server to a crawl).
+``bucket``   prefill pacing: a token bucket on admitted prompt tokens (rate
+             ``prefill_tokens_per_s``, size ``prefill_burst_tokens``). A prompt bigger than the
+             bucket is admitted when the bucket is full and leaves the bucket in debt, so the
+             long-run prompt rate is exact and the prefill after it waits its turn.
+
+Per-candidate failures (``kv``, ``long``, ``bucket``) let the next candidate in fair order try
+(no head-of-line blocking of short jobs behind a long one). The first candidate in fair order
+holds a reservation: once it has been blocked by ``kv`` or ``bucket`` for ``hol_bypass_s``,
+nobody may pass it any more until it fits, so a big job is delayed by at most that window plus
+the drain, never starved. ``long`` needs no reservation: a project whose long head is blocked
+does not advance its virtual time, so it is first in line when a long slot frees.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fleet.core.config import Settings
+
+GLOBAL_REASONS = ("seqs", "spacing")
+RESERVING_REASONS = ("kv", "bucket")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_num_seqs: int = 32
+    kv_budget_tokens: int = 795_000
+    block_tokens: int = 1072
+    long_prompt_tokens: int = 32_768
+    max_long: int = 3
+    prefill_tokens_per_s: float = 60_000.0
+    prefill_burst_tokens: int = 262_144
+    min_spacing_s: float = 0.0
+    hol_bypass_s: float = 10.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Limits:
+        backend, admission = settings.backend, settings.admission
+        return cls(
+            max_num_seqs=backend.max_num_seqs,
+            kv_budget_tokens=int(backend.kv_pool_tokens * admission.kv_overcommit),
+            block_tokens=backend.block_tokens,
+            long_prompt_tokens=backend.long_prompt_tokens,
+            max_long=backend.max_long,
+            prefill_tokens_per_s=admission.prefill_tokens_per_s,
+            prefill_burst_tokens=admission.prefill_burst_tokens,
+            min_spacing_s=admission.min_spacing_ms / 1000.0,
+            hol_bypass_s=admission.hol_bypass_s,
+        )
+
+
+@dataclass
+class LimitState:
+    """Counters of live leases plus the pacing state (bucket, last admission, reservation)."""
+
+    in_flight: int = 0
+    reserved_kv_tokens: int = 0
+    long_in_flight: int = 0
+    bucket_tokens: float | None = None  # None = full (never used)
+    bucket_at: float = 0.0
+    last_admit_at: float | None = None
+    blocked_job: str | None = None
+    blocked_since: float = 0.0
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What admitting one job takes from the limits."""
+
+    job_id: str
+    prompt_tokens: int
+    kv_tokens: int
+    long: bool
+
+
+def kv_tokens(prompt_tokens: int, max_new_tokens: int, block_tokens: int) -> int:
+    """KV reserved by one request: whole blocks, at least one."""
+    blocks = max(1, math.ceil((prompt_tokens + max_new_tokens) / block_tokens))
+    return blocks * block_tokens
+
+
+def cost_of(job_id: str, prompt_tokens: int, max_new_tokens: int, limits: Limits) -> Cost:
+    return Cost(
+        job_id=job_id,
+        prompt_tokens=prompt_tokens,
+        kv_tokens=kv_tokens(prompt_tokens, max_new_tokens, limits.block_tokens),
+        long=prompt_tokens > limits.long_prompt_tokens,
+    )
+
+
+def bucket_level(limits: Limits, state: LimitState, now: float) -> float:
+    if state.bucket_tokens is None:
+        return float(limits.prefill_burst_tokens)
+    refill = max(0.0, now - state.bucket_at) * limits.prefill_tokens_per_s
+    return min(float(limits.prefill_burst_tokens), state.bucket_tokens + refill)
+
+
+def check_global(limits: Limits, state: LimitState, now: float) -> tuple[str | None, float | None]:
+    """Limits that stop every candidate: ``(reason, retry_in_s)`` or ``(None, None)``."""
+    if state.in_flight >= limits.max_num_seqs:
+        return "seqs", None
+    if state.last_admit_at is not None and limits.min_spacing_s > 0:
+        wait_s = state.last_admit_at + limits.min_spacing_s - now
+        if wait_s > 0:
+            return "spacing", wait_s
+    return None, None
+
+
+def check_job(
+    limits: Limits, state: LimitState, cost: Cost, now: float
+) -> tuple[str | None, float | None]:
+    """Limits of one candidate: ``(reason, retry_in_s)`` or ``(None, None)`` when it fits."""
+    over_kv = state.reserved_kv_tokens + cost.kv_tokens > limits.kv_budget_tokens
+    if over_kv and state.in_flight > 0:
+        return "kv", None
+    if cost.long and state.long_in_flight >= limits.max_long:
+        return "long", None
+    need = min(cost.prompt_tokens, limits.prefill_burst_tokens)
+    level = bucket_level(limits, state, now)
+    if level < need:
+        return "bucket", (need - level) / limits.prefill_tokens_per_s
+    return None, None
+
+
+def admit(limits: Limits, state: LimitState, cost: Cost, now: float) -> None:
+    state.bucket_tokens = bucket_level(limits, state, now) - cost.prompt_tokens
+    state.bucket_at = now
+    state.last_admit_at = now
+    state.in_flight += 1
+    state.reserved_kv_tokens += cost.kv_tokens
+    state.long_in_flight += 1 if cost.long else 0
+
+
+def free(state: LimitState, kv: int, long: bool) -> None:
+    state.in_flight -= 1
+    state.reserved_kv_tokens -= kv
+    state.long_in_flight -= 1 if long else 0
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which candidate to admit (``index``), or why none (``reason``, ``retry_in_s``)."""
+
+    index: int | None
+    reason: str | None = None
+    retry_in_s: float | None = None
+
+
+def choose(limits: Limits, state: LimitState, costs: Sequence[Cost], now: float) -> Choice:
+    """Try candidates in fair order; the first that fits wins. Updates the reservation fields.
+
+    The reason reported when nothing fits is the first candidate's; ``retry_in_s`` is the
+    soonest time-based lift among the candidates tried.
+    """
+    if not costs:
+        return Choice(None, "empty")
+    reason, retry_in_s = check_global(limits, state, now)
+    if reason:
+        return Choice(None, reason, retry_in_s)
+    first_reason: str | None = None
+    soonest: float | None = None
+    for index, cost in enumerate(costs):
+        why, retry = check_job(limits, state, cost, now)
+        if why is None:
+            if index == 0:
+                state.blocked_job = None
+            return Choice(index)
+        if retry is not None:
+            soonest = retry if soonest is None else min(soonest, retry)
+        if index == 0:
+            first_reason = why
+            if not _may_bypass(limits, state, cost, why, now):
+                return Choice(None, why, retry)
+    return Choice(None, first_reason, soonest)
+
+
+def _may_bypass(limits: Limits, state: LimitState, top: Cost, why: str, now: float) -> bool:
+    """May jobs behind the blocked first candidate go ahead of it? (see module docstring)"""
+    if why not in RESERVING_REASONS:
+        return True
+    if state.blocked_job != top.job_id:
+        state.blocked_job, state.blocked_since = top.job_id, now
+    return now - state.blocked_since < limits.hol_bypass_s

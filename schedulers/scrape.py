@@ -1,0 +1,105 @@
+"""Scraping the backend for the saturation gate: ``GET /health`` and ``GET /metrics`` about once
+a second (``admission.scrape_interval_s``), parsed and judged by schedulers/policy/backend_gate.py, and
+written to ``{p}d:backend`` so every dispatcher's admission script sees the same verdict.
+
+Failure cases: a connection error or timeout counts as a failing ``/health`` (hold "health");
+a scraper that stops writing (process gone, Redis unreachable from it) makes the verdict stale,
+and admission holds ("backend_stale") until a fresh scrape arrives - the fleet never feeds a
+backend it cannot see. When a scrape finds no reason to hold, it wakes one dispatcher, so a hold
+lifts within one scrape interval without anyone polling. Several dispatchers each run a scraper;
+the last write wins, which is fine for a once-a-second gauge reading.
+
+The scraper thread must never die silently (a dead scraper holds every admission as "stale"
+with nothing in the log to say why): any error in one round is logged with its traceback and
+the next round goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import redis
+
+from fleet.core.config import AdmissionSettings, Settings
+from schedulers.policy.backend_gate import BackendSample, decide, sample_from
+from schedulers.store.base import AdmissionStore
+
+log = logging.getLogger(__name__)
+
+
+def scrape_once(http: httpx.Client, now: float) -> BackendSample:
+    """One look at the backend. ``http`` has the backend's base URL (and auth) configured."""
+    try:
+        healthy = http.get("/health").status_code == 200
+        metrics = http.get("/metrics")
+        metrics.raise_for_status()
+    except httpx.HTTPError as exc:
+        return BackendSample(scraped_at=now, healthy=False, error=type(exc).__name__)
+    return sample_from(metrics.text, healthy, now)
+
+
+def figures(sample: BackendSample) -> dict[str, str]:
+    """The raw numbers kept beside the verdict, for ``fleet queues`` and the next scrape."""
+    fields = {
+        "running": sample.running,
+        "waiting": sample.waiting,
+        "kv_usage": sample.kv_usage,
+        "preemptions": sample.preemptions,
+    }
+    out = {name: repr(value) for name, value in fields.items() if value is not None}
+    out["healthy"] = "1" if sample.healthy else "0"
+    out["error"] = sample.error
+    return out
+
+
+def record(store: AdmissionStore, sample: BackendSample, admission: AdmissionSettings) -> str:
+    """Judge ``sample`` against the previous scrape and store the verdict; returns the hold."""
+    previous = store.backend()
+    preemptions, waiting = previous.get("preemptions"), previous.get("waiting")
+    hold = decide(
+        sample,
+        float(preemptions) if preemptions else None,
+        admission,
+        previous_waiting=float(waiting) if waiting else None,
+    )
+    hold = hold or ""
+    store.record_backend(sample.scraped_at, hold, figures(sample))
+    if not hold:
+        store.wake()
+    return hold
+
+
+def make_http(settings: Settings) -> httpx.Client:
+    headers = (
+        {"Authorization": f"Bearer {settings.backend.api_key}"} if settings.backend.api_key else {}
+    )
+    timeout_s = max(0.2, settings.admission.scrape_interval_s)
+    return httpx.Client(base_url=settings.backend.url, headers=headers, timeout=timeout_s)
+
+
+def run_scraper(
+    settings: Settings,
+    store: AdmissionStore,
+    http: httpx.Client,
+    stop: threading.Event,
+    clock: Callable[[], float] = time.time,
+) -> None:
+    """Scrape until ``stop`` is set. Logs when the verdict changes, not on every scrape."""
+    last_hold: str | None = None
+    while not stop.is_set():
+        try:
+            hold = record(store, scrape_once(http, clock()), settings.admission)
+        except (redis.RedisError, ValueError):  # keep scraping: a dead scraper means "stale"
+            log.exception("recording the backend scrape failed")
+            hold = "error"
+        except Exception:  # a bug must not end the thread either (module docstring)
+            log.exception("backend scrape round failed")
+            hold = "error"
+        if hold != last_hold:
+            log.info("backend gate: %s", hold or "open")
+            last_hold = hold
+        stop.wait(settings.admission.scrape_interval_s)

@@ -1,0 +1,155 @@
+"""The admission store interface: what the dispatcher, the prep worker and the inference worker
+need from the shared dispatcher state. Two implementations ship: ``MemoryStore`` (in-memory twin,
+schedulers/store/memory_store.py) and ``RedisStore`` (atomic Lua scripts, schedulers/store/redis_store.py).
+The same test suite runs against both.
+
+Life of a job in the store:
+  add_pending -> [fair pick + admit_next: lease granted, fence issued] -> claim -> renew ...
+                 |                                                               -> release
+                 |\\-> cancel_pending (job removed, never admitted)
+                 \\-> expire_deadlines (its ``deadline`` passed while pending: removed)
+  a lease not renewed before its expiry is reaped by ``reap_expired``: the job goes back to
+  pending at its original place in line, and the old fence is dead (renew/release with it fail).
+  ``requeue`` does the same at once, for a grant the dispatcher could not hand to a worker.
+
+Claims: the broker may deliver one inference task twice (redelivery after a worker loss, a
+visibility timeout). The fence alone cannot tell the two deliveries apart, so the first worker
+to start calls ``claim(job_id, fence, owner, now)``: it succeeds only while the lease is live,
+carries that fence, and nobody else has claimed it (the same owner may claim again). The claim
+renews the lease in the same step, so the worker's first renewal happens at claim time, not a
+third of the TTL later. A second delivery's claim (another owner, same fence) returns False and
+that delivery is dropped. ``renew`` and ``release`` check only the fence, as before.
+
+Deadlines: a ``PendingItem`` may carry ``deadline`` (unix seconds). ``expire_deadlines(now)``
+removes every pending job whose deadline is at or before ``now`` (like ``cancel_pending``) and
+returns their ids, for the caller to publish E_DEADLINE. A job in flight is left alone; its
+deadline comes back with it if its lease expires and it returns to pending.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from schedulers.policy.limits import Limits
+
+if TYPE_CHECKING:
+    from fleet.core.config import Settings
+
+Band = Literal["interactive", "batch"]
+
+
+@dataclass(frozen=True)
+class PendingItem:
+    job_id: str
+    project: str
+    prompt_tokens: int
+    max_new_tokens: int
+    band: Band = "batch"
+    priority: int = 0  # higher first, inside a project's band
+    enqueued_at: float = 0.0  # unix seconds; set by the store when 0
+    deadline: float | None = None  # unix seconds; expire_deadlines drops it from pending after
+
+
+@dataclass(frozen=True)
+class Grant:
+    job_id: str
+    project: str
+    fence: int
+    prompt_tokens: int
+    kv_tokens: int
+    long: bool
+    lease_expires_at: float
+    waited_s: float
+
+
+@dataclass(frozen=True)
+class AdmitResult:
+    """What one admission round decided: a grant, or why nothing was admitted."""
+
+    grant: Grant | None
+    # "empty", "seqs", "kv", "long", "bucket", "spacing", "backend_<why>" (stale, health,
+    # waiting, kv_usage, preemptions; see schedulers/policy/backend_gate.py), "conflict" (other
+    # dispatchers kept taking the candidates; try again at once); "send_failed" (set by the
+    # dispatcher, not the store: the grant could not be sent and was requeued; back off)
+    hold_reason: str | None = None
+    retry_in_s: float | None = None  # when a time-based hold (bucket, spacing) lifts
+
+
+@dataclass
+class StoreSnapshot:
+    pending: dict[str, dict[str, int]] = field(default_factory=dict)  # project -> band -> count
+    in_flight: int = 0
+    reserved_kv_tokens: int = 0
+    long_in_flight: int = 0
+    admissions: int = 0
+    holds: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Everything a store needs to decide; built from Settings by ``StoreConfig.from_settings``."""
+
+    limits: Limits = field(default_factory=Limits)
+    lease_ttl_s: float = 30.0
+    aging_s: float = 60.0
+    weights: dict[str, float] = field(default_factory=dict)  # project -> weight (default 1.0)
+    gate: bool = True  # False: ignore the backend gate (unit tests without a scraper)
+    scrape_stale_s: float = 5.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> StoreConfig:
+        return cls(
+            limits=Limits.from_settings(settings),
+            lease_ttl_s=settings.admission.lease_ttl_s,
+            aging_s=settings.admission.aging_s,
+            weights={name: p.weight for name, p in settings.projects.items()},
+            gate=settings.admission.backend_gate,
+            scrape_stale_s=settings.admission.scrape_stale_s,
+        )
+
+    def weight(self, project: str) -> float:
+        return self.weights.get(project, 1.0)
+
+
+class AdmissionStore(Protocol):
+    def add_pending(self, item: PendingItem) -> None: ...
+
+    def admit_next(self, now: float) -> AdmitResult: ...
+
+    def claim(self, job_id: str, fence: int, owner: str, now: float) -> bool: ...
+
+    def resize(self, job_id: str, fence: int, max_new_tokens: int) -> bool:
+        """A retry grew the job's max tokens inside its lease: the lease's KV reservation (and
+        the item's, for a re-admission) follows, so the KV limit keeps counting what is really
+        reserved. False for a stale fence."""
+        ...
+
+    def renew(self, job_id: str, fence: int, now: float) -> bool: ...
+
+    def release(self, job_id: str, fence: int) -> bool: ...
+
+    def reap_expired(self, now: float) -> list[str]: ...
+
+    def requeue(self, job_id: str, fence: int) -> bool: ...
+
+    def cancel_pending(self, job_id: str) -> bool: ...
+
+    def expire_deadlines(self, now: float) -> list[str]: ...
+
+    def next_deadline(self) -> float | None: ...
+
+    def snapshot(self) -> StoreSnapshot: ...
+
+    def wait_for_wake(self, timeout_s: float) -> bool: ...
+
+    # Added by the dispatcher work (issue 4).
+    def lease_valid(self, job_id: str, fence: int) -> bool: ...
+
+    def wake(self) -> None: ...
+
+    def next_expiry(self) -> float | None: ...
+
+    def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str]) -> None: ...
+
+    def backend(self) -> dict[str, str]: ...

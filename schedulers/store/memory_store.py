@@ -1,0 +1,345 @@
+"""In-memory twin of the Redis admission store: same rules, same answers, one process.
+
+For unit tests, the fair-share simulations and ``fleet demo`` dry runs. It calls the pure
+policy (schedulers/policy/fairshare.py) and limits (schedulers/policy/limits.py) directly; the Redis store
+runs the same rules inside Lua. A lock makes it safe for threads; a condition variable stands in
+for the wake list.
+
+Queues are heaps with lazy deletion: a cancelled or admitted job stays in its heap until it
+reaches the top, where it is recognised (no live item, or a different score) and dropped. The
+deadline heap works the same way (a popped deadline counts only if the job is still pending
+with that deadline).
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+from schedulers.policy import fairshare, limits
+from schedulers.policy.backend_gate import gate_reason
+from schedulers.store.base import AdmitResult, Grant, PendingItem, StoreConfig, StoreSnapshot
+
+QueueKey = tuple[str, str, str]  # project, band, size
+
+
+@dataclass(frozen=True)
+class _Entry:
+    item: PendingItem
+    score: float
+    size: str
+
+
+@dataclass(frozen=True)
+class _Lease:
+    entry: _Entry
+    fence: int
+    kv_tokens: int
+    long: bool
+    expires_at: float
+    owner: str | None = None  # set by the first claim
+
+
+class MemoryStore:
+    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._woken = threading.Condition(self._lock)
+        self._wakes = 0
+        self._queues: dict[QueueKey, list[tuple[float, str]]] = {}
+        self._pending: dict[str, _Entry] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        self._leases: dict[str, _Lease] = {}
+        self._state = limits.LimitState()
+        self._vtime = 0.0
+        self._finish: dict[str, float] = {}
+        self._fence = 0
+        self._admissions = 0
+        self._holds: dict[str, int] = {}
+        self._backend: tuple[float, str] | None = None
+        self._figures: dict[str, str] = {}
+
+    # -- submit / cancel ---------------------------------------------------------------------
+    def add_pending(self, item: PendingItem) -> None:
+        if not item.enqueued_at:
+            item = replace(item, enqueued_at=self._clock())
+        size = "long" if item.prompt_tokens > self.config.limits.long_prompt_tokens else "short"
+        score = fairshare.pending_score(item.enqueued_at, item.priority, self.config.aging_s)
+        with self._lock:
+            if item.job_id in self._pending:
+                return
+            if not self._pending and self._state.in_flight == 0:
+                self._vtime = fairshare.forgive(self._vtime, self._finish.values())
+            self._push(_Entry(item, score, size))
+            self._signal()
+
+    def add_pending_many(self, items: Iterable[PendingItem]) -> None:
+        for item in items:
+            self.add_pending(item)
+
+    def cancel_pending(self, job_id: str) -> bool:
+        with self._lock:
+            return self._pending.pop(job_id, None) is not None
+
+    def expire_deadlines(self, now: float) -> list[str]:
+        expired: list[str] = []
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                deadline, job_id = heapq.heappop(self._deadlines)
+                entry = self._pending.get(job_id)
+                if entry is not None and entry.item.deadline == deadline:
+                    del self._pending[job_id]
+                    expired.append(job_id)
+        return expired
+
+    def next_deadline(self) -> float | None:
+        with self._lock:
+            while self._deadlines:
+                deadline, job_id = self._deadlines[0]
+                entry = self._pending.get(job_id)
+                if entry is not None and entry.item.deadline == deadline:
+                    return deadline
+                heapq.heappop(self._deadlines)
+            return None
+
+    # -- admission ---------------------------------------------------------------------------
+    def admit_next(self, now: float) -> AdmitResult:
+        with self._lock:
+            result = self._admit(now)
+            if result.grant:
+                self._admissions += 1
+            else:
+                reason = result.hold_reason or "empty"
+                self._holds[reason] = self._holds.get(reason, 0) + 1
+            return result
+
+    def _admit(self, now: float) -> AdmitResult:
+        heads = self._heads(now)
+        if not heads:
+            return AdmitResult(None, "empty")
+        if self.config.gate:
+            scraped_at, hold = self._backend or (None, "")
+            reason = gate_reason(scraped_at, hold, now, self.config.scrape_stale_s)
+            if reason:
+                return AdmitResult(None, reason)
+        costs = [
+            limits.cost_of(h.job_id, h.prompt_tokens, h.max_new_tokens, self.config.limits)
+            for h in heads
+        ]
+        choice = limits.choose(self.config.limits, self._state, costs, now)
+        if choice.index is None:
+            return AdmitResult(None, choice.reason, choice.retry_in_s)
+        return AdmitResult(self._grant(heads[0], heads[choice.index], costs[choice.index], now))
+
+    def _heads(self, now: float) -> list[fairshare.Head]:
+        views: dict[str, list[fairshare.Head]] = {}
+        for (project, band, _size), heap in self._queues.items():
+            entry = self._top(heap)
+            if entry is not None:
+                views.setdefault(project, []).append(_head(entry, band))
+        snapshot = fairshare.FairSnapshot(
+            projects=tuple(
+                fairshare.ProjectView(
+                    project=p,
+                    weight=self.config.weight(p),
+                    finish_tag=self._finish.get(p, 0.0),
+                    heads=tuple(h),
+                )
+                for p, h in views.items()
+            ),
+            vtime=self._vtime,
+            now=now,
+        )
+        return fairshare.order(snapshot, self.config.aging_s)
+
+    def _top(self, heap: list[tuple[float, str]]) -> _Entry | None:
+        while heap:
+            score, job_id = heap[0]
+            entry = self._pending.get(job_id)
+            if entry is not None and entry.score == score:
+                return entry
+            heapq.heappop(heap)
+        return None
+
+    def _grant(
+        self, top: fairshare.Head, head: fairshare.Head, cost: limits.Cost, now: float
+    ) -> Grant:
+        entry = self._pending.pop(head.job_id)
+        self._free_lease(head.job_id)  # a superseded attempt of the same job
+        limits.admit(self.config.limits, self._state, cost, now)
+        self._vtime = max(self._vtime, self._finish.get(top.project, 0.0))
+        _, self._finish[head.project] = fairshare.charge(
+            self._vtime,
+            self._finish.get(head.project, 0.0),
+            self.config.weight(head.project),
+            head.cost,
+        )
+        self._fence += 1
+        expires_at = now + self.config.lease_ttl_s
+        self._leases[head.job_id] = _Lease(
+            entry, self._fence, cost.kv_tokens, cost.long, expires_at
+        )
+        return Grant(
+            job_id=head.job_id,
+            project=head.project,
+            fence=self._fence,
+            prompt_tokens=head.prompt_tokens,
+            kv_tokens=cost.kv_tokens,
+            long=cost.long,
+            lease_expires_at=expires_at,
+            waited_s=max(0.0, now - entry.item.enqueued_at),
+        )
+
+    # -- leases ------------------------------------------------------------------------------
+    def claim(self, job_id: str, fence: int, owner: str, now: float) -> bool:
+        with self._lock:
+            lease = self._leases.get(job_id)
+            if lease is None or lease.fence != fence or lease.expires_at < now:
+                return False
+            if lease.owner is not None and lease.owner != owner:
+                return False
+            expires_at = now + self.config.lease_ttl_s
+            self._leases[job_id] = replace(lease, owner=owner, expires_at=expires_at)
+            return True
+
+    def renew(self, job_id: str, fence: int, now: float) -> bool:
+        with self._lock:
+            lease = self._leases.get(job_id)
+            if lease is None or lease.fence != fence or lease.expires_at < now:
+                return False
+            self._leases[job_id] = replace(lease, expires_at=now + self.config.lease_ttl_s)
+            return True
+
+    def resize(self, job_id: str, fence: int, max_new_tokens: int) -> bool:
+        with self._lock:
+            lease = self._leases.get(job_id)
+            if lease is None or lease.fence != fence:
+                return False
+            item = replace(lease.entry.item, max_new_tokens=max_new_tokens)
+            kv = limits.kv_tokens(item.prompt_tokens, max_new_tokens, self.config.limits.block_tokens)
+            self._state.reserved_kv_tokens += kv - lease.kv_tokens
+            self._leases[job_id] = replace(lease, entry=replace(lease.entry, item=item), kv_tokens=kv)
+            return True
+
+    def release(self, job_id: str, fence: int) -> bool:
+        with self._lock:
+            lease = self._leases.get(job_id)
+            if lease is None or lease.fence != fence:
+                return False
+            self._free_lease(job_id)
+            self._signal()
+            return True
+
+    def requeue(self, job_id: str, fence: int) -> bool:
+        with self._lock:
+            lease = self._leases.get(job_id)
+            if lease is None or lease.fence != fence:
+                return False
+            self._free_lease(job_id)
+            if job_id not in self._pending:
+                self._push(lease.entry)
+            self._signal()
+            return True
+
+    def lease_valid(self, job_id: str, fence: int) -> bool:
+        with self._lock:
+            lease = self._leases.get(job_id)
+            return lease is not None and lease.fence == fence
+
+    def reap_expired(self, now: float) -> list[str]:
+        with self._lock:
+            expired = sorted(j for j, lease in self._leases.items() if lease.expires_at < now)
+            for job_id in expired:
+                entry = self._leases[job_id].entry
+                self._free_lease(job_id)
+                if job_id not in self._pending:
+                    self._push(entry)
+            if expired:
+                self._signal()
+            return expired
+
+    def next_expiry(self) -> float | None:
+        with self._lock:
+            return min((lease.expires_at for lease in self._leases.values()), default=None)
+
+    def _free_lease(self, job_id: str) -> None:
+        lease = self._leases.pop(job_id, None)
+        if lease is not None:
+            limits.free(self._state, lease.kv_tokens, lease.long)
+
+    def _push(self, entry: _Entry) -> None:
+        item = entry.item
+        self._pending[item.job_id] = entry
+        key = (item.project, item.band, entry.size)
+        heapq.heappush(self._queues.setdefault(key, []), (entry.score, item.job_id))
+        if item.deadline is not None:
+            heapq.heappush(self._deadlines, (item.deadline, item.job_id))
+
+    # -- backend gate, wakes, observation ----------------------------------------------------
+    def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str]) -> None:
+        with self._lock:
+            self._backend = (scraped_at, hold)
+            self._figures = {**figures, "scraped_at": repr(scraped_at), "hold": hold}
+
+    def backend(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._figures)
+
+    def wake(self) -> None:
+        with self._lock:
+            self._signal()
+
+    def wait_for_wake(self, timeout_s: float) -> bool:
+        with self._lock:
+            if not self._wakes:
+                self._woken.wait(timeout_s)
+            if self._wakes:
+                self._wakes -= 1
+                return True
+            return False
+
+    def _signal(self) -> None:
+        self._wakes = min(self._wakes + 1, 100)
+        self._woken.notify()
+
+    def snapshot(self) -> StoreSnapshot:
+        with self._lock:
+            pending: dict[str, dict[str, int]] = {}
+            for entry in self._pending.values():
+                bands = pending.setdefault(entry.item.project, {})
+                bands[entry.item.band] = bands.get(entry.item.band, 0) + 1
+            return StoreSnapshot(
+                pending=pending,
+                in_flight=self._state.in_flight,
+                reserved_kv_tokens=self._state.reserved_kv_tokens,
+                long_in_flight=self._state.long_in_flight,
+                admissions=self._admissions,
+                holds=dict(self._holds),
+            )
+
+    def lease_fences(self) -> dict[str, int]:
+        """Live leases (job id -> fence), for invariant checks."""
+        with self._lock:
+            return {job_id: lease.fence for job_id, lease in self._leases.items()}
+
+    def pending_ids(self) -> set[str]:
+        with self._lock:
+            return set(self._pending)
+
+
+def _head(entry: _Entry, band: str) -> fairshare.Head:
+    item = entry.item
+    return fairshare.Head(
+        job_id=item.job_id,
+        project=item.project,
+        band=band,
+        prompt_tokens=item.prompt_tokens,
+        max_new_tokens=item.max_new_tokens,
+        enqueued_at=item.enqueued_at,
+        score=entry.score,
+        long=entry.size == "long",
+    )
