@@ -7,21 +7,34 @@ or an ``error`` naming the reason, and fleet/prep/prepare.py decides whether tha
 end a job, but never crash a prep worker.
 
 Files
-  The path is resolved with every symlink followed (a relative path is taken under the first
-  allowed root) and must land inside one of the allowed roots; ``..`` and symlinks pointing
-  out are refused with "outside collect.allowed_roots". No roots configured means no file
-  sources at all. The final open uses O_NOFOLLOW, so a symlink swapped in after the check is
-  refused too. Larger than ``max_bytes`` is an error.
+  Only under ``collect.allowed_roots``, or, for a project listed in ``collect.project_roots``,
+  only under that project's own roots (a relative path is taken under the first root). ``..``
+  is applied to the path as written and must stay inside a root ("outside collect.allowed_roots").
+  The file is then opened one component at a time from the root's descriptor, each with
+  O_NOFOLLOW (directories also O_DIRECTORY): no symlink is followed, whether there before the
+  check or swapped in after it ("goes through a symlink"). The last component is opened with
+  O_NONBLOCK and must be a regular file by fstat: a FIFO, socket or device is refused at once
+  instead of blocking the worker. No roots configured means no file sources at all. Larger
+  than ``max_bytes`` is an error.
 
 URLs
-  httpx with ``connect_timeout_s`` / ``read_timeout_s`` (per network read) and a whole-download
-  deadline of ``connect_timeout_s + 4 * read_timeout_s`` (so a server trickling a byte at a time
-  cannot hold a worker forever). Redirects are followed by hand, at most ``max_redirects``; a
-  URL seen twice is a "redirect loop". Only http and https, also after a redirect.
-  The body is streamed and the download stops as soon as it passes ``max_bytes``: that is an
-  ERROR, not a truncation. (A cut HTML or JSON document is not reliably readable, and 5 MB is
-  far beyond any prompt; trimming to the prompt budget happens later, on the extracted text,
-  where it can keep head and tail.) HTTP 4xx/5xx is an error with the status.
+  Only http and https, at every hop. Each host is resolved once and every address checked:
+  loopback, private, link-local (the 169.254.169.254 metadata address), CGNAT, multicast,
+  reserved and unspecified addresses, IPv4 embedded in IPv6 included, are refused ("not a
+  public address") unless the host is in ``collect.allow_hosts`` or the address in
+  ``collect.allow_networks``; the connection then goes to that checked address (TLS still
+  verifies the URL's host name), so DNS cannot answer differently between check and connect.
+  Redirects are followed by hand, at most ``max_redirects``, each hop checked the same way; a
+  URL seen twice is a "redirect loop". No proxy from the environment is used.
+  Time: ``connect_timeout_s`` / ``read_timeout_s`` per network operation, and one deadline of
+  ``connect_timeout_s + 4 * read_timeout_s`` over the whole fetch, every hop's connect, headers
+  and body included: every socket call gets at most what is left of it ("download took longer
+  than"), so a server trickling one byte at a time cannot hold a worker.
+  Size: the body is streamed and gzip/deflate decoded by hand, stopping as soon as either the
+  bytes received or the bytes decoded pass ``max_bytes`` (a small gzip bomb never inflates past
+  the cap): that is an ERROR, not a truncation. (A cut HTML or JSON document is not reliably
+  readable, and 5 MB is far beyond any prompt; trimming to the prompt budget happens later, on
+  the extracted text, where it can keep head and tail.) HTTP 4xx/5xx is an error with the status.
 
 Content types (URLs by header, files by extension; no type -> sniffed)
   HTML -> readable main text via trafilatura (boilerplate removed; the full page text when it
@@ -35,18 +48,28 @@ text is trusted unless it says ``untrusted: true``.
 
 from __future__ import annotations
 
+import email.message
+import errno
+import ipaddress
 import json
 import logging
+import math
 import mimetypes
 import os
+import socket
+import ssl
 import stat
+import threading
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import charset_normalizer  # a dependency of trafilatura
+import httpcore
 import httpx
 import trafilatura
 
@@ -105,26 +128,29 @@ class Collector:
     def __init__(
         self,
         settings: CollectSettings,
-        transport: httpx.BaseTransport | None = None,
+        network: httpcore.NetworkBackend | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
         max_parallel: int = 4,
+        resolve: Callable[..., list[Any]] = socket.getaddrinfo,
     ) -> None:
         self.settings = settings
-        self._roots = [Path(r).expanduser().resolve() for r in settings.allowed_roots]
+        self._roots = _resolve_roots(settings.allowed_roots)
+        self._project_roots = {p: _resolve_roots(r) for p, r in settings.project_roots.items()}
         self._clock = clock
         self._max_parallel = max_parallel
         self._deadline_s = settings.connect_timeout_s + DEADLINE_READS * settings.read_timeout_s
-        self._http = httpx.Client(
-            transport=transport,
-            follow_redirects=False,
-            timeout=httpx.Timeout(
-                connect=settings.connect_timeout_s,
-                read=settings.read_timeout_s,
-                write=settings.read_timeout_s,
-                pool=settings.connect_timeout_s,
-            ),
-            headers={"User-Agent": USER_AGENT},
+        self._timeouts = {
+            "connect": settings.connect_timeout_s,
+            "read": settings.read_timeout_s,
+            "write": settings.read_timeout_s,
+            "pool": settings.connect_timeout_s,
+        }
+        self._network = GuardedBackend(AddressPolicy(settings, resolve), clock, network)
+        # httpcore, not httpx: its network backend is where addresses are pinned and the
+        # deadline enforced, and it hands over the body still encoded, to be decoded under the cap.
+        self._http = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(), network_backend=self._network
         )
 
     def close(self) -> None:
@@ -137,19 +163,20 @@ class Collector:
         self.close()
 
     # -- public ---------------------------------------------------------------------------
-    def collect(self, sources: list[Source]) -> list[Collected]:
-        """Every source collected (in order); files and URLs in parallel threads."""
+    def collect(self, sources: list[Source], project: str | None = None) -> list[Collected]:
+        """Every source collected (in order); files and URLs in parallel threads. ``project``
+        picks its file roots (``collect.project_roots``)."""
         slow = [i for i, s in enumerate(sources) if s.type != "text"]
         if len(slow) <= 1 or self._max_parallel <= 1:
-            return [self.collect_one(i, s) for i, s in enumerate(sources)]
+            return [self.collect_one(i, s, project) for i, s in enumerate(sources)]
         with ThreadPoolExecutor(max_workers=min(self._max_parallel, len(slow))) as pool:
-            futures = {i: pool.submit(self.collect_one, i, sources[i]) for i in slow}
+            futures = {i: pool.submit(self.collect_one, i, sources[i], project) for i in slow}
             return [
-                futures[i].result() if i in futures else self.collect_one(i, s)
+                futures[i].result() if i in futures else self.collect_one(i, s, project)
                 for i, s in enumerate(sources)
             ]
 
-    def collect_one(self, index: int, source: Source) -> Collected:
+    def collect_one(self, index: int, source: Source, project: str | None = None) -> Collected:
         untrusted = source.untrusted if source.untrusted is not None else source.type != "text"
         item = Collected(index, source_name(source, index), source.type, untrusted, source.required)
         started = self._clock()
@@ -157,7 +184,7 @@ class Collector:
             if source.type == "text":
                 item.text = source.text or ""
             elif source.type == "file":
-                item.text, item.content_type = self._read_file(source.path or "", item.notes)
+                item.text, item.content_type = self._read_file(source.path or "", item.notes, project)
             else:
                 item.text, item.content_type = self._fetch_url(source.url or "", item.notes)
         except SourceError as exc:
@@ -170,39 +197,25 @@ class Collector:
         return item
 
     # -- files ----------------------------------------------------------------------------
-    def _read_file(self, raw_path: str, notes: list[str]) -> tuple[str, str]:
-        real = self._resolve_inside_roots(raw_path)
-        body = self._read_capped_file(real)
-        content_type = mimetypes.guess_type(real.name)[0] or ""
+    def _read_file(self, raw_path: str, notes: list[str], project: str | None) -> tuple[str, str]:
+        roots = self._roots_of(project)
+        fd = _open_under(roots, raw_path)
+        try:
+            body = self._read_capped_file(fd)
+        finally:
+            os.close(fd)
+        content_type = mimetypes.guess_type(raw_path)[0] or ""
         return to_text(body, content_type, None, notes), content_type
 
-    def _resolve_inside_roots(self, raw_path: str) -> Path:
-        if not self._roots:
-            raise SourceError("file sources are disabled (collect.allowed_roots is empty)")
-        path = Path(raw_path).expanduser()
-        if not path.is_absolute():
-            path = self._roots[0] / path
-        try:
-            real = path.resolve(strict=True)
-        except FileNotFoundError as exc:
-            raise SourceError("no such file") from exc
-        except (OSError, RuntimeError, ValueError) as exc:  # symlink loop, NUL in the path
-            raise SourceError(f"cannot resolve the path ({exc})") from exc
-        if not self._inside(real):
-            lexical = Path(os.path.normpath(path.absolute()))
-            how = "through a symlink " if self._inside(lexical) else ""
-            raise SourceError(f"the path leads {how}outside collect.allowed_roots")
-        return real
+    def _roots_of(self, project: str | None) -> list[Path]:
+        roots = self._project_roots.get(project or "", self._roots)
+        if not roots:
+            setting = "collect.project_roots" if project in self._project_roots else "collect.allowed_roots"
+            raise SourceError(f"file sources are disabled ({setting} is empty)")
+        return roots
 
-    def _inside(self, path: Path) -> bool:
-        return any(path.is_relative_to(root) for root in self._roots)
-
-    def _read_capped_file(self, real: Path) -> bytes:
+    def _read_capped_file(self, fd: int) -> bytes:
         cap = self.settings.max_bytes
-        try:
-            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise SourceError(f"cannot open the file ({exc.strerror})") from exc
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
@@ -212,8 +225,6 @@ class Collector:
             body = _read_fd(fd, cap + 1)
         except OSError as exc:
             raise SourceError(f"cannot read the file ({exc.strerror})") from exc
-        finally:
-            os.close(fd)
         if len(body) > cap:
             raise SourceError(f"file grew past collect.max_bytes ({cap})")
         return body
@@ -221,53 +232,60 @@ class Collector:
     # -- URLs -----------------------------------------------------------------------------
     def _fetch_url(self, url: str, notes: list[str]) -> tuple[str, str]:
         seen: set[str] = set()
-        deadline = self._clock() + self._deadline_s
-        for _hop in range(self.settings.max_redirects + 1):
-            _check_scheme(url)
-            if url in seen:
-                raise SourceError(f"redirect loop (back to {url})")
-            seen.add(url)
-            try:
-                outcome = self._get(url, deadline)
-            except httpx.TimeoutException as exc:
-                raise SourceError(_describe_timeout(exc, self.settings)) from exc
-            except httpx.InvalidURL as exc:
-                raise SourceError(f"invalid URL ({exc})") from exc
-            except httpx.HTTPError as exc:
-                raise SourceError(f"request failed ({type(exc).__name__}: {exc})") from exc
-            if isinstance(outcome, str):
-                url = outcome  # a redirect: follow it
-                continue
-            body, content_type, charset = outcome
-            return to_text(body, content_type, charset, notes), content_type
+        self._network.deadline.at = self._clock() + self._deadline_s
+        try:
+            for _hop in range(self.settings.max_redirects + 1):
+                _check_scheme(url)
+                if url in seen:
+                    raise SourceError(f"redirect loop (back to {url})")
+                seen.add(url)
+                outcome = self._get(url)
+                if isinstance(outcome, str):
+                    url = outcome  # a redirect: follow it (checked like the first hop)
+                    continue
+                body, content_type, charset = outcome
+                return to_text(body, content_type, charset, notes), content_type
+        finally:
+            self._network.deadline.at = math.inf
         raise SourceError(f"more than {self.settings.max_redirects} redirects")
 
-    def _get(self, url: str, deadline: float) -> str | tuple[bytes, str, str | None]:
-        """The next URL for a redirect, else (body, content type, charset)."""
-        with self._http.stream("GET", url) as response:
-            if response.is_redirect:
-                return str(response.url.join(response.headers["location"]))
-            if response.status_code >= 400:
-                raise SourceError(f"HTTP {response.status_code} {response.reason_phrase}".strip())
-            content_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
-            body = self._read_capped_body(response, deadline)
-            return body, content_type, response.charset_encoding
+    def _get(self, url: str) -> str | tuple[bytes, str, str | None]:
+        """The next URL for a redirect, else (body, content type, charset); errors translated."""
+        try:
+            target = httpx.URL(url)
+            with self._http.stream("GET", str(target), headers=_REQUEST_HEADERS,
+                                   extensions={"timeout": self._timeouts}) as response:
+                return self._answer(target, response)
+        except httpcore.TimeoutException as exc:
+            raise SourceError(self._describe_timeout(exc)) from exc
+        except httpx.InvalidURL as exc:
+            raise SourceError(f"invalid URL ({exc})") from exc
+        except _HTTPCORE_ERRORS as exc:
+            raise SourceError(f"request failed ({type(exc).__name__}: {exc})") from exc
 
-    def _read_capped_body(self, response: httpx.Response, deadline: float) -> bytes:
+    def _answer(self, url: httpx.URL, response: httpcore.Response) -> str | tuple[bytes, str, str | None]:
+        fields = httpx.Headers(response.headers)
+        if response.status in _REDIRECTS and "location" in fields:
+            return str(url.join(fields["location"]))
+        if response.status >= 400:
+            reason = response.extensions.get("reason_phrase", b"").decode("ascii", "replace")
+            raise SourceError(f"HTTP {response.status} {reason}".strip())
+        header = fields.get("content-type", "")
         cap = self.settings.max_bytes
-        declared = response.headers.get("content-length", "")
+        declared = fields.get("content-length", "")
         if declared.isdigit() and int(declared) > cap:
             raise SourceError(f"body is {declared} bytes, over collect.max_bytes ({cap})")
-        chunks: list[bytes] = []
-        size = 0
-        for chunk in response.iter_bytes():
-            size += len(chunk)
-            if size > cap:
-                raise SourceError(f"body passed collect.max_bytes ({cap}); download stopped")
-            if self._clock() > deadline:
-                raise SourceError(f"download took longer than {self._deadline_s:g}s")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        body = _Inflater(fields.get("content-encoding", ""), cap)
+        for chunk in response.iter_stream():
+            body.feed(chunk)
+        return body.finish(), header.split(";")[0].strip().lower(), _charset(header)
+
+    def _describe_timeout(self, exc: httpcore.TimeoutException) -> str:
+        if self._clock() >= self._network.deadline.at:
+            return f"download took longer than {self._deadline_s:g}s"
+        if isinstance(exc, httpcore.ConnectTimeout | httpcore.PoolTimeout):
+            return f"connect timed out after {self.settings.connect_timeout_s:g}s"
+        return f"read timed out after {self.settings.read_timeout_s:g}s"
 
 
 def _read_fd(fd: int, limit: int) -> bytes:
@@ -287,10 +305,231 @@ def _check_scheme(url: str) -> None:
         raise SourceError(f"only http and https URLs are collected, not {url[:80]!r}")
 
 
-def _describe_timeout(exc: httpx.TimeoutException, settings: CollectSettings) -> str:
-    if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
-        return f"connect timed out after {settings.connect_timeout_s:g}s"
-    return f"read timed out after {settings.read_timeout_s:g}s"
+_REQUEST_HEADERS = [(b"User-Agent", USER_AGENT.encode()), (b"Accept-Encoding", b"gzip, deflate")]
+_HTTPCORE_ERRORS = (
+    httpcore.NetworkError,
+    httpcore.ProtocolError,
+    httpcore.UnsupportedProtocol,
+    httpcore.ProxyError,
+)
+
+
+def _resolve_roots(roots: list[str]) -> list[Path]:
+    return [Path(r).expanduser().resolve() for r in roots]
+
+
+def _charset(content_type: str) -> str | None:
+    header = email.message.Message()
+    header["content-type"] = content_type
+    return header.get_content_charset()
+
+
+class _Inflater:
+    """A body decoded as it arrives, stopping as soon as the bytes received or the bytes decoded
+    pass the cap: zlib is asked for at most what is left, so nothing is inflated past it."""
+
+    def __init__(self, encoding: str, cap: int) -> None:
+        self.encoding = encoding.strip().lower() or "identity"
+        if self.encoding not in ("identity", "gzip", "x-gzip", "deflate"):
+            raise SourceError(f"content-encoding {self.encoding!r} is not supported")
+        # 32 + MAX_WBITS: a gzip or zlib header, whichever comes
+        self._zlib = None if self.encoding == "identity" else zlib.decompressobj(32 + zlib.MAX_WBITS)
+        self.cap = cap
+        self.received = 0
+        self.decoded = 0
+        self._chunks: list[bytes] = []
+
+    def feed(self, data: bytes) -> None:
+        self.received += len(data)
+        if self.received > self.cap:
+            raise SourceError(f"body passed collect.max_bytes ({self.cap}); download stopped")
+        if self._zlib is None:
+            self._keep(data)
+            return
+        try:
+            while data:
+                self._keep(self._zlib.decompress(data, self.cap + 1 - self.decoded))
+                data = self._zlib.unconsumed_tail
+        except zlib.error as exc:
+            raise SourceError(f"body is not valid {self.encoding} ({exc})") from exc
+
+    def finish(self) -> bytes:
+        if self._zlib is not None:
+            self._keep(self._zlib.flush(self.cap + 1 - self.decoded))
+        return b"".join(self._chunks)
+
+    def _keep(self, piece: bytes) -> None:
+        self.decoded += len(piece)
+        if self.decoded > self.cap:
+            raise SourceError(
+                f"body decoded past collect.max_bytes ({self.cap}) from {self.received} bytes "
+                f"received ({self.encoding}); download stopped"
+            )
+        self._chunks.append(piece)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def _open_under(roots: list[Path], raw_path: str) -> int:
+    """A descriptor of the file at ``raw_path``, opened one component at a time from its root's
+    descriptor, so no symlink is ever followed and none swapped in later can lead out."""
+    path = Path(raw_path).expanduser()
+    if not path.is_absolute():
+        path = roots[0] / path
+    lexical = Path(os.path.normpath(path))
+    root = next((r for r in roots if lexical.is_relative_to(r)), None)
+    if root is None:
+        raise SourceError("the path leads outside collect.allowed_roots")
+    parts = lexical.relative_to(root).parts
+    if not parts:
+        raise SourceError("not a regular file")
+    try:
+        fd = os.open(root, _DIR_FLAGS)
+        for part in parts[:-1]:
+            fd = _open_step(fd, part, _DIR_FLAGS)
+        return _open_step(fd, parts[-1], _FILE_FLAGS)
+    except ValueError as exc:  # a NUL in the path
+        raise SourceError(f"cannot resolve the path ({exc})") from exc
+    except OSError as exc:
+        raise SourceError(_describe_open_error(exc)) from exc
+
+
+def _open_step(dir_fd: int, name: str, flags: int) -> int:
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except NotADirectoryError as exc:  # O_DIRECTORY | O_NOFOLLOW on a symlink says only this
+        if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            raise OSError(errno.ELOOP, "symlink") from exc
+        raise
+    finally:
+        os.close(dir_fd)
+
+
+def _describe_open_error(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "the path goes through a symlink (never followed under collect.allowed_roots)"
+    if exc.errno == errno.ENOENT:
+        return "no such file"
+    if exc.errno == errno.ENOTDIR:
+        return "a component of the path is not a directory (or is a symlink)"
+    return f"cannot open the file ({exc.strerror})"
+
+
+# -- URLs -----------------------------------------------------------------------------------------
+_REDIRECTS = {301, 302, 303, 307, 308}
+_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def _is_public(ip: IPAddress) -> bool:
+    """Reachable on the public internet: not loopback, private, link-local (169.254.169.254, the
+    cloud metadata address, included), CGNAT, multicast, reserved or unspecified; IPv4 addresses
+    embedded in IPv6 (mapped, 6to4, Teredo, NAT64) are judged as the IPv4 address."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        embedded = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
+        if embedded is None and ip in _NAT64:
+            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if embedded is not None:
+            return _is_public(embedded)
+    return ip.is_global and not (ip.is_multicast or ip.is_reserved or ip.is_unspecified)
+
+
+class AddressPolicy:
+    """Which addresses URL sources may connect to: public ones, plus the settings' exceptions."""
+
+    def __init__(self, settings: CollectSettings,
+                 resolve: Callable[..., list[Any]] = socket.getaddrinfo) -> None:
+        self._hosts = {h.lower().rstrip(".") for h in settings.allow_hosts}
+        self._networks = list(settings.allow_networks)
+        self._resolve = resolve
+
+    def pick(self, host: str, port: int) -> str:
+        """The first allowed address ``host`` resolves to, else SourceError."""
+        try:
+            infos = self._resolve(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            raise SourceError(f"cannot resolve {host!r} ({exc})") from exc
+        addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+        if host.lower().rstrip(".") in self._hosts:
+            return addresses[0]
+        for address in addresses:
+            ip = ipaddress.ip_address(address.split("%", 1)[0])
+            if _is_public(ip) or any(ip in net for net in self._networks):
+                return address
+        raise SourceError(
+            f"{host!r} resolves to {', '.join(addresses)}: not a public address "
+            "(collect.allow_hosts / collect.allow_networks list the exceptions)"
+        )
+
+
+class _Deadline(threading.local):
+    """The current fetch's deadline (clock reading), per thread: the pool is shared by threads."""
+
+    at: float = math.inf
+
+
+class GuardedBackend(httpcore.NetworkBackend):
+    """The network under the HTTP pool: every connection goes to the address ``AddressPolicy``
+    checked (resolved once, so DNS cannot rebind between check and connect; TLS still verifies
+    the URL's host name), and no socket call outlives the fetch's deadline, so a server trickling
+    one byte per read cannot stretch a fetch, headers included."""
+
+    def __init__(self, policy: AddressPolicy, clock: Callable[[], float],
+                 inner: httpcore.NetworkBackend | None = None) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.deadline = _Deadline()
+        self._inner = inner or httpcore.SyncBackend()
+
+    def left(self, timeout: float | None) -> float:
+        left = self.deadline.at - self.clock()
+        if left <= 0:
+            raise httpcore.ReadTimeout("the fetch deadline passed")
+        return left if timeout is None else min(timeout, left)
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                    local_address: str | None = None,
+                    socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        address = self.policy.pick(host, port)
+        stream = self._inner.connect_tcp(address, port, timeout=self.left(timeout),
+                                         local_address=local_address, socket_options=socket_options)
+        return _DeadlineStream(stream, self)
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        raise SourceError("unix sockets are not collected")
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    def __init__(self, inner: httpcore.NetworkStream, backend: GuardedBackend) -> None:
+        self._inner = inner
+        self._backend = backend
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, timeout=self._backend.left(timeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, timeout=self._backend.left(timeout))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        stream = self._inner.start_tls(ssl_context, server_hostname, timeout=self._backend.left(timeout))
+        return _DeadlineStream(stream, self._backend)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
 
 
 # -- bytes to text --------------------------------------------------------------------------
