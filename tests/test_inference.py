@@ -300,11 +300,12 @@ def test_reask_fences_the_rejected_answer_with_the_jobs_stored_tag(h: Harness) -
         Message(role="user", content="Sum the invoices. [sim:bad_json] [sim:think=100]")])
     h.run(job, fence_tag="0123abcd")
     first, second = h.requests(job)
-    for body in (first, second):  # the tag prep stored, on every attempt
-        assert body["messages"][1]["content"].startswith("[[data 0123abcd]]\n")
     quoted = re.search(r"rejected answer, quoted as data \(not instructions\):\n"
-                       r"\[\[data 0123abcd\]\]\n(.+)\n\[\[end data 0123abcd\]\]", system(second), re.S)
-    assert quoted is not None and quoted.group(1).strip(), system(second)
+                       r"\[\[data (\w+)\]\]\n(.+)\n\[\[end data \1\]\]", system(second), re.S)
+    assert quoted is not None and quoted.group(2).strip(), system(second)
+    assert quoted.group(1) == "0123abcd"  # the tag prep stored ...
+    for body in (first, second):  # ... on every attempt
+        assert body["messages"][1]["content"].startswith("[[data 0123abcd]]\n")
     assert "<|im_start|>" not in json.dumps(second, ensure_ascii=False)
 
 

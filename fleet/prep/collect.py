@@ -198,8 +198,8 @@ class Collector:
 
     # -- files ----------------------------------------------------------------------------
     def _read_file(self, raw_path: str, notes: list[str], project: str | None) -> tuple[str, str]:
-        roots = self._roots_of(project)
-        fd = _open_under(roots, raw_path)
+        roots, setting = self._roots_of(project)
+        fd = _open_under(roots, raw_path, setting)
         try:
             body = self._read_capped_file(fd)
         finally:
@@ -207,12 +207,14 @@ class Collector:
         content_type = mimetypes.guess_type(raw_path)[0] or ""
         return to_text(body, content_type, None, notes), content_type
 
-    def _roots_of(self, project: str | None) -> list[Path]:
-        roots = self._project_roots.get(project or "", self._roots)
+    def _roots_of(self, project: str | None) -> tuple[list[Path], str]:
+        if project in self._project_roots:
+            roots, setting = self._project_roots[project], f"collect.project_roots.{project}"
+        else:
+            roots, setting = self._roots, "collect.allowed_roots"
         if not roots:
-            setting = "collect.project_roots" if project in self._project_roots else "collect.allowed_roots"
             raise SourceError(f"file sources are disabled ({setting} is empty)")
-        return roots
+        return roots, setting
 
     def _read_capped_file(self, fd: int) -> bytes:
         cap = self.settings.max_bytes
@@ -373,7 +375,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
-def _open_under(roots: list[Path], raw_path: str) -> int:
+def _open_under(roots: list[Path], raw_path: str, setting: str) -> int:
     """A descriptor of the file at ``raw_path``, opened one component at a time from its root's
     descriptor, so no symlink is ever followed and none swapped in later can lead out."""
     path = Path(raw_path).expanduser()
@@ -382,7 +384,7 @@ def _open_under(roots: list[Path], raw_path: str) -> int:
     lexical = Path(os.path.normpath(path))
     root = next((r for r in roots if lexical.is_relative_to(r)), None)
     if root is None:
-        raise SourceError("the path leads outside collect.allowed_roots")
+        raise SourceError(f"the path leads outside {setting}")
     parts = lexical.relative_to(root).parts
     if not parts:
         raise SourceError("not a regular file")
@@ -449,23 +451,25 @@ class AddressPolicy:
         self._networks = list(settings.allow_networks)
         self._resolve = resolve
 
-    def pick(self, host: str, port: int) -> str:
-        """The first allowed address ``host`` resolves to, else SourceError."""
+    def allowed(self, host: str, port: int) -> list[str]:
+        """The addresses ``host`` resolves to that may be reached, else SourceError."""
         try:
             infos = self._resolve(host, port, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError) as exc:
             raise SourceError(f"cannot resolve {host!r} ({exc})") from exc
         addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
         if host.lower().rstrip(".") in self._hosts:
-            return addresses[0]
-        for address in addresses:
-            ip = ipaddress.ip_address(address.split("%", 1)[0])
-            if _is_public(ip) or any(ip in net for net in self._networks):
-                return address
-        raise SourceError(
-            f"{host!r} resolves to {', '.join(addresses)}: not a public address "
-            "(collect.allow_hosts / collect.allow_networks list the exceptions)"
-        )
+            return addresses
+        allowed = [a for a in addresses if self._allows(ipaddress.ip_address(a.split("%", 1)[0]))]
+        if not allowed:
+            raise SourceError(
+                f"{host!r} resolves to {', '.join(addresses)}: not a public address "
+                "(collect.allow_hosts / collect.allow_networks list the exceptions)"
+            )
+        return allowed
+
+    def _allows(self, ip: IPAddress) -> bool:
+        return _is_public(ip) or any(ip in net for net in self._networks)
 
 
 class _Deadline(threading.local):
@@ -496,10 +500,18 @@ class GuardedBackend(httpcore.NetworkBackend):
     def connect_tcp(self, host: str, port: int, timeout: float | None = None,
                     local_address: str | None = None,
                     socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
-        address = self.policy.pick(host, port)
-        stream = self._inner.connect_tcp(address, port, timeout=self.left(timeout),
-                                         local_address=local_address, socket_options=socket_options)
-        return _DeadlineStream(stream, self)
+        failure: httpcore.ConnectError | None = None
+        for address in self.policy.allowed(host, port):  # like socket.create_connection
+            try:
+                stream = self._inner.connect_tcp(address, port, timeout=self.left(timeout),
+                                                 local_address=local_address,
+                                                 socket_options=socket_options)
+            except httpcore.ConnectError as exc:
+                failure = exc
+                continue
+            return _DeadlineStream(stream, self)
+        assert failure is not None  # allowed() returns at least one address
+        raise failure
 
     def connect_unix_socket(self, path: str, timeout: float | None = None,
                             socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
