@@ -510,8 +510,7 @@ class GuardedBackend(httpcore.NetworkBackend):
                 failure = exc
                 continue
             return _DeadlineStream(stream, self)
-        assert failure is not None  # allowed() returns at least one address
-        raise failure
+        raise failure or SourceError(f"no address to connect to for {host!r}")
 
     def connect_unix_socket(self, path: str, timeout: float | None = None,
                             socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
