@@ -49,20 +49,16 @@ text is trusted unless it says ``untrusted: true``.
 from __future__ import annotations
 
 import email.message
-import errno
-import ipaddress
 import json
 import logging
 import math
 import mimetypes
 import os
 import socket
-import ssl
 import stat
-import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +71,8 @@ import trafilatura
 
 from fleet.core.config import CollectSettings
 from fleet.core.models import Source
+from fleet.prep.netguard import AddressPolicy, AddressRefused, GuardedBackend
+from fleet.prep.roots import PathRefused, open_under
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +144,8 @@ class Collector:
             "write": settings.read_timeout_s,
             "pool": settings.connect_timeout_s,
         }
-        self._network = GuardedBackend(AddressPolicy(settings, resolve), clock, network)
+        policy = AddressPolicy(settings.allow_hosts, settings.allow_networks, resolve)
+        self._network = GuardedBackend(policy, clock, network)
         # httpcore, not httpx: its network backend is where addresses are pinned and the
         # deadline enforced, and it hands over the body still encoded, to be decoded under the cap.
         self._http = httpcore.ConnectionPool(
@@ -199,7 +198,10 @@ class Collector:
     # -- files ----------------------------------------------------------------------------
     def _read_file(self, raw_path: str, notes: list[str], project: str | None) -> tuple[str, str]:
         roots, setting = self._roots_of(project)
-        fd = _open_under(roots, raw_path, setting)
+        try:
+            fd = open_under(roots, raw_path, setting)
+        except PathRefused as exc:
+            raise SourceError(str(exc)) from exc
         try:
             body = self._read_capped_file(fd)
         finally:
@@ -258,6 +260,8 @@ class Collector:
             with self._http.stream("GET", str(target), headers=_REQUEST_HEADERS,
                                    extensions={"timeout": self._timeouts}) as response:
                 return self._answer(target, response)
+        except AddressRefused as exc:
+            raise SourceError(str(exc)) from exc
         except httpcore.TimeoutException as exc:
             raise SourceError(self._describe_timeout(exc)) from exc
         except httpx.InvalidURL as exc:
@@ -370,177 +374,9 @@ class _Inflater:
         self._chunks.append(piece)
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever.
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-
-
-def _open_under(roots: list[Path], raw_path: str, setting: str) -> int:
-    """A descriptor of the file at ``raw_path``, opened one component at a time from its root's
-    descriptor, so no symlink is ever followed and none swapped in later can lead out."""
-    path = Path(raw_path).expanduser()
-    if not path.is_absolute():
-        path = roots[0] / path
-    lexical = Path(os.path.normpath(path))
-    root = next((r for r in roots if lexical.is_relative_to(r)), None)
-    if root is None:
-        raise SourceError(f"the path leads outside {setting}")
-    parts = lexical.relative_to(root).parts
-    if not parts:
-        raise SourceError("not a regular file")
-    try:
-        fd = os.open(root, _DIR_FLAGS)
-        for part in parts[:-1]:
-            fd = _open_step(fd, part, _DIR_FLAGS)
-        return _open_step(fd, parts[-1], _FILE_FLAGS)
-    except ValueError as exc:  # a NUL in the path
-        raise SourceError(f"cannot resolve the path ({exc})") from exc
-    except OSError as exc:
-        raise SourceError(_describe_open_error(exc)) from exc
-
-
-def _open_step(dir_fd: int, name: str, flags: int) -> int:
-    try:
-        return os.open(name, flags, dir_fd=dir_fd)
-    except NotADirectoryError as exc:  # O_DIRECTORY | O_NOFOLLOW on a symlink says only this
-        if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-            raise OSError(errno.ELOOP, "symlink") from exc
-        raise
-    finally:
-        os.close(dir_fd)
-
-
-def _describe_open_error(exc: OSError) -> str:
-    if exc.errno == errno.ELOOP:
-        return "the path goes through a symlink (never followed under collect.allowed_roots)"
-    if exc.errno == errno.ENOENT:
-        return "no such file"
-    if exc.errno == errno.ENOTDIR:
-        return "a component of the path is not a directory (or is a symlink)"
-    return f"cannot open the file ({exc.strerror})"
-
-
 # -- URLs -----------------------------------------------------------------------------------------
 _REDIRECTS = {301, 302, 303, 307, 308}
 _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
-
-
-def _is_public(ip: IPAddress) -> bool:
-    """Reachable on the public internet: not loopback, private, link-local (169.254.169.254, the
-    cloud metadata address, included), CGNAT, multicast, reserved or unspecified; IPv4 addresses
-    embedded in IPv6 (mapped, 6to4, Teredo, NAT64) are judged as the IPv4 address."""
-    if isinstance(ip, ipaddress.IPv6Address):
-        embedded = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
-        if embedded is None and ip in _NAT64:
-            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-        if embedded is not None:
-            return _is_public(embedded)
-    return ip.is_global and not (ip.is_multicast or ip.is_reserved or ip.is_unspecified)
-
-
-class AddressPolicy:
-    """Which addresses URL sources may connect to: public ones, plus the settings' exceptions."""
-
-    def __init__(self, settings: CollectSettings,
-                 resolve: Callable[..., list[Any]] = socket.getaddrinfo) -> None:
-        self._hosts = {h.lower().rstrip(".") for h in settings.allow_hosts}
-        self._networks = list(settings.allow_networks)
-        self._resolve = resolve
-
-    def allowed(self, host: str, port: int) -> list[str]:
-        """The addresses ``host`` resolves to that may be reached, else SourceError."""
-        try:
-            infos = self._resolve(host, port, type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError) as exc:
-            raise SourceError(f"cannot resolve {host!r} ({exc})") from exc
-        addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
-        if host.lower().rstrip(".") in self._hosts:
-            return addresses
-        allowed = [a for a in addresses if self._allows(ipaddress.ip_address(a.split("%", 1)[0]))]
-        if not allowed:
-            raise SourceError(
-                f"{host!r} resolves to {', '.join(addresses)}: not a public address "
-                "(collect.allow_hosts / collect.allow_networks list the exceptions)"
-            )
-        return allowed
-
-    def _allows(self, ip: IPAddress) -> bool:
-        return _is_public(ip) or any(ip in net for net in self._networks)
-
-
-class _Deadline(threading.local):
-    """The current fetch's deadline (clock reading), per thread: the pool is shared by threads."""
-
-    at: float = math.inf
-
-
-class GuardedBackend(httpcore.NetworkBackend):
-    """The network under the HTTP pool: every connection goes to the address ``AddressPolicy``
-    checked (resolved once, so DNS cannot rebind between check and connect; TLS still verifies
-    the URL's host name), and no socket call outlives the fetch's deadline, so a server trickling
-    one byte per read cannot stretch a fetch, headers included."""
-
-    def __init__(self, policy: AddressPolicy, clock: Callable[[], float],
-                 inner: httpcore.NetworkBackend | None = None) -> None:
-        self.policy = policy
-        self.clock = clock
-        self.deadline = _Deadline()
-        self._inner = inner or httpcore.SyncBackend()
-
-    def left(self, timeout: float | None) -> float:
-        left = self.deadline.at - self.clock()
-        if left <= 0:
-            raise httpcore.ReadTimeout("the fetch deadline passed")
-        return left if timeout is None else min(timeout, left)
-
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
-                    local_address: str | None = None,
-                    socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
-        failure: httpcore.ConnectError | None = None
-        for address in self.policy.allowed(host, port):  # like socket.create_connection
-            try:
-                stream = self._inner.connect_tcp(address, port, timeout=self.left(timeout),
-                                                 local_address=local_address,
-                                                 socket_options=socket_options)
-            except httpcore.ConnectError as exc:
-                failure = exc
-                continue
-            return _DeadlineStream(stream, self)
-        raise failure or SourceError(f"no address to connect to for {host!r}")
-
-    def connect_unix_socket(self, path: str, timeout: float | None = None,
-                            socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
-        raise SourceError("unix sockets are not collected")
-
-    def sleep(self, seconds: float) -> None:
-        self._inner.sleep(seconds)
-
-
-class _DeadlineStream(httpcore.NetworkStream):
-    def __init__(self, inner: httpcore.NetworkStream, backend: GuardedBackend) -> None:
-        self._inner = inner
-        self._backend = backend
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._inner.read(max_bytes, timeout=self._backend.left(timeout))
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._inner.write(buffer, timeout=self._backend.left(timeout))
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
-                  timeout: float | None = None) -> httpcore.NetworkStream:
-        stream = self._inner.start_tls(ssl_context, server_hostname, timeout=self._backend.left(timeout))
-        return _DeadlineStream(stream, self._backend)
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._inner.get_extra_info(info)
 
 
 # -- bytes to text --------------------------------------------------------------------------
