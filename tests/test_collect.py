@@ -6,10 +6,13 @@ and a symlink escape. Every bad source ends as E_COLLECT_FAILED naming the sourc
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
+import sys
 import threading
-from collections.abc import Iterator
+import tracemalloc
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -62,6 +65,8 @@ class Site(BaseHTTPRequestHandler):
         path = self.path
         if path in PAGES:
             self._send(200, *PAGES[path])
+        elif path.startswith("/go?to="):  # an open redirect, as many real sites have
+            self._redirect(path.split("=", 1)[1])
         elif path in REDIRECTS:
             self._redirect(REDIRECTS[path])
         elif path.startswith("/chain/"):  # a fresh URL every hop: never a loop, never an end
@@ -128,13 +133,16 @@ def tree(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def make_settings(tree: Path, read_timeout_s: float = 10.0) -> Settings:
+def make_settings(tree: Path, read_timeout_s: float = 10.0, **extra: object) -> Settings:
+    """The local test servers listen on 127.0.0.1: allowed here, refused by default."""
     collect = {
         "allowed_roots": [str(tree / "root")],
+        "allow_networks": ["127.0.0.1/32"],
         "connect_timeout_s": 2.0,
         "read_timeout_s": read_timeout_s,
         "max_bytes": MAX_BYTES,
         "max_redirects": 4,
+        **extra,
     }
     return load_settings(EXAMPLE_CONFIG, env={}, collect=collect)
 
@@ -217,11 +225,11 @@ def bad_sources(site: str, tree: Path) -> list[tuple[Source, str]]:
         ),
         (
             Source(type="file", path=str(root / "escape.txt"), name="link"),
-            "through a symlink outside",
+            "goes through a symlink",
         ),
         (
             Source(type="file", path=str(root / "outdir" / "secret.txt"), name="linkdir"),
-            "through a symlink outside",
+            "goes through a symlink",
         ),
         (Source(type="file", path=str(root / "nope.txt"), name="nofile"), "no such file"),
         (Source(type="file", path=str(root / "sub"), name="dir"), "not a regular file"),
@@ -307,3 +315,234 @@ def test_download_deadline_stops_a_trickling_server(site: str, tree: Path) -> No
     with Collector(make_settings(tree).collect, clock=lambda: float(next(ticks))) as collector:
         (item,) = collector.collect([Source(type="url", url=f"{site}/article.html")])
     assert item.error is not None and "download took longer than" in item.error
+
+
+# -- a hostile project: collection must not be turned inward ------------------------------------
+def serve(handler: type[BaseHTTPRequestHandler], host: str = "127.0.0.1") -> tuple[ThreadingHTTPServer, str]:
+    server = ThreadingHTTPServer((host, 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    return server, f"http://{host}:{server.server_address[1]}"
+
+
+class Internal(BaseHTTPRequestHandler):
+    """An internal service (metadata endpoint, admin page) nobody outside may read."""
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        body = b"internal secret: aws_access_key=AKIA..."
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def internal() -> Iterator[str]:
+    # 127.0.0.2: loopback too, but outside the 127.0.0.1/32 the tests allow
+    server, url = serve(Internal, "127.0.0.2")
+    yield url
+    server.shutdown()
+    server.server_close()
+
+
+def test_internal_addresses_are_refused_by_default(
+    site: str, tree: Path, redis_client: redis.Redis, key_prefix: str, counter: TokenCounter
+) -> None:
+    settings = load_settings(EXAMPLE_CONFIG, env={}, collect={"connect_timeout_s": 2.0})
+    job = Job(project="research", kind="collect",
+              sources=[Source(type="url", url=f"{site}/article.html", name="inward")])
+    with pytest.raises(CollectFailed) as caught:
+        run_prepare(job, settings, redis_client, key_prefix, counter)
+    assert caught.value.code is Code.E_COLLECT_FAILED
+    assert "source 'inward' (url): '127.0.0.1' resolves to 127.0.0.1: not a public address" in (
+        caught.value.message)
+    port = site.rsplit(":", 1)[1]
+    hosts = ["localhost", "169.254.169.254", "10.0.0.1", "172.16.5.4", "192.168.1.1", "100.64.0.9",
+             "224.0.0.1", "0.0.0.0", "[::1]", "[::ffff:127.0.0.1]", "[fd00::1]", "[fe80::1]",
+             "[64:ff9b::7f00:1]", "[2002:7f00:1::1]", "[::]", "[ff02::1]"]
+    with Collector(settings.collect) as collector:
+        items = collector.collect([Source(type="url", url=f"http://{h}:{port}/") for h in hosts])
+    for host, item in zip(hosts, items, strict=True):
+        assert item.error is not None and "not a public address" in item.error, (host, item.error)
+
+
+def test_a_redirect_to_an_internal_address_is_refused(site: str, internal: str, tree: Path) -> None:
+    with Collector(make_settings(tree).collect) as collector:
+        direct, redirected = collector.collect([
+            Source(type="url", url=f"{internal}/latest/meta-data"),
+            Source(type="url", url=f"{site}/go?to={internal}/latest/meta-data")])
+    for item in (direct, redirected):
+        assert item.error is not None and "'127.0.0.2' resolves to 127.0.0.2: not a public address" in (
+            item.error)
+        assert "internal secret" not in item.text
+    allowed = make_settings(tree, allow_networks=["127.0.0.0/8"]).collect
+    with Collector(allowed) as collector:
+        (item,) = collector.collect([Source(type="url", url=f"{site}/go?to={internal}/x")])
+    assert item.ok and "internal secret" in item.text  # the same path works when allowed
+
+
+def test_an_allowed_host_name_is_reached(site: str, tree: Path) -> None:
+    settings = make_settings(tree, allow_networks=[], allow_hosts=["LocalHost"]).collect
+    with Collector(settings) as collector:
+        by_name, by_ip = collector.collect([
+            Source(type="url", url=site.replace("127.0.0.1", "localhost") + "/data.json"),
+            Source(type="url", url=f"{site}/data.json")])
+    assert by_name.ok and json.loads(by_name.text)["queue"] == "fleet.assistant"
+    assert by_ip.error is not None and "not a public address" in by_ip.error
+
+
+class Trickle(BaseHTTPRequestHandler):
+    """Sends its status line and headers one byte at a time, forever: every read gets a byte
+    well within any read timeout."""
+
+    stop = threading.Event()
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nX-Pad: "
+        with contextlib.suppress(OSError):
+            for byte in head:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+            while not self.stop.wait(0.02):
+                self.wfile.write(b"a")
+                self.wfile.flush()
+
+
+def in_thread(work: Callable[[], object], guard_s: float = 60.0) -> list[object]:
+    """Runs ``work``; the join bound only keeps a regression from hanging the suite."""
+    out: list[object] = []
+    thread = threading.Thread(target=lambda: out.append(work()), daemon=True)
+    thread.start()
+    thread.join(guard_s)
+    return out
+
+
+def test_headers_trickled_a_byte_at_a_time_end_at_the_deadline(tree: Path) -> None:
+    handler = type("ThisTrickle", (Trickle,), {"stop": threading.Event()})
+    server, url = serve(handler)
+    settings = make_settings(tree, read_timeout_s=0.5, connect_timeout_s=0.5).collect
+    try:
+        with Collector(settings) as collector:
+            done = in_thread(lambda: collector.collect([Source(type="url", url=f"{url}/slowloris")]))
+    finally:
+        handler.stop.set()
+        server.shutdown()
+        server.server_close()
+    assert done, "the fetch did not end"
+    [item] = done[0]  # type: ignore[misc]
+    assert item.error == "download took longer than 2.5s"  # 0.5 + 4 * 0.5
+
+
+BOMB_BYTES = 64 * 1024 * 1024
+
+
+class Bomb(BaseHTTPRequestHandler):
+    body = gzip.compress(bytes(BOMB_BYTES), compresslevel=9)  # ~64 KiB on the wire
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        with contextlib.suppress(OSError):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(self.body)))
+            self.end_headers()
+            self.wfile.write(self.body)
+
+
+def test_a_gzip_bomb_stops_at_the_cap_while_decoding(tree: Path) -> None:
+    server, url = serve(Bomb)
+    try:
+        with Collector(make_settings(tree).collect) as collector:
+            tracemalloc.start()
+            try:
+                (item,) = collector.collect([Source(type="url", url=f"{url}/bomb", name="bomb")])
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(Bomb.body) < MAX_BYTES < BOMB_BYTES
+    assert item.error is not None and f"decoded past collect.max_bytes ({MAX_BYTES})" in item.error
+    assert peak < 20 * MAX_BYTES, peak  # 4 MB: nothing near the 64 MiB the body inflates to
+
+
+def test_small_gzip_bodies_are_decoded(tree: Path) -> None:
+    handler = type("Small", (Bomb,), {"body": gzip.compress("caf\u00e9 au lait".encode())})
+    server, url = serve(handler)
+    try:
+        with Collector(make_settings(tree).collect) as collector:
+            (item,) = collector.collect([Source(type="url", url=f"{url}/small")])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert item.ok and item.text == "caf\u00e9 au lait"
+
+
+def test_a_fifo_under_the_root_is_refused_without_blocking(tree: Path) -> None:
+    fifo = tree / "root" / "pipe.txt"
+    os.mkfifo(fifo)
+    try:
+        with Collector(make_settings(tree).collect) as collector:
+            done = in_thread(lambda: collector.collect([Source(type="file", path=str(fifo))]))
+    finally:  # a blocked reader (the bug) is released by a writer
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert done, "open() blocked on the FIFO"
+    [item] = done[0]  # type: ignore[misc]
+    assert item.error == "not a regular file"
+
+
+def test_a_directory_swapped_for_a_symlink_never_leads_out(tree: Path) -> None:
+    """A racing swap: root/d flips between a real folder and a symlink to outside/ while the
+    collector reads root/d/secret.txt over and over; only the inside file may ever be read."""
+    root = tree / "root"
+    (root / "d").mkdir()
+    (root / "d" / "secret.txt").write_text("inside", encoding="utf-8")
+    os.symlink(tree / "outside", root / "d-link")
+    stop = threading.Event()
+
+    def flip() -> None:
+        while not stop.is_set():
+            os.rename(root / "d", root / "d-real")
+            os.rename(root / "d-link", root / "d")
+            os.rename(root / "d", root / "d-link")
+            os.rename(root / "d-real", root / "d")
+
+    flipper = threading.Thread(target=flip, daemon=True)
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the two threads as finely as the GIL allows
+    try:
+        flipper.start()
+        with Collector(make_settings(tree).collect) as collector:
+            texts = [collector.collect_one(0, Source(type="file", path=str(root / "d" / "secret.txt"))).text
+                     for _ in range(3000)]
+    finally:
+        sys.setswitchinterval(old_interval)
+        stop.set()
+        flipper.join()
+    assert "secret outside the root\n" not in texts
+    assert "inside" in texts
+
+
+def test_project_roots_confine_a_projects_files(tree: Path) -> None:
+    (tree / "root" / "sub" / "mine.txt").write_text("research only", encoding="utf-8")
+    settings = make_settings(tree, project_roots={"research": [str(tree / "root" / "sub")]}).collect
+    with Collector(settings) as collector:
+        own, other = collector.collect([Source(type="file", path="mine.txt"),
+                                        Source(type="file", path=str(tree / "root" / "notes.txt"))],
+                                       project="research")
+        shared = collector.collect([Source(type="file", path="notes.txt")], project="assistant")[0]
+    assert own.text == "research only"
+    assert other.error == "the path leads outside collect.project_roots.research"
+    assert shared.text == "inside the allowed root\n"

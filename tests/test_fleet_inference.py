@@ -132,6 +132,10 @@ def test_untrusted_job_reaches_the_backend_without_tools(fleet: Harness, probe: 
     [body] = probe.sim_requests(job_id)
     assert "tools" not in body and body["tool_choice"] == "none"
     assert not any("<|im_start|>" in str(m["content"]) for m in body["messages"])
+    # sent with the random fence tag prep drew and counted the prompt with
+    tag = fleet.client.results.job_record(job_id)["fence_tag"]
+    assert len(tag) == 8 and job_id not in tag
+    assert body["messages"][2]["content"].startswith(f"[[data {tag}]]\n")
 
     # The same request from trusted text does get its tool, and the simulator calls it: the
     # absence of tool calls above is the fleet's doing.

@@ -112,6 +112,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
                              "content_reserve": 200, "prompt_budget_tokens": PROMPT_BUDGET,
                              "allowed_tools": ["open_ticket"]}},
         admission={"lease_ttl_s": LEASE_TTL_S},
+        collect={"allow_networks": ["127.0.0.1/32"]},  # the test site listens on 127.0.0.1
         prep_lease_s=PREP_LEASE_S,
     )
     with Harness(config, sim_speed=100) as harness:

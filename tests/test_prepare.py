@@ -71,7 +71,7 @@ def run(
 def wire_count(counter: TokenCounter, job: Job, prepared: Prepared) -> tuple[int, bool]:
     """What inference will send (fleet/core/request.py fences untrusted parts), counted."""
     sent = job.model_copy(update={"messages": prepared.messages, "sources": []})
-    wire, _ = build_request_messages(sent)
+    wire, _ = build_request_messages(sent, prepared.fence_tag)
     return counter.count_messages(wire, None)
 
 

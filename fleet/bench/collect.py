@@ -299,6 +299,8 @@ def bench_collect(
 
 def _bench_settings(root: str, doc_bytes: int) -> Settings:
     return load_settings(
-        collect={"allowed_roots": [root], "max_bytes": max(5_000_000, 4 * doc_bytes)},
+        # the material server listens on 127.0.0.1, a non-public address refused by default
+        collect={"allowed_roots": [root], "max_bytes": max(5_000_000, 4 * doc_bytes),
+                 "allow_networks": ["127.0.0.1/32"]},
         projects={"bench": {"secret": "bench-secret-not-used"}},
     )

@@ -81,7 +81,8 @@ def bench_pipeline(infer_jobs: int = 200, heavy_jobs: int = 40, sources_per_job:
     settings = load_settings(broker_url=redis_url, key_prefix=f"bench-{uuid.uuid4().hex[:8]}:",
                              admission={"metrics_port": 0})
     env = {"FLEET_COLLECT_ALLOWED_ROOTS": f'["{root}"]',
-           "FLEET_COLLECT_MAX_BYTES": str(8 * doc_kb * 1024), "FLEET_ADMISSION_METRICS_PORT": "0"}
+           "FLEET_COLLECT_MAX_BYTES": str(8 * doc_kb * 1024), "FLEET_ADMISSION_METRICS_PORT": "0",
+           "FLEET_COLLECT_ALLOW_NETWORKS": '["127.0.0.1/32"]'}  # the material server
     fleet = LocalFleet(settings, sim_speed=speed, workers=0, extra_env=env,
                        sim_args=["--log-level", "warning"], log_dir=str(root))
     site = Site()

@@ -20,7 +20,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    IPvAnyNetwork,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from fleet.core.errors import ConfigError
@@ -174,7 +182,13 @@ class SecuritySettings(_Section):
 
 class CollectSettings(_Section):
     allowed_roots: list[str] = Field(default_factory=list)
-    """Folders file sources may be read from (nothing outside, symlinks resolved)."""
+    """Folders file sources may be read from (nothing outside; no symlinks followed under them)."""
+    project_roots: dict[str, list[str]] = Field(default_factory=dict)
+    """Per project: the only folders its file sources may be read from (instead of allowed_roots)."""
+    allow_hosts: list[str] = Field(default_factory=list)
+    """URL host names that may resolve to non-public addresses (loopback, private, link-local)."""
+    allow_networks: list[IPvAnyNetwork] = Field(default_factory=list)
+    """Non-public networks URL sources may reach anyway, e.g. "10.1.2.0/24"."""
     connect_timeout_s: float = Field(5.0, gt=0)
     """URL sources: connect timeout."""
     read_timeout_s: float = Field(15.0, gt=0)

@@ -7,21 +7,34 @@ or an ``error`` naming the reason, and fleet/prep/prepare.py decides whether tha
 end a job, but never crash a prep worker.
 
 Files
-  The path is resolved with every symlink followed (a relative path is taken under the first
-  allowed root) and must land inside one of the allowed roots; ``..`` and symlinks pointing
-  out are refused with "outside collect.allowed_roots". No roots configured means no file
-  sources at all. The final open uses O_NOFOLLOW, so a symlink swapped in after the check is
-  refused too. Larger than ``max_bytes`` is an error.
+  Only under ``collect.allowed_roots``, or, for a project listed in ``collect.project_roots``,
+  only under that project's own roots (a relative path is taken under the first root). ``..``
+  is applied to the path as written and must stay inside a root ("outside collect.allowed_roots").
+  The file is then opened one component at a time from the root's descriptor, each with
+  O_NOFOLLOW (directories also O_DIRECTORY): no symlink is followed, whether there before the
+  check or swapped in after it ("goes through a symlink"). The last component is opened with
+  O_NONBLOCK and must be a regular file by fstat: a FIFO, socket or device is refused at once
+  instead of blocking the worker. No roots configured means no file sources at all. Larger
+  than ``max_bytes`` is an error.
 
 URLs
-  httpx with ``connect_timeout_s`` / ``read_timeout_s`` (per network read) and a whole-download
-  deadline of ``connect_timeout_s + 4 * read_timeout_s`` (so a server trickling a byte at a time
-  cannot hold a worker forever). Redirects are followed by hand, at most ``max_redirects``; a
-  URL seen twice is a "redirect loop". Only http and https, also after a redirect.
-  The body is streamed and the download stops as soon as it passes ``max_bytes``: that is an
-  ERROR, not a truncation. (A cut HTML or JSON document is not reliably readable, and 5 MB is
-  far beyond any prompt; trimming to the prompt budget happens later, on the extracted text,
-  where it can keep head and tail.) HTTP 4xx/5xx is an error with the status.
+  Only http and https, at every hop. Each host is resolved once and every address checked:
+  loopback, private, link-local (the 169.254.169.254 metadata address), CGNAT, multicast,
+  reserved and unspecified addresses, IPv4 embedded in IPv6 included, are refused ("not a
+  public address") unless the host is in ``collect.allow_hosts`` or the address in
+  ``collect.allow_networks``; the connection then goes to that checked address (TLS still
+  verifies the URL's host name), so DNS cannot answer differently between check and connect.
+  Redirects are followed by hand, at most ``max_redirects``, each hop checked the same way; a
+  URL seen twice is a "redirect loop". No proxy from the environment is used.
+  Time: ``connect_timeout_s`` / ``read_timeout_s`` per network operation, and one deadline of
+  ``connect_timeout_s + 4 * read_timeout_s`` over the whole fetch, every hop's connect, headers
+  and body included: every socket call gets at most what is left of it ("download took longer
+  than"), so a server trickling one byte at a time cannot hold a worker.
+  Size: the body is streamed and gzip/deflate decoded by hand, stopping as soon as either the
+  bytes received or the bytes decoded pass ``max_bytes`` (a small gzip bomb never inflates past
+  the cap): that is an ERROR, not a truncation. (A cut HTML or JSON document is not reliably
+  readable, and 5 MB is far beyond any prompt; trimming to the prompt budget happens later, on
+  the extracted text, where it can keep head and tail.) HTTP 4xx/5xx is an error with the status.
 
 Content types (URLs by header, files by extension; no type -> sniffed)
   HTML -> readable main text via trafilatura (boilerplate removed; the full page text when it
@@ -35,23 +48,31 @@ text is trusted unless it says ``untrusted: true``.
 
 from __future__ import annotations
 
+import email.message
 import json
 import logging
+import math
 import mimetypes
 import os
+import socket
 import stat
 import time
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import charset_normalizer  # a dependency of trafilatura
+import httpcore
 import httpx
 import trafilatura
 
 from fleet.core.config import CollectSettings
 from fleet.core.models import Source
+from fleet.prep.netguard import AddressPolicy, AddressRefused, GuardedBackend
+from fleet.prep.roots import PathRefused, open_under
 
 log = logging.getLogger(__name__)
 
@@ -105,26 +126,30 @@ class Collector:
     def __init__(
         self,
         settings: CollectSettings,
-        transport: httpx.BaseTransport | None = None,
+        network: httpcore.NetworkBackend | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
         max_parallel: int = 4,
+        resolve: Callable[..., list[Any]] = socket.getaddrinfo,
     ) -> None:
         self.settings = settings
-        self._roots = [Path(r).expanduser().resolve() for r in settings.allowed_roots]
+        self._roots = _resolve_roots(settings.allowed_roots)
+        self._project_roots = {p: _resolve_roots(r) for p, r in settings.project_roots.items()}
         self._clock = clock
         self._max_parallel = max_parallel
         self._deadline_s = settings.connect_timeout_s + DEADLINE_READS * settings.read_timeout_s
-        self._http = httpx.Client(
-            transport=transport,
-            follow_redirects=False,
-            timeout=httpx.Timeout(
-                connect=settings.connect_timeout_s,
-                read=settings.read_timeout_s,
-                write=settings.read_timeout_s,
-                pool=settings.connect_timeout_s,
-            ),
-            headers={"User-Agent": USER_AGENT},
+        self._timeouts = {
+            "connect": settings.connect_timeout_s,
+            "read": settings.read_timeout_s,
+            "write": settings.read_timeout_s,
+            "pool": settings.connect_timeout_s,
+        }
+        policy = AddressPolicy(settings.allow_hosts, settings.allow_networks, resolve)
+        self._network = GuardedBackend(policy, clock, network)
+        # httpcore, not httpx: its network backend is where addresses are pinned and the
+        # deadline enforced, and it hands over the body still encoded, to be decoded under the cap.
+        self._http = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(), network_backend=self._network
         )
 
     def close(self) -> None:
@@ -137,19 +162,20 @@ class Collector:
         self.close()
 
     # -- public ---------------------------------------------------------------------------
-    def collect(self, sources: list[Source]) -> list[Collected]:
-        """Every source collected (in order); files and URLs in parallel threads."""
+    def collect(self, sources: list[Source], project: str | None = None) -> list[Collected]:
+        """Every source collected (in order); files and URLs in parallel threads. ``project``
+        picks its file roots (``collect.project_roots``)."""
         slow = [i for i, s in enumerate(sources) if s.type != "text"]
         if len(slow) <= 1 or self._max_parallel <= 1:
-            return [self.collect_one(i, s) for i, s in enumerate(sources)]
+            return [self.collect_one(i, s, project) for i, s in enumerate(sources)]
         with ThreadPoolExecutor(max_workers=min(self._max_parallel, len(slow))) as pool:
-            futures = {i: pool.submit(self.collect_one, i, sources[i]) for i in slow}
+            futures = {i: pool.submit(self.collect_one, i, sources[i], project) for i in slow}
             return [
-                futures[i].result() if i in futures else self.collect_one(i, s)
+                futures[i].result() if i in futures else self.collect_one(i, s, project)
                 for i, s in enumerate(sources)
             ]
 
-    def collect_one(self, index: int, source: Source) -> Collected:
+    def collect_one(self, index: int, source: Source, project: str | None = None) -> Collected:
         untrusted = source.untrusted if source.untrusted is not None else source.type != "text"
         item = Collected(index, source_name(source, index), source.type, untrusted, source.required)
         started = self._clock()
@@ -157,7 +183,7 @@ class Collector:
             if source.type == "text":
                 item.text = source.text or ""
             elif source.type == "file":
-                item.text, item.content_type = self._read_file(source.path or "", item.notes)
+                item.text, item.content_type = self._read_file(source.path or "", item.notes, project)
             else:
                 item.text, item.content_type = self._fetch_url(source.url or "", item.notes)
         except SourceError as exc:
@@ -170,39 +196,30 @@ class Collector:
         return item
 
     # -- files ----------------------------------------------------------------------------
-    def _read_file(self, raw_path: str, notes: list[str]) -> tuple[str, str]:
-        real = self._resolve_inside_roots(raw_path)
-        body = self._read_capped_file(real)
-        content_type = mimetypes.guess_type(real.name)[0] or ""
+    def _read_file(self, raw_path: str, notes: list[str], project: str | None) -> tuple[str, str]:
+        roots, setting = self._roots_of(project)
+        try:
+            fd = open_under(roots, raw_path, setting)
+        except PathRefused as exc:
+            raise SourceError(str(exc)) from exc
+        try:
+            body = self._read_capped_file(fd)
+        finally:
+            os.close(fd)
+        content_type = mimetypes.guess_type(raw_path)[0] or ""
         return to_text(body, content_type, None, notes), content_type
 
-    def _resolve_inside_roots(self, raw_path: str) -> Path:
-        if not self._roots:
-            raise SourceError("file sources are disabled (collect.allowed_roots is empty)")
-        path = Path(raw_path).expanduser()
-        if not path.is_absolute():
-            path = self._roots[0] / path
-        try:
-            real = path.resolve(strict=True)
-        except FileNotFoundError as exc:
-            raise SourceError("no such file") from exc
-        except (OSError, RuntimeError, ValueError) as exc:  # symlink loop, NUL in the path
-            raise SourceError(f"cannot resolve the path ({exc})") from exc
-        if not self._inside(real):
-            lexical = Path(os.path.normpath(path.absolute()))
-            how = "through a symlink " if self._inside(lexical) else ""
-            raise SourceError(f"the path leads {how}outside collect.allowed_roots")
-        return real
+    def _roots_of(self, project: str | None) -> tuple[list[Path], str]:
+        if project in self._project_roots:
+            roots, setting = self._project_roots[project], f"collect.project_roots.{project}"
+        else:
+            roots, setting = self._roots, "collect.allowed_roots"
+        if not roots:
+            raise SourceError(f"file sources are disabled ({setting} is empty)")
+        return roots, setting
 
-    def _inside(self, path: Path) -> bool:
-        return any(path.is_relative_to(root) for root in self._roots)
-
-    def _read_capped_file(self, real: Path) -> bytes:
+    def _read_capped_file(self, fd: int) -> bytes:
         cap = self.settings.max_bytes
-        try:
-            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise SourceError(f"cannot open the file ({exc.strerror})") from exc
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
@@ -212,8 +229,6 @@ class Collector:
             body = _read_fd(fd, cap + 1)
         except OSError as exc:
             raise SourceError(f"cannot read the file ({exc.strerror})") from exc
-        finally:
-            os.close(fd)
         if len(body) > cap:
             raise SourceError(f"file grew past collect.max_bytes ({cap})")
         return body
@@ -221,53 +236,62 @@ class Collector:
     # -- URLs -----------------------------------------------------------------------------
     def _fetch_url(self, url: str, notes: list[str]) -> tuple[str, str]:
         seen: set[str] = set()
-        deadline = self._clock() + self._deadline_s
-        for _hop in range(self.settings.max_redirects + 1):
-            _check_scheme(url)
-            if url in seen:
-                raise SourceError(f"redirect loop (back to {url})")
-            seen.add(url)
-            try:
-                outcome = self._get(url, deadline)
-            except httpx.TimeoutException as exc:
-                raise SourceError(_describe_timeout(exc, self.settings)) from exc
-            except httpx.InvalidURL as exc:
-                raise SourceError(f"invalid URL ({exc})") from exc
-            except httpx.HTTPError as exc:
-                raise SourceError(f"request failed ({type(exc).__name__}: {exc})") from exc
-            if isinstance(outcome, str):
-                url = outcome  # a redirect: follow it
-                continue
-            body, content_type, charset = outcome
-            return to_text(body, content_type, charset, notes), content_type
+        self._network.deadline.at = self._clock() + self._deadline_s
+        try:
+            for _hop in range(self.settings.max_redirects + 1):
+                _check_scheme(url)
+                if url in seen:
+                    raise SourceError(f"redirect loop (back to {url})")
+                seen.add(url)
+                outcome = self._get(url)
+                if isinstance(outcome, str):
+                    url = outcome  # a redirect: follow it (checked like the first hop)
+                    continue
+                body, content_type, charset = outcome
+                return to_text(body, content_type, charset, notes), content_type
+        finally:
+            self._network.deadline.at = math.inf
         raise SourceError(f"more than {self.settings.max_redirects} redirects")
 
-    def _get(self, url: str, deadline: float) -> str | tuple[bytes, str, str | None]:
-        """The next URL for a redirect, else (body, content type, charset)."""
-        with self._http.stream("GET", url) as response:
-            if response.is_redirect:
-                return str(response.url.join(response.headers["location"]))
-            if response.status_code >= 400:
-                raise SourceError(f"HTTP {response.status_code} {response.reason_phrase}".strip())
-            content_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
-            body = self._read_capped_body(response, deadline)
-            return body, content_type, response.charset_encoding
+    def _get(self, url: str) -> str | tuple[bytes, str, str | None]:
+        """The next URL for a redirect, else (body, content type, charset); errors translated."""
+        try:
+            target = httpx.URL(url)
+            with self._http.stream("GET", str(target), headers=_REQUEST_HEADERS,
+                                   extensions={"timeout": self._timeouts}) as response:
+                return self._answer(target, response)
+        except AddressRefused as exc:
+            raise SourceError(str(exc)) from exc
+        except httpcore.TimeoutException as exc:
+            raise SourceError(self._describe_timeout(exc)) from exc
+        except httpx.InvalidURL as exc:
+            raise SourceError(f"invalid URL ({exc})") from exc
+        except _HTTPCORE_ERRORS as exc:
+            raise SourceError(f"request failed ({type(exc).__name__}: {exc})") from exc
 
-    def _read_capped_body(self, response: httpx.Response, deadline: float) -> bytes:
+    def _answer(self, url: httpx.URL, response: httpcore.Response) -> str | tuple[bytes, str, str | None]:
+        fields = httpx.Headers(response.headers)
+        if response.status in _REDIRECTS and "location" in fields:
+            return str(url.join(fields["location"]))
+        if response.status >= 400:
+            reason = response.extensions.get("reason_phrase", b"").decode("ascii", "replace")
+            raise SourceError(f"HTTP {response.status} {reason}".strip())
+        header = fields.get("content-type", "")
         cap = self.settings.max_bytes
-        declared = response.headers.get("content-length", "")
+        declared = fields.get("content-length", "")
         if declared.isdigit() and int(declared) > cap:
             raise SourceError(f"body is {declared} bytes, over collect.max_bytes ({cap})")
-        chunks: list[bytes] = []
-        size = 0
-        for chunk in response.iter_bytes():
-            size += len(chunk)
-            if size > cap:
-                raise SourceError(f"body passed collect.max_bytes ({cap}); download stopped")
-            if self._clock() > deadline:
-                raise SourceError(f"download took longer than {self._deadline_s:g}s")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        body = _Inflater(fields.get("content-encoding", ""), cap)
+        for chunk in response.iter_stream():
+            body.feed(chunk)
+        return body.finish(), header.split(";")[0].strip().lower(), _charset(header)
+
+    def _describe_timeout(self, exc: httpcore.TimeoutException) -> str:
+        if self._clock() >= self._network.deadline.at:
+            return f"download took longer than {self._deadline_s:g}s"
+        if isinstance(exc, httpcore.ConnectTimeout | httpcore.PoolTimeout):
+            return f"connect timed out after {self.settings.connect_timeout_s:g}s"
+        return f"read timed out after {self.settings.read_timeout_s:g}s"
 
 
 def _read_fd(fd: int, limit: int) -> bytes:
@@ -287,10 +311,72 @@ def _check_scheme(url: str) -> None:
         raise SourceError(f"only http and https URLs are collected, not {url[:80]!r}")
 
 
-def _describe_timeout(exc: httpx.TimeoutException, settings: CollectSettings) -> str:
-    if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
-        return f"connect timed out after {settings.connect_timeout_s:g}s"
-    return f"read timed out after {settings.read_timeout_s:g}s"
+_REQUEST_HEADERS = [(b"User-Agent", USER_AGENT.encode()), (b"Accept-Encoding", b"gzip, deflate")]
+_HTTPCORE_ERRORS = (
+    httpcore.NetworkError,
+    httpcore.ProtocolError,
+    httpcore.UnsupportedProtocol,
+    httpcore.ProxyError,
+)
+
+
+def _resolve_roots(roots: list[str]) -> list[Path]:
+    return [Path(r).expanduser().resolve() for r in roots]
+
+
+def _charset(content_type: str) -> str | None:
+    header = email.message.Message()
+    header["content-type"] = content_type
+    return header.get_content_charset()
+
+
+class _Inflater:
+    """A body decoded as it arrives, stopping as soon as the bytes received or the bytes decoded
+    pass the cap: zlib is asked for at most what is left, so nothing is inflated past it."""
+
+    def __init__(self, encoding: str, cap: int) -> None:
+        self.encoding = encoding.strip().lower() or "identity"
+        if self.encoding not in ("identity", "gzip", "x-gzip", "deflate"):
+            raise SourceError(f"content-encoding {self.encoding!r} is not supported")
+        # 32 + MAX_WBITS: a gzip or zlib header, whichever comes
+        self._zlib = None if self.encoding == "identity" else zlib.decompressobj(32 + zlib.MAX_WBITS)
+        self.cap = cap
+        self.received = 0
+        self.decoded = 0
+        self._chunks: list[bytes] = []
+
+    def feed(self, data: bytes) -> None:
+        self.received += len(data)
+        if self.received > self.cap:
+            raise SourceError(f"body passed collect.max_bytes ({self.cap}); download stopped")
+        if self._zlib is None:
+            self._keep(data)
+            return
+        try:
+            while data:
+                self._keep(self._zlib.decompress(data, self.cap + 1 - self.decoded))
+                data = self._zlib.unconsumed_tail
+        except zlib.error as exc:
+            raise SourceError(f"body is not valid {self.encoding} ({exc})") from exc
+
+    def finish(self) -> bytes:
+        if self._zlib is not None:
+            self._keep(self._zlib.flush(self.cap + 1 - self.decoded))
+        return b"".join(self._chunks)
+
+    def _keep(self, piece: bytes) -> None:
+        self.decoded += len(piece)
+        if self.decoded > self.cap:
+            raise SourceError(
+                f"body decoded past collect.max_bytes ({self.cap}) from {self.received} bytes "
+                f"received ({self.encoding}); download stopped"
+            )
+        self._chunks.append(piece)
+
+
+# -- URLs -----------------------------------------------------------------------------------------
+_REDIRECTS = {301, 302, 303, 307, 308}
+_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 # -- bytes to text --------------------------------------------------------------------------

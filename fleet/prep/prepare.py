@@ -51,7 +51,7 @@ from fleet.core.config import ProjectSettings, Settings
 from fleet.core.errors import Cancelled, CollectFailed, PromptTooLong
 from fleet.core.keys import Keys
 from fleet.core.models import Job, Message, TrimPolicy
-from fleet.core.request import build_request_messages, tools_allowed
+from fleet.core.request import build_request_messages, new_fence_tag, tools_allowed
 from fleet.prep.collect import Collected, Collector
 from fleet.prep.prefix import leading_system, prefix_warning, stable_prefix
 from fleet.prep.tokens import TokenCounter
@@ -71,6 +71,7 @@ class Prepared:
     material: list[dict[str, Any]]
     warnings: list[str] = field(default_factory=list)
     prefix_tokens: int = 0  # the stable prefix (0 when there is none)
+    fence_tag: str = ""  # the untrusted-data fence tag the count used; inference sends the same
 
 
 class _Tally:
@@ -78,14 +79,15 @@ class _Tally:
 
     ``prompt`` counts a message list the way fleet/infer/attempts.py will send it: untrusted parts
     neutralised and fenced with the data note, tools as ``tools_allowed`` leaves them
-    (fleet/core/request.py). Both are deterministic functions of the job, so the count made here
-    is the count vLLM sees.
+    (fleet/core/request.py). Both are deterministic functions of the job and the fence tag drawn
+    here (stored with the prepared job), so the count made here is the count vLLM sees.
     """
 
     def __init__(self, counter: TokenCounter, job: Job, project: ProjectSettings) -> None:
         self.counter = counter
         self.job = job
         self.project = project
+        self.fence_tag = new_fence_tag()
         self.estimated = False
 
     def text(self, text: str) -> int:
@@ -95,7 +97,7 @@ class _Tally:
 
     def prompt(self, messages: list[Message]) -> tuple[int, bool]:
         view = self.job.model_copy(update={"messages": messages, "sources": []})
-        wire, _ = build_request_messages(view)
+        wire, _ = build_request_messages(view, self.fence_tag)
         tools, _, _ = tools_allowed(view, self.project)
         return self._count(wire, tools)
 
@@ -177,7 +179,8 @@ def prepare(
         warnings.append(
             f"token counts are estimates (~3.94 chars/token): {counter.last_failure or 'backend'}"
         )
-    return Prepared([s.build() for s in slots], tokens, exact, material, warnings, prefix_tokens)
+    return Prepared([s.build() for s in slots], tokens, exact, material, warnings, prefix_tokens,
+                    fence_tag=tally.fence_tag)
 
 
 # -- collect --------------------------------------------------------------------------------
@@ -188,9 +191,9 @@ def _collect(
         return []
     if collector is None:
         with Collector(settings.collect) as own:
-            collected = own.collect(job.sources)
+            collected = own.collect(job.sources, job.project)
     else:
-        collected = collector.collect(job.sources)
+        collected = collector.collect(job.sources, job.project)
     fatal = []
     for item in collected:
         if item.ok:

@@ -134,7 +134,7 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
     rt.results.record(
         job.id, project=job.project, kind=job.kind, job=ready.model_dump_json(),
         plan=json.dumps(plan.__dict__), warnings=json.dumps(prepared.warnings),
-        submitted_at=job.submitted_at,
+        submitted_at=job.submitted_at, fence_tag=prepared.fence_tag,
     )
     rt.store.add_pending(PendingItem(
         job_id=job.id, project=job.project, prompt_tokens=prepared.prompt_tokens,
@@ -213,6 +213,7 @@ def _run(rt: Runtime, job_id: str, project: str, keeper: LeaseKeeper) -> Envelop
         keys=rt.keys, events=events, cancel=keeper.cancel, client=rt.vllm,
         sleep=keeper.cancel.wait,
         on_plan=lambda grown: _resize(rt, job_id, keeper.fence, grown.max_tokens),
+        fence_tag=record.get("fence_tag") or None,
     )
     envelope = run_inference(job, plan, ctx)
     warnings = json.loads(record.get("warnings", "[]"))
