@@ -17,4 +17,4 @@ def test_bench_sim_matches_brief_curve() -> None:
     for row in rows:
         assert 0.9 < row.client_ratio < 1.1
         assert 0.98 < row.server_ratio < 1.02
-    assert "BRIEF.md" in out.getvalue()
+    assert "deployment" in out.getvalue()

@@ -1,4 +1,4 @@
-"""The simulator's tokenizer: BRIEF.md's 3.94 characters per token, determinism, round trips."""
+"""The simulator's tokenizer: the deployment's 3.94 characters per token, determinism, round trips."""
 
 from __future__ import annotations
 

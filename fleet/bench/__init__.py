@@ -28,7 +28,7 @@ def sim(
     duration_s: Annotated[float, typer.Option(help="measuring window per level, real s")] = 3.0,
     with_speed_1: Annotated[bool, typer.Option(help="also run at --speed 1")] = True,
 ) -> None:
-    """Simulator throughput at concurrency 1-32 next to BRIEF.md's measured figures."""
+    """Simulator throughput at concurrency 1-32 next to the deployment's measured figures."""
     from fleet.bench.sim import bench_sim  # noqa: PLC0415
 
     bench_sim(speed, duration_s, with_speed_1, console=console)

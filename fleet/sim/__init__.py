@@ -1,4 +1,4 @@
-"""``fleet sim``: a vLLM OpenAI-compatible server simulator (BRIEF.md's deployment).
+"""``fleet sim``: a vLLM OpenAI-compatible server simulator (docs/deployment.md's server).
 
 Modules: ``profiles`` (deployment numbers, decode curve), ``tokenizer`` and ``template`` (token
 counts), ``kvcache`` (block pool, prefix cache), ``engine`` (scheduler in simulated time),
