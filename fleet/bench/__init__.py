@@ -59,7 +59,7 @@ def dispatch(
         help="prefill bucket of the paced long-prompt run, simulated tok/s")] = 1500.0,
     markdown: Annotated[str, typer.Option(help="also write the whole-fleet rows as markdown here")] = "",
 ) -> None:
-    """Dispatcher benchmarks (issue 4): overhead at a large backlog and the in-bench saturation
+    """Dispatcher benchmarks: overhead at a large backlog and the in-bench saturation
     run, then the whole-fleet scenarios (saturation, long prompts, fairness, crash, baselines)."""
     from fleet.bench.dispatch import dispatch_bench  # noqa: PLC0415
 

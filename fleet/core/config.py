@@ -274,7 +274,7 @@ class Settings(BaseSettings):
 
 
 def reference_markdown() -> str:
-    """The README's configuration reference, generated from the models above."""
+    """docs/configuration.md's reference table, generated from the models above."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
 
     def add(prefix: str, model: type[BaseModel]) -> None:

@@ -4,7 +4,7 @@ Modules: ``profiles`` (deployment numbers, decode curve), ``tokenizer`` and ``te
 counts), ``kvcache`` (block pool, prefix cache), ``engine`` (scheduler in simulated time),
 ``textgen``/``jsongen``/``plan`` (what a request generates), ``scenarios`` (test markers),
 ``validate``/``responses``/``app`` (HTTP), ``metrics`` (Prometheus), ``server`` (options, process
-helper, CLI). The README section "`fleet sim`" documents it.
+helper, CLI). docs/simulator.md documents it.
 """
 
 from fleet.sim.server import SimOptions, SimProcess, free_port, serve, start_sim_process
