@@ -9,10 +9,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FILE_NAME = re.compile(r"`([\w./-]+\.(?:py|toml|lua|md))`")
-LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)")
 # Built from pieces so that this file does not name them itself.
 OUTSIDE = ["BRIEF" + ".md", "ARCHITECTURE" + ".md", "VLLM_API" + ".md", "STYLE" + ".md", "seed" + "/"]
-SHARED_OUTSIDE_CORPORA = re.compile(r"\.\./shared(?!/corpora)")
+SHARED_OUTSIDE_CORPORA = re.compile(r"\.\./" + "shared(?!/corpora)")
 
 
 def layout_rows() -> list[tuple[str, str]]:
@@ -53,11 +53,21 @@ def test_every_path_in_the_layout_exists() -> None:
     assert missing == []
 
 
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors for the page's headings: lower case, punctuation dropped, spaces to '-'."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 def test_links_between_pages_resolve() -> None:
-    broken = [f"{page.relative_to(ROOT)}: {target}"
-              for page in PAGES
-              for target in LINK.findall(page.read_text(encoding="utf-8"))
-              if "://" not in target and not (page.parent / target).exists()]
+    broken = []
+    for page in PAGES:
+        for target, anchor in LINK.findall(page.read_text(encoding="utf-8")):
+            if "://" in target:
+                continue
+            linked = page.parent / target if target else page
+            if not linked.is_file() or (anchor and anchor not in anchors(linked)):
+                broken.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
     assert broken == []
 
 
@@ -68,5 +78,5 @@ def test_nothing_points_outside_the_repository() -> None:
     for path in files:
         text = path.read_text(encoding="utf-8")
         found += [f"{path.relative_to(ROOT)}: {word}" for word in OUTSIDE if word in text]
-        found += [f"{path.relative_to(ROOT)}: ../shared" for _ in SHARED_OUTSIDE_CORPORA.findall(text)]
+        found += [f"{path.relative_to(ROOT)}: {hit}" for hit in SHARED_OUTSIDE_CORPORA.findall(text)]
     assert found == []
