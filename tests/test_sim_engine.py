@@ -24,7 +24,7 @@ def seq(name: str, prompt: int = 200, total: int = 10_000, ids: list[int] | None
     return Sequence(request_id=name, prompt_len=prompt, hashes=hashes, total=total)
 
 
-def test_curve_hits_brief_points_and_extrapolates() -> None:
+def test_curve_hits_the_deployments_points_and_extrapolates() -> None:
     curve = DecodeCurve()
     for n, tok_s in DEPLOYMENT_DECODE_POINTS:
         assert curve.aggregate(n) == pytest.approx(tok_s)

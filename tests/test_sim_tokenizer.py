@@ -14,7 +14,7 @@ from tests.sim_samples import ENGLISH, JAPANESE
 
 
 @pytest.mark.parametrize("text", [ENGLISH, JAPANESE], ids=["english", "japanese"])
-def test_ratio_close_to_brief(text: str) -> None:
+def test_ratio_close_to_the_deployments(text: str) -> None:
     ratio = len(text) / Tokenizer.count(text)
     assert 3.94 * 0.93 < ratio < 3.94 * 1.07
 

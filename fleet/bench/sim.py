@@ -40,17 +40,17 @@ CONCURRENCIES = (1, 4, 8, 16, 24, 32)
 class BenchRow:
     speed: float
     concurrency: int
-    brief_tok_s: float
+    deployment_tok_s: float
     client_tok_s: float
     server_tok_s: float
 
     @property
     def client_ratio(self) -> float:
-        return self.client_tok_s / self.brief_tok_s
+        return self.client_tok_s / self.deployment_tok_s
 
     @property
     def server_ratio(self) -> float:
-        return self.server_tok_s / self.brief_tok_s
+        return self.server_tok_s / self.deployment_tok_s
 
 
 class _Counter:
@@ -115,13 +115,13 @@ def _run_speed(speed: float, duration_s: float, concurrencies: tuple[int, ...]) 
 
 
 def render_table(rows: list[BenchRow]) -> Table:
-    brief = dict(DEPLOYMENT_DECODE_POINTS)
+    measured = dict(DEPLOYMENT_DECODE_POINTS)
     table = Table(title="fleet sim: aggregate decode tok/s (simulated) vs the deployment")
     for col in ("speed", "concurrency", "deployment", "client tok/s", "ratio", "server tok/s",
                 "ratio"):
         table.add_column(col, justify="right")
     for r in rows:
-        ref = f"{r.brief_tok_s:.0f}" + ("" if r.concurrency in brief else " (extrap.)")
+        ref = f"{r.deployment_tok_s:.0f}" + ("" if r.concurrency in measured else " (extrap.)")
         table.add_row(f"{r.speed:g}", str(r.concurrency), ref, f"{r.client_tok_s:.1f}",
                       f"{r.client_ratio:.3f}", f"{r.server_tok_s:.1f}", f"{r.server_ratio:.3f}")
     return table

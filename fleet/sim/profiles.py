@@ -2,8 +2,8 @@
 
 A profile is the set of numbers that make the simulator behave like one vLLM deployment. The
 default, ``qwen3-next-tp2pp2``, is the server of docs/deployment.md: Qwen3-Next-80B-A3B-Thinking
-over TP=2 x PP=2, ``--max-num-seqs 32``, ``--max-model-len 262144``, ``--max-num-batched-tokens 2048``, a KV pool of
-about 530,000 tokens in 1,072-token blocks.
+over TP=2 x PP=2, ``--max-num-seqs 32``, ``--max-model-len 262144``,
+``--max-num-batched-tokens 2048``, a KV pool of about 530,000 tokens in 1,072-token blocks.
 
 Decode throughput
 -----------------
