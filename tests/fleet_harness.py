@@ -1,5 +1,6 @@
 """A real fleet for integration tests: simulator, dispatcher and worker as separate processes
-on Redis database 15 under a private key prefix, configured by a generated fleet.toml."""
+on the test Redis (tests/conftest.py) under a private key prefix, configured by a generated
+fleet.toml."""
 
 from __future__ import annotations
 

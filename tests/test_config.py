@@ -66,8 +66,8 @@ def test_broken_toml_is_a_config_error(tmp_path: Path):
         load_settings(path, env={})
 
 
-def test_readme_configuration_reference_is_generated_from_the_models():
+def test_docs_configuration_reference_is_generated_from_the_models():
     from fleet.core.config import reference_markdown
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
-    assert reference_markdown() in readme, "README config table is stale: fleet config --reference"
+    page = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert reference_markdown() in page, "docs/configuration.md is stale: fleet config --reference"

@@ -1,5 +1,6 @@
-"""ARCHITECTURE.md invariants 1 and 2 through the REAL fleet: two dispatcher processes, two Celery
-worker processes, ``fleet sim`` and Redis (database 15, a private key prefix).
+"""Never over the cap, and a crash loses nothing (docs/failures.md), through the REAL fleet: two
+dispatcher processes, two Celery worker processes, ``fleet sim`` and the test Redis (a private key
+prefix).
 
 The fleet's cap is small (``backend.max_num_seqs`` = 4) while the simulator keeps its own 32, so
 the simulator only observes: its ``max_running_seen`` is the number of requests the fleet had in

@@ -1,5 +1,5 @@
 """The loop watcher: catches exact and near-duplicate loops and stalls, never fires on normal
-reasoning (the 1,188 real traces of ../shared/corpora/reasoning, fed as a stream)."""
+reasoning (the 1,188 real traces of the reasoning corpus, docs/testing.md, fed as a stream)."""
 
 from __future__ import annotations
 

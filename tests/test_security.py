@@ -1,5 +1,5 @@
 """Untrusted content: control tags neutralised, never sent with tools (BIPIA attacks in benign
-contexts from ../shared/corpora/injection, read in place)."""
+contexts from the injection corpus, docs/testing.md, read in place)."""
 
 from __future__ import annotations
 

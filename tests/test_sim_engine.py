@@ -10,7 +10,7 @@ import pytest
 
 from fleet.sim.engine import Engine, SeqState, Sequence
 from fleet.sim.kvcache import block_hashes
-from fleet.sim.profiles import BRIEF_DECODE_POINTS, DecodeCurve, get_profile
+from fleet.sim.profiles import DEPLOYMENT_DECODE_POINTS, DecodeCurve, get_profile
 
 
 def make_engine(**overrides: object) -> Engine:
@@ -24,9 +24,9 @@ def seq(name: str, prompt: int = 200, total: int = 10_000, ids: list[int] | None
     return Sequence(request_id=name, prompt_len=prompt, hashes=hashes, total=total)
 
 
-def test_curve_hits_brief_points_and_extrapolates() -> None:
+def test_curve_hits_the_deployments_points_and_extrapolates() -> None:
     curve = DecodeCurve()
-    for n, tok_s in BRIEF_DECODE_POINTS:
+    for n, tok_s in DEPLOYMENT_DECODE_POINTS:
         assert curve.aggregate(n) == pytest.approx(tok_s)
     assert curve.aggregate(32) == pytest.approx(624.0)
     assert curve.aggregate(12) == pytest.approx((334 + 464) / 2)
@@ -108,7 +108,7 @@ def test_pool_exhaustion_preempts_newest_and_recomputes() -> None:
 
 
 def test_prefix_cache_whole_blocks_only() -> None:
-    # BRIEF.md: a ~600-token prefix sent 3 times gives no hit; ~3,000 tokens gives 2 blocks x 2.
+    # The deployment: a ~600-token prefix sent 3 times gives no hit; ~3,000 tokens gives 2 blocks x 2.
     for prompt, expected in ((600, 0), (3_000, 4_288)):
         engine = make_engine()
         ids = list(range(prompt))

@@ -1,4 +1,4 @@
-"""The simulator's tokenizer: BRIEF.md's 3.94 characters per token, determinism, round trips."""
+"""The simulator's tokenizer: the deployment's 3.94 characters per token, determinism, round trips."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.sim_samples import ENGLISH, JAPANESE
 
 
 @pytest.mark.parametrize("text", [ENGLISH, JAPANESE], ids=["english", "japanese"])
-def test_ratio_close_to_brief(text: str) -> None:
+def test_ratio_close_to_the_deployments(text: str) -> None:
     ratio = len(text) / Tokenizer.count(text)
     assert 3.94 * 0.93 < ratio < 3.94 * 1.07
 

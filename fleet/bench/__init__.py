@@ -28,7 +28,7 @@ def sim(
     duration_s: Annotated[float, typer.Option(help="measuring window per level, real s")] = 3.0,
     with_speed_1: Annotated[bool, typer.Option(help="also run at --speed 1")] = True,
 ) -> None:
-    """Simulator throughput at concurrency 1-32 next to BRIEF.md's measured figures."""
+    """Simulator throughput at concurrency 1-32 next to the deployment's measured figures."""
     from fleet.bench.sim import bench_sim  # noqa: PLC0415
 
     bench_sim(speed, duration_s, with_speed_1, console=console)
@@ -59,7 +59,7 @@ def dispatch(
         help="prefill bucket of the paced long-prompt run, simulated tok/s")] = 1500.0,
     markdown: Annotated[str, typer.Option(help="also write the whole-fleet rows as markdown here")] = "",
 ) -> None:
-    """Dispatcher benchmarks (issue 4): overhead at a large backlog and the in-bench saturation
+    """Dispatcher benchmarks: overhead at a large backlog and the in-bench saturation
     run, then the whole-fleet scenarios (saturation, long prompts, fairness, crash, baselines)."""
     from fleet.bench.dispatch import dispatch_bench  # noqa: PLC0415
 

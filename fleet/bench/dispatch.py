@@ -1,7 +1,7 @@
-"""``fleet bench dispatch``: the parts of issue 4's benchmarks that need only the dispatcher (and,
+"""``fleet bench dispatch``: the dispatcher benchmarks that need only the dispatcher (and,
 for saturation, ``fleet sim``); the whole-fleet runs (Celery workers, crash, long prompts,
 fairness, the five-client baseline) are in fleet/bench/fleetbench.py, and ``fleet bench dispatch``
-runs both (docs/bench.md has the figures and the command).
+runs both (docs/performance.md has the figures and the command).
 
 ``backlog_overhead``  no backend at all: 100,000 pending jobs in one RedisStore, then admission
                       decisions per second (each an admit + release on the real Lua scripts), the

@@ -1,4 +1,4 @@
-"""``fleet bench dispatch`` (whole-fleet part): issue 4's benchmarks that need every process of
+"""``fleet bench dispatch`` (whole-fleet part): the dispatcher benchmarks that need every process of
 the fleet, every figure next to its baseline measured in the same run, against one ``fleet sim``.
 
 Scenarios (``fleet_bench(only=...)``, rows of scenario / figure / value / target / verdict):
@@ -1127,7 +1127,7 @@ def rows_table(rows: list[Row], title: str = "fleet bench dispatch --fleet") -> 
 
 
 def rows_markdown(rows: list[Row]) -> str:
-    """The rows as markdown tables, one per scenario (for docs/bench.md)."""
+    """The rows as markdown tables, one per scenario (for docs/performance.md)."""
     out: list[str] = []
     current = None
     for scenario, figure, value, target, verdict in rows:

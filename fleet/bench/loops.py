@@ -12,7 +12,7 @@ Reported per mode:
   looping jobs OK in <= 2   share of looping jobs that end with an OK code within two attempts
   attempts, wall time
 And the watcher's CPU cost per 1,000 streamed tokens, measured with ``time.process_time`` over a
-replay of the reasoning corpus (``../shared/corpora/reasoning/normal_traces.jsonl``; a generated
+replay of the reasoning corpus (``reasoning/normal_traces.jsonl``, docs/testing.md; a generated
 text when it is absent), in 4-character pieces (about one token each).
 """
 

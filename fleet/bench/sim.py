@@ -1,4 +1,4 @@
-"""``fleet bench sim``: does the simulator reproduce BRIEF.md's decode throughput curve?
+"""``fleet bench sim``: does the simulator reproduce the deployment's decode throughput curve?
 
 For each concurrency (1, 4, 8, 16, 24, 32) the benchmark keeps that many streaming requests open
 against a fresh ``fleet sim`` process (closed loop: a finished request is replaced at once; the
@@ -11,8 +11,9 @@ window of ``duration_s`` real seconds. Two figures per row:
 - ``server``: the engine's ``generation_tokens`` divided by its simulated clock over the same
   window (``/sim/stats``), which is exact whatever the tick quantisation.
 
-Both are shown next to BRIEF.md's measured figure with their ratio. Run at ``--speed 1`` (a short
-window) and at the requested speed, the ratios should agree within a few percent.
+Both are shown next to the deployment's measured figure (docs/deployment.md) with their ratio.
+Run at ``--speed 1`` (a short window) and at the requested speed, the ratios should agree within a
+few percent.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fleet.sim.profiles import BRIEF_DECODE_POINTS, DecodeCurve
+from fleet.sim.profiles import DEPLOYMENT_DECODE_POINTS, DecodeCurve
 from fleet.sim.server import SimProcess, start_sim_process
 from fleet.sim.tokenizer import split_pieces
 
@@ -39,17 +40,17 @@ CONCURRENCIES = (1, 4, 8, 16, 24, 32)
 class BenchRow:
     speed: float
     concurrency: int
-    brief_tok_s: float
+    deployment_tok_s: float
     client_tok_s: float
     server_tok_s: float
 
     @property
     def client_ratio(self) -> float:
-        return self.client_tok_s / self.brief_tok_s
+        return self.client_tok_s / self.deployment_tok_s
 
     @property
     def server_ratio(self) -> float:
-        return self.server_tok_s / self.brief_tok_s
+        return self.server_tok_s / self.deployment_tok_s
 
 
 class _Counter:
@@ -114,13 +115,13 @@ def _run_speed(speed: float, duration_s: float, concurrencies: tuple[int, ...]) 
 
 
 def render_table(rows: list[BenchRow]) -> Table:
-    brief = dict(BRIEF_DECODE_POINTS)
-    table = Table(title="fleet sim: aggregate decode tok/s (simulated) vs BRIEF.md")
-    for col in ("speed", "concurrency", "BRIEF.md", "client tok/s", "ratio", "server tok/s",
+    measured = dict(DEPLOYMENT_DECODE_POINTS)
+    table = Table(title="fleet sim: aggregate decode tok/s (simulated) vs the deployment")
+    for col in ("speed", "concurrency", "deployment", "client tok/s", "ratio", "server tok/s",
                 "ratio"):
         table.add_column(col, justify="right")
     for r in rows:
-        ref = f"{r.brief_tok_s:.0f}" + ("" if r.concurrency in brief else " (extrap.)")
+        ref = f"{r.deployment_tok_s:.0f}" + ("" if r.concurrency in measured else " (extrap.)")
         table.add_row(f"{r.speed:g}", str(r.concurrency), ref, f"{r.client_tok_s:.1f}",
                       f"{r.client_ratio:.3f}", f"{r.server_tok_s:.1f}", f"{r.server_ratio:.3f}")
     return table
@@ -145,5 +146,5 @@ def sim_bench_command(
     with_speed_1: Annotated[bool, typer.Option(help="Also run at --speed 1.")] = True,
     speed_1_duration_s: Annotated[float, typer.Option(help="Window at speed 1, real s.")] = 4.0,
 ) -> None:
-    """Aggregate output tok/s of `fleet sim` at concurrency 1-32 next to BRIEF.md's figures."""
+    """Aggregate output tok/s of `fleet sim` at concurrency 1-32 next to the deployment's figures."""
     bench_sim(speed, duration_s, with_speed_1, speed_1_duration_s)

@@ -249,7 +249,7 @@ def queues() -> None:
 
 @app.command()
 def codes() -> None:
-    """The message-code catalogue (the README's table is generated from the same source)."""
+    """The message-code catalogue (docs/codes.md's table is generated from the same source)."""
     from fleet.core.codes import markdown_table  # noqa: PLC0415
 
     typer.echo(markdown_table())

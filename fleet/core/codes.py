@@ -2,7 +2,7 @@
 
 A code has a stable name (what consumers match on), a stable number (for logs and metrics that
 want an integer), a retryable flag (whether trying the same job again can succeed, and whether
-the inference worker retries it itself) and a one-line meaning. The README's table is generated
+the inference worker retries it itself) and a one-line meaning. docs/codes.md's table is generated
 from ``CATALOGUE`` (``python -m fleet.core.codes``) and a test checks that the two agree.
 
 Numbering: 0-99 success, 100-199 the job itself, 200-299 the model's answer, 300-399 the
@@ -128,7 +128,7 @@ CATALOGUE: dict[Code, CodeInfo] = {
 
 
 def markdown_table() -> str:
-    """The README's code table, generated so the two never drift apart."""
+    """docs/codes.md's table, generated so the two never drift apart."""
     rows = ["| code | number | retryable | meaning |", "|---|---|---|---|"]
     for code, info in CATALOGUE.items():
         rows.append(

@@ -1,7 +1,7 @@
 """Settings: read in exactly one place, typed, units in the names, unknown keys rejected.
 
 Where they come from, later wins:
-  1. the defaults below (BRIEF.md's deployment);
+  1. the defaults below (the deployment of docs/deployment.md);
   2. ``fleet.toml``: the file named by ``FLEET_CONFIG``, else ``./fleet.toml``, else the example
      shipped in the package (``fleet/core/example.toml``, five demo projects);
   3. ``FLEET_*`` environment variables. Top-level keys are ``FLEET_<KEY>`` (``FLEET_BROKER_URL``);
@@ -44,7 +44,7 @@ class _Section(BaseModel):
 
 
 class BackendSettings(_Section):
-    """One vLLM OpenAI-compatible server. Defaults are BRIEF.md's deployment."""
+    """One vLLM OpenAI-compatible server. Defaults are docs/deployment.md's server."""
 
     url: str = "http://127.0.0.1:8100"
     """Base URL of the vLLM OpenAI-compatible server (no /v1)."""
@@ -59,7 +59,7 @@ class BackendSettings(_Section):
     max_num_batched_tokens: int = Field(2048, gt=0)
     """The server's --max-num-batched-tokens (prefill chunk per step)."""
     kv_pool_tokens: int = Field(530_000, gt=0)
-    """KV cache pool of the server in tokens (BRIEF.md: about 530K)."""
+    """KV cache pool of the server in tokens (the deployment's: about 530K)."""
     block_tokens: int = Field(1072, gt=0)
     """KV block size in tokens (1,072 on the hybrid Qwen3-Next deployment)."""
     long_prompt_tokens: int = Field(32_768, gt=0)
@@ -288,7 +288,7 @@ class Settings(BaseSettings):
 
 
 def reference_markdown() -> str:
-    """The README's configuration reference, generated from the models above."""
+    """docs/configuration.md's reference table, generated from the models above."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
 
     def add(prefix: str, model: type[BaseModel]) -> None:

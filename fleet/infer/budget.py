@@ -10,8 +10,8 @@
     fits             prompt_tokens <= room_tokens
 
 vLLM forces ``</think>`` when the budget is spent, but the answer still needs its own tokens: with
-``max_tokens`` below budget + reserve the answer comes back empty (BRIEF.md). A prompt that does not
-fit even after trimming ends ``E_PROMPT_TOO_LONG`` with these numbers, before reaching vLLM.
+``max_tokens`` below budget + reserve the answer comes back empty (docs/deployment.md). A prompt
+that does not fit even after trimming ends ``E_PROMPT_TOO_LONG`` with these numbers, before reaching vLLM.
 
 Adaptive retries change a plan without touching the prompt: ``grow_budget`` (a forced end of
 thinking gave an empty or invalid answer) doubles the budget up to a ceiling; ``grow_reserve`` (an

@@ -19,8 +19,8 @@ Three detectors, each cheap enough for a worker streaming 32 requests at once (t
    the reasoning is going round in paraphrases (the loop an exact detector, and vLLM's own
    repetition detection, never sees). With ``drop_numbers`` the trigrams are over words only, so
    "check step 7 ... check step 8" counts as the same paragraph.
-   Tuning on the 1,188 real traces (see the README, "Loop watcher"): zero alarms at 0.75 and 0.7, the
-   first at 0.65; the simulator's near-duplicate loop scores about 0.79.
+   Tuning on the 1,188 real traces (docs/inference.md, "Loop watcher"): zero alarms at 0.75 and
+   0.7, the first at 0.65; the simulator's near-duplicate loop scores about 0.79.
 3. Stall: no new non-blank reasoning or content for ``stall_s`` while the stream is alive
    (``check_stall``). Armed only after the first text: the wait for the first token belongs to
    the client's first-token timeout.

@@ -1,10 +1,10 @@
 """Prefix-cache friendliness: the project's stable prefix and whether vLLM can ever reuse it.
 
-vLLM's prefix cache reuses whole KV blocks only, and on the hybrid model of BRIEF.md a block is
+vLLM's prefix cache reuses whole KV blocks only, and on the deployment's hybrid model a block is
 1,072 tokens (``backend.block_tokens``). The five projects resend the same system prompt on every
 job, which is exactly what the cache is for, but only if (a) the prompt comes FIRST and is
 byte-identical on every job of the project, and (b) it is at least one block long. A 600-token
-prefix sent three times scored zero hits in BRIEF.md's measurements.
+prefix sent three times scored zero hits on the deployment (docs/deployment.md).
 
 (a) is fleet/prep/prepare.py's layout rule: ``stable_prefix`` (the project's ``system_prompt``, then
 the job's own leading system messages) opens every prompt, and material, which differs per job,

@@ -21,9 +21,9 @@ Failure cases:
   * Redis down -> counted without the cache (logged); the cache is only an optimisation.
   * ``base_url`` empty -> estimate-only mode (benchmarks, offline runs); never exact.
 
-The estimate: about 3.94 characters per token for ASCII text (BRIEF.md's measured average) and
-one token per non-ASCII character (Japanese/Chinese text runs 1-1.5 characters per token), so it
-errs on the long side, which is the safe side for a fit check.
+The estimate: about 3.94 characters per token for ASCII text (the deployment's average,
+docs/deployment.md) and one token per non-ASCII character (Japanese/Chinese text runs 1-1.5
+characters per token), so it errs on the long side, which is the safe side for a fit check.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The engine only needs the total number of completion tokens (and the token posit
 stall happens); the response writer walks the same plan with an ``OutputCursor`` to turn the
 engine's token counts into reasoning text, content text or tool-call pieces.
 
-Length rules (VLLM_API.md):
+Length rules (docs/vllm-api.md):
 - ``max_tokens`` M is already ``min(max_model_len - prompt_len, requested)`` (vLLM 0.33: too
   large a request is lowered silently, not rejected).
 - Thinking on: R reasoning tokens (drawn, ``think=N``, or unbounded for loops), cut to the

@@ -1,13 +1,13 @@
 """Deployment profiles for the simulator, and the decode-throughput curve they carry.
 
 A profile is the set of numbers that make the simulator behave like one vLLM deployment. The
-default, ``qwen3-next-tp2pp2``, is BRIEF.md's server: Qwen3-Next-80B-A3B-Thinking over TP=2 x PP=2,
-``--max-num-seqs 32``, ``--max-model-len 262144``, ``--max-num-batched-tokens 2048``, a KV pool of
-about 530,000 tokens in 1,072-token blocks.
+default, ``qwen3-next-tp2pp2``, is the server of docs/deployment.md: Qwen3-Next-80B-A3B-Thinking
+over TP=2 x PP=2, ``--max-num-seqs 32``, ``--max-model-len 262144``,
+``--max-num-batched-tokens 2048``, a KV pool of about 530,000 tokens in 1,072-token blocks.
 
 Decode throughput
 -----------------
-BRIEF.md measured the aggregate output rate (sum over all running requests) by concurrency:
+The deployment's aggregate output rate (sum over all running requests), measured by concurrency:
 1: 81, 4: 216, 8: 334, 16: 464, 24: 544 tok/s. ``DecodeCurve.aggregate(n)`` interpolates these
 points piecewise linearly, goes through (0, 0) below the first point, and extrapolates past the
 last point with the slope of the last segment (10 tok/s per extra sequence: 32 running give 624).
@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field, replace
 
-BRIEF_DECODE_POINTS: tuple[tuple[int, float], ...] = (
+DEPLOYMENT_DECODE_POINTS: tuple[tuple[int, float], ...] = (
     (1, 81.0),
     (4, 216.0),
     (8, 334.0),
@@ -46,7 +46,7 @@ BRIEF_DECODE_POINTS: tuple[tuple[int, float], ...] = (
 class DecodeCurve:
     """Aggregate decode tok/s as a function of the number of decoding sequences."""
 
-    points: tuple[tuple[int, float], ...] = BRIEF_DECODE_POINTS
+    points: tuple[tuple[int, float], ...] = DEPLOYMENT_DECODE_POINTS
 
     def aggregate(self, n: int) -> float:
         if n <= 0:

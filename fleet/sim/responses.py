@@ -7,7 +7,7 @@ the connection mid-body for the ``drop`` scenario (returning without finishing t
 uvicorn close the socket, so the client sees an incomplete chunked body, like a crash);
 (3) write many small SSE frames in one ``send`` per engine tick.
 
-Stream shape (VLLM_API.md): a first chunk ``delta: {"role": "assistant", "content": ""}``; then
+Stream shape (docs/vllm-api.md): a first chunk ``delta: {"role": "assistant", "content": ""}``; then
 ``reasoning`` deltas, ``content`` deltas or hermes ``tool_calls`` deltas, at most a few tokens per
 chunk (1 token per chunk at low speed, up to 8 when a tick carries many tokens); a last chunk with
 ``delta: {}`` and the ``finish_reason``; a usage chunk with ``choices: []`` when

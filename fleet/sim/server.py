@@ -3,7 +3,7 @@ that starts it as a real process for tests and benchmarks.
 
 ``SimOptions`` is the one description of a simulator instance; ``python -m fleet.sim`` (argparse)
 and ``fleet sim`` (typer, ``sim_command``) both build one and call ``serve``. Options left at
-``None`` take the profile's value (``--profile qwen3-next-tp2pp2``, BRIEF.md's deployment, is the
+``None`` take the profile's value (``--profile qwen3-next-tp2pp2``, docs/deployment.md's server, is the
 default).
 
 ``start_sim_process(port, **options)`` runs ``python -m fleet.sim`` in a child process, waits until
@@ -178,5 +178,5 @@ def sim_command(
     answer_max_tokens: Annotated[int, typer.Option(help="Longest drawn answer.")] = 600,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
 ) -> None:
-    """Run a vLLM OpenAI-compatible server simulator (BRIEF.md's deployment by default)."""
+    """Run a vLLM OpenAI-compatible server simulator (docs/deployment.md's server by default)."""
     serve(SimOptions(**{k: v for k, v in locals().items()}))

@@ -1,7 +1,7 @@
 """A deterministic, reversible stand-in for the model's BPE tokenizer.
 
-The simulator needs token counts that behave like the real ones (BRIEF.md: 3.94 characters per
-token on average) without shipping a 150K-entry vocabulary. The scheme:
+The simulator needs token counts that behave like the real ones (the deployment's 3.94 characters
+per token on average, docs/deployment.md) without shipping a 150K-entry vocabulary. The scheme:
 
 1. Split the text into pieces with one regular expression, in this order of preference:
    special tokens (``<|im_start|>``, ``<|im_end|>``, ``<think>``, ``</think>``, ``<tool_call>``,
