@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from fleet.core.codes import Code
+from fleet.core.errors import InputInvalid
 from fleet.core.models import Job
 from fleet.core.signing import sign
 from fleet.worker.app import PREP_TASK
@@ -387,3 +389,33 @@ def test_kill_9_during_collect_loses_nothing(fleet: Harness, probe: FleetProbe, 
     envelope = fleet.client.result(job_id, timeout=PREP_RECOVERY_S)
     assert envelope is not None, f"job still {probe.state(job_id)!r} after its prep worker died"
     assert envelope.code == Code.OK and probe.envelope_counts()[job_id] == 1
+
+
+def test_invalid_response_schema_is_refused_by_submit_before_anything_is_sent(fleet: Harness) -> None:
+    job_id = uuid.uuid4().hex
+    with pytest.raises(InputInvalid) as info:
+        fleet.client.submit({"id": job_id, "project": "digest", "response_schema": {"type": "objekt"},
+                             "messages": [{"role": "user", "content": "Answer. [sim:think=40]"}]})
+    assert info.value.code is Code.E_INPUT_INVALID
+    assert "response_schema" in info.value.message and "objekt" in info.value.message
+    assert fleet.client.results.job_record(job_id) == {}
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "objekt"},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "([a-z"}}},
+    {"$schema": "https://example.invalid/no-such-draft", "type": "object"},
+])
+def test_job_around_the_client_with_a_bad_schema_ends_input_invalid_before_admission(
+        fleet: Harness, probe: FleetProbe, schema: dict) -> None:
+    job_id = uuid.uuid4().hex
+    raw = {"id": job_id, "project": "digest", "response_schema": schema,
+           "messages": [{"role": "user", "content": "Answer. [sim:think=40]"}]}
+    admitted_before = probe.snapshot().admissions
+    fleet.client.submit_raw(raw, project="digest", job_id=job_id)  # signed, never validated locally
+    envelope = fleet.client.result(job_id, timeout=60)
+    assert envelope is not None and envelope.code == Code.E_INPUT_INVALID, envelope
+    assert "response_schema" in envelope.message and not envelope.retryable
+    assert envelope.attempts == []
+    assert probe.sim_requests(job_id) == []
+    assert probe.snapshot().admissions == admitted_before
