@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from fleet.cli.batchfile import jsonl_lines
 from fleet.core.codes import Code
 from fleet.core.errors import InputInvalid
 from fleet.core.models import Job
@@ -419,3 +420,27 @@ def test_job_around_the_client_with_a_bad_schema_ends_input_invalid_before_admis
     assert envelope.attempts == []
     assert probe.sim_requests(job_id) == []
     assert probe.snapshot().admissions == admitted_before
+
+
+def test_batch_file_lines_end_at_lf_only_and_duplicate_custom_ids_keep_their_lines(
+        fleet: Harness, probe: FleetProbe, tmp_path: Path) -> None:
+    question = "First\u2028line\u2029para\u0085end 日本語 [sim:think=40] [sim:answer=10]"
+    lines = [
+        {"custom_id": "dup", "project": "digest", "messages": [{"role": "user", "content": question}]},
+        {"custom_id": "dup", "project": "digest",
+         "messages": [{"role": "user", "content": "Second. [sim:unicode] [sim:think=40] [sim:answer=60]"}]},
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_bytes("".join(json.dumps(line, ensure_ascii=False) + "\r\n" for line in lines).encode())
+    out = tmp_path / "out.jsonl"
+    run = probe.cli("batch", str(src), "--project", "digest", "--wait", "--out", str(out),
+                    "--timeout", "60", timeout_s=120)
+    rows = [json.loads(x) for x in jsonl_lines(out.read_text(encoding="utf-8")) if x]
+    assert [(r["custom_id"], r["code"]) for r in rows] == [("dup", "OK"), ("dup", "OK")], run.stdout
+    assert run.returncode == 0, run.stderr
+    first, second = (r["response"]["request_id"] for r in rows)
+    assert first != second
+    [body] = probe.sim_requests(first)
+    assert question in [m["content"] for m in body["messages"]]
+    answer = rows[1]["response"]["body"]["choices"][0]["message"]["content"]
+    assert "\u2028" in answer and "\u2029" in answer and "\u0085" in answer
