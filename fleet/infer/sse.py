@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import codecs
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 DONE = "[DONE]"
@@ -86,3 +86,11 @@ class SseParser:
         event = SseEvent(data="\n".join(self._data))
         self._data = []
         return event
+
+
+def iter_events(body: Iterable[bytes]) -> Iterator[SseEvent]:
+    """The events of a whole body read in pieces (``httpx.Response.iter_bytes()``)."""
+    parser = SseParser()
+    for chunk in body:
+        yield from parser.feed(chunk)
+    yield from parser.close()
