@@ -209,7 +209,8 @@ UNICODE_BREAKS = ("\u2028", "\u2029", "\u0085")
 
 
 class UnicodeStream(PieceStream):
-    """Paragraphs that mix English and Japanese sentences, joined by ``UNICODE_BREAKS``."""
+    """Paragraphs alternating Japanese and English sentences, separated by each of
+    ``UNICODE_BREAKS`` in turn: the first few dozen tokens of a paragraph hold all three."""
 
     def __init__(self, rng: random.Random) -> None:
         super().__init__()
@@ -217,9 +218,9 @@ class UnicodeStream(PieceStream):
 
     def _refill(self) -> bool:
         rng = self._rng
-        parts = [sentence(rng).lstrip(), rng.choice(_JAPANESE), sentence(rng).lstrip()]
-        text = "".join(part + rng.choice(UNICODE_BREAKS) for part in parts) + "\n\n"
-        self._buf.extend(split_pieces(text))
+        parts = [rng.choice(_JAPANESE), sentence(rng).lstrip(), rng.choice(_JAPANESE)]
+        text = "".join(part + brk for part, brk in zip(parts, UNICODE_BREAKS, strict=True))
+        self._buf.extend(split_pieces(text + sentence(rng) + "\n\n"))
         return True
 
 
