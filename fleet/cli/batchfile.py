@@ -8,9 +8,8 @@ may replace finished messages). Output lines follow the OpenAI batch output shap
      "error": {"code", "message"} | null, "code": "<fleet message code>"}
 in input order. A malformed line becomes an error line (E_INPUT_INVALID) for that line only.
 
-Lines end at LF only (a CR before it is tolerated): JSON encoders leave U+2028, U+2029, U+0085 and
-other characters ``str.splitlines`` breaks on raw inside strings, so splitting on them would cut a
-valid line in two.
+Lines end at LF only (a CR before it is tolerated): JSON encoders leave U+2028, U+2029 and U+0085
+raw inside strings, and ``str.splitlines`` breaks on them, which would cut a valid line in two.
 
 Results are matched to lines through dicts (job id -> lines, job id -> envelope), so a batch of any
 size costs a constant amount of work per result; two lines may share a job id (the same

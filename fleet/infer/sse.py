@@ -6,9 +6,10 @@ character or a line can be split across two reads, several events can arrive in 
 parser keeps the unfinished tail and yields only complete events.
 
 Lines end only at CR, LF or CRLF (the SSE specification), never at the other characters
-``str.splitlines`` breaks on: vLLM's JSON encoder leaves U+2028, U+2029, U+0085, form feeds and
-the like raw inside JSON strings, so splitting on them would cut a chunk in two. A CR that ends
-one read may be the first half of a CRLF whose LF starts the next read; that LF is skipped.
+``str.splitlines`` breaks on: vLLM's JSON encoder escapes control characters but leaves U+2028,
+U+2029 and U+0085 raw inside JSON strings, so splitting on them would cut a chunk in two. A CR
+that ends one read may be the first half of a CRLF whose LF starts the next read; that LF is
+skipped.
 
 An event is either ``SseEvent(data=...)`` (the ``data:`` lines of one event joined by ``\\n``) or
 ``SseEvent(comment=...)`` for a comment line. ``event:``/``id:``/``retry:`` fields are accepted and
