@@ -1,6 +1,6 @@
 import json
 
-from fleet.cli.batchfile import output_line, parse_lines
+from fleet.cli.batchfile import BatchLine, ResultMatcher, jsonl_lines, output_line, parse_lines
 from fleet.core.codes import Code
 from fleet.core.models import Envelope, Usage
 
@@ -51,3 +51,67 @@ def test_output_line_has_openai_batch_shape_plus_code():
     assert body["usage"]["total_tokens"] == 12
     failed = output_line(line, Envelope.failure("j", "reports", Code.E_THINK_LOOP, "looped"), "local")
     assert failed["response"] is None and failed["error"]["code"] == "E_THINK_LOOP"
+
+
+def test_jsonl_lines_split_at_lf_only_and_tolerate_crlf():
+    answer = "a\u2028b\u2029c\u0085d\x0be\x0cf\x1cg 日本語"
+    first = {"custom_id": "u", "messages": [{"role": "user", "content": answer}]}
+    text = json.dumps(first, ensure_ascii=False) + "\r\n\r\n" + json.dumps(OPENAI) + "\n"
+    lines = parse_lines(jsonl_lines(text), "reports")
+    assert [line.error for line in lines] == [None, None]
+    assert [line.number for line in lines] == [1, 3]
+    assert lines[0].job.messages[0].content == answer
+
+
+def _envelope(job_id, code=Code.OK):
+    return Envelope(job_id=job_id, project="reports", code=code, content=f"answer {job_id}")
+
+
+def test_results_out_of_order_match_lines_with_duplicate_custom_ids_and_shared_jobs():
+    text = "\n".join(json.dumps({"custom_id": cid, "messages": [{"role": "user", "content": cid}]})
+                     for cid in ["same", "same", "other", "same"])
+    lines = parse_lines(jsonl_lines(text), "reports")
+    # lines 1 and 4 share a job (one idempotency key); line 3 was never sent
+    matcher = ResultMatcher({1: "j1", 2: "j2", 4: "j1"})
+    assert matcher.add(_envelope("j2", Code.E_THINK_LOOP)) == 1
+    assert matcher.add(_envelope("j1")) == 2
+    assert matcher.add(_envelope("j1")) == 0  # a repeated result finishes nothing more
+    assert matcher.add(_envelope("stranger")) == 0
+    rows = [output_line(line, matcher.envelope_for(line), "local") for line in lines]
+    assert [(r["custom_id"], r["code"]) for r in rows] == [
+        ("same", "OK"), ("same", "E_THINK_LOOP"), ("other", "E_INTERNAL"), ("same", "OK")]
+    assert rows[0]["response"]["body"]["choices"][0]["message"]["content"] == "answer j1"
+    assert rows[3]["response"]["request_id"] == "j1"
+
+
+class _CountedId(str):
+    """A job id that counts how often it is compared or hashed (shared by all ids of one test)."""
+
+    budget = 0
+    used = 0
+
+    def _spend(self):
+        type(self).used += 1
+        assert type(self).used <= type(self).budget, "matching does more than linear work"
+
+    def __eq__(self, other):
+        self._spend()
+        return str.__eq__(self, other)
+
+    def __hash__(self):
+        self._spend()
+        return str.__hash__(self)
+
+
+def test_a_batch_of_100000_lines_is_matched_with_linear_work():
+    n = 100_000
+    _CountedId.budget, _CountedId.used = 10 * n, 0
+    ids = [_CountedId(f"job-{i}") for i in range(n)]
+    matcher = ResultMatcher({i + 1: job_id for i, job_id in enumerate(ids)})
+    finished, result = 0, _envelope("template")
+    for job_id in reversed(ids):
+        finished += matcher.add(result.model_copy(update={"job_id": job_id}))
+    assert finished == n
+    lines = [BatchLine(number=i + 1, custom_id="dup") for i in range(n)]
+    assert all(matcher.envelope_for(line).job_id == line_id for line, line_id in zip(lines, ids, strict=True))
+    assert _CountedId.used <= _CountedId.budget

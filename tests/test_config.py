@@ -1,3 +1,6 @@
+import os
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -71,3 +74,54 @@ def test_docs_configuration_reference_is_generated_from_the_models():
 
     page = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert reference_markdown() in page, "docs/configuration.md is stale: fleet config --reference"
+
+
+
+# os.putenv / os.unsetenv raise audit events; a hook that records them while `_watching` is set
+# shows whether anything wrote the process environment (which every thread shares).
+_env_writes: list[str] = []
+_watching = threading.Event()
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _watching.is_set() and event in ("os.putenv", "os.unsetenv"):
+        _env_writes.append(event)
+
+
+sys.addaudithook(_audit)
+
+
+def test_given_environment_is_read_without_writing_os_environ(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("FLEET_BROKER_URL", "redis://mine:6379/0")
+    before = dict(os.environ)
+    _env_writes.clear()
+    _watching.set()
+    try:
+        settings = load_settings(EXAMPLE_CONFIG, env={"FLEET_BROKER_URL": "redis://given:1/0",
+                                                      "FLEET_BACKEND_MAX_NUM_SEQS": "16"})
+    finally:
+        _watching.clear()
+    assert settings.broker_url == "redis://given:1/0" and settings.backend.max_num_seqs == 16
+    assert _env_writes == []
+    assert dict(os.environ) == before
+
+
+def test_a_concurrent_reader_of_os_environ_never_sees_the_given_values(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("FLEET_BROKER_URL", "redis://mine:6379/0")
+    seen: set[str | None] = set()
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            seen.add(os.environ.get("FLEET_BROKER_URL"))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(30):
+            assert load_settings(EXAMPLE_CONFIG, env={"FLEET_BROKER_URL": "redis://given:1/0"}
+                                 ).broker_url == "redis://given:1/0"
+    finally:
+        stop.set()
+        reader.join()
+    assert seen == {"redis://mine:6379/0"}

@@ -40,6 +40,13 @@ def test_parse_sums_engines_and_takes_the_worst_kv_usage() -> None:
     )
 
 
+def test_parse_ends_lines_at_lf_only() -> None:
+    text = ('vllm:num_requests_running{model_name="qwen\u2028next\u0085"} 3\r\n'
+            'vllm:num_requests_waiting{model_name="q\u2029"} 2\n')
+    sample = sample_from(text, True, 0.0)
+    assert (sample.running, sample.waiting) == (3.0, 2.0)
+
+
 def test_hold_reasons() -> None:
     ok = sample_from(metrics(), True, 0.0)
     assert decide(ok, 3.0, ADMISSION) is None

@@ -19,13 +19,16 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from fleet.cli.batchfile import jsonl_lines
 from fleet.core.codes import Code
+from fleet.core.errors import InputInvalid
 from fleet.core.models import Job
 from fleet.core.signing import sign
 from fleet.worker.app import PREP_TASK
@@ -388,3 +391,57 @@ def test_kill_9_during_collect_loses_nothing(fleet: Harness, probe: FleetProbe, 
     envelope = fleet.client.result(job_id, timeout=PREP_RECOVERY_S)
     assert envelope is not None, f"job still {probe.state(job_id)!r} after its prep worker died"
     assert envelope.code == Code.OK and probe.envelope_counts()[job_id] == 1
+
+
+def test_invalid_response_schema_is_refused_by_submit_before_anything_is_sent(fleet: Harness) -> None:
+    job_id = uuid.uuid4().hex
+    with pytest.raises(InputInvalid) as info:
+        fleet.client.submit({"id": job_id, "project": "digest", "response_schema": {"type": "objekt"},
+                             "messages": [{"role": "user", "content": "Answer. [sim:think=40]"}]})
+    assert info.value.code is Code.E_INPUT_INVALID
+    assert "response_schema" in info.value.message and "objekt" in info.value.message
+    assert fleet.client.results.job_record(job_id) == {}
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "objekt"},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "([a-z"}}},
+    {"$schema": "https://example.invalid/no-such-draft", "type": "object"},
+])
+def test_job_around_the_client_with_a_bad_schema_ends_input_invalid_before_admission(
+        fleet: Harness, probe: FleetProbe, schema: dict) -> None:
+    job_id = uuid.uuid4().hex
+    raw = {"id": job_id, "project": "digest", "response_schema": schema,
+           "messages": [{"role": "user", "content": "Answer. [sim:think=40]"}]}
+    admitted_before = probe.snapshot().admissions
+    fleet.client.submit_raw(raw, project="digest", job_id=job_id)  # signed, never validated locally
+    envelope = fleet.client.result(job_id, timeout=60)
+    assert envelope is not None and envelope.code == Code.E_INPUT_INVALID, envelope
+    assert "response_schema" in envelope.message and not envelope.retryable
+    assert envelope.attempts == []
+    assert probe.sim_requests(job_id) == []
+    assert probe.snapshot().admissions == admitted_before
+
+
+def test_batch_file_lines_end_at_lf_only_and_duplicate_custom_ids_keep_their_lines(
+        fleet: Harness, probe: FleetProbe, tmp_path: Path) -> None:
+    question = "First\u2028line\u2029para\u0085end 日本語 [sim:think=40] [sim:answer=10]"
+    lines = [
+        {"custom_id": "dup", "project": "digest", "messages": [{"role": "user", "content": question}]},
+        {"custom_id": "dup", "project": "digest",
+         "messages": [{"role": "user", "content": "Second. [sim:unicode] [sim:think=40] [sim:answer=60]"}]},
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_bytes("".join(json.dumps(line, ensure_ascii=False) + "\r\n" for line in lines).encode())
+    out = tmp_path / "out.jsonl"
+    run = probe.cli("batch", str(src), "--project", "digest", "--wait", "--out", str(out),
+                    "--timeout", "60", timeout_s=120)
+    rows = [json.loads(x) for x in jsonl_lines(out.read_text(encoding="utf-8")) if x]
+    assert [(r["custom_id"], r["code"]) for r in rows] == [("dup", "OK"), ("dup", "OK")], run.stdout
+    assert run.returncode == 0, run.stderr
+    first, second = (r["response"]["request_id"] for r in rows)
+    assert first != second
+    [body] = probe.sim_requests(first)
+    assert question in [m["content"] for m in body["messages"]]
+    answer = rows[1]["response"]["body"]["choices"][0]["message"]["content"]
+    assert "\u2028" in answer and "\u2029" in answer and "\u0085" in answer

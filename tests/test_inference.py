@@ -142,6 +142,43 @@ def test_ok_request_shape_usage_and_events(h: Harness) -> None:
     assert [a["code"] for a in history] == ["OK"]
 
 
+# -- text the JSON encoder leaves raw ----------------------------------------------------------
+
+BREAKS = ("\u2028", "\u2029", "\u0085")
+
+
+def _has_unicode_text(text: str) -> bool:
+    return all(c in text for c in BREAKS) and any("\u3040" <= c <= "\u30ff" for c in text)
+
+
+def test_line_separators_and_japanese_in_reasoning_and_answer_arrive_intact(h: Harness) -> None:
+    job = h.job("[sim:unicode] [sim:think=200] [sim:answer=120]")
+    env = h.run(job)
+    assert env.code is Code.OK and codes(env) == [Code.OK]
+    assert len(h.requests(job)) == 1
+    assert env.reasoning and _has_unicode_text(env.reasoning)
+    assert env.content and _has_unicode_text(env.content)
+
+
+def test_openai_sdk_streams_the_unicode_scenario_intact(sim: str) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{sim}/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(
+        model="local", stream=True,
+        messages=[{"role": "user", "content": "[sim:unicode] [sim:think=200] [sim:answer=120]"}])
+    reasoning, content, finish = [], [], None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        reasoning.append((choice.delta.model_extra or {}).get("reasoning") or "")
+        content.append(choice.delta.content or "")
+        finish = choice.finish_reason or finish
+    client.close()
+    assert finish == "stop"
+    assert _has_unicode_text("".join(reasoning)) and _has_unicode_text("".join(content))
+
+
 # -- loops and carry-over -----------------------------------------------------------------------
 
 

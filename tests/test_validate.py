@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+from jsonschema import Draft7Validator, Draft202012Validator
+from pydantic import ValidationError
+
 from fleet.core.config import ProjectSettings
-from fleet.core.models import Job, Message
+from fleet.core.models import Job, Message, describe_invalid
+from fleet.core.schema import SchemaInvalid, check_schema
 from fleet.infer.validate import check_answer, reask_message, response_format
 
 SCHEMA = {"type": "object", "properties": {"total": {"type": "number"}}, "required": ["total"]}
@@ -36,3 +41,37 @@ def test_project_schema_and_text_rules() -> None:
     assert "at most 20" in check_answer("ANSWER: " + "x" * 30, job(), rules).error
     assert "pattern" in check_answer("the answer is 4", job(), rules).error
     assert check_answer("ANSWER: 4", job(), rules).ok
+
+
+@pytest.mark.parametrize(("schema", "named"), [
+    ({"type": "objekt"}, "$.type"),
+    ({"type": "object", "properties": {"id": {"type": "string", "pattern": "([a-z"}}}, "pattern"),
+    ({"type": "object", "patternProperties": {"(unclosed": {"type": "string"}}}, "(unclosed"),
+    ({"type": "object", "required": "total"}, "$.required"),
+    ({"$schema": "https://example.invalid/draft-99", "type": "object"}, "draft-99"),
+])
+def test_unusable_schemas_are_refused_with_the_problem_named(schema: dict, named: str) -> None:
+    with pytest.raises(SchemaInvalid) as info:
+        check_schema(schema)
+    assert named in str(info.value)
+    with pytest.raises(ValidationError) as invalid:
+        job(response_schema=schema)
+    assert "response_schema" in describe_invalid(invalid.value) and named in describe_invalid(invalid.value)
+    with pytest.raises(ValidationError):
+        ProjectSettings(secret="s" * 8, response_schema=schema)
+
+
+def test_the_schema_draft_follows_dollar_schema() -> None:
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "array",
+              "items": [{"type": "number"}], "additionalItems": False}
+    assert check_schema(draft7) is Draft7Validator
+    assert check_schema(SCHEMA) is Draft202012Validator
+    j = job(response_schema=draft7)
+    assert check_answer("[1]", j, PROJECT).ok
+    assert "$" in check_answer("[1, 2]", j, PROJECT).error  # draft-07 tuple items, not 2020-12
+
+
+def test_project_answer_pattern_must_compile() -> None:
+    with pytest.raises(ValidationError) as info:
+        ProjectSettings(secret="s" * 8, answer_pattern="(unclosed")
+    assert "not a valid regular expression" in str(info.value)

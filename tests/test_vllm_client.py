@@ -97,6 +97,40 @@ def test_parser_keeps_an_unterminated_last_event() -> None:
     assert list(parser.close()) == [SseEvent(data="tail")]
 
 
+# Characters str.splitlines breaks on that are not SSE line ends; JSON encoders leave them raw.
+NOT_LINE_ENDS = "\u2028\u2029\u0085\x0b\x0c\x1c\x1d\x1e"
+
+
+def test_parser_ends_lines_only_at_cr_lf_crlf_whatever_the_split() -> None:
+    text = json.dumps({"content": f"a{NOT_LINE_ENDS}b 日本語"}, ensure_ascii=False)
+    raw = (f"data: {text}\r\r: keep-alive\rdata: x\rdata: y\r\n\r\n"
+           f"data: {text}\n\ndata: [DONE]\r\n\r\n").encode()
+    expected = [SseEvent(data=text), SseEvent(comment="keep-alive"), SseEvent(data="x\ny"),
+                SseEvent(data=text), SseEvent(data="[DONE]")]
+    assert list(SseParser().feed(raw)) == expected
+    for cut in range(1, len(raw)):
+        parser = SseParser()
+        events = list(parser.feed(raw[:cut])) + list(parser.feed(raw[cut:]))
+        assert events + list(parser.close()) == expected, cut
+
+
+def test_cr_at_the_end_of_one_read_and_lf_at_the_start_of_the_next_is_one_line_end() -> None:
+    parser = SseParser()
+    events = [*parser.feed(b"data: one\r"), *parser.feed(b"\ndata: two\r"), *parser.feed(b"\n\r\n")]
+    assert events == [SseEvent(data="one\ntwo")]
+
+
+def test_stream_with_unicode_line_separators_in_the_json_arrives_intact() -> None:
+    reasoning = f"think{NOT_LINE_ENDS}思考"
+    answer = "answer\u2028line\u2029para\u0085end 日本語の答え"
+    body = b"".join(
+        b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+        for chunk in (delta(reasoning=reasoning), delta(content=answer), delta(finish="stop"))
+    ) + b"data: [DONE]\n\n"
+    result, _ = run(mock_client(fixed(body)))
+    assert (result.reasoning, result.content, result.finish_reason) == (reasoning, answer, "stop")
+
+
 # -- assembly -----------------------------------------------------------------------------------
 
 

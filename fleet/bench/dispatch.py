@@ -31,6 +31,7 @@ from rich.table import Table
 
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
+from fleet.infer.sse import iter_events
 from schedulers.dispatcher import run_dispatcher
 from schedulers.store import make_store
 from schedulers.store.base import Grant, PendingItem, StoreConfig
@@ -128,8 +129,8 @@ def _stream(http: httpx.Client, grant: Grant, think: int, answer: int) -> int:
     }
     chunks = 0
     with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+        for event in iter_events(response.iter_bytes()):
+            if event.data is not None and not event.is_done:
                 chunks += 1
     return chunks
 

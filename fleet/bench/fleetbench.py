@@ -41,6 +41,7 @@ the prefix is deleted (SCAN + DEL, never FLUSHDB).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -66,6 +67,7 @@ from fleet.client import Client
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
 from fleet.core.models import Envelope
 from fleet.core.results import ResultFollower
+from fleet.infer.sse import iter_events
 from fleet.local.processes import LocalFleet
 from schedulers.store import make_store
 
@@ -321,11 +323,12 @@ def stream_once(http: httpx.Client, body: dict[str, Any]) -> tuple[int, bool]:
         if response.status_code != 200:
             response.read()
             return 0, False
-        for line in response.iter_lines():
-            if line == "data: [DONE]":
+        for event in iter_events(response.iter_bytes()):
+            if event.is_done:
                 ok = True
-            elif line.startswith("data: ") and '"usage"' in line and '"completion_tokens"' in line:
-                tokens = int(line.split('"completion_tokens":')[1].split(",")[0].split("}")[0])
+            elif event.data is not None and '"usage"' in event.data:
+                usage = json.loads(event.data).get("usage") or {}
+                tokens = int(usage.get("completion_tokens") or tokens)
     return tokens, ok
 
 

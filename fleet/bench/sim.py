@@ -29,6 +29,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from fleet.infer.sse import SseParser
 from fleet.sim.profiles import DEPLOYMENT_DECODE_POINTS, DecodeCurve
 from fleet.sim.server import SimProcess, start_sim_process
 from fleet.sim.tokenizer import split_pieces
@@ -65,17 +66,23 @@ async def _one_stream(client: httpx.AsyncClient, index: int, counter: _Counter,
         {"role": "user", "content": f"[sim:think=1000000] benchmark stream {index}"}]}
     while not stop.is_set():
         async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-            async for line in resp.aiter_lines():
+            parser = SseParser()
+            async for raw in resp.aiter_bytes():
                 if stop.is_set():
                     return
-                if not line.startswith("data: {"):
-                    continue
-                for choice in json.loads(line[6:]).get("choices", []):
-                    delta = choice.get("delta", {})
-                    text = (delta.get("reasoning") or "") + (delta.get("content") or "")
-                    if text:
-                        counter.tokens += len(split_pieces(text))
-                        counter.started.add(index)
+                for event in parser.feed(raw):
+                    _count(event.data, index, counter)
+
+
+def _count(data: str | None, index: int, counter: _Counter) -> None:
+    if not data or not data.startswith("{"):
+        return
+    for choice in json.loads(data).get("choices", []):
+        delta = choice.get("delta", {})
+        text = (delta.get("reasoning") or "") + (delta.get("content") or "")
+        if text:
+            counter.tokens += len(split_pieces(text))
+            counter.started.add(index)
 
 
 async def _stats(client: httpx.AsyncClient) -> dict[str, float]:

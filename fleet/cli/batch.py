@@ -9,10 +9,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fleet.cli.batchfile import output_line, parse_lines
+from fleet.cli.batchfile import ResultMatcher, jsonl_lines, output_line, parse_lines
 from fleet.client import Client
 from fleet.core.errors import FleetError
-from fleet.core.models import Envelope
 from fleet.core.results import ResultFollower
 
 
@@ -22,7 +21,7 @@ def _counts_text(counts: Counter[str]) -> str:
 
 def run_batch(client: Client, file: Path, project: str, *, wait: bool, out: Path | None,
               timeout_s: float, console: Console) -> int:
-    lines = parse_lines(file.read_text(encoding="utf-8").splitlines(), project)
+    lines = parse_lines(jsonl_lines(file.read_bytes().decode("utf-8")), project)
     follower = ResultFollower(client.results, {project})
     job_of: dict[int, str] = {}  # line number -> job id (two lines may share an idempotency key)
     for line in lines:
@@ -38,18 +37,17 @@ def run_batch(client: Client, file: Path, project: str, *, wait: bool, out: Path
             if line.number in job_of:
                 console.print(f"{line.custom_id}\t{job_of[line.number]}")
         return 0 if len(job_of) == len(lines) else 1
-    envelopes: dict[str, Envelope] = {}
+    matcher = ResultMatcher(job_of)
     counts: Counter[str] = Counter("E_INPUT_INVALID" for line in lines if line.job is None or line.error)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task(_counts_text(counts), total=len(lines), completed=sum(counts.values()))
         for envelope in follower.follow(set(job_of.values()), timeout_s):
-            envelopes[envelope.job_id] = envelope
-            counts[envelope.code.value] += sum(1 for n in job_of if job_of[n] == envelope.job_id)
-            done = sum(1 for n in job_of if job_of[n] == envelope.job_id)
+            done = matcher.add(envelope)
+            counts[envelope.code.value] += done
             progress.update(task, advance=done, description=_counts_text(counts))
     model = client.settings.backend.model
-    rows = [output_line(line, envelopes.get(job_of.get(line.number, "")), model) for line in lines]
+    rows = [output_line(line, matcher.envelope_for(line), model) for line in lines]
     if out is not None:
         out.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows),
                        encoding="utf-8")

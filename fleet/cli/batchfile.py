@@ -7,12 +7,20 @@ may replace finished messages). Output lines follow the OpenAI batch output shap
     {"id", "custom_id", "response": {"status_code", "request_id", "body": chat.completion} | null,
      "error": {"code", "message"} | null, "code": "<fleet message code>"}
 in input order. A malformed line becomes an error line (E_INPUT_INVALID) for that line only.
+
+Lines end at LF only (a CR before it is tolerated): JSON encoders leave U+2028, U+2029 and U+0085
+raw inside strings, and ``str.splitlines`` breaks on them, which would cut a valid line in two.
+
+Results are matched to lines through dicts (job id -> lines, job id -> envelope), so a batch of any
+size costs a constant amount of work per result; two lines may share a job id (the same
+idempotency key) and custom ids need not be unique.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,8 +97,33 @@ def parse_line(text: str, project: str, number: int) -> BatchLine:
         return BatchLine(number, custom_id, error=f"line {number}: {exc}")
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSONL text: split at LF only, a CR before the LF dropped."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
 def parse_lines(lines: Iterable[str], project: str) -> list[BatchLine]:
     return [parse_line(text, project, n) for n, text in enumerate(lines, 1) if text.strip()]
+
+
+class ResultMatcher:
+    """Envelopes onto input lines: O(1) per envelope, O(1) per line."""
+
+    def __init__(self, job_of: Mapping[int, str]) -> None:
+        self._job_of = dict(job_of)  # line number -> job id
+        self._lines_per_job = Counter(self._job_of.values())
+        self.envelopes: dict[str, Envelope] = {}
+
+    def add(self, envelope: Envelope) -> int:
+        """Record a result; the number of lines it answers (0 for an unknown or repeated job)."""
+        if envelope.job_id in self.envelopes:
+            return 0
+        self.envelopes[envelope.job_id] = envelope
+        return self._lines_per_job.get(envelope.job_id, 0)
+
+    def envelope_for(self, line: BatchLine) -> Envelope | None:
+        job_id = self._job_of.get(line.number)
+        return None if job_id is None else self.envelopes.get(job_id)
 
 
 def output_line(line: BatchLine, envelope: Envelope | None, model: str) -> dict[str, Any]:

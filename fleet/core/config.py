@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +30,19 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings.sources.utils import parse_env_vars
 
 from fleet.core.errors import ConfigError
+from fleet.core.schema import check_pattern, check_schema
 
 EXAMPLE_CONFIG = Path(__file__).with_name("example.toml")
 ENV_PREFIX = "FLEET_"
 # Variables with the prefix that are not settings keys.
 _ENV_NOT_SETTINGS = {"FLEET_CONFIG"}
+# The variables ``load_settings`` was given, for the environment source of the Settings being built
+# in this thread; os.environ is never written, so other threads never see them.
+_GIVEN_ENV: ContextVar[Mapping[str, str] | None] = ContextVar("fleet_given_env", default=None)
 
 
 class _Section(BaseModel):
@@ -223,6 +229,30 @@ class ProjectSettings(_Section):
     system_prompt: str | None = None
     """Stable system prompt put first in every job (prefix-cache friendly)."""
 
+    @field_validator("response_schema")
+    @classmethod
+    def _usable_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            check_schema(value)
+        return value
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _usable_pattern(cls, value: str | None) -> str | None:
+        return None if value is None else check_pattern(value)
+
+
+class _GivenEnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source (prefix, nesting, parsing), reading a given mapping."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: Mapping[str, str]) -> None:
+        self._given = env
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        # The one hook pydantic-settings has for where the variables come from.
+        return parse_env_vars(self._given, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
@@ -281,6 +311,9 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # init kwargs carry the parsed TOML file; the environment overrides it.
+        given = _GIVEN_ENV.get()
+        if given is not None:
+            env_settings = _GivenEnvSource(settings_cls, given)
         return (env_settings, init_settings)
 
     def project(self, name: str) -> ProjectSettings | None:
@@ -354,7 +387,9 @@ def load_settings(
     env: dict[str, str] | None = None,
     **overrides: Any,
 ) -> Settings:
-    """Read the settings. ``overrides`` (nested dicts) win over the file, below the environment."""
+    """Read the settings. ``overrides`` (nested dicts) win over the file, below the environment.
+
+    ``env`` replaces os.environ as the source of ``FLEET_*`` variables; os.environ is only read."""
     env_map = dict(os.environ) if env is None else env
     file = Path(path) if path is not None else config_path(env_map)
     try:
@@ -367,15 +402,10 @@ def load_settings(
     if unknown:
         raise ConfigError(f"unknown settings in the environment: {', '.join(unknown)}")
     data = _merge(data, overrides)
-    saved = os.environ.copy()
+    token = _GIVEN_ENV.set(env_map)
     try:
-        if env is not None:
-            os.environ.clear()
-            os.environ.update(env)
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(f"{file}: {_describe(exc, env_map)}") from exc
     finally:
-        if env is not None:
-            os.environ.clear()
-            os.environ.update(saved)
+        _GIVEN_ENV.reset(token)

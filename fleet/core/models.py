@@ -12,9 +12,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fleet.core.codes import Code
+from fleet.core.schema import check_schema
 
 JobKind = Literal["infer", "collect", "trim", "collect+trim+infer"]
 Band = Literal["interactive", "batch"]
@@ -104,6 +105,14 @@ class Job(_Strict):
     idempotency_key: str | None = Field(None, max_length=200)
     metadata: dict[str, Any] = Field(default_factory=dict)
     submitted_at: float = Field(default_factory=time.time)
+
+    @field_validator("response_schema")
+    @classmethod
+    def _usable_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Refused here, before any slot or token is spent, not after inference (fleet/core/schema.py).
+        if value is not None:
+            check_schema(value)
+        return value
 
     @model_validator(mode="after")
     def _has_input(self) -> Job:

@@ -4,8 +4,9 @@ Schema: ``job.response_schema``, else ``project.response_schema``. It is sent to
 ``response_format: {"type": "json_schema", ...}`` (structured output through xgrammar) and checked
 again on the answer here, because a forced end of thinking, a truncated answer or a backend without
 structured output can still return something else. The answer is parsed (a surrounding
-```` ```json ```` fence is tolerated) and validated with ``jsonschema``; the first (best-matching)
-error is reported with its JSON path so a re-ask can quote it.
+```` ```json ```` fence is tolerated) and validated with ``jsonschema``, through the validator
+class of fleet/core/schema.py that checked the schema when the job or the settings came in; the
+first (best-matching) error is reported with its JSON path so a re-ask can quote it.
 
 Text rules (per project): at least ``min_answer_chars`` (after stripping), at most
 ``max_answer_chars``, and ``answer_pattern`` (``re.search``, multiline) must match.
@@ -22,11 +23,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
 from jsonschema.exceptions import best_match
 
 from fleet.core.config import ProjectSettings
+from fleet.core.errors import InputInvalid
 from fleet.core.models import Job
+from fleet.core.schema import SchemaInvalid, answer_validator
 
 _FENCE = re.compile(r"^\s*```(?:json)?\s*\n(.*?)\n\s*```\s*$", re.DOTALL)
 
@@ -78,9 +80,11 @@ def check_answer(content: str, job: Job, project: ProjectSettings) -> Checked:
     except ValueError as exc:
         return Checked(False, error=f"the answer is not valid JSON: {exc}")
     try:
-        failure = best_match(jsonschema.Draft202012Validator(schema).iter_errors(parsed))
-    except jsonschema.SchemaError as exc:
-        return Checked(False, error=f"the response schema itself is invalid: {exc.message}")
+        failure = best_match(answer_validator(schema).iter_errors(parsed))
+    except SchemaInvalid as exc:
+        # Unreachable for a validated Job or Settings (both check on entry); should it happen,
+        # the fault is the job's, not a retryable internal error.
+        raise InputInvalid(f"response_schema is {exc}") from exc
     if failure is not None:
         where = failure.json_path if failure.path else "$"
         return Checked(False, parsed=parsed, error=f"at {where}: {failure.message}")

@@ -40,7 +40,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +60,7 @@ from fleet.core.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from fleet.infer.sse import SseEvent, SseParser
+from fleet.infer.sse import SseEvent, iter_events
 
 log = logging.getLogger(__name__)
 
@@ -427,8 +427,7 @@ class VllmClient:
         clock: _StreamClock,
         on_delta: Callable[[Delta], None],
     ) -> None:
-        parser = SseParser()
-        for event in self._events(response, parser):
+        for event in iter_events(response.iter_bytes()):
             clock.check()
             if event.comment is not None:
                 on_delta(Delta(keepalive=True))
@@ -447,12 +446,6 @@ class VllmClient:
             on_delta(delta)
         if assembler.result.finish_reason is None:
             raise StreamDropped("the stream ended without a finish_reason or [DONE]")
-
-    @staticmethod
-    def _events(response: httpx.Response, parser: SseParser) -> Iterator[SseEvent]:
-        for raw in response.iter_bytes():
-            yield from parser.feed(raw)
-        yield from parser.close()
 
     @staticmethod
     def _parse(event: SseEvent, assembler: _Assembler) -> Delta | None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from fleet.sim.jsongen import generate_json, generate_object
 from fleet.sim.scenarios import Scenario
-from fleet.sim.textgen import FixedPieces, LoopStream, PieceStream, ProseStream
+from fleet.sim.textgen import FixedPieces, LoopStream, PieceStream, ProseStream, UnicodeStream
 from fleet.sim.tokenizer import split_pieces
 
 REASONING, CONTENT, HIDDEN, TOOL_START, TOOL_ARGS = "reasoning", "content", "hidden", "tool", "args"
@@ -107,7 +107,8 @@ def _content_pieces(
         pieces = split_pieces(text)
         return [(CONTENT, pieces)], len(pieces), None
     n = scenario.integer("answer")
-    return ProseStream(rng), dist.answer(rng) if n is None else n, None
+    prose = UnicodeStream(rng) if scenario.has("unicode") else ProseStream(rng)
+    return prose, dist.answer(rng) if n is None else n, None
 
 
 def _json_text(response_format: dict[str, Any] | None, rng: random.Random) -> str | None:
@@ -136,6 +137,8 @@ def _reasoning_stream(scenario: Scenario, rng: random.Random) -> PieceStream:
         return LoopStream(rng, exact=True)
     if scenario.has("loop_fuzzy"):
         return LoopStream(rng, exact=False)
+    if scenario.has("unicode"):
+        return UnicodeStream(rng)
     return ProseStream(rng)
 
 

@@ -23,6 +23,8 @@ Names (times are simulated seconds):
                      (non-streaming: a 500 error answer after the same delay)
 ``bad_json``         the answer is invalid JSON, even with ``response_format``
 ``empty``            reasoning, then an empty answer, ``finish_reason: "stop"``
+``unicode``          reasoning and prose answer mix English, Japanese and U+2028, U+2029, U+0085
+                     (sent raw inside the JSON chunks, as vLLM's encoder does)
 ``tool`` / ``tool=NAME``  answer with a tool call (first tool of the request, or NAME)
 ``think=N``          exactly N reasoning tokens (before budget and max-token caps)
 ``answer=N``         exactly N answer tokens (prose answers)
@@ -47,7 +49,7 @@ MARKER_RE = re.compile(r"\[sim:([a-z0-9_]+)(?:=([^\]/\s]+))?(?:/(\d+))?\]")
 FAULTS = ("http500", "http503", "drop", "error_event")
 KNOWN = {
     "loop", "loop_fuzzy", "slow_first_token", "stall", "http500", "http503", "drop",
-    "error_event", "bad_json", "empty", "tool", "think", "answer", "prompt_pad", "dead",
+    "error_event", "bad_json", "empty", "tool", "think", "answer", "prompt_pad", "dead", "unicode",
 }
 
 

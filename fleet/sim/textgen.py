@@ -14,6 +14,8 @@ text gives the same count back (up to joins at word boundaries).
 - ``LoopStream(exact=False)``: the same paragraph, but each repetition changes one word and bumps a
   number ("check 7 ... check 8"), the near-duplicate loop that exact matching misses.
 - ``FixedPieces``: a precomputed piece list (JSON answers, tool calls).
+- ``UnicodeStream``: prose mixed with Japanese sentences and the characters U+2028, U+2029 and
+  U+0085, which JSON encoders leave raw and naive line splitters (``str.splitlines``) break on.
 
 All randomness comes from the ``random.Random`` passed in, seeded per request by the caller.
 """
@@ -192,6 +194,33 @@ class LoopStream(PieceStream):
         self._round += 1
         text = f"Let me check step {self._round} once more. " + " ".join(words)
         self._buf.extend(split_pieces(text))
+        return True
+
+
+_JAPANESE = [
+    "まず、請求書の合計を確認します。",
+    "次に、支払いの期限をもう一度見直す必要があります。",
+    "東京の倉庫から出荷された荷物は三日後に届きます。",
+    "この表の数値は、先月の報告書と一致しています。",
+    "答えは次の通りです。",
+]
+# Line and paragraph separators and NEL: valid text, not SSE or JSONL line ends.
+UNICODE_BREAKS = ("\u2028", "\u2029", "\u0085")
+
+
+class UnicodeStream(PieceStream):
+    """Paragraphs alternating Japanese and English sentences, separated by each of
+    ``UNICODE_BREAKS`` in turn: the first few dozen tokens of a paragraph hold all three."""
+
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__()
+        self._rng = rng
+
+    def _refill(self) -> bool:
+        rng = self._rng
+        parts = [rng.choice(_JAPANESE), sentence(rng).lstrip(), rng.choice(_JAPANESE)]
+        text = "".join(part + brk for part, brk in zip(parts, UNICODE_BREAKS, strict=True))
+        self._buf.extend(split_pieces(text + sentence(rng) + "\n\n"))
         return True
 
 

@@ -46,9 +46,12 @@ class BackendSample:
 
 
 def parse_metrics(text: str) -> dict[str, list[float]]:
-    """Every sample value of the exposition text, by metric name (label sets in file order)."""
+    """Every sample value of the exposition text, by metric name (label sets in file order).
+
+    Lines end at LF only, as the exposition format says; a label value may hold U+2028 and other
+    characters ``str.splitlines`` would break on."""
     values: dict[str, list[float]] = {}
-    for line in text.splitlines():
+    for line in text.split("\n"):
         if not line or line.startswith("#"):
             continue
         match = _LINE.match(line)
