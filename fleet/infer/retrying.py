@@ -28,6 +28,7 @@ from fleet.core.codes import Code
 from fleet.core.keys import Keys
 from fleet.core.lua import shared
 
+
 def backoff_s(
     retry_number: int, base_s: float, max_s: float, rand: Callable[[], float] = random.random
 ) -> float:

@@ -38,13 +38,15 @@ dropped from the set by ``PRUNE``, which checks its queues again atomically. Pyt
 heads with the pure policy (schedulers/policy/fairshare.py); ``ADMIT`` then, atomically, re-reads
 those candidates, drops any that another dispatcher took meanwhile, applies the backend gate and
 every limit (the rules of schedulers/policy/limits.py, in the same order), and grants the first
-that fits: pop from pending, counters, bucket, virtual times, fence, lease. A race between dispatchers can only change who goes first, never what is allowed; when every
-candidate was taken, admission reads the heads again.
+that fits: pop from pending, counters, bucket, virtual times, fence, lease. A race between
+dispatchers can only change who goes first, never what is allowed; when every candidate was taken,
+admission reads the heads again.
 
 ``CLAIM`` (worker start), ``REQUEUE`` (a grant that could not be sent), ``REAP`` (expired
 leases) and ``EXPIRE`` (pending deadlines), at most 200 jobs a call, are single scripts too.
 ``wait_for_wake`` never blocks longer than ``MAX_BLOCK_S`` (or 80% of the client's socket
-timeout, if that is shorter): redis-py 8 gives every connection a 5 s socket timeout, and a BLPOP blocking past it raises TimeoutError.
+timeout, if that is shorter): redis-py 8 gives every connection a 5 s socket timeout, and a BLPOP
+blocking past it raises TimeoutError.
 
 Times come from the caller (``now``), not from Redis TIME, so tests can drive a fake clock;
 dispatchers on several hosts need synchronised clocks (NTP) for lease expiry to mean the same.
@@ -69,8 +71,8 @@ log = logging.getLogger(__name__)
 
 SCRIPTS = ("add", "prune", "admit", "claim", "renew", "resize", "release", "reap", "requeue",
            "cancel", "expire")
-_ROUNDS = 4
-_BATCH = 200  # expired leases or due deadlines handled by one script call  # admission attempts when other dispatchers keep taking our candidates
+_ROUNDS = 4  # admission attempts when other dispatchers keep taking our candidates
+_BATCH = 200  # expired leases or due deadlines handled by one script call
 MAX_BLOCK_S = 4.0  # longest BLPOP; below redis-py 8's default 5 s socket timeout
 
 
