@@ -218,3 +218,22 @@ def _prep_and_retry(client: redis.Redis, results: ResultStore) -> None:
     claim.release()
     watch_once(results, lambda _m: None, now=0.0, unclaimed_s=600)
     RetryBudget(client, keys, "p", ratio=0.2).first_attempt()
+
+
+def _lua_files() -> list[Any]:
+    return [path for package in LUA_FOLDERS for path in (resources.files(package) / "lua").iterdir()
+            if path.name.endswith(".lua")]
+
+
+@pytest.mark.parametrize("path", _lua_files(), ids=lambda p: p.name)
+def test_each_script_opens_with_its_keys_and_builds_no_key_itself(path: Any) -> None:
+    text = path.read_text()
+    header = "".join(line + "\n" for line in text.splitlines() if line.startswith("--"))
+    assert text.startswith("--"), "a script opens with its comment block"
+    used = set(re.findall(r"KEYS\[(\d+)\]", text.replace(header, "")))
+    documented = set(re.findall(r"KEYS\[(\d+)", header))
+    assert used <= documented, f"KEYS used but not described: {sorted(used - documented)}"
+    # A key is never spelled out or concatenated in a call: it comes from KEYS (or a helper's
+    # argument that its caller took from KEYS, which the MONITOR test above checks at run time).
+    calls = re.findall(r"redis\.p?call\(\s*'\w+'\s*,\s*([^,)]+)", text.replace(header, ""))
+    assert not [c for c in calls if ".." in c or "'" in c or "ARGV" in c]

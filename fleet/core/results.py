@@ -1,11 +1,11 @@
 """Job records and final results in Redis (keys in fleet/core/keys.py).
 
-A job's life as the job hash records it (``{p}job:<id>`` field ``state``):
+A job's life as the job hash records it (``{p}job:{<id>}`` field ``state``):
     submitted (client) -> pending (prep handed it to the dispatcher) -> running (an inference
     worker claimed its lease) -> final
 A job ends with exactly one final Envelope. ``publish`` is one Lua script (fleet/core/lua/publish.lua): it writes
-``{p}result:<id>`` only if absent (SET NX) and, in the same atomic step, appends the envelope to
-``{p}results:<project>``, adds the ``final`` event to ``{p}events:<id>`` and sets the TTLs. A
+``{p}result:{<id>}`` only if absent (SET NX) and, in the same atomic step, appends the envelope to
+``{p}results:<project>``, adds the ``final`` event to ``{p}events:{<id>}`` and sets the TTLs. A
 second publish for the same job (a duplicate delivery, a late worker, a cancel racing a finish)
 changes nothing and returns False, so consumers never see two results for one job.
 

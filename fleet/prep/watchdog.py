@@ -12,9 +12,9 @@ Keys (fleet/core/keys.py)
 
 Flow
   submit     -> ZADD prepping (now + prep_unclaimed_s); the job hash keeps the signed message
-  prep start -> SET prep:<id> NX PX (a second delivery running at the same time stops here);
+  prep start -> SET {prep}:claim:<id> NX PX (a second delivery running at the same time stops here);
                 ZADD prepping (claim expiry); a keeper thread renews both every third of the TTL
-  prep end   -> DEL prep:<id>, ZREM prepping (whatever the outcome)
+  prep end   -> DEL {prep}:claim:<id>, ZREM prepping (whatever the outcome)
   watchdog   -> (a thread of every dispatcher) due entries whose job is neither handed over nor
                 final and has no live claim get their signed message sent again (the signature
                 check accepts the same message for the same job id); one watchdog takes each due
