@@ -1,6 +1,6 @@
 """Scraping the backend for the saturation gate: ``GET /health`` and ``GET /metrics`` about once
 a second (``admission.scrape_interval_s``), parsed and judged by schedulers/policy/backend_gate.py, and
-written to ``{p}d:backend`` so every dispatcher's admission script sees the same verdict.
+written to ``{p}{d}:backend`` so every dispatcher's admission script sees the same verdict.
 
 Failure cases: a connection error or timeout counts as a failing ``/health`` (hold "health");
 a scraper that stops writing (process gone, Redis unreachable from it) makes the verdict stale,

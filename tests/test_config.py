@@ -45,6 +45,7 @@ def test_fleet_config_variable_picks_the_file(tmp_path: Path):
         ("[projects.a]\nsecret = 'short'\n", "projects.a.secret"),
         ("[projects.a]\nsecret = 'long-enough-secret'\nweight = -1\n", "projects.a.weight"),
         ("[timeouts]\nidle_s = 'soon'\n", "timeouts.idle_s"),
+        ("key_prefix = 'f{1}:'\n", "key_prefix: Value error, must not contain { or }"),
     ],
 )
 def test_bad_file_values_name_the_key(tmp_path: Path, toml: str, named: str):

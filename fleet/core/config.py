@@ -293,6 +293,15 @@ class Settings(BaseSettings):
     collect: CollectSettings = CollectSettings()
     projects: dict[str, ProjectSettings] = Field(default_factory=dict)
 
+    @field_validator("key_prefix")
+    @classmethod
+    def _no_hash_tag(cls, value: str) -> str:
+        # keys put a Redis Cluster hash tag right after the prefix (fleet/core/keys.py); braces in
+        # the prefix would become the tag of every key instead
+        if "{" in value or "}" in value:
+            raise ValueError("must not contain { or }: keys carry hash tags after the prefix")
+        return value
+
     @field_validator("projects")
     @classmethod
     def _project_names(cls, value: dict[str, ProjectSettings]) -> dict[str, ProjectSettings]:

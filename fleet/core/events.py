@@ -1,4 +1,4 @@
-"""Per-job live events: a Redis Stream ``{p}events:<id>`` that ``fleet tail`` and
+"""Per-job live events: a Redis Stream ``{p}events:{<id>}`` that ``fleet tail`` and
 ``Client.result`` read with blocking XREAD (nobody sleep-polls).
 
 Event types: ``queued``, ``rejected``, ``prepared``, ``admitted``, ``attempt``, ``reasoning``,

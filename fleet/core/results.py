@@ -1,11 +1,11 @@
 """Job records and final results in Redis (keys in fleet/core/keys.py).
 
-A job's life as the job hash records it (``{p}job:<id>`` field ``state``):
+A job's life as the job hash records it (``{p}job:{<id>}`` field ``state``):
     submitted (client) -> pending (prep handed it to the dispatcher) -> running (an inference
     worker claimed its lease) -> final
-A job ends with exactly one final Envelope. ``publish`` is one Lua script: it writes
-``{p}result:<id>`` only if absent (SET NX) and, in the same atomic step, appends the envelope to
-``{p}results:<project>``, adds the ``final`` event to ``{p}events:<id>`` and sets the TTLs. A
+A job ends with exactly one final Envelope. ``publish`` is one Lua script (fleet/core/lua/publish.lua): it writes
+``{p}result:{<id>}`` only if absent (SET NX) and, in the same atomic step, appends the envelope to
+``{p}results:<project>``, adds the ``final`` event to ``{p}events:{<id>}`` and sets the TTLs. A
 second publish for the same job (a duplicate delivery, a late worker, a cancel racing a finish)
 changes nothing and returns False, so consumers never see two results for one job.
 
@@ -34,36 +34,17 @@ from fleet.core.codes import Code
 from fleet.core.config import Settings
 from fleet.core.events import EVENTS_MAXLEN
 from fleet.core.keys import Keys
+from fleet.core.lua import Scripts
 from fleet.core.models import Envelope
 
 log = logging.getLogger(__name__)
-
-# KEYS: result, results stream, events stream, job hash, code counters
-# ARGV: envelope json, result ttl s, stream maxlen, events ttl s, now, code, events maxlen,
-#       counter field (project|code)
-_PUBLISH = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) == false then
-  return 0
-end
-if KEYS[2] ~= '' then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'envelope', ARGV[1])
-end
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'type', 'final', 'ts', ARGV[5],
-           'data', cjson.encode({code = ARGV[6]}))
-redis.call('EXPIRE', KEYS[3], ARGV[4])
-redis.call('HSET', KEYS[4], 'state', 'final', 'code', ARGV[6], 'finished_at', ARGV[5])
-redis.call('EXPIRE', KEYS[4], ARGV[2])
-redis.call('HINCRBY', KEYS[5], ARGV[8], 1)
-return 1
-"""
-
 
 class ResultStore:
     def __init__(self, client: redis.Redis, keys: Keys, settings: Settings) -> None:
         self.client: Any = client  # redis-py's response types are unions; we know the shapes
         self.keys = keys
         self.settings = settings
-        self._publish = client.register_script(_PUBLISH)
+        self._publish = Scripts(client, "fleet.core", ("publish",))["publish"]
 
     # -- job records ----------------------------------------------------------------------
     def record(self, job_id: str, **fields: Any) -> None:
@@ -80,15 +61,16 @@ class ResultStore:
     # -- results --------------------------------------------------------------------------
     def publish(self, envelope: Envelope, *, to_project_stream: bool = True) -> bool:
         """Write the one final envelope; False if the job already had one."""
-        stream = self.keys.results(envelope.project) if to_project_stream else ""
+        keys = [
+            self.keys.result(envelope.job_id),
+            self.keys.events(envelope.job_id),
+            self.keys.job(envelope.job_id),
+            self.keys.code_counts,
+        ]
+        if to_project_stream:
+            keys.append(self.keys.results(envelope.project))
         written = self._publish(
-            keys=[
-                self.keys.result(envelope.job_id),
-                stream,
-                self.keys.events(envelope.job_id),
-                self.keys.job(envelope.job_id),
-                self.keys.code_counts,
-            ],
+            keys=keys,
             args=[
                 envelope.model_dump_json(),
                 self.settings.result_ttl_s,

@@ -12,7 +12,8 @@ over time (``reserve_per_s``, so a quiet project can still retry a lone failure)
 holds at most ``capacity`` tokens (which bounds the burst: the window the ratio applies over).
 A retry takes one token or is refused. During an outage every first attempt fails, the bucket
 drains, and the project's retries fall to ``ratio`` of its traffic instead of multiplying it by
-``max_attempts``. The update is one Lua script, so any number of workers share one bucket.
+``max_attempts``. The update is one Lua script (fleet/infer/lua/retry_bucket.lua, registered once per client), so
+any number of workers share one bucket.
 """
 
 from __future__ import annotations
@@ -25,29 +26,7 @@ import redis
 
 from fleet.core.codes import Code
 from fleet.core.keys import Keys
-
-# KEYS[1] bucket hash. ARGV: now_s, credit (tokens to add, 0 for a spend), capacity, reserve_per_s,
-# spend (1 to take a token). Returns {granted (0/1), tokens after, as a string}.
-_BUCKET_LUA = """
-local key = KEYS[1]
-local now = tonumber(ARGV[1])
-local credit = tonumber(ARGV[2])
-local capacity = tonumber(ARGV[3])
-local reserve_per_s = tonumber(ARGV[4])
-local spend = tonumber(ARGV[5])
-local tokens = tonumber(redis.call('HGET', key, 'tokens') or ARGV[3])
-local ts = tonumber(redis.call('HGET', key, 'ts') or ARGV[1])
-if now > ts then tokens = tokens + (now - ts) * reserve_per_s end
-tokens = math.min(capacity, tokens + credit)
-local granted = 0
-if spend > 0 and tokens >= spend then
-  tokens = tokens - spend
-  granted = 1
-end
-redis.call('HSET', key, 'tokens', tostring(tokens), 'ts', tostring(math.max(now, ts)))
-redis.call('EXPIRE', key, 86400)
-return {granted, tostring(tokens)}
-"""
+from fleet.core.lua import shared
 
 
 def backoff_s(
@@ -81,7 +60,7 @@ class RetryBudget:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._key = keys.retry_budget(project)
-        self._script = client.register_script(_BUCKET_LUA)
+        self._script = shared(client, "fleet.infer", ("retry_bucket",))["retry_bucket"]
         self.ratio = ratio
         self.capacity = capacity
         self.reserve_per_s = reserve_per_s

@@ -5,16 +5,16 @@ prep message reserved or running on a worker that dies would otherwise wait for 
 visibility timeout (hours) before anyone looks at it again.
 
 Keys (fleet/core/keys.py)
-  {p}prep:<id>     string  the worker preparing the job; TTL prep_lease_s, renewed while it runs
-  {p}prepping      zset    job ids not yet handed over, score = when the watchdog should look
-                           (submitted_at + prep_unclaimed_s, then claim expiry while preparing)
-  {p}job:<id>      hash    field ``signed``: the signed message as submitted, to send it again
+  {p}{prep}:claim:<id>  string  the worker preparing the job; TTL prep_lease_s, renewed while it runs
+  {p}{prep}:prepping    zset    job ids not yet handed over, score = when the watchdog should look
+                                (submitted_at + prep_unclaimed_s, then claim expiry while preparing)
+  {p}job:{<id>}         hash    field ``signed``: the signed message as submitted, to send it again
 
 Flow
   submit     -> ZADD prepping (now + prep_unclaimed_s); the job hash keeps the signed message
-  prep start -> SET prep:<id> NX PX (a second delivery running at the same time stops here);
+  prep start -> SET {prep}:claim:<id> NX PX (a second delivery running at the same time stops here);
                 ZADD prepping (claim expiry); a keeper thread renews both every third of the TTL
-  prep end   -> DEL prep:<id>, ZREM prepping (whatever the outcome)
+  prep end   -> DEL {prep}:claim:<id>, ZREM prepping (whatever the outcome)
   watchdog   -> (a thread of every dispatcher) due entries whose job is neither handed over nor
                 final and has no live claim get their signed message sent again (the signature
                 check accepts the same message for the same job id); one watchdog takes each due
@@ -23,6 +23,9 @@ Flow
                 forever. Jobs never claimed are only waiting in a queue and are not counted.
 A job that merely waits long in a deep queue may be sent twice; the claim and the job's state
 make the copy a no-op.
+
+The claim and watchdog scripts are in fleet/prep/lua/; the ``{prep}`` hash tag keeps a claim and
+the zset in one Cluster slot.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import redis
 from fleet.core.codes import Code
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
+from fleet.core.lua import Scripts, shared
 from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
 
@@ -48,29 +52,10 @@ HANDED_OVER = ("pending", "running", "final")
 MAX_RESENDS = 5
 WATCH_INTERVAL_S = 2.0
 
-# Owner-checked claim operations: a worker whose claim lapsed must not touch its successor's.
-# KEYS: claim, prepping zset; ARGV: owner, ttl ms, job id, next look (unix s)
-_RENEW = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
-return 1
-"""
-# KEYS: claim, prepping zset; ARGV: owner, job id
-_RELEASE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
-redis.call('ZREM', KEYS[2], ARGV[2])
-return 1
-"""
-# Take a due entry: only one watchdog (of several dispatchers) wins it.
-# KEYS: prepping zset; ARGV: job id, now, next look
-_TAKE_DUE = """
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not score or tonumber(score) > tonumber(ARGV[2]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
-return 1
-"""
+
+def _scripts(client: Any) -> Scripts:
+    """renew, release (owner-checked) and take_due, registered once per client (fleet/prep/lua/)."""
+    return shared(client, "fleet.prep", ("renew", "release", "take_due"))
 
 
 class PrepClaim:
@@ -83,6 +68,7 @@ class PrepClaim:
         self.owner = owner
         self.ttl_ms = int(ttl_s * 1000)
         self._stop = threading.Event()
+        self._scripts = _scripts(client)
         self._thread = threading.Thread(target=self._renew, name=f"prep-{job_id[:8]}", daemon=True)
 
     def acquire(self) -> bool:
@@ -95,13 +81,16 @@ class PrepClaim:
         self._thread.start()
         return True
 
+    def renew_once(self) -> bool:
+        """Extend the claim and move the watchdog's look on; False once the claim is not ours."""
+        next_look = time.time() + self.ttl_ms / 1000
+        return bool(self._scripts["renew"](keys=[self.keys.prep(self.job_id), self.keys.prepping],
+                                           args=[self.owner, self.ttl_ms, self.job_id, next_look]))
+
     def _renew(self) -> None:
-        renew = self.client.register_script(_RENEW)
-        keys = [self.keys.prep(self.job_id), self.keys.prepping]
         while not self._stop.wait(self.ttl_ms / 3000):
             try:
-                next_look = time.time() + self.ttl_ms / 1000
-                if not renew(keys=keys, args=[self.owner, self.ttl_ms, self.job_id, next_look]):
+                if not self.renew_once():
                     log.warning("prep claim of job=%s lapsed", self.job_id)
                     return
             except redis.RedisError as exc:
@@ -114,7 +103,7 @@ class PrepClaim:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self.client.register_script(_RELEASE)(
+        self._scripts["release"](
             keys=[self.keys.prep(self.job_id), self.keys.prepping], args=[self.owner, self.job_id])
 
 
@@ -122,7 +111,7 @@ def watch_once(results: ResultStore, resend: Callable[[dict[str, Any]], None], n
                unclaimed_s: float) -> list[str]:
     """One pass: send again what stalled before hand-over; returns the job ids sent again."""
     client, keys = results.client, results.keys
-    take = client.register_script(_TAKE_DUE)
+    take = _scripts(client)["take_due"]
     due = [d.decode() for d in client.zrangebyscore(keys.prepping, "-inf", now, start=0, num=100)]
     sent = []
     for job_id in due:

@@ -1,6 +1,6 @@
 """The backend saturation gate: from one vLLM ``/metrics`` + ``/health`` snapshot, hold or not.
 
-Pure: schedulers/scrape.py does the HTTP and stores the verdict in Redis (``{p}d:backend``: scraped_at,
+Pure: schedulers/scrape.py does the HTTP and stores the verdict in Redis (``{p}{d}:backend``: scraped_at,
 hold, and the raw figures for ``fleet queues``); the admission script reads it on every decision,
 so all dispatchers see one gate. Hold reasons:
 

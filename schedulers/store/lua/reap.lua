@@ -1,0 +1,25 @@
+-- REAP: leases that expired (expiry < now) are freed and their jobs requeued at their original
+-- score. The caller read the expired ids and their items; each is checked again here.
+-- KEYS[1] leases     zset  in-flight job ids by lease expiry
+-- KEYS[2] state      hash  in_flight kv long queued
+-- KEYS[3] projects   set
+-- KEYS[4] deadlines  zset
+-- KEYS[5] wake       list
+-- then three per job j = 0, 1, ...:
+-- KEYS[6+3j] lease:<id>  hash;  KEYS[7+3j] item:<id>  hash;
+-- KEYS[8+3j] pending:<project>:<band>:<size>  zset  (the job's queue, as the caller read the item)
+-- ARGV: now, then (id, project, band, size) per job, in the same order as the keys.
+-- Returns the ids whose lease was freed here.
+local now, out = tonumber(ARGV[1]), {}
+for j = 0, (#KEYS - 5) / 3 - 1 do
+  local a, k = 2 + 4 * j, 6 + 3 * j
+  local id = ARGV[a]
+  local expires = redis.call('ZSCORE', KEYS[1], id)
+  if expires and tonumber(expires) < now and free_lease(KEYS[2], KEYS[1], KEYS[k], id) then
+    requeue_item(KEYS[2], KEYS[k + 1], KEYS[k + 2], KEYS[3], KEYS[4], id, ARGV[a + 1], ARGV[a + 2],
+      ARGV[a + 3])
+    table.insert(out, id)
+  end
+end
+if #out > 0 then wake(KEYS[5]) end
+return out

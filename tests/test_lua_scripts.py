@@ -1,0 +1,239 @@
+"""The Lua scripts on a real Redis: every key a script touches is one it declared in KEYS (what
+Redis Cluster requires), and each script is registered once per store or client, not per call.
+
+The key check watches the server with MONITOR while a workload runs every script: Redis lists the
+commands a script runs (``[0 lua]``) next to the EVALSHA that ran them (after it in Redis 7.0,
+before it in some other versions: a probe finds out), and COMMAND GETKEYS names the keys of each
+command."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Iterator
+from importlib import resources
+from typing import Any
+
+import pytest
+import redis
+
+from fleet.core.codes import Code
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.keys import Keys
+from fleet.core.models import Envelope
+from fleet.core.results import ResultStore
+from fleet.infer.retrying import RetryBudget
+from fleet.prep.watchdog import PrepClaim, watch_once
+from schedulers.store.base import PendingItem, StoreConfig
+from schedulers.store.redis_store import RedisStore
+
+LUA_FOLDERS = ("schedulers.store", "fleet.core", "fleet.prep", "fleet.infer")
+_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
+_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "a": "\a", "b": "\b", '"': '"', "\\": "\\"}
+
+
+def _unquote(text: str) -> str:
+    """Undo the quoting MONITOR applies to each argument (\\xHH and C escapes)."""
+    return re.sub(r"\\(x[0-9a-fA-F]{2}|.)",
+                  lambda m: chr(int(m.group(1)[1:], 16)) if len(m.group(1)) == 3 else _ESCAPES[m.group(1)],
+                  text)
+
+
+def _parse(line: str) -> tuple[bool, list[str]]:
+    """(whether a script ran it, its arguments) of one MONITOR line."""
+    head, _, rest = line.partition("] ")
+    return head.endswith(" lua"), [_unquote(a) for a in _QUOTED.findall(rest)]
+
+
+def _keys_of(client: redis.Redis, argv: list[str]) -> set[str]:
+    try:
+        return {k.decode() if isinstance(k, bytes) else k for k in client.command_getkeys(*argv)}
+    except redis.ResponseError:  # a command without keys
+        return set()
+
+
+def _workload(client: redis.Redis, prefix: str) -> None:
+    """Every script at least once: the dispatcher store's life cycle, publish, prep, retry budget."""
+    now = [1_000.0]
+    store = RedisStore(client, Keys(prefix), StoreConfig(gate=True, lease_ttl_s=10.0),
+                       clock=lambda: now[0])
+    store.record_backend(now[0], "", {})
+    store.add_pending(PendingItem("a1", "a", 500, 400, deadline=5_000.0))
+    store.add_pending_many([PendingItem("b1", "b", 9_000, 400, band="interactive"),
+                            PendingItem("c1", "c", 100, 100), PendingItem("c2", "c", 100, 100)])
+    grants = [store.admit_next(now[0]).grant for _ in range(2)]
+    assert all(grants)
+    first, second = (g for g in grants if g is not None)
+    assert store.claim(first.job_id, first.fence, "w1", now[0])
+    assert store.renew(first.job_id, first.fence, now[0])
+    assert store.resize(first.job_id, first.fence, 800)
+    assert store.release(first.job_id, first.fence)
+    assert store.requeue(second.job_id, second.fence)
+    third = store.admit_next(now[0]).grant
+    assert third is not None
+    now[0] += 60.0
+    store.record_backend(now[0], "", {})
+    assert store.reap_expired(now[0]) == [third.job_id]
+    assert store.cancel_pending("c2")
+    store.add_pending(PendingItem("d1", "d", 100, 100, deadline=now[0] - 1))
+    assert store.expire_deadlines(now[0]) == ["d1"]
+    store.admit_next(now[0])  # project d has no queue left: PRUNE drops it
+
+    settings = load_settings(EXAMPLE_CONFIG, env={})
+    keys = Keys(prefix)
+    results = ResultStore(client, keys, settings)
+    assert results.publish(Envelope.failure("j1", "p", Code.E_INTERNAL, "x"))
+    assert results.publish(Envelope.failure("j2", "p", Code.E_INTERNAL, "x"), to_project_stream=False)
+    signed = {"project": "p", "job": {"id": "j3"}, "nonce": "n", "ts": "1", "sig": "x"}
+    results.record("j3", state="submitted", project="p", signed=json.dumps(signed))
+    client.zadd(keys.prepping, {"j3": 0})
+    assert watch_once(results, lambda _m: None, now=100.0, unclaimed_s=600) == ["j3"]
+    claim = PrepClaim(client, keys, "j4", "w1", ttl_s=30)
+    assert claim.acquire()
+    assert claim.renew_once()
+    claim.release()
+
+    budget = RetryBudget(client, keys, "p", ratio=0.5, clock=lambda: now[0])
+    budget.first_attempt()
+    assert budget.try_spend()
+
+
+def _all_shas() -> dict[str, str]:
+    """sha1 -> file of every script as the loader registers it (the store's behind its prelude)."""
+    shas = {}
+    for package in LUA_FOLDERS:
+        folder = resources.files(package) / "lua"
+        prelude = (folder / "prelude.lua").read_text() + "\n" if (folder / "prelude.lua").is_file() else ""
+        for path in folder.iterdir():
+            if path.name.endswith(".lua") and path.name != "prelude.lua":
+                text = prelude + path.read_text()
+                shas[hashlib.sha1(text.encode()).hexdigest()] = f"{package}/lua/{path.name}"
+    return shas
+
+
+def _monitor_lines(client: redis.Redis, prefix: str, work: Callable[[redis.Redis], None]) -> list[list[str]]:
+    """The commands Redis ran while ``work`` ran, as (by_script, argv) in MONITOR's order."""
+    marker = f"{prefix}end-of-work"
+    with client.monitor() as monitor:
+        connection: Any = monitor.connection
+        worker = redis.Redis(connection_pool=client.connection_pool)
+        work(worker)
+        worker.echo(marker)
+        lines = []
+        while marker not in (line := _text(connection.read_response())):
+            lines.append(line)
+        return lines
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _script_lines_follow_evalsha(client: redis.Redis, prefix: str) -> bool:
+    probe = client.register_script("return redis.call('EXISTS', KEYS[1])")
+    probe(keys=[f"{prefix}probe"])  # loaded now, so the monitored run is one EVALSHA
+    lines = _monitor_lines(client, prefix, lambda c: probe(keys=[f"{prefix}probe"], client=c))
+    return not _parse(lines[0])[0]
+
+
+def undeclared_keys(client: redis.Redis, lines: list[str], after: bool) -> tuple[list[str], set[str]]:
+    """(every undeclared key access, as 'script: command key'; the shas that ran). ``after``:
+    a script's commands follow its EVALSHA in ``lines`` (else they precede it)."""
+    shas, ran, problems = _all_shas(), set(), []
+    calls: list[tuple[list[str], list[list[str]]]] = []  # (evalsha argv, the commands it ran)
+    inner: list[list[str]] = []
+    for line in lines:
+        by_script, argv = _parse(line)
+        if by_script:
+            (calls[-1][1] if after and calls else inner).append(argv)
+        elif argv and argv[0].upper() == "EVALSHA":
+            calls.append((argv, [] if after else inner))
+            inner = []
+    for argv, commands in calls:
+        sha, declared = argv[1], set(argv[3:3 + int(argv[2])])
+        ran.add(sha)
+        for command in commands:
+            for key in sorted(_keys_of(client, command) - declared):
+                problems.append(f"{shas.get(sha, sha)}: {command[0]} {key}")
+    return problems, ran
+
+
+@pytest.fixture
+def fresh_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def test_every_script_touches_only_the_keys_it_declares(fresh_client, key_prefix) -> None:
+    after = _script_lines_follow_evalsha(fresh_client, key_prefix)
+    lines = _monitor_lines(fresh_client, key_prefix, lambda c: _workload(c, key_prefix))
+    problems, ran = undeclared_keys(fresh_client, lines, after)
+    assert problems == []
+    assert sorted(_all_shas().get(sha, sha) for sha in set(_all_shas()) - ran) == []  # every script ran
+
+
+def test_the_check_sees_an_undeclared_key(fresh_client, key_prefix) -> None:
+    """The check above can fail: a script writing a key it built itself is caught."""
+    after = _script_lines_follow_evalsha(fresh_client, key_prefix)
+    sneaky = fresh_client.register_script("redis.call('SET', KEYS[1] .. ':other', '1') return 1")
+    sneaky(keys=[f"{key_prefix}k"])
+    lines = _monitor_lines(fresh_client, key_prefix, lambda c: sneaky(keys=[f"{key_prefix}k"], client=c))
+    problems, _ran = undeclared_keys(fresh_client, lines, after)
+    assert problems == [f"{sneaky.sha}: SET {key_prefix}k:other"]
+
+
+class CountingRedis(redis.Redis):
+    """A client that counts how often each script text is registered on it."""
+
+    registered: dict[str, int]
+
+    def register_script(self, script: Any) -> Any:
+        self.registered[script] = self.registered.get(script, 0) + 1
+        return super().register_script(script)
+
+
+def test_each_script_is_registered_once_per_client(redis_url: str, key_prefix: str) -> None:
+    client = CountingRedis.from_url(redis_url)
+    client.registered = {}
+    results = ResultStore(client, Keys(key_prefix), load_settings(EXAMPLE_CONFIG, env={}))
+    for _ in range(3):  # what a prep worker and a dispatcher's watchdog do over and over
+        _prep_and_retry(client, results)
+    store = RedisStore(client, Keys(key_prefix), StoreConfig(gate=False))
+    before = dict(client.registered)
+    for n in range(3):
+        store.add_pending(PendingItem(f"s{n}", "a", 100, 100))
+        grant = store.admit_next(1_000.0).grant
+        assert grant is not None and store.release(grant.job_id, grant.fence)
+    assert client.registered == before  # the store registered its scripts when it was made
+    assert client.registered and set(client.registered.values()) == {1}
+    client.close()
+
+
+def _prep_and_retry(client: redis.Redis, results: ResultStore) -> None:
+    keys = results.keys
+    claim = PrepClaim(client, keys, "job", "w1", ttl_s=30)
+    assert claim.acquire()
+    claim.release()
+    watch_once(results, lambda _m: None, now=0.0, unclaimed_s=600)
+    RetryBudget(client, keys, "p", ratio=0.2).first_attempt()
+
+
+def _lua_files() -> list[Any]:
+    return [path for package in LUA_FOLDERS for path in (resources.files(package) / "lua").iterdir()
+            if path.name.endswith(".lua")]
+
+
+@pytest.mark.parametrize("path", _lua_files(), ids=lambda p: p.name)
+def test_each_script_opens_with_its_keys_and_builds_no_key_itself(path: Any) -> None:
+    text = path.read_text()
+    header = "".join(line + "\n" for line in text.splitlines() if line.startswith("--"))
+    assert text.startswith("--"), "a script opens with its comment block"
+    used = set(re.findall(r"KEYS\[(\d+)\]", text.replace(header, "")))
+    documented = set(re.findall(r"KEYS\[(\d+)", header))
+    assert used <= documented, f"KEYS used but not described: {sorted(used - documented)}"
+    # A key is never spelled out or concatenated in a call: it comes from KEYS (or a helper's
+    # argument that its caller took from KEYS, which the MONITOR test above checks at run time).
+    calls = re.findall(r"redis\.p?call\(\s*'\w+'\s*,\s*([^,)]+)", text.replace(header, ""))
+    assert not [c for c in calls if ".." in c or "'" in c or "ARGV" in c]
