@@ -11,7 +11,8 @@ project and band, in flight, reserved KV, long in flight, admissions, holds), th
 the pending ids and the next deadline and expiry.
 
 The order of ``reap_expired``'s ids is not part of the contract (the caller only logs them), so
-they are compared as sorted lists.
+they are compared as sorted lists. Jobs are resubmitted only while not in flight: see ``other``
+for the disagreement that remains there.
 """
 
 from __future__ import annotations
