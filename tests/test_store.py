@@ -292,8 +292,8 @@ def test_resubmit_without_deadline_clears_it(make_store: StoreFactory) -> None:
     store = make_store()
     store.add_pending(job("j0", deadline=1_050.0))
     grant = store.admit_next(1_010.0).grant
-    assert grant is not None
-    store.add_pending(job("j0"))  # submitted again while in flight, this time without one
+    assert grant is not None and store.release("j0", grant.fence)
+    store.add_pending(job("j0"))  # submitted again after its lease ended, this time without one
     assert store.next_deadline() is None
     assert store.expire_deadlines(1_060.0) == []
     assert store.pending_ids() == {"j0"}
@@ -622,3 +622,23 @@ def test_random_sequences_redis_two_dispatchers(key_prefix: str) -> None:
         delete_prefix(clients[0], key_prefix)
         for client in clients:
             client.close()
+
+
+def test_a_job_in_flight_is_not_added_again(make_store: StoreFactory) -> None:
+    """A resubmission of a leased job is ignored: when the lease is later reaped, the job comes
+    back with its own place in line and no deadline it never had (the differential test found the
+    Redis store taking the facts of a resubmission cancelled meanwhile)."""
+    clock = FakeClock(990.0)
+    store = make_store(clock=clock)
+    store.add_pending(job("j0", enqueued_at=990.0))
+    grant = store.admit_next(1_000.0).grant
+    assert grant is not None and grant.job_id == "j0"
+    store.add_pending(job("j0", enqueued_at=995.0, deadline=1_100.0))
+    assert store.snapshot().pending == {}
+    assert store.cancel_pending("j0") is False
+    reaped_at = 1_000.0 + BASE.lease_ttl_s + 1
+    assert store.reap_expired(reaped_at) == ["j0"]
+    assert store.next_deadline() is None
+    again = store.admit_next(reaped_at).grant
+    assert again is not None and again.job_id == "j0"
+    assert again.waited_s == pytest.approx(reaped_at - 990.0)

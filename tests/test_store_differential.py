@@ -11,8 +11,7 @@ project and band, in flight, reserved KV, long in flight, admissions, holds), th
 the pending ids and the next deadline and expiry.
 
 The order of ``reap_expired``'s ids is not part of the contract (the caller only logs them), so
-they are compared as sorted lists. Jobs are resubmitted only while not in flight: see ``other``
-for the disagreement that remains there.
+they are compared as sorted lists. Resubmissions happen at any time, in flight too.
 """
 
 from __future__ import annotations
@@ -167,18 +166,12 @@ class Differential(RuleBasedStateMachine):
 
     @rule(op=other_ops, index=st.integers(0, 30))
     def other(self, op: tuple[Any, ...], index: int) -> None:
-        """Producers and the dispatcher's housekeeping: resubmit a job (ignored while pending,
-        queued again after it left), cancel one (index past the end: a job the
+        """Producers and the dispatcher's housekeeping: resubmit a job (ignored while pending or
+        in flight, queued again after it left), cancel one (index past the end: a job the
         stores never saw), expire deadlines, record a backend verdict."""
         name, *extra = op
         if name == "resubmit" and self.submitted:
             item = self.submitted[index % len(self.submitted)]
-            if item.job_id in self.memory.lease_fences():
-                # Known disagreement, left open: a resubmission of an in-flight job that is then
-                # cancelled (or expires) before the lease is reaped comes back with the cancelled
-                # resubmission's place and deadline in Redis (one item hash per job), with the
-                # leased job's in memory (which the base docstring asks for).
-                return
             deadline = None if extra[0] is None else self.clock.now + extra[0]
             self.both("add_pending", replace(item, deadline=deadline))
         elif name == "cancel":

@@ -70,8 +70,8 @@ class MemoryStore:
         size = "long" if item.prompt_tokens > self.config.limits.long_prompt_tokens else "short"
         score = fairshare.pending_score(item.enqueued_at, item.priority, self.config.aging_s)
         with self._lock:
-            if item.job_id in self._pending:
-                return
+            if item.job_id in self._pending or item.job_id in self._leases:
+                return  # pending already, or in flight: an expired lease puts it back itself
             if not self._pending and self._state.in_flight == 0:
                 self._vtime = fairshare.forgive(self._vtime, self._finish.values())
             self._push(_Entry(item, score, size))

@@ -132,7 +132,7 @@ class RedisStore:
         size = "long" if long else "short"
         score = fairshare.pending_score(enqueued_at, item.priority, self.config.aging_s)
         keys = [self._item(item.job_id), self._queue(item.project, item.band, size),
-                *map(self._key, ("deadlines", "projects", "state", "vtime", "wake"))]
+                *map(self._key, ("deadlines", "projects", "state", "vtime", "wake")), self._lease(item.job_id)]
         return keys, [
             item.job_id,
             item.project,
