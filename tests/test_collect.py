@@ -51,10 +51,10 @@ REDIRECTS = {"/redirect": "/article.html", "/loop-a": "/loop-b", "/loop-b": "/lo
 class Site(BaseHTTPRequestHandler):
     release = threading.Event()  # replaced per server; /slow waits on it
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         with contextlib.suppress(OSError):  # the client hangs up on purpose (timeouts, size cap)
             self._route()
 
