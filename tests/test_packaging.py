@@ -7,6 +7,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -158,8 +159,13 @@ def source_data_files() -> list[str]:
 
 @pytest.mark.slow
 def test_the_wheel_carries_the_package_data(tmp_path: Path) -> None:
+    # Built from a copy as a fresh clone has it: an egg-info left by an editable install would list
+    # the data files itself and hide a missing package-data rule.
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".*", "*.egg-info", "build", "__pycache__", "tests", "docs"))
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path),
-                           str(ROOT)], capture_output=True, text=True, timeout=600)
+                           str(source)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     [wheel] = tmp_path.glob("fleet-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
