@@ -1,5 +1,6 @@
 # Quick start: `make demo` runs the fleet end to end; `make test` runs the test suite.
-# Both create .venv with what they need on a machine that has only Python 3.11+.
+# Both create .venv with what they need on a machine that has only Python 3.11+, using the pip
+# that Python's venv ships (CI proves that older pip resolves the dependencies as declared).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
@@ -22,6 +22,7 @@ test: $(STAMP) lint
 lint: $(STAMP)
 	$(BIN)/ruff check fleet schedulers tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/fleet bench sim

@@ -6,9 +6,9 @@ from fleet.core.models import Envelope, Job, Message, Source
 __all__ = ["Client", "Code", "Envelope", "Job", "Message", "Source"]
 
 
-def __getattr__(name: str):  # noqa: ANN202 - lazy: importing fleet must not import Celery
+def __getattr__(name: str):  # lazy: importing fleet must not import Celery
     if name == "Client":
-        from fleet.client import Client  # noqa: PLC0415
+        from fleet.client import Client
 
         return Client
     raise AttributeError(name)

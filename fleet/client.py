@@ -145,7 +145,7 @@ class Client:
         state = record.get("state", "")
         if state == "running":
             return True
-        from schedulers.store import make_store  # noqa: PLC0415
+        from schedulers.store import make_store
 
         pending = make_store(self.settings, self.redis).cancel_pending(job_id)
         if pending or state == "submitted":

@@ -34,6 +34,19 @@ TEST_REDIS_URL = _test_redis_url()
 SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
 
 
+def corpus_file(*parts: str) -> str | None:
+    """A file of the corpora kept beside the repository (``../shared/corpora``), or None when absent.
+
+    Developers may not have the corpora, so their tests skip; CI always has them, so there (``CI``
+    set) a missing corpus fails the test instead of skipping it silently."""
+    path = os.path.join(SHARED, "corpora", *parts)
+    if os.path.exists(path):
+        return path
+    if os.environ.get("CI"):
+        pytest.fail(f"corpus absent in CI: {path}")
+    return None
+
+
 def delete_prefix(client: redis.Redis, prefix: str) -> None:
     batch = []
     for key in client.scan_iter(match=f"{prefix}*", count=1000):

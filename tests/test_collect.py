@@ -54,10 +54,10 @@ REDIRECTS = {"/redirect": "/article.html", "/loop-a": "/loop-b", "/loop-b": "/lo
 class Site(BaseHTTPRequestHandler):
     release = threading.Event()  # replaced per server; /slow waits on it
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         with contextlib.suppress(OSError):  # the client hangs up on purpose (timeouts, size cap)
             self._route()
 
@@ -328,10 +328,10 @@ def serve(handler: type[BaseHTTPRequestHandler], host: str = "127.0.0.1") -> tup
 class Internal(BaseHTTPRequestHandler):
     """An internal service (metadata endpoint, admin page) nobody outside may read."""
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         body = b"internal secret: aws_access_key=AKIA..."
         self.send_response(200)
         self.send_header("Content-Type", "text/plain")
@@ -401,10 +401,10 @@ class Trickle(BaseHTTPRequestHandler):
 
     stop = threading.Event()
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nX-Pad: "
         with contextlib.suppress(OSError):
             for byte in head:
@@ -446,10 +446,10 @@ BOMB_BYTES = 64 * 1024 * 1024
 class Bomb(BaseHTTPRequestHandler):
     body = gzip.compress(bytes(BOMB_BYTES), compresslevel=9)  # ~64 KiB on the wire
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         with contextlib.suppress(OSError):
             self.send_response(200)
             self.send_header("Content-Type", "text/plain")

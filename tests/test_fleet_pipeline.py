@@ -65,10 +65,10 @@ class Site(BaseHTTPRequestHandler):
     gated_arrivals: list[int] = []  # /gated.txt: the n-th request waits for gates[n]
     gates: list[threading.Event] = []
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         pages = {"/article.html": ("text/html; charset=utf-8", ARTICLE),
                  "/notes.json": ("application/json", json.dumps(NOTES))}
         if self.path == "/slow.txt":

@@ -11,7 +11,7 @@ import pytest
 
 from fleet.core.config import WatcherSettings
 from fleet.infer.loopwatch import LoopWatcher
-from tests.conftest import SHARED
+from tests.conftest import SHARED, corpus_file
 
 TRACES = os.path.join(SHARED, "corpora", "reasoning", "normal_traces.jsonl")
 SETTINGS = WatcherSettings()
@@ -99,8 +99,9 @@ def test_simulator_reasoning_normal_and_looping() -> None:
         assert caught is not None and caught < 3_000, (exact, caught)
 
 
-@pytest.mark.skipif(not os.path.exists(TRACES), reason=f"corpus absent: {TRACES}")
 def test_zero_alarms_on_the_real_normal_traces() -> None:
+    if corpus_file("reasoning", "normal_traces.jsonl") is None:
+        pytest.skip(f"corpus absent: {TRACES}")
     alarms = []
     count = 0
     with open(TRACES, encoding="utf-8") as f:

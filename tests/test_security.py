@@ -21,7 +21,7 @@ from fleet.core.request import (
     new_fence_tag,
     tools_allowed,
 )
-from tests.conftest import SHARED
+from tests.conftest import SHARED, corpus_file
 
 INJECTION = os.path.join(SHARED, "corpora", "injection")
 RAW_TAGS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>",
@@ -61,9 +61,9 @@ def test_tools_filtered_for_trusted_jobs() -> None:
 
 
 def corpus(name: str, limit: int) -> list[dict[str, str]]:
-    path = os.path.join(INJECTION, name)
-    if not os.path.exists(path):
-        pytest.skip(f"corpus absent: {path}")
+    path = corpus_file("injection", name)
+    if path is None:
+        pytest.skip(f"corpus absent: {os.path.join(INJECTION, name)}")
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for _, line in zip(range(limit), f, strict=False)]
 

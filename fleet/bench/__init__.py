@@ -17,7 +17,7 @@ BENCH_REDIS = "redis://127.0.0.1:6379/15"
 
 
 def _redis_url(url: str):  # type: ignore[no-untyped-def]
-    from fleet.local.embedded import ensure_broker  # noqa: PLC0415
+    from fleet.local.embedded import ensure_broker
 
     return ensure_broker(url)
 
@@ -29,7 +29,7 @@ def sim(
     with_speed_1: Annotated[bool, typer.Option(help="also run at --speed 1")] = True,
 ) -> None:
     """Simulator throughput at concurrency 1-32 next to the deployment's measured figures."""
-    from fleet.bench.sim import bench_sim  # noqa: PLC0415
+    from fleet.bench.sim import bench_sim
 
     bench_sim(speed, duration_s, with_speed_1, console=console)
 
@@ -61,11 +61,11 @@ def dispatch(
 ) -> None:
     """Dispatcher benchmarks: overhead at a large backlog and the in-bench saturation
     run, then the whole-fleet scenarios (saturation, long prompts, fairness, crash, baselines)."""
-    from fleet.bench.dispatch import dispatch_bench  # noqa: PLC0415
+    from fleet.bench.dispatch import dispatch_bench
 
     with _redis_url(redis_url) as broker:
         if fleet:
-            from fleet.bench.fleetbench import fleet_bench, rows_markdown, rows_table  # noqa: PLC0415
+            from fleet.bench.fleetbench import fleet_bench, rows_markdown, rows_table
 
             rows = fleet_bench(
                 broker.url, speed=fleet_speed, jobs=fleet_jobs, think=think, answer=answer,
@@ -90,7 +90,7 @@ def loops(
     redis_url: Annotated[str, typer.Option(help="Redis for the bench keys")] = BENCH_REDIS,
 ) -> None:
     """Loop watcher on vs off in the same run: wasted tokens, OK within two attempts, CPU cost."""
-    from fleet.bench.loops import bench_loops  # noqa: PLC0415
+    from fleet.bench.loops import bench_loops
 
     with _redis_url(redis_url) as broker:
         bench_loops(jobs=jobs, loop_share=loop_share, speed=speed, redis_url=broker.url)
@@ -104,7 +104,7 @@ def collect(
     redis_url: Annotated[str, typer.Option(help="Redis for the token cache")] = BENCH_REDIS,
 ) -> None:
     """Collect + trim throughput (MB/s of text, jobs/s), exact counts vs the estimate."""
-    from fleet.bench.collect import bench_collect  # noqa: PLC0415
+    from fleet.bench.collect import bench_collect
 
     with _redis_url(redis_url) as broker:
         bench_collect(jobs=jobs, sources_per_job=sources_per_job, doc_kb=doc_kb,
@@ -120,7 +120,7 @@ def pipeline(
     redis_url: Annotated[str, typer.Option(help="Redis for the fleet")] = BENCH_REDIS,
 ) -> None:
     """Backend utilization with and without a backlog of collect-heavy jobs (same run)."""
-    from fleet.bench.pipeline import bench_pipeline  # noqa: PLC0415
+    from fleet.bench.pipeline import bench_pipeline
 
     with _redis_url(redis_url) as broker:
         console.print(bench_pipeline(infer_jobs=infer_jobs, heavy_jobs=heavy_jobs, doc_kb=doc_kb,

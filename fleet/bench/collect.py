@@ -93,10 +93,10 @@ def material_server(site: Site) -> Iterator[str]:
     """Serves ``site.documents`` by path on 127.0.0.1 (a free port)."""
 
     class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             pass
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             content_type, body = site.documents.get(self.path, ("text/plain", b""))
             self.send_response(200 if body else 404)
             self.send_header("Content-Type", content_type)
@@ -241,7 +241,7 @@ def _token_backend(backend_url: str | None) -> Iterator[tuple[str, str]]:
     if backend_url is not None:
         yield backend_url, backend_url or "estimate"
         return
-    from fleet.sim.server import free_port, start_sim_process  # noqa: PLC0415
+    from fleet.sim.server import free_port, start_sim_process
 
     process = start_sim_process(free_port())
     try:

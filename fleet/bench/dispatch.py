@@ -108,7 +108,6 @@ class _Timeline:
     lock: threading.Lock = field(default_factory=threading.Lock)
     grants: list[float] = field(default_factory=list)
     releases: list[float] = field(default_factory=list)
-    output_tokens: int = 0
 
     def add(self, kind: str, t: float) -> None:
         with self.lock:

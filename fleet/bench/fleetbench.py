@@ -533,7 +533,7 @@ class FleetBench:
             ids[self.client.submit(job)] = spec
         return ids
 
-    def wait_prepared(self, count: int, follower_ids: set[str], timeout_s: float = 600) -> None:
+    def wait_prepared(self, count: int, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             snap = self.store.snapshot()
@@ -558,7 +558,7 @@ class FleetBench:
         submit_started = time.time()
         ids = self.submit(specs, long_text)
         submitted = time.time()
-        self.wait_prepared(len(ids), set(ids))
+        self.wait_prepared(len(ids))
         self.prep_figures = (len(ids), submitted - submit_started, time.time() - submit_started)
         self.reset_sim()
         sampler = Sampler(self.base_url, self.store)
@@ -611,10 +611,6 @@ def stats_max(sampler: Sampler) -> dict[str, Any]:
 
 def codes(envelopes: list[Envelope]) -> str:
     return " ".join(f"{c}={n}" for c, n in sorted(Counter(e.code.value for e in envelopes).items()))
-
-
-def tokens_of(envelopes: list[Envelope]) -> int:
-    return sum(e.usage.completion_tokens for e in envelopes)
 
 
 def by_project(envelopes: list[Envelope]) -> dict[str, list[Envelope]]:
@@ -1119,7 +1115,7 @@ def fleet_bench(
 
 
 def rows_table(rows: list[Row], title: str = "fleet bench dispatch --fleet") -> Any:
-    from rich.table import Table  # noqa: PLC0415
+    from rich.table import Table
 
     table = Table(title=title, show_lines=False)
     for column in ("scenario", "figure", "value", "target", "verdict"):

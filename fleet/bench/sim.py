@@ -22,10 +22,8 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from typing import Annotated
 
 import httpx
-import typer
 from rich.console import Console
 from rich.table import Table
 
@@ -145,13 +143,3 @@ def bench_sim(speed: float = 20.0, duration_s: float = 3.0, with_speed_1: bool =
     rows += _run_speed(speed, duration_s, concurrencies)
     (console or Console()).print(render_table(rows))
     return rows
-
-
-def sim_bench_command(
-    speed: Annotated[float, typer.Option(help="Simulator speed for the main run.")] = 20.0,
-    duration_s: Annotated[float, typer.Option(help="Measuring window per level, real s.")] = 3.0,
-    with_speed_1: Annotated[bool, typer.Option(help="Also run at --speed 1.")] = True,
-    speed_1_duration_s: Annotated[float, typer.Option(help="Window at speed 1, real s.")] = 4.0,
-) -> None:
-    """Aggregate output tok/s of `fleet sim` at concurrency 1-32 next to the deployment's figures."""
-    bench_sim(speed, duration_s, with_speed_1, speed_1_duration_s)

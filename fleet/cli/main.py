@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet.core.config import Settings, load_settings
-from fleet.core.errors import ConfigError, FleetError
+from fleet.core.errors import ConfigError, DependencyMissing, FleetError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="A worker fleet in front of a self-hosted vLLM reasoning model.")
@@ -32,7 +32,7 @@ def settings_or_exit() -> Settings:
 
 
 def setup_logging(level: str) -> None:
-    from fleet.core.config import EXAMPLE_CONFIG, config_path  # noqa: PLC0415
+    from fleet.core.config import EXAMPLE_CONFIG, config_path
 
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -42,9 +42,20 @@ def setup_logging(level: str) -> None:
             "write your own fleet.toml before accepting real jobs", EXAMPLE_CONFIG)
 
 
+def preflight_or_exit(role: str) -> None:
+    """Stop before taking work when a module the role needs cannot be imported (see preflight.py)."""
+    from fleet.worker.preflight import check
+
+    try:
+        check(role)
+    except DependencyMissing as exc:
+        typer.echo(f"{exc.code.value} {exc.message}", err=True)  # one line: rich would wrap it
+        raise typer.Exit(3) from exc
+
+
 def client_or_exit():  # type: ignore[no-untyped-def]
-    from fleet.client import Client  # noqa: PLC0415
-    from fleet.local.embedded import redis_answers  # noqa: PLC0415
+    from fleet.client import Client
+    from fleet.local.embedded import redis_answers
 
     settings = settings_or_exit()
     if not redis_answers(settings.broker_url):
@@ -66,7 +77,7 @@ def worker(
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Run a Celery worker (threads pool) for project queues and/or the inference queue."""
-    from fleet.worker.app import (  # noqa: PLC0415
+    from fleet.worker.app import (
         INFER_QUEUE,
         collect_queues,
         prep_queues,
@@ -84,6 +95,7 @@ def worker(
         queues += collect_queues(settings)
     if not queues:
         raise typer.BadParameter("role must be all, prep, collect or infer")
+    preflight_or_exit(role)
     worker_app(settings).worker_main([
         "worker", "-Q", ",".join(queues), "-P", pool, "-c", str(concurrency), "-E",
         "-n", hostname, "--loglevel", log_level, "--without-mingle", "--without-gossip",
@@ -93,7 +105,8 @@ def worker(
 @app.command()
 def dispatcher(log_level: Annotated[str, typer.Option()] = "INFO") -> None:
     """Run a rate-shaping dispatcher (any number may run; admission is atomic in Redis)."""
-    from fleet.worker.dispatch import serve_dispatcher  # noqa: PLC0415
+    preflight_or_exit("dispatcher")
+    from fleet.worker.dispatch import serve_dispatcher
 
     settings = settings_or_exit()
     setup_logging(log_level)
@@ -103,7 +116,7 @@ def dispatcher(log_level: Annotated[str, typer.Option()] = "INFO") -> None:
 @app.command()
 def flower(port: Annotated[int, typer.Option()] = 5555) -> None:
     """Run Flower on the fleet's broker (tasks, workers, queues)."""
-    from fleet.worker.app import worker_app  # noqa: PLC0415
+    from fleet.worker.app import worker_app
 
     worker_app(settings_or_exit()).start(["flower", f"--port={port}"])
 
@@ -115,9 +128,9 @@ def up(
     dispatchers: Annotated[int, typer.Option()] = 1,
 ) -> None:
     """Bring the whole fleet up locally (broker, sim if needed, dispatcher, workers) until Ctrl-C."""
-    import time  # noqa: PLC0415
+    import time
 
-    from fleet.local.processes import LocalFleet  # noqa: PLC0415
+    from fleet.local.processes import LocalFleet
 
     fleet = LocalFleet(settings_or_exit(), sim_speed=speed, workers=workers,
                        dispatchers=dispatchers, log_level="INFO")
@@ -139,7 +152,7 @@ def demo(
     speed: Annotated[float, typer.Option(help="simulator speed")] = 30.0,
 ) -> None:
     """Run the fleet on embedded defaults, push a mixed batch through it and summarise."""
-    from fleet.cli.demo import run_demo  # noqa: PLC0415
+    from fleet.cli.demo import run_demo
 
     wide = Console(width=max(console.width, 120))
     raise typer.Exit(run_demo(settings_or_exit(), jobs=jobs, speed=speed, console=wide))
@@ -186,7 +199,7 @@ def batch(
     timeout: Annotated[float, typer.Option(help="seconds to wait in all")] = 24 * 3600,
 ) -> None:
     """Submit a batch file; with --wait, show progress by code and write one line per input."""
-    from fleet.cli.batch import run_batch  # noqa: PLC0415
+    from fleet.cli.batch import run_batch
 
     with client_or_exit() as client:
         code = run_batch(client, file, project, wait=wait, out=out, timeout_s=timeout,
@@ -239,9 +252,9 @@ def cancel(job_id: str) -> None:
 @app.command()
 def queues() -> None:
     """Pending per project and band, in flight, reserved KV, long prompts, holds."""
-    import redis  # noqa: PLC0415
+    import redis
 
-    from fleet.cli.queues import queues_table  # noqa: PLC0415
+    from fleet.cli.queues import queues_table
 
     settings = settings_or_exit()
     console.print(queues_table(settings, redis.Redis.from_url(settings.broker_url)))
@@ -250,7 +263,7 @@ def queues() -> None:
 @app.command()
 def codes() -> None:
     """The message-code catalogue (docs/codes.md's table is generated from the same source)."""
-    from fleet.core.codes import markdown_table  # noqa: PLC0415
+    from fleet.core.codes import markdown_table
 
     typer.echo(markdown_table())
 
@@ -258,7 +271,7 @@ def codes() -> None:
 @app.command()
 def config(reference: Annotated[bool, typer.Option(help="print the key reference")] = False) -> None:
     """Show the settings in force (file + FLEET_* variables), or the key reference."""
-    from fleet.core.config import config_path, reference_markdown  # noqa: PLC0415
+    from fleet.core.config import config_path, reference_markdown
 
     if reference:
         typer.echo(reference_markdown())
@@ -286,9 +299,9 @@ def rejections(count: Annotated[int, typer.Option()] = 20) -> None:
 
 def _register_external() -> None:
     """Commands that live beside their code."""
-    from fleet.bench import bench_app  # noqa: PLC0415
-    from fleet.prep.prefix import prefix_command  # noqa: PLC0415
-    from fleet.sim.server import sim_command  # noqa: PLC0415
+    from fleet.bench import bench_app
+    from fleet.prep.prefix import prefix_command
+    from fleet.sim.server import sim_command
 
     app.command("sim", help="Run the vLLM-compatible simulator.")(sim_command)
     app.command("prefix", help="Check a project's shared prefix against the KV block size.")(

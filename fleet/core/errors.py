@@ -2,6 +2,7 @@
 
     FleetError                      (code E_INTERNAL)
      +-- ConfigError                 settings file or FLEET_* variable is wrong; names the key
+     |    +-- DependencyMissing      a module this process needs is not installed; names the extra
      +-- JobError                    the job itself
      |    +-- InputInvalid           E_INPUT_INVALID
      |    +-- AuthError              E_AUTH
@@ -9,8 +10,6 @@
      |    +-- CollectFailed          E_COLLECT_FAILED
      +-- AnswerError                 the model's answer
      |    +-- ThinkLoop              E_THINK_LOOP
-     |    +-- EmptyAnswer            E_EMPTY_ANSWER
-     |    +-- OutputInvalid          E_OUTPUT_INVALID
      +-- UpstreamError               the backend (translated at the vLLM client boundary)
      |    +-- UpstreamTimeout        E_UPSTREAM_TIMEOUT / E_CONNECT_TIMEOUT /
      |    |                          E_FIRST_TOKEN_TIMEOUT / E_STREAM_STALLED
@@ -45,6 +44,10 @@ class ConfigError(FleetError):
     code = Code.E_INPUT_INVALID
 
 
+class DependencyMissing(ConfigError):
+    pass
+
+
 class JobError(FleetError):
     pass
 
@@ -71,14 +74,6 @@ class AnswerError(FleetError):
 
 class ThinkLoop(AnswerError):
     code = Code.E_THINK_LOOP
-
-
-class EmptyAnswer(AnswerError):
-    code = Code.E_EMPTY_ANSWER
-
-
-class OutputInvalid(AnswerError):
-    code = Code.E_OUTPUT_INVALID
 
 
 class UpstreamError(FleetError):

@@ -131,7 +131,7 @@ class ResultStore:
         rejected = Envelope.model_validate_json(raw)
         return rejected if rejected.job_id == job_id else None
 
-    def wait(self, job_id: str, timeout_s: float) -> Envelope | None:  # noqa: C901
+    def wait(self, job_id: str, timeout_s: float) -> Envelope | None:
         """Block until the job's final envelope exists or ``timeout_s`` passes."""
         deadline = time.monotonic() + timeout_s
         events = self.keys.events(job_id)

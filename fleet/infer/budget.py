@@ -40,12 +40,6 @@ class Plan:
     max_model_len: int
     prompt_budget_tokens: int | None = None
 
-    def describe(self) -> str:
-        return (
-            f"prompt {self.prompt_tokens} + max_tokens {self.max_tokens} "
-            f"(thinking {self.thinking_budget} + reserve {self.content_reserve}); "
-            f"prompt limit {self.room_tokens}, max_model_len {self.max_model_len}"
-        )
 
 
 def plan(job: Job, project: ProjectSettings, settings: Settings, prompt_tokens: int) -> Plan:

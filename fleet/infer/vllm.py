@@ -224,7 +224,7 @@ def sliced_transport(max_connections: int = 256) -> httpx.HTTPTransport:
     transport = httpx.HTTPTransport()
     # httpx offers no public hook for the network backend; replacing its pool with one built
     # through httpcore's public constructor is the smallest way in.
-    transport._pool = httpcore.ConnectionPool(  # noqa: SLF001
+    transport._pool = httpcore.ConnectionPool(
         max_connections=max_connections,
         max_keepalive_connections=max_connections // 2,
         keepalive_expiry=5.0,

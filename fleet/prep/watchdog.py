@@ -95,7 +95,7 @@ class PrepClaim:
                     return
             except redis.RedisError as exc:
                 log.warning("prep claim of job=%s not renewed: %s", self.job_id, exc)
-            except Exception:  # noqa: BLE001 - a dead keeper would let the claim lapse unseen
+            except Exception:  # a dead keeper would let the claim lapse unseen
                 log.exception("prep claim keeper of job=%s failed", self.job_id)
                 return
 
@@ -149,5 +149,5 @@ def run_prep_watchdog(settings: Settings, results: ResultStore,
             watch_once(results, resend, time.time(), settings.prep_unclaimed_s)
         except redis.RedisError as exc:
             log.warning("prep watchdog: %s", exc)
-        except Exception:  # noqa: BLE001 - the watchdog must outlive one bad record
+        except Exception:  # the watchdog must outlive one bad record
             log.exception("prep watchdog pass failed")

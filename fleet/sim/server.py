@@ -24,15 +24,15 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import httpx
 import typer
-import uvicorn
 
-from fleet.sim.app import SimConfig, create_app
-from fleet.sim.plan import LengthDistribution
 from fleet.sim.profiles import DEFAULT_PROFILE, get_profile
+
+if TYPE_CHECKING:  # the server's own modules load when it runs: the `fleet` command registers
+    from fleet.sim.app import SimConfig  # `fleet sim` without needing the sim extra installed
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,9 @@ class SimOptions:
     log_level: str = "info"
 
     def config(self) -> SimConfig:
+        from fleet.sim.app import SimConfig
+        from fleet.sim.plan import LengthDistribution
+
         profile = get_profile(self.profile).with_overrides(
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             kv_pool_tokens=self.kv_pool_tokens, block_tokens=self.block_tokens,
@@ -91,6 +94,10 @@ class _DropFilter(logging.Filter):
 
 def serve(options: SimOptions) -> None:
     """Run the simulator until interrupted (blocking)."""
+    import uvicorn
+
+    from fleet.sim.app import create_app
+
     logging.basicConfig(level=options.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("uvicorn.error").addFilter(_DropFilter())

@@ -110,7 +110,7 @@ def create_app(settings: Settings) -> Celery:
 
 def worker_app(settings: Settings | None = None) -> Celery:
     """The app a worker runs: the Celery app with the fleet's tasks registered."""
-    from fleet.worker.tasks import register_tasks  # noqa: PLC0415 - tasks import the heavy modules
+    from fleet.worker.tasks import register_tasks  # tasks import the heavy modules
 
     app = create_app(settings or load_settings())
     register_tasks(app)

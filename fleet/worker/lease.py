@@ -74,7 +74,7 @@ class LeaseKeeper:
             except redis.RedisError as exc:
                 # Keep streaming through a Redis blip: the lease TTL covers several misses.
                 log.warning("lease keeper for job=%s: redis error %s", self.job_id, exc)
-            except Exception:  # noqa: BLE001 - a dead keeper would stream on unrenewed
+            except Exception:  # a dead keeper would stream on unrenewed
                 log.exception("lease keeper for job=%s failed", self.job_id)
                 self._lose("keeper failed")
                 return

@@ -54,33 +54,33 @@ class Runtime:
 
     @cached_property
     def store(self) -> RedisStore:
-        from schedulers.store import make_store  # noqa: PLC0415
+        from schedulers.store import make_store
 
         return make_store(self.settings, self.redis)
 
     @cached_property
     def lease_store(self) -> RedisStore:
         """The admission store on the lease keeper's client (renewals)."""
-        from schedulers.store import make_store  # noqa: PLC0415
+        from schedulers.store import make_store
 
         return make_store(self.settings, self.lease_redis)
 
     @cached_property
     def counter(self) -> TokenCounter:
-        from fleet.prep.tokens import TokenCounter  # noqa: PLC0415
+        from fleet.prep.tokens import TokenCounter
 
         backend = self.settings.backend
         return TokenCounter(backend.url, backend.model, self.redis, self.keys)
 
     @cached_property
     def collector(self) -> Collector:
-        from fleet.prep.collect import Collector  # noqa: PLC0415
+        from fleet.prep.collect import Collector
 
         return Collector(self.settings.collect)
 
     @cached_property
     def vllm(self) -> VllmClient:
-        from fleet.infer.vllm import VllmClient  # noqa: PLC0415
+        from fleet.infer.vllm import VllmClient
 
         backend = self.settings.backend
         return VllmClient(

@@ -102,14 +102,14 @@ def _prep_claimed(rt: Runtime, project: str, job_id: str, raw: dict[str, Any]) -
         return _prepare_and_enqueue(rt, job)
     except FleetError as exc:
         return _fail(rt, job.id, job.project, exc.code, exc.message, kind=job.kind)
-    except Exception as exc:  # noqa: BLE001 - the last line of defence: close the job, keep the worker
+    except Exception as exc:  # the last line of defence: close the job, keep the worker
         log.exception("prep failed job=%s", job.id)
         return _fail(rt, job.id, job.project, Code.E_INTERNAL, f"prep failed: {type(exc).__name__}")
 
 
 def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
-    from fleet.infer.budget import plan as plan_budget  # noqa: PLC0415
-    from fleet.prep.prepare import prepare  # noqa: PLC0415
+    from fleet.infer.budget import plan as plan_budget
+    from fleet.prep.prepare import prepare
 
     settings = rt.settings
     project = settings.projects[job.project]
@@ -170,7 +170,7 @@ def infer_job(rt: Runtime, job_id: str, project: str, fence: int) -> str:
         with keeper:
             rt.results.record(job_id, state="running", running_at=time.time(), fence=fence)
             envelope = _run(rt, job_id, project, keeper)
-    except Exception as exc:  # noqa: BLE001 - a bug or Redis failure: end the job, keep the worker
+    except Exception as exc:  # a bug or Redis failure: end the job, keep the worker
         log.exception("infer failed job=%s", job_id)
         envelope = Envelope.failure(job_id, project, Code.E_INTERNAL,
                                     f"inference task failed: {type(exc).__name__}")
@@ -196,8 +196,8 @@ def _resize(rt: Runtime, job_id: str, fence: int, max_tokens: int) -> None:
 
 
 def _run(rt: Runtime, job_id: str, project: str, keeper: LeaseKeeper) -> Envelope:
-    from fleet.infer.attempts import InferenceContext, run_inference  # noqa: PLC0415
-    from fleet.infer.budget import Plan  # noqa: PLC0415
+    from fleet.infer.attempts import InferenceContext, run_inference
+    from fleet.infer.budget import Plan
 
     record = rt.results.job_record(job_id)
     try:

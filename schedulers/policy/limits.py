@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fleet.core.config import Settings
 
-GLOBAL_REASONS = ("seqs", "spacing")
 RESERVING_REASONS = ("kv", "bucket")
 
 
