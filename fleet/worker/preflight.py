@@ -19,7 +19,7 @@ EXTRA = "worker"
 # lxml_html_clean is tried before trafilatura (which needs it through jusText).
 _PREP = ("lxml_html_clean", "charset_normalizer", "trafilatura", "httpx",
          "fleet.prep.prepare", "fleet.prep.collect", "fleet.prep.tokens")
-_INFER = ("jsonschema", "httpx", "fleet.infer.attempts", "fleet.infer.vllm", "fleet.infer.validate")
+_INFER = ("httpx", "fleet.infer.attempts", "fleet.infer.vllm", "fleet.infer.validate")
 NEEDS: dict[str, tuple[str, ...]] = {
     "prep": _PREP,
     "collect": _PREP,
