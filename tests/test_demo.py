@@ -1,0 +1,46 @@
+"""``fleet demo`` writes only into a Redis it started itself unless a broker is named: a Redis
+answering where the configuration points (the usual 127.0.0.1:6379) is never touched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from fleet.local.embedded import free_port, start_redis
+
+from .fleet_harness import make_config
+
+pytestmark = pytest.mark.slow
+
+
+def demo(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env |= {"FLEET_CONFIG": str(config), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "fleet", "demo", *args], env=env,
+                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+
+
+def test_demo_leaves_the_configured_redis_alone(tmp_path: Path) -> None:
+    with start_redis() as default:  # stands for whatever answers where fleet.toml points
+        config = make_config(tmp_path, broker_url=default.url)
+        watcher = redis.Redis.from_url(default.url)
+        connections = watcher.info("stats")["total_connections_received"]
+        result = demo(config, "--jobs", "2", "--speed", "100")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "2 results, 0 not OK, 0 missing" in result.stdout
+        assert f"broker {default.url}" not in result.stdout
+        assert watcher.dbsize() == 0
+        assert watcher.info("stats")["total_connections_received"] == connections  # nobody else came
+        watcher.close()
+
+
+def test_demo_refuses_a_named_broker_that_does_not_answer(tmp_path: Path) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    result = demo(make_config(tmp_path), "--broker", url)
+    assert result.returncode == 2
+    assert f"E_INPUT_INVALID no Redis answers at {url}" in result.stderr
