@@ -4,6 +4,7 @@ answering where the configuration points (the usual 127.0.0.1:6379) is never tou
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import redis
 
 from fleet.local.embedded import free_port, start_redis
 
-from .fleet_harness import make_config
+from .fleet_harness import make_config, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -44,3 +45,28 @@ def test_demo_refuses_a_named_broker_that_does_not_answer(tmp_path: Path) -> Non
     result = demo(make_config(tmp_path), "--broker", url)
     assert result.returncode == 2
     assert f"E_INPUT_INVALID no Redis answers at {url}" in result.stderr
+
+
+def test_demo_ends_at_once_when_a_process_of_the_fleet_dies(tmp_path: Path) -> None:
+    from .test_local_processes import descendants
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env |= {"FLEET_CONFIG": str(make_config(tmp_path)), "COLUMNS": "200"}
+    out = tmp_path / "demo.out"
+    with out.open("wb") as output:
+        process = subprocess.Popen([sys.executable, "-m", "fleet", "demo", "--jobs", "50", "--speed", "1"],
+                                   env=env, stdout=output, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: "broker redis://" in out.read_text() or process.poll() is not None, 120,
+                   "the demo to start its fleet")
+        dispatcher = next(pid for pid in descendants(process.pid)
+                          if b"dispatcher" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        os.kill(dispatcher, signal.SIGKILL)
+        _out, errors = process.communicate(timeout=120)  # a safety net: the demo waited 300 s before
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 1
+    assert "E_INTERNAL dispatcher-0 exited with code -9" in errors.decode()
+    assert "process logs kept in" in out.read_text()
