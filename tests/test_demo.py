@@ -15,6 +15,7 @@ import redis
 from fleet.local.embedded import free_port, start_redis
 
 from .fleet_harness import make_config, wait_until
+from .test_local_processes import descendants, kill_tree
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +49,6 @@ def test_demo_refuses_a_named_broker_that_does_not_answer(tmp_path: Path) -> Non
 
 
 def test_demo_ends_at_once_when_a_process_of_the_fleet_dies(tmp_path: Path) -> None:
-    from .test_local_processes import descendants
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
     env |= {"FLEET_CONFIG": str(make_config(tmp_path)), "COLUMNS": "200"}
     out = tmp_path / "demo.out"
@@ -64,9 +63,7 @@ def test_demo_ends_at_once_when_a_process_of_the_fleet_dies(tmp_path: Path) -> N
         os.kill(dispatcher, signal.SIGKILL)
         _out, errors = process.communicate(timeout=120)  # a safety net: the demo waited 300 s before
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+        kill_tree(process)
     assert process.returncode == 1
     assert "E_INTERNAL dispatcher-0 exited with code -9" in errors.decode()
     assert "process logs kept in" in out.read_text()

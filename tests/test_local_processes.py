@@ -63,6 +63,18 @@ def config(tmp_path: Path) -> Iterator[Path]:
     client.close()
 
 
+def kill_tree(process: subprocess.Popen) -> None:
+    """A failed test's clean-up: the process and everything under it, by pid."""
+    if process.poll() is not None:
+        return
+    left = descendants(process.pid)
+    process.kill()
+    process.wait()
+    for pid in left:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def start_up(tmp_path: Path, config: Path) -> tuple[subprocess.Popen, Path, Path]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
     env["FLEET_CONFIG"] = str(config)
@@ -70,8 +82,12 @@ def start_up(tmp_path: Path, config: Path) -> tuple[subprocess.Popen, Path, Path
     with out.open("wb") as stdout, errors.open("wb") as stderr:
         process = subprocess.Popen([sys.executable, "-m", "fleet", "up", "--speed", "50"], env=env,
                                    stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
-    wait_until(lambda: "Ctrl-C to stop" in out.read_text() or process.poll() is not None, 120,
-               "fleet up to start its children")
+    try:
+        wait_until(lambda: "Ctrl-C to stop" in out.read_text() or process.poll() is not None, 120,
+                   "fleet up to start its children")
+    except AssertionError:
+        kill_tree(process)
+        raise
     assert process.poll() is None, errors.read_text()
     return process, out, errors
 
@@ -87,12 +103,10 @@ def test_fleet_up_stops_every_child_on_a_stop_signal(tmp_path: Path, config: Pat
         wait_until(lambda: not any(alive(pid) for pid in children), STOP_BOUND_S,
                    "every child of fleet up to be gone")
     finally:
+        kill_tree(process)
         for pid in children:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        if process.poll() is None:
-            process.kill()
-            process.wait()
     assert "stopped by" in errors.read_text()
 
 
@@ -106,9 +120,7 @@ def test_fleet_up_ends_when_a_child_dies(tmp_path: Path, config: Path) -> None:
         os.kill(dispatcher, signal.SIGKILL)
         assert process.wait(timeout=STOP_BOUND_S) == 1
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        kill_tree(process)
     report = errors.read_text()
     assert "E_INTERNAL dispatcher-0 exited with code -9" in report
     assert "dispatcher running" in report  # its last lines, from its own output
