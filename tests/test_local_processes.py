@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from fleet.core.config import load_settings
+from fleet.local.embedded import start_redis
 from fleet.local.processes import ChildExited, LocalFleet
 
 from .conftest import TEST_REDIS_URL, delete_prefix
@@ -136,3 +137,11 @@ def test_a_child_that_fails_at_start_is_reported_at_once(config: Path) -> None:
     assert any("No such option" in line for line in caught.value.tail)
     assert "sim exited with code 2" in caught.value.message
     assert fleet.children == []  # start stopped what it had started
+
+
+def test_the_private_redis_server_is_out_of_reach_of_a_terminal_ctrl_c() -> None:
+    # A terminal sends Ctrl-C to its foreground process group: the broker must not be in it, or
+    # it would go before the workers and dispatchers that are still stopping.
+    with start_redis() as broker:
+        assert broker.process is not None
+        assert os.getsid(broker.process.pid) == broker.process.pid != os.getsid(0)
