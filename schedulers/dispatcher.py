@@ -12,9 +12,14 @@ Loop (``run_dispatcher``):
      timeout). Nothing sleep-polls; a freed slot is refilled as soon as the release's wake
      reaches a dispatcher.
 
+What it logs at INFO: start, stop, hold reasons as they change and a summary line a minute
+(schedulers/activity.py), errors; each admission only at DEBUG.
+
 Beside it, a thread scrapes the backend (schedulers/scrape.py) when ``admission.backend_gate`` is on,
 and prometheus_client serves ``/metrics`` on ``admission.metrics_port`` (0 = off). Any number of
-dispatchers may run against one Redis: the store's Lua script is the only place that decides.
+dispatchers may run against one Redis: the store's Lua script is the only place that decides. On
+one host they share the metrics port: the first takes it, the others warn and run without
+(schedulers/metrics.py serve_metrics).
 
 Failure cases:
 - ``send`` raises (broker down): the lease is given back at once with ``requeue`` (the job
@@ -39,6 +44,7 @@ import redis
 
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
+from schedulers.activity import Activity
 from schedulers.backoff import Backoff
 from schedulers.metrics import DispatcherMetrics, ResultCodeCollector, serve_metrics
 from schedulers.scrape import make_http, run_scraper
@@ -63,7 +69,7 @@ def admit_all(
         grant = result.grant
         if grant is None:
             return result
-        log.info(
+        log.debug(
             "admitted %s project=%s fence=%d prompt=%d kv=%d long=%s waited=%.3fs",
             grant.job_id,
             grant.project,
@@ -156,13 +162,20 @@ def run_dispatcher(
     server = serve_metrics(metrics, admission.metrics_port)
     scraper_stop = threading.Event()
     scraper = _start_scraper(settings, store, scraper_stop, clock)
+    activity = Activity(store, clock)
+
+    def counted_send(grant: Grant) -> None:
+        send(grant)
+        activity.admitted += 1
+
     log.info(
         "dispatcher running: cap=%d, prefix=%s", settings.backend.max_num_seqs, settings.key_prefix
     )
     try:
         while not stop.is_set():
             try:
-                result = dispatch_round(store, send, clock, metrics, on_expired)
+                result = dispatch_round(store, counted_send, clock, metrics, on_expired)
+                activity.round_ended(result.hold_reason)
                 if result.hold_reason == "send_failed":
                     stop.wait(backoff.next_s())
                     continue

@@ -3,6 +3,7 @@ process's own queue-wait histogram, served by prometheus_client on ``admission.m
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Iterable
 
@@ -97,8 +98,22 @@ class DispatcherMetrics:
 
 
 def serve_metrics(metrics: DispatcherMetrics, port: int):  # type: ignore[no-untyped-def]
+    """Serve ``/metrics`` on ``port`` (0 = off); returns the server, or None.
+
+    A busy port (another dispatcher on this host has it) is a WARNING and this dispatcher runs
+    on without its own endpoint: the figures read from the shared store and the result codes are
+    the same from every dispatcher, so the one that holds the port serves them for all; only this
+    process's queue-wait histogram goes unserved. Give each dispatcher its own port to scrape that.
+    """
     if not port:
         return None
-    server, _thread = start_http_server(port, registry=metrics.registry)
+    try:
+        server, _thread = start_http_server(port, registry=metrics.registry)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        log.warning("metrics port %d is in use (another dispatcher on this host?); this dispatcher "
+                    "serves no /metrics and goes on admitting", port)
+        return None
     log.info("dispatcher metrics on :%d/metrics", port)
     return server

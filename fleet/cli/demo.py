@@ -1,16 +1,18 @@
 """``fleet demo``: the whole fleet on embedded defaults, end to end, in about a minute.
 
-Brings up a LocalFleet (private Redis if none answers, ``fleet sim`` as the backend, one
-dispatcher, one worker), submits a mixed batch spread over the configured projects (plain
+Brings up a LocalFleet (a private redis-server unless a broker is named explicitly, ``fleet sim``
+as the backend, one dispatcher, one worker), submits a mixed batch spread over the configured projects (plain
 questions, JSON-schema answers, untrusted material, a tool call, reasoning that loops once and is
 caught), follows the results live, prints a per-project summary and stops everything. All keys
-live under a fresh prefix that is deleted at the end, so nothing is left behind.
+live under a fresh prefix that is deleted at the end on a named broker, so nothing is left behind.
+A process of the fleet that dies ends the demo at once with its name, exit code and last lines.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -25,7 +27,7 @@ from fleet.client import Client
 from fleet.core.config import Settings
 from fleet.core.models import Envelope
 from fleet.core.results import ResultFollower
-from fleet.local.processes import LocalFleet
+from fleet.local.processes import ChildExited, LocalFleet
 
 TOPICS = [
     "Summarise the main risks in migrating our billing service to the new message broker.",
@@ -94,18 +96,28 @@ def summary_table(envelopes: list[Envelope]) -> Table:
     return table
 
 
-def run_demo(settings: Settings, *, jobs: int, speed: float, console: Console) -> int:
+def run_demo(settings: Settings, *, jobs: int, speed: float, console: Console,
+             private_broker: bool = True) -> int:
+    """Run the demo; returns the exit code. ``private_broker`` (the default) runs it on a
+    redis-server of its own; otherwise on ``settings.broker_url``, deleting only its own keys.
+    Raises ``ChildExited`` as soon as one of the fleet's processes dies."""
     settings = settings.model_copy(update={"key_prefix": f"fleet-demo-{uuid.uuid4().hex[:8]}:"})
     started = time.monotonic()
     logs = tempfile.mkdtemp(prefix="fleet-demo-logs-")
-    fleet = LocalFleet(settings, sim_speed=speed, sim_args=SIM_ARGS, log_dir=logs)
-    with fleet:
-        run_settings = settings.model_copy(update={"broker_url": fleet.env["FLEET_BROKER_URL"]})
-        console.print(f"logs {logs}\nbroker {run_settings.broker_url}  backend {fleet.env['FLEET_BACKEND_URL']}"
-                      f"  projects {', '.join(settings.projects)}")
-        envelopes = _push(run_settings, jobs, console)
-    if fleet.broker is not None and not fleet.broker.started:
-        _delete_keys(run_settings)  # a shared Redis: remove this run's keys, and only those
+    fleet = LocalFleet(settings, sim_speed=speed, sim_args=SIM_ARGS, log_dir=logs,
+                       private_broker=private_broker, handle_signals=True)
+    try:
+        with fleet:
+            run_settings = settings.model_copy(update={"broker_url": fleet.env["FLEET_BROKER_URL"]})
+            console.print(f"logs {logs}\nbroker {run_settings.broker_url}  "
+                          f"backend {fleet.env['FLEET_BACKEND_URL']}  projects {', '.join(settings.projects)}")
+            envelopes = _push_supervised(fleet, run_settings, jobs, console)
+    except ChildExited:
+        console.print(f"process logs kept in {logs}")
+        raise
+    finally:
+        if not private_broker:
+            _delete_keys(settings)  # a shared Redis: remove this run's keys, and only those
     console.print(summary_table(envelopes))
     bad = [e for e in envelopes if not e.ok]
     for envelope in bad:
@@ -119,6 +131,27 @@ def run_demo(settings: Settings, *, jobs: int, speed: float, console: Console) -
         return 1
     shutil.rmtree(logs, ignore_errors=True)
     return 0
+
+
+def _push_supervised(fleet: LocalFleet, settings: Settings, jobs: int, console: Console) -> list[Envelope]:
+    """``_push`` in a thread while this (main) thread watches the fleet's processes, so a dead
+    dispatcher or worker ends the demo at once instead of after the results timeout. The thread
+    is a daemon: after a ChildExited it would only wait for results that cannot come."""
+    envelopes: list[Envelope] = []
+    failure: list[BaseException] = []
+
+    def push() -> None:
+        try:
+            envelopes.extend(_push(settings, jobs, console))
+        except BaseException as exc:  # handed to the main thread below
+            failure.append(exc)
+
+    thread = threading.Thread(target=push, name="demo-push", daemon=True)
+    thread.start()
+    fleet.supervise(done=lambda: not thread.is_alive())
+    if failure:
+        raise failure[0]
+    return envelopes
 
 
 def _push(settings: Settings, jobs: int, console: Console) -> list[Envelope]:

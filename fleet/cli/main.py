@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from fleet.core.codes import Code
 from fleet.core.config import Settings, load_settings
 from fleet.core.errors import ConfigError, DependencyMissing, FleetError
 
@@ -36,6 +39,9 @@ def setup_logging(level: str) -> None:
 
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: two lines a second per backend scrape, none of them news.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     if config_path().resolve() == EXAMPLE_CONFIG.resolve():
         logging.getLogger("fleet").warning(
             "running on the example configuration (%s): its project secrets are public; "
@@ -104,13 +110,20 @@ def worker(
 
 @app.command()
 def dispatcher(log_level: Annotated[str, typer.Option()] = "INFO") -> None:
-    """Run a rate-shaping dispatcher (any number may run; admission is atomic in Redis)."""
+    """Run a rate-shaping dispatcher (any number may run; admission is atomic in Redis).
+    SIGINT, SIGTERM and SIGHUP stop it after the current round (within admission.max_wait_s)."""
+    import signal
+    import threading
+
     preflight_or_exit("dispatcher")
     from fleet.worker.dispatch import serve_dispatcher
 
     settings = settings_or_exit()
     setup_logging(log_level)
-    serve_dispatcher(settings)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    serve_dispatcher(settings, stop)
 
 
 @app.command()
@@ -127,35 +140,63 @@ def up(
     workers: Annotated[int, typer.Option()] = 1,
     dispatchers: Annotated[int, typer.Option()] = 1,
 ) -> None:
-    """Bring the whole fleet up locally (broker, sim if needed, dispatcher, workers) until Ctrl-C."""
-    import time
+    """Bring the whole fleet up locally (broker, sim if needed, dispatcher, workers) until stopped.
 
+    SIGINT (Ctrl-C), SIGTERM or SIGHUP stops every child and exits 0; a child that exits on its
+    own stops the rest and exits 1, printing its name, exit code and last lines to stderr."""
     from fleet.local.processes import LocalFleet
 
     fleet = LocalFleet(settings_or_exit(), sim_speed=speed, workers=workers,
-                       dispatchers=dispatchers, log_level="INFO")
-    with fleet:
+                       dispatchers=dispatchers, log_level="INFO", handle_signals=True)
+    with stopped_cleanly(), fleet:
         console.print(f"broker  {fleet.env['FLEET_BROKER_URL']}\n"
                       f"backend {fleet.env.get('FLEET_BACKEND_URL', fleet.settings.backend.url)}\n"
                       "Ctrl-C to stop.")
-        try:
-            while not fleet.check():
-                time.sleep(1)
-            err.print(f"[red]stopped: {', '.join(fleet.check())} exited[/red]")
-        except KeyboardInterrupt:
-            pass
+        fleet.supervise()
+
+
+@contextmanager
+def stopped_cleanly() -> Iterator[None]:
+    """A stop signal ends the command with 0, a child that died with 1 and its report."""
+    from fleet.local.processes import ChildExited, Stopped
+
+    try:
+        yield
+    except Stopped as exc:
+        err.print(f"stopped by {exc}")
+    except ChildExited as exc:
+        typer.echo(f"{exc.code.value} {exc.message}", err=True)
+        raise typer.Exit(1) from exc
 
 
 @app.command()
 def demo(
     jobs: Annotated[int, typer.Option(help="how many jobs to submit")] = 50,
     speed: Annotated[float, typer.Option(help="simulator speed")] = 30.0,
+    broker: Annotated[str | None, typer.Option(
+        help="Redis URL to run on (default: FLEET_BROKER_URL if set, else a private redis-server)")]
+    = None,
 ) -> None:
-    """Run the fleet on embedded defaults, push a mixed batch through it and summarise."""
-    from fleet.cli.demo import run_demo
+    """Run the fleet end to end on a private Redis, push a mixed batch through it and summarise.
 
+    The demo writes into a Redis it starts itself unless --broker or FLEET_BROKER_URL names one;
+    that one must answer, and only the demo's own keys are deleted from it afterwards."""
+    import os
+
+    from fleet.cli.demo import run_demo
+    from fleet.local.embedded import redis_answers
+
+    settings = settings_or_exit()
+    broker = broker or os.environ.get("FLEET_BROKER_URL") or None
+    if broker is not None:
+        if not redis_answers(broker):
+            err.print(f"{Code.E_INPUT_INVALID.value} no Redis answers at {broker}", markup=False)
+            raise typer.Exit(2)
+        settings = settings.model_copy(update={"broker_url": broker})
     wide = Console(width=max(console.width, 120))
-    raise typer.Exit(run_demo(settings_or_exit(), jobs=jobs, speed=speed, console=wide))
+    with stopped_cleanly():
+        code = run_demo(settings, jobs=jobs, speed=speed, console=wide, private_broker=broker is None)
+        raise typer.Exit(code)
 
 
 # -- using the fleet --------------------------------------------------------------------------

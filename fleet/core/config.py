@@ -97,8 +97,9 @@ class AdmissionSettings(_Section):
     """Hold admissions while vLLM's kv_cache_usage_perc is above this."""
     aging_s: float = Field(60.0, gt=0)
     """Waiting this long lifts a batch job into the interactive tier (no starvation)."""
-    metrics_port: int = Field(9810, ge=0)
-    """Port of the dispatcher's Prometheus /metrics (0 = off)."""
+    metrics_port: int = Field(9810, ge=0, le=65535)
+    """Port of the dispatcher's Prometheus /metrics (0 = off). If another dispatcher on the host
+    holds it, this one logs a warning and runs on without /metrics (the shared figures are the same)."""
     hol_bypass_s: float = Field(10.0, ge=0)
     """How long smaller jobs may pass the first job in fair order while it does not fit the KV
     budget or the prefill bucket; after that everyone waits for it."""

@@ -94,7 +94,10 @@ def start_redis(timeout_s: float = 10.0) -> EmbeddedRedis:
         redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
         "--save", "", "--appendonly", "no", "--dir", folder, "--daemonize", "no",
     ]
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Its own session: a Ctrl-C in the terminal must not stop the broker before the processes
+    # that use it; the handle's close (or the process's exit) stops it last.
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
     handle = EmbeddedRedis(url=f"redis://127.0.0.1:{port}/0", process=process, folder=folder)
     atexit.register(handle.close)
     deadline = time.monotonic() + timeout_s

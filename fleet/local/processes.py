@@ -1,29 +1,80 @@
-"""Starting and stopping the fleet's processes for ``fleet up`` and ``fleet demo``.
+"""Starting, watching and stopping the fleet's processes for ``fleet up`` and ``fleet demo``.
 
-``LocalFleet`` brings up, in order: the broker (fleet/local/embedded.py decides: configured, answering
-or a private redis-server), ``fleet sim`` when no ``FLEET_BACKEND_URL`` is set, the dispatcher
-and the workers, each as a child process that inherits ``FLEET_BROKER_URL`` /
-``FLEET_BACKEND_URL`` so all of them agree on where things are. ``close`` stops them in the
-reverse order: SIGTERM, then SIGKILL after a grace period, so nothing is left behind for the
-next run. (In production the Procfile runs the same commands under honcho.)
+``LocalFleet`` brings up, in order: the broker (a private redis-server when ``private_broker`` is
+set, else fleet/local/embedded.py decides: configured, answering or a private one), ``fleet sim``
+when no ``FLEET_BACKEND_URL`` is set, the dispatchers and the workers, each as a child process
+that inherits ``FLEET_BROKER_URL`` / ``FLEET_BACKEND_URL`` so all of them agree on where things
+are. (In production the Procfile runs the same commands under honcho.)
+
+Life cycle, as an operator sees it:
+- every child runs in its own session, so stopping it signals its whole process group (Celery
+  prefork children included) and a Ctrl-C in the terminal reaches only the parent, which then
+  stops the children in order;
+- ``close`` stops them in the reverse order: SIGTERM to each group, a wait of at most
+  ``grace_s``, then SIGKILL to whatever is left, so nothing is left behind for the next run;
+- with ``handle_signals`` (the CLI sets it), SIGINT, SIGTERM and SIGHUP raise ``Stopped`` in the
+  main thread, so the ``with`` block ends and ``close`` runs - under systemd, honcho or a container
+  runtime as well as in a terminal. Signals after the first are ignored: the clean-up they would
+  interrupt is already under way and bounded;
+- each child's output is read line by line by a thread: into ``<log_dir>/<name>.log`` when
+  ``log_dir`` is set, else onto this process's standard output prefixed with the child's name.
+  The last ``TAIL_LINES`` lines of each are kept in memory;
+- ``supervise`` blocks while the children run. Each is meant to run until ``close``, so one that
+  exits raises ``ChildExited`` at once, naming it, with its exit code and the tail of its output.
+  A child that dies while the group is starting (the simulator rejecting an option, say) raises
+  the same error from ``start``, which then stops what it had started.
+
+Not covered: a parent killed with SIGKILL cannot stop its children; stop them by process group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import IO, Any
 
 import httpx
 
+from fleet.core.codes import Code
 from fleet.core.config import Settings
-from fleet.local.embedded import EmbeddedRedis, ensure_broker, free_port
+from fleet.core.errors import FleetError
+from fleet.local.embedded import EmbeddedRedis, ensure_broker, free_port, start_redis
 
 log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+TAIL_LINES = 20
+_stdout_lock = threading.Lock()
+
+
+class ChildExited(FleetError):
+    """A child of a running process group exited before it was asked to."""
+
+    code = Code.E_INTERNAL
+
+    def __init__(self, name: str, returncode: int, tail: list[str]) -> None:
+        shown = "\n".join(f"  {line}" for line in tail) if tail else "  (no output)"
+        super().__init__(f"{name} exited with code {returncode}; the last lines of its output:\n{shown}")
+        self.name = name
+        self.returncode = returncode
+        self.tail = tail
+
+
+class Stopped(Exception):
+    """A stop signal arrived (``LocalFleet.handle_signals``)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 @dataclass
@@ -38,12 +89,28 @@ class LocalFleet:
     config_path: str | None = None
     log_dir: str | None = None  # children's output goes to <log_dir>/<name>.log when set
     extra_env: dict[str, str] = field(default_factory=dict)  # FLEET_* overrides for children
+    private_broker: bool = False  # always start a private redis-server, whatever is configured
+    handle_signals: bool = False  # turn SIGINT/SIGTERM/SIGHUP into Stopped (main thread only)
     env: dict[str, str] = field(default_factory=dict)
     broker: EmbeddedRedis | None = None
     children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    _tails: dict[str, deque[str]] = field(default_factory=dict, repr=False)
+    _readers: dict[str, threading.Thread] = field(default_factory=dict, repr=False)
+    _previous_handlers: dict[int, Any] = field(default_factory=dict, repr=False)
+    _stopping: bool = field(default=False, repr=False)
 
     def start(self) -> LocalFleet:
-        self.broker = ensure_broker(self.settings.broker_url)
+        if self.handle_signals:
+            self._previous_handlers = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        try:
+            self._start_all()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start_all(self) -> None:
+        self.broker = start_redis() if self.private_broker else ensure_broker(self.settings.broker_url)
         self.env = {**os.environ, **self.extra_env, "FLEET_BROKER_URL": self.broker.url,
                     "FLEET_KEY_PREFIX": self.settings.key_prefix}
         if self.config_path:
@@ -57,49 +124,82 @@ class LocalFleet:
             self.spawn(f"worker-{n}", ["worker", "--concurrency", str(self.worker_concurrency),
                                        "--hostname", f"fleet-{n}-{os.getpid()}@%h",
                                        "--log-level", self.log_level])
-        return self
 
     def _start_sim(self) -> None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         self.env["FLEET_BACKEND_URL"] = url
+        # The simulator's access log is a line per request (two per dispatcher scrape): quiet
+        # unless sim_args ask otherwise (the last --log-level wins).
         self.spawn("sim", ["sim", "--port", str(port), "--speed", str(self.sim_speed),
-                           *self.sim_args])
-        wait_http(f"{url}/health", timeout_s=30)
+                           "--log-level", "warning", *self.sim_args])
+        process = self.children[-1][1]
+        wait_http(f"{url}/health", timeout_s=30, alive=lambda: process.poll() is None)
+        if process.poll() is not None:
+            raise self._exited("sim", process)
 
     def spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
         env = {**self.env, **(extra_env or {})}
-        output = None
-        if self.log_dir:
-            output = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115
-        try:
-            process = subprocess.Popen([sys.executable, "-m", "fleet", *args], env=env,
-                                       start_new_session=True, stdout=output,
-                                       stderr=subprocess.STDOUT if output else None)
-        finally:
-            if output is not None:
-                output.close()
+        process = subprocess.Popen([sys.executable, "-m", "fleet", *args], env=env,
+                                   start_new_session=True, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.children.append((name, process))
+        tail: deque[str] = deque(maxlen=TAIL_LINES)
+        sink = open(os.path.join(self.log_dir, f"{name}.log"), "a") if self.log_dir else None  # noqa: SIM115
+        reader = threading.Thread(target=_copy_output, args=(process.stdout, sink, f"{name} | ", tail),
+                                  name=f"output-{name}", daemon=True)
+        reader.start()
+        self._tails[name], self._readers[name] = tail, reader
         log.info("started %s pid=%d", name, process.pid)
 
     def check(self) -> list[str]:
         """Names of children that died."""
         return [name for name, p in self.children if p.poll() is not None]
 
+    def supervise(self, done: Callable[[], bool] | None = None, every_s: float = 0.2) -> None:
+        """Block until ``done()`` is true (forever without it); raise ``ChildExited`` as soon as
+        a child exits, and ``Stopped`` on a stop signal when ``handle_signals`` is set."""
+        while done is None or not done():
+            for name, process in self.children:
+                if process.poll() is not None:
+                    raise self._exited(name, process)
+            time.sleep(every_s)
+
+    def _exited(self, name: str, process: subprocess.Popen) -> ChildExited:
+        reader = self._readers.get(name)
+        if reader is not None:
+            reader.join(timeout=2)  # the last lines a dying child wrote
+        return ChildExited(name, process.returncode, list(self._tails.get(name, ())))
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self._stopping:
+            log.info("%s: already stopping", signal.Signals(signum).name)
+            return
+        self._stopping = True
+        raise Stopped(signum)
+
     def close(self, grace_s: float = 10.0) -> None:
+        self._stopping = True
         for _name, process in reversed(self.children):
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
+                _signal_group(process, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for _name, process in reversed(self.children):
+        for name, process in reversed(self.children):
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+                log.warning("%s did not stop within %.0f s; killing it", name, grace_s)
+                _signal_group(process, signal.SIGKILL)
                 process.wait(timeout=5)
+            _signal_group(process, signal.SIGKILL)  # what its own children left behind
+        for reader in self._readers.values():
+            reader.join(timeout=2)
         self.children.clear()
         if self.broker is not None:
             self.broker.close()
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers.clear()
 
     def __enter__(self) -> LocalFleet:
         return self.start()
@@ -108,9 +208,45 @@ class LocalFleet:
         self.close()
 
 
-def wait_http(url: str, timeout_s: float) -> None:
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    """Signal a child's process group (its session, started by ``spawn``); gone is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+def _copy_output(stream: IO[bytes], sink: IO[str] | None, prefix: str, tail: deque[str]) -> None:
+    """Copy a child's output line by line into ``sink`` (else prefixed onto stdout), keeping the
+    tail. Never raises: a reader that stopped would leave the child blocked on a full pipe."""
+    try:
+        for raw in stream:
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            tail.append(line)
+            with contextlib.suppress(OSError, ValueError):  # a closed terminal: keep draining
+                _write_line(sink, prefix, line)
+    finally:
+        stream.close()
+        if sink is not None:
+            sink.close()
+
+
+def _write_line(sink: IO[str] | None, prefix: str, line: str) -> None:
+    if sink is not None:
+        sink.write(line + "\n")
+        sink.flush()
+        return
+    out = sys.__stdout__
+    if out is None:
+        return
+    with _stdout_lock:
+        out.write(prefix + line + "\n")
+        out.flush()
+
+
+def wait_http(url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> None:
+    """Wait until ``url`` answers 200; return early when ``alive()`` turns false (the caller
+    reports the dead process)."""
     deadline = time.monotonic() + timeout_s
-    while True:
+    while alive():
         try:
             if httpx.get(url, timeout=1.0).status_code == 200:
                 return

@@ -8,6 +8,8 @@ the outside world.
   E_DEADLINE envelope here, without ever taking a slot.
 - the prep watchdog (fleet/prep/watchdog.py) runs beside the loop, sending again the prep messages
   of jobs whose prep worker died before handing them over.
+- ``stop`` ends both; ``fleet dispatcher`` sets it on SIGINT, SIGTERM and SIGHUP, so a supervisor
+  (systemd, honcho, ``fleet up``) stops a dispatcher cleanly within ``admission.max_wait_s``.
 """
 
 from __future__ import annotations
