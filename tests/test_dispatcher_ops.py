@@ -110,7 +110,7 @@ def test_an_idle_dispatcher_scraping_the_backend_logs_no_http_lines(
         seen: set[bytes] = set()
 
         def scraped_five_times() -> bool:
-            seen.add(client.hget(f"{Keys(settings.key_prefix).prefix}d:backend", "scraped_at") or b"")
+            seen.add(client.hget(f"{Keys(settings.key_prefix).dispatch}backend", "scraped_at") or b"")
             return len(seen - {b""}) >= 5
 
         wait_until(scraped_five_times, 60, "five backend scrapes")

@@ -93,8 +93,9 @@ def test_cap_holds_and_every_job_ends_exactly_once(fleet: Harness, probe: FleetP
     assert {job_id: env.code if env else None for job_id, env in envelopes.items()} == \
         dict.fromkeys(ids, Code.OK)
     stats = probe.sim_stats()
-    # The backend's own count: full (the cap was reached) and never over-full.
-    assert stats["max_running_seen"] == CAP
+    # The backend's own count: never over-full, and jobs did run side by side. (Whether the cap is
+    # reached exactly depends on how fast a loaded machine submits; that is a benchmark's question.)
+    assert 2 <= stats["max_running_seen"] <= CAP
     assert stats["total_requests"] == 40 and stats["running"] == 0
     # One request per job, one admission per job, one envelope per job.
     request_ids = Counter(b["request_id"] for b in probe.sim_requests())
