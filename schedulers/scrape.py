@@ -9,6 +9,10 @@ backend it cannot see. When a scrape finds no reason to hold, it wakes one dispa
 lifts within one scrape interval without anyone polling. Several dispatchers each run a scraper;
 the last write wins, which is fine for a once-a-second gauge reading.
 
+On its first healthy scrape, and the first after every unhealthy one, the scraper also compares
+the server's own block size, pool and max_model_len with ``[backend]`` (schedulers/serverinfo.py);
+with ``admission.on_server_mismatch = "refuse"`` a disagreement holds ("server_mismatch").
+
 The scraper thread must never die silently (a dead scraper holds every admission as "stale"
 with nothing in the log to say why): any error in one round is logged with its traceback and
 the next round goes on.
