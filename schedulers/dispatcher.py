@@ -48,6 +48,7 @@ from schedulers.activity import Activity
 from schedulers.backoff import Backoff
 from schedulers.metrics import DispatcherMetrics, ResultCodeCollector, serve_metrics
 from schedulers.scrape import make_http, run_scraper
+from schedulers.serverinfo import ServerCheck
 from schedulers.store import make_store
 from schedulers.store.base import AdmissionStore, AdmitResult, Grant
 
@@ -197,12 +198,14 @@ def run_dispatcher(
 def _start_scraper(
     settings: Settings, store: AdmissionStore, stop: threading.Event, clock: Callable[[], float]
 ) -> threading.Thread | None:
+    check = ServerCheck(settings)
     if not settings.admission.backend_gate:
+        check.check_once(make_http(settings))  # no scraper to hold admissions: refusing = not starting
         return None
 
     def scrape() -> None:
         with make_http(settings) as http:
-            run_scraper(settings, store, http, stop, clock)
+            run_scraper(settings, store, http, stop, clock, check)
 
     thread = threading.Thread(target=scrape, name="backend-scraper", daemon=True)
     thread.start()

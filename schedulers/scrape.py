@@ -9,6 +9,10 @@ backend it cannot see. When a scrape finds no reason to hold, it wakes one dispa
 lifts within one scrape interval without anyone polling. Several dispatchers each run a scraper;
 the last write wins, which is fine for a once-a-second gauge reading.
 
+On its first healthy scrape, and the first after every unhealthy one, the scraper also compares
+the server's own block size, pool and max_model_len with ``[backend]`` (schedulers/serverinfo.py);
+with ``admission.on_server_mismatch = "refuse"`` a disagreement holds ("server_mismatch").
+
 The scraper thread must never die silently (a dead scraper holds every admission as "stale"
 with nothing in the log to say why): any error in one round is logged with its traceback and
 the next round goes on.
@@ -26,6 +30,7 @@ import redis
 
 from fleet.core.config import AdmissionSettings, Settings
 from schedulers.policy.backend_gate import BackendSample, decide, sample_from
+from schedulers.serverinfo import ServerCheck
 from schedulers.store.base import AdmissionStore
 
 log = logging.getLogger(__name__)
@@ -56,8 +61,12 @@ def figures(sample: BackendSample) -> dict[str, str]:
     return out
 
 
-def record(store: AdmissionStore, sample: BackendSample, admission: AdmissionSettings) -> str:
-    """Judge ``sample`` against the previous scrape and store the verdict; returns the hold."""
+def record(
+    store: AdmissionStore, sample: BackendSample, admission: AdmissionSettings, server_hold: str = ""
+) -> str:
+    """Judge ``sample`` against the previous scrape and store the verdict; returns the hold.
+
+    ``server_hold`` (schedulers/serverinfo.py) holds when the sample alone would not."""
     previous = store.backend()
     preemptions, waiting = previous.get("preemptions"), previous.get("waiting")
     hold = decide(
@@ -66,7 +75,7 @@ def record(store: AdmissionStore, sample: BackendSample, admission: AdmissionSet
         admission,
         previous_waiting=float(waiting) if waiting else None,
     )
-    hold = hold or ""
+    hold = hold or server_hold
     store.record_backend(sample.scraped_at, hold, figures(sample))
     if not hold:
         store.wake()
@@ -87,12 +96,18 @@ def run_scraper(
     http: httpx.Client,
     stop: threading.Event,
     clock: Callable[[], float] = time.time,
+    check: ServerCheck | None = None,
 ) -> None:
-    """Scrape until ``stop`` is set. Logs when the verdict changes, not on every scrape."""
+    """Scrape until ``stop`` is set. Logs when the verdict changes, not on every scrape.
+
+    ``check`` compares the server's own figures with ``[backend]`` on the first healthy scrape and
+    on the first after every unhealthy one."""
     last_hold: str | None = None
     while not stop.is_set():
         try:
-            hold = record(store, scrape_once(http, clock()), settings.admission)
+            sample = scrape_once(http, clock())
+            server_hold = check.after_scrape(sample.healthy, http) if check is not None else ""
+            hold = record(store, sample, settings.admission, server_hold)
         except (redis.RedisError, ValueError):  # keep scraping: a dead scraper means "stale"
             log.exception("recording the backend scrape failed")
             hold = "error"

@@ -341,12 +341,15 @@ def rejections(count: Annotated[int, typer.Option()] = 20) -> None:
 def _register_external() -> None:
     """Commands that live beside their code."""
     from fleet.bench import bench_app
+    from fleet.cli.plan import plan_command
     from fleet.prep.prefix import prefix_command
     from fleet.sim.server import sim_command
 
     app.command("sim", help="Run the vLLM-compatible simulator.")(sim_command)
     app.command("prefix", help="Check a project's shared prefix against the KV block size.")(
         prefix_command)
+    app.command("plan", help="Size a deployment: KV arithmetic per parallel layout, or check a server.")(
+        plan_command)
     app.add_typer(bench_app, name="bench", help="Benchmarks (ratios against same-run baselines).")
 
 

@@ -19,7 +19,7 @@ import tomllib
 from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -109,6 +109,10 @@ class AdmissionSettings(_Section):
     longer one with a TimeoutError."""
     backend_gate: bool = True
     """Scrape the backend's /metrics and /health and hold admissions when it is saturated."""
+    on_server_mismatch: Literal["warn", "refuse"] = "warn"
+    """What a dispatcher does when the server's block size, KV pool or max_model_len (read at start
+    and whenever the backend comes back) disagree with [backend]: "warn" logs an error and goes
+    on; "refuse" holds every admission until they agree (schedulers/serverinfo.py)."""
 
 
 class TimeoutSettings(_Section):

@@ -2,7 +2,12 @@
 
 Gauges and counters are not kept twice: a custom collector reads ``Engine.stats`` and the prefix
 cache counters when scraped. Histograms are observed when a request finishes. All series carry the
-labels ``model_name`` (the served model name) and ``engine`` ("0"). Durations are simulated
+labels ``model_name`` (the served model name) and ``engine`` ("0"), except the info gauge
+``vllm:cache_config_info``, which carries, as vLLM's does, ``engine`` and one label per cache
+setting, every value as text: the profile's block size, its pool in whole blocks
+(``num_gpu_blocks``; ``kv_cache_size_tokens`` = blocks x block size, the pool in tokens),
+``kv_cache_max_concurrency`` (pool / max_model_len), KV cache dtype, prefix caching and memory
+utilisation. A real vLLM publishes every CacheConfig field; the others are left out. Durations are simulated
 seconds, like everything else the simulator reports (divide by ``--speed`` for wall time).
 
 ``SimMetrics`` owns its own ``CollectorRegistry`` (no global registry), so a reset simply builds a
@@ -43,8 +48,27 @@ class _EngineCollector(Collector):
         c.add_metric(self.labels, value)
         return c
 
+    def _cache_config(self) -> GaugeMetricFamily:
+        profile, pool = self.engine.profile, self.engine.pool
+        labels = {
+            "block_size": str(pool.block_tokens),
+            "cache_dtype": profile.cache_dtype,
+            "enable_prefix_caching": str(profile.enable_prefix_caching),
+            "gpu_memory_utilization": str(profile.gpu_memory_utilization),
+            "num_gpu_blocks": str(pool.total),
+            "num_cpu_blocks": "None",
+            "kv_cache_size_tokens": str(pool.total * pool.block_tokens),
+            "kv_cache_max_concurrency": str(pool.total * pool.block_tokens / profile.max_model_len),
+            "engine": self.labels[1],
+        }
+        g = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                              labels=list(labels))
+        g.add_metric(list(labels.values()), 1.0)
+        return g
+
     def collect(self) -> Iterator[Metric]:
         e, st = self.engine, self.engine.stats
+        yield self._cache_config()
         yield self._gauge("vllm:num_requests_running", "Requests in model execution batches.",
                           len(e.running))
         yield self._gauge("vllm:num_requests_waiting", "Requests waiting to be processed.",

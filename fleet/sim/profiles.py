@@ -3,7 +3,9 @@
 A profile is the set of numbers that make the simulator behave like one vLLM deployment. The
 default, ``qwen3-next-tp2pp2``, is the server of docs/deployment.md: Qwen3-Next-80B-A3B-Thinking
 over TP=2 x PP=2, ``--max-num-seqs 32``, ``--max-model-len 262144``,
-``--max-num-batched-tokens 2048``, a KV pool of about 530,000 tokens in 1,072-token blocks.
+``--max-num-batched-tokens 2048``, a KV pool of about 530,000 tokens in 1,072-token blocks,
+``--kv-cache-dtype fp8``, ``--enable-prefix-caching``, ``--gpu-memory-utilization 0.92`` (the last
+three only show in ``vllm:cache_config_info``).
 
 Decode throughput
 -----------------
@@ -80,6 +82,10 @@ class SimProfile:
     max_num_batched_tokens: int = 2_048
     prefill_tokens_per_s: float = 8_000.0
     decode: DecodeCurve = field(default_factory=DecodeCurve)
+    cache_dtype: str = "fp8"
+    """--kv-cache-dtype, as /metrics publishes it in vllm:cache_config_info."""
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.92
 
     def with_overrides(self, **overrides: object) -> SimProfile:
         clean = {k: v for k, v in overrides.items() if v is not None}
