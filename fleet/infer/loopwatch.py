@@ -60,9 +60,7 @@ _CJK = "\u3040-\u309f\u30a0-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 _SHARE_WORD = re.compile(
     f"[\u3040-\u309f]+|[\u30a0-\u30ff]+|[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+|[^\\W{_CJK}]+"
 )
-# A piece that ends inside a word keeps the word for the next update, so that a word is never
-# cut in two differently on two passes over the same text.
-_OPEN_WORD = re.compile(r"\w+\Z")
+_OPEN_WORD = re.compile(r"\w")
 
 
 @dataclass(frozen=True)
@@ -99,8 +97,7 @@ class LoopWatcher:
         self.chars += len(text_piece)
         if not text_piece.isspace():
             self._last_progress = now
-        verdict = (self._feed_paragraph(text_piece) or self._feed_tail(text_piece)
-                   or self._feed_share(text_piece))
+        verdict = self._feed_paragraph(text_piece) or self._feed_tail(text_piece)
         if verdict is not None:
             self.verdict = verdict
         return verdict
@@ -122,10 +119,12 @@ class LoopWatcher:
         self._pending_chars += len(piece)
         if self._pending_chars < self.s.check_every_chars:
             return None
-        self._tail = (self._tail + "".join(self._pending))[-self._keep_chars:]
+        new_text = "".join(self._pending)
+        self._tail = (self._tail + new_text)[-self._keep_chars:]
         self._pending.clear()
         self._pending_chars = 0
-        return self._periodic_tail()
+        # The repeated share takes the text in the same batches: one call per check, not per piece.
+        return self._periodic_tail() or self._feed_share(new_text)
 
     def _periodic_tail(self) -> Verdict | None:
         tail, s = self._tail, self.s
@@ -229,23 +228,25 @@ class _RepeatedShare:
         self._pending_chars += len(piece)
         if self._pending_chars < self.s.share_chunk_chars:
             return None
-        text = "".join(self._pending)
-        open_word = _OPEN_WORD.search(text)
-        if open_word is not None and open_word.start() > 0 and len(text) < 4 * self.s.share_chunk_chars:
-            self._pending = [open_word.group()]
-            text = text[: open_word.start()]
-        else:
-            self._pending = []
-        self._pending_chars = sum(map(len, self._pending))
-        return self._update(text)
+        text = "".join(self._pending).lower()
+        words = _SHARE_WORD.findall(text)
+        self._pending = []
+        # A batch that ends inside a word keeps the word for the next one (a word split in two
+        # differently on two passes over the same text would hide the repeat).
+        if words and _OPEN_WORD.match(text[-1]) and len(text) < 4 * self.s.share_chunk_chars:
+            self._pending = [text[-len(words[-1]):]]
+            words.pop()
+        self._pending_chars = len(self._pending[0]) if self._pending else 0
+        return self._update(words)
 
-    def _update(self, text: str) -> float | None:
+    def _update(self, new_words: list[str]) -> float | None:
         k = self.s.share_gram_words
-        words = self._carry + _SHARE_WORD.findall(text.lower())
+        words = self._carry + new_words
         self._carry = words[-(k - 1):]
-        grams = list(map(hash, zip(*(words[i:] for i in range(k)), strict=False)))
-        repeated = sum(1 for g in grams if g in self._new or g in self._old)
-        self._new.update(grams)
+        # Distinct k-grams per update: set operations run at C speed, a loop per k-gram would not.
+        grams = set(map(hash, zip(*(words[i:] for i in range(k)), strict=False)))
+        repeated = len(grams & self._new) + len((grams - self._new) & self._old)
+        self._new |= grams
         if len(self._new) >= self.s.share_history_grams:
             self._old, self._new = self._new, set()
         if len(self._window) == self._window.maxlen:
