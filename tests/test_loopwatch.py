@@ -113,3 +113,58 @@ def test_zero_alarms_on_the_real_normal_traces() -> None:
                 alarms.append((trace["id"], verdict))
     assert count == 1188
     assert alarms == []
+
+
+LOOP_TRACES = os.path.join(SHARED, "corpora", "reasoning", "loop_traces.jsonl")
+
+
+def _normal_texts(limit: int) -> list[str]:
+    if not os.path.exists(TRACES):
+        return []
+    with open(TRACES, encoding="utf-8") as f:
+        return [json.loads(line)["text"] for _, line in zip(range(limit), f, strict=False)]
+
+
+@pytest.mark.skipif(not os.path.exists(LOOP_TRACES), reason=f"corpus absent: {LOOP_TRACES}")
+def test_every_real_template_loop_trace_is_cut() -> None:
+    missed = []
+    with open(LOOP_TRACES, encoding="utf-8") as f:
+        traces = [json.loads(line) for line in f]
+    assert len(traces) == 10
+    for trace in traces:
+        verdict, at = stream(LoopWatcher(SETTINGS), trace["text"], piece=16)
+        # Cut while most of the budget is still ahead: these traces run 44,000 - 158,000 chars.
+        if verdict is None or at > len(trace["text"]) * 0.85:
+            missed.append(trace["id"])
+    assert missed == []
+
+
+@pytest.mark.parametrize("language", ["en", "ja"])
+def test_generated_template_loops_are_cut_after_they_begin(language: str) -> None:
+    from fleet.bench.loopgen import generate_loops
+
+    loops = [g for g in generate_loops(seed=11, count=80, leads=_normal_texts(200))
+             if g.language == language]
+    rng = random.Random(13)
+    cut, early = 0, []
+    for g in loops:
+        verdict, at = stream(LoopWatcher(SETTINGS), g.text, piece=rng.randint(1, 9))
+        if verdict is not None and at < g.onset_chars:
+            early.append((g.onset_chars, at, verdict))
+        elif verdict is not None:
+            cut += 1
+    assert early == []  # a verdict in the normal lead is a false alarm
+    assert cut / len(loops) >= 0.95
+
+
+def test_template_loop_state_stays_bounded() -> None:
+    from fleet.bench.loopgen import generate_loops
+
+    settings = WatcherSettings(repeat_share=1.0, paragraph_jaccard=1.0, similar_paragraphs=16)
+    watcher = LoopWatcher(settings)
+    text = generate_loops(seed=12, count=1, loop_chars=200_000)[0].text
+    stream(watcher, text, piece=64)
+    assert watcher.verdict is None  # it streamed to the end, so the state saw all 200,000 chars
+    share = watcher._share
+    assert len(share._old) + len(share._new) <= 2 * settings.share_history_grams
+    assert len(share._window) <= settings.share_window_chunks

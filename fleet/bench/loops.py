@@ -14,15 +14,27 @@ Reported per mode:
 And the watcher's CPU cost per 1,000 streamed tokens, measured with ``time.process_time`` over a
 replay of the reasoning corpus (``reasoning/normal_traces.jsonl``, docs/testing.md; a generated
 text when it is absent), in 4-character pieces (about one token each).
+
+A second table replays template loops through the watcher alone: the real looping traces
+(``reasoning/loop_traces.jsonl``) and the seeded generator's English and Japanese loops
+(fleet/bench/loopgen.py, leads cut from the normal traces), and reports recall, false alarms (a
+verdict on a normal trace, or in a generated trace's lead), how far past the onset the loop was cut
+and the reasoning tokens saved against letting it run to the end of the trace (the thinking budget
+for the real ones: most never closed their reasoning). The onset of a real loop is the first
+occurrence of a 20-word span that then repeats 10 or more times (the corpus's own selection rule),
+so "after onset" there is an upper bound. Tokens are estimated as 4 characters (English) or 1
+character (Japanese).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,6 +43,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
+from fleet.bench.loopgen import generate_loops
 from fleet.core.config import EXAMPLE_CONFIG, Settings, WatcherSettings, load_settings
 from fleet.core.events import EventSink
 from fleet.core.keys import Keys
@@ -42,6 +55,8 @@ from fleet.infer.vllm import VllmClient
 
 CORPUS = Path(__file__).resolve().parents[3] / "shared" / "corpora" / "reasoning" / \
     "normal_traces.jsonl"
+LOOP_CORPUS = CORPUS.with_name("loop_traces.jsonl")
+CHARS_PER_TOKEN = {"en": 4, "ja": 1}
 
 
 class _NullSink(EventSink):
@@ -75,6 +90,70 @@ def watcher_cpu_ms_per_1000_tokens(max_traces: int = 300) -> tuple[float, int]:
         tokens += (len(text) + 3) // 4
     cpu_s = time.process_time() - start
     return cpu_s / tokens * 1000 * 1000, tokens
+
+
+def _cut_at(text: str, settings: WatcherSettings) -> int | None:
+    watcher = LoopWatcher(settings)
+    for i in range(0, len(text), 16):
+        if watcher.feed(text[i:i + 16], 0.0) is not None:
+            return i + 16
+    return None
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _real_onset(text: str, span: int = 20, repeats: int = 10) -> int:
+    words = [(m.start(), m.group()) for m in re.finditer(r"\S+", text)]
+    first: dict[tuple[str, ...], int] = {}
+    counts: Counter[tuple[str, ...]] = Counter()
+    for i in range(len(words) - span + 1):
+        key = tuple(w for _, w in words[i:i + span])
+        first.setdefault(key, i)
+        counts[key] += 1
+    looping = [first[k] for k, c in counts.items() if c >= repeats]
+    return words[min(looping)][0] if looping else 0
+
+
+def _loop_row(name: str, cases: list[tuple[str, int, str]], alarms: int, normals: int,
+              settings: WatcherSettings) -> dict[str, Any]:
+    after: list[int] = []
+    saved = total = 0
+    for text, onset, language in cases:
+        per = CHARS_PER_TOKEN[language]
+        total += len(text) // per
+        at = _cut_at(text, settings)
+        if at is None:
+            continue
+        if at < onset:
+            alarms += 1
+            continue
+        after.append((at - onset) // per)
+        saved += (len(text) - at) // per
+    after.sort()
+    return {"set": name, "loops": len(cases), "cut": len(after), "false_alarms": alarms,
+            "normal_traces": normals,
+            "median_tokens_after_onset": after[len(after) // 2] if after else None,
+            "max_tokens_after_onset": after[-1] if after else None,
+            "tokens_saved": saved, "tokens_if_run_out": total}
+
+
+def bench_template_loops(generated: int = 200, seed: int = 7) -> list[dict[str, Any]]:
+    """The watcher alone on real and generated template loops (the second table)."""
+    settings = WatcherSettings.model_validate({})
+    normals = [t["text"] for t in _read(CORPUS)]
+    alarms = sum(1 for text in normals if _cut_at(text, settings) is not None)
+    real = [(t["text"], _real_onset(t["text"]), "en") for t in _read(LOOP_CORPUS)]
+    rows = [_loop_row("real (loop_traces.jsonl)", real, alarms, len(normals), settings)] if real else []
+    loops = generate_loops(seed, generated, normals)
+    for language in ("en", "ja"):
+        cases = [(g.text, g.onset_chars, g.language) for g in loops if g.language == language]
+        rows.append(_loop_row(f"generated, {language}", cases, 0, 0, settings))
+    return rows
 
 
 def _jobs(jobs: int, loop_share: float, seed: int) -> list[tuple[Job, bool]]:
@@ -158,7 +237,9 @@ def bench_loops(jobs: int = 40, loop_share: float = 0.2, speed: float = 40.0,
     for row in rows:
         row["watcher_cpu_ms_per_1000_tokens"] = round(cpu_ms, 3) if row["watcher"] == "on" else 0
     _print(rows, tokens)
-    return rows
+    template_rows = bench_template_loops()
+    _print_template(template_rows, cpu_ms)
+    return rows + template_rows
 
 
 def _print(rows: list[dict[str, Any]], tokens: int) -> None:
@@ -173,6 +254,20 @@ def _print(rows: list[dict[str, Any]], tokens: int) -> None:
                       str(r["watcher_cpu_ms_per_1000_tokens"]))
     Console().print(table)
     Console().print(f"watcher CPU measured over {tokens} replayed corpus tokens")
+
+
+def _print_template(rows: list[dict[str, Any]], cpu_ms: float) -> None:
+    table = Table(title=f"template loops, watcher alone (CPU {cpu_ms:.3f} ms / 1k tokens)")
+    for column in ("set", "cut / loops", "false alarms", "tokens after onset (median, max)",
+                   "tokens saved / if run out"):
+        table.add_column(column)
+    for r in rows:
+        alarms = f"{r['false_alarms']} (of {r['normal_traces']} normal traces)" if r["normal_traces"] \
+            else str(r["false_alarms"])
+        table.add_row(r["set"], f"{r['cut']} / {r['loops']}", alarms,
+                      f"{r['median_tokens_after_onset']}, {r['max_tokens_after_onset']}",
+                      f"{r['tokens_saved']:,} / {r['tokens_if_run_out']:,}")
+    Console().print(table)
 
 
 if __name__ == "__main__":

@@ -170,6 +170,19 @@ class WatcherSettings(_Section):
     """Shorter paragraphs are not compared."""
     drop_numbers: bool = True
     """Ignore numbers when comparing paragraphs."""
+    repeat_share: float = Field(0.85, gt=0, le=1)
+    """Share of the recent word k-grams already seen earlier in the reasoning that is a (template)
+    loop; normal reasoning peaks at 0.76 on the real-trace corpus."""
+    share_gram_words: int = Field(4, ge=2)
+    """Words per k-gram for the repeated share (a kana, katakana or kanji run counts as a word)."""
+    share_chunk_chars: int = Field(256, ge=16)
+    """The repeated share is updated every this many characters..."""
+    share_window_chunks: int = Field(16, ge=1)
+    """...over the last this many updates (the recent window)."""
+    share_min_grams: int = Field(300, ge=1)
+    """No verdict on a recent window with fewer k-grams than this."""
+    share_history_grams: int = Field(4096, ge=64)
+    """The earlier reasoning is remembered as two generations of at most this many k-grams."""
     stall_s: float = Field(60.0, gt=0)
     """No new reasoning or content for this long is a stall."""
 

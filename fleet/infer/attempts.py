@@ -420,7 +420,8 @@ class _Run:
         if kind in ("carry", "backoff") and result is not None and result.reasoning:
             found = carryover.extract_conclusions(result.reasoning)
             self.conclusions = carryover.merge_conclusions(self.conclusions, found)
-            self.carry_note = carryover.retry_note(self.conclusions, outcome.cause)
+            self.carry_note = carryover.retry_note(self.conclusions, outcome.cause,
+                                                   carryover.extract_dead_ends(result.reasoning))
         elif kind == "carry":
             self.carry_note = carryover.retry_note(self.conclusions, outcome.cause)
         if kind == "reask" and result is not None:

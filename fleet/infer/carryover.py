@@ -12,6 +12,19 @@ a note::
     - ...
     Do not redo that work; build on it and conclude with the answer.
 
+A template loop concludes nothing: it cycles through guesses that each end in "but without the
+X, I can't compute it". What it did establish is that those guesses are dead ends, so they are mined
+too (``extract_dead_ends``: sentences with an impossibility marker, de-duplicated the same way) and
+the note lists them as tried and found impossible (after the conclusions, when there are any).
+When the dead ends say that something the question needs is not given (a missing premise:
+"without knowing", "not given", "missing" ...), the note steers the next attempt to say so and
+name what is missing instead of guessing again::
+
+    [fleet note] A previous attempt (loop watcher: ...) tried these and found them impossible:
+    - ...
+    If the question lacks information needed to answer it, say so plainly, name what is missing,
+    and stop; do not guess again.
+
 The note goes into the leading system message (inserted if the job has none): the job's own
 user turns stay exactly as they were and last, and templates that accept a system message only in
 first place still render it. The next attempt also gets a new seed
@@ -37,7 +50,8 @@ MAX_NOTE_CHARS = 1500
 MAX_SENTENCE_CHARS = 300
 NEAR_DUPLICATE = 0.7
 
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
+# Japanese sentences end at 。！？ with no space after them.
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[。！？])\s*|\n+")
 _MARKERS = re.compile(
     r"\b(so|therefore|thus|hence|the answer is|answer:|final answer|in conclusion|we get|"
     r"which gives|that gives|this gives|result(?:s)? (?:is|in)|conclude|it follows|"
@@ -45,6 +59,20 @@ _MARKERS = re.compile(
     r"|=\s*-?\$?\d|\\boxed",
     re.IGNORECASE,
 )
+# "can't compute it", "cannot be determined", "impossible", and the Japanese forms the deployment
+# also serves ("できない", "分からない", "求められない").
+_DEAD_END = re.compile(
+    r"\b(can(?:no|')t|could(?:n't| not)|unable to|impossible|no way to|not possible|"
+    r"isn't possible|doesn't work|does not work)\b|できない|分からない|わからない|求められない|不可能",
+    re.IGNORECASE,
+)
+_MISSING = re.compile(
+    r"\bwithout (?:knowing|the|any|more|additional|specific)\b|\bnot (?:given|provided|specified|stated)\b|"
+    r"\bmissing\b|\bno (?:information|data|values?)\b|\bnot enough information\b|"
+    r"\binsufficient\b|与えられていない|分からない|わからない|不足|欠けて|ない(?:ので|から)",
+    re.IGNORECASE,
+)
+MAX_DEAD_ENDS = 6
 _HEDGE = re.compile(r"^\s*(wait|hmm|but wait|let me|maybe|perhaps|or maybe)\b", re.IGNORECASE)
 _WORDS = re.compile(r"\w+")
 
@@ -60,15 +88,7 @@ def _similar(a: set[str], b: set[str]) -> bool:
 
 
 def _candidates(reasoning: str) -> list[str]:
-    out = []
-    for raw in _SENTENCE_END.split(reasoning):
-        sentence = " ".join(raw.split())
-        if len(sentence) < 12 or _HEDGE.match(sentence) or not _MARKERS.search(sentence):
-            continue
-        if len(sentence) > MAX_SENTENCE_CHARS:
-            sentence = sentence[: MAX_SENTENCE_CHARS - 1].rstrip() + "…"
-        out.append(sentence)
-    return out
+    return [s for s in _sentences(reasoning) if not _HEDGE.match(s) and _MARKERS.search(s)]
 
 
 def extract_conclusions(reasoning: str, max_chars: int = MAX_NOTE_CHARS) -> list[str]:
@@ -93,22 +113,61 @@ def extract_conclusions(reasoning: str, max_chars: int = MAX_NOTE_CHARS) -> list
     return [sentence for sentence, _ in reversed(kept)]
 
 
+def extract_dead_ends(reasoning: str, max_items: int = MAX_DEAD_ENDS) -> list[str]:
+    """Distinct things the reasoning tried and found impossible, latest first kept, in order.
+
+    A template loop writes the same dead end dozens of times with a word swapped; the near-duplicate
+    test keeps one of each, and ``max_items`` bounds the note."""
+    sentences = [s for s in _sentences(reasoning) if _DEAD_END.search(s)]
+    kept: list[tuple[str, set[str]]] = []
+    for sentence in reversed(sentences):
+        words = set(_normal(sentence).split())
+        if any(_similar(words, other) for _, other in kept):
+            continue
+        kept.append((sentence, words))
+        if len(kept) >= max_items:
+            break
+    return [sentence for sentence, _ in reversed(kept)]
+
+
+def _sentences(reasoning: str) -> list[str]:
+    out = []
+    for raw in _SENTENCE_END.split(reasoning):
+        sentence = " ".join(raw.split())
+        if len(sentence) < 12:
+            continue
+        if len(sentence) > MAX_SENTENCE_CHARS:
+            sentence = sentence[: MAX_SENTENCE_CHARS - 1].rstrip() + "…"
+        out.append(sentence)
+    return out
+
+
 def merge_conclusions(old: list[str], new: list[str], max_chars: int = MAX_NOTE_CHARS) -> list[str]:
     """Conclusions of several attempts, de-duplicated, newest kept when over the bound."""
     return extract_conclusions("\n".join(old + new), max_chars)
 
 
-def retry_note(conclusions: list[str], cause: str) -> str:
-    if not conclusions:
+def retry_note(conclusions: list[str], cause: str, dead_ends: list[str] | None = None) -> str:
+    """The note for the next attempt: what earlier attempts concluded, what they tried and found
+    impossible, and - when those dead ends say something is not given - the missing-premise steer."""
+    parts = []
+    if conclusions:
+        parts.append("concluded:\n" + "\n".join(f"- {c}" for c in conclusions))
+    if dead_ends:
+        parts.append("tried these and found them impossible:\n" + "\n".join(f"- {d}" for d in dead_ends))
+    if not parts:
         return (
             f"[fleet note] A previous attempt was stopped ({cause}) before it concluded. "
             "Reason briefly, do not go over the same ground twice, and conclude with the answer."
         )
-    lines = "\n".join(f"- {c}" for c in conclusions)
-    return (
-        f"[fleet note] A previous attempt ({cause}) concluded:\n{lines}\n"
-        "Do not redo that work; build on it and conclude with the answer."
-    )
+    if dead_ends and any(_MISSING.search(d) for d in dead_ends):
+        steer = ("If the question lacks information needed to answer it, say so plainly, name what "
+                 "is missing, and stop; do not guess again.")
+    elif conclusions:
+        steer = "Do not redo that work; build on it and conclude with the answer."
+    else:
+        steer = "Do not try those again; take a different approach and conclude with the answer."
+    return f"[fleet note] A previous attempt ({cause}) " + "\nIt ".join(parts) + f"\n{steer}"
 
 
 def with_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
