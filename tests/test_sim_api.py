@@ -241,9 +241,12 @@ def test_forty_concurrent_requests_running_32_waiting_8(sim: SimProcess) -> None
 
     async def scenario() -> tuple[float, float, dict[str, Any]]:
         client = openai.AsyncOpenAI(base_url=sim.base_url + "/v1", api_key="x", max_retries=0)
+        # Each request holds its slot before its first token: the KV pool never fills, so no
+        # preemption moves a runner back to waiting however slowly the 40 requests arrive.
         streams = await asyncio.gather(*[
             client.chat.completions.create(
-                model="local", messages=user(f"[sim:think=200000] long job {i}"), stream=True)
+                model="local", messages=user(f"[sim:slow_first_token=100000] [sim:think=20] held job {i}"),
+                stream=True)
             for i in range(40)])
         await asyncio.to_thread(wait_for, sim, lambda s: s["total_requests"] >= base + 40)
         running = metric(sim, "vllm:num_requests_running")
