@@ -74,5 +74,5 @@ def test_a_hostile_pattern_does_not_stall_the_worker(fleet: Harness) -> None:
     assert [body["request_id"] for body in probe.sim_requests(hostile)] == [f"{hostile}-1", f"{hostile}-2"]
     for job_id in others:
         done = fleet.client.result(job_id, timeout=120)
-        assert done is not None and done.code == Code.OK, done
+        assert done is not None and done.ok, done  # OK, or OK_THINKING_FORCED on a long draw
         assert len(probe.sim_requests(job_id)) == 1
