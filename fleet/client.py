@@ -25,6 +25,7 @@ from fleet.core.config import Settings, load_settings
 from fleet.core.errors import InputInvalid
 from fleet.core.events import EventSink, decode_event
 from fleet.core.keys import Keys
+from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, describe_invalid
 from fleet.core.results import ResultStore
 from fleet.core.signing import sign
@@ -65,6 +66,7 @@ class Client:
                 job = Job.model_validate(job)
             except ValidationError as exc:
                 raise InputInvalid(f"invalid job: {describe_invalid(exc, 1)}") from exc
+        check_job(job, self.settings.limits)
         raw = job.model_dump(mode="json", exclude_none=True)
         if not job.idempotency_key:
             return self.submit_raw(raw, project=job.project, job_id=job.id, kind=job.kind)
@@ -85,6 +87,7 @@ class Client:
                    kind: str = "infer", secret: str | None = None) -> str:
         """Sign and send a job dict as is (no local validation): the worker judges it."""
         signed = sign(raw, project, secret if secret is not None else self._secret(project))
+        check_message(signed, self.settings.limits)  # the worker would refuse it unread
         now = time.time()
         self.results.record(job_id, state="submitted", project=project, kind=kind,
                             submitted_at=now, nonce=signed["nonce"], signed=json.dumps(signed))

@@ -204,6 +204,23 @@ class SecuritySettings(_Section):
         return self
 
 
+class LimitsSettings(_Section):
+    """Size caps on a job (fleet/core/limits.py), checked at submit and in prep before any work."""
+
+    max_message_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    """The signed message as compact JSON: a 262K-token context is about 1 MB of text."""
+    max_messages: int = Field(2000, gt=0)
+    """Messages in one job."""
+    max_metadata_bytes: int = Field(64 * 1024, gt=0)
+    """The job's metadata as compact JSON (it travels with every record and envelope)."""
+    max_sources: int = Field(64, gt=0)
+    """Sources in one job."""
+    max_source_text_bytes: int = Field(2 * 1024 * 1024, gt=0)
+    """Inline text of all of a job's text sources together."""
+    max_tools: int = Field(128, gt=0)
+    """Tools in one job."""
+
+
 class CollectSettings(_Section):
     allowed_roots: list[str] = Field(default_factory=list)
     """Folders file sources may be read from (nothing outside; no symlinks followed under them)."""
@@ -308,6 +325,7 @@ class Settings(BaseSettings):
     retry: RetrySettings = RetrySettings()
     watcher: WatcherSettings = WatcherSettings()
     security: SecuritySettings = SecuritySettings()
+    limits: LimitsSettings = LimitsSettings()
     collect: CollectSettings = CollectSettings()
     projects: dict[str, ProjectSettings] = Field(default_factory=dict)
 

@@ -92,9 +92,11 @@ class ResultStore:
             )
         return bool(written)
 
-    def reject(self, job_id: str, claimed_project: str, reason: str, nonce: str) -> None:
-        """Record an E_AUTH rejection where operators look, not in the project's results."""
-        envelope = Envelope.failure(job_id, claimed_project, Code.E_AUTH, reason)
+    def reject(self, job_id: str, claimed_project: str, reason: str, nonce: str,
+               code: Code = Code.E_AUTH) -> None:
+        """Record a rejection of an unverified message (E_AUTH, or E_INPUT_INVALID for one too
+        large to verify) where operators look, not in the project's results."""
+        envelope = Envelope.failure(job_id, claimed_project, code, reason)
         pipe = self.client.pipeline(transaction=True)
         if nonce:
             pipe.set(self.keys.rejected(nonce), envelope.model_dump_json(), nx=True,
@@ -108,7 +110,7 @@ class ResultStore:
         )
         pipe.xadd(self.keys.events(job_id),
                   {"type": "rejected", "ts": f"{time.time():.6f}",
-                   "data": json.dumps({"code": Code.E_AUTH.value, "nonce": nonce})},
+                   "data": json.dumps({"code": code.value, "nonce": nonce})},
                   maxlen=EVENTS_MAXLEN, approximate=True)
         pipe.expire(self.keys.events(job_id), self.settings.events_ttl_s)
         pipe.execute()

@@ -9,7 +9,8 @@ class of fleet/core/schema.py that checked the schema when the job or the settin
 first (best-matching) error is reported with its JSON path so a re-ask can quote it.
 
 Text rules (per project): at least ``min_answer_chars`` (after stripping), at most
-``max_answer_chars``, and ``answer_pattern`` (``re.search``, multiline) must match.
+``max_answer_chars``, and ``answer_pattern`` (searched with ``^``/``$`` at line ends, on RE2 as
+schema patterns are: linear time, see fleet/core/schema.py) must match.
 
 On a failure fleet/infer/attempts.py re-asks - the invalid answer and ``reask_message(error)`` are
 appended to the conversation - at most ``retry.reask_invalid`` times, then ends
@@ -28,7 +29,7 @@ from jsonschema.exceptions import best_match
 from fleet.core.config import ProjectSettings
 from fleet.core.errors import InputInvalid
 from fleet.core.models import Job
-from fleet.core.schema import SchemaInvalid, answer_validator
+from fleet.core.schema import SchemaInvalid, answer_validator, search_multiline
 
 _FENCE = re.compile(r"^\s*```(?:json)?\s*\n(.*?)\n\s*```\s*$", re.DOTALL)
 
@@ -57,7 +58,7 @@ def _text_error(text: str, project: ProjectSettings) -> str:
         return f"the answer has {len(text)} characters; at least {project.min_answer_chars} needed"
     if project.max_answer_chars is not None and len(text) > project.max_answer_chars:
         return f"the answer has {len(text)} characters; at most {project.max_answer_chars} allowed"
-    if project.answer_pattern and not re.search(project.answer_pattern, text, re.MULTILINE):
+    if project.answer_pattern and not search_multiline(project.answer_pattern, text):
         return f"the answer does not match the required pattern {project.answer_pattern!r}"
     return ""
 

@@ -29,8 +29,9 @@ from celery import Celery
 from pydantic import ValidationError
 
 from fleet.core.codes import Code
-from fleet.core.errors import AuthError, FleetError
+from fleet.core.errors import AuthError, FleetError, InputInvalid
 from fleet.core.events import EventSink
+from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, Timings, describe_invalid
 from fleet.core.signing import verify
 from fleet.prep.watchdog import HANDED_OVER, PrepClaim
@@ -67,13 +68,14 @@ def _fail(rt: Runtime, job_id: str, project: str, code: Code, message: str, **ex
 def prep_job(rt: Runtime, project: str, job_id: str, signed: dict[str, Any]) -> str:
     nonce = str(signed.get("nonce", "")) if isinstance(signed, dict) else ""
     try:
+        check_message(signed, rt.settings.limits)  # before verifying or parsing: size is the cost
         raw = verify(signed, rt.settings, rt.redis, rt.keys)
         # The task's routing kwargs are not signed: they must agree with what is.
         if signed.get("project") != project or raw.get("id") != job_id:
             raise AuthError("task arguments differ from the signed job (project or job id)")
-    except AuthError as exc:
-        rt.results.reject(job_id, project, exc.message, nonce)
-        return Code.E_AUTH.value
+    except (AuthError, InputInvalid) as exc:
+        rt.results.reject(job_id, project, exc.message, nonce, code=exc.code)
+        return exc.code.value
     claim = PrepClaim(rt.redis, rt.keys, job_id, _owner(), rt.settings.prep_lease_s)
     if not claim.acquire():
         return "duplicate"  # another delivery is preparing it right now
@@ -112,6 +114,7 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
     from fleet.prep.prepare import prepare
 
     settings = rt.settings
+    check_job(job, settings.limits)
     project = settings.projects[job.project]
     if rt.redis.exists(rt.keys.cancel(job.id)):
         return _fail(rt, job.id, job.project, Code.E_CANCELLED, "cancelled before preparation")
