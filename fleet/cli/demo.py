@@ -5,6 +5,8 @@ as the backend, one dispatcher, one worker), submits a mixed batch spread over t
 questions, JSON-schema answers, untrusted material, a tool call, reasoning that loops once and is
 caught), follows the results live, prints a per-project summary and stops everything. All keys
 live under a fresh prefix that is deleted at the end on a named broker, so nothing is left behind.
+Its dispatcher and worker run on the configured projects' secrets, the example's public ones
+included, with a warning even on a named broker (``local_broker``): the demo's jobs are its own.
 A process of the fleet that dies ends the demo at once with its name, exit code and last lines.
 """
 
