@@ -26,9 +26,9 @@ Reliability
 Monitoring
   Flower sees tasks because workers send task events and producers send "sent" events; the task
   names are ``fleet.prep`` / ``fleet.infer``. Every sender passes ``shown(project, job_id)``: Celery
-  puts that short ``kwargsrepr`` ("project=A job=X") into events, logs and inspect replies instead of
-  the keyword arguments, which carry the signed job and its messages, so no monitoring surface shows
-  job texts. ``flower_argv`` keeps Flower on loopback unless it asks for a password.
+  puts that short ``kwargsrepr`` ("project=A job=X") into task events and logs instead of the
+  keyword arguments, which carry the signed job and its messages. (A worker asked for its active or
+  reserved tasks still answers with the arguments themselves.) ``flower_argv`` keeps Flower on loopback unless it asks for a password.
 """
 
 from __future__ import annotations
