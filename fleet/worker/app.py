@@ -28,7 +28,8 @@ Monitoring
   names are ``fleet.prep`` / ``fleet.infer``. Every sender passes ``shown(project, job_id)``: Celery
   puts that short ``kwargsrepr`` ("project=A job=X") into task events and logs instead of the
   keyword arguments, which carry the signed job and its messages. (A worker asked for its active or
-  reserved tasks still answers with the arguments themselves.) ``flower_argv`` keeps Flower on loopback unless it asks for a password.
+  reserved tasks still answers with the arguments themselves.) ``flower_argv`` keeps Flower on
+  loopback unless it asks for a password.
 """
 
 from __future__ import annotations
