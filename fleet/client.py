@@ -29,7 +29,7 @@ from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, describe_invalid
 from fleet.core.results import ResultStore
 from fleet.core.signing import sign
-from fleet.worker.app import PREP_TASK, create_app
+from fleet.worker.app import PREP_TASK, create_app, shown
 
 
 class Client:
@@ -95,7 +95,7 @@ class Client:
         EventSink(self.redis, self.keys, job_id, self.settings.events_ttl_s).emit(
             "queued", project=project)
         self._celery.send_task(PREP_TASK, kwargs={"project": project, "job_id": job_id,
-                                                  "signed": signed})
+                                                  "signed": signed}, **shown(project, job_id))
         return job_id
 
     # -- reading ----------------------------------------------------------------------------

@@ -36,11 +36,14 @@ def write_config(path: Path, data: dict[str, Any]) -> None:
 
 
 def make_config(tmp: Path, **sections: Any) -> Path:
-    """The example config on the test broker under a fresh prefix; a dict argument updates that
-    section (``backend={"max_num_seqs": 4}``), anything else sets a top-level key."""
+    """The example config on the test broker under a fresh prefix, with secrets of its own (workers
+    refuse the example's public ones there); a dict argument updates that section
+    (``backend={"max_num_seqs": 4}``), anything else sets a top-level key."""
     data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
     data["broker_url"] = TEST_BROKER
     data["key_prefix"] = f"t-{uuid.uuid4().hex[:10]}:"
+    for name, project in data["projects"].items():
+        project["secret"] = f"test-{name}-{uuid.uuid4().hex}"
     data.setdefault("admission", {})["metrics_port"] = 0
     for name, values in sections.items():
         if isinstance(values, dict):

@@ -438,6 +438,7 @@ class FleetBench:
             config_path=str(self.tmp / "fleet.toml"),
             log_dir=str(self.tmp),
             sim_args=["--long-threshold", str(long_threshold), "--max-num-seqs", str(cap)],
+            local_broker=True,  # the example's projects under a throwaway prefix, for minutes
         )
         self.redis = redis.Redis.from_url(redis_url)
         self._dispatcher_n = 0

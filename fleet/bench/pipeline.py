@@ -84,7 +84,8 @@ def bench_pipeline(infer_jobs: int = 200, heavy_jobs: int = 40, sources_per_job:
            "FLEET_COLLECT_MAX_BYTES": str(8 * doc_kb * 1024), "FLEET_ADMISSION_METRICS_PORT": "0",
            "FLEET_COLLECT_ALLOW_NETWORKS": '["127.0.0.1/32"]'}  # the material server
     fleet = LocalFleet(settings, sim_speed=speed, workers=0, extra_env=env,
-                       sim_args=["--log-level", "warning"], log_dir=str(root))
+                       sim_args=["--log-level", "warning"], log_dir=str(root),
+                       local_broker=True)  # the configured projects under a throwaway prefix
     site = Site()
     with material_server(site) as base, fleet:
         fleet.spawn("infer-worker", ["worker", "--role", "infer", "--concurrency", "40",

@@ -5,6 +5,8 @@ as the backend, one dispatcher, one worker), submits a mixed batch spread over t
 questions, JSON-schema answers, untrusted material, a tool call, reasoning that loops once and is
 caught), follows the results live, prints a per-project summary and stops everything. All keys
 live under a fresh prefix that is deleted at the end on a named broker, so nothing is left behind.
+Its dispatcher and worker run on the configured projects' secrets, the example's public ones
+included, with a warning even on a named broker (``local_broker``): the demo's jobs are its own.
 A process of the fleet that dies ends the demo at once with its name, exit code and last lines.
 """
 
@@ -24,7 +26,7 @@ from rich.live import Live
 from rich.table import Table
 
 from fleet.client import Client
-from fleet.core.config import Settings
+from fleet.core.config import Settings, mask_url
 from fleet.core.models import Envelope
 from fleet.core.results import ResultFollower
 from fleet.local.processes import ChildExited, LocalFleet
@@ -105,12 +107,13 @@ def run_demo(settings: Settings, *, jobs: int, speed: float, console: Console,
     started = time.monotonic()
     logs = tempfile.mkdtemp(prefix="fleet-demo-logs-")
     fleet = LocalFleet(settings, sim_speed=speed, sim_args=SIM_ARGS, log_dir=logs,
-                       private_broker=private_broker, handle_signals=True)
+                       private_broker=private_broker, local_broker=True, handle_signals=True)
     try:
         with fleet:
             run_settings = settings.model_copy(update={"broker_url": fleet.env["FLEET_BROKER_URL"]})
-            console.print(f"logs {logs}\nbroker {run_settings.broker_url}  "
-                          f"backend {fleet.env['FLEET_BACKEND_URL']}  projects {', '.join(settings.projects)}")
+            console.print(f"logs {logs}\nbroker {mask_url(run_settings.broker_url)}  "
+                          f"backend {mask_url(fleet.env['FLEET_BACKEND_URL'])}  "
+                          f"projects {', '.join(settings.projects)}")
             envelopes = _push_supervised(fleet, run_settings, jobs, console)
     except ChildExited:
         console.print(f"process logs kept in {logs}")

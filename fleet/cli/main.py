@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet.core.codes import Code
-from fleet.core.config import Settings, load_settings
-from fleet.core.errors import ConfigError, DependencyMissing, FleetError
+from fleet.core.config import Settings, load_settings, mask_url
+from fleet.core.errors import ConfigError, DependencyMissing, FleetError, PublicSecrets
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="A worker fleet in front of a self-hosted vLLM reasoning model.")
@@ -35,17 +35,11 @@ def settings_or_exit() -> Settings:
 
 
 def setup_logging(level: str) -> None:
-    from fleet.core.config import EXAMPLE_CONFIG, config_path
-
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO: two lines a second per backend scrape, none of them news.
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if config_path().resolve() == EXAMPLE_CONFIG.resolve():
-        logging.getLogger("fleet").warning(
-            "running on the example configuration (%s): its project secrets are public; "
-            "write your own fleet.toml before accepting real jobs", EXAMPLE_CONFIG)
 
 
 def preflight_or_exit(role: str) -> None:
@@ -59,13 +53,25 @@ def preflight_or_exit(role: str) -> None:
         raise typer.Exit(3) from exc
 
 
+def secrets_or_exit(role: str, settings: Settings) -> None:
+    """Stop before taking work on the example's public secrets, unless fleet up / fleet demo
+    started this broker (fleet/core/exposure.py); a warning there."""
+    from fleet.core.exposure import broker_is_local, refuse_public_secrets
+
+    try:
+        refuse_public_secrets(settings, local_broker=broker_is_local(settings), role=role)
+    except PublicSecrets as exc:
+        typer.echo(f"{exc.code.value} {exc.message}", err=True)
+        raise typer.Exit(3) from exc
+
+
 def client_or_exit():  # type: ignore[no-untyped-def]
     from fleet.client import Client
     from fleet.local.embedded import redis_answers
 
     settings = settings_or_exit()
     if not redis_answers(settings.broker_url):
-        err.print(f"[red]no broker answers at {settings.broker_url}[/red] "
+        err.print(f"[red]no broker answers at {mask_url(settings.broker_url)}[/red] "
                   "(set FLEET_BROKER_URL, or start the fleet with `fleet up`)")
         raise typer.Exit(2)
     return Client(settings)
@@ -102,6 +108,7 @@ def worker(
     if not queues:
         raise typer.BadParameter("role must be all, prep, collect or infer")
     preflight_or_exit(role)
+    secrets_or_exit("worker", settings)
     worker_app(settings).worker_main([
         "worker", "-Q", ",".join(queues), "-P", pool, "-c", str(concurrency), "-E",
         "-n", hostname, "--loglevel", log_level, "--without-mingle", "--without-gossip",
@@ -120,6 +127,7 @@ def dispatcher(log_level: Annotated[str, typer.Option()] = "INFO") -> None:
 
     settings = settings_or_exit()
     setup_logging(log_level)
+    secrets_or_exit("dispatcher", settings)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
@@ -127,11 +135,24 @@ def dispatcher(log_level: Annotated[str, typer.Option()] = "INFO") -> None:
 
 
 @app.command()
-def flower(port: Annotated[int, typer.Option()] = 5555) -> None:
-    """Run Flower on the fleet's broker (tasks, workers, queues)."""
-    from fleet.worker.app import worker_app
+def flower(
+    port: Annotated[int, typer.Option()] = 5555,
+    address: Annotated[str, typer.Option(
+        help="interface to listen on; anything but loopback needs --basic-auth")] = "127.0.0.1",
+    basic_auth: Annotated[str | None, typer.Option(
+        envvar="FLOWER_BASIC_AUTH", show_envvar=True,
+        help="user:password (several comma separated) Flower asks every visitor for")] = None,
+) -> None:
+    """Run Flower on the fleet's broker (tasks, workers, queues). Task arguments show as
+    "project=... job=..." only: job texts never reach Flower (fleet/worker/app.py)."""
+    from fleet.worker.app import flower_argv, worker_app
 
-    worker_app(settings_or_exit()).start(["flower", f"--port={port}"])
+    try:
+        argv = flower_argv(port=port, address=address, basic_auth=basic_auth)
+    except ConfigError as exc:
+        typer.echo(f"{exc.code.value} {exc.message}", err=True)
+        raise typer.Exit(2) from exc
+    worker_app(settings_or_exit()).start(argv)
 
 
 @app.command()
@@ -149,8 +170,8 @@ def up(
     fleet = LocalFleet(settings_or_exit(), sim_speed=speed, workers=workers,
                        dispatchers=dispatchers, log_level="INFO", handle_signals=True)
     with stopped_cleanly(), fleet:
-        console.print(f"broker  {fleet.env['FLEET_BROKER_URL']}\n"
-                      f"backend {fleet.env.get('FLEET_BACKEND_URL', fleet.settings.backend.url)}\n"
+        console.print(f"broker  {mask_url(fleet.env['FLEET_BROKER_URL'])}\n"
+                      f"backend {mask_url(fleet.env.get('FLEET_BACKEND_URL', fleet.settings.backend.url))}\n"
                       "Ctrl-C to stop.")
         fleet.supervise()
 
@@ -190,7 +211,7 @@ def demo(
     broker = broker or os.environ.get("FLEET_BROKER_URL") or None
     if broker is not None:
         if not redis_answers(broker):
-            err.print(f"{Code.E_INPUT_INVALID.value} no Redis answers at {broker}", markup=False)
+            err.print(f"{Code.E_INPUT_INVALID.value} no Redis answers at {mask_url(broker)}", markup=False)
             raise typer.Exit(2)
         settings = settings.model_copy(update={"broker_url": broker})
     wide = Console(width=max(console.width, 120))
@@ -322,6 +343,8 @@ def config(reference: Annotated[bool, typer.Option(help="print the key reference
     for project in shown["projects"].values():
         project["secret"] = "***"
     shown["backend"]["api_key"] = "***" if shown["backend"]["api_key"] else ""
+    shown["broker_url"] = mask_url(shown["broker_url"])
+    shown["backend"]["url"] = mask_url(shown["backend"]["url"])
     console.print(f"# from {config_path()}")
     console.print_json(json.dumps(shown))
 

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -38,8 +39,8 @@ from fleet.core.schema import check_pattern, check_schema
 
 EXAMPLE_CONFIG = Path(__file__).with_name("example.toml")
 ENV_PREFIX = "FLEET_"
-# Variables with the prefix that are not settings keys.
-_ENV_NOT_SETTINGS = {"FLEET_CONFIG"}
+# Variables with the prefix that are not settings keys (FLEET_LOCAL_BROKER: fleet/core/exposure.py).
+_ENV_NOT_SETTINGS = {"FLEET_CONFIG", "FLEET_LOCAL_BROKER"}
 # The variables ``load_settings`` was given, for the environment source of the Settings being built
 # in this thread; os.environ is never written, so other threads never see them.
 _GIVEN_ENV: ContextVar[Mapping[str, str] | None] = ContextVar("fleet_given_env", default=None)
@@ -385,6 +386,20 @@ def reference_markdown() -> str:
 
     add("", Settings)
     return "\n".join(rows)
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``: the one form of a URL that is printed or logged."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # not a URL at all: print nothing of it
+        return "<unparsable URL>"
+    if password is None:
+        return url
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def config_path(env: dict[str, str] | None = None) -> Path:

@@ -3,6 +3,7 @@
     FleetError                      (code E_INTERNAL)
      +-- ConfigError                 settings file or FLEET_* variable is wrong; names the key
      |    +-- DependencyMissing      a module this process needs is not installed; names the extra
+     |    +-- PublicSecrets          E_AUTH: projects keep the example's published secrets
      +-- JobError                    the job itself
      |    +-- InputInvalid           E_INPUT_INVALID
      |    +-- AuthError              E_AUTH
@@ -46,6 +47,11 @@ class ConfigError(FleetError):
 
 class DependencyMissing(ConfigError):
     pass
+
+
+class PublicSecrets(ConfigError):
+    # E_AUTH, not E_INPUT_INVALID: the file is well formed, but anyone could sign jobs with it
+    code = Code.E_AUTH
 
 
 class JobError(FleetError):

@@ -23,6 +23,8 @@ from urllib.parse import urlparse
 
 import redis
 
+from fleet.core.config import mask_url
+
 log = logging.getLogger(__name__)
 
 
@@ -122,6 +124,6 @@ def ensure_broker(configured_url: str) -> EmbeddedRedis:
     if not is_default_location(configured_url):
         # A broker that was configured and is down must not be silently replaced: producers
         # and workers elsewhere would never see the jobs.
-        raise RuntimeError(f"the configured broker {configured_url} does not answer")
-    log.info("nothing answers on %s; starting a private redis-server", configured_url)
+        raise RuntimeError(f"the configured broker {mask_url(configured_url)} does not answer")
+    log.info("nothing answers on %s; starting a private redis-server", mask_url(configured_url))
     return start_redis()

@@ -4,7 +4,10 @@
 set, else fleet/local/embedded.py decides: configured, answering or a private one), ``fleet sim``
 when no ``FLEET_BACKEND_URL`` is set, the dispatchers and the workers, each as a child process
 that inherits ``FLEET_BROKER_URL`` / ``FLEET_BACKEND_URL`` so all of them agree on where things
-are. (In production the Procfile runs the same commands under honcho.)
+are. (In production the Procfile runs the same commands under honcho.) A broker it started itself
+(or any broker, for ``local_broker``: ``fleet demo``) is also named in ``FLEET_LOCAL_BROKER``, so
+dispatchers and workers run on the example's public secrets there with a warning instead of
+refusing to start (fleet/core/exposure.py).
 
 Life cycle, as an operator sees it:
 - every child runs in its own session, so stopping it signals its whole process group (Celery
@@ -47,6 +50,7 @@ import httpx
 from fleet.core.codes import Code
 from fleet.core.config import Settings
 from fleet.core.errors import FleetError
+from fleet.core.exposure import LOCAL_BROKER_ENV
 from fleet.local.embedded import EmbeddedRedis, ensure_broker, free_port, start_redis
 
 log = logging.getLogger(__name__)
@@ -90,6 +94,7 @@ class LocalFleet:
     log_dir: str | None = None  # children's output goes to <log_dir>/<name>.log when set
     extra_env: dict[str, str] = field(default_factory=dict)  # FLEET_* overrides for children
     private_broker: bool = False  # always start a private redis-server, whatever is configured
+    local_broker: bool = False  # mark the broker local even when it was not started here
     handle_signals: bool = False  # turn SIGINT/SIGTERM/SIGHUP into Stopped (main thread only)
     env: dict[str, str] = field(default_factory=dict)
     broker: EmbeddedRedis | None = None
@@ -115,6 +120,8 @@ class LocalFleet:
                     "FLEET_KEY_PREFIX": self.settings.key_prefix}
         if self.config_path:
             self.env["FLEET_CONFIG"] = self.config_path
+        if self.broker.started or self.local_broker:
+            self.env[LOCAL_BROKER_ENV] = self.broker.url
         if not self.env.get("FLEET_BACKEND_URL"):
             self._start_sim()
         for n in range(self.dispatchers):

@@ -23,18 +23,25 @@ Reliability
   Broker keys (queues, unacked sets) live under ``<key_prefix>q:`` (kombu's global_keyprefix), so
   several fleets or test runs can share one Redis.
 
-Flower sees tasks because workers send task events and producers send "sent" events; the task
-names are ``fleet.prep`` / ``fleet.infer`` and their keyword arguments carry project and job id.
+Monitoring
+  Flower sees tasks because workers send task events and producers send "sent" events; the task
+  names are ``fleet.prep`` / ``fleet.infer``. Every sender passes ``shown(project, job_id)``: Celery
+  puts that short ``kwargsrepr`` ("project=A job=X") into task events and logs instead of the
+  keyword arguments, which carry the signed job and its messages. (A worker asked for its active or
+  reserved tasks still answers with the arguments themselves.) ``flower_argv`` keeps Flower on
+  loopback unless it asks for a password.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 from celery import Celery
 from kombu import Queue
 
 from fleet.core.config import Settings, load_settings
+from fleet.core.errors import ConfigError
 
 PREP_TASK = "fleet.prep"
 INFER_TASK = "fleet.infer"
@@ -58,6 +65,35 @@ def prep_queues(settings: Settings) -> list[str]:
 
 def collect_queues(settings: Settings) -> list[str]:
     return [collect_queue(p) for p in settings.projects]
+
+
+def shown(project: str, job_id: str) -> dict[str, str]:
+    """send_task options that stand in for a task's arguments wherever Celery shows them."""
+    return {"argsrepr": "()", "kwargsrepr": f"project={project} job={job_id}"}
+
+
+def flower_argv(*, port: int, address: str, basic_auth: str | None) -> list[str]:
+    """Flower's command line: a non-loopback ``address`` needs ``basic_auth`` ("user:password",
+    several comma separated), which goes to Flower's own basic_auth option."""
+    argv = ["flower", f"--port={port}", f"--address={address}"]
+    if basic_auth is not None:
+        if not all(user and password for user, _, password in
+                   (entry.partition(":") for entry in basic_auth.split(","))):
+            raise ConfigError("flower --basic-auth takes user:password (several comma separated)")
+        argv.append(f"--basic-auth={basic_auth}")
+    elif not _loopback(address):
+        raise ConfigError(f"flower --address {address} is reachable from other hosts: give --basic-auth "
+                          "user:password (or FLOWER_BASIC_AUTH), or keep the default 127.0.0.1")
+    return argv
+
+
+def _loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 def make_router(settings: Settings):  # type: ignore[no-untyped-def]
