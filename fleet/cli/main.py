@@ -302,6 +302,17 @@ def queues() -> None:
 
 
 @app.command()
+def top(once: Annotated[bool, typer.Option(help="print one frame and exit")] = False) -> None:
+    """Live view: in flight vs cap, per-project pending, waits and tokens/s, holds, backend."""
+    import redis
+
+    from fleet.cli.top import run_top
+
+    settings = settings_or_exit()
+    run_top(settings, redis.Redis.from_url(settings.broker_url), console, once)
+
+
+@app.command()
 def codes() -> None:
     """The message-code catalogue (docs/codes.md's table is generated from the same source)."""
     from fleet.core.codes import markdown_table

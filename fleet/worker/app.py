@@ -24,7 +24,13 @@ Reliability
   several fleets or test runs can share one Redis.
 
 Flower sees tasks because workers send task events and producers send "sent" events; the task
-names are ``fleet.prep`` / ``fleet.infer`` and their keyword arguments carry project and job id.
+names are ``fleet.prep`` / ``fleet.infer``. Messages are sent with ``task_repr``: the task list
+shows project and job id, never a job's text. A task whose job ended with a non-OK final envelope
+raises ``JobEnded`` (the code as its text), so Flower and the task-failed event show FAILURE and
+the code; it is listed in the tasks' ``throws`` (an expected outcome: no traceback in the log) and,
+like any task that raised, its message is acknowledged - never redelivered, never retried.
+Flower's broker page counts Celery queues only: jobs waiting in the dispatcher store for
+admission are not Celery messages (see ``fleet queues`` and ``fleet_dispatch_pending``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Any
 from celery import Celery
 from kombu import Queue
 
+from fleet.core.codes import Code
 from fleet.core.config import Settings, load_settings
 
 PREP_TASK = "fleet.prep"
@@ -42,6 +49,24 @@ INFER_QUEUE = "fleet.infer"
 # Prep tasks that claim a project this fleet does not know land here, so a prep worker still
 # rejects them (E_AUTH) instead of leaving them in a queue nobody consumes.
 UNROUTED_QUEUE = "fleet.unrouted"
+
+
+class JobEnded(Exception):
+    """A task's job ended with a non-OK final envelope; the text starts with the code."""
+
+
+def task_outcome(outcome: str, job_id: str) -> str:
+    """A task's return value, ``"<outcome> job=<id>"`` (Celery's "succeeded" log line and Flower's
+    result column then name the job); raises ``JobEnded`` when ``outcome`` is a non-OK code."""
+    if outcome in Code._value2member_map_ and not Code(outcome).ok:
+        raise JobEnded(f"{outcome} job={job_id}")
+    return f"{outcome} job={job_id}"
+
+
+def task_repr(project: str, job_id: str) -> dict[str, str]:
+    """``argsrepr``/``kwargsrepr`` for ``send_task``: what Flower and the worker log show of a
+    task's arguments (project and job id, never the job's text)."""
+    return {"argsrepr": "()", "kwargsrepr": repr({"project": project, "job_id": job_id})}
 
 
 def project_queue(project: str) -> str:

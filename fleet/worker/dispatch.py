@@ -26,7 +26,7 @@ from fleet.core.keys import Keys
 from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
 from fleet.prep.watchdog import run_prep_watchdog
-from fleet.worker.app import INFER_TASK, PREP_TASK, create_app
+from fleet.worker.app import INFER_TASK, PREP_TASK, create_app, task_repr
 from schedulers.dispatcher import run_dispatcher
 from schedulers.store.base import Grant
 
@@ -40,7 +40,8 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
     def send(grant: Grant) -> None:
         celery.send_task(INFER_TASK, kwargs={"job_id": grant.job_id, "project": grant.project,
                                              "fence": grant.fence},
-                         expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC))
+                         expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC),
+                         **task_repr(grant.project, grant.job_id))
 
     def on_expired(job_id: str) -> None:
         project = results.job_record(job_id).get("project", "")
@@ -49,7 +50,8 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
 
     def resend_prep(signed: dict[str, Any]) -> None:
         celery.send_task(PREP_TASK, kwargs={"project": signed["project"],
-                                            "job_id": signed["job"]["id"], "signed": signed})
+                                            "job_id": signed["job"]["id"], "signed": signed},
+                         **task_repr(signed["project"], signed["job"]["id"]))
 
     threading.Thread(target=run_prep_watchdog, name="prep-watchdog", daemon=True,
                      args=(settings, results, resend_prep, stop)).start()
