@@ -37,10 +37,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import kombu.exceptions
 import redis
+from prometheus_client.registry import Collector
 
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
@@ -149,18 +150,20 @@ def run_dispatcher(
     clock: Callable[[], float] = time.time,
     on_expired: Callable[[str], None] | None = None,
     backoff: Backoff | None = None,
+    shared_metrics: Iterable[Collector] = (),
 ) -> None:
     """Run until ``stop`` is set (it is checked after every wake; ``store.wake()`` hurries it).
 
     ``on_expired(job_id)`` is called for each pending job dropped because its deadline passed;
-    ``backoff`` paces the retries after a Redis error or a failed send (module docstring).
+    ``backoff`` paces the retries after a Redis error or a failed send (module docstring);
+    ``shared_metrics`` are more fleet-wide collectors, exported by the metrics leader only.
     """
     stop = stop or threading.Event()
     backoff = backoff or Backoff()
     store = make_store(settings, client)
     keys = Keys(settings.key_prefix)
     leader = MetricsLeader(client, keys.metrics_leader)
-    metrics = DispatcherMetrics(store, ResultCodeCollector(client, keys), leader)
+    metrics = DispatcherMetrics(store, ResultCodeCollector(client, keys), leader, shared_metrics)
     admission = settings.admission
     server = serve_metrics(metrics, admission.metrics_port)
     scraper_stop = threading.Event()
@@ -176,8 +179,8 @@ def run_dispatcher(
     )
     try:
         while not stop.is_set():
-            leader.renew()
             try:
+                leader.renew()
                 result = dispatch_round(store, counted_send, clock, metrics, on_expired)
                 activity.round_ended(result.hold_reason)
                 if result.hold_reason == "send_failed":

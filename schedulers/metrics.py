@@ -38,7 +38,8 @@ LEADER_RENEW_S = 5.0  # a third of the TTL: two renewals may fail before the loc
 class MetricsLeader:
     """Holds, or tries to take, the lock that makes this dispatcher the one exporting the fleet-wide
     families. ``renew`` is called from the dispatcher loop; it contacts Redis at most every
-    ``LEADER_RENEW_S`` and never raises (a Redis error drops leadership until the next renewal)."""
+    ``LEADER_RENEW_S``; a Redis error drops leadership and is raised to the loop, which logs it and
+    backs off as for any other Redis error."""
 
     def __init__(self, client: redis.Redis, key: str, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = client.lock(key, timeout=LEADER_TTL_S, thread_local=False)
@@ -57,8 +58,11 @@ class MetricsLeader:
                 self._lock.reacquire()
             else:
                 self.held = bool(self._lock.acquire(blocking=False))
-        except (redis.exceptions.LockError, redis.RedisError):
+        except redis.exceptions.LockError:  # another dispatcher took it after our lock lapsed
             self.held = False
+        except redis.RedisError:
+            self.held = False  # unknown: export nothing shared rather than risk a double count
+            raise
         if self.held != was:
             log.info("metrics leader: %s", "this dispatcher exports the fleet-wide figures" if self.held
                      else "another dispatcher exports the fleet-wide figures")
@@ -153,14 +157,14 @@ class ResultCodeCollector(Collector):
 
 
 class DispatcherMetrics:
-    """This process's registry: the store's shared figures and the fleet's result codes (only
-    while ``leader`` holds the lock, or always without a leader) and this dispatcher's own
-    queue-wait histogram."""
+    """This process's registry: the store's shared figures, the fleet's result codes and any other
+    fleet-wide ``shared`` collectors (only while ``leader`` holds the lock, or always without a
+    leader) and this dispatcher's own queue-wait histogram."""
 
     def __init__(self, store: AdmissionStore, results: Collector | None = None,
-                 leader: MetricsLeader | None = None) -> None:
+                 leader: MetricsLeader | None = None, shared: Iterable[Collector] = ()) -> None:
         self.registry = CollectorRegistry()
-        shared: list[Collector] = [StoreCollector(store)] + ([results] if results is not None else [])
+        shared = [StoreCollector(store), *([results] if results is not None else []), *shared]
         for collector in shared:
             self.registry.register(collector if leader is None else LeaderOnly(collector, leader))
         if leader is not None:

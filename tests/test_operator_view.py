@@ -175,7 +175,13 @@ def test_dashboard_queries_only_metrics_that_running_processes_export(fleet: Har
     exported: set[str] = set()
     sources = [fleet.settings.admission.metrics_port, fleet.fleet.extra_env["FLEET_WORKER_METRICS_PORT"],
                fleet.backend_url.rsplit(":", 1)[1]]
-    for families in map(scrape, sources):
+    def all_scraped() -> list[dict[str, Any]] | None:
+        try:
+            return [scrape(port) for port in sources]
+        except httpx.HTTPError:
+            return None  # a process still starting
+
+    for families in wait_until(all_scraped, 60, "every /metrics to answer"):
         for family in families.values():
             suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
             exported |= {family.name + s for s in suffixes.get(family.type, ("",))}
@@ -223,3 +229,29 @@ def test_log_lines_about_jobs_name_the_job() -> None:
                     and "job=" not in str(node.args[0].value)):
                 missing.append(f"{path.name}:{node.lineno}")
     assert missing == []
+
+
+def test_prep_backlog_shows_in_fleet_queues_and_metrics(
+        tmp_path: Path, redis_client: Any, key_prefix: str) -> None:
+    """Prep messages no worker has taken yet: Flower's broker page counts them, and so must the
+    fleet's own views, beside the dispatcher store's pending jobs."""
+    from rich.console import Console
+
+    from fleet.cli.queues import queues_table
+    from fleet.worker.app import PREP_TASK, create_app
+    from fleet.worker.dispatch import PrepBacklogCollector
+
+    settings = load_settings(make_config(tmp_path), env={}).model_copy(update={"key_prefix": key_prefix})
+    app = create_app(settings)
+    for n in range(2):
+        app.send_task(PREP_TASK, kwargs={"project": "reports", "job_id": f"r{n}", "signed": {}})
+    app.send_task(PREP_TASK, kwargs={"project": "reports", "job_id": "c1",
+                                     "signed": {"job": {"sources": [{"path": "x"}]}}})
+    app.close()
+    console = Console(record=True, width=200)
+    console.print(queues_table(settings, redis_client))
+    rows = {cells[0]: cells for line in console.export_text().splitlines()
+            if len(cells := [c.strip() for c in line.strip().strip("│").split("│")]) == 5}
+    assert rows["reports"][4] == "3" and rows["triage"][4] == "0"
+    family = next(iter(PrepBacklogCollector(settings, redis_client).collect()))
+    assert {s.labels["project"]: s.value for s in family.samples}["reports"] == 3

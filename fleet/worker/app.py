@@ -39,6 +39,7 @@ from typing import Any
 
 from celery import Celery
 from kombu import Queue
+from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from fleet.core.codes import Code
 from fleet.core.config import Settings, load_settings
@@ -83,6 +84,22 @@ def prep_queues(settings: Settings) -> list[str]:
 
 def collect_queues(settings: Settings) -> list[str]:
     return [collect_queue(p) for p in settings.projects]
+
+
+def prep_backlog(settings: Settings, client: Any) -> dict[str, int]:
+    """Prep messages waiting in the broker per project (its queue and its collect queue, every
+    priority level kombu keeps apart): work Flower's broker page shows and the dispatcher store
+    does not, since a job reaches the store only once prepared."""
+    prefix = f"{settings.key_prefix}q:"
+    steps = [""] + [f"{Channel.sep}{step}" for step in PRIORITY_STEPS if step]
+    pipe = client.pipeline(transaction=False)
+    for project in settings.projects:
+        for queue in (project_queue(project), collect_queue(project)):
+            for step in steps:
+                pipe.llen(f"{prefix}{queue}{step}")
+    counts = iter(pipe.execute())
+    per_queue = 2 * len(steps)
+    return {project: sum(next(counts) for _ in range(per_queue)) for project in settings.projects}
 
 
 def make_router(settings: Settings):  # type: ignore[no-untyped-def]
