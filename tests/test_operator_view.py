@@ -255,3 +255,13 @@ def test_prep_backlog_shows_in_fleet_queues_and_metrics(
     assert rows["reports"][4] == "3" and rows["triage"][4] == "0"
     family = next(iter(PrepBacklogCollector(settings, redis_client).collect()))
     assert {s.labels["project"]: s.value for s in family.samples}["reports"] == 3
+
+
+def test_fleet_top_without_redis_says_so_in_one_line(tmp_path: Path) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    env = {**os.environ, "FLEET_CONFIG": str(make_config(tmp_path)), "FLEET_BROKER_URL": dead}
+    out = subprocess.run([sys.executable, "-m", "fleet", "top", "--once"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert out.stderr.startswith(f"{Code.E_INTERNAL.value} Redis at {dead} does not answer")

@@ -309,7 +309,12 @@ def top(once: Annotated[bool, typer.Option(help="print one frame and exit")] = F
     from fleet.cli.top import run_top
 
     settings = settings_or_exit()
-    run_top(settings, redis.Redis.from_url(settings.broker_url), console, once)
+    try:
+        run_top(settings, redis.Redis.from_url(settings.broker_url), console, once)
+    except redis.RedisError as exc:
+        err.print(f"{Code.E_INTERNAL.value} Redis at {settings.broker_url} does not answer: {exc}",
+                  markup=False, soft_wrap=True)
+        raise typer.Exit(1) from exc
 
 
 @app.command()
