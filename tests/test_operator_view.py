@@ -96,7 +96,7 @@ def test_task_events_carry_the_final_code_and_the_job(fleet: Harness, events: Ev
     good = client.submit(ask("triage", "[sim:think=50] [sim:answer=10] fine"))
     bad = client.submit_raw({"id": "bad1", "project": "triage", "messages": "not a list"},
                             project="triage", job_id="bad1")
-    slow = client.submit(ask("reports", "[sim:think=200000] long thoughts"))
+    slow = client.submit(ask("reports", "[sim:stall=100000] wait forever"))
     wait_until(lambda: client.status(slow).get("state") == "running", 60, "the slow job to run")
     client.cancel(slow)
     codes = {j: client.result(j, timeout=120).code for j in (good, bad, slow)}
