@@ -180,7 +180,8 @@ def run_dispatcher(
     try:
         while not stop.is_set():
             try:
-                leader.renew()
+                if server is not None:  # one without /metrics must never take the lead
+                    leader.renew()
                 result = dispatch_round(store, counted_send, clock, metrics, on_expired)
                 activity.round_ended(result.hold_reason)
                 if result.hold_reason == "send_failed":

@@ -7,6 +7,7 @@ count them once per dispatcher. So only the *metrics leader* exports them: the d
 short Redis lock (``{p}metrics:leader``, redis-py's ``Lock``: SET NX PX, extended by its owner), renewed
 from the dispatcher loop. The others export only their own families, and every dispatcher exports
 ``fleet_metrics_leader`` (1 on the leader) so a dashboard can tell which one speaks for the fleet.
+A dispatcher that serves no /metrics (port 0, or busy) never competes for the lock.
 If the leader dies, another takes the lock within ``LEADER_TTL_S``; a scrape in that gap sees no
 fleet-wide figures from anyone (a gap in the graph, never a double count).
 """
