@@ -28,7 +28,7 @@ from fleet.core.keys import Keys
 from fleet.core.models import Envelope, Job, describe_invalid
 from fleet.core.results import ResultStore
 from fleet.core.signing import sign
-from fleet.worker.app import PREP_TASK, create_app, task_repr
+from fleet.worker.app import PREP_TASK, create_app, shown
 
 
 class Client:
@@ -92,7 +92,7 @@ class Client:
         EventSink(self.redis, self.keys, job_id, self.settings.events_ttl_s).emit(
             "queued", project=project)
         self._celery.send_task(PREP_TASK, kwargs={"project": project, "job_id": job_id,
-                                                  "signed": signed}, **task_repr(project, job_id))
+                                                  "signed": signed}, **shown(project, job_id))
         return job_id
 
     # -- reading ----------------------------------------------------------------------------

@@ -312,7 +312,8 @@ def top(once: Annotated[bool, typer.Option(help="print one frame and exit")] = F
     try:
         run_top(settings, redis.Redis.from_url(settings.broker_url), console, once)
     except redis.RedisError as exc:
-        err.print(f"{Code.E_INTERNAL.value} Redis at {settings.broker_url} does not answer: {exc}",
+        # the error names host and port; the URL itself may carry a password
+        err.print(f"{Code.E_INTERNAL.value} the broker (broker_url) does not answer: {exc}",
                   markup=False, soft_wrap=True)
         raise typer.Exit(1) from exc
 

@@ -23,14 +23,17 @@ Reliability
   Broker keys (queues, unacked sets) live under ``<key_prefix>q:`` (kombu's global_keyprefix), so
   several fleets or test runs can share one Redis.
 
-Flower sees tasks because workers send task events and producers send "sent" events; the task
-names are ``fleet.prep`` / ``fleet.infer``. Messages are sent with ``task_repr``: the task list
-shows project and job id, never a job's text. A task whose job ended with a non-OK final envelope
-raises ``JobEnded`` (the code as its text), so Flower and the task-failed event show FAILURE and
-the code; it is listed in the tasks' ``throws`` (an expected outcome: no traceback in the log) and,
-like any task that raised, its message is acknowledged - never redelivered, never retried.
-Flower's broker page counts Celery queues only: jobs waiting in the dispatcher store for
-admission are not Celery messages (see ``fleet queues`` and ``fleet_dispatch_pending``).
+Monitoring
+  Flower sees tasks because workers send task events and producers send "sent" events; the task
+  names are ``fleet.prep`` / ``fleet.infer``. Every sender passes ``shown(project, job_id)``: Celery
+  puts that short ``kwargsrepr`` ("project=A job=X") into task events and logs instead of the
+  keyword arguments, which carry the signed job and its messages.
+  A task whose job ended with a non-OK final envelope raises ``JobEnded`` (the code as its text),
+  so Flower and the task-failed event show FAILURE and the code; it is listed in the tasks'
+  ``throws`` (an expected outcome: no traceback in the log) and, like any task that raised, its
+  message is acknowledged - never redelivered, never retried. Flower's broker page counts Celery
+  queues only: a prepared job waits for admission in the dispatcher store, no Celery queue (see
+  ``prep_backlog``, ``fleet queues`` and ``fleet_dispatch_pending``).
 """
 
 from __future__ import annotations
@@ -64,12 +67,6 @@ def task_outcome(outcome: str, job_id: str) -> str:
     return f"{outcome} job={job_id}"
 
 
-def task_repr(project: str, job_id: str) -> dict[str, str]:
-    """``argsrepr``/``kwargsrepr`` for ``send_task``: what Flower and the worker log show of a
-    task's arguments (project and job id, never the job's text)."""
-    return {"argsrepr": "()", "kwargsrepr": repr({"project": project, "job_id": job_id})}
-
-
 def project_queue(project: str) -> str:
     return f"fleet.{project}"
 
@@ -84,6 +81,11 @@ def prep_queues(settings: Settings) -> list[str]:
 
 def collect_queues(settings: Settings) -> list[str]:
     return [collect_queue(p) for p in settings.projects]
+
+
+def shown(project: str, job_id: str) -> dict[str, str]:
+    """send_task options that stand in for a task's arguments wherever Celery shows them."""
+    return {"argsrepr": "()", "kwargsrepr": f"project={project} job={job_id}"}
 
 
 def prep_backlog(settings: Settings, client: Any) -> dict[str, int]:

@@ -29,7 +29,7 @@ from fleet.core.keys import Keys
 from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
 from fleet.prep.watchdog import run_prep_watchdog
-from fleet.worker.app import INFER_TASK, PREP_TASK, create_app, prep_backlog, task_repr
+from fleet.worker.app import INFER_TASK, PREP_TASK, create_app, prep_backlog, shown
 from schedulers.dispatcher import run_dispatcher
 from schedulers.store.base import Grant
 
@@ -44,7 +44,7 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
         celery.send_task(INFER_TASK, kwargs={"job_id": grant.job_id, "project": grant.project,
                                              "fence": grant.fence},
                          expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC),
-                         **task_repr(grant.project, grant.job_id))
+                         **shown(grant.project, grant.job_id))
 
     def on_expired(job_id: str) -> None:
         project = results.job_record(job_id).get("project", "")
@@ -54,7 +54,7 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
     def resend_prep(signed: dict[str, Any]) -> None:
         celery.send_task(PREP_TASK, kwargs={"project": signed["project"],
                                             "job_id": signed["job"]["id"], "signed": signed},
-                         **task_repr(signed["project"], signed["job"]["id"]))
+                         **shown(signed["project"], signed["job"]["id"]))
 
     threading.Thread(target=run_prep_watchdog, name="prep-watchdog", daemon=True,
                      args=(settings, results, resend_prep, stop)).start()
