@@ -268,3 +268,34 @@ def test_fleet_top_without_redis_says_so_in_one_line(tmp_path: Path) -> None:
     assert out.stderr.strip().splitlines() == [out.stderr.strip()]
     assert out.stderr.startswith(f"{Code.E_INTERNAL.value} the broker (broker_url) does not answer")
     assert str(port) in out.stderr and "secret-password" not in out.stderr
+
+
+def test_metrics_leader_is_one_at_a_time_and_hands_over(redis_client: Any, key_prefix: str) -> None:
+    from schedulers.metrics import LEADER_RENEW_S, MetricsLeader
+
+    now = [0.0]
+    key = Keys(key_prefix).metrics_leader
+    a, b = (MetricsLeader(redis_client, key, clock=lambda: now[0]) for _ in range(2))
+    assert a.renew() and not b.renew()
+    now[0] += LEADER_RENEW_S
+    assert a.renew() and not b.renew()  # the holder extends, the other keeps out
+    a.release()
+    assert not a.held
+    now[0] += LEADER_RENEW_S
+    assert b.renew() and not a.renew()
+
+
+def test_a_busy_worker_metrics_port_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    import socket
+
+    from prometheus_client import CollectorRegistry
+
+    from schedulers.metrics import serve_registry
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with caplog.at_level("WARNING", logger="schedulers.metrics"):
+            assert serve_registry(CollectorRegistry(), port, "worker") is None
+    assert f"metrics port {port} is in use (another worker on this host?)" in caplog.text
