@@ -17,9 +17,9 @@ What it logs at INFO: start, stop, hold reasons as they change and a summary lin
 
 Beside it, a thread scrapes the backend (schedulers/scrape.py) when ``admission.backend_gate`` is on,
 and prometheus_client serves ``/metrics`` on ``admission.metrics_port`` (0 = off). Any number of
-dispatchers may run against one Redis: the store's Lua script is the only place that decides. On
-one host they share the metrics port: the first takes it, the others warn and run without
-(schedulers/metrics.py serve_metrics).
+dispatchers may run against one Redis: the store's Lua script is the only place that decides. Only
+the metrics leader among them exports the fleet-wide figures (schedulers/metrics.py); each needs its
+own metrics port (a busy one is a warning and that dispatcher runs without /metrics).
 
 Failure cases:
 - ``send`` raises (broker down): the lease is given back at once with ``requeue`` (the job
@@ -37,16 +37,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import kombu.exceptions
 import redis
+from prometheus_client.registry import Collector
 
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
 from schedulers.activity import Activity
 from schedulers.backoff import Backoff
-from schedulers.metrics import DispatcherMetrics, ResultCodeCollector, serve_metrics
+from schedulers.metrics import DispatcherMetrics, MetricsLeader, ResultCodeCollector, serve_metrics
 from schedulers.scrape import make_http, run_scraper
 from schedulers.serverinfo import ServerCheck
 from schedulers.store import make_store
@@ -149,16 +150,20 @@ def run_dispatcher(
     clock: Callable[[], float] = time.time,
     on_expired: Callable[[str], None] | None = None,
     backoff: Backoff | None = None,
+    shared_metrics: Iterable[Collector] = (),
 ) -> None:
     """Run until ``stop`` is set (it is checked after every wake; ``store.wake()`` hurries it).
 
     ``on_expired(job_id)`` is called for each pending job dropped because its deadline passed;
-    ``backoff`` paces the retries after a Redis error or a failed send (module docstring).
+    ``backoff`` paces the retries after a Redis error or a failed send (module docstring);
+    ``shared_metrics`` are more fleet-wide collectors, exported by the metrics leader only.
     """
     stop = stop or threading.Event()
     backoff = backoff or Backoff()
     store = make_store(settings, client)
-    metrics = DispatcherMetrics(store, ResultCodeCollector(client, Keys(settings.key_prefix)))
+    keys = Keys(settings.key_prefix)
+    leader = MetricsLeader(client, keys.metrics_leader)
+    metrics = DispatcherMetrics(store, ResultCodeCollector(client, keys), leader, shared_metrics)
     admission = settings.admission
     server = serve_metrics(metrics, admission.metrics_port)
     scraper_stop = threading.Event()
@@ -175,6 +180,8 @@ def run_dispatcher(
     try:
         while not stop.is_set():
             try:
+                if server is not None:  # one without /metrics must never take the lead
+                    leader.renew()
                 result = dispatch_round(store, counted_send, clock, metrics, on_expired)
                 activity.round_ended(result.hold_reason)
                 if result.hold_reason == "send_failed":
@@ -192,6 +199,7 @@ def run_dispatcher(
             scraper.join(timeout=5)
         if server is not None:
             server.shutdown()
+        leader.release()
         log.info("dispatcher stopped")
 
 

@@ -1,13 +1,27 @@
 """The dispatcher's Prometheus registry: the shared store's figures, final result codes and this
-process's own queue-wait histogram, served by prometheus_client on ``admission.metrics_port``."""
+process's own queue-wait histogram, served by prometheus_client on ``admission.metrics_port``.
+
+Fleet-wide families (``StoreCollector``, ``ResultCodeCollector``) are read from Redis and are the
+same from every dispatcher; were each dispatcher to export them, a ``sum()`` over instances would
+count them once per dispatcher. So only the *metrics leader* exports them: the dispatcher holding a
+short Redis lock (``{p}metrics:leader``, redis-py's ``Lock``: SET NX PX, extended by its owner), renewed
+from the dispatcher loop. The others export only their own families, and every dispatcher exports
+``fleet_metrics_leader`` (1 on the leader) so a dashboard can tell which one speaks for the fleet.
+A dispatcher that serves no /metrics (port 0, or busy) never competes for the lock.
+If the leader dies, another takes the lock within ``LEADER_TTL_S``; a scrape in that gap sees no
+fleet-wide figures from anyone (a gap in the graph, never a double count).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 import redis
+import redis.exceptions
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -18,6 +32,71 @@ from schedulers.store.base import AdmissionStore, Grant
 log = logging.getLogger(__name__)
 
 WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+LEADER_TTL_S = 15.0
+LEADER_RENEW_S = 5.0  # a third of the TTL: two renewals may fail before the lock lapses
+
+
+class MetricsLeader:
+    """Holds, or tries to take, the lock that makes this dispatcher the one exporting the fleet-wide
+    families. ``renew`` is called from the dispatcher loop; it contacts Redis at most every
+    ``LEADER_RENEW_S``; a Redis error drops leadership and is raised to the loop, which logs it and
+    backs off as for any other Redis error."""
+
+    def __init__(self, client: redis.Redis, key: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self._lock = client.lock(key, timeout=LEADER_TTL_S, thread_local=False)
+        self._clock = clock
+        self._next_at = -float("inf")
+        self.held = False
+
+    def renew(self) -> bool:
+        now = self._clock()
+        if now < self._next_at:
+            return self.held
+        self._next_at = now + LEADER_RENEW_S
+        was = self.held
+        try:
+            if self.held:
+                self._lock.reacquire()
+            else:
+                self.held = bool(self._lock.acquire(blocking=False))
+        except redis.exceptions.LockError:  # another dispatcher took it after our lock lapsed
+            self.held = False
+        except redis.RedisError:
+            self.held = False  # unknown: export nothing shared rather than risk a double count
+            raise
+        if self.held != was:
+            log.info("metrics leader: %s", "this dispatcher exports the fleet-wide figures" if self.held
+                     else "another dispatcher exports the fleet-wide figures")
+        return self.held
+
+    def release(self) -> None:
+        if self.held:
+            # expired or unreachable: the TTL frees it
+            with contextlib.suppress(redis.exceptions.LockError, redis.RedisError):
+                self._lock.release()
+            self.held = False
+
+
+class LeaderOnly(Collector):
+    """Yields ``inner``'s families only while ``leader`` holds the lock."""
+
+    def __init__(self, inner: Collector, leader: MetricsLeader) -> None:
+        self._inner = inner
+        self._leader = leader
+
+    def collect(self) -> Iterable[Metric]:
+        if self._leader.held:
+            yield from self._inner.collect()
+
+
+class LeaderGauge(Collector):
+    def __init__(self, leader: MetricsLeader) -> None:
+        self._leader = leader
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily("fleet_metrics_leader",
+                                "1 if this dispatcher exports the fleet-wide figures",
+                                value=1 if self._leader.held else 0)
 
 
 class StoreCollector(Collector):
@@ -36,6 +115,8 @@ class StoreCollector(Collector):
                 pending.add_metric([project, band], count)
         yield pending
         yield GaugeMetricFamily("fleet_dispatch_in_flight", "Live leases", value=snap.in_flight)
+        yield GaugeMetricFamily("fleet_dispatch_cap", "Most leases at once (backend.max_num_seqs)",
+                                value=self._store.config.limits.max_num_seqs)
         yield GaugeMetricFamily(
             "fleet_dispatch_reserved_kv_tokens",
             "KV tokens reserved by live leases (whole blocks)",
@@ -77,14 +158,18 @@ class ResultCodeCollector(Collector):
 
 
 class DispatcherMetrics:
-    """This process's registry: the store's shared figures, the fleet's result codes and this
-    dispatcher's own queue-wait histogram."""
+    """This process's registry: the store's shared figures, the fleet's result codes and any other
+    fleet-wide ``shared`` collectors (only while ``leader`` holds the lock, or always without a
+    leader) and this dispatcher's own queue-wait histogram."""
 
-    def __init__(self, store: AdmissionStore, results: Collector | None = None) -> None:
+    def __init__(self, store: AdmissionStore, results: Collector | None = None,
+                 leader: MetricsLeader | None = None, shared: Iterable[Collector] = ()) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(StoreCollector(store))
-        if results is not None:
-            self.registry.register(results)
+        shared = [StoreCollector(store), *([results] if results is not None else []), *shared]
+        for collector in shared:
+            self.registry.register(collector if leader is None else LeaderOnly(collector, leader))
+        if leader is not None:
+            self.registry.register(LeaderGauge(leader))
         self.queue_wait = Histogram(
             "fleet_dispatch_queue_wait_seconds",
             "Time from submission to admission",
@@ -101,19 +186,24 @@ def serve_metrics(metrics: DispatcherMetrics, port: int):  # type: ignore[no-unt
     """Serve ``/metrics`` on ``port`` (0 = off); returns the server, or None.
 
     A busy port (another dispatcher on this host has it) is a WARNING and this dispatcher runs
-    on without its own endpoint: the figures read from the shared store and the result codes are
-    the same from every dispatcher, so the one that holds the port serves them for all; only this
-    process's queue-wait histogram goes unserved. Give each dispatcher its own port to scrape that.
+    on without its own endpoint, so its own queue-wait histogram goes unserved, and so do the
+    fleet-wide figures while it is the metrics leader. Give each dispatcher its own port.
     """
+    return serve_registry(metrics.registry, port, "dispatcher")
+
+
+def serve_registry(registry: CollectorRegistry, port: int, who: str):  # type: ignore[no-untyped-def]
+    """Serve ``registry`` on ``port`` (0 = off) for process kind ``who``; a busy port is a WARNING
+    and None (the process goes on without /metrics), any other failure raises."""
     if not port:
         return None
     try:
-        server, _thread = start_http_server(port, registry=metrics.registry)
+        server, _thread = start_http_server(port, registry=registry)
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
-        log.warning("metrics port %d is in use (another dispatcher on this host?); this dispatcher "
-                    "serves no /metrics and goes on admitting", port)
+        log.warning("metrics port %d is in use (another %s on this host?); this %s serves no "
+                    "/metrics and goes on working", port, who, who)
         return None
-    log.info("dispatcher metrics on :%d/metrics", port)
+    log.info("%s metrics on :%d/metrics", who, port)
     return server

@@ -291,3 +291,32 @@ def test_non_streaming_disconnect_aborts(sim: SimProcess) -> None:
         httpx.post(sim.base_url + "/v1/chat/completions", json=body, timeout=0.5)
     st = wait_for(sim, lambda s: s["aborted"] == base + 1)
     assert st["running"] == 0
+
+
+def test_metrics_counters_match_the_requests_sent() -> None:
+    """A fresh simulator, idle gaps between requests as in a long run: every prompt is counted and
+    no queue time is negative."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    proc = start_sim_process(speed=SPEED, seed=11, log_level="warning")
+    try:
+        c = openai.OpenAI(base_url=proc.base_url + "/v1", api_key="x", max_retries=0)
+        prompt_tokens = completion_tokens = 0
+        for i in range(6):
+            r = c.chat.completions.create(
+                model="local", messages=user(f"[sim:think=20] [sim:answer=5] short question {i}"))
+            assert r.usage is not None
+            prompt_tokens += r.usage.prompt_tokens
+            completion_tokens += r.usage.completion_tokens
+            wait_for(proc, lambda s: s["running"] + s["waiting"] == 0)  # idle before the next one
+        c.close()
+        samples = {s.name: s.value for f in text_string_to_metric_families(
+            httpx.get(proc.base_url + "/metrics", timeout=5).text) for s in f.samples}
+    finally:
+        proc.stop()
+    assert samples["vllm:prompt_tokens_total"] == prompt_tokens > 0
+    assert samples["vllm:generation_tokens_total"] == completion_tokens
+    assert samples["vllm:request_prompt_tokens_sum"] == prompt_tokens
+    assert samples["vllm:request_queue_time_seconds_count"] == 6
+    assert samples["vllm:request_queue_time_seconds_sum"] >= 0
+    assert samples["vllm:time_to_first_token_seconds_sum"] >= 0

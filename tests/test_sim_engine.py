@@ -138,3 +138,29 @@ def test_hold_delays_first_token_in_simulated_time() -> None:
     engine.advance_until(100.0)
     assert s.first_token_t is not None and s.first_token_t >= 40.0
     assert s.state is SeqState.FINISHED
+
+
+def test_queue_time_and_ttft_never_negative_after_idle_time() -> None:
+    """An idle engine's step clock lags the wall clock; a request arriving then was admitted at once."""
+    now = [0.0]
+    engine = Engine(get_profile("qwen3-next-tp2pp2"), speed=1.0, clock=lambda: now[0])
+    engine.advance_until(1.0)
+    now[0] = 50.0  # idle for a while, as between bursts of a long run
+    s = seq("late", prompt=100, total=5)
+    engine.submit(s)
+    engine.advance_until(60.0)
+    assert s.state is SeqState.FINISHED
+    assert s.admitted_t is not None and s.first_token_t is not None
+    assert s.admitted_t - s.arrival_t >= 0
+    assert s.first_token_t - s.arrival_t >= 0
+
+
+def test_every_prefilled_prompt_counts_prompt_tokens() -> None:
+    """Prompts shorter than one KV block have no block hashes; they are prompts all the same."""
+    engine = make_engine()
+    short, long_ = seq("short", prompt=100, total=3), seq("long", prompt=3_000, total=3, ids=list(range(3_000)))
+    engine.submit(short)
+    engine.submit(long_)
+    engine.advance_until(30.0)
+    assert short.state is SeqState.FINISHED and long_.state is SeqState.FINISHED
+    assert engine.stats.prompt_tokens == 3_100

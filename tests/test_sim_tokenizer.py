@@ -9,7 +9,7 @@ import pytest
 from fleet.sim.jsongen import generate_json
 from fleet.sim.template import render_chat
 from fleet.sim.textgen import ProseStream
-from fleet.sim.tokenizer import SPECIAL_BASE_ID, Tokenizer, split_pieces
+from fleet.sim.tokenizer import SPECIAL_BASE_ID, SPECIAL_TOKENS, Tokenizer, split_pieces
 from tests.sim_samples import ENGLISH, JAPANESE
 
 
@@ -76,3 +76,23 @@ def test_json_generator_respects_schema() -> None:
     rng = random.Random(0)
     for _ in range(30):
         jsonschema.validate(json.loads(generate_json(schema, rng)), schema)
+
+
+def test_id_table_stays_bounded_over_many_distinct_words() -> None:
+    """A long-running simulator sees new pieces forever; its table must not grow with them."""
+    tok = Tokenizer(max_pieces=1_000)
+    words = [" " + "".join(chr(ord("a") + int(d)) for d in f"{n:05d}") for n in range(20_000)]
+    assert len(split_pieces("".join(words))) == len(words)  # one new piece per word
+    for word in words:
+        tok.encode(word)
+    assert len(tok) <= 1_000 + len(SPECIAL_TOKENS)
+    recent = "".join(words[-10:])
+    assert tok.decode(tok.encode(recent)) == recent
+    assert tok.encode(words[0]) == Tokenizer().encode(words[0])  # ids still come from the digest
+
+
+def test_default_table_is_bounded() -> None:
+    tok = Tokenizer()
+    for n in range(tok.max_pieces + 5_000):
+        tok.piece_id(f"p{n}")
+    assert len(tok) <= tok.max_pieces + len(SPECIAL_TOKENS)

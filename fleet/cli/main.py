@@ -323,6 +323,23 @@ def queues() -> None:
 
 
 @app.command()
+def top(once: Annotated[bool, typer.Option(help="print one frame and exit")] = False) -> None:
+    """Live view: in flight vs cap, per-project pending, waits and tokens/s, holds, backend."""
+    import redis
+
+    from fleet.cli.top import run_top
+
+    settings = settings_or_exit()
+    try:
+        run_top(settings, redis.Redis.from_url(settings.broker_url), console, once)
+    except redis.RedisError as exc:
+        # the error names host and port; the URL itself may carry a password
+        err.print(f"{Code.E_INTERNAL.value} the broker (broker_url) does not answer: {exc}",
+                  markup=False, soft_wrap=True)
+        raise typer.Exit(1) from exc
+
+
+@app.command()
 def codes() -> None:
     """The message-code catalogue (docs/codes.md's table is generated from the same source)."""
     from fleet.core.codes import markdown_table

@@ -1,4 +1,8 @@
-"""``fleet queues``: pending work per project and band, and the limits in use."""
+"""``fleet queues``: pending work per project and band, and the limits in use.
+
+Per project: jobs waiting in the dispatcher store for admission (interactive, batch) and prep
+messages still waiting in the broker (``prep queue``). Flower's broker page sees only the latter:
+a prepared job waits in the dispatcher store, which is no Celery queue."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import redis
 from rich.table import Table
 
 from fleet.core.config import Settings
+from fleet.worker.app import prep_backlog
 from schedulers.store import make_store
 
 
@@ -15,13 +20,15 @@ def queues_table(settings: Settings, client: redis.Redis) -> Table:
     snap = store.snapshot()
     limits = store.config.limits
     table = Table(title="Dispatcher queues")
-    for column in ("project", "weight", "interactive", "batch"):
+    backlog = prep_backlog(settings, client)
+    for column in ("project", "weight", "interactive", "batch", "prep queue"):
         table.add_column(column, justify="left" if column == "project" else "right")
     for project in sorted(set(snap.pending) | set(settings.projects)):
         bands = snap.pending.get(project, {})
         weight = store.config.weight(project)
         table.add_row(
-            project, f"{weight:g}", str(bands.get("interactive", 0)), str(bands.get("batch", 0))
+            project, f"{weight:g}", str(bands.get("interactive", 0)), str(bands.get("batch", 0)),
+            str(backlog.get(project, "-")),
         )
     backend = store.backend()
     gate = backend.get("hold") or ("open" if backend else "no scrape yet")

@@ -320,6 +320,9 @@ class Settings(BaseSettings):
     """Broker redelivery of unacknowledged tasks; keep it above a whole job's inference
     (max_attempts x attempt_s). Earlier redeliveries are harmless (claims refuse duplicates),
     and dead workers are covered sooner by leases and the prep watchdog."""
+    worker_metrics_port: int = Field(0, ge=0, le=65535)
+    """Port of a worker's Prometheus /metrics (0 = off; threads and solo pools). Give each worker
+    on a host its own (FLEET_WORKER_METRICS_PORT); a busy port is a warning, the worker runs on."""
     backend: BackendSettings = BackendSettings()
     admission: AdmissionSettings = AdmissionSettings()
     timeouts: TimeoutSettings = TimeoutSettings()

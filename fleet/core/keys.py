@@ -36,6 +36,8 @@ Jobs and results (fleet/core/results.py, fleet/client.py)
   {p}retry_budget:<project>   hash   sliding counters of first attempts and retries (retry budget)
   {p}tokcache:<sha256>        string cached /tokenize count for a piece of content
   {p}stats:codes              hash   final results counted by "<project>|<code>" (for /metrics)
+  {p}metrics:leader           string the dispatcher exporting the fleet-wide metrics (redis-py
+                                     Lock token; PX 15 s, extended by its owner)
 
 Broker (kombu, fleet/worker/app.py)
   {p}q:*                      Celery's queues, unacked sets and bindings (kombu global_keyprefix)
@@ -122,6 +124,10 @@ class Keys:
     @property
     def code_counts(self) -> str:
         return f"{self.prefix}stats:codes"
+
+    @property
+    def metrics_leader(self) -> str:
+        return f"{self.prefix}metrics:leader"
 
     # -- dispatcher -------------------------------------------------------------------------
     @property

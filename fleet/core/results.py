@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -40,10 +41,12 @@ from fleet.core.models import Envelope
 log = logging.getLogger(__name__)
 
 class ResultStore:
-    def __init__(self, client: redis.Redis, keys: Keys, settings: Settings) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, settings: Settings,
+                 on_publish: Callable[[Envelope], None] | None = None) -> None:
         self.client: Any = client  # redis-py's response types are unions; we know the shapes
         self.keys = keys
         self.settings = settings
+        self.on_publish = on_publish  # called once per envelope this store wrote (worker metrics)
         self._publish = Scripts(client, "fleet.core", ("publish",))["publish"]
 
     # -- job records ----------------------------------------------------------------------
@@ -90,6 +93,8 @@ class ResultStore:
                 envelope.code.value,
                 len(envelope.attempts),
             )
+            if self.on_publish is not None:
+                self.on_publish(envelope)
         return bool(written)
 
     def reject(self, job_id: str, claimed_project: str, reason: str, nonce: str,

@@ -141,7 +141,7 @@ def run_inference(job: Job, plan: Plan, ctx: InferenceContext) -> Envelope:
         run = _Run(job, plan, ctx)
         return run.run()
     except Exception as exc:  # the one place a bug must not lose the job
-        log.exception("job %s: inference failed inside the fleet", job.id)
+        log.exception("inference failed inside the fleet job=%s", job.id)
         attempts = run.attempts if run is not None else []
         return Envelope.failure(
             job.id, job.project, Code.E_INTERNAL, f"internal error: {exc!r}", attempts=attempts
@@ -270,7 +270,7 @@ class _Run:
         self._record(attempt, self._conclusions_of(outcome))
         if result is not None and result.first_token_s is not None:
             self.first_token_s = result.first_token_s
-        log.info("job %s attempt %d: %s %s", self.job.id, number, outcome.code.value,
+        log.info("attempt %d job=%s: %s %s", number, self.job.id, outcome.code.value,
                  outcome.cause)
         return outcome
 

@@ -77,6 +77,7 @@ class Sequence:
     blocks: int = 0
     hold_until: float = -math.inf
     queried: bool = False
+    prompt_counted: bool = False
     cached_tokens: int = 0
     arrival_t: float = 0.0
     admitted_t: float | None = None
@@ -143,6 +144,10 @@ class Engine:
 
     # -- API used by the HTTP layer ----------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
+        if not self.running and not self.waiting:
+            # an idle engine's step clock stops; catch it up, or this request would be admitted
+            # at a step time before its own arrival (a negative queue time)
+            self.t = max(self.t, self.sim_now())
         seq.arrival_t = max(self.sim_now(), self.t)
         seq.target = seq.prompt_len
         self.waiting.append(seq)
@@ -243,7 +248,8 @@ class Engine:
             s.blocks = need
             s.state = SeqState.RUNNING
             if s.admitted_t is None:
-                s.admitted_t = self.t
+                # a busy engine's step clock can trail the wall clock by part of a tick
+                s.admitted_t = max(self.t, s.arrival_t)
             self.running.append(s)
             self.stats.max_running_seen = max(self.stats.max_running_seen, len(self.running))
             self.stats.max_long_running_seen = max(
@@ -326,10 +332,14 @@ class Engine:
         if s.generated == 0 and s.slow_first_s > 0:
             s.hold_until = self.t + s.slow_first_s
             s.slow_first_s = 0.0
+        if not s.prompt_counted:
+            # once per request, as vLLM counts a prompt (a preempted request's recompute is not
+            # a new prompt); prompts shorter than one block have no hashes but count all the same
+            s.prompt_counted = True
+            self.stats.prompt_tokens += s.prompt_len
         if s.hashes:
             self.cache.insert(s.hashes)
             s.hashes = []
-            self.stats.prompt_tokens += s.prompt_len
         if s.generated >= s.total:
             self._touched.add(s)
             self._finish(s)
@@ -347,7 +357,7 @@ class Engine:
             s.computed += n
             self.stats.generation_tokens += n
             if s.first_token_t is None:
-                s.first_token_t = first_token_t
+                s.first_token_t = max(first_token_t, s.arrival_t)
             self._touched.add(s)
             if s.stall_at is not None and s.generated >= s.stall_at:
                 s.hold_until = self.t + s.stall_s

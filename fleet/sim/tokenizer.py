@@ -17,9 +17,12 @@ Measured on the prose samples in ``tests/sim_samples.py``: English 4.02 characte
 Japanese 3.95, a JSON tool schema 3.44 (BPE merges JSON punctuation less well than prose, as here).
 
 Token ids: a piece's id is a 31-bit BLAKE2 digest of its text, so the same piece has the same id in
-every process. The tokenizer keeps an id -> piece table (grown as pieces are seen) so that
-``decode`` inverts ``encode`` exactly; on the rare digest collision the next free id is taken.
-Special tokens have fixed ids (151643 + n, as in the Qwen vocabulary).
+every process. The tokenizer keeps an id -> piece table so that ``decode`` inverts ``encode``; on the
+rare digest collision the next free id is taken. The table holds the ``max_pieces`` most recently
+used pieces (least recently used first out), because generated prose and client prompts bring new
+pieces for the whole life of a long-running simulator; an id whose piece has left the table decodes
+to U+FFFD, as an id this process never produced does. Special tokens have fixed ids (151643 + n, as
+in the Qwen vocabulary) and never leave the table.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Iterable
 
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -45,6 +49,7 @@ LATIN_CHUNK = 6.0
 CJK_CHUNK = 5.75
 SPACE_CHUNK = 4.0
 PUNCT_CHUNK = 3.0
+MAX_PIECES = 200_000  # about 30 MB of table; more distinct pieces than a long prompt mix brings
 
 _CJK = "\u3005\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f"
 _PIECE_RE = re.compile(
@@ -88,26 +93,38 @@ def _cut(piece: str, parts: int) -> list[str]:
 class Tokenizer:
     """Reversible piece <-> id mapping over ``split_pieces``. Not thread-safe (one event loop)."""
 
-    def __init__(self) -> None:
-        self._ids: dict[str, int] = {}
+    def __init__(self, max_pieces: int = MAX_PIECES) -> None:
+        if max_pieces < 1:
+            raise ValueError("max_pieces must be at least 1")
+        self.max_pieces = max_pieces
+        self._ids: OrderedDict[str, int] = OrderedDict()
         self._pieces: dict[int, str] = {}
-        for n, tok in enumerate(SPECIAL_TOKENS):
-            self._bind(tok, SPECIAL_BASE_ID + n)
+        self._special = {tok: SPECIAL_BASE_ID + n for n, tok in enumerate(SPECIAL_TOKENS)}
+        for tok, token_id in self._special.items():
+            self._pieces[token_id] = tok
 
-    def _bind(self, piece: str, token_id: int) -> int:
-        self._ids[piece] = token_id
-        self._pieces[token_id] = piece
-        return token_id
+    def __len__(self) -> int:
+        """Pieces in the table, special tokens included."""
+        return len(self._ids) + len(self._special)
 
     def piece_id(self, piece: str) -> int:
+        token_id = self._special.get(piece)
+        if token_id is not None:
+            return token_id
         token_id = self._ids.get(piece)
         if token_id is not None:
+            self._ids.move_to_end(piece)
             return token_id
         digest = hashlib.blake2b(piece.encode(), digest_size=4).digest()
         token_id = int.from_bytes(digest, "big") & 0x7FFFFFFF
         while token_id in self._pieces or SPECIAL_BASE_ID <= token_id < SPECIAL_BASE_ID + 64:
             token_id = (token_id + 1) & 0x7FFFFFFF
-        return self._bind(piece, token_id)
+        if len(self._ids) >= self.max_pieces:
+            _, old_id = self._ids.popitem(last=False)
+            del self._pieces[old_id]
+        self._ids[piece] = token_id
+        self._pieces[token_id] = piece
+        return token_id
 
     def encode(self, text: str) -> list[int]:
         piece_id = self.piece_id

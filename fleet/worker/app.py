@@ -30,6 +30,12 @@ Monitoring
   keyword arguments, which carry the signed job and its messages. (A worker asked for its active or
   reserved tasks still answers with the arguments themselves.) ``flower_argv`` keeps Flower on
   loopback unless it asks for a password.
+  A task whose job ended with a non-OK final envelope raises ``JobEnded`` (the code as its text),
+  so Flower and the task-failed event show FAILURE and the code; it is listed in the tasks'
+  ``throws`` (an expected outcome: no traceback in the log) and, like any task that raised, its
+  message is acknowledged - never redelivered, never retried. Flower's broker page counts Celery
+  queues only: a prepared job waits for admission in the dispatcher store, no Celery queue (see
+  ``prep_backlog``, ``fleet queues`` and ``fleet_dispatch_pending``).
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ from typing import Any
 
 from celery import Celery
 from kombu import Queue
+from kombu.transport.redis import PRIORITY_STEPS, Channel
 
+from fleet.core.codes import Code
 from fleet.core.config import Settings, load_settings
 from fleet.core.errors import ConfigError
 
@@ -49,6 +57,18 @@ INFER_QUEUE = "fleet.infer"
 # Prep tasks that claim a project this fleet does not know land here, so a prep worker still
 # rejects them (E_AUTH) instead of leaving them in a queue nobody consumes.
 UNROUTED_QUEUE = "fleet.unrouted"
+
+
+class JobEnded(Exception):
+    """A task's job ended with a non-OK final envelope; the text starts with the code."""
+
+
+def task_outcome(outcome: str, job_id: str) -> str:
+    """A task's return value, ``"<outcome> job=<id>"`` (Celery's "succeeded" log line and Flower's
+    result column then name the job); raises ``JobEnded`` when ``outcome`` is a non-OK code."""
+    if outcome in Code._value2member_map_ and not Code(outcome).ok:
+        raise JobEnded(f"{outcome} job={job_id}")
+    return f"{outcome} job={job_id}"
 
 
 def project_queue(project: str) -> str:
@@ -94,6 +114,22 @@ def _loopback(address: str) -> bool:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:  # a host name: it may resolve anywhere
         return False
+
+
+def prep_backlog(settings: Settings, client: Any) -> dict[str, int]:
+    """Prep messages waiting in the broker per project (its queue and its collect queue, every
+    priority level kombu keeps apart): work Flower's broker page shows and the dispatcher store
+    does not, since a job reaches the store only once prepared."""
+    prefix = f"{settings.key_prefix}q:"
+    steps = [""] + [f"{Channel.sep}{step}" for step in PRIORITY_STEPS if step]
+    pipe = client.pipeline(transaction=False)
+    for project in settings.projects:
+        for queue in (project_queue(project), collect_queue(project)):
+            for step in steps:
+                pipe.llen(f"{prefix}{queue}{step}")
+    counts = iter(pipe.execute())
+    per_queue = 2 * len(steps)
+    return {project: sum(next(counts) for _ in range(per_queue)) for project in settings.projects}
 
 
 def make_router(settings: Settings):  # type: ignore[no-untyped-def]

@@ -15,10 +15,13 @@ the outside world.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
 import redis
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from fleet.core.codes import Code
 from fleet.core.config import Settings
@@ -26,7 +29,7 @@ from fleet.core.keys import Keys
 from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
 from fleet.prep.watchdog import run_prep_watchdog
-from fleet.worker.app import INFER_TASK, PREP_TASK, create_app, shown
+from fleet.worker.app import INFER_TASK, PREP_TASK, create_app, prep_backlog, shown
 from schedulers.dispatcher import run_dispatcher
 from schedulers.store.base import Grant
 
@@ -55,4 +58,21 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
 
     threading.Thread(target=run_prep_watchdog, name="prep-watchdog", daemon=True,
                      args=(settings, results, resend_prep, stop)).start()
-    run_dispatcher(settings, client, send, stop=stop, on_expired=on_expired)
+    run_dispatcher(settings, client, send, stop=stop, on_expired=on_expired,
+                   shared_metrics=[PrepBacklogCollector(settings, client)])
+
+
+class PrepBacklogCollector(Collector):
+    """``fleet_prep_queued{project}``: prep messages waiting in the broker, read on each scrape
+    (a job waits there before the dispatcher store knows it; see ``fleet_dispatch_pending``)."""
+
+    def __init__(self, settings: Settings, client: redis.Redis) -> None:
+        self._settings = settings
+        self._client = client
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily("fleet_prep_queued", "Prep messages waiting in the broker",
+                                   labels=["project"])
+        for project, count in sorted(prep_backlog(self._settings, self._client).items()):
+            family.add_metric([project], count)
+        yield family

@@ -4,6 +4,7 @@ module keeps a global client of its own."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from redis.retry import Retry
 
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
+from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
 
 if TYPE_CHECKING:  # the heavy modules are imported on first use, in the worker that needs them
@@ -27,6 +29,7 @@ if TYPE_CHECKING:  # the heavy modules are imported on first use, in the worker 
 @dataclass
 class Runtime:
     settings: Settings
+    on_publish: Callable[[Envelope], None] | None = None  # each final envelope this process writes
 
     @cached_property
     def redis(self) -> redis.Redis:
@@ -50,7 +53,7 @@ class Runtime:
 
     @cached_property
     def results(self) -> ResultStore:
-        return ResultStore(self.redis, self.keys, self.settings)
+        return ResultStore(self.redis, self.keys, self.settings, on_publish=self.on_publish)
 
     @cached_property
     def store(self) -> RedisStore:

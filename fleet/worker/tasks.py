@@ -35,7 +35,9 @@ from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, Timings, describe_invalid
 from fleet.core.signing import verify
 from fleet.prep.watchdog import HANDED_OVER, PrepClaim
+from fleet.worker.app import JobEnded, task_outcome
 from fleet.worker.lease import LeaseKeeper
+from fleet.worker.metrics import WorkerMetrics, serve_when_started
 from fleet.worker.runtime import Runtime
 from schedulers.store.base import PendingItem
 
@@ -44,15 +46,18 @@ log = logging.getLogger(__name__)
 
 
 def register_tasks(app: Celery) -> None:
-    runtime = Runtime(app.fleet_settings)  # type: ignore[attr-defined]
+    metrics = WorkerMetrics()
+    runtime = Runtime(app.fleet_settings, on_publish=metrics.observe)  # type: ignore[attr-defined]
+    serve_when_started(app, metrics, runtime.settings.worker_metrics_port)
 
-    @app.task(name="fleet.prep", acks_late=True)
+    # A non-OK final code raises JobEnded (fleet/worker/app.py): FAILURE in Flower, no redelivery.
+    @app.task(name="fleet.prep", acks_late=True, throws=(JobEnded,))
     def prep(*, project: str, job_id: str, signed: dict[str, Any]) -> str:
-        return prep_job(runtime, project, job_id, signed)
+        return task_outcome(prep_job(runtime, project, job_id, signed), job_id)
 
-    @app.task(name="fleet.infer", acks_late=True)
+    @app.task(name="fleet.infer", acks_late=True, throws=(JobEnded,))
     def infer(*, job_id: str, project: str, fence: int) -> str:
-        return infer_job(runtime, job_id, project, fence)
+        return task_outcome(infer_job(runtime, job_id, project, fence), job_id)
 
 
 def _events(rt: Runtime, job_id: str) -> EventSink:

@@ -113,6 +113,8 @@ class StoreConfig:
 
 
 class AdmissionStore(Protocol):
+    config: StoreConfig
+
     def add_pending(self, item: PendingItem) -> None: ...
 
     def admit_next(self, now: float) -> AdmitResult: ...

@@ -1,0 +1,140 @@
+"""``fleet top``: a live view of the whole fleet, read from Redis once a second.
+
+One frame shows in flight against the cap (and long prompts, reserved KV), per project the jobs
+waiting for admission, the mean queue wait and the tokens per second of the jobs that finished in
+the last ``WINDOW_S`` seconds (read from the projects' result streams, so it covers every worker),
+admission holds by reason (since the previous frame when live, totals with ``--once``) and the
+backend as the dispatchers last scraped it (running, waiting, KV usage, preemptions).
+
+Everything comes from the shared store, so any host that reaches Redis sees the same figures
+whichever dispatchers and workers run; nothing is asked of the processes themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from fleet.core.config import Settings
+from fleet.core.keys import Keys
+from schedulers.store import make_store
+from schedulers.store.base import StoreSnapshot
+
+WINDOW_S = 60.0
+MAX_RECENT = 2_000  # envelopes read per project and frame: bounds the cost of a busy minute
+
+
+@dataclass
+class ProjectRow:
+    project: str
+    pending: int = 0
+    finished: int = 0
+    mean_wait_s: float | None = None
+    tokens_per_s: float = 0.0
+
+
+@dataclass
+class TopFrame:
+    at: float
+    snapshot: StoreSnapshot
+    cap: int
+    max_long: int
+    kv_budget_tokens: int
+    backend: dict[str, str]
+    rows: list[ProjectRow] = field(default_factory=list)
+    holds: dict[str, int] = field(default_factory=dict)  # since the previous frame, or totals
+
+
+def read_frame(settings: Settings, client: redis.Redis, now: float,
+               previous: TopFrame | None = None) -> TopFrame:
+    store = make_store(settings, client)
+    snap, limits = store.snapshot(), store.config.limits
+    keys = Keys(settings.key_prefix)
+    rows = [_project_row(client, keys, p, snap, now)
+            for p in sorted(set(snap.pending) | set(settings.projects))]
+    holds = dict(snap.holds)
+    if previous is not None:
+        holds = {r: n - previous.snapshot.holds.get(r, 0) for r, n in snap.holds.items()}
+        holds = {r: n for r, n in holds.items() if n > 0}
+    return TopFrame(at=now, snapshot=snap, cap=limits.max_num_seqs, max_long=limits.max_long,
+                    kv_budget_tokens=limits.kv_budget_tokens, backend=store.backend(), rows=rows,
+                    holds=holds)
+
+
+def _project_row(client: redis.Redis, keys: Keys, project: str, snap: StoreSnapshot,
+                 now: float) -> ProjectRow:
+    row = ProjectRow(project, pending=sum(snap.pending.get(project, {}).values()))
+    since_ms = int((now - WINDOW_S) * 1000)
+    entries: Any = client.xrevrange(keys.results(project), max="+", min=since_ms, count=MAX_RECENT)
+    waits, tokens = [], 0
+    for _id, fields in entries:
+        try:
+            envelope = json.loads(fields[b"envelope"])
+        except (KeyError, ValueError):
+            continue  # not an envelope this version wrote: leave it out of the figures
+        tokens += int(envelope.get("usage", {}).get("completion_tokens", 0))
+        queued = envelope.get("timings", {}).get("queued_s")
+        if queued is not None:
+            waits.append(float(queued))
+        row.finished += 1
+    row.tokens_per_s = tokens / WINDOW_S
+    row.mean_wait_s = sum(waits) / len(waits) if waits else None
+    return row
+
+
+def render(frame: TopFrame, live: bool) -> Group:
+    snap, b = frame.snapshot, frame.backend
+    head = Text.assemble(
+        ("in flight ", "bold"), f"{snap.in_flight}/{frame.cap}",
+        ("   long ", "bold"), f"{snap.long_in_flight}/{frame.max_long}",
+        ("   KV reserved ", "bold"), f"{snap.reserved_kv_tokens:,}/{frame.kv_budget_tokens:,}",
+        ("   admissions ", "bold"), str(snap.admissions),
+    )
+    table = Table(title=f"projects (finished in the last {WINDOW_S:g} s)")
+    for column in ("project", "pending", "finished", "mean wait s", "tokens/s"):
+        table.add_column(column, justify="left" if column == "project" else "right")
+    for r in frame.rows:
+        wait = "-" if r.mean_wait_s is None else f"{r.mean_wait_s:.1f}"
+        table.add_row(r.project, str(r.pending), str(r.finished), wait, f"{r.tokens_per_s:.1f}")
+    label = "holds since the last frame" if live else "holds (totals)"
+    holds = ", ".join(f"{reason}={n}" for reason, n in sorted(frame.holds.items())) or "-"
+    gate = b.get("hold") or ("open" if b else "no scrape yet")
+    backend = Text.assemble(
+        ("backend ", "bold"), f"gate {gate}, running {b.get('running', '?')}, ",
+        f"waiting {b.get('waiting', '?')}, KV {_percent(b.get('kv_usage'))}, ",
+        f"preemptions {b.get('preemptions', '?')}",
+    )
+    return Group(head, table, Text.assemble((label + ": ", "bold"), holds), backend)
+
+
+def _percent(value: str | None) -> str:
+    try:
+        return f"{float(value or ''):.0%}"
+    except ValueError:
+        return "?"
+
+
+def run_top(settings: Settings, client: redis.Redis, console: Console, once: bool,
+            every_s: float = 1.0, clock: Callable[[], float] = time.time) -> None:
+    """Print one frame (``once``) or refresh one every ``every_s`` until interrupted."""
+    frame = read_frame(settings, client, clock())
+    if once:
+        console.print(render(frame, live=False))
+        return
+    # Ctrl-C is how a live view ends
+    with contextlib.suppress(KeyboardInterrupt), \
+            Live(render(frame, live=True), console=console, refresh_per_second=4) as view:
+        while True:
+            time.sleep(every_s)
+            frame = read_frame(settings, client, clock(), frame)
+            view.update(render(frame, live=True))
