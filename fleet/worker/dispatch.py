@@ -3,7 +3,9 @@ the outside world.
 
 - ``send``: a grant becomes a ``fleet.infer`` task carrying job id and fence. The message
   expires with the lease it carries: by then the job is pending again, so stale messages do not
-  pile up while inference workers are down.
+  pile up while inference workers are down. A gateway request (job hash ``origin=gateway``)
+  streams inside the gateway process, so its grant is pushed onto ``{p}gwgrant:{<id>}`` for the
+  waiting gateway instead (``hand_to_gateway``; fleet/gateway/admission.py).
 - ``on_expired``: a job whose deadline passed while it waited for admission gets its final
   E_DEADLINE envelope here, without ever taking a slot.
 - the prep watchdog (fleet/prep/watchdog.py) runs beside the loop, sending again the prep messages
@@ -14,6 +16,7 @@ the outside world.
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import UTC, datetime
 from typing import Any
@@ -38,6 +41,8 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
     results = ResultStore(client, Keys(settings.key_prefix), settings)
 
     def send(grant: Grant) -> None:
+        if hand_to_gateway(client, Keys(settings.key_prefix), grant, settings.admission.lease_ttl_s):
+            return
         celery.send_task(INFER_TASK, kwargs={"job_id": grant.job_id, "project": grant.project,
                                              "fence": grant.fence},
                          expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC))
@@ -54,3 +59,23 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
     threading.Thread(target=run_prep_watchdog, name="prep-watchdog", daemon=True,
                      args=(settings, results, resend_prep, stop)).start()
     run_dispatcher(settings, client, send, stop=stop, on_expired=on_expired)
+
+
+GATEWAY_ORIGIN = b"gateway"
+
+
+def hand_to_gateway(client: redis.Redis, keys: Keys, grant: Grant, ttl_s: float) -> bool:
+    """Push a gateway request's grant to the gateway that waits for it; False for any other job.
+
+    The grant list expires with the lease: a gateway that gave up (or died) leaves nothing behind,
+    and its lease expires the same way a dead worker's does."""
+    if client.hget(keys.job(grant.job_id), "origin") != GATEWAY_ORIGIN:
+        return False
+    key = keys.gateway_grant(grant.job_id)
+    payload = json.dumps({"fence": grant.fence, "lease_expires_at": grant.lease_expires_at,
+                          "waited_s": grant.waited_s})
+    pipe = client.pipeline(transaction=False)
+    pipe.lpush(key, payload)
+    pipe.expire(key, max(1, int(ttl_s)))
+    pipe.execute()
+    return True
