@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -98,6 +99,28 @@ def test_a_wait_past_the_limit_is_429_with_retry_after_and_leaves_no_pending_ite
     settings = load_settings(config, env={})
     snapshot = make_store(settings, redis.Redis.from_url(TEST_REDIS_URL)).snapshot()
     assert snapshot.pending.get("reports", {}).get("interactive", 0) == 0
+
+
+def test_a_batch_key_waits_in_the_batch_band(door: Door) -> None:
+    url, config, _keys, _process = door
+    key, entry = mint("batch")
+    settings = load_settings(config, env={})
+    set_keys(config, "assistant", [*settings.projects["assistant"].api_keys, entry])
+    store = make_store(settings, redis.Redis.from_url(TEST_REDIS_URL))
+
+    def status() -> int:
+        return httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"},
+                         timeout=10).status_code
+
+    wait_until(lambda: status() == 200, 30, "the gateway to see the batch key")
+    seen: list[dict] = []
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, f"{url}/v1/chat/completions", json=chat(), timeout=30,
+                             headers={"Authorization": f"Bearer {key}"})
+        wait_until(lambda: seen.append(store.snapshot().pending.get("assistant", {})) or seen[-1],
+                   30, "the request to wait in line")
+        assert answer.result().status_code == 429
+    assert seen[-1] == {"batch": 1}
 
 
 def test_a_waiting_stream_gets_keepalives_then_a_coded_error_event(

@@ -173,6 +173,25 @@ def test_a_disconnect_aborts_upstream_and_frees_the_slot(
     assert stats["running"] == 0 and stats["aborted"] == aborted_before + 1
 
 
+def test_a_looping_stream_is_cut_with_a_coded_error_event(
+    fleet: tuple[Harness, dict[str, str]], probe: FleetProbe,
+) -> None:
+    harness, keys = fleet
+    body = {"model": "local", "stream": True,
+            "messages": [{"role": "user", "content": "Reconcile the ledger. [sim:loop]"}]}
+    with httpx.stream("POST", f"{base_url(harness)}/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {keys['research']}"}) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines()
+                  if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "E_THINK_LOOP" and "loop watcher" in error["message"]
+    assert any('"reasoning"' in event for event in events)
+    # Cut long before the thinking budget would have ended it, and the slot is free again.
+    assert probe.sim_stats()["running"] == 0
+    wait_until(lambda: probe.snapshot().in_flight == 0, 30, "the lease to be released")
+
+
 def test_a_task_over_http_ends_with_its_envelope(fleet: tuple[Harness, dict[str, str]]) -> None:
     harness, keys = fleet
     headers = {"Authorization": f"Bearer {keys['reports']}"}

@@ -138,7 +138,9 @@ class _Session:
             return
         headers = []
         if exc.code is Code.E_QUEUE_TIMEOUT:
-            retry_after = math.ceil(self.gw.live.settings.gateway.keepalive_s)
+            # The fleet stayed full for the whole wait; asking again sooner would likely meet
+            # the same queue, so the hint is one more such wait.
+            retry_after = math.ceil(self.gw.live.settings.gateway.max_queue_wait_s)
             headers.append((b"retry-after", str(retry_after).encode()))
         self.headers_sent = True
         try:
