@@ -36,9 +36,10 @@ Jobs and results (fleet/core/results.py, fleet/client.py)
   {p}retry_budget:<project>   hash   sliding counters of first attempts and retries (retry budget)
   {p}tokcache:<sha256>        string cached /tokenize count for a piece of content
   {p}stats:codes              hash   final results counted by "<project>|<code>" (for /metrics)
-  {p}gwgrant:{<id>}           list   a gateway request's grant (JSON: fence, lease expiry), pushed by
-                                     the dispatcher instead of a Celery task when the job hash has
-                                     origin=gateway; the gateway BLPOPs it (fleet/gateway/admission.py)
+  {p}gwgrants:<gateway>       list   grants (JSON: job id, fence, lease expiry) of one gateway process's
+                                     requests, pushed by the dispatcher instead of a Celery task when
+                                     the job hash has origin=gateway and gateway=<its id>; TTL
+                                     lease_ttl_s; the gateway BLPOPs it (fleet/gateway/admission.py)
 
 Broker (kombu, fleet/worker/app.py)
   {p}q:*                      Celery's queues, unacked sets and bindings (kombu global_keyprefix)
@@ -122,8 +123,8 @@ class Keys:
     def tokcache(self, digest: str) -> str:
         return f"{self.prefix}tokcache:{digest}"
 
-    def gateway_grant(self, job_id: str) -> str:
-        return f"{self.prefix}gwgrant:{{{job_id}}}"
+    def gateway_grants(self, gateway: str) -> str:
+        return f"{self.prefix}gwgrants:{gateway}"
 
     @property
     def code_counts(self) -> str:

@@ -151,11 +151,22 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(body, status_code=status)
 
 
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """A bug or a Redis failure still answers the error body with a code, never a bare 500."""
+    log.error("%s %s failed: %r", request.method, request.url.path, exc)
+    return JSONResponse(error_body(Code.E_INTERNAL, f"internal error: {type(exc).__name__}"),
+                        status_code=500)
+
+
 def create_app(gw: Gateway) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        listener = asyncio.create_task(gw.admission.listen(), name="grant-listener")
         yield
+        listener.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await listener
         await gw.close()
 
     return Starlette(routes=_routes(gw), lifespan=lifespan,
-                     exception_handlers={HTTPException: _http_error})
+                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})

@@ -15,8 +15,8 @@ the error body (fleet/gateway/wire.py): 401 ``E_AUTH``, 400 ``E_INPUT_INVALID`` 
 ``E_PROMPT_TOO_LONG``, 404 ``E_NOT_FOUND`` (another model), 429 ``E_QUEUE_TIMEOUT`` with
 ``Retry-After``, 503/504 upstream.
 
-A client that disconnects: while waiting, its pending item is withdrawn (a grant that came anyway
-is given back); while streaming, the upstream stream is cancelled, vLLM aborts the sequence, and
+A client that disconnects: while waiting, its pending item is withdrawn at once (a grant that came
+anyway is given back); while streaming, the upstream stream is cancelled, vLLM aborts the sequence, and
 the lease is released as soon as the stream thread has closed the connection (within 0.25 s).
 """
 
@@ -71,6 +71,10 @@ class ChatCompletions:
             if req.model != self.gw.model:
                 raise NotFound(f"The model `{req.model}` does not exist.")
             body, prompt_tokens, max_tokens = await self.gw.run(self.gw.build_body, req, caller, job_id)
+        except redis.RedisError as exc:
+            log.warning("chat job=%s: redis error %r", job_id, exc)
+            await send_json(send, 500, _json(error_body(Code.E_INTERNAL, "the fleet's Redis failed")))
+            return
         except FleetError as exc:
             self.gw.metrics.finished("-", exc.code)
             log.info("chat job=%s project=- code=%s status=%d", job_id, exc.code.value,
@@ -163,8 +167,13 @@ class _Session:
         except FleetError as exc:
             code, message = exc.code, exc.message
             await self._fail(exc)
+        except redis.RedisError as exc:
+            log.warning("chat job=%s: redis error %r", self.job_id, exc)
+            code, message = Code.E_INTERNAL, f"the fleet's Redis failed: {type(exc).__name__}"
+            await self._fail(FleetError(message))
         finally:
             watcher.cancel()
+            self.gw.admission.forget(self.job_id)
             if self.keeper is not None:
                 await self.gw.run(self.keeper.__exit__, None, None, None)
             if ticket is not None:
@@ -189,7 +198,7 @@ class _Session:
                     raise adm.timeout_error(settings.max_queue_wait_s)
                 break
             wait_s = min(give_up_at - now, self.last_write + settings.keepalive_s - now)
-            grant = await adm.next_grant(self.job_id, wait_s)
+            grant = await adm.next_grant(self.job_id, wait_s, self.disconnected)
             if grant is not None:
                 break
             if self.req.stream and time.monotonic() - self.last_write >= settings.keepalive_s:

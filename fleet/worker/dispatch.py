@@ -4,8 +4,8 @@ the outside world.
 - ``send``: a grant becomes a ``fleet.infer`` task carrying job id and fence. The message
   expires with the lease it carries: by then the job is pending again, so stale messages do not
   pile up while inference workers are down. A gateway request (job hash ``origin=gateway``)
-  streams inside the gateway process, so its grant is pushed onto ``{p}gwgrant:{<id>}`` for the
-  waiting gateway instead (``hand_to_gateway``; fleet/gateway/admission.py).
+  streams inside the gateway process that holds it, so its grant is pushed onto that gateway's
+  ``{p}gwgrants:<gateway>`` list instead (``hand_to_gateway``; fleet/gateway/admission.py).
 - ``on_expired``: a job whose deadline passed while it waited for admission gets its final
   E_DEADLINE envelope here, without ever taking a slot.
 - the prep watchdog (fleet/prep/watchdog.py) runs beside the loop, sending again the prep messages
@@ -65,15 +65,17 @@ GATEWAY_ORIGIN = b"gateway"
 
 
 def hand_to_gateway(client: redis.Redis, keys: Keys, grant: Grant, ttl_s: float) -> bool:
-    """Push a gateway request's grant to the gateway that waits for it; False for any other job.
+    """Push a gateway request's grant to the gateway process that waits for it; False for any
+    other job.
 
-    The grant list expires with the lease: a gateway that gave up (or died) leaves nothing behind,
-    and its lease expires the same way a dead worker's does."""
-    if client.hget(keys.job(grant.job_id), "origin") != GATEWAY_ORIGIN:
+    The list expires with the lease: if that gateway died, nothing is left behind, and the lease
+    expires the same way a dead worker's does."""
+    origin, gateway = client.hmget(keys.job(grant.job_id), ["origin", "gateway"])
+    if origin != GATEWAY_ORIGIN or not isinstance(gateway, bytes):
         return False
-    key = keys.gateway_grant(grant.job_id)
-    payload = json.dumps({"fence": grant.fence, "lease_expires_at": grant.lease_expires_at,
-                          "waited_s": grant.waited_s})
+    key = keys.gateway_grants(gateway.decode())
+    payload = json.dumps({"job_id": grant.job_id, "fence": grant.fence,
+                          "lease_expires_at": grant.lease_expires_at, "waited_s": grant.waited_s})
     pipe = client.pipeline(transaction=False)
     pipe.lpush(key, payload)
     pipe.expire(key, max(1, int(ttl_s)))
