@@ -16,13 +16,14 @@ from fleet.core.config import Settings
 from fleet.core.keys import Keys
 from fleet.core.results import ResultStore
 from fleet.gateway.admission import Admission
-from fleet.worker.dispatch import hand_to_gateway
+from fleet.worker.app import create_app
+from fleet.worker.dispatch import hand_to_gateway, make_send
 from schedulers.store import make_store
 from schedulers.store.base import PendingItem
 
 
-def settings_for(prefix: str) -> Settings:
-    return Settings(key_prefix=prefix, backend={"max_num_seqs": 2},
+def settings_for(prefix: str, broker_url: str) -> Settings:
+    return Settings(broker_url=broker_url, key_prefix=prefix, backend={"max_num_seqs": 2},
                     admission={"backend_gate": False, "metrics_port": 0, "lease_ttl_s": 3600},
                     projects={"a": {"secret": "secret-a-123"}})
 
@@ -31,15 +32,19 @@ async def _off_loop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
-def run_gateway_side(redis_url: str, key_prefix: str, body: Callable[..., Any]) -> Any:
-    settings = settings_for(key_prefix)
+def run_gateway_side(redis_url: str, key_prefix: str, body: Callable[..., Any],
+                     admits: bool = False) -> Any:
+    """``body(admission, store, client, keys)`` beside a running listener; with ``admits`` the
+    gateway runs its own admission round at enqueue, as ``fleet gateway`` does."""
+    settings = settings_for(key_prefix, redis_url)
     client = redis.Redis.from_url(redis_url)
     store = make_store(settings, client)
     keys = Keys(key_prefix)
+    send = make_send(settings, client, create_app(settings)) if admits else None
 
     async def main() -> Any:
         aredis = AsyncRedis.from_url(redis_url)
-        admission = Admission(store, ResultStore(client, keys, settings), aredis, keys, _off_loop)
+        admission = Admission(store, ResultStore(client, keys, settings), aredis, keys, _off_loop, send)
         listener = asyncio.create_task(admission.listen())
         try:
             return await body(admission, store, client, keys)
@@ -91,8 +96,22 @@ def test_a_grant_after_the_request_left_is_released_at_once(redis_url: str, key_
     run_gateway_side(redis_url, key_prefix, body)
 
 
+def test_with_room_the_gateway_admits_its_request_without_a_dispatcher(
+    redis_url: str, key_prefix: str,
+) -> None:
+    async def body(admission: Admission, store: Any, client: redis.Redis, keys: Keys) -> None:
+        enqueued_at = await admission.enqueue("j3", "a", "interactive", 100, 500, 30)
+        grant = await admission.next_grant("j3", 30)
+        assert grant is not None
+        ticket = await admission.claim("j3", "a", grant, enqueued_at)
+        assert store.snapshot().in_flight == 1
+        await admission.release(ticket)
+
+    run_gateway_side(redis_url, key_prefix, body, admits=True)
+
+
 def test_queue_jobs_are_not_handed_to_a_gateway(redis_url: str, key_prefix: str) -> None:
-    settings = settings_for(key_prefix)
+    settings = settings_for(key_prefix, redis_url)
     client = redis.Redis.from_url(redis_url)
     keys = Keys(key_prefix)
     store = make_store(settings, client)

@@ -1,5 +1,6 @@
 """The gateway's door on its own: keys, rotation, the queue-wait limit and task isolation, against a
-real ``fleet gateway`` process on the test Redis with no dispatcher (so nothing is ever admitted)."""
+real ``fleet gateway`` process on the test Redis with no dispatcher and a full fleet: the cap is 1
+and the test holds that one slot, so nothing the gateway enqueues is ever admitted."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +21,7 @@ import redis
 from fleet.core.apikeys import mint
 from fleet.core.config import load_settings
 from schedulers.store import make_store
+from schedulers.store.base import PendingItem
 
 from .conftest import TEST_REDIS_URL, delete_prefix
 from .fleet_harness import wait_until
@@ -34,9 +37,15 @@ Door = tuple[str, Path, dict[str, str], subprocess.Popen[bytes]]
 def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Door]:
     config, keys = config_with_keys(
         tmp_path_factory.mktemp("gateway-door"),
-        backend={"url": "http://127.0.0.1:9"},  # nothing listens: token counts are estimates
+        # nothing listens on the backend: token counts are estimates
+        backend={"url": "http://127.0.0.1:9", "max_num_seqs": 1},
         gateway={"max_queue_wait_s": MAX_WAIT_S, "keepalive_s": 0.2, "reload_check_s": 0.05},
+        admission={"lease_ttl_s": 3600, "backend_gate": False},
     )
+    settings = load_settings(config, env={})
+    store = make_store(settings, redis.Redis.from_url(TEST_REDIS_URL))
+    store.add_pending(PendingItem("slot-holder", "research", 10, 10))
+    assert store.admit_next(time.time()).grant is not None
     with lone_gateway(config) as (url, process):
         yield url, config, keys, process
     client = redis.Redis.from_url(TEST_REDIS_URL)

@@ -5,16 +5,21 @@ Design: the dispatchers stay the only ones that admit. The gateway
   1. records the job hash with ``origin=gateway`` and ``gateway=<this process's id>``, then
   2. ``add_pending`` with the request's prompt tokens and max tokens, band ``interactive`` unless
      its key says ``batch``, and a ``deadline`` a little past ``gateway.max_queue_wait_s``;
-  3. waits for its grant on a future that this process's one ``GrantListener`` resolves.
+  3. runs one admission round itself, as a dispatcher would (``admit_all`` with the
+     dispatcher's own ``send``), so on a fleet with room the request is admitted without waiting
+     for a dispatcher process to wake; then
+  4. waits for its grant on a future that this process's one listener resolves.
 
-A dispatcher's admission (the one atomic Lua script) picks it by fair share like any job, counts
-it against the sequence cap, the KV budget and the long-prompt limit, issues the lease, and its
-``send`` sees ``origin=gateway`` and pushes the grant onto ``{p}gwgrants:<gateway>`` instead of
-sending a Celery task (fleet/worker/dispatch.py ``hand_to_gateway``). So fair share and the cap
-stay exact: one script decides for queue and gateway traffic alike, and no process besides a
-dispatcher ever calls ``admit_next``. The listener BLPOPs that one list (one Redis connection per
-gateway, however many requests wait) and hands each grant to its request, which claims the lease,
-keeps it renewed (fleet/worker/lease.py) and releases it the moment its upstream stream closed.
+The admission (the one atomic Lua script) picks it by fair share like any job, counts it against
+the sequence cap, the KV budget and the long-prompt limit and issues the lease; ``send``
+(fleet/worker/dispatch.py ``make_send``) sees ``origin=gateway`` and pushes the grant onto
+``{p}gwgrants:<gateway>`` instead of sending a Celery task. So fair share and the cap stay exact:
+one script decides for queue and gateway traffic alike, whichever process runs it (any number of
+dispatchers may admit; the gateway's round is one more, and a queued job it admits goes to the
+inference workers exactly as a dispatcher would send it). The listener BLPOPs that one list (one
+Redis connection per gateway, however many requests wait) and hands each grant to its request,
+which claims the lease, keeps it renewed (fleet/worker/lease.py) and releases it the moment its
+upstream stream closed.
 
 Failure cases:
 - no grant within ``max_queue_wait_s``: ``cancel_pending``; if that finds the job already admitted
@@ -27,7 +32,9 @@ Failure cases:
   pending past its deadline and is dropped: no slot stays taken;
 - Redis fails under the listener: one log line, a pause, and it reads on (waiting requests run
   into their own time limit meanwhile);
-- a grant whose lease the gateway cannot claim (already reaped): ``UpstreamUnavailable`` (503).
+- a grant whose lease the gateway cannot claim (already reaped): ``UpstreamUnavailable`` (503);
+- the gateway's own admission round fails to send a queued job's task (broker down): the grant
+  is given back at once (``admit_all``'s requeue) and a dispatcher admits it again later.
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ from fleet.core.errors import QueueTimeout, UpstreamUnavailable
 from fleet.core.keys import Keys
 from fleet.core.models import Band
 from fleet.core.results import ResultStore
-from schedulers.store.base import AdmissionStore, PendingItem
+from schedulers.dispatcher import admit_all
+from schedulers.store.base import AdmissionStore, Grant, PendingItem
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +77,9 @@ class Ticket:
 
 class Admission:
     def __init__(self, store: AdmissionStore, results: ResultStore, aredis: AsyncRedis, keys: Keys,
-                 run: Callable[..., Any]) -> None:
+                 run: Callable[..., Any], send: Callable[[Grant], None] | None = None) -> None:
         self.store = store
+        self.send = send  # a dispatcher's send; None: only the dispatchers admit
         self.results = results
         self.aredis = aredis
         self.keys = keys
@@ -114,6 +123,8 @@ class Admission:
                 job_id=job_id, project=project, prompt_tokens=prompt_tokens,
                 max_new_tokens=max_tokens, band=band, enqueued_at=now,
                 deadline=now + max_wait_s + DEADLINE_MARGIN_S))
+            if self.send is not None:
+                admit_all(self.store, self.send, time.time())
 
         try:
             await self.run(add)

@@ -45,6 +45,8 @@ from fleet.infer.attempts import DEFAULT_TEMPERATURE
 from fleet.infer.budget import plan as plan_budget
 from fleet.infer.validate import response_format
 from fleet.prep.prepare import prepare
+from fleet.worker.app import create_app as create_celery_app
+from fleet.worker.dispatch import make_send
 from fleet.worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -61,8 +63,9 @@ class Gateway:
         self.vllm = self.runtime.vllm
         self.aredis = AsyncRedis.from_url(settings.broker_url)
         self.executor = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="gateway-io")
+        send = make_send(settings, self.runtime.redis, create_celery_app(settings))
         self.admission = Admission(self.runtime.store, self.runtime.results, self.aredis,
-                                   self.runtime.keys, self.run)
+                                   self.runtime.keys, self.run, send)
         self.metrics = GatewayMetrics()
         self.client = Client(settings, redis_client=self.runtime.redis)
 

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import redis
+from celery import Celery
 
 from fleet.core.codes import Code
 from fleet.core.config import Settings
@@ -39,13 +41,7 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
     celery = create_app(settings)
     client = redis.Redis.from_url(settings.broker_url)
     results = ResultStore(client, Keys(settings.key_prefix), settings)
-
-    def send(grant: Grant) -> None:
-        if hand_to_gateway(client, Keys(settings.key_prefix), grant, settings.admission.lease_ttl_s):
-            return
-        celery.send_task(INFER_TASK, kwargs={"job_id": grant.job_id, "project": grant.project,
-                                             "fence": grant.fence},
-                         expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC))
+    send = make_send(settings, client, celery)
 
     def on_expired(job_id: str) -> None:
         project = results.job_record(job_id).get("project", "")
@@ -59,6 +55,21 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
     threading.Thread(target=run_prep_watchdog, name="prep-watchdog", daemon=True,
                      args=(settings, results, resend_prep, stop)).start()
     run_dispatcher(settings, client, send, stop=stop, on_expired=on_expired)
+
+
+def make_send(settings: Settings, client: redis.Redis, celery: Celery) -> Callable[[Grant], None]:
+    """Where a grant goes: to the gateway that holds the request, else to an inference worker.
+    The gateway runs an admission round with the same function (fleet/gateway/admission.py)."""
+    keys = Keys(settings.key_prefix)
+
+    def send(grant: Grant) -> None:
+        if hand_to_gateway(client, keys, grant, settings.admission.lease_ttl_s):
+            return
+        celery.send_task(INFER_TASK, kwargs={"job_id": grant.job_id, "project": grant.project,
+                                             "fence": grant.fence},
+                         expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC))
+
+    return send
 
 
 GATEWAY_ORIGIN = b"gateway"
