@@ -65,6 +65,7 @@ class ChatCompletions:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Send) -> None:
         request = Request(scope, receive)
         job_id = uuid.uuid4().hex
+        caller: Caller | None = None
         try:
             caller = self.gw.caller(request.headers.get("authorization"))
             req = parse_chat(await request.body())
@@ -76,8 +77,9 @@ class ChatCompletions:
             await send_json(send, 500, _json(error_body(Code.E_INTERNAL, "the fleet's Redis failed")))
             return
         except FleetError as exc:
-            self.gw.metrics.finished("-", exc.code)
-            log.info("chat job=%s project=- code=%s status=%d", job_id, exc.code.value,
+            project = caller.project if caller is not None else "-"
+            self.gw.metrics.finished(project, exc.code)
+            log.info("chat job=%s project=%s code=%s status=%d", job_id, project, exc.code.value,
                      status_of(exc.code))
             await send_json(send, status_of(exc.code), _json(error_body(exc.code, exc.message)))
             return
