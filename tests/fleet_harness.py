@@ -21,6 +21,7 @@ import tomli_w
 
 from fleet.client import Client
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.local.embedded import free_port
 from fleet.local.processes import LocalFleet
 from schedulers.store import make_store
 from schedulers.store.base import StoreSnapshot
@@ -45,6 +46,7 @@ def make_config(tmp: Path, **sections: Any) -> Path:
     for name, project in data["projects"].items():
         project["secret"] = f"test-{name}-{uuid.uuid4().hex}"
     data.setdefault("admission", {})["metrics_port"] = 0
+    data.setdefault("gateway", {})["port"] = free_port()  # ``fleet up`` starts a gateway on it
     for name, values in sections.items():
         if isinstance(values, dict):
             data.setdefault(name, {}).update(values)
@@ -57,11 +59,13 @@ def make_config(tmp: Path, **sections: Any) -> Path:
 
 class Harness:
     def __init__(self, config: Path, sim_speed: float = 50.0, sim_args: list[str] | None = None,
-                 workers: int = 1, dispatchers: int = 1, concurrency: int = 40) -> None:
+                 workers: int = 1, dispatchers: int = 1, concurrency: int = 40,
+                 gateway: bool = False) -> None:
         self.settings = load_settings(config, env={})
         self.fleet = LocalFleet(self.settings, sim_speed=sim_speed, sim_args=sim_args or [],
                                 workers=workers, dispatchers=dispatchers,
-                                worker_concurrency=concurrency, config_path=str(config))
+                                worker_concurrency=concurrency, config_path=str(config),
+                                gateway_port=self.settings.gateway.port if gateway else None)
 
     def __enter__(self) -> Harness:
         self.fleet.start()

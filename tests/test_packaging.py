@@ -38,6 +38,7 @@ AREAS: list[tuple[str, set[str]]] = [
     ("fleet/infer/", {"worker"}),
     ("fleet/worker/", {"worker"}),
     ("fleet/sim/", {"sim"}),
+    ("fleet/gateway/", {"gateway"}),
     ("fleet/cli/demo.py", {"demo"}),
     ("fleet/cli/", {"cli"}),
     ("fleet/local/", {"demo"}),

@@ -125,3 +125,23 @@ def pipeline(
     with _redis_url(redis_url) as broker:
         console.print(bench_pipeline(infer_jobs=infer_jobs, heavy_jobs=heavy_jobs, doc_kb=doc_kb,
                                      speed=speed, redis_url=broker.url))
+
+
+@bench_app.command("gateway")
+def gateway(
+    requests: Annotated[int, typer.Option(help="sequential requests per path (idle fleet)")] = 200,
+    clients: Annotated[int, typer.Option(help="concurrent streaming clients through the gateway")] = 200,
+    cap: Annotated[int, typer.Option(help="backend.max_num_seqs of the fleet")] = 32,
+    speed: Annotated[float, typer.Option(help="simulator speed")] = 20.0,
+    think: Annotated[int, typer.Option(help="reasoning tokens per request")] = 40,
+    answer: Annotated[int, typer.Option(help="answer tokens per request")] = 20,
+    redis_url: Annotated[str, typer.Option(help="Redis for the fleet")] = BENCH_REDIS,
+) -> None:
+    """Latency the gateway adds next to the same requests straight to the simulator; many
+    concurrent streams at the cap (backend never over it, gateway CPU per 1,000 tokens)."""
+    from fleet.bench.gateway import bench_gateway
+
+    with _redis_url(redis_url) as broker:
+        table, crowd = bench_gateway(broker.url, requests, clients, cap, speed, think, answer)
+    console.print(table)
+    console.print(crowd)

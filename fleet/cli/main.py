@@ -135,6 +135,22 @@ def dispatcher(log_level: Annotated[str, typer.Option()] = "INFO") -> None:
 
 
 @app.command()
+def gateway(
+    host: Annotated[str | None, typer.Option(help="default: gateway.host")] = None,
+    port: Annotated[int | None, typer.Option(help="default: gateway.port")] = None,
+    log_level: Annotated[str, typer.Option()] = "INFO",
+) -> None:
+    """Run the OpenAI-compatible HTTP gateway (chat completions and tasks) on the same admission.
+    SIGHUP reloads the API keys and project defaults; SIGINT and SIGTERM stop it."""
+    from fleet.gateway.server import serve_gateway
+
+    settings = settings_or_exit()
+    setup_logging(log_level)
+    secrets_or_exit("gateway", settings)
+    serve_gateway(settings, host, port)
+
+
+@app.command()
 def flower(
     port: Annotated[int, typer.Option()] = 5555,
     address: Annotated[str, typer.Option(
@@ -167,8 +183,9 @@ def up(
     own stops the rest and exits 1, printing its name, exit code and last lines to stderr."""
     from fleet.local.processes import LocalFleet
 
-    fleet = LocalFleet(settings_or_exit(), sim_speed=speed, workers=workers,
-                       dispatchers=dispatchers, log_level="INFO", handle_signals=True)
+    settings = settings_or_exit()
+    fleet = LocalFleet(settings, sim_speed=speed, workers=workers, dispatchers=dispatchers,
+                       log_level="INFO", handle_signals=True, gateway_port=settings.gateway.port or None)
     with stopped_cleanly(), fleet:
         console.print(f"broker  {mask_url(fleet.env['FLEET_BROKER_URL'])}\n"
                       f"backend {mask_url(fleet.env.get('FLEET_BACKEND_URL', fleet.settings.backend.url))}\n"
@@ -381,6 +398,7 @@ def rejections(count: Annotated[int, typer.Option()] = 20) -> None:
 def _register_external() -> None:
     """Commands that live beside their code."""
     from fleet.bench import bench_app
+    from fleet.cli.keys import keys_app
     from fleet.cli.plan import plan_command
     from fleet.prep.prefix import prefix_command
     from fleet.sim.server import sim_command
@@ -391,6 +409,7 @@ def _register_external() -> None:
     app.command("plan", help="Size a deployment: KV arithmetic per parallel layout, or check a server.")(
         plan_command)
     app.add_typer(bench_app, name="bench", help="Benchmarks (ratios against same-run baselines).")
+    app.add_typer(keys_app, name="keys", help="Gateway API keys: mint one for a project.")
 
 
 _register_external()

@@ -24,6 +24,7 @@ class Code(StrEnum):
     E_AUTH = "E_AUTH"
     E_PROMPT_TOO_LONG = "E_PROMPT_TOO_LONG"
     E_COLLECT_FAILED = "E_COLLECT_FAILED"
+    E_NOT_FOUND = "E_NOT_FOUND"
     E_THINK_LOOP = "E_THINK_LOOP"
     E_EMPTY_ANSWER = "E_EMPTY_ANSWER"
     E_OUTPUT_INVALID = "E_OUTPUT_INVALID"
@@ -37,6 +38,7 @@ class Code(StrEnum):
     E_UPSTREAM_REJECTED = "E_UPSTREAM_REJECTED"
     E_CANCELLED = "E_CANCELLED"
     E_DEADLINE = "E_DEADLINE"
+    E_QUEUE_TIMEOUT = "E_QUEUE_TIMEOUT"
     E_INTERNAL = "E_INTERNAL"
 
     @property
@@ -86,6 +88,9 @@ CATALOGUE: dict[Code, CodeInfo] = {
     Code.E_COLLECT_FAILED: CodeInfo(
         103, False, "A required source could not be collected (the source and reason are named)."
     ),
+    Code.E_NOT_FOUND: CodeInfo(
+        104, False, "The gateway has no such task, model or route for this key's project."
+    ),
     Code.E_THINK_LOOP: CodeInfo(
         200, True, "The reasoning looped or stalled on every attempt; no answer was produced."
     ),
@@ -121,6 +126,9 @@ CATALOGUE: dict[Code, CodeInfo] = {
     ),
     Code.E_CANCELLED: CodeInfo(400, False, "The job was cancelled by a caller."),
     Code.E_DEADLINE: CodeInfo(401, False, "The job's deadline passed before it could finish."),
+    Code.E_QUEUE_TIMEOUT: CodeInfo(
+        402, True, "A gateway request waited past gateway.max_queue_wait_s for admission (429)."
+    ),
     Code.E_INTERNAL: CodeInfo(
         500, True, "A fault inside the fleet; the job was closed so nothing is lost."
     ),

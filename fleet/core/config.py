@@ -34,6 +34,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.sources.utils import parse_env_vars
 
+from fleet.core.apikeys import parse_entry
 from fleet.core.errors import ConfigError
 from fleet.core.schema import check_pattern, check_schema
 
@@ -241,6 +242,23 @@ class CollectSettings(_Section):
     """Redirects followed per URL source."""
 
 
+class GatewaySettings(_Section):
+    """``fleet gateway``: the OpenAI-compatible HTTP door into the same admission."""
+
+    host: str = "127.0.0.1"
+    """Address the gateway listens on."""
+    port: int = Field(8300, ge=0, le=65535)
+    """Port of the gateway (also serves /metrics); 0 = ``fleet up`` does not start one."""
+    max_queue_wait_s: float = Field(30.0, gt=0)
+    """A request not admitted within this long is answered 429 with Retry-After."""
+    keepalive_s: float = Field(5.0, gt=0)
+    """While a streaming request waits for admission, an SSE comment this often."""
+    reasoning_content: bool = False
+    """Also send reasoning as ``reasoning_content``, for clients that expect vLLM's old name."""
+    reload_check_s: float = Field(1.0, gt=0)
+    """How often the config file's mtime is checked for new API keys (SIGHUP reloads at once)."""
+
+
 class ProjectSettings(_Section):
     weight: float = Field(1.0, gt=0)
     """Fair-share weight (tokens admitted are shared in proportion)."""
@@ -264,6 +282,15 @@ class ProjectSettings(_Section):
     """Text check: a regular expression the answer must match."""
     system_prompt: str | None = None
     """Stable system prompt put first in every job (prefix-cache friendly)."""
+    api_keys: list[str] = Field(default_factory=list)
+    """Gateway keys of this project as digests, "sha256:<hex>[:batch]" (``fleet keys mint``)."""
+
+    @field_validator("api_keys")
+    @classmethod
+    def _key_digests(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            parse_entry(entry)
+        return value
 
     @field_validator("response_schema")
     @classmethod
@@ -331,6 +358,7 @@ class Settings(BaseSettings):
     security: SecuritySettings = SecuritySettings()
     limits: LimitsSettings = LimitsSettings()
     collect: CollectSettings = CollectSettings()
+    gateway: GatewaySettings = GatewaySettings()
     projects: dict[str, ProjectSettings] = Field(default_factory=dict)
 
     @field_validator("key_prefix")

@@ -9,6 +9,7 @@
      |    +-- AuthError              E_AUTH
      |    +-- PromptTooLong          E_PROMPT_TOO_LONG
      |    +-- CollectFailed          E_COLLECT_FAILED
+     |    +-- NotFound               E_NOT_FOUND (the gateway: no such task for this project)
      +-- AnswerError                 the model's answer
      |    +-- ThinkLoop              E_THINK_LOOP
      +-- UpstreamError               the backend (translated at the vLLM client boundary)
@@ -19,6 +20,7 @@
      |    +-- UpstreamRejected       E_UPSTREAM_REJECTED
      +-- Cancelled                   E_CANCELLED
      +-- DeadlineExceeded            E_DEADLINE
+     +-- QueueTimeout                E_QUEUE_TIMEOUT (the gateway: admission took too long)
 
 Foreign exceptions are translated where they enter: httpx errors in the vLLM client
 (fleet/infer/vllm.py), pydantic errors in the job parser and the settings loader. Redis errors are not
@@ -74,6 +76,10 @@ class CollectFailed(JobError):
     code = Code.E_COLLECT_FAILED
 
 
+class NotFound(JobError):
+    code = Code.E_NOT_FOUND
+
+
 class AnswerError(FleetError):
     pass
 
@@ -108,3 +114,7 @@ class Cancelled(FleetError):
 
 class DeadlineExceeded(FleetError):
     code = Code.E_DEADLINE
+
+
+class QueueTimeout(FleetError):
+    code = Code.E_QUEUE_TIMEOUT

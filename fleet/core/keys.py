@@ -38,6 +38,10 @@ Jobs and results (fleet/core/results.py, fleet/client.py)
   {p}stats:codes              hash   final results counted by "<project>|<code>" (for /metrics)
   {p}metrics:leader           string the dispatcher exporting the fleet-wide metrics (redis-py
                                      Lock token; PX 15 s, extended by its owner)
+  {p}gwgrants:<gateway>       list   grants (JSON: job id, fence, lease expiry) of one gateway process's
+                                     requests, pushed by the dispatcher instead of a Celery task when
+                                     the job hash has origin=gateway and gateway=<its id>; TTL
+                                     lease_ttl_s; the gateway BLPOPs it (fleet/gateway/admission.py)
 
 Broker (kombu, fleet/worker/app.py)
   {p}q:*                      Celery's queues, unacked sets and bindings (kombu global_keyprefix)
@@ -120,6 +124,9 @@ class Keys:
 
     def tokcache(self, digest: str) -> str:
         return f"{self.prefix}tokcache:{digest}"
+
+    def gateway_grants(self, gateway: str) -> str:
+        return f"{self.prefix}gwgrants:{gateway}"
 
     @property
     def code_counts(self) -> str:

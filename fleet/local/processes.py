@@ -2,7 +2,8 @@
 
 ``LocalFleet`` brings up, in order: the broker (a private redis-server when ``private_broker`` is
 set, else fleet/local/embedded.py decides: configured, answering or a private one), ``fleet sim``
-when no ``FLEET_BACKEND_URL`` is set, the dispatchers and the workers, each as a child process
+when no ``FLEET_BACKEND_URL`` is set, the dispatchers, the workers and (with ``gateway_port``)
+``fleet gateway``, each as a child process
 that inherits ``FLEET_BROKER_URL`` / ``FLEET_BACKEND_URL`` so all of them agree on where things
 are. (In production the Procfile runs the same commands under honcho.) A broker it started itself
 (or any broker, for ``local_broker``: ``fleet demo``) is also named in ``FLEET_LOCAL_BROKER``, so
@@ -96,6 +97,7 @@ class LocalFleet:
     private_broker: bool = False  # always start a private redis-server, whatever is configured
     local_broker: bool = False  # mark the broker local even when it was not started here
     handle_signals: bool = False  # turn SIGINT/SIGTERM/SIGHUP into Stopped (main thread only)
+    gateway_port: int | None = None  # start ``fleet gateway`` on this port (None: no gateway)
     env: dict[str, str] = field(default_factory=dict)
     broker: EmbeddedRedis | None = None
     children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
@@ -131,6 +133,14 @@ class LocalFleet:
             self.spawn(f"worker-{n}", ["worker", "--concurrency", str(self.worker_concurrency),
                                        "--hostname", f"fleet-{n}-{os.getpid()}@%h",
                                        "--log-level", self.log_level])
+        if self.gateway_port is not None:
+            self.spawn("gateway", ["gateway", "--port", str(self.gateway_port),
+                                   "--log-level", self.log_level])
+            process = self.children[-1][1]
+            wait_http(f"http://127.0.0.1:{self.gateway_port}/health", timeout_s=30,
+                      alive=lambda: process.poll() is None)
+            if process.poll() is not None:
+                raise self._exited("gateway", process)
 
     def _start_sim(self) -> None:
         port = free_port()

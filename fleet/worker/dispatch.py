@@ -3,7 +3,9 @@ the outside world.
 
 - ``send``: a grant becomes a ``fleet.infer`` task carrying job id and fence. The message
   expires with the lease it carries: by then the job is pending again, so stale messages do not
-  pile up while inference workers are down.
+  pile up while inference workers are down. A gateway request (job hash ``origin=gateway``)
+  streams inside the gateway process that holds it, so its grant is pushed onto that gateway's
+  ``{p}gwgrants:<gateway>`` list instead (``hand_to_gateway``; fleet/gateway/admission.py).
 - ``on_expired``: a job whose deadline passed while it waited for admission gets its final
   E_DEADLINE envelope here, without ever taking a slot.
 - the prep watchdog (fleet/prep/watchdog.py) runs beside the loop, sending again the prep messages
@@ -14,12 +16,14 @@ the outside world.
 
 from __future__ import annotations
 
+import json
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
 import redis
+from celery import Celery
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -39,12 +43,7 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
     celery = create_app(settings)
     client = redis.Redis.from_url(settings.broker_url)
     results = ResultStore(client, Keys(settings.key_prefix), settings)
-
-    def send(grant: Grant) -> None:
-        celery.send_task(INFER_TASK, kwargs={"job_id": grant.job_id, "project": grant.project,
-                                             "fence": grant.fence},
-                         expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC),
-                         **shown(grant.project, grant.job_id))
+    send = make_send(settings, client, celery)
 
     def on_expired(job_id: str) -> None:
         project = results.job_record(job_id).get("project", "")
@@ -76,3 +75,41 @@ class PrepBacklogCollector(Collector):
         for project, count in sorted(prep_backlog(self._settings, self._client).items()):
             family.add_metric([project], count)
         yield family
+
+
+def make_send(settings: Settings, client: redis.Redis, celery: Celery) -> Callable[[Grant], None]:
+    """Where a grant goes: to the gateway that holds the request, else to an inference worker.
+    The gateway runs an admission round with the same function (fleet/gateway/admission.py)."""
+    keys = Keys(settings.key_prefix)
+
+    def send(grant: Grant) -> None:
+        if hand_to_gateway(client, keys, grant, settings.admission.lease_ttl_s):
+            return
+        celery.send_task(INFER_TASK, kwargs={"job_id": grant.job_id, "project": grant.project,
+                                             "fence": grant.fence},
+                         expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC),
+                         **shown(grant.project, grant.job_id))
+
+    return send
+
+
+GATEWAY_ORIGIN = b"gateway"
+
+
+def hand_to_gateway(client: redis.Redis, keys: Keys, grant: Grant, ttl_s: float) -> bool:
+    """Push a gateway request's grant to the gateway process that waits for it; False for any
+    other job.
+
+    The list expires with the lease: if that gateway died, nothing is left behind, and the lease
+    expires the same way a dead worker's does."""
+    origin, gateway = client.hmget(keys.job(grant.job_id), ["origin", "gateway"])
+    if origin != GATEWAY_ORIGIN or not isinstance(gateway, bytes):
+        return False
+    key = keys.gateway_grants(gateway.decode())
+    payload = json.dumps({"job_id": grant.job_id, "fence": grant.fence,
+                          "lease_expires_at": grant.lease_expires_at, "waited_s": grant.waited_s})
+    pipe = client.pipeline(transaction=False)
+    pipe.lpush(key, payload)
+    pipe.expire(key, max(1, int(ttl_s)))
+    pipe.execute()
+    return True

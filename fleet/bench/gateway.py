@@ -1,0 +1,181 @@
+"""``fleet bench gateway``: what the gateway adds to a request, next to the same requests sent
+straight to ``fleet sim`` in the same run.
+
+One fleet (``fleet sim``, one dispatcher, ``fleet gateway``; no Celery worker: nothing is queued)
+on a private key prefix. Two parts:
+
+1. Added latency on an idle fleet: ``requests`` streaming requests one at a time, alternating
+   between the simulator and the gateway so both see the same machine load. Per request: time to
+   first token (the first reasoning or content delta, not the role chunk, which the gateway could
+   send before vLLM answered) and end to end (``[DONE]`` read). Reported: p50 and p99 of each path
+   and of the difference of the percentiles.
+2. ``clients`` concurrent streaming clients through the gateway at the configured cap: the most
+   sequences the simulator ever ran and the most it ever had waiting (both from ``/sim/stats``),
+   requests that ended well, and the gateway process's CPU time per 1,000 streamed tokens
+   (``/proc/<pid>/stat`` user + system before and after).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import tomllib
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+import tomli_w
+from rich.table import Table
+
+from fleet.core.apikeys import mint
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.infer.sse import SseParser
+from fleet.local.embedded import free_port
+from fleet.local.processes import LocalFleet
+
+PROMPT = "[sim:think={think}] [sim:answer={answer}] bench {n}"
+
+
+@dataclass
+class Timing:
+    ttft_s: float
+    total_s: float
+
+
+async def _stream(client: httpx.AsyncClient, url: str, headers: dict[str, str], body: dict[str, Any]
+                  ) -> tuple[Timing, int]:
+    """One streaming request: its timing and the number of deltas with text."""
+    started = time.perf_counter()
+    first: float | None = None
+    deltas = 0
+    async with client.stream("POST", url, json=body, headers=headers) as response:
+        response.raise_for_status()
+        parser = SseParser()
+        async for raw in response.aiter_bytes():
+            for event in parser.feed(raw):
+                if _has_text(event.data):
+                    deltas += 1
+                    if first is None:
+                        first = time.perf_counter()
+    end = time.perf_counter()
+    return Timing((first or end) - started, end - started), deltas
+
+
+def _has_text(data: str | None) -> bool:
+    if not data or not data.startswith("{"):
+        return False
+    choices = json.loads(data).get("choices") or [{}]
+    delta = choices[0].get("delta") or {}
+    return bool(delta.get("reasoning") or delta.get("content"))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class GatewayBench:
+    def __init__(self, redis_url: str, speed: float, cap: int) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="fleet-bench-gw-"))
+        self.key, entry = mint()
+        data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
+        data.update(broker_url=redis_url, key_prefix=f"gwbench-{uuid.uuid4().hex[:8]}:")
+        data["backend"]["max_num_seqs"] = cap
+        data.setdefault("admission", {}).update(metrics_port=0, backend_gate=False)
+        data["gateway"] = {"port": free_port(), "max_queue_wait_s": 600}
+        data["projects"]["assistant"]["api_keys"] = [entry]
+        (self.tmp / "fleet.toml").write_text(tomli_w.dumps(data), encoding="utf-8")
+        self.settings = load_settings(self.tmp / "fleet.toml", env={})
+        self.fleet = LocalFleet(self.settings, sim_speed=speed, workers=0, dispatchers=1,
+                                config_path=str(self.tmp / "fleet.toml"), log_dir=str(self.tmp),
+                                sim_args=["--max-num-seqs", str(4 * cap)],
+                                gateway_port=self.settings.gateway.port)
+
+    def __enter__(self) -> GatewayBench:
+        self.fleet.start()
+        self.sim_url = self.fleet.env["FLEET_BACKEND_URL"]
+        self.gateway_url = f"http://127.0.0.1:{self.settings.gateway.port}"
+        self.gateway_pid = next(p.pid for name, p in self.fleet.children if name == "gateway")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.fleet.close(grace_s=5)
+        client = redis.Redis.from_url(self.settings.broker_url)
+        for key in client.scan_iter(match=f"{self.settings.key_prefix}*", count=1000):
+            client.delete(key)
+        client.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def body(self, n: int, think: int, answer: int) -> dict[str, Any]:
+        return {"model": "local", "stream": True, "messages": [
+            {"role": "user", "content": PROMPT.format(think=think, answer=answer, n=n)}]}
+
+    async def latency(self, requests: int, think: int, answer: int) -> dict[str, list[Timing]]:
+        auth = {"Authorization": f"Bearer {self.key}"}
+        paths = {"sim": (f"{self.sim_url}/v1/chat/completions", {}),
+                 "gateway": (f"{self.gateway_url}/v1/chat/completions", auth)}
+        found: dict[str, list[Timing]] = {"sim": [], "gateway": []}
+        async with httpx.AsyncClient(timeout=120) as client:
+            for n in range(requests + 2):
+                for name, (url, headers) in paths.items():
+                    timing, _ = await _stream(client, url, headers, self.body(n, think, answer))
+                    if n >= 2:  # the first two warm connections and caches
+                        found[name].append(timing)
+        return found
+
+    async def crowd(self, clients: int, think: int, answer: int) -> dict[str, float]:
+        httpx.post(f"{self.sim_url}/sim/reset", timeout=10).raise_for_status()
+        auth = {"Authorization": f"Bearer {self.key}"}
+        url = f"{self.gateway_url}/v1/chat/completions"
+        cpu0 = _cpu_s(self.gateway_pid)
+        limits = httpx.Limits(max_connections=clients + 4)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            results = await asyncio.gather(
+                *(_stream(client, url, auth, self.body(n, think, answer)) for n in range(clients)),
+                return_exceptions=True)
+        cpu = _cpu_s(self.gateway_pid) - cpu0
+        stats = httpx.get(f"{self.sim_url}/sim/stats", timeout=10).json()
+        tokens = stats["generation_tokens"]
+        return {"clients": clients, "ok": sum(1 for r in results if not isinstance(r, BaseException)),
+                "max_running": stats["max_running_seen"], "max_waiting": stats["max_waiting_seen"],
+                "tokens": tokens, "cpu_ms_per_1000_tokens": 1000 * cpu / max(tokens, 1) * 1000}
+
+
+def latency_table(found: dict[str, list[Timing]]) -> Table:
+    table = Table(title="gateway vs straight to fleet sim, idle fleet, ms")
+    for col in ("figure", "sim p50", "gateway p50", "added p50", "sim p99", "gateway p99", "added p99"):
+        table.add_column(col, justify="right")
+    for label, attr in (("first token", "ttft_s"), ("end to end", "total_s")):
+        sim = [getattr(t, attr) * 1000 for t in found["sim"]]
+        gateway = [getattr(t, attr) * 1000 for t in found["gateway"]]
+        row = [label]
+        for q in (0.5, 0.99):
+            a, b = _percentile(sim, q), _percentile(gateway, q)
+            row += [f"{a:.1f}", f"{b:.1f}", f"{b - a:+.1f}"]
+        table.add_row(*row)
+    pairs = zip(found["sim"], found["gateway"], strict=True)
+    added = statistics.median(b.total_s - a.total_s for a, b in pairs) * 1000
+    table.caption = (f"{len(found['sim'])} requests per path, alternating; median of the per-pair "
+                     f"end-to-end differences: {added:+.1f} ms")
+    return table
+
+
+def bench_gateway(redis_url: str, requests: int, clients: int, cap: int, speed: float,
+                  think: int, answer: int) -> tuple[Table, dict[str, float]]:
+    with GatewayBench(redis_url, speed, cap) as bench:
+        found = asyncio.run(bench.latency(requests, think, answer))
+        crowd = asyncio.run(bench.crowd(clients, think, answer))
+    return latency_table(found), crowd

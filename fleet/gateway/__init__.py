@@ -1,0 +1,11 @@
+"""``fleet gateway``: the fleet over HTTP, for tools that speak the OpenAI API and producers
+without a Celery client (docs/gateway.md).
+
+    auth.py        per-project API keys (digests in the settings), reloaded on change or SIGHUP
+    wire.py        the OpenAI/vLLM request, chunk and error shapes
+    admission.py   pending item + grant handed over by the dispatcher; lease claim and release
+    upstream.py    one stream from vLLM on its own thread, with the loop watcher
+    chat.py        POST /v1/chat/completions from key to released lease
+    tasks.py       fleet jobs over HTTP (/v1/tasks)
+    metrics.py     Prometheus figures; app.py the ASGI app; server.py ``fleet gateway``
+"""

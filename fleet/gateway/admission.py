@@ -1,0 +1,180 @@
+"""A gateway request goes through the same admission as a queued job, without a broker hop.
+
+Design: the dispatchers stay the only ones that admit. The gateway
+
+  1. records the job hash with ``origin=gateway`` and ``gateway=<this process's id>``, then
+  2. ``add_pending`` with the request's prompt tokens and max tokens, band ``interactive`` unless
+     its key says ``batch``, and a ``deadline`` a little past ``gateway.max_queue_wait_s``;
+  3. runs one admission round itself, as a dispatcher would (``admit_all`` with the
+     dispatcher's own ``send``), so on a fleet with room the request is admitted without waiting
+     for a dispatcher process to wake; then
+  4. waits for its grant on a future that this process's one listener resolves.
+
+The admission (the one atomic Lua script) picks it by fair share like any job, counts it against
+the sequence cap, the KV budget and the long-prompt limit and issues the lease; ``send``
+(fleet/worker/dispatch.py ``make_send``) sees ``origin=gateway`` and pushes the grant onto
+``{p}gwgrants:<gateway>`` instead of sending a Celery task. So fair share and the cap stay exact:
+one script decides for queue and gateway traffic alike, whichever process runs it (any number of
+dispatchers may admit; the gateway's round is one more, and a queued job it admits goes to the
+inference workers exactly as a dispatcher would send it). The listener BLPOPs that one list (one
+Redis connection per gateway, however many requests wait) and hands each grant to its request,
+which claims the lease, keeps it renewed (fleet/worker/lease.py) and releases it the moment its
+upstream stream closed.
+
+Failure cases:
+- no grant within ``max_queue_wait_s``: ``cancel_pending``; if that finds the job already admitted
+  (the grant is on its way) the grant is taken after all; otherwise ``QueueTimeout`` (429);
+- the client goes away while waiting: the same withdrawal; a grant that comes anyway is released;
+- a grant nobody waits for any more (a request that gave up a moment before) is released by the
+  listener at once, so it never holds a slot until its lease expires;
+- the gateway dies while waiting: its pending item expires at its deadline (the dispatcher drops
+  it); if it dies holding a lease, the lease expires after ``lease_ttl_s``, the job returns to
+  pending past its deadline and is dropped: no slot stays taken;
+- Redis fails under the listener: one log line, a pause, and it reads on (waiting requests run
+  into their own time limit meanwhile);
+- a grant whose lease the gateway cannot claim (already reaped): ``UpstreamUnavailable`` (503);
+- the gateway's own admission round fails to send a queued job's task (broker down): the grant
+  is given back at once (``admit_all``'s requeue) and a dispatcher admits it again later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.asyncio import Redis as AsyncRedis
+
+from fleet.core.errors import QueueTimeout, UpstreamUnavailable
+from fleet.core.keys import Keys
+from fleet.core.models import Band
+from fleet.core.results import ResultStore
+from schedulers.dispatcher import admit_all
+from schedulers.store.base import AdmissionStore, Grant, PendingItem
+
+log = logging.getLogger(__name__)
+
+# Past the gateway's own limit, so the dispatcher only drops what a dead gateway left behind.
+DEADLINE_MARGIN_S = 10.0
+LISTEN_SLICE_S = 2.0  # one BLPOP, below redis-py's socket timeouts
+LATE_GRANT_S = 1.0
+LISTENER_PAUSE_S = 0.5
+
+
+@dataclass(frozen=True)
+class Ticket:
+    job_id: str
+    project: str
+    fence: int
+    waited_s: float
+
+
+class Admission:
+    def __init__(self, store: AdmissionStore, results: ResultStore, aredis: AsyncRedis, keys: Keys,
+                 run: Callable[..., Any], send: Callable[[Grant], None] | None = None) -> None:
+        self.store = store
+        self.send = send  # a dispatcher's send; None: only the dispatchers admit
+        self.results = results
+        self.aredis = aredis
+        self.keys = keys
+        self.run = run  # runs a blocking call off the event loop: ``await run(fn, *args)``
+        self.gateway_id = uuid.uuid4().hex[:16]
+        self.owner = f"gateway-{self.gateway_id}"
+        self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
+
+    # -- the listener -----------------------------------------------------------------------
+    async def listen(self) -> None:
+        """Hand grants to their requests until cancelled (the app's lifespan runs it)."""
+        key = self.keys.gateway_grants(self.gateway_id)
+        while True:
+            try:
+                popped = await self.aredis.blpop([key], timeout=LISTEN_SLICE_S)
+            except redis.RedisError as exc:
+                log.warning("grant listener: redis error %r; again in %.1fs", exc, LISTENER_PAUSE_S)
+                await asyncio.sleep(LISTENER_PAUSE_S)
+                continue
+            if popped is not None:
+                await self._deliver(json.loads(popped[1]))
+
+    async def _deliver(self, grant: dict[str, Any]) -> None:
+        waiter = self._waiting.get(grant["job_id"])
+        if waiter is not None and not waiter.done():
+            waiter.set_result(grant)
+            return
+        log.info("grant of %s came after its request left; released", grant["job_id"])
+        await self.run(self.store.release, grant["job_id"], int(grant["fence"]))
+
+    # -- one request --------------------------------------------------------------------------
+    async def enqueue(self, job_id: str, project: str, band: Band, prompt_tokens: int,
+                      max_tokens: int, max_wait_s: float) -> float:
+        now = time.time()
+        self._waiting[job_id] = asyncio.get_running_loop().create_future()
+
+        def add() -> None:
+            self.results.record(job_id, project=project, kind="infer", origin="gateway",
+                                gateway=self.gateway_id, state="pending", submitted_at=now)
+            self.store.add_pending(PendingItem(
+                job_id=job_id, project=project, prompt_tokens=prompt_tokens,
+                max_new_tokens=max_tokens, band=band, enqueued_at=now,
+                deadline=now + max_wait_s + DEADLINE_MARGIN_S))
+            if self.send is not None:
+                admit_all(self.store, self.send, time.time())
+
+        try:
+            await self.run(add)
+        except BaseException:
+            self._waiting.pop(job_id, None)
+            raise
+        return now
+
+    async def next_grant(self, job_id: str, timeout_s: float, stop: asyncio.Event | None = None
+                         ) -> dict[str, Any] | None:
+        """The grant if it arrives within ``timeout_s`` (and before ``stop`` is set), else None."""
+        waiter = asyncio.shield(self._waiting[job_id])  # a timeout must not cancel the future
+        waits: list[asyncio.Future[Any]] = [waiter]
+        if stop is not None:
+            waits.append(asyncio.ensure_future(stop.wait()))
+        done, pending = await asyncio.wait(waits, timeout=max(timeout_s, 0.001),
+                                           return_when=asyncio.FIRST_COMPLETED)
+        for left in pending:
+            left.cancel()
+        return waiter.result() if waiter in done else None
+
+    def forget(self, job_id: str) -> None:
+        """The request is done waiting: a grant that comes later is released by the listener."""
+        self._waiting.pop(job_id, None)
+
+    async def withdraw(self, job_id: str) -> dict[str, Any] | None:
+        """Take the job out of line; the grant instead if it was admitted meanwhile (None when
+        it was withdrawn; a grant that comes later still is released by the listener)."""
+        if await self.run(self.store.cancel_pending, job_id):
+            self.forget(job_id)
+            return None
+        grant = await self.next_grant(job_id, LATE_GRANT_S)
+        self.forget(job_id)
+        return grant
+
+    async def claim(self, job_id: str, project: str, grant: dict[str, Any],
+                    enqueued_at: float) -> Ticket:
+        self.forget(job_id)
+        fence = int(grant["fence"])
+        if not await self.run(self.store.claim, job_id, fence, self.owner, time.time()):
+            raise UpstreamUnavailable("the admission lease expired before the gateway claimed it")
+        return Ticket(job_id, project, fence, time.time() - enqueued_at)
+
+    async def release(self, ticket: Ticket) -> None:
+        await self.run(self.store.release, ticket.job_id, ticket.fence)
+
+    async def give_back(self, job_id: str, grant: dict[str, Any]) -> None:
+        """A grant nobody will use (the client left): free the slot at once."""
+        await self.run(self.store.release, job_id, int(grant["fence"]))
+
+    @staticmethod
+    def timeout_error(max_wait_s: float) -> QueueTimeout:
+        return QueueTimeout(f"not admitted within {max_wait_s:g} s: the fleet is busy; try again")

@@ -1,0 +1,175 @@
+"""The gateway's ASGI app and what one gateway process holds (``Gateway``).
+
+Routes: ``POST /v1/chat/completions`` (fleet/gateway/chat.py), ``GET /v1/models``, the task routes
+of fleet/gateway/tasks.py, ``GET /health`` and ``GET /metrics`` (no key needed for those two).
+Every other route and method answers vLLM's error body with a code, never Starlette's HTML page.
+
+``Gateway.build_body`` turns a chat request into the body the fleet would send for the same job
+on the queue path: the project's system prompt first (fleet/prep/prepare.py lays it out and counts
+the prompt exactly, as prep does; a conversation is never trimmed, a prompt that does not fit is
+400 ``E_PROMPT_TOO_LONG``), untrusted messages fenced and their requests stripped of tools
+(fleet/core/request.py), tools the project does not allow removed, the project's thinking budget
+and content reserve as ``thinking_token_budget`` and ``max_completion_tokens`` (a client's own
+``max_tokens`` can only lower the latter), the project's response schema unless the request
+brings its own ``response_format``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from redis.asyncio import Redis as AsyncRedis
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route
+
+from fleet.client import Client
+from fleet.core.codes import Code
+from fleet.core.errors import FleetError
+from fleet.core.request import build_request_messages, tools_allowed
+from fleet.gateway.admission import Admission
+from fleet.gateway.auth import Caller, LiveSettings
+from fleet.gateway.chat import ChatCompletions
+from fleet.gateway.metrics import GatewayMetrics
+from fleet.gateway.tasks import TaskRoutes
+from fleet.gateway.wire import ChatRequest, error_body, status_of
+from fleet.infer.attempts import DEFAULT_TEMPERATURE
+from fleet.infer.budget import plan as plan_budget
+from fleet.infer.validate import response_format
+from fleet.prep.prepare import prepare
+from fleet.worker.app import create_app as create_celery_app
+from fleet.worker.dispatch import make_send
+from fleet.worker.runtime import Runtime
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+IO_THREADS = 32
+
+
+class Gateway:
+    def __init__(self, live: LiveSettings) -> None:
+        self.live = live
+        settings = live.settings
+        self.runtime = Runtime(settings)
+        self.model = settings.backend.model
+        self.vllm = self.runtime.vllm
+        self.aredis = AsyncRedis.from_url(settings.broker_url)
+        self.executor = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="gateway-io")
+        send = make_send(settings, self.runtime.redis, create_celery_app(settings))
+        self.admission = Admission(self.runtime.store, self.runtime.results, self.aredis,
+                                   self.runtime.keys, self.run, send)
+        self.metrics = GatewayMetrics()
+        self.client = Client(settings, redis_client=self.runtime.redis)
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """A blocking call (Redis, /tokenize) off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    def caller(self, authorization: str | None) -> Caller:
+        return self.live.current().caller(authorization)
+
+    async def close(self) -> None:
+        await self.aredis.aclose()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.vllm.close()
+
+    def build_body(self, req: ChatRequest, caller: Caller, job_id: str) -> tuple[dict[str, Any], int, int]:
+        """(vLLM request body, prompt tokens, max tokens) of one chat request."""
+        settings, project, rt = self.live.settings, caller.settings, self.runtime
+        job = req.to_job(job_id, caller.project, caller.band).model_copy(update={"allow_trim": False})
+        first = plan_budget(job, project, settings, 0)
+        prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, rt.counter)
+        plan = plan_budget(job, project, settings, prepared.prompt_tokens)
+        ready = job.model_copy(update={"messages": prepared.messages})
+        messages, _ = build_request_messages(ready, prepared.fence_tag)
+        tools, tool_choice, _ = tools_allowed(ready, project)
+        max_tokens = min(plan.max_tokens, req.max_total_tokens or plan.max_tokens)
+        body: dict[str, Any] = {
+            "messages": messages, "max_completion_tokens": max_tokens,
+            "thinking_token_budget": plan.thinking_budget, "request_id": f"{job_id}-1",
+            "temperature": req.temperature if req.temperature is not None else DEFAULT_TEMPERATURE,
+            **req.passthrough(),
+        }
+        fmt = response_format(job, project) or req.response_format
+        optional = {"seed": req.seed, "response_format": fmt, "tools": tools, "tool_choice": tool_choice}
+        body.update({k: v for k, v in optional.items() if v is not None})
+        return body, prepared.prompt_tokens, max_tokens
+
+
+def _error(exc: FleetError) -> JSONResponse:
+    return JSONResponse(error_body(exc.code, exc.message), status_code=status_of(exc.code))
+
+
+def _authed(gw: Gateway, handler: Callable[[Request, Caller], Awaitable[Response]]
+            ) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request, gw.caller(request.headers.get("authorization")))
+        except FleetError as exc:
+            log.info("%s %s code=%s", request.method, request.url.path, exc.code.value)
+            return _error(exc)
+    return endpoint
+
+
+def _routes(gw: Gateway) -> list[Route | Mount]:
+    tasks = TaskRoutes(gw)
+
+    async def models(request: Request, caller: Caller) -> Response:
+        backend = gw.live.settings.backend
+        return JSONResponse({"object": "list", "data": [{
+            "id": gw.model, "object": "model", "created": 0, "owned_by": "fleet", "root": gw.model,
+            "parent": None, "max_model_len": backend.max_model_len, "permission": []}]})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def metrics(request: Request) -> Response:
+        return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    return [
+        Route("/v1/chat/completions", ChatCompletions(gw), methods=["POST"]),
+        Route("/v1/models", _authed(gw, models), methods=["GET"]),
+        Route("/v1/tasks", _authed(gw, tasks.submit), methods=["POST"]),
+        Route("/v1/tasks/{task_id}", _authed(gw, tasks.get), methods=["GET"]),
+        Route("/v1/tasks/{task_id}", _authed(gw, tasks.cancel), methods=["DELETE"]),
+        Route("/v1/tasks/{task_id}/events", _authed(gw, tasks.events), methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    code = Code.E_NOT_FOUND if status in (404, 405) else Code.E_INTERNAL
+    body = error_body(code, f"{request.method} {request.url.path}: {getattr(exc, 'detail', 'error')}")
+    return JSONResponse(body, status_code=status)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """A bug or a Redis failure still answers the error body with a code, never a bare 500."""
+    log.error("%s %s failed: %r", request.method, request.url.path, exc)
+    return JSONResponse(error_body(Code.E_INTERNAL, f"internal error: {type(exc).__name__}"),
+                        status_code=500)
+
+
+def create_app(gw: Gateway) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        listener = asyncio.create_task(gw.admission.listen(), name="grant-listener")
+        yield
+        listener.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await listener
+        await gw.close()
+
+    return Starlette(routes=_routes(gw), lifespan=lifespan,
+                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})

@@ -1,0 +1,117 @@
+"""Who is calling: per-project API keys (``Authorization: Bearer <key>``), rotated without restart.
+
+The settings keep digests only (fleet/core/apikeys.py says why SHA-256 is enough). ``KeyRing`` maps
+each digest to its project and band; ``LiveSettings`` holds the current settings and key ring and
+loads the config file again when its mtime changes (checked at most every
+``gateway.reload_check_s``, on the request path: no watcher thread) or at once on SIGHUP
+(``request_reload``). A rotation is: add the new digest, let clients switch, remove the old one.
+
+Failure cases:
+- no ``Authorization`` header, not ``Bearer``, or a key no project has -> ``AuthError``
+  (401 ``E_AUTH``); the key itself is never logged, only the first characters of its digest;
+- a reload that fails (bad TOML, a bad entry, the file gone) keeps the settings in force and logs
+  the ``ConfigError``; the next mtime change tries again. Settings other than keys and project
+  defaults (Redis, backend, ports) are read again too, but only a restart applies them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fleet.core.apikeys import digest, parse_entry
+from fleet.core.config import ProjectSettings, Settings
+from fleet.core.errors import AuthError, ConfigError
+from fleet.core.models import Band
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Caller:
+    project: str
+    band: Band
+    settings: ProjectSettings
+    key_id: str  # the first characters of the key's digest, for logs
+
+
+class KeyRing:
+    def __init__(self, settings: Settings) -> None:
+        self._by_digest: dict[str, tuple[str, Band]] = {}
+        for name, project in settings.projects.items():
+            for entry in project.api_keys:
+                parsed = parse_entry(entry)
+                self._by_digest[parsed.digest] = (name, parsed.band)
+        self._settings = settings
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def caller(self, authorization: str | None) -> Caller:
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
+        hashed = digest(key.strip())
+        found = self._by_digest.get(hashed)
+        if found is None:
+            raise AuthError("invalid API key")
+        project, band = found
+        return Caller(project, band, self._settings.projects[project], hashed[:8])
+
+
+class LiveSettings:
+    """The settings in force and their key ring, reloaded from ``path`` when it changes."""
+
+    def __init__(self, settings: Settings, path: Path | None,
+                 load: Callable[[Path], Settings], clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.keys = KeyRing(settings)
+        self._path = path
+        self._load = load
+        self._clock = clock
+        self._mtime = self._stat()
+        self._checked_at = clock()
+        self._forced = threading.Event()
+        self._lock = threading.Lock()
+
+    def _stat(self) -> float | None:
+        if self._path is None:
+            return None
+        try:
+            return os.stat(self._path).st_mtime_ns / 1e9
+        except OSError:
+            return None
+
+    def request_reload(self) -> None:
+        """For a SIGHUP handler: the next request reloads, whatever the mtime."""
+        self._forced.set()
+
+    def current(self) -> KeyRing:
+        """The key ring, after a reload if the file changed (or SIGHUP asked for one)."""
+        now = self._clock()
+        due = now - self._checked_at >= self.settings.gateway.reload_check_s
+        if self._path is not None and (due or self._forced.is_set()):
+            with self._lock:
+                self._checked_at = now
+                mtime = self._stat()
+                if self._forced.is_set() or mtime != self._mtime:
+                    self._forced.clear()
+                    self._mtime = mtime
+                    self._reload()
+        return self.keys
+
+    def _reload(self) -> None:
+        assert self._path is not None
+        try:
+            settings = self._load(self._path)
+            ring = KeyRing(settings)
+        except (ConfigError, ValueError) as exc:
+            log.error("config reload failed, keeping the settings in force: %s", exc)
+            return
+        self.settings, self.keys = settings, ring
+        log.info("config reloaded from %s: %d API keys", self._path, len(ring))

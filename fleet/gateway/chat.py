@@ -1,0 +1,283 @@
+"""``POST /v1/chat/completions``: one request from key to released lease.
+
+    authenticate -> parse -> build the fleet request (project defaults, untrusted fencing, token
+    count, budget plan) -> enqueue and wait for the grant (keep-alives, 429 past the limit) ->
+    claim the lease, keep it renewed -> stream from vLLM with the loop watcher -> release the
+    lease the moment the upstream stream has closed -> one access log line, one Envelope (code,
+    usage, timings; never the text) and the metrics.
+
+A plain ASGI callable rather than Starlette's ``StreamingResponse``, for the reason the simulator
+gives (fleet/sim/responses.py): it must notice a client disconnect while it waits for admission
+or for vLLM, and its response status is only known once admission has answered. A streaming
+client that waits past ``gateway.keepalive_s`` gets the 200 headers and ``: keep-alive`` comments;
+after that a failure can only be an error event. Before that, every failure is an HTTP status with
+the error body (fleet/gateway/wire.py): 401 ``E_AUTH``, 400 ``E_INPUT_INVALID`` /
+``E_PROMPT_TOO_LONG``, 404 ``E_NOT_FOUND`` (another model), 429 ``E_QUEUE_TIMEOUT`` with
+``Retry-After``, 503/504 upstream.
+
+A client that disconnects: while waiting, its pending item is withdrawn at once (a grant that came
+anyway is given back); while streaming, the upstream stream is cancelled, vLLM aborts the sequence, and
+the lease is released as soon as the stream thread has closed the connection (within 0.25 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import redis
+from starlette.requests import Request
+
+from fleet.core.codes import Code
+from fleet.core.errors import Cancelled, FleetError, NotFound
+from fleet.core.models import Envelope, Timings, Usage
+from fleet.gateway.admission import Ticket
+from fleet.gateway.auth import Caller
+from fleet.gateway.upstream import Failed, Finished, UpstreamStream
+from fleet.gateway.wire import DONE, KEEPALIVE, ChatRequest, ChunkMaker, error_body, parse_chat, sse, status_of
+from fleet.infer.vllm import Delta, StreamResult
+from fleet.worker.lease import LeaseKeeper
+
+if TYPE_CHECKING:
+    from fleet.gateway.app import Gateway
+
+log = logging.getLogger(__name__)
+Send = Any
+
+
+async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+                    ) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        *(headers or [])]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class ChatCompletions:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Send) -> None:
+        request = Request(scope, receive)
+        job_id = uuid.uuid4().hex
+        caller: Caller | None = None
+        try:
+            caller = self.gw.caller(request.headers.get("authorization"))
+            req = parse_chat(await request.body())
+            if req.model != self.gw.model:
+                raise NotFound(f"The model `{req.model}` does not exist.")
+            body, prompt_tokens, max_tokens = await self.gw.run(self.gw.build_body, req, caller, job_id)
+        except redis.RedisError as exc:
+            log.warning("chat job=%s: redis error %r", job_id, exc)
+            await send_json(send, 500, _json(error_body(Code.E_INTERNAL, "the fleet's Redis failed")))
+            return
+        except FleetError as exc:
+            project = caller.project if caller is not None else "-"
+            self.gw.metrics.finished(project, exc.code)
+            log.info("chat job=%s project=%s code=%s status=%d", job_id, project, exc.code.value,
+                     status_of(exc.code))
+            await send_json(send, status_of(exc.code), _json(error_body(exc.code, exc.message)))
+            return
+        await _Session(self.gw, caller, req, job_id, body, prompt_tokens, max_tokens,
+                       receive, send).run()
+
+
+def _json(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, ensure_ascii=False).encode()
+
+
+class _Session:
+    def __init__(self, gw: Gateway, caller: Caller, req: ChatRequest, job_id: str,
+                 body: dict[str, Any], prompt_tokens: int, max_tokens: int, receive: Any, send: Send
+                 ) -> None:
+        self.gw, self.caller, self.req, self.job_id = gw, caller, req, job_id
+        self.body, self.prompt_tokens, self.max_tokens = body, prompt_tokens, max_tokens
+        self._receive, self._send = receive, send
+        self.chunks = ChunkMaker(f"chatcmpl-{job_id}", gw.model, gw.live.settings.gateway.reasoning_content)
+        self.started = time.monotonic()
+        self.headers_sent = False
+        self.last_write = self.started
+        self.disconnected = asyncio.Event()
+        self.keeper: LeaseKeeper | None = None
+        self.waited_s: float | None = None
+        self.result: StreamResult | None = None
+        self.first_token_s: float | None = None
+
+    # -- the client side --------------------------------------------------------------------
+    async def _watch_disconnect(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self._gone()
+                return
+
+    def _gone(self) -> None:
+        self.disconnected.set()
+        if self.keeper is not None:
+            self.keeper.cancel.set()
+
+    async def _write(self, data: bytes, more: bool = True) -> None:
+        if self.disconnected.is_set():
+            return
+        try:
+            if not self.headers_sent:
+                self.headers_sent = True
+                await self._send({"type": "http.response.start", "status": 200, "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache")]})
+            await self._send({"type": "http.response.body", "body": data, "more_body": more})
+            self.last_write = time.monotonic()
+        except OSError:  # uvicorn's ClientDisconnected: the watcher may not have seen it yet
+            self._gone()
+
+    async def _fail(self, exc: FleetError) -> None:
+        if self.disconnected.is_set():
+            return
+        body = error_body(exc.code, exc.message)
+        if self.headers_sent:
+            await self._write(sse(body) + DONE, more=False)
+            return
+        headers = []
+        if exc.code is Code.E_QUEUE_TIMEOUT:
+            # The fleet stayed full for the whole wait; asking again sooner would likely meet
+            # the same queue, so the hint is one more such wait.
+            retry_after = math.ceil(self.gw.live.settings.gateway.max_queue_wait_s)
+            headers.append((b"retry-after", str(retry_after).encode()))
+        self.headers_sent = True
+        try:
+            await send_json(self._send, status_of(exc.code), _json(body), headers)
+        except OSError:
+            self._gone()
+
+    # -- one request ------------------------------------------------------------------------
+    async def run(self) -> None:
+        watcher = asyncio.create_task(self._watch_disconnect())
+        ticket: Ticket | None = None
+        code = Code.E_INTERNAL
+        message = ""
+        try:
+            ticket = await self._admit()
+            if ticket is None:
+                code, message = Code.E_CANCELLED, "the client went away while waiting"
+            else:
+                code = await self._stream(ticket)
+        except FleetError as exc:
+            code, message = exc.code, exc.message
+            await self._fail(exc)
+        except redis.RedisError as exc:
+            log.warning("chat job=%s: redis error %r", self.job_id, exc)
+            code, message = Code.E_INTERNAL, f"the fleet's Redis failed: {type(exc).__name__}"
+            await self._fail(FleetError(message))
+        finally:
+            watcher.cancel()
+            self.gw.admission.forget(self.job_id)
+            if self.keeper is not None:
+                await self.gw.run(self.keeper.__exit__, None, None, None)
+            if ticket is not None:
+                await self.gw.admission.release(ticket)
+            await self._account(code, message)
+
+    async def _admit(self) -> Ticket | None:
+        gw, settings = self.gw, self.gw.live.settings.gateway
+        adm = gw.admission
+        enqueued_at = await adm.enqueue(self.job_id, self.caller.project, self.caller.band,
+                                        self.prompt_tokens, self.max_tokens, settings.max_queue_wait_s)
+        give_up_at = self.started + settings.max_queue_wait_s
+        while True:
+            now = time.monotonic()
+            if self.disconnected.is_set() or now >= give_up_at:
+                grant = await adm.withdraw(self.job_id)
+                if self.disconnected.is_set():
+                    if grant is not None:
+                        await adm.give_back(self.job_id, grant)
+                    return None
+                if grant is None:
+                    raise adm.timeout_error(settings.max_queue_wait_s)
+                break
+            wait_s = min(give_up_at - now, self.last_write + settings.keepalive_s - now)
+            grant = await adm.next_grant(self.job_id, wait_s, self.disconnected)
+            if grant is not None:
+                break
+            if self.req.stream and time.monotonic() - self.last_write >= settings.keepalive_s:
+                await self._write(KEEPALIVE)
+        ticket = await adm.claim(self.job_id, self.caller.project, grant, enqueued_at)
+        self.waited_s = ticket.waited_s
+        return ticket
+
+    async def _stream(self, ticket: Ticket) -> Code:
+        gw = self.gw
+        rt = gw.runtime
+        self.keeper = LeaseKeeper(rt.lease_store, rt.lease_redis, rt.keys.cancel(ticket.job_id),
+                                  ticket.job_id, ticket.fence, rt.settings.admission.lease_ttl_s)
+        self.keeper.__enter__()
+        if self.disconnected.is_set():
+            self.keeper.cancel.set()
+        upstream = UpstreamStream(gw.vllm, self.body, gw.live.settings.watcher, self.keeper.cancel,
+                                  asyncio.get_running_loop()).start()
+        if self.req.stream:
+            await self._write(self.chunks.role())
+        outcome = await self._relay(upstream)
+        await upstream.done.wait()
+        if isinstance(outcome, Failed):
+            if self.disconnected.is_set():
+                raise Cancelled("the client disconnected")
+            raise outcome.error
+        self.result = outcome.result
+        return await self._finish(outcome.result)
+
+    async def _relay(self, upstream: UpstreamStream) -> Finished | Failed:
+        while True:
+            item = await upstream.queue.get()
+            if not isinstance(item, Delta):
+                if isinstance(item, Failed) and item.partial is not None:
+                    self.result = item.partial
+                return item
+            if self.first_token_s is None:
+                self.first_token_s = time.monotonic() - self.started
+            if self.req.stream and (item.reasoning or item.content or item.tool_calls):
+                await self._write(self.chunks.delta(item.reasoning, item.content, item.tool_calls))
+
+    async def _finish(self, result: StreamResult) -> Code:
+        usage = result.usage or {}
+        if self.req.stream:
+            tail = self.chunks.finish(result.finish_reason)
+            if self.req.include_usage:
+                tail += self.chunks.usage(usage)
+            await self._write(tail + DONE, more=False)
+        elif not self.disconnected.is_set():
+            body = self.chunks.full(result.content, result.reasoning, result.tool_calls,
+                                    result.finish_reason, usage)
+            self.headers_sent = True
+            await send_json(self._send, 200, _json(body))
+        return Code.OK_TRUNCATED if result.finish_reason == "length" else Code.OK
+
+    async def _account(self, code: Code, message: str) -> None:
+        """The access log line, the metrics and the Envelope (code, usage, timings; no text)."""
+        total_s = time.monotonic() - self.started
+        r = self.result
+        usage = Usage(prompt_tokens=(r.prompt_tokens if r else None) or self.prompt_tokens,
+                      completion_tokens=r.completion_tokens if r else 0,
+                      reasoning_tokens=r.reasoning_tokens if r else 0)
+        project = self.caller.project
+        self.gw.metrics.request(project, code, self.waited_s, self.first_token_s, usage)
+        log.info("chat job=%s project=%s code=%s stream=%s waited=%s ttft=%s total=%.3fs "
+                 "prompt=%d completion=%d", self.job_id, project, code.value, self.req.stream,
+                 _secs(self.waited_s), _secs(self.first_token_s), total_s, usage.prompt_tokens,
+                 usage.completion_tokens)
+        envelope = Envelope.failure(self.job_id, project, code, message, usage=usage,
+                                    timings=Timings(queued_s=self.waited_s, first_token_s=self.first_token_s,
+                                                    total_s=round(total_s, 4)),
+                                    metadata={"origin": "gateway"})
+        try:
+            await self.gw.run(self.gw.runtime.results.publish, envelope, to_project_stream=False)
+        except redis.RedisError:  # accounting only: the client has its answer
+            log.exception("publishing the envelope of gateway job %s failed", self.job_id)
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}s"

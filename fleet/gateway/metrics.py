@@ -1,0 +1,44 @@
+"""The gateway's Prometheus figures, served on its own port at ``/metrics``: requests by project and
+code, queue wait and time to first token by project, tokens by project and kind. One registry
+per gateway (not prometheus_client's global one), so several gateways in one test process do not
+collide."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from fleet.core.codes import Code
+from fleet.core.models import Usage
+
+WAIT_BUCKETS_S = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120)
+TTFT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("fleet_gateway_requests", "Gateway requests by project and code",
+                                ["project", "code"], registry=self.registry)
+        self.queue_wait = Histogram("fleet_gateway_queue_wait_seconds", "Wait for admission",
+                                    ["project"], buckets=WAIT_BUCKETS_S, registry=self.registry)
+        self.ttft = Histogram("fleet_gateway_ttft_seconds", "Request received to first token",
+                              ["project"], buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self.tokens = Counter("fleet_gateway_tokens", "Tokens of gateway requests",
+                              ["project", "kind"], registry=self.registry)
+
+    def finished(self, project: str, code: Code) -> None:
+        self.requests.labels(project, code.value).inc()
+
+    def request(self, project: str, code: Code, waited_s: float | None, first_token_s: float | None,
+                usage: Usage) -> None:
+        self.finished(project, code)
+        if waited_s is not None:
+            self.queue_wait.labels(project).observe(waited_s)
+        if first_token_s is not None:
+            self.ttft.labels(project).observe(first_token_s)
+        self.tokens.labels(project, "prompt").inc(usage.prompt_tokens)
+        self.tokens.labels(project, "completion").inc(usage.completion_tokens)
+        self.tokens.labels(project, "reasoning").inc(usage.reasoning_tokens)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,121 @@
+"""Fleet jobs over HTTP, for producers without a Celery client.
+
+    POST   /v1/tasks              a fleet Job (fleet/core/models.py) -> {"id", "object", "status"}
+    GET    /v1/tasks/{id}         its state, and its Envelope once final
+    GET    /v1/tasks/{id}/events  the job's events as SSE (``event: <type>``), ending with
+                                  ``event: final`` whose data is the Envelope
+    DELETE /v1/tasks/{id}         cancel -> {"id", "object", "cancelled"}
+
+The API key is the credential: the job goes through ``fleet.Client`` signed with the key's
+project secret, so the prep worker verifies it like any other. The gateway assigns the id and the
+project (a job naming another project is refused), and a project only ever sees its own tasks:
+an id whose job record belongs to another project answers 404 ``E_NOT_FOUND``, exactly as an
+unknown id does, so ids of other projects cannot even be confirmed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from fleet.core.errors import InputInvalid, NotFound
+from fleet.core.models import Job, describe_invalid
+from fleet.gateway.auth import Caller
+
+if TYPE_CHECKING:
+    from fleet.gateway.app import Gateway
+
+EVENTS_BLOCK_MS = 1000
+
+
+def _task(job_id: str, **fields: Any) -> dict[str, Any]:
+    return {"id": job_id, "object": "fleet.task", **fields}
+
+
+async def _job_from(request: Request, caller: Caller) -> Job:
+    try:
+        data = json.loads(await request.body())
+    except ValueError as exc:
+        raise InputInvalid(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InputInvalid("the request body must be a JSON object (a fleet Job)")
+    if "id" in data:
+        raise InputInvalid("id: the gateway assigns task ids; use idempotency_key to deduplicate")
+    if data.setdefault("project", caller.project) != caller.project:
+        raise InputInvalid(f"project: this key belongs to project {caller.project!r}")
+    try:
+        return Job.model_validate(data)
+    except ValidationError as exc:
+        raise InputInvalid(describe_invalid(exc)) from exc
+
+
+class TaskRoutes:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def _own(self, caller: Caller, job_id: str) -> dict[str, str]:
+        record: dict[str, str] = await self.gw.run(self.gw.runtime.results.job_record, job_id)
+        if record.get("project") != caller.project:
+            raise NotFound(f"no task {job_id!r} for this project")
+        return record
+
+    async def submit(self, request: Request, caller: Caller) -> Response:
+        job = await _job_from(request, caller)
+        job_id = await self.gw.run(self.gw.client.submit, job)
+        return JSONResponse(_task(job_id, status="queued"))
+
+    async def get(self, request: Request, caller: Caller) -> Response:
+        job_id = request.path_params["task_id"]
+        await self._own(caller, job_id)
+        status: dict[str, Any] = await self.gw.run(self.gw.client.status, job_id)
+        for private in ("signed", "origin", "plan", "warnings", "fence_tag"):
+            status.pop(private, None)
+        envelope = await self.gw.run(self.gw.runtime.results.final, job_id)
+        return JSONResponse(_task(job_id, status=status.get("state", "unknown"),
+                                  envelope=envelope.model_dump(mode="json") if envelope else None))
+
+    async def cancel(self, request: Request, caller: Caller) -> Response:
+        job_id = request.path_params["task_id"]
+        await self._own(caller, job_id)
+        cancelled = await self.gw.run(self.gw.client.cancel, job_id)
+        return JSONResponse(_task(job_id, cancelled=cancelled))
+
+    async def events(self, request: Request, caller: Caller) -> Response:
+        job_id = request.path_params["task_id"]
+        await self._own(caller, job_id)
+        return StreamingResponse(self._follow(job_id), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    async def _follow(self, job_id: str) -> AsyncIterator[bytes]:
+        """The job's events, read by a thread (XREAD BLOCK) and written as they come. When the
+        client leaves, Starlette cancels this generator and the thread stops after its read."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        stop = threading.Event()
+
+        def read() -> None:
+            try:
+                for event in self.gw.client.events(job_id, block_ms=EVENTS_BLOCK_MS):
+                    if stop.is_set():
+                        return
+                    loop.call_soon_threadsafe(queue.put_nowait, event)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        threading.Thread(target=read, name=f"events-{job_id[:8]}", daemon=True).start()
+        try:
+            while (event := await queue.get()) is not None:
+                data = event.get("data")
+                if event["type"] == "final":
+                    envelope = await self.gw.run(self.gw.runtime.results.final, job_id)
+                    data = envelope.model_dump(mode="json") if envelope else data
+                yield f"event: {event['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+        finally:
+            stop.set()

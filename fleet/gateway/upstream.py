@@ -1,0 +1,84 @@
+"""One admitted request's stream from vLLM, run on its own thread and handed to the event loop.
+
+The fleet's vLLM client (fleet/infer/vllm.py) is synchronous and enforces every timeout with a
+code; the gateway reuses it as is, on one dedicated thread per stream (not the loop's executor,
+whose few threads would cap the gateway's concurrency). Each delta goes to the request's
+``asyncio.Queue`` through ``call_soon_threadsafe``; the last item is ``Finished`` (the assembled
+``StreamResult``) or ``Failed`` (a ``FleetError``, with the partial result when there is one).
+
+The loop watcher (fleet/infer/loopwatch.py) reads the reasoning as it streams; a verdict closes
+the upstream stream at once and ends the request with ``E_THINK_LOOP``. Setting ``cancel`` (the
+client disconnected, or the lease was lost) closes the upstream stream within the client's read
+slice (``READ_SLICE_S``, 0.25 s); vLLM aborts the sequence when the connection closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.core.config import WatcherSettings
+from fleet.core.errors import FleetError, ThinkLoop
+from fleet.infer.loopwatch import LoopWatcher
+from fleet.infer.vllm import Delta, StreamResult, VllmClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Finished:
+    result: StreamResult
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: FleetError
+    partial: StreamResult | None
+
+
+class UpstreamStream:
+    def __init__(self, client: VllmClient, body: dict[str, Any], watcher: WatcherSettings | None,
+                 cancel: threading.Event, loop: asyncio.AbstractEventLoop) -> None:
+        self.client = client
+        self.body = body
+        self.watcher = LoopWatcher(watcher) if watcher is not None and watcher.enabled else None
+        self.cancel = cancel
+        self.queue: asyncio.Queue[Delta | Finished | Failed] = asyncio.Queue()
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="gateway-stream", daemon=True)
+        self.done = asyncio.Event()
+
+    def start(self) -> UpstreamStream:
+        self._thread.start()
+        return self
+
+    def _post(self, item: Delta | Finished | Failed) -> None:
+        self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def _on_delta(self, delta: Delta) -> None:
+        if self.watcher is not None:
+            now = time.monotonic()
+            verdict = self.watcher.feed(delta.reasoning, now) if delta.reasoning else None
+            if delta.content:
+                self.watcher.touch(now)
+            verdict = verdict or self.watcher.check_stall(now)
+            if verdict is not None:
+                raise ThinkLoop(f"loop watcher: {verdict.kind}: {verdict.detail}")
+        if not delta.keepalive:
+            self._post(delta)
+
+    def _run(self) -> None:
+        try:
+            result = self.client.stream_chat(self.body, self._on_delta, self.cancel)
+            self._post(Finished(result))
+        except FleetError as exc:
+            self._post(Failed(exc, getattr(exc, "partial", None)))
+        except Exception as exc:  # a bug must still end the client's request, with a code
+            log.exception("gateway stream failed")
+            self._post(Failed(FleetError(f"gateway stream failed: {type(exc).__name__}"), None))
+        finally:
+            self._loop.call_soon_threadsafe(self.done.set)

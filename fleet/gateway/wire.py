@@ -1,0 +1,190 @@
+"""The OpenAI/vLLM wire format of the gateway: the chat request it accepts, the chunks and bodies it
+answers with, and its error body.
+
+Shapes follow vLLM's OpenAI-compatible server (docs/vllm-api.md): reasoning goes in the delta's
+``reasoning`` field (and also in ``reasoning_content`` when ``gateway.reasoning_content`` is on);
+the first chunk is ``{"role": "assistant", "content": ""}``; the last carries the
+``finish_reason``; a usage chunk with ``choices: []`` follows when ``stream_options.include_usage``;
+then ``data: [DONE]``. Errors are vLLM's body ``{"error": {"message", "type", "param", "code"}}``
+with one difference: ``code`` is the fleet's message code (``E_AUTH``, ``E_QUEUE_TIMEOUT``...), a
+string as in OpenAI's own API, where vLLM repeats the HTTP status. Mid-stream the same body is a
+``data:`` event followed by ``[DONE]``, HTTP status still 200.
+
+A request is refused with 400 ``E_INPUT_INVALID`` naming the field when it carries a field the
+gateway does not know, ``n`` other than 1, or messages the fleet's ``Message`` refuses; the
+``untrusted`` flag on a message is the fleet's, as on the queue path.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fleet.core.codes import Code
+from fleet.core.errors import InputInvalid
+from fleet.core.models import Band, Job, Message, describe_invalid
+
+# Sampling fields sent on to vLLM unchanged when the client sets them.
+PASSTHROUGH = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "stop", "parallel_tool_calls", "chat_template_kwargs")
+
+HTTP_STATUS: dict[Code, int] = {
+    Code.E_INPUT_INVALID: 400,
+    Code.E_PROMPT_TOO_LONG: 400,
+    Code.E_UPSTREAM_REJECTED: 400,
+    Code.E_AUTH: 401,
+    Code.E_NOT_FOUND: 404,
+    Code.E_QUEUE_TIMEOUT: 429,
+    Code.E_CANCELLED: 499,
+    Code.E_UPSTREAM_UNAVAILABLE: 503,
+    Code.E_CONNECT_TIMEOUT: 504,
+    Code.E_FIRST_TOKEN_TIMEOUT: 504,
+    Code.E_UPSTREAM_TIMEOUT: 504,
+    Code.E_STREAM_STALLED: 504,
+    Code.E_DEADLINE: 504,
+}
+ERROR_TYPE = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+              429: "RateLimitError", 499: "CancelledError", 503: "ServiceUnavailableError",
+              504: "TimeoutError"}
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    thinking_token_budget: int | None = Field(None, ge=-1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    seed: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    n: Literal[1] = 1
+    user: str | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+    @property
+    def max_total_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def passthrough(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in PASSTHROUGH if getattr(self, name) is not None}
+
+    def to_job(self, job_id: str, project: str, band: Band) -> Job:
+        """The fleet Job this request is, for request building and budget planning."""
+        schema = None
+        fmt = self.response_format or {}
+        if fmt.get("type") == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+        try:
+            return Job(id=job_id, project=project, messages=self.messages, band=band,
+                       thinking_budget=self.thinking_token_budget, response_schema=schema,
+                       tools=self.tools, tool_choice=self.tool_choice,
+                       temperature=self.temperature, seed=self.seed)
+        except ValidationError as exc:
+            raise InputInvalid(describe_invalid(exc)) from exc
+
+
+def parse_chat(raw: bytes) -> ChatRequest:
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise InputInvalid(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InputInvalid("the request body must be a JSON object")
+    if data.get("stream_options") is not None and not data.get("stream"):
+        raise InputInvalid("stream_options: only allowed when stream is true")
+    try:
+        return ChatRequest.model_validate(data)
+    except ValidationError as exc:
+        raise InputInvalid(describe_invalid(exc)) from exc
+
+
+def status_of(code: Code) -> int:
+    return HTTP_STATUS.get(code, 500)
+
+
+def error_body(code: Code, message: str, param: str | None = None) -> dict[str, Any]:
+    status = status_of(code)
+    return {"error": {"message": message, "type": ERROR_TYPE.get(status, "InternalServerError"),
+                      "param": param, "code": code.value}}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n".encode()
+
+
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"
+
+
+class ChunkMaker:
+    """``chat.completion.chunk`` frames of one completion."""
+
+    def __init__(self, completion_id: str, model: str, reasoning_content: bool) -> None:
+        self.completion_id = completion_id
+        self.model = model
+        self.created = int(time.time())
+        self.reasoning_content = reasoning_content
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        return sse({"id": self.completion_id, "object": "chat.completion.chunk",
+                    "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                 "finish_reason": finish_reason}]})
+
+    def role(self) -> bytes:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def delta(self, reasoning: str, content: str, tool_calls: list[dict[str, Any]]) -> bytes:
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning"] = reasoning
+            if self.reasoning_content:
+                delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        return self._chunk(delta)
+
+    def finish(self, finish_reason: str | None) -> bytes:
+        return self._chunk({}, finish_reason or "stop")
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        return sse({"id": self.completion_id, "object": "chat.completion.chunk",
+                    "created": self.created, "model": self.model, "choices": [], "usage": usage})
+
+    def full(self, content: str, reasoning: str, tool_calls: list[dict[str, Any]],
+             finish_reason: str | None, usage: dict[str, Any]) -> dict[str, Any]:
+        """The non-streaming ``chat.completion`` body."""
+        message: dict[str, Any] = {"role": "assistant", "content": content or None,
+                                   "reasoning": reasoning or None, "tool_calls": tool_calls,
+                                   "refusal": None}
+        if self.reasoning_content:
+            message["reasoning_content"] = reasoning or None
+        return {"id": self.completion_id, "object": "chat.completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": finish_reason or "stop"}],
+                "usage": usage}

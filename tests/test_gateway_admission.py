@@ -1,0 +1,124 @@
+"""The gateway's half of admission on the real Redis store: the dispatcher's ``hand_to_gateway``
+routes a gateway job's grant to the gateway that waits for it, and a grant nobody waits for any
+more is released at once instead of holding a slot until its lease expires."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from redis.asyncio import Redis as AsyncRedis
+
+from fleet.core.config import Settings
+from fleet.core.keys import Keys
+from fleet.core.results import ResultStore
+from fleet.gateway.admission import Admission
+from fleet.worker.app import create_app
+from fleet.worker.dispatch import hand_to_gateway, make_send
+from schedulers.store import make_store
+from schedulers.store.base import PendingItem
+
+
+def settings_for(prefix: str, broker_url: str) -> Settings:
+    return Settings(broker_url=broker_url, key_prefix=prefix, backend={"max_num_seqs": 2},
+                    admission={"backend_gate": False, "metrics_port": 0, "lease_ttl_s": 3600},
+                    projects={"a": {"secret": "secret-a-123"}})
+
+
+async def _off_loop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def run_gateway_side(redis_url: str, key_prefix: str, body: Callable[..., Any],
+                     admits: bool = False) -> Any:
+    """``body(admission, store, client, keys)`` beside a running listener; with ``admits`` the
+    gateway runs its own admission round at enqueue, as ``fleet gateway`` does."""
+    settings = settings_for(key_prefix, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    store = make_store(settings, client)
+    keys = Keys(key_prefix)
+    send = make_send(settings, client, create_app(settings)) if admits else None
+
+    async def main() -> Any:
+        aredis = AsyncRedis.from_url(redis_url)
+        admission = Admission(store, ResultStore(client, keys, settings), aredis, keys, _off_loop, send)
+        listener = asyncio.create_task(admission.listen())
+        try:
+            return await body(admission, store, client, keys)
+        finally:
+            listener.cancel()
+            await aredis.aclose()
+
+    try:
+        return asyncio.run(main())
+    finally:
+        client.close()
+
+
+def dispatch_once(store: Any, client: redis.Redis, keys: Keys) -> int:
+    """What a dispatcher's round does with one pending job: admit it and send its grant."""
+    grant = store.admit_next(time.time()).grant
+    assert grant is not None
+    assert hand_to_gateway(client, keys, grant, ttl_s=30)
+    return grant.fence
+
+
+def test_a_grant_reaches_the_request_that_waits_for_it(redis_url: str, key_prefix: str) -> None:
+    async def body(admission: Admission, store: Any, client: redis.Redis, keys: Keys) -> None:
+        enqueued_at = await admission.enqueue("j1", "a", "interactive", 100, 500, 30)
+        assert await admission.next_grant("j1", 0.01) is None
+        fence = await asyncio.to_thread(dispatch_once, store, client, keys)
+        grant = await admission.next_grant("j1", 30)
+        assert grant is not None and grant["fence"] == fence
+        ticket = await admission.claim("j1", "a", grant, enqueued_at)
+        assert store.snapshot().in_flight == 1
+        await admission.release(ticket)
+        assert store.snapshot().in_flight == 0
+
+    run_gateway_side(redis_url, key_prefix, body)
+
+
+def test_a_grant_after_the_request_left_is_released_at_once(redis_url: str, key_prefix: str) -> None:
+    async def body(admission: Admission, store: Any, client: redis.Redis, keys: Keys) -> None:
+        await admission.enqueue("j2", "a", "interactive", 100, 500, 30)
+        admission.forget("j2")  # the request gave up just before the dispatcher admitted it
+        await asyncio.to_thread(dispatch_once, store, client, keys)
+        assert store.snapshot().admissions == 1  # admitted; its lease would last an hour
+        for _ in range(3000):  # the listener's release, not the lease expiring an hour later
+            if store.snapshot().in_flight == 0:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the orphaned grant still holds its slot")
+
+    run_gateway_side(redis_url, key_prefix, body)
+
+
+def test_with_room_the_gateway_admits_its_request_without_a_dispatcher(
+    redis_url: str, key_prefix: str,
+) -> None:
+    async def body(admission: Admission, store: Any, client: redis.Redis, keys: Keys) -> None:
+        enqueued_at = await admission.enqueue("j3", "a", "interactive", 100, 500, 30)
+        grant = await admission.next_grant("j3", 30)
+        assert grant is not None
+        ticket = await admission.claim("j3", "a", grant, enqueued_at)
+        assert store.snapshot().in_flight == 1
+        await admission.release(ticket)
+
+    run_gateway_side(redis_url, key_prefix, body, admits=True)
+
+
+def test_queue_jobs_are_not_handed_to_a_gateway(redis_url: str, key_prefix: str) -> None:
+    settings = settings_for(key_prefix, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    keys = Keys(key_prefix)
+    store = make_store(settings, client)
+    ResultStore(client, keys, settings).record("q1", project="a", state="pending")
+    store.add_pending(PendingItem("q1", "a", 100, 500))
+    grant = store.admit_next(time.time()).grant
+    assert grant is not None
+    assert hand_to_gateway(client, keys, grant, ttl_s=30) is False
+    assert list(client.scan_iter(match=f"{key_prefix}gwgrants:*")) == []
+    client.close()
