@@ -7,6 +7,7 @@ Queues
                    the same for jobs that carry sources to collect: slow, I/O- and CPU-heavy
                    work on its own queues (``fleet worker --role collect``), so a backlog of
                    collection never delays the preparation of ready jobs
+                   and ``fleet.cancel`` tasks: a project's signed request to cancel one of its jobs
   fleet.unrouted   prep tasks claiming a project this fleet does not know (rejected E_AUTH)
   fleet.infer      inference tasks, sent only by a dispatcher after it admitted the job and
                    issued a lease; consumed by inference workers (threads pool, one thread per
@@ -38,6 +39,7 @@ from fleet.core.config import Settings, load_settings
 
 PREP_TASK = "fleet.prep"
 INFER_TASK = "fleet.infer"
+CANCEL_TASK = "fleet.cancel"
 INFER_QUEUE = "fleet.infer"
 # Prep tasks that claim a project this fleet does not know land here, so a prep worker still
 # rejects them (E_AUTH) instead of leaving them in a queue nobody consumes.
@@ -74,6 +76,9 @@ def make_router(settings: Settings):  # type: ignore[no-untyped-def]
             job = signed.get("job") if isinstance(signed, dict) else None
             collects = isinstance(job, dict) and bool(job.get("sources"))
             return {"queue": collect_queue(project) if collects else project_queue(project)}
+        if name == CANCEL_TASK:
+            project = kwargs.get("project")
+            return {"queue": project_queue(project) if project in known else UNROUTED_QUEUE}
         if name == INFER_TASK:
             return {"queue": INFER_QUEUE}
         return None

@@ -1,7 +1,7 @@
 """What a ``fleet dispatcher`` process runs: the admission loop (schedulers/dispatcher.py) wired to
 the outside world.
 
-- ``send``: a grant becomes a ``fleet.infer`` task carrying job id and fence. The message
+- ``send``: a grant becomes a ``fleet.infer`` task carrying the job's ref and fence. The message
   expires with the lease it carries: by then the job is pending again, so stale messages do not
   pile up while inference workers are down.
 - ``on_expired``: a job whose deadline passed while it waited for admission gets its final
@@ -22,7 +22,7 @@ import redis
 
 from fleet.core.codes import Code
 from fleet.core.config import Settings
-from fleet.core.keys import Keys
+from fleet.core.keys import Keys, split_ref
 from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
 from fleet.prep.watchdog import run_prep_watchdog
@@ -38,12 +38,12 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
     results = ResultStore(client, Keys(settings.key_prefix), settings)
 
     def send(grant: Grant) -> None:
-        celery.send_task(INFER_TASK, kwargs={"job_id": grant.job_id, "project": grant.project,
+        celery.send_task(INFER_TASK, kwargs={"ref": grant.job_id, "project": grant.project,
                                              "fence": grant.fence},
                          expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC))
 
-    def on_expired(job_id: str) -> None:
-        project = results.job_record(job_id).get("project", "")
+    def on_expired(ref: str) -> None:
+        project, job_id = split_ref(ref)
         results.publish(Envelope.failure(job_id, project, Code.E_DEADLINE,
                                          "the deadline passed while waiting for admission"))
 
