@@ -133,7 +133,9 @@ def test_a_record_not_sealed_by_the_workers_runs_nothing(fleet, clients, probe) 
     job_json = json.dumps({**job, "submitted_at": time.time()})
     a.redis.hset(a.keys.job(ref), mapping={
         "project": A, "kind": "infer", "state": "pending", "job": job_json,
-        "plan": json.dumps({"thinking_budget": 100, "max_tokens": 200, "room_tokens": 1000}),
+        "plan": json.dumps({"thinking_budget": 100, "content_reserve": 100, "max_tokens": 200,
+                            "prompt_tokens": 10, "fits": True, "room_tokens": 1000,
+                            "max_model_len": 262144}),
         "seal": "0" * 64, "fence_tag": ""})
     probe.store().add_pending(PendingItem(job_id=ref, project=A, prompt_tokens=10,
                                           max_new_tokens=200))

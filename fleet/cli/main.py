@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -19,6 +19,9 @@ from rich.table import Table
 from fleet.core.codes import Code
 from fleet.core.config import Settings, load_settings
 from fleet.core.errors import ConfigError, DependencyMissing, FleetError
+
+if TYPE_CHECKING:
+    from fleet.client import Client
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="A worker fleet in front of a self-hosted vLLM reasoning model.")
@@ -248,14 +251,27 @@ def batch(
     raise typer.Exit(code)
 
 
+JOB_HELP = "<project>/<id>, or an id with --project (ids are unique per project)"
+ProjectOption = Annotated[str | None, typer.Option("--project", "-p", help="the job's project")]
+
+
+def _job_ref(client: Client, job_id: str, project: str | None) -> str:
+    try:
+        return client.ref(job_id, project)
+    except FleetError as exc:
+        err.print(f"[red]{exc.code.value}[/red] {exc.message}")
+        raise typer.Exit(2) from exc
+
+
 @app.command()
-def status(job_id: Annotated[str | None, typer.Argument()] = None) -> None:
+def status(job_id: Annotated[str | None, typer.Argument(help=JOB_HELP)] = None,
+           project: ProjectOption = None) -> None:
     """A job's state and code; without an id, the queues."""
     if job_id is None:
         queues()
         return
     with client_or_exit() as client:
-        record = client.status(job_id)
+        record = client.status(_job_ref(client, job_id, project))
     if not record:
         err.print(f"unknown job {job_id}")
         raise typer.Exit(1)
@@ -266,10 +282,11 @@ def status(job_id: Annotated[str | None, typer.Argument()] = None) -> None:
 
 
 @app.command()
-def tail(job_id: str, follow: Annotated[bool, typer.Option()] = True) -> None:
+def tail(job_id: Annotated[str, typer.Argument(help=JOB_HELP)],
+         follow: Annotated[bool, typer.Option()] = True, project: ProjectOption = None) -> None:
     """Follow a job's live events (queued, admitted, attempts, deltas, retries, final)."""
     with client_or_exit() as client:
-        for event in client.events(job_id, follow=follow):
+        for event in client.events(_job_ref(client, job_id, project), follow=follow):
             data = event["data"]
             text = data.get("text") if isinstance(data, dict) else None
             if event["type"] in ("reasoning", "content") and text:
@@ -280,10 +297,12 @@ def tail(job_id: str, follow: Annotated[bool, typer.Option()] = True) -> None:
 
 
 @app.command()
-def cancel(job_id: str) -> None:
-    """Cancel a job: a queued one at once, a running one within a second (E_CANCELLED)."""
+def cancel(job_id: Annotated[str, typer.Argument(help=JOB_HELP)],
+           project: ProjectOption = None) -> None:
+    """Cancel a job of a project this configuration holds the secret of: a queued one soon, a
+    running one within a second (E_CANCELLED)."""
     with client_or_exit() as client:
-        if client.cancel(job_id):
+        if client.cancel(_job_ref(client, job_id, project)):
             console.print(f"cancelling {job_id}")
         else:
             err.print(f"{job_id} already has its final result")
