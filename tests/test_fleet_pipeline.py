@@ -363,7 +363,7 @@ def test_duplicate_prep_delivery_never_admits_the_job_twice(
         for gate in Site.gates:
             gate.set()
         client.cancel(job_id, project="digest")
-        envelope = client.result(job_id, timeout=30)
+        envelope = client.result(job_id, timeout=30, project="digest")
         assert envelope is not None and envelope.code == Code.E_CANCELLED
         wait_until(lambda: probe.sim_stats()["running"] == 0, 30, "the streams to close")
         wait_until(lambda: probe.snapshot().in_flight == 0, 30, "the leases to go")
