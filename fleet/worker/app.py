@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from kombu import Queue
+from kombu import Exchange, Queue
 
 from fleet.core.config import Settings, load_settings
 
@@ -86,6 +86,13 @@ def make_router(settings: Settings):  # type: ignore[no-untyped-def]
     return route_task
 
 
+def _queue(name: str) -> Queue:
+    """A queue with an exchange of its own: kombu keeps a binding set per exchange
+    (``_kombu.binding.<exchange>``), so each queue's declaration touches only keys named after it
+    and a project's producer needs no write access to a set other projects share (fleet/cli/acl.py)."""
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)
+
+
 def create_app(settings: Settings) -> Celery:
     app = Celery("fleet", broker=settings.broker_url, set_as_current=False)
     app.conf.update(
@@ -95,8 +102,8 @@ def create_app(settings: Settings) -> Celery:
         },
         broker_connection_retry_on_startup=True,
         task_routes=(make_router(settings),),
-        task_queues=[Queue(q) for q in [INFER_QUEUE, *prep_queues(settings),
-                                         *collect_queues(settings)]],
+        task_queues=[_queue(q) for q in [INFER_QUEUE, *prep_queues(settings),
+                                          *collect_queues(settings)]],
         task_default_queue=INFER_QUEUE,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
