@@ -27,9 +27,13 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+import redis
+
 from fleet.core.config import Settings
+from fleet.core.errors import ConfigError
 from fleet.worker.app import collect_queue, project_queue
 
 # Read, write, streams, Lua (EVALSHA; the keys a script touches are checked too), MULTI and
@@ -100,3 +104,22 @@ def acl_users(settings: Settings, passwords: dict[str, str] | None = None) -> li
               for name in ("fleet-worker", "fleet-dispatcher")]
     users.append(AclUser("fleet-operator", ["~*", "&*", "+@all"], password("fleet-operator")))
     return users
+
+
+def apply_users(client: Any, users: list[AclUser]) -> None:
+    """ACL SETUSER each user (``client`` must be allowed ACL: the operator, or the default user
+    before it is switched off); a refusal is a ConfigError naming the user."""
+    for user in users:
+        try:
+            client.execute_command("ACL", "SETUSER", *user.setuser())
+        except redis.ResponseError as exc:
+            raise ConfigError(f"ACL SETUSER {user.name} refused: {exc}") from exc
+
+
+def render(users: list[AclUser], broker_url: str) -> str:
+    """ACL file lines (password hashes only), then each user's broker URL (shown once)."""
+    lines = ["# Redis ACL rules (an ACL file, or ACL SETUSER arguments)"]
+    lines += [f"user {' '.join(user.setuser())}" for user in users]
+    lines += ["", "# broker URLs: shown only now; give each process and project its own"]
+    lines += [f"{user.name}\t{user.url(broker_url)}" for user in users]
+    return "\n".join(lines) + "\n"

@@ -346,6 +346,28 @@ def config(reference: Annotated[bool, typer.Option(help="print the key reference
 
 
 @app.command()
+def acl(apply: Annotated[bool, typer.Option(help="ACL SETUSER on the broker (needs ACL rights)")] = False) -> None:
+    """Redis ACL users: one producer per project, a worker, a dispatcher, an operator
+    (docs/security.md). Prints the rules and each user's broker URL with a new password."""
+    import redis
+
+    from fleet.cli.acl import acl_users, apply_users, render
+
+    settings = settings_or_exit()
+    users = acl_users(settings)
+    if apply:
+        client = redis.Redis.from_url(settings.broker_url)
+        try:
+            apply_users(client, users)
+        except FleetError as exc:
+            err.print(f"[red]{exc.code.value}[/red] {exc.message}")
+            raise typer.Exit(1) from exc
+        finally:
+            client.close()
+    sys.stdout.write(render(users, settings.broker_url))
+
+
+@app.command()
 def rejections(count: Annotated[int, typer.Option()] = 20) -> None:
     """The latest E_AUTH rejections (kept apart from every project's results)."""
     with client_or_exit() as client:
