@@ -232,7 +232,7 @@ def test_duplicate_delivery_of_a_running_attempt_is_dropped(
         # What a broker redelivery (visibility timeout, a publish retried after a lost ack)
         # looks like: the very message the dispatcher sent, fence included.
         duplicate = client._celery.send_task(
-            INFER_TASK, kwargs={"job_id": blocker, "project": "reports", "fence": fence})
+            INFER_TASK, kwargs={"ref": client.ref(blocker), "project": "reports", "fence": fence})
         wait_until(lambda: (probe.tasks_taken(INFER_TASK) or 0) > taken, 30,
                    "a worker to take the duplicate")
         active = wait_until(probe.active_task_ids, 30, "the worker's active tasks")
