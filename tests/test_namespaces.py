@@ -5,7 +5,11 @@ real Clients, and a hostile project B that has only its own secret and the publi
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+import tomllib
 from typing import Any
 
 import pytest
@@ -18,7 +22,7 @@ from fleet.core.keys import job_ref
 from fleet.core.signing import sign
 from fleet.worker.app import CANCEL_TASK, PREP_TASK, project_queue
 from schedulers.store.base import PendingItem
-from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
+from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -145,6 +149,25 @@ def test_a_record_not_sealed_by_the_workers_runs_nothing(fleet, clients, probe) 
     assert probe.sim_requests(job_id) == []
 
 
+def test_prep_refuses_a_record_of_another_project(fleet, clients, probe) -> None:
+    a, _ = clients
+    job_id, ref = "claimed-1", job_ref(A, "claimed-1")
+    # what a client without ACLs could plant under A's ref before A's message arrives
+    a.redis.hset(a.keys.job(ref), mapping={"project": B, "state": "submitted", "digest": "0"})
+    raw = ask(A, "Genuine, but the record is not A's. [sim:think=50]", id=job_id)
+    signed = sign(raw, A, fleet.settings.projects[A].secret)
+    a._celery.send_task(PREP_TASK, kwargs={"project": A, "job_id": job_id, "signed": signed},
+                        queue=project_queue(A))
+
+    def rejected() -> list[bytes]:
+        return [f[b"reason"] for _, f in a.redis.xrange(a.keys.rejections)
+                if f[b"job_id"] == job_id.encode()]
+
+    reasons = wait_until(rejected, 60, "the prep worker to refuse the job")
+    assert reasons == [b"the job record belongs to another project"]
+    assert probe.sim_requests(job_id) == []
+
+
 def test_a_backdated_submitted_at_does_not_jump_the_queue(tmp_path) -> None:
     config = make_config(tmp_path)
     with Harness(config, dispatchers=0) as harness:  # nothing admits: the job stays pending
@@ -157,3 +180,14 @@ def test_a_backdated_submitted_at_does_not_jump_the_queue(tmp_path) -> None:
         store = probe.store()
         enqueued = float(store._client.hget(store._item(ref), "enq"))
         assert enqueued >= before
+
+
+def test_a_worker_without_the_workers_key_does_not_start(tmp_path) -> None:
+    config = make_config(tmp_path)
+    data = tomllib.loads(config.read_text(encoding="utf-8"))
+    del data["security"]["worker_secret"]
+    write_config(config, data)
+    env = {**os.environ, "FLEET_CONFIG": str(config)}
+    done = subprocess.run([sys.executable, "-m", "fleet", "worker"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "worker_secret" in done.stderr

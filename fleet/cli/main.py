@@ -105,6 +105,9 @@ def worker(
     if not queues:
         raise typer.BadParameter("role must be all, prep, collect or infer")
     preflight_or_exit(role)
+    if not settings.security.worker_secret:  # prep seals with it, inference checks the seal
+        err.print("[red]config error:[/red] security.worker_secret is not set (docs/security.md)")
+        raise typer.Exit(2)
     worker_app(settings).worker_main([
         "worker", "-Q", ",".join(queues), "-P", pool, "-c", str(concurrency), "-E",
         "-n", hostname, "--loglevel", log_level, "--without-mingle", "--without-gossip",
