@@ -36,10 +36,12 @@ from fleet.core.config import Settings
 from fleet.core.errors import ConfigError
 from fleet.worker.app import collect_queue, project_queue
 
-# Read, write, streams, Lua (EVALSHA; the keys a script touches are checked too), MULTI and
-# PUBLISH; never KEYS, FLUSH*, CONFIG, DEBUG, ACL or any other administrative command.
-PRODUCER_COMMANDS = ["-@all", "+@connection", "+@read", "+@write", "+@stream", "+@scripting",
-                     "+@transaction", "+publish", "-@dangerous", "-@admin"]
+# Read, write, streams, the fleet's Lua scripts (EVALSHA, and SCRIPT LOAD when Redis lost them;
+# the keys a script touches are checked too), MULTI and PUBLISH; never EVAL, FUNCTION, KEYS,
+# FLUSH*, CONFIG, DEBUG, ACL or any other administrative command.
+PRODUCER_COMMANDS = ["-@all", "+@connection", "+@read", "+@write", "+@stream", "+evalsha",
+                     "+script|load", "+@transaction", "+publish", "-@dangerous", "-@admin",
+                     "-function"]
 SERVICE_COMMANDS = ["+@all", "-@dangerous", "-@admin", "+info", "+client"]
 
 
