@@ -204,7 +204,7 @@ def test_release_and_renew_check_the_fence(make_store: StoreFactory) -> None:
 
 def test_a_lease_names_the_project_it_was_granted_to(make_store: StoreFactory) -> None:
     store = make_store()
-    store.add_pending(job("b/j0", project="b", enqueued_at=1_000.0))
+    store.add_pending(PendingItem("b/j0", "b", 500, 400, enqueued_at=1_000.0))
     assert store.lease_project("b/j0") is None  # pending: no lease yet
     grant = store.admit_next(1_010.0).grant
     assert grant is not None and store.lease_project("b/j0") == "b"
