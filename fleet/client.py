@@ -8,6 +8,19 @@
 ``submit`` validates the job locally (``InputInvalid`` with the field named), signs it with the
 project's secret, claims the idempotency key (a second submit with the same key returns the
 first job's id and sends nothing), records the job and sends ``fleet.prep`` to the project's queue.
+
+Projects: job ids are unique per project (fleet/core/keys.py), so ``result``, ``status``,
+``events`` and ``cancel`` act on a job of one project: the one named by ``project=``, else the
+project this client submitted that id for, else the client's own (``Client(project=...)``, or
+the only project in its settings). ``"<project>/<id>"`` names both. A job id already recorded in
+its project is a duplicate: ``submit`` sends nothing and returns the id (the first job stands).
+
+Cancel is a request signed with the project's secret, written where only the job's project may
+write (``{p}cancel:{<ref>}``) and announced by a ``fleet.cancel`` task on the project's queue: the
+prep worker that takes it verifies the signature, removes a queued job from the dispatcher and
+publishes E_CANCELLED; a running job's lease keeper sees the same request within a second. The
+producer itself never writes another process's keys, so it can run on a Redis user that can
+only reach its own project (``fleet acl``).
 """
 
 from __future__ import annotations
@@ -20,22 +33,30 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from fleet.core.codes import Code
 from fleet.core.config import Settings, load_settings
 from fleet.core.errors import InputInvalid
 from fleet.core.events import EventSink, decode_event
-from fleet.core.keys import Keys
+from fleet.core.keys import Keys, job_ref
 from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, describe_invalid
 from fleet.core.results import ResultStore
+from fleet.core.seal import digest, sign_cancel
 from fleet.core.signing import sign
-from fleet.worker.app import PREP_TASK, create_app, shown
+from fleet.worker.app import CANCEL_TASK, PREP_TASK, create_app, shown
+
+# What ``status`` shows of a job record: never the signed message, the prepared job or its seal.
+STATUS_FIELDS = ("project", "kind", "state", "submitted_at", "pending_at", "running_at",
+                 "finished_at", "code")
+_REMEMBERED = 100_000  # job ids whose project a client remembers (oldest forgotten first)
 
 
 class Client:
     def __init__(self, settings: Settings | None = None, *, redis_client: redis.Redis | None = None,
-                 secrets: Mapping[str, str] | None = None) -> None:
+                 secrets: Mapping[str, str] | None = None, project: str | None = None) -> None:
         self.settings = settings or load_settings()
+        only = list(self.settings.projects) if len(self.settings.projects) == 1 else []
+        self.project = project or (only[0] if only else None)
+        self._projects: dict[str, str] = {}  # job id -> project, for ids this client submitted
         self.redis: Any = redis_client or redis.Redis.from_url(self.settings.broker_url)
         self.keys = Keys(self.settings.key_prefix)
         self.results = ResultStore(self.redis, self.keys, self.settings)
@@ -59,6 +80,20 @@ class Client:
             raise InputInvalid(f"unknown project {project!r}")
         return found.secret
 
+    def ref(self, job_id: str, project: str | None = None) -> str:
+        """The ``<project>/<id>`` a job id names for this client (module docstring)."""
+        if "/" in job_id:
+            return job_id
+        chosen = project or self._projects.get(job_id) or self.project
+        if not chosen:
+            raise InputInvalid(f"job {job_id!r}: say which project (project=..., or '<project>/<id>')")
+        return job_ref(chosen, job_id)
+
+    def _remember(self, job_id: str, project: str) -> None:
+        if len(self._projects) >= _REMEMBERED:
+            self._projects.pop(next(iter(self._projects)))
+        self._projects[job_id] = project
+
     # -- submitting -------------------------------------------------------------------------
     def submit(self, job: Job | Mapping[str, Any]) -> str:
         if not isinstance(job, Job):
@@ -79,8 +114,9 @@ class Client:
         except BaseException:
             # The job never left: forget it entirely (the prep watchdog must not send it later),
             # so a retry with the same key sends it.
-            self.redis.delete(key, self.keys.job(job.id))
-            self.redis.zrem(self.keys.prepping, job.id)
+            ref = job_ref(job.project, job.id)
+            self.redis.delete(key, self.keys.job(ref))
+            self.redis.zrem(self.keys.prepping(job.project), ref)
             raise
 
     def submit_raw(self, raw: Mapping[str, Any], *, project: str, job_id: str,
@@ -88,33 +124,39 @@ class Client:
         """Sign and send a job dict as is (no local validation): the worker judges it."""
         signed = sign(raw, project, secret if secret is not None else self._secret(project))
         check_message(signed, self.settings.limits)  # the worker would refuse it unread
-        now = time.time()
-        self.results.record(job_id, state="submitted", project=project, kind=kind,
-                            submitted_at=now, nonce=signed["nonce"], signed=json.dumps(signed))
-        self.redis.zadd(self.keys.prepping, {job_id: now + self.settings.prep_unclaimed_s})
-        EventSink(self.redis, self.keys, job_id, self.settings.events_ttl_s).emit(
+        now, ref = time.time(), job_ref(project, job_id)
+        self._remember(job_id, project)
+        if not self.results.create(ref, project, now + self.settings.prep_unclaimed_s,
+                                   state="submitted", project=project, kind=kind, submitted_at=now,
+                                   digest=digest(signed), signed=json.dumps(signed)):
+            return job_id  # recorded already: a duplicate, the first submission stands
+        EventSink(self.redis, self.keys, ref, self.settings.events_ttl_s).emit(
             "queued", project=project)
         self._celery.send_task(PREP_TASK, kwargs={"project": project, "job_id": job_id,
                                                   "signed": signed}, **shown(project, job_id))
         return job_id
 
     # -- reading ----------------------------------------------------------------------------
-    def result(self, job_id: str, timeout: float | None = None) -> Envelope | None:
-        return self.results.wait(job_id, 10**9 if timeout is None else timeout)
+    def result(self, job_id: str, timeout: float | None = None, *,
+               project: str | None = None) -> Envelope | None:
+        return self.results.wait(self.ref(job_id, project), 10**9 if timeout is None else timeout)
 
-    def status(self, job_id: str) -> dict[str, Any]:
-        record: dict[str, Any] = self.results.job_record(job_id)
-        record.pop("job", None)
-        record.pop("nonce", None)
-        envelope = self.results.final(job_id)
+    def status(self, job_id: str, *, project: str | None = None) -> dict[str, Any]:
+        """The job's state; {} for a job its project does not have."""
+        ref = self.ref(job_id, project)
+        full = self.results.job_record(ref)
+        record: dict[str, Any] = {k: full[k] for k in STATUS_FIELDS if k in full}
+        envelope = self.results.final(ref)
         if envelope is not None:
             record.update(state="final", code=envelope.code.value, message=envelope.message)
         return record
 
     def events(self, job_id: str, *, follow: bool = True, block_ms: int = 1000,
-               idle_timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
+               idle_timeout_s: float | None = None,
+               project: str | None = None) -> Iterator[dict[str, Any]]:
         """Yield the job's events from the start; with ``follow``, until its final event."""
-        key, cursor = self.keys.events(job_id), "0-0"
+        ref = self.ref(job_id, project)
+        key, cursor = self.keys.events(ref), "0-0"
         idle_since = time.monotonic()
         while True:
             reply = self.redis.xread({key: cursor}, block=block_ms if follow else None, count=200)
@@ -123,7 +165,7 @@ class Client:
                 cursor = entry_id
                 event = decode_event(entry_id, fields)
                 yield event
-                if self._ends(job_id, event):
+                if self._ends(ref, event):
                     return
             if entries:
                 idle_since = time.monotonic()
@@ -131,28 +173,23 @@ class Client:
             if not follow or (idle_timeout_s and time.monotonic() - idle_since > idle_timeout_s):
                 return
 
-    def _ends(self, job_id: str, event: dict[str, Any]) -> bool:
+    def _ends(self, ref: str, event: dict[str, Any]) -> bool:
         if event["type"] == "final":
             return True
         # a rejection ends the job only if it was of this client's own message (results.py)
-        return event["type"] == "rejected" and self.results.final(job_id) is not None
+        return event["type"] == "rejected" and self.results.final(ref) is not None
 
     # -- cancelling -------------------------------------------------------------------------
-    def cancel(self, job_id: str) -> bool:
-        """Cancel a job: a queued one ends at once, a running one within about a second.
-        False when the job is unknown or already had its final result."""
-        record = self.results.job_record(job_id)
-        if not record or self.results.final(job_id) is not None:
+    def cancel(self, job_id: str, *, project: str | None = None) -> bool:
+        """Ask the fleet to cancel a job of this client's project (module docstring): a queued
+        one ends soon, a running one within about a second. False when the job is unknown or
+        already had its final result."""
+        ref = self.ref(job_id, project)
+        owner, plain_id = ref.split("/", 1)
+        if not self.results.job_record(ref) or self.results.final(ref) is not None:
             return False
-        self.redis.set(self.keys.cancel(job_id), "1", ex=self.settings.result_ttl_s)
-        state = record.get("state", "")
-        if state == "running":
-            return True
-        from schedulers.store import make_store
-
-        pending = make_store(self.settings, self.redis).cancel_pending(job_id)
-        if pending or state == "submitted":
-            project = record.get("project", "")
-            self.results.publish(Envelope.failure(job_id, project, Code.E_CANCELLED,
-                                                  "cancelled while queued"))
+        self.redis.set(self.keys.cancel(ref), sign_cancel(owner, plain_id, self._secret(owner)),
+                       ex=self.settings.result_ttl_s)
+        self._celery.send_task(CANCEL_TASK, kwargs={"project": owner, "job_id": plain_id},
+                               **shown(owner, plain_id))
         return True

@@ -137,7 +137,7 @@ class FleetProbe:
         return self.store().snapshot()
 
     def state(self, job_id: str) -> str:
-        return self.h.client.results.job_record(job_id).get("state", "")
+        return self.h.client.results.job_record(self.h.client.ref(job_id)).get("state", "")
 
     def cli(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
         """Run ``python -m fleet ARGS`` against this fleet (same broker, prefix and config)."""

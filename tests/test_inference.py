@@ -21,7 +21,7 @@ import redis
 from fleet.core.codes import Code
 from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
 from fleet.core.events import EventSink, decode_event
-from fleet.core.keys import Keys
+from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Envelope, Job, Message
 from fleet.infer import carryover
 from fleet.infer.attempts import InferenceContext, run_inference
@@ -88,7 +88,7 @@ class Harness:
         plan = make_plan(job, project, self.cfg, prompt_tokens)
         ctx = InferenceContext(
             settings=self.cfg, project=project, redis=self.redis, keys=self.keys,
-            events=events or EventSink(self.redis, self.keys, job.id, 60), cancel=self.cancel,
+            events=events or EventSink(self.redis, self.keys, job_ref(job.project, job.id), 60), cancel=self.cancel,
             client=self.vllm, sleep=self.sleeps.append, rand=lambda: 0.5,
             on_plan=self.plans.append, **ctx_fields)
         return run_inference(job, plan, ctx)
@@ -100,7 +100,7 @@ class Harness:
         return sorted(bodies, key=lambda b: b["request_id"])
 
     def events(self, job: Job) -> list[dict[str, Any]]:
-        entries = self.redis.xrange(self.keys.events(job.id))
+        entries = self.redis.xrange(self.keys.events(job_ref(job.project, job.id)))
         return [decode_event(i, f) for i, f in entries]
 
 
@@ -139,7 +139,7 @@ def test_ok_request_shape_usage_and_events(h: Harness) -> None:
     kinds = [e["type"] for e in h.events(job)]
     assert kinds[0] == "attempt" and "reasoning" in kinds and "content" in kinds
     assert kinds.count("reasoning") < 20  # coalesced, not one per token
-    history = carryover.load_attempts(h.redis, h.keys, job.id)
+    history = carryover.load_attempts(h.redis, h.keys, job_ref(job.project, job.id))
     assert [a["code"] for a in history] == ["OK"]
 
 
@@ -197,7 +197,7 @@ def test_loop_is_cut_and_the_retry_carries_conclusions(h: Harness, marker: str, 
     assert second["seed"] != first["seed"]
     assert second["temperature"] > first["temperature"]
     assert env.attempts[1].carried and env.attempts[0].carried == []
-    assert len(carryover.load_attempts(h.redis, h.keys, job.id)) == 2
+    assert len(carryover.load_attempts(h.redis, h.keys, job_ref(job.project, job.id))) == 2
     assert "retry" in [e["type"] for e in h.events(job)]
 
 

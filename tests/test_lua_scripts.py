@@ -85,11 +85,13 @@ def _workload(client: redis.Redis, prefix: str) -> None:
     results = ResultStore(client, keys, settings)
     assert results.publish(Envelope.failure("j1", "p", Code.E_INTERNAL, "x"))
     assert results.publish(Envelope.failure("j2", "p", Code.E_INTERNAL, "x"), to_project_stream=False)
-    signed = {"project": "p", "job": {"id": "j3"}, "nonce": "n", "ts": "1", "sig": "x"}
-    results.record("j3", state="submitted", project="p", signed=json.dumps(signed))
-    client.zadd(keys.prepping, {"j3": 0})
-    assert watch_once(results, lambda _m: None, now=100.0, unclaimed_s=600) == ["j3"]
-    claim = PrepClaim(client, keys, "j4", "w1", ttl_s=30)
+    signed = {"project": "triage", "job": {"id": "j3"}, "nonce": "n", "ts": "1", "sig": "x"}
+    results.record("triage/j3", state="submitted", project="triage", signed=json.dumps(signed))
+    client.zadd(keys.prepping("triage"), {"triage/j3": 0})
+    assert watch_once(results, lambda _m: None, now=100.0, unclaimed_s=600) == ["triage/j3"]
+    assert results.create("p/j5", "p", 0.0, state="submitted", project="p")
+    assert not results.create("p/j5", "p", 0.0, state="submitted", project="p")
+    claim = PrepClaim(client, keys, "p/j4", "w1", ttl_s=30)
     assert claim.acquire()
     assert claim.renew_once()
     claim.release()
@@ -213,7 +215,7 @@ def test_each_script_is_registered_once_per_client(redis_url: str, key_prefix: s
 
 def _prep_and_retry(client: redis.Redis, results: ResultStore) -> None:
     keys = results.keys
-    claim = PrepClaim(client, keys, "job", "w1", ttl_s=30)
+    claim = PrepClaim(client, keys, "p/job", "w1", ttl_s=30)
     assert claim.acquire()
     claim.release()
     watch_once(results, lambda _m: None, now=0.0, unclaimed_s=600)

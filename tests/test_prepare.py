@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 
 from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
 from fleet.core.errors import Cancelled, PromptTooLong
-from fleet.core.keys import Keys
+from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Job, Message, Source, TrimPolicy
 from fleet.core.request import build_request_messages
+from fleet.core.seal import sign_cancel
 from fleet.prep.prepare import Prepared, prepare
 from fleet.prep.tokens import TokenCounter
 
@@ -333,10 +334,25 @@ def test_cancelled_job_stops_before_trimming(
     redis_client: redis.Redis, key_prefix: str, counter: TokenCounter
 ) -> None:
     job = question(sources=[Source(type="text", text="x")])
-    redis_client.set(Keys(key_prefix).cancel(job.id), "1")
+    settings = make_settings()
+    request = sign_cancel(job.project, job.id, settings.projects[job.project].secret)
+    redis_client.set(Keys(key_prefix).cancel(job_ref(job.project, job.id)), request)
     with pytest.raises(Cancelled):
-        run(job, make_settings(), redis_client, key_prefix, counter)
+        run(job, settings, redis_client, key_prefix, counter)
     assert counter.backend_calls == 0
+
+
+def test_a_cancel_request_the_project_did_not_sign_is_ignored(
+    redis_client: redis.Redis, key_prefix: str, counter: TokenCounter
+) -> None:
+    job = question(sources=[Source(type="text", text="x")])
+    settings = make_settings()
+    other = next(name for name in settings.projects if name != job.project)
+    cancel_key = Keys(key_prefix).cancel(job_ref(job.project, job.id))
+    for forged in ("1", sign_cancel(job.project, job.id, settings.projects[other].secret),
+                   sign_cancel(job.project, "another-job", settings.projects[job.project].secret)):
+        redis_client.set(cancel_key, forged)
+        assert run(job, settings, redis_client, key_prefix, counter).messages
 
 
 def test_unreachable_backend_uses_the_estimate_and_says_so(

@@ -18,8 +18,8 @@ def setup(redis_client, key_prefix):
 
 def submitted(results, keys, job_id, state="submitted", due=0.0):
     signed = {"project": "triage", "job": {"id": job_id}, "nonce": "n", "ts": "1", "sig": "x"}
-    results.record(job_id, state=state, project="triage", signed=json.dumps(signed))
-    results.client.zadd(keys.prepping, {job_id: due})
+    results.record(f"triage/{job_id}", state=state, project="triage", signed=json.dumps(signed))
+    results.client.zadd(keys.prepping("triage"), {f"triage/{job_id}": due})
 
 
 def test_stalled_jobs_are_sent_again_and_handed_over_ones_dropped(redis_client, key_prefix):
@@ -28,24 +28,24 @@ def test_stalled_jobs_are_sent_again_and_handed_over_ones_dropped(redis_client, 
     submitted(results, keys, "went-on", state="pending")
     submitted(results, keys, "not-due", due=10_000.0)
     sent = []
-    assert watch_once(results, sent.append, now=100.0, unclaimed_s=600) == ["stalled"]
+    assert watch_once(results, sent.append, now=100.0, unclaimed_s=600) == ["triage/stalled"]
     assert [s["job"]["id"] for s in sent] == ["stalled"]
-    assert redis_client.zscore(keys.prepping, "stalled") == 700.0  # looked at again later
-    assert redis_client.zscore(keys.prepping, "went-on") is None
-    assert redis_client.zscore(keys.prepping, "not-due") == 10_000.0
+    assert redis_client.zscore(keys.prepping("triage"), "triage/stalled") == 700.0  # looked at again later
+    assert redis_client.zscore(keys.prepping("triage"), "triage/went-on") is None
+    assert redis_client.zscore(keys.prepping("triage"), "triage/not-due") == 10_000.0
 
 
 def test_a_live_claim_blocks_a_second_preparation_and_the_watchdog(redis_client, key_prefix):
     _settings, keys, results = setup(redis_client, key_prefix)
     submitted(results, keys, "busy")
-    first = PrepClaim(redis_client, keys, "busy", "worker-a", ttl_s=30)
+    first = PrepClaim(redis_client, keys, "triage/busy", "worker-a", ttl_s=30)
     assert first.acquire()
-    assert not PrepClaim(redis_client, keys, "busy", "worker-b", ttl_s=30).acquire()
+    assert not PrepClaim(redis_client, keys, "triage/busy", "worker-b", ttl_s=30).acquire()
     sent = []
     assert watch_once(results, sent.append, now=10**10, unclaimed_s=600) == []
     first.release()
-    assert redis_client.zscore(keys.prepping, "busy") is None
-    assert not redis_client.exists(keys.prep("busy"))
+    assert redis_client.zscore(keys.prepping("triage"), "triage/busy") is None
+    assert not redis_client.exists(keys.prep("triage/busy"))
 
 
 def test_a_job_whose_workers_keep_dying_ends_internal(redis_client, key_prefix):
@@ -53,11 +53,11 @@ def test_a_job_whose_workers_keep_dying_ends_internal(redis_client, key_prefix):
     submitted(results, keys, "poison")
     sent = []
     for n in range(MAX_RESENDS + 1):
-        redis_client.zadd(keys.prepping, {"poison": 0})
-        results.record("poison", prep_claimed="1")  # a worker claimed it, then its claim lapsed
+        redis_client.zadd(keys.prepping("triage"), {"triage/poison": 0})
+        results.record("triage/poison", prep_claimed="1")  # a worker claimed it, then its claim lapsed
         watch_once(results, sent.append, now=100.0 + n, unclaimed_s=600)
     assert len(sent) == MAX_RESENDS
-    envelope = results.get("poison")
+    envelope = results.get("triage/poison")
     assert envelope is not None and envelope.code == Code.E_INTERNAL
 
 
@@ -66,9 +66,9 @@ def test_a_job_only_waiting_in_a_queue_is_resent_but_never_failed(redis_client, 
     submitted(results, keys, "queued")
     sent = []
     for n in range(MAX_RESENDS + 3):
-        redis_client.zadd(keys.prepping, {"queued": 0})
+        redis_client.zadd(keys.prepping("triage"), {"triage/queued": 0})
         watch_once(results, sent.append, now=100.0 + n, unclaimed_s=600)
-    assert len(sent) == MAX_RESENDS + 3 and results.get("queued") is None
+    assert len(sent) == MAX_RESENDS + 3 and results.get("triage/queued") is None
 
 
 def test_a_due_job_is_sent_once_per_look(redis_client, key_prefix):
@@ -82,12 +82,12 @@ def test_a_due_job_is_sent_once_per_look(redis_client, key_prefix):
 
 def test_a_lapsed_claim_cannot_release_its_successors(redis_client, key_prefix):
     _settings, keys, results = setup(redis_client, key_prefix)
-    old = PrepClaim(redis_client, keys, "job", "worker-a", ttl_s=30)
+    old = PrepClaim(redis_client, keys, "triage/job", "worker-a", ttl_s=30)
     assert old.acquire()
-    redis_client.delete(keys.prep("job"))  # a's claim lapsed
-    new = PrepClaim(redis_client, keys, "job", "worker-b", ttl_s=30)
+    redis_client.delete(keys.prep("triage/job"))  # a's claim lapsed
+    new = PrepClaim(redis_client, keys, "triage/job", "worker-b", ttl_s=30)
     assert new.acquire()
     old.release()
-    assert redis_client.get(keys.prep("job")) == b"worker-b"
+    assert redis_client.get(keys.prep("triage/job")) == b"worker-b"
     new.release()
-    assert not redis_client.exists(keys.prep("job"))
+    assert not redis_client.exists(keys.prep("triage/job"))

@@ -17,7 +17,7 @@ def test_publish_is_exactly_once(redis_client, key_prefix):
     second = Envelope(job_id="j1", project="reports", code=Code.E_INTERNAL)
     assert results.publish(first) is True
     assert results.publish(second) is False
-    assert results.get("j1").code == Code.OK
+    assert results.get("reports/j1").code == Code.OK
     assert redis_client.xlen(Keys(key_prefix).results("reports")) == 1
 
 
@@ -31,29 +31,29 @@ def test_wait_blocks_until_published(redis_client, key_prefix):
 
     thread = threading.Thread(target=finish)
     thread.start()
-    assert results.wait("j2", 0.01) is None
+    assert results.wait("triage/j2", 0.01) is None
     started.set()
-    envelope = results.wait("j2", 30)
+    envelope = results.wait("triage/j2", 30)
     thread.join()
     assert envelope is not None and envelope.code == Code.OK
 
 
 def test_rejections_stay_out_of_project_results(redis_client, key_prefix):
     results = store(redis_client, key_prefix)
-    results.record("j3", state="submitted", nonce="n-mine")
-    results.reject("j3", "reports", "bad signature", "n-mine")
+    results.record("reports/j3", state="submitted", digest="d-mine")
+    results.reject("j3", "reports", "bad signature", "d-mine")
     keys = Keys(key_prefix)
-    assert results.final("j3").code == Code.E_AUTH  # the submitter sees its own rejection
-    assert results.get("j3") is None  # but the job has no final result
+    assert results.final("reports/j3").code == Code.E_AUTH  # the submitter sees its own rejection
+    assert results.get("reports/j3") is None  # but the job has no final result
     assert redis_client.xlen(keys.results("reports")) == 0
     assert redis_client.xlen(keys.rejections) == 1
 
 
 def test_a_forged_message_cannot_end_someone_elses_job(redis_client, key_prefix):
     results = store(redis_client, key_prefix)
-    results.record("victim", state="pending", nonce="n-real")
-    results.reject("victim", "reports", "bad signature", "n-forged")
-    assert results.final("victim") is None and results.get("victim") is None
+    results.record("reports/victim", state="pending", digest="d-real")
+    results.reject("victim", "reports", "bad signature", "d-forged")  # same job, another message
+    assert results.final("reports/victim") is None and results.get("reports/victim") is None
     assert results.publish(Envelope(job_id="victim", project="reports", code=Code.OK))
 
 
@@ -61,9 +61,10 @@ def test_follower_sees_results_and_rejections(redis_client, key_prefix):
     results = store(redis_client, key_prefix)
     follower = ResultFollower(results, {"reports"})
     results.publish(Envelope(job_id="a", project="reports", code=Code.OK))
-    results.record("b", state="submitted", nonce="n-b")
-    results.reject("b", "reports", "bad signature", "n-b")
-    got = {e.job_id: e.code for e in follower.follow({"a", "b"}, timeout_s=10, block_ms=50)}
+    results.record("reports/b", state="submitted", digest="d-b")
+    results.reject("b", "reports", "bad signature", "d-b")
+    refs = {"reports/a", "reports/b"}
+    got = {e.job_id: e.code for e in follower.follow(refs, timeout_s=10, block_ms=50)}
     assert got == {"a": Code.OK, "b": Code.E_AUTH}
 
 

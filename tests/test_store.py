@@ -202,6 +202,16 @@ def test_release_and_renew_check_the_fence(make_store: StoreFactory) -> None:
     assert store.snapshot().in_flight == 0 and store.snapshot().reserved_kv_tokens == 0
 
 
+def test_a_lease_names_the_project_it_was_granted_to(make_store: StoreFactory) -> None:
+    store = make_store()
+    store.add_pending(PendingItem("b/j0", "b", 500, 400, enqueued_at=1_000.0))
+    assert store.lease_project("b/j0") is None  # pending: no lease yet
+    grant = store.admit_next(1_010.0).grant
+    assert grant is not None and store.lease_project("b/j0") == "b"
+    assert store.release("b/j0", grant.fence)
+    assert store.lease_project("b/j0") is None
+
+
 def test_expired_lease_goes_back_to_its_place(make_store: StoreFactory) -> None:
     store = make_store(limits(max_num_seqs=1))
     for i in range(3):

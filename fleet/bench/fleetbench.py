@@ -571,7 +571,7 @@ class FleetBench:
             watcher = threading.Thread(target=during, args=(start,), daemon=True) if during else None
             if watcher:
                 watcher.start()
-            envelopes = list(follower.follow(set(ids), timeout_s))
+            envelopes = list(follower.follow({self.client.ref(i) for i in ids}, timeout_s))
             end = time.time()
             if watcher:
                 watcher.join()

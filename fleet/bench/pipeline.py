@@ -59,7 +59,8 @@ def _phase(fleet: LocalFleet, client: Client, light: int, heavy: list[Any]) -> d
     follower = ResultFollower(client.results, set(client.settings.projects))
     heavy_ids = {client.submit(job) for job in heavy}
     light_ids = {client.submit(_light_job(n)) for n in range(light)}
-    envelopes: list[Envelope] = list(follower.follow(light_ids | heavy_ids, timeout_s=1800))
+    refs = {client.ref(i) for i in light_ids | heavy_ids}
+    envelopes: list[Envelope] = list(follower.follow(refs, timeout_s=1800))
     stats = httpx.get(f"{sim}/sim/stats", timeout=10).json()
     light_env = [e for e in envelopes if e.job_id in light_ids]
     busy_s = stats["busy_seconds"] or 1e-9

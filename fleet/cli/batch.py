@@ -42,7 +42,7 @@ def run_batch(client: Client, file: Path, project: str, *, wait: bool, out: Path
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task(_counts_text(counts), total=len(lines), completed=sum(counts.values()))
-        for envelope in follower.follow(set(job_of.values()), timeout_s):
+        for envelope in follower.follow({client.ref(i) for i in job_of.values()}, timeout_s):
             done = matcher.add(envelope)
             counts[envelope.code.value] += done
             progress.update(task, advance=done, description=_counts_text(counts))

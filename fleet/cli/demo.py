@@ -168,7 +168,7 @@ def _push(settings: Settings, jobs: int, console: Console) -> list[Envelope]:
         envelopes: list[Envelope] = []
         counts: Counter[str] = Counter()
         with Live(console=console, refresh_per_second=4) as live:
-            for envelope in follower.follow(ids, timeout_s=300):
+            for envelope in follower.follow({client.ref(i) for i in ids}, timeout_s=300):
                 envelopes.append(envelope)
                 counts[envelope.code.value] += 1
                 live.update(f"{len(envelopes)}/{jobs} done  "

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -19,6 +19,9 @@ from rich.table import Table
 from fleet.core.codes import Code
 from fleet.core.config import Settings, load_settings, mask_url
 from fleet.core.errors import ConfigError, DependencyMissing, FleetError, PublicSecrets
+
+if TYPE_CHECKING:
+    from fleet.client import Client
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="A worker fleet in front of a self-hosted vLLM reasoning model.")
@@ -109,6 +112,9 @@ def worker(
         raise typer.BadParameter("role must be all, prep, collect or infer")
     preflight_or_exit(role)
     secrets_or_exit("worker", settings)
+    if not settings.security.worker_secret:  # prep seals with it, inference checks the seal
+        err.print("[red]config error:[/red] security.worker_secret is not set (docs/security.md)")
+        raise typer.Exit(2)
     worker_app(settings).worker_main([
         "worker", "-Q", ",".join(queues), "-P", pool, "-c", str(concurrency), "-E",
         "-n", hostname, "--loglevel", log_level, "--without-mingle", "--without-gossip",
@@ -286,14 +292,27 @@ def batch(
     raise typer.Exit(code)
 
 
+JOB_HELP = "<project>/<id>, or an id with --project (ids are unique per project)"
+ProjectOption = Annotated[str | None, typer.Option("--project", "-p", help="the job's project")]
+
+
+def _job_ref(client: Client, job_id: str, project: str | None) -> str:
+    try:
+        return client.ref(job_id, project)
+    except FleetError as exc:
+        err.print(f"[red]{exc.code.value}[/red] {exc.message}")
+        raise typer.Exit(2) from exc
+
+
 @app.command()
-def status(job_id: Annotated[str | None, typer.Argument()] = None) -> None:
+def status(job_id: Annotated[str | None, typer.Argument(help=JOB_HELP)] = None,
+           project: ProjectOption = None) -> None:
     """A job's state and code; without an id, the queues."""
     if job_id is None:
         queues()
         return
     with client_or_exit() as client:
-        record = client.status(job_id)
+        record = client.status(_job_ref(client, job_id, project))
     if not record:
         err.print(f"unknown job {job_id}")
         raise typer.Exit(1)
@@ -304,10 +323,11 @@ def status(job_id: Annotated[str | None, typer.Argument()] = None) -> None:
 
 
 @app.command()
-def tail(job_id: str, follow: Annotated[bool, typer.Option()] = True) -> None:
+def tail(job_id: Annotated[str, typer.Argument(help=JOB_HELP)],
+         follow: Annotated[bool, typer.Option()] = True, project: ProjectOption = None) -> None:
     """Follow a job's live events (queued, admitted, attempts, deltas, retries, final)."""
     with client_or_exit() as client:
-        for event in client.events(job_id, follow=follow):
+        for event in client.events(_job_ref(client, job_id, project), follow=follow):
             data = event["data"]
             text = data.get("text") if isinstance(data, dict) else None
             if event["type"] in ("reasoning", "content") and text:
@@ -318,10 +338,12 @@ def tail(job_id: str, follow: Annotated[bool, typer.Option()] = True) -> None:
 
 
 @app.command()
-def cancel(job_id: str) -> None:
-    """Cancel a job: a queued one at once, a running one within a second (E_CANCELLED)."""
+def cancel(job_id: Annotated[str, typer.Argument(help=JOB_HELP)],
+           project: ProjectOption = None) -> None:
+    """Cancel a job of a project this configuration holds the secret of: a queued one soon, a
+    running one within a second (E_CANCELLED)."""
     with client_or_exit() as client:
-        if client.cancel(job_id):
+        if client.cancel(_job_ref(client, job_id, project)):
             console.print(f"cancelling {job_id}")
         else:
             err.print(f"{job_id} already has its final result")
@@ -381,6 +403,28 @@ def config(reference: Annotated[bool, typer.Option(help="print the key reference
     shown["backend"]["url"] = mask_url(shown["backend"]["url"])
     console.print(f"# from {config_path()}")
     console.print_json(json.dumps(shown))
+
+
+@app.command()
+def acl(apply: Annotated[bool, typer.Option(help="ACL SETUSER on the broker (needs ACL rights)")] = False) -> None:
+    """Redis ACL users: one producer per project, a worker, a dispatcher, an operator
+    (docs/security.md). Prints the rules and each user's broker URL with a new password."""
+    import redis
+
+    from fleet.cli.acl import acl_users, apply_users, render
+
+    settings = settings_or_exit()
+    users = acl_users(settings)
+    if apply:
+        client = redis.Redis.from_url(settings.broker_url)
+        try:
+            apply_users(client, users)
+        except FleetError as exc:
+            err.print(f"[red]{exc.code.value}[/red] {exc.message}")
+            raise typer.Exit(1) from exc
+        finally:
+            client.close()
+    sys.stdout.write(render(users, settings.broker_url))
 
 
 @app.command()

@@ -80,7 +80,8 @@ CATALOGUE: dict[Code, CodeInfo] = {
         100, False, "The job is malformed: unknown field, bad type or an impossible setting."
     ),
     Code.E_AUTH: CodeInfo(
-        101, False, "Bad signature, unknown project, stale timestamp or replayed nonce."
+        101, False, "Bad signature, unknown project, stale timestamp, replayed nonce, another "
+        "project's record, or a prepared job without the workers' seal."
     ),
     Code.E_PROMPT_TOO_LONG: CodeInfo(
         102, False, "Prompt plus max_tokens cannot fit max_model_len or the project's budget."

@@ -198,6 +198,9 @@ class SecuritySettings(_Section):
     nonce_ttl_s: float = Field(25 * 3600.0, gt=0)
     """Nonces are remembered this long; must cover max_age_s + max_clock_skew_s so that a
     replay is always either seen or too old."""
+    worker_secret: str | None = Field(None, min_length=16)
+    """The workers' own key (16+ characters, never given to producers): prep workers seal each
+    prepared job with it and inference workers run only sealed jobs (fleet/core/seal.py)."""
 
     @model_validator(mode="after")
     def _nonce_outlives_age(self) -> SecuritySettings:

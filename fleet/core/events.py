@@ -25,9 +25,9 @@ log = logging.getLogger(__name__)
 class EventSink:
     """Appends events for one job; every stream gets a TTL so nothing lingers."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, job_id: str, ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, ref: str, ttl_s: int) -> None:
         self._client: Any = client
-        self._key = keys.events(job_id)
+        self._key = keys.events(ref)
         self._ttl_s = ttl_s
         self.dropped = 0
 

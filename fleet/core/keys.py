@@ -1,9 +1,17 @@
 """Every Redis key the fleet uses, in one place. All keys start with the configured prefix
 (``key_prefix``, default ``fleet:``), so tests and several fleets can share one Redis database.
 
+Job identity: a job is known by its *ref*, ``<project>/<id>`` (``job_ref``). Job ids are unique per
+project, not across the fleet, so every job-scoped key, prep claim, dispatcher item and lease is
+named by the ref: a project that submits another project's job id only ever touches its own
+keys, and Redis ACLs (fleet/cli/acl.py) can grant a project's producer exactly the keys under its
+own project (``{p}job:{<project>/*``). Project names are letters, digits, - and _ (settings), job
+ids letters, digits and ``._:-`` (fleet/core/models.py), so a ref contains exactly one ``/`` and
+no glob or hash-tag characters.
+
 Hash tags: every key a Lua script touches is declared in its KEYS, and the keys of one script
 share a hash tag (the part in braces), so they live in one Redis Cluster slot:
-  - per-job keys carry the job id as tag (``{p}result:{<id>}``): PUBLISH touches the job's keys;
+  - per-job keys carry the ref as tag (``{p}result:{<project>/<id>}``): PUBLISH touches the job's keys;
   - prep claims and the watchdog's zset carry ``{prep}``: RENEW/RELEASE touch a claim and the zset;
   - every dispatcher key carries ``{d}``: admission is one serialisation point anyway, and ADMIT,
     REAP, REQUEUE... touch the shared counters together with per-job items and leases.
@@ -13,26 +21,31 @@ with their script's slot: ``{p}results:<project>`` and ``{p}stats:codes``, which
 writes (fleet/core/lua/publish.lua explains what a Cluster move would need). The Celery
 broker's keys are kombu's and are left as kombu names them.
 
-Jobs and results (fleet/core/results.py, fleet/client.py)
-  {p}job:{<id>}               hash   project, kind, state, submitted_at, job (prepared job JSON),
-                                     plan (token plan JSON), custom fields; TTL result_ttl_s once final
-  {p}result:{<id>}            string final Envelope JSON; TTL result_ttl_s; written exactly once
+Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id>
+  {p}job:{<ref>}              hash   project, kind, state, submitted_at, signed (the message as
+                                     submitted), digest (its sha256), created once by the producer
+                                     (fleet/core/lua/create.lua: never overwritten); the prep worker
+                                     adds job (prepared job JSON), plan (token plan JSON), seal (the
+                                     workers' HMAC over both, fleet/core/seal.py); TTL result_ttl_s
+  {p}result:{<ref>}           string final Envelope JSON; TTL result_ttl_s; written exactly once
                                      (SET NX), which is what makes "one final Envelope" hold
-  {p}events:{<id>}            stream per-job events (queued, admitted, attempt, delta, retry, final);
+  {p}events:{<ref>}           stream per-job events (queued, admitted, attempt, delta, retry, final);
                                      TTL events_ttl_s. Client.result blocks on it with XREAD BLOCK
   {p}results:<project>        stream final Envelopes of one project, for consumer groups
-  {p}rejected:<nonce>         string E_AUTH Envelope of a message that failed verification, keyed by
-                                     the message's nonce (never by the job id it claims, so a forged
-                                     message cannot hide a real job's result); TTL result_ttl_s
+  {p}rejected:{<ref>}:<digest> string E_AUTH Envelope of a message that failed verification, keyed
+                                     by the ref it claims and the sha256 of the whole message
+                                     received, so only the submitter of that very message finds it
+                                     (a forged message cannot make a real job look rejected)
   {p}rejections               stream operator-facing log of E_AUTH rejections (reason, claimed
                                      project, job id; never the secret or the payload)
   {p}idem:<project>:<key>     string job id of the first submission with that idempotency key
   {p}nonce:<project>:<nonce>  string set NX when a signed job is verified; TTL nonce_ttl_s
-  {p}cancel:{<id>}            string set by ``fleet cancel``; running attempts watch it
-  {p}{prep}:claim:<id>        string the prep worker preparing the job; TTL prep_lease_s
-  {p}{prep}:prepping          zset   jobs not yet handed over, score = when the prep watchdog
-                                     looks at them (fleet/prep/watchdog.py)
-  {p}attempts:{<id>}          list   attempt history (JSON) kept for carry-over between attempts
+  {p}cancel:{<ref>}           string a signed cancel request of the job's project (fleet/core/seal.py
+                                     ``sign_cancel``); ignored unless its signature verifies
+  {p}{prep}:claim:<ref>       string the prep worker preparing the job; TTL prep_lease_s
+  {p}{prep}:prepping:<project> zset  the project's jobs not yet handed over, score = when the prep
+                                     watchdog looks at them (fleet/prep/watchdog.py)
+  {p}attempts:{<ref>}         list   attempt history (JSON) kept for carry-over between attempts
   {p}retry_budget:<project>   hash   sliding counters of first attempts and retries (retry budget)
   {p}tokcache:<sha256>        string cached /tokenize count for a piece of content
   {p}stats:codes              hash   final results counted by "<project>|<code>" (for /metrics)
@@ -48,11 +61,13 @@ Broker (kombu, fleet/worker/app.py)
 
 Dispatcher (schedulers/store/redis_store.py; its docstring repeats this part with the scripts;
 D = ``{p}{d}:``, one hash tag for all)
+  (the dispatcher knows a job by its ref, ``<project>/<id>``, written <id> below)
   D pending:<project>:<band>:<size>
-                              zset   pending job ids; band interactive|batch, size short|long
+                              zset   pending job refs; band interactive|batch, size short|long
                                      (prompt over backend.long_prompt_tokens); score =
-                                     enqueued_at - priority * aging_s, in ms (fixed at submission:
-                                     an expired lease puts the job back at its original place)
+                                     enqueued_at - priority * aging_s, in ms; enqueued_at is the prep
+                                     worker's clock at hand-over (never the producer's submitted_at);
+                                     an expired lease puts the job back at its original place
   D item:<id>                 hash   admission facts of a pending/in-flight job: project band size
                                      prompt max_new kv long enq score pending(1|0) deadline
   D projects                  set    projects that may have pending work
@@ -77,24 +92,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def job_ref(project: str, job_id: str) -> str:
+    """A job's identity in Redis: job ids are unique per project only."""
+    return f"{project}/{job_id}"
+
+
+def split_ref(ref: str) -> tuple[str, str]:
+    """(project, job id) of a ref; ("", ref) for a string that is not one."""
+    project, sep, job_id = ref.partition("/")
+    return (project, job_id) if sep else ("", ref)
+
+
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "fleet:"
 
-    def job(self, job_id: str) -> str:
-        return f"{self.prefix}job:{{{job_id}}}"
+    def job(self, ref: str) -> str:
+        return f"{self.prefix}job:{{{ref}}}"
 
-    def result(self, job_id: str) -> str:
-        return f"{self.prefix}result:{{{job_id}}}"
+    def result(self, ref: str) -> str:
+        return f"{self.prefix}result:{{{ref}}}"
 
-    def events(self, job_id: str) -> str:
-        return f"{self.prefix}events:{{{job_id}}}"
+    def events(self, ref: str) -> str:
+        return f"{self.prefix}events:{{{ref}}}"
 
     def results(self, project: str) -> str:
         return f"{self.prefix}results:{project}"
 
-    def rejected(self, nonce: str) -> str:
-        return f"{self.prefix}rejected:{nonce}"
+    def rejected(self, ref: str, digest: str) -> str:
+        return f"{self.prefix}rejected:{{{ref}}}:{digest}"
 
     @property
     def rejections(self) -> str:
@@ -106,18 +132,17 @@ class Keys:
     def nonce(self, project: str, nonce: str) -> str:
         return f"{self.prefix}nonce:{project}:{nonce}"
 
-    def cancel(self, job_id: str) -> str:
-        return f"{self.prefix}cancel:{{{job_id}}}"
+    def cancel(self, ref: str) -> str:
+        return f"{self.prefix}cancel:{{{ref}}}"
 
-    def prep(self, job_id: str) -> str:
-        return f"{self.prefix}{{prep}}:claim:{job_id}"
+    def prep(self, ref: str) -> str:
+        return f"{self.prefix}{{prep}}:claim:{ref}"
 
-    @property
-    def prepping(self) -> str:
-        return f"{self.prefix}{{prep}}:prepping"
+    def prepping(self, project: str) -> str:
+        return f"{self.prefix}{{prep}}:prepping:{project}"
 
-    def attempts(self, job_id: str) -> str:
-        return f"{self.prefix}attempts:{{{job_id}}}"
+    def attempts(self, ref: str) -> str:
+        return f"{self.prefix}attempts:{{{ref}}}"
 
     def retry_budget(self, project: str) -> str:
         return f"{self.prefix}retry_budget:{project}"

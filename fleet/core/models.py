@@ -84,7 +84,8 @@ class TrimPolicy(_Strict):
 
 
 class Job(_Strict):
-    id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    # unique within the project; no "/", braces or glob characters (fleet/core/keys.py)
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex, pattern=r"^[A-Za-z0-9._:-]{1,128}$")
     project: str = Field(min_length=1)
     kind: JobKind = "infer"
     messages: list[Message] = Field(default_factory=list)

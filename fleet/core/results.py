@@ -1,19 +1,24 @@
 """Job records and final results in Redis (keys in fleet/core/keys.py).
 
-A job's life as the job hash records it (``{p}job:{<id>}`` field ``state``):
+Jobs are named by their ref, ``<project>/<id>`` (fleet/core/keys.py); an Envelope carries project and
+id, so ``publish`` finds the ref itself. ``create`` (fleet/core/lua/create.lua) writes a record once:
+a second submission of the same id in the same project never overwrites the first.
+
+A job's life as the job hash records it (``{p}job:{<ref>}`` field ``state``):
     submitted (client) -> pending (prep handed it to the dispatcher) -> running (an inference
     worker claimed its lease) -> final
 A job ends with exactly one final Envelope. ``publish`` is one Lua script (fleet/core/lua/publish.lua): it writes
-``{p}result:{<id>}`` only if absent (SET NX) and, in the same atomic step, appends the envelope to
-``{p}results:<project>``, adds the ``final`` event to ``{p}events:{<id>}`` and sets the TTLs. A
+``{p}result:{<ref>}`` only if absent (SET NX) and, in the same atomic step, appends the envelope to
+``{p}results:<project>``, adds the ``final`` event to ``{p}events:{<ref>}`` and sets the TTLs. A
 second publish for the same job (a duplicate delivery, a late worker, a cancel racing a finish)
 changes nothing and returns False, so consumers never see two results for one job.
 
-Rejected messages (E_AUTH) are kept apart: ``{p}rejected:<nonce>`` and the operator's
+Rejected messages (E_AUTH) are kept apart: ``{p}rejected:{<ref>}:<digest>`` and the operator's
 ``{p}rejections`` stream; never the claimed project's results stream, never the claimed job's
-result key. The submitting client recorded its nonce in the job hash, so ``final`` shows it the
-rejection of its own message, while a forged message naming someone else's job id changes
-nothing for that job.
+result key. The digest is the sha256 of the whole message received (fleet/core/seal.py); the
+submitting client recorded the digest of the message it sent in the job hash, so ``final`` shows
+it the rejection of its own message, while a forged message naming someone else's job (even one
+copying its nonce) has another digest and changes nothing for that job.
 
 Waiting: ``wait`` reads the last event id, then the result key, then blocks on the event stream
 from that id (XREAD BLOCK, at most 2 s at a time: redis-py's default socket timeout is 5 s).
@@ -34,7 +39,7 @@ import redis
 from fleet.core.codes import Code
 from fleet.core.config import Settings
 from fleet.core.events import EVENTS_MAXLEN
-from fleet.core.keys import Keys
+from fleet.core.keys import Keys, job_ref
 from fleet.core.lua import Scripts
 from fleet.core.models import Envelope
 
@@ -47,27 +52,36 @@ class ResultStore:
         self.keys = keys
         self.settings = settings
         self.on_publish = on_publish  # called once per envelope this store wrote (worker metrics)
-        self._publish = Scripts(client, "fleet.core", ("publish",))["publish"]
+        scripts = Scripts(client, "fleet.core", ("publish", "create"))
+        self._publish, self._create = scripts["publish"], scripts["create"]
 
     # -- job records ----------------------------------------------------------------------
-    def record(self, job_id: str, **fields: Any) -> None:
+    def create(self, ref: str, project: str, watch_at: float, /, **fields: Any) -> bool:
+        """Record a new job and put it under the prep watchdog; False when the ref exists."""
+        args: list[Any] = [self.settings.result_ttl_s, ref, watch_at]
+        for name, value in fields.items():
+            args += [name, value if isinstance(value, str | int | float) else json.dumps(value)]
+        return bool(self._create(keys=[self.keys.job(ref), self.keys.prepping(project)], args=args))
+
+    def record(self, ref: str, **fields: Any) -> None:
         values = {k: v if isinstance(v, str | int | float) else json.dumps(v) for k, v in fields.items()}
         pipe = self.client.pipeline(transaction=False)
-        pipe.hset(self.keys.job(job_id), mapping=values)
-        pipe.expire(self.keys.job(job_id), self.settings.result_ttl_s)
+        pipe.hset(self.keys.job(ref), mapping=values)
+        pipe.expire(self.keys.job(ref), self.settings.result_ttl_s)
         pipe.execute()
 
-    def job_record(self, job_id: str) -> dict[str, str]:
-        raw = self.client.hgetall(self.keys.job(job_id))
+    def job_record(self, ref: str) -> dict[str, str]:
+        raw = self.client.hgetall(self.keys.job(ref))
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     # -- results --------------------------------------------------------------------------
     def publish(self, envelope: Envelope, *, to_project_stream: bool = True) -> bool:
         """Write the one final envelope; False if the job already had one."""
+        ref = job_ref(envelope.project, envelope.job_id)
         keys = [
-            self.keys.result(envelope.job_id),
-            self.keys.events(envelope.job_id),
-            self.keys.job(envelope.job_id),
+            self.keys.result(ref),
+            self.keys.events(ref),
+            self.keys.job(ref),
             self.keys.code_counts,
         ]
         if to_project_stream:
@@ -97,15 +111,16 @@ class ResultStore:
                 self.on_publish(envelope)
         return bool(written)
 
-    def reject(self, job_id: str, claimed_project: str, reason: str, nonce: str,
+    def reject(self, job_id: str, claimed_project: str, reason: str, digest: str,
                code: Code = Code.E_AUTH) -> None:
         """Record a rejection of an unverified message (E_AUTH, or E_INPUT_INVALID for one too
-        large to verify) where operators look, not in the project's results."""
+        large to verify) where operators look, not in the project's results; ``digest`` is the
+        sha256 of the whole message received (fleet/core/seal.py)."""
         envelope = Envelope.failure(job_id, claimed_project, code, reason)
+        ref = job_ref(claimed_project, job_id)
         pipe = self.client.pipeline(transaction=True)
-        if nonce:
-            pipe.set(self.keys.rejected(nonce), envelope.model_dump_json(), nx=True,
-                     ex=self.settings.result_ttl_s)
+        pipe.set(self.keys.rejected(ref, digest), envelope.model_dump_json(), nx=True,
+                 ex=self.settings.result_ttl_s)
         pipe.xadd(
             self.keys.rejections,
             {"job_id": job_id, "project": claimed_project, "reason": reason,
@@ -113,39 +128,36 @@ class ResultStore:
             maxlen=self.settings.results_stream_maxlen,
             approximate=True,
         )
-        pipe.xadd(self.keys.events(job_id),
+        pipe.xadd(self.keys.events(ref),
                   {"type": "rejected", "ts": f"{time.time():.6f}",
-                   "data": json.dumps({"code": code.value, "nonce": nonce})},
+                   "data": json.dumps({"code": code.value, "digest": digest})},
                   maxlen=EVENTS_MAXLEN, approximate=True)
-        pipe.expire(self.keys.events(job_id), self.settings.events_ttl_s)
+        pipe.expire(self.keys.events(ref), self.settings.events_ttl_s)
         pipe.execute()
         log.warning("rejected job=%s claimed_project=%s reason=%s", job_id, claimed_project, reason)
 
-    def get(self, job_id: str) -> Envelope | None:
+    def get(self, ref: str) -> Envelope | None:
         """The job's final envelope, if it has one (what the workers go by)."""
-        raw = self.client.get(self.keys.result(job_id))
+        raw = self.client.get(self.keys.result(ref))
         return Envelope.model_validate_json(raw) if raw else None
 
-    def final(self, job_id: str) -> Envelope | None:
+    def final(self, ref: str) -> Envelope | None:
         """What a submitter sees: the final envelope, else the rejection of its own message."""
-        envelope = self.get(job_id)
+        envelope = self.get(ref)
         if envelope is not None:
             return envelope
-        nonce = self.client.hget(self.keys.job(job_id), "nonce")
-        raw = self.client.get(self.keys.rejected(nonce.decode())) if nonce else None
-        if not raw:
-            return None
-        rejected = Envelope.model_validate_json(raw)
-        return rejected if rejected.job_id == job_id else None
+        digest = self.client.hget(self.keys.job(ref), "digest")
+        raw = self.client.get(self.keys.rejected(ref, digest.decode())) if digest else None
+        return Envelope.model_validate_json(raw) if raw else None
 
-    def wait(self, job_id: str, timeout_s: float) -> Envelope | None:
+    def wait(self, ref: str, timeout_s: float) -> Envelope | None:
         """Block until the job's final envelope exists or ``timeout_s`` passes."""
         deadline = time.monotonic() + timeout_s
-        events = self.keys.events(job_id)
+        events = self.keys.events(ref)
         last = self.client.xrevrange(events, count=1)
         cursor = last[0][0] if last else b"0-0"
         while True:
-            envelope = self.final(job_id)
+            envelope = self.final(ref)
             if envelope is not None:
                 return envelope
             remaining_ms = int((deadline - time.monotonic()) * 1000)
@@ -174,8 +186,9 @@ class ResultFollower:
             last = store.client.xrevrange(key, count=1)
             self.cursors[key] = last[0][0] if last else "0-0"
 
-    def follow(self, job_ids: set[str], timeout_s: float, block_ms: int = 1000):  # type: ignore[no-untyped-def]
-        remaining = set(job_ids)
+    def follow(self, refs: set[str], timeout_s: float, block_ms: int = 1000):  # type: ignore[no-untyped-def]
+        """Yield the envelopes of ``refs`` (``<project>/<id>``) as they finish."""
+        remaining = set(refs)
         deadline = time.monotonic() + timeout_s
         while remaining and time.monotonic() < deadline:
             reply = self.store.client.xread(self.cursors, block=block_ms, count=500)
@@ -185,13 +198,14 @@ class ResultFollower:
                 for entry_id, fields in entries:
                     self.cursors[name] = entry_id
                     envelope = Envelope.model_validate_json(fields[b"envelope"])
-                    if envelope.job_id in remaining:
-                        remaining.discard(envelope.job_id)
+                    ref = job_ref(envelope.project, envelope.job_id)
+                    if ref in remaining:
+                        remaining.discard(ref)
                         got = True
                         yield envelope
             if not got:
-                for job_id in list(remaining):
-                    found = self.store.final(job_id)
+                for ref in list(remaining):
+                    found = self.store.final(ref)
                     if found is not None:
-                        remaining.discard(job_id)
+                        remaining.discard(ref)
                         yield found

@@ -35,6 +35,7 @@ from starlette.requests import Request
 
 from fleet.core.codes import Code
 from fleet.core.errors import Cancelled, FleetError, NotFound
+from fleet.core.keys import job_ref
 from fleet.core.models import Envelope, Timings, Usage
 from fleet.gateway.admission import Ticket
 from fleet.gateway.auth import Caller
@@ -96,6 +97,7 @@ class _Session:
                  body: dict[str, Any], prompt_tokens: int, max_tokens: int, receive: Any, send: Send
                  ) -> None:
         self.gw, self.caller, self.req, self.job_id = gw, caller, req, job_id
+        self.ref = job_ref(caller.project, job_id)  # the job's identity in the store and in Redis keys
         self.body, self.prompt_tokens, self.max_tokens = body, prompt_tokens, max_tokens
         self._receive, self._send = receive, send
         self.chunks = ChunkMaker(f"chatcmpl-{job_id}", gw.model, gw.live.settings.gateway.reasoning_content)
@@ -175,7 +177,7 @@ class _Session:
             await self._fail(FleetError(message))
         finally:
             watcher.cancel()
-            self.gw.admission.forget(self.job_id)
+            self.gw.admission.forget(self.ref)
             if self.keeper is not None:
                 await self.gw.run(self.keeper.__exit__, None, None, None)
             if ticket is not None:
@@ -185,35 +187,36 @@ class _Session:
     async def _admit(self) -> Ticket | None:
         gw, settings = self.gw, self.gw.live.settings.gateway
         adm = gw.admission
-        enqueued_at = await adm.enqueue(self.job_id, self.caller.project, self.caller.band,
+        enqueued_at = await adm.enqueue(self.ref, self.caller.project, self.caller.band,
                                         self.prompt_tokens, self.max_tokens, settings.max_queue_wait_s)
         give_up_at = self.started + settings.max_queue_wait_s
         while True:
             now = time.monotonic()
             if self.disconnected.is_set() or now >= give_up_at:
-                grant = await adm.withdraw(self.job_id)
+                grant = await adm.withdraw(self.ref)
                 if self.disconnected.is_set():
                     if grant is not None:
-                        await adm.give_back(self.job_id, grant)
+                        await adm.give_back(self.ref, grant)
                     return None
                 if grant is None:
                     raise adm.timeout_error(settings.max_queue_wait_s)
                 break
             wait_s = min(give_up_at - now, self.last_write + settings.keepalive_s - now)
-            grant = await adm.next_grant(self.job_id, wait_s, self.disconnected)
+            grant = await adm.next_grant(self.ref, wait_s, self.disconnected)
             if grant is not None:
                 break
             if self.req.stream and time.monotonic() - self.last_write >= settings.keepalive_s:
                 await self._write(KEEPALIVE)
-        ticket = await adm.claim(self.job_id, self.caller.project, grant, enqueued_at)
+        ticket = await adm.claim(self.ref, self.caller.project, grant, enqueued_at)
         self.waited_s = ticket.waited_s
         return ticket
 
     async def _stream(self, ticket: Ticket) -> Code:
         gw = self.gw
         rt = gw.runtime
-        self.keeper = LeaseKeeper(rt.lease_store, rt.lease_redis, rt.keys.cancel(ticket.job_id),
-                                  ticket.job_id, ticket.fence, rt.settings.admission.lease_ttl_s)
+        # A chat request is cancelled by its client leaving (self.disconnected), never by a request.
+        self.keeper = LeaseKeeper(rt.lease_store, lambda: False, ticket.job_id, ticket.fence,
+                                  rt.settings.admission.lease_ttl_s)
         self.keeper.__enter__()
         if self.disconnected.is_set():
             self.keeper.cancel.set()

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from fleet.core.errors import InputInvalid, NotFound
+from fleet.core.keys import job_ref
 from fleet.core.models import Job, describe_invalid
 from fleet.gateway.auth import Caller
 
@@ -60,11 +61,14 @@ class TaskRoutes:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
 
-    async def _own(self, caller: Caller, job_id: str) -> dict[str, str]:
-        record: dict[str, str] = await self.gw.run(self.gw.runtime.results.job_record, job_id)
+    async def _own(self, caller: Caller, job_id: str) -> str:
+        """The task's ref in the caller's own project (ids are per project, so another project's
+        task is simply not there); NotFound when the project has no such task."""
+        ref = job_ref(caller.project, job_id)
+        record: dict[str, str] = await self.gw.run(self.gw.runtime.results.job_record, ref)
         if record.get("project") != caller.project:
             raise NotFound(f"no task {job_id!r} for this project")
-        return record
+        return ref
 
     async def submit(self, request: Request, caller: Caller) -> Response:
         job = await _job_from(request, caller)
@@ -73,27 +77,25 @@ class TaskRoutes:
 
     async def get(self, request: Request, caller: Caller) -> Response:
         job_id = request.path_params["task_id"]
-        await self._own(caller, job_id)
-        status: dict[str, Any] = await self.gw.run(self.gw.client.status, job_id)
-        for private in ("signed", "origin", "plan", "warnings", "fence_tag"):
-            status.pop(private, None)
-        envelope = await self.gw.run(self.gw.runtime.results.final, job_id)
+        ref = await self._own(caller, job_id)
+        status: dict[str, Any] = await self.gw.run(self.gw.client.status, job_id, project=caller.project)
+        envelope = await self.gw.run(self.gw.runtime.results.final, ref)
         return JSONResponse(_task(job_id, status=status.get("state", "unknown"),
                                   envelope=envelope.model_dump(mode="json") if envelope else None))
 
     async def cancel(self, request: Request, caller: Caller) -> Response:
         job_id = request.path_params["task_id"]
         await self._own(caller, job_id)
-        cancelled = await self.gw.run(self.gw.client.cancel, job_id)
+        cancelled = await self.gw.run(self.gw.client.cancel, job_id, project=caller.project)
         return JSONResponse(_task(job_id, cancelled=cancelled))
 
     async def events(self, request: Request, caller: Caller) -> Response:
         job_id = request.path_params["task_id"]
-        await self._own(caller, job_id)
-        return StreamingResponse(self._follow(job_id), media_type="text/event-stream",
+        ref = await self._own(caller, job_id)
+        return StreamingResponse(self._follow(caller.project, job_id, ref), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
-    async def _follow(self, job_id: str) -> AsyncIterator[bytes]:
+    async def _follow(self, project: str, job_id: str, ref: str) -> AsyncIterator[bytes]:
         """The job's events, read by a thread (XREAD BLOCK) and written as they come. When the
         client leaves, Starlette cancels this generator and the thread stops after its read."""
         loop = asyncio.get_running_loop()
@@ -102,7 +104,7 @@ class TaskRoutes:
 
         def read() -> None:
             try:
-                for event in self.gw.client.events(job_id, block_ms=EVENTS_BLOCK_MS):
+                for event in self.gw.client.events(job_id, block_ms=EVENTS_BLOCK_MS, project=project):
                     if stop.is_set():
                         return
                     loop.call_soon_threadsafe(queue.put_nowait, event)
@@ -114,7 +116,7 @@ class TaskRoutes:
             while (event := await queue.get()) is not None:
                 data = event.get("data")
                 if event["type"] == "final":
-                    envelope = await self.gw.run(self.gw.runtime.results.final, job_id)
+                    envelope = await self.gw.run(self.gw.runtime.results.final, ref)
                     data = envelope.model_dump(mode="json") if envelope else data
                 yield f"event: {event['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
         finally:

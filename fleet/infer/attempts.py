@@ -57,7 +57,7 @@ from fleet.core.codes import Code
 from fleet.core.config import ProjectSettings, Settings
 from fleet.core.errors import FleetError, ThinkLoop
 from fleet.core.events import EventSink
-from fleet.core.keys import Keys
+from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Attempt, Envelope, Job, Timings, Usage
 from fleet.core.request import build_request_messages, fence, new_fence_tag, tools_allowed
 from fleet.infer import carryover
@@ -176,7 +176,7 @@ class _Run:
     def _load_history(self) -> int:
         """Attempts of earlier deliveries (a worker died): they count in the numbering, the
         carry-over, the Envelope's attempts and its usage."""
-        history = carryover.load_attempts(self.ctx.redis, self.ctx.keys, self.job.id)
+        history = carryover.load_attempts(self.ctx.redis, self.ctx.keys, job_ref(self.job.project, self.job.id))
         fields = set(Attempt.model_fields)
         for entry in history:
             self.conclusions = carryover.merge_conclusions(
@@ -190,7 +190,7 @@ class _Run:
 
     def _record(self, attempt: Attempt, conclusions: list[str]) -> None:
         entry = {**attempt.model_dump(mode="json"), "conclusions": conclusions}
-        carryover.record_attempt(self.ctx.redis, self.ctx.keys, self.job.id, entry,
+        carryover.record_attempt(self.ctx.redis, self.ctx.keys, job_ref(self.job.project, self.job.id), entry,
                                  self.s.events_ttl_s)
 
     # -- the loop -------------------------------------------------------------------------------

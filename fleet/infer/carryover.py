@@ -30,7 +30,7 @@ user turns stay exactly as they were and last, and templates that accept a syste
 first place still render it. The next attempt also gets a new seed
 and a slightly higher temperature (fleet/infer/attempts.py).
 
-Attempt history: ``{p}attempts:<job id>`` is a Redis list of attempt JSON (code, cause, carried
+Attempt history: ``{p}attempts:{<ref>}`` is a Redis list of attempt JSON (code, cause, carried
 conclusions ...), RPUSHed after every attempt with the events TTL, so a redelivered job (its worker
 died, the lease expired) starts from what earlier attempts concluded instead of from nothing.
 """
@@ -187,14 +187,14 @@ def with_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]
 
 
 def record_attempt(
-    client: redis.Redis, keys: Keys, job_id: str, attempt: dict[str, Any], ttl_s: int
+    client: redis.Redis, keys: Keys, ref: str, attempt: dict[str, Any], ttl_s: int
 ) -> None:
-    key = keys.attempts(job_id)
+    key = keys.attempts(ref)
     pipe = client.pipeline(transaction=False)
     pipe.rpush(key, json.dumps(attempt, default=str))
     pipe.expire(key, ttl_s)
     pipe.execute()
 
 
-def load_attempts(client: redis.Redis, keys: Keys, job_id: str) -> list[dict[str, Any]]:
-    return [json.loads(raw) for raw in client.lrange(keys.attempts(job_id), 0, -1)]
+def load_attempts(client: redis.Redis, keys: Keys, ref: str) -> list[dict[str, Any]]:
+    return [json.loads(raw) for raw in client.lrange(keys.attempts(ref), 0, -1)]

@@ -34,7 +34,8 @@ the project's prompt budget.
 
 ``allow_trim`` false forbids cutting to fit; explicit per-source quotas still apply (the producer
 asked for them) and so do the whitespace/duplicate steps its TrimPolicy names.
-Between collecting and trimming the job's cancel flag (``{p}cancel:<id>``) is checked, so a
+Between collecting and trimming the job's cancel request (``{p}cancel:{<ref>}``, only if signed by
+the job's project) is checked, so a
 cancelled job stops before its most expensive remaining step (raises ``Cancelled``).
 """
 
@@ -49,9 +50,10 @@ import redis
 
 from fleet.core.config import ProjectSettings, Settings
 from fleet.core.errors import Cancelled, CollectFailed, PromptTooLong
-from fleet.core.keys import Keys
+from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Job, Message, TrimPolicy
 from fleet.core.request import build_request_messages, new_fence_tag, tools_allowed
+from fleet.core.seal import cancel_valid
 from fleet.prep.collect import Collected, Collector
 from fleet.prep.prefix import leading_system, prefix_warning, stable_prefix
 from fleet.prep.tokens import TokenCounter
@@ -162,7 +164,7 @@ def prepare(
     warnings: list[str] = []
     collected = _collect(job, settings, collector, warnings)
     material = [_entry(item) for item in collected]
-    _check_cancelled(job, client, keys)
+    _check_cancelled(job, settings, client, keys)
     tally = _Tally(counter, job, project)
     prefix = stable_prefix(project, job)
     slots, pieces = _layout(job, prefix, collected, material)
@@ -223,13 +225,13 @@ def _entry(item: Collected) -> dict[str, Any]:
     }
 
 
-def _check_cancelled(job: Job, client: redis.Redis, keys: Keys) -> None:
+def _check_cancelled(job: Job, settings: Settings, client: redis.Redis, keys: Keys) -> None:
     try:
-        cancelled = client.exists(keys.cancel(job.id))
+        request = client.get(keys.cancel(job_ref(job.project, job.id)))
     except redis.RedisError as exc:
         log.warning("cannot check the cancel flag of job %s: %s", job.id, exc)
         return
-    if cancelled:
+    if cancel_valid(settings, job.project, job.id, request):  # type: ignore[arg-type]
         raise Cancelled(f"job {job.id} was cancelled during preparation")
 
 

@@ -4,17 +4,20 @@ Inference has leases (schedulers/store/base.py). Preparation has its own, simple
 prep message reserved or running on a worker that dies would otherwise wait for the broker's
 visibility timeout (hours) before anyone looks at it again.
 
-Keys (fleet/core/keys.py)
-  {p}{prep}:claim:<id>  string  the worker preparing the job; TTL prep_lease_s, renewed while it runs
-  {p}{prep}:prepping    zset    job ids not yet handed over, score = when the watchdog should look
-                                (submitted_at + prep_unclaimed_s, then claim expiry while preparing)
-  {p}job:{<id>}         hash    field ``signed``: the signed message as submitted, to send it again
+Keys (fleet/core/keys.py; <ref> = <project>/<id>)
+  {p}{prep}:claim:<ref>  string  the worker preparing the job; TTL prep_lease_s, renewed while it runs
+  {p}{prep}:prepping:<project>
+                         zset    the project's jobs (refs) not yet handed over, score = when the
+                                 watchdog should look (submitted + prep_unclaimed_s, then claim
+                                 expiry while preparing); one per project, so a producer that may
+                                 write its own project's zset cannot touch another's
+  {p}job:{<ref>}         hash    field ``signed``: the signed message as submitted, to send it again
 
 Flow
   submit     -> ZADD prepping (now + prep_unclaimed_s); the job hash keeps the signed message
-  prep start -> SET {prep}:claim:<id> NX PX (a second delivery running at the same time stops here);
-                ZADD prepping (claim expiry); a keeper thread renews both every third of the TTL
-  prep end   -> DEL {prep}:claim:<id>, ZREM prepping (whatever the outcome)
+  prep start -> SET {prep}:claim:<ref> NX PX (a second delivery running at the same time stops
+                here); ZADD prepping (claim expiry); a keeper thread renews both every third of the TTL
+  prep end   -> DEL {prep}:claim:<ref>, ZREM prepping (whatever the outcome)
   watchdog   -> (a thread of every dispatcher) due entries whose job is neither handed over nor
                 final and has no live claim get their signed message sent again (the signature
                 check accepts the same message for the same job id); one watchdog takes each due
@@ -41,7 +44,7 @@ import redis
 
 from fleet.core.codes import Code
 from fleet.core.config import Settings
-from fleet.core.keys import Keys
+from fleet.core.keys import Keys, split_ref
 from fleet.core.lua import Scripts, shared
 from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
@@ -64,7 +67,8 @@ class PrepClaim:
     def __init__(self, client: redis.Redis, keys: Keys, job_id: str, owner: str, ttl_s: float) -> None:
         self.client: Any = client
         self.keys = keys
-        self.job_id = job_id
+        self.job_id = job_id  # the ref
+        self.prepping = keys.prepping(split_ref(job_id)[0])
         self.owner = owner
         self.ttl_ms = int(ttl_s * 1000)
         self._stop = threading.Event()
@@ -75,7 +79,7 @@ class PrepClaim:
         if not self.client.set(self.keys.prep(self.job_id), self.owner, nx=True, px=self.ttl_ms):
             return False
         pipe = self.client.pipeline(transaction=False)
-        pipe.zadd(self.keys.prepping, {self.job_id: time.time() + self.ttl_ms / 1000})
+        pipe.zadd(self.prepping, {self.job_id: time.time() + self.ttl_ms / 1000})
         pipe.hset(self.keys.job(self.job_id), "prep_claimed", "1")
         pipe.execute()
         self._thread.start()
@@ -84,7 +88,7 @@ class PrepClaim:
     def renew_once(self) -> bool:
         """Extend the claim and move the watchdog's look on; False once the claim is not ours."""
         next_look = time.time() + self.ttl_ms / 1000
-        return bool(self._scripts["renew"](keys=[self.keys.prep(self.job_id), self.keys.prepping],
+        return bool(self._scripts["renew"](keys=[self.keys.prep(self.job_id), self.prepping],
                                            args=[self.owner, self.ttl_ms, self.job_id, next_look]))
 
     def _renew(self) -> None:
@@ -104,34 +108,44 @@ class PrepClaim:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._scripts["release"](
-            keys=[self.keys.prep(self.job_id), self.keys.prepping], args=[self.owner, self.job_id])
+            keys=[self.keys.prep(self.job_id), self.prepping], args=[self.owner, self.job_id])
 
 
 def watch_once(results: ResultStore, resend: Callable[[dict[str, Any]], None], now: float,
                unclaimed_s: float) -> list[str]:
-    """One pass: send again what stalled before hand-over; returns the job ids sent again."""
+    """One pass over every configured project: send again what stalled before hand-over;
+    returns the refs sent again."""
+    sent = []
+    for project in results.settings.projects:
+        sent += _watch_project(results, results.keys.prepping(project), resend, now, unclaimed_s)
+    return sent
+
+
+def _watch_project(results: ResultStore, prepping: str, resend: Callable[[dict[str, Any]], None],
+                   now: float, unclaimed_s: float) -> list[str]:
     client, keys = results.client, results.keys
     take = _scripts(client)["take_due"]
-    due = [d.decode() for d in client.zrangebyscore(keys.prepping, "-inf", now, start=0, num=100)]
+    due = [d.decode() for d in client.zrangebyscore(prepping, "-inf", now, start=0, num=100)]
     sent = []
     for job_id in due:
         record = results.job_record(job_id)
         if (record.get("state") in HANDED_OVER or results.final(job_id) is not None
                 or "signed" not in record):
-            client.zrem(keys.prepping, job_id)
+            client.zrem(prepping, job_id)
             continue
         if client.exists(keys.prep(job_id)):
             continue  # a live claim: its keeper moves the entry on
-        if not take(keys=[keys.prepping], args=[job_id, now, now + unclaimed_s]):
+        if not take(keys=[prepping], args=[job_id, now, now + unclaimed_s]):
             continue  # another dispatcher's watchdog took it
         if record.get("prep_claimed"):
             # a worker started preparing it and vanished: that counts against a poison message
             resends = client.hincrby(keys.job(job_id), "prep_resends", 1)
             client.hdel(keys.job(job_id), "prep_claimed")
             if resends > MAX_RESENDS:
-                client.zrem(keys.prepping, job_id)
+                client.zrem(prepping, job_id)
+                project, plain_id = split_ref(job_id)
                 results.publish(Envelope.failure(
-                    job_id, record.get("project", ""), Code.E_INTERNAL,
+                    plain_id, project, Code.E_INTERNAL,
                     f"preparation never completed ({MAX_RESENDS} workers lost it)"))
                 continue
         # never claimed: it may just wait in a deep queue; sending it again is harmless and

@@ -7,6 +7,7 @@ Queues
                    the same for jobs that carry sources to collect: slow, I/O- and CPU-heavy
                    work on its own queues (``fleet worker --role collect``), so a backlog of
                    collection never delays the preparation of ready jobs
+                   and ``fleet.cancel`` tasks: a project's signed request to cancel one of its jobs
   fleet.unrouted   prep tasks claiming a project this fleet does not know (rejected E_AUTH)
   fleet.infer      inference tasks, sent only by a dispatcher after it admitted the job and
                    issued a lease; consumed by inference workers (threads pool, one thread per
@@ -44,7 +45,7 @@ import ipaddress
 from typing import Any
 
 from celery import Celery
-from kombu import Queue
+from kombu import Exchange, Queue
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from fleet.core.codes import Code
@@ -53,6 +54,7 @@ from fleet.core.errors import ConfigError
 
 PREP_TASK = "fleet.prep"
 INFER_TASK = "fleet.infer"
+CANCEL_TASK = "fleet.cancel"
 INFER_QUEUE = "fleet.infer"
 # Prep tasks that claim a project this fleet does not know land here, so a prep worker still
 # rejects them (E_AUTH) instead of leaving them in a queue nobody consumes.
@@ -146,11 +148,21 @@ def make_router(settings: Settings):  # type: ignore[no-untyped-def]
             job = signed.get("job") if isinstance(signed, dict) else None
             collects = isinstance(job, dict) and bool(job.get("sources"))
             return {"queue": collect_queue(project) if collects else project_queue(project)}
+        if name == CANCEL_TASK:
+            project = kwargs.get("project")
+            return {"queue": project_queue(project) if project in known else UNROUTED_QUEUE}
         if name == INFER_TASK:
             return {"queue": INFER_QUEUE}
         return None
 
     return route_task
+
+
+def _queue(name: str) -> Queue:
+    """A queue with an exchange of its own: kombu keeps a binding set per exchange
+    (``_kombu.binding.<exchange>``), so each queue's declaration touches only keys named after it
+    and a project's producer needs no write access to a set other projects share (fleet/cli/acl.py)."""
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)
 
 
 def create_app(settings: Settings) -> Celery:
@@ -162,8 +174,8 @@ def create_app(settings: Settings) -> Celery:
         },
         broker_connection_retry_on_startup=True,
         task_routes=(make_router(settings),),
-        task_queues=[Queue(q) for q in [INFER_QUEUE, *prep_queues(settings),
-                                         *collect_queues(settings)]],
+        task_queues=[_queue(q) for q in [INFER_QUEUE, *prep_queues(settings),
+                                          *collect_queues(settings)]],
         task_default_queue=INFER_QUEUE,
         task_acks_late=True,
         task_reject_on_worker_lost=True,

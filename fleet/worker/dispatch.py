@@ -1,7 +1,7 @@
 """What a ``fleet dispatcher`` process runs: the admission loop (schedulers/dispatcher.py) wired to
 the outside world.
 
-- ``send``: a grant becomes a ``fleet.infer`` task carrying job id and fence. The message
+- ``send``: a grant becomes a ``fleet.infer`` task carrying the job's ref and fence. The message
   expires with the lease it carries: by then the job is pending again, so stale messages do not
   pile up while inference workers are down. A gateway request (job hash ``origin=gateway``)
   streams inside the gateway process that holds it, so its grant is pushed onto that gateway's
@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 
 from fleet.core.codes import Code
 from fleet.core.config import Settings
-from fleet.core.keys import Keys
+from fleet.core.keys import Keys, split_ref
 from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
 from fleet.prep.watchdog import run_prep_watchdog
@@ -45,8 +45,9 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
     results = ResultStore(client, Keys(settings.key_prefix), settings)
     send = make_send(settings, client, celery)
 
-    def on_expired(job_id: str) -> None:
-        project = results.job_record(job_id).get("project", "")
+
+    def on_expired(ref: str) -> None:
+        project, job_id = split_ref(ref)
         results.publish(Envelope.failure(job_id, project, Code.E_DEADLINE,
                                          "the deadline passed while waiting for admission"))
 
@@ -85,7 +86,7 @@ def make_send(settings: Settings, client: redis.Redis, celery: Celery) -> Callab
     def send(grant: Grant) -> None:
         if hand_to_gateway(client, keys, grant, settings.admission.lease_ttl_s):
             return
-        celery.send_task(INFER_TASK, kwargs={"job_id": grant.job_id, "project": grant.project,
+        celery.send_task(INFER_TASK, kwargs={"ref": grant.job_id, "project": grant.project,
                                              "fence": grant.fence},
                          expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC),
                          **shown(grant.project, grant.job_id))

@@ -3,7 +3,8 @@
 A daemon thread renews the lease every ``ttl / 3`` and checks the job's cancel flag twice a
 second. Either failure sets the shared ``cancel`` event, which the streaming code checks between
 reads, so the vLLM stream is closed (and the sequence freed) within about a second:
-  - cancel flag set by ``fleet cancel``       -> ``cancelled`` is True
+  - a cancel request of the job's project   -> ``cancelled`` is True (``cancel_requested`` checks
+    the request's signature: fleet/core/seal.py)
   - renew refused (lease expired, fence stale) -> ``lost`` is True: the job was handed back to
     the dispatcher; this worker must not publish a result for it.
   - no successful renewal for 90% of the TTL (Redis unreachable) -> ``lost`` as well: the lease
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -27,11 +29,10 @@ CANCEL_CHECK_S = 0.5
 
 
 class LeaseKeeper:
-    def __init__(self, store: AdmissionStore, client: redis.Redis, cancel_key: str,
+    def __init__(self, store: AdmissionStore, cancel_requested: Callable[[], bool],
                  job_id: str, fence: int, ttl_s: float) -> None:
         self.store = store
-        self.client = client
-        self.cancel_key = cancel_key
+        self.cancel_requested = cancel_requested
         self.job_id = job_id
         self.fence = fence
         self.ttl_s = ttl_s
@@ -60,7 +61,7 @@ class LeaseKeeper:
         next_renew = last_ok + self.renew_every_s
         while not self._stop.wait(min(CANCEL_CHECK_S, self.renew_every_s)):
             try:
-                if self.client.exists(self.cancel_key):
+                if self.cancel_requested():
                     self.cancelled = True
                     self.cancel.set()
                     return

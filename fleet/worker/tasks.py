@@ -1,14 +1,24 @@
 """The two Celery tasks and what they hand each other.
 
+Jobs are named by their ref, ``<project>/<id>`` (fleet/core/keys.py).
+
 fleet.prep (queue fleet.<project>, kwargs project, job_id, signed)
-  verify signature -> parse Job -> cancelled/deadline? -> plan budget -> collect + trim
+  verify signature (a rejection is keyed by the digest of the whole message) -> the job record
+  must be this project's and this message's -> parse Job -> cancelled/deadline? -> plan budget
+  -> collect + trim
   -> kinds collect/trim: publish OK_MATERIAL
-  -> otherwise store the prepared job + plan in the job hash and add it to the dispatcher's
-     pending set (the dispatcher, not this task, decides when it reaches vLLM).
-fleet.infer (queue fleet.infer, kwargs job_id, project, fence; sent by a dispatcher)
+  -> otherwise store the prepared job + plan in the job hash with the workers' seal
+     (fleet/core/seal.py) and add it to the dispatcher's pending set, enqueued at this worker's
+     clock (the producer's submitted_at is information only and never decides the order).
+fleet.cancel (queue fleet.<project>, kwargs project, job_id; sent by fleet.Client.cancel)
+  acts only on a cancel request signed by the project (``{p}cancel:{<ref>}``): removes a queued job
+  from the dispatcher and publishes E_CANCELLED; a running job is left to its lease keeper.
+fleet.infer (queue fleet.infer, kwargs ref, project, fence; sent by a dispatcher)
   stale fence (duplicate or late delivery) -> drop; already final (cancelled) -> release, drop;
-  otherwise stream under a LeaseKeeper, release the lease in ``finally`` and publish the envelope.
-  A worker whose lease was lost publishes nothing: the job is already pending again.
+  the ref, the task, the lease, the record and the sealed job must name one project, and the seal
+  must verify, else E_AUTH before anything is sent; otherwise stream under a LeaseKeeper, release
+  the lease in ``finally`` and publish the envelope. A worker whose lease was lost publishes
+  nothing: the job is already pending again.
 
 Failure cases: every exception inside either task becomes an Envelope (E_INTERNAL at worst), so
 a bad job never crashes a worker, poisons a queue or stays without a final result.
@@ -31,8 +41,10 @@ from pydantic import ValidationError
 from fleet.core.codes import Code
 from fleet.core.errors import AuthError, FleetError, InputInvalid
 from fleet.core.events import EventSink
+from fleet.core.keys import job_ref, split_ref
 from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, Timings, describe_invalid
+from fleet.core.seal import cancel_valid, check_seal, digest, seal
 from fleet.core.signing import verify
 from fleet.prep.watchdog import HANDED_OVER, PrepClaim
 from fleet.worker.app import JobEnded, task_outcome
@@ -55,13 +67,23 @@ def register_tasks(app: Celery) -> None:
     def prep(*, project: str, job_id: str, signed: dict[str, Any]) -> str:
         return task_outcome(prep_job(runtime, project, job_id, signed), job_id)
 
+    @app.task(name="fleet.cancel", acks_late=True)
+    def cancel(*, project: str, job_id: str) -> str:
+        return cancel_job(runtime, project, job_id)
+
     @app.task(name="fleet.infer", acks_late=True, throws=(JobEnded,))
-    def infer(*, job_id: str, project: str, fence: int) -> str:
-        return task_outcome(infer_job(runtime, job_id, project, fence), job_id)
+    def infer(*, ref: str, project: str, fence: int) -> str:
+        return task_outcome(infer_job(runtime, ref, project, fence), ref)
 
 
-def _events(rt: Runtime, job_id: str) -> EventSink:
-    return EventSink(rt.redis, rt.keys, job_id, rt.settings.events_ttl_s)
+def _events(rt: Runtime, ref: str) -> EventSink:
+    return EventSink(rt.redis, rt.keys, ref, rt.settings.events_ttl_s)
+
+
+def cancel_requested(rt: Runtime, ref: str) -> bool:
+    """A cancel request signed by the job's own project exists (anything else is ignored)."""
+    project, job_id = split_ref(ref)
+    return cancel_valid(rt.settings, project, job_id, rt.redis.get(rt.keys.cancel(ref)))
 
 
 def _fail(rt: Runtime, job_id: str, project: str, code: Code, message: str, **extra: Any) -> str:
@@ -71,25 +93,36 @@ def _fail(rt: Runtime, job_id: str, project: str, code: Code, message: str, **ex
 
 # -- prep -------------------------------------------------------------------------------------
 def prep_job(rt: Runtime, project: str, job_id: str, signed: dict[str, Any]) -> str:
-    nonce = str(signed.get("nonce", "")) if isinstance(signed, dict) else ""
+    received = digest(signed)
+    ref = job_ref(str(project), str(job_id))
     try:
         check_message(signed, rt.settings.limits)  # before verifying or parsing: size is the cost
         raw = verify(signed, rt.settings, rt.redis, rt.keys)
         # The task's routing kwargs are not signed: they must agree with what is.
         if signed.get("project") != project or raw.get("id") != job_id:
             raise AuthError("task arguments differ from the signed job (project or job id)")
+        _check_record(rt.results.job_record(ref), project, received)
     except (AuthError, InputInvalid) as exc:
-        rt.results.reject(job_id, project, exc.message, nonce, code=exc.code)
+        rt.results.reject(str(job_id), str(project), exc.message, received, code=exc.code)
         return exc.code.value
-    claim = PrepClaim(rt.redis, rt.keys, job_id, _owner(), rt.settings.prep_lease_s)
+    claim = PrepClaim(rt.redis, rt.keys, ref, _owner(), rt.settings.prep_lease_s)
     if not claim.acquire():
         return "duplicate"  # another delivery is preparing it right now
     try:
-        if rt.results.job_record(job_id).get("state") in HANDED_OVER:
+        if rt.results.job_record(ref).get("state") in HANDED_OVER:
             return "duplicate"  # checked under the claim: an earlier delivery handed it over
         return _prep_claimed(rt, project, job_id, raw)
     finally:
         claim.release()
+
+
+def _check_record(record: dict[str, str], project: str, received: str) -> None:
+    """The job record (if any) must be this project's, made for this very message: a message
+    the record does not name (a second message with the same id) never prepares the job."""
+    if record.get("project", project) != project:
+        raise AuthError("the job record belongs to another project")
+    if record.get("digest", received) != received:
+        raise AuthError("the job record was made for another message with this job id")
 
 
 def _owner() -> str:
@@ -97,7 +130,7 @@ def _owner() -> str:
 
 
 def _prep_claimed(rt: Runtime, project: str, job_id: str, raw: dict[str, Any]) -> str:
-    if rt.results.get(job_id) is not None:
+    if rt.results.get(job_ref(project, job_id)) is not None:
         return "already-final"
     try:
         job = Job.model_validate(raw)
@@ -121,7 +154,8 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
     settings = rt.settings
     check_job(job, settings.limits)
     project = settings.projects[job.project]
-    if rt.redis.exists(rt.keys.cancel(job.id)):
+    ref = job_ref(job.project, job.id)
+    if cancel_requested(rt, ref):
         return _fail(rt, job.id, job.project, Code.E_CANCELLED, "cancelled before preparation")
     if job.deadline is not None and job.deadline <= time.time():
         return _fail(rt, job.id, job.project, Code.E_DEADLINE, "deadline passed while queued")
@@ -139,88 +173,124 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
         return envelope.code.value
     plan = plan_budget(job, project, settings, prepared.prompt_tokens)
     ready = job.model_copy(update={"messages": prepared.messages, "sources": []})
+    job_json, plan_json = ready.model_dump_json(), json.dumps(plan.__dict__)
     rt.results.record(
-        job.id, project=job.project, kind=job.kind, job=ready.model_dump_json(),
-        plan=json.dumps(plan.__dict__), warnings=json.dumps(prepared.warnings),
-        submitted_at=job.submitted_at, fence_tag=prepared.fence_tag,
+        ref, project=job.project, kind=job.kind, job=job_json, plan=plan_json,
+        warnings=json.dumps(prepared.warnings), fence_tag=prepared.fence_tag,
+        seal=seal(settings, ref, job_json, plan_json, prepared.fence_tag),
     )
+    handed_over = time.time()  # the fleet's clock orders the queue, never the producer's
     rt.store.add_pending(PendingItem(
-        job_id=job.id, project=job.project, prompt_tokens=prepared.prompt_tokens,
+        job_id=ref, project=job.project, prompt_tokens=prepared.prompt_tokens,
         max_new_tokens=plan.max_tokens, band=job.band, priority=job.priority,
-        enqueued_at=job.submitted_at, deadline=job.deadline,
+        enqueued_at=handed_over, deadline=job.deadline,
     ))
     # Only now "pending": had this task died before add_pending, the job would still read
     # "submitted", and a redelivery or the prep watchdog would prepare it again.
-    rt.results.record(job.id, state="pending", pending_at=time.time())
-    if rt.redis.exists(rt.keys.cancel(job.id)) and rt.store.cancel_pending(job.id):
+    rt.results.record(ref, state="pending", pending_at=handed_over)
+    if cancel_requested(rt, ref) and rt.store.cancel_pending(ref):
         # cancelled while this task prepared it: never let it take a slot
         return _fail(rt, job.id, job.project, Code.E_CANCELLED, "cancelled while queued")
-    _events(rt, job.id).emit("prepared", prompt_tokens=prepared.prompt_tokens,
+    _events(rt, ref).emit("prepared", prompt_tokens=prepared.prompt_tokens,
                              max_tokens=plan.max_tokens, warnings=prepared.warnings)
     return "pending"
 
 
+# -- cancel -----------------------------------------------------------------------------------
+def cancel_job(rt: Runtime, project: str, job_id: str) -> str:
+    ref = job_ref(str(project), str(job_id))
+    if not cancel_requested(rt, ref):
+        log.warning("cancel of job=%s refused: no request signed by project %s", ref, project)
+        return "refused"
+    state = rt.results.job_record(ref).get("state", "")
+    if state in ("running", "final"):
+        return state  # a running job's lease keeper sees the request; a final one stays final
+    if rt.store.cancel_pending(ref) or state == "submitted":
+        # "submitted": not prepared yet; its prep task sees the request and stops anyway
+        _fail(rt, job_id, project, Code.E_CANCELLED, "cancelled while queued")
+    return "cancelled"
+
+
 # -- infer ------------------------------------------------------------------------------------
-def infer_job(rt: Runtime, job_id: str, project: str, fence: int) -> str:
+def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
     store = rt.store
-    if not store.lease_valid(job_id, fence):
-        log.info("dropped stale delivery job=%s fence=%d", job_id, fence)
+    if not store.lease_valid(ref, fence):
+        log.info("dropped stale delivery job=%s fence=%d", ref, fence)
         return "stale"
-    if not store.claim(job_id, fence, _owner(), time.time()):
-        log.info("dropped duplicate delivery job=%s fence=%d", job_id, fence)
+    if not store.claim(ref, fence, _owner(), time.time()):
+        log.info("dropped duplicate delivery job=%s fence=%d", ref, fence)
         return "duplicate"
-    if rt.results.get(job_id) is not None:
-        store.release(job_id, fence)  # ours: claimed above
+    owner, job_id = split_ref(ref)  # envelopes go to the ref's own job, whatever the task says
+    if rt.results.get(ref) is not None:
+        store.release(ref, fence)  # ours: claimed above
         return "already-final"
-    keeper = LeaseKeeper(rt.lease_store, rt.lease_redis, rt.keys.cancel(job_id), job_id, fence,
-                         rt.settings.admission.lease_ttl_s)
+    cancel_key = rt.keys.cancel(ref)
+    keeper = LeaseKeeper(
+        rt.lease_store,
+        lambda: cancel_valid(rt.settings, owner, job_id, rt.lease_redis.get(cancel_key)),
+        ref, fence, rt.settings.admission.lease_ttl_s)
     try:
         with keeper:
-            rt.results.record(job_id, state="running", running_at=time.time(), fence=fence)
-            envelope = _run(rt, job_id, project, keeper)
+            rt.results.record(ref, state="running", running_at=time.time(), fence=fence)
+            envelope = _run(rt, ref, project, keeper)
     except Exception as exc:  # a bug or Redis failure: end the job, keep the worker
-        log.exception("infer failed job=%s", job_id)
-        envelope = Envelope.failure(job_id, project, Code.E_INTERNAL,
+        log.exception("infer failed job=%s", ref)
+        envelope = Envelope.failure(job_id, owner, Code.E_INTERNAL,
                                     f"inference task failed: {type(exc).__name__}")
     # (A worker shutting down mid-stream raises BaseException: the lease is left to expire and
     # the job is admitted again at its place in line.)
     if keeper.lost and not keeper.cancelled:
         # Put it back in line (fence-checked: if the lease was already reaped this is a no-op,
         # the job is pending again anyway); its next attempt will publish.
-        store.requeue(job_id, fence)
+        store.requeue(ref, fence)
         return "lease-lost"
     # Publish first, then release: a crash or a Redis error in between leaves the lease to
     # expire and the job to run again (which finds its result and stops), never a lost job.
     rt.results.publish(envelope)
-    store.release(job_id, fence)
+    store.release(ref, fence)
     return envelope.code.value
 
 
-def _resize(rt: Runtime, job_id: str, fence: int, max_tokens: int) -> None:
+def _resize(rt: Runtime, ref: str, fence: int, max_tokens: int) -> None:
     try:
-        rt.store.resize(job_id, fence, max_tokens)
+        rt.store.resize(ref, fence, max_tokens)
     except redis.RedisError as exc:  # accounting only: never end a healthy retry over it
-        log.warning("lease of job=%s not resized: %s", job_id, exc)
+        log.warning("lease of job=%s not resized: %s", ref, exc)
 
 
-def _run(rt: Runtime, job_id: str, project: str, keeper: LeaseKeeper) -> Envelope:
+def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> Job:
+    """The prepared job, once the seal verifies and everything names the same project."""
+    check_seal(rt.settings, ref, record)
+    job = Job.model_validate_json(record["job"])
+    named = {split_ref(ref)[0], project, record.get("project"), job.project,
+             rt.store.lease_project(ref)}
+    if len(named) != 1 or job_ref(job.project, job.id) != ref:
+        raise AuthError("the task, the lease, the record and the job name different projects or ids")
+    return job
+
+
+def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope:
     from fleet.infer.attempts import InferenceContext, run_inference
     from fleet.infer.budget import Plan
 
-    record = rt.results.job_record(job_id)
+    owner, job_id = split_ref(ref)
+    record = rt.results.job_record(ref)
     try:
-        job = Job.model_validate_json(record["job"])
+        job = _sealed_job(rt, ref, project, record)
         plan = Plan(**json.loads(record["plan"]))
+    except AuthError as exc:
+        log.warning("refused to run job=%s: %s", ref, exc.message)
+        return Envelope.failure(job_id, owner, Code.E_AUTH, exc.message)
     except (KeyError, ValueError) as exc:
-        return Envelope.failure(job_id, project, Code.E_INTERNAL, f"job record unreadable: {exc}")
+        return Envelope.failure(job_id, owner, Code.E_INTERNAL, f"job record unreadable: {exc}")
     admitted_at = time.time()
-    events = _events(rt, job_id)
+    events = _events(rt, ref)
     events.emit("admitted", queued_s=round(admitted_at - job.submitted_at, 3))
     ctx = InferenceContext(
         settings=rt.settings, project=rt.settings.projects[job.project], redis=rt.redis,
         keys=rt.keys, events=events, cancel=keeper.cancel, client=rt.vllm,
         sleep=keeper.cancel.wait,
-        on_plan=lambda grown: _resize(rt, job_id, keeper.fence, grown.max_tokens),
+        on_plan=lambda grown: _resize(rt, ref, keeper.fence, grown.max_tokens),
         fence_tag=record.get("fence_tag") or None,
     )
     envelope = run_inference(job, plan, ctx)

@@ -3,6 +3,9 @@ need from the shared dispatcher state. Two implementations ship: ``MemoryStore``
 schedulers/store/memory_store.py) and ``RedisStore`` (atomic Lua scripts, schedulers/store/redis_store.py).
 The same test suite runs against both.
 
+Jobs are named by an id the store does not interpret; the fleet passes the job's ref,
+``<project>/<id>`` (fleet/core/keys.py), because job ids are unique per project only.
+
 Life of a job in the store:
   add_pending -> [fair pick + admit_next: lease granted, fence issued] -> claim -> renew ...
                  |                                                               -> release
@@ -130,6 +133,10 @@ class AdmissionStore(Protocol):
     def renew(self, job_id: str, fence: int, now: float) -> bool: ...
 
     def release(self, job_id: str, fence: int) -> bool: ...
+
+    def lease_project(self, job_id: str) -> str | None:
+        """The project the job's live lease was granted to (None without a lease)."""
+        ...
 
     def reap_expired(self, now: float) -> list[str]: ...
 

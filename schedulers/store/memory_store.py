@@ -250,6 +250,11 @@ class MemoryStore:
             lease = self._leases.get(job_id)
             return lease is not None and lease.fence == fence
 
+    def lease_project(self, job_id: str) -> str | None:
+        with self._lock:
+            lease = self._leases.get(job_id)
+            return None if lease is None else lease.entry.item.project
+
     def reap_expired(self, now: float) -> list[str]:
         with self._lock:
             expired = sorted(j for j, lease in self._leases.items() if lease.expires_at < now)

@@ -278,6 +278,10 @@ class RedisStore:
         value = self._client.hget(self._lease(job_id), "fence")
         return value is not None and int(value) == fence
 
+    def lease_project(self, job_id: str) -> str | None:
+        value = self._client.hget(self._lease(job_id), "project")
+        return None if value is None else _text(value)
+
     def reap_expired(self, now: float) -> list[str]:
         due = [_text(i) for i in self._client.zrangebyscore(self._key("leases"), "-inf", f"({now!r}", 0, _BATCH)]
         if not due:

@@ -1,0 +1,135 @@
+"""Redis ACL users (``fleet acl``) on a private redis-server started with them: a project's
+producer reaches its own project only, and the whole fleet works with every process on its own
+user (producer, worker, dispatcher; the simulator stands in for vLLM)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+
+from fleet.cli.acl import AclUser, acl_users, apply_users
+from fleet.client import Client
+from fleet.core.codes import Code
+from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
+from fleet.core.keys import Keys, job_ref
+from fleet.local.embedded import EmbeddedRedis, start_redis
+from fleet.local.processes import LocalFleet
+from fleet.worker.app import INFER_TASK, PREP_TASK, create_app, project_queue
+
+A, B = "reports", "triage"
+
+
+@dataclass
+class AclBroker:
+    server: EmbeddedRedis
+    settings: Settings  # operator's URL
+    users: dict[str, AclUser]
+
+    def url(self, user: str) -> str:
+        return self.users[user].url(self.server.url)
+
+    def client(self, user: str) -> redis.Redis:
+        return redis.Redis.from_url(self.url(user))
+
+    def settings_for(self, user: str, project: str | None = None) -> Settings:
+        update: dict = {"broker_url": self.url(user)}
+        if project is not None:
+            update["projects"] = {project: self.settings.projects[project]}
+        return self.settings.model_copy(update=update)
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[AclBroker]:
+    server = start_redis()
+    settings = load_settings(EXAMPLE_CONFIG, env={}).model_copy(
+        update={"broker_url": server.url, "key_prefix": f"t-{uuid.uuid4().hex[:8]}:"})
+    users = {user.name: user for user in acl_users(settings)}
+    default = redis.Redis.from_url(server.url)
+    apply_users(default, list(users.values()))
+    default.execute_command("ACL", "SETUSER", "default", "off")  # only the fleet's users remain
+    default.close()
+    yield AclBroker(server, settings.model_copy(
+        update={"broker_url": users["fleet-operator"].url(server.url)}), users)
+    server.close()
+
+
+def denied(call) -> bool:
+    try:
+        call()
+    except redis.exceptions.NoPermissionError:
+        return True
+    return False
+
+
+def test_a_producer_reaches_nothing_of_another_project_nor_the_fleet(broker: AclBroker) -> None:
+    keys = Keys(broker.settings.key_prefix)
+    q = f"{broker.settings.key_prefix}q:"
+    with Client(broker.settings_for(f"fleet-producer-{A}", A)) as a:
+        job_id = a.submit({"project": A, "messages": [{"role": "user", "content": "hi"}]})
+        assert a.status(job_id)["state"] == "submitted"
+    producer_b = broker.client(f"fleet-producer-{B}")
+    theirs = job_ref(A, job_id)
+    attempts = {
+        "read A's record": lambda: producer_b.hgetall(keys.job(theirs)),
+        "overwrite A's record": lambda: producer_b.hset(keys.job(theirs), "state", "x"),
+        "read A's result": lambda: producer_b.get(keys.result(theirs)),
+        "read A's events": lambda: producer_b.xrange(keys.events(theirs)),
+        "read A's results": lambda: producer_b.xrange(keys.results(A)),
+        "cancel A's job": lambda: producer_b.set(keys.cancel(theirs), "1"),
+        "pre-seed A's idempotency key": lambda: producer_b.set(keys.idem(A, "k"), "mine"),
+        "push onto fleet.infer": lambda: producer_b.lpush(f"{q}fleet.infer", "{}"),
+        "push onto A's queue": lambda: producer_b.lpush(f"{q}{project_queue(A)}", "{}"),
+        "write the dispatcher store": lambda: producer_b.hset(f"{keys.dispatch}item:x", "prompt", 1),
+        "read the dispatcher store": lambda: producer_b.hgetall(f"{keys.dispatch}state"),
+        "claim a nonce": lambda: producer_b.set(keys.nonce(A, "n"), "x"),
+        "read the rejections": lambda: producer_b.xrange(keys.rejections),
+        "list keys": lambda: producer_b.keys("*"),
+        "flush": lambda: producer_b.flushdb(),
+        "run its own Lua": lambda: producer_b.eval("return 1", 0),
+        "load a function": lambda: producer_b.function_load(
+            "#!lua name=x\nredis.register_function('x', function() return 1 end)"),
+        "change ACLs": lambda: producer_b.execute_command("ACL", "SETUSER", f"fleet-producer-{B}", "~*"),
+    }
+    allowed = [what for what, call in attempts.items() if not denied(call)]
+    assert allowed == []
+    # ... while its own keys answer
+    assert producer_b.set(keys.idem(B, "k"), "mine") and producer_b.get(keys.idem(B, "k")) == b"mine"
+    producer_b.close()
+
+
+def test_a_producer_cannot_send_tasks_to_other_queues(broker: AclBroker) -> None:
+    app = create_app(broker.settings_for(f"fleet-producer-{B}", B))
+    with pytest.raises(Exception, match="permission"):
+        app.send_task(INFER_TASK, kwargs={"ref": f"{A}/x", "project": A, "fence": 1})
+    with pytest.raises(Exception, match="permission"):
+        app.send_task(PREP_TASK, kwargs={"project": A, "job_id": "x", "signed": {}},
+                      queue=project_queue(A))
+
+
+def test_the_fleet_works_with_every_process_on_its_own_user(broker: AclBroker, tmp_path) -> None:
+    fleet = LocalFleet(broker.settings, workers=0, dispatchers=0, sim_speed=50.0)
+    fleet.start()
+    try:
+        fleet.spawn("dispatcher", ["dispatcher", "--log-level", "WARNING"],
+                    {"FLEET_BROKER_URL": broker.url("fleet-dispatcher"),
+                     "FLEET_ADMISSION_METRICS_PORT": "0"})
+        fleet.spawn("worker", ["worker", "--concurrency", "4", "--log-level", "WARNING",
+                               "--hostname", f"acl-{uuid.uuid4().hex[:6]}@%h"],
+                    {"FLEET_BROKER_URL": broker.url("fleet-worker")})
+        settings = broker.settings_for(f"fleet-producer-{A}", A)
+        with Client(settings) as client:
+            job_id = client.submit({"project": A, "thinking_budget": 500, "messages": [
+                {"role": "user", "content": "Hello. [sim:think=50] [sim:answer=20]"}]})
+            envelope = client.result(job_id, timeout=120)
+            assert envelope is not None and envelope.code == Code.OK, envelope
+            queued = client.submit({"project": A, "messages": [
+                {"role": "user", "content": "Never mind. [sim:stall=1000000] [sim:think=50]"}]})
+            assert client.cancel(queued)
+            cancelled = client.result(queued, timeout=120)
+            assert cancelled is not None and cancelled.code == Code.E_CANCELLED, cancelled
+    finally:
+        fleet.close()
