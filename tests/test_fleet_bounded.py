@@ -9,6 +9,7 @@ and run the job again, so one request per attempt and the other jobs' results sh
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from fleet.client import Client
 from fleet.core.codes import Code
 from fleet.core.config import LimitsSettings
+from fleet.core.keys import job_ref
 from tests.fleet_harness import FleetProbe, Harness, make_config
 
 pytestmark = pytest.mark.slow
@@ -48,9 +50,10 @@ def test_an_oversized_message_ends_input_invalid_unread(fleet: Harness, producer
     envelope = producer.result(job_id, timeout=60)
     assert envelope is not None and envelope.code == Code.E_INPUT_INVALID, envelope
     assert "limits.max_message_bytes is 20000" in envelope.message
-    record = producer.results.job_record(job_id)
+    record = producer.results.job_record(job_ref("reports", job_id))
     # never verified (its nonce was not claimed) nor parsed (prep wrote nothing to the record)
-    assert not producer.redis.exists(producer.keys.nonce("reports", record["nonce"]))
+    nonce = json.loads(record["signed"])["nonce"]
+    assert not producer.redis.exists(producer.keys.nonce("reports", nonce))
     assert record["state"] == "submitted" and "job" not in record
 
 

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from fleet.client import Client
 from fleet.core.config import LimitsSettings, ProjectSettings, load_settings
 from fleet.core.errors import InputInvalid
+from fleet.core.keys import job_ref
 from fleet.core.limits import measure
 from fleet.core.models import Job
 from fleet.core.schema import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, SchemaInvalid, check_schema
@@ -58,13 +59,14 @@ def test_each_cap_refuses_at_submit_naming_the_limit(client: Client, cap: str, e
         client.submit(job)
     assert info.value.code.value == "E_INPUT_INVALID"
     assert f"limits.{cap} is {getattr(SMALL, cap)}" in info.value.message and says in info.value.message
-    assert not client.results.job_record(Job.model_validate(job).id)  # nothing was sent or recorded
+    parsed = Job.model_validate(job)
+    assert not client.results.job_record(job_ref(parsed.project, parsed.id))  # nothing sent or recorded
 
 
 def test_a_job_within_every_cap_is_sent(client: Client) -> None:
     job_id = client.submit({"project": "reports", "messages": [user("a"), user("b")], "tools": [TOOL],
                             "metadata": {"k": "v"}})
-    assert client.results.job_record(job_id)["state"] == "submitted"
+    assert client.results.job_record(job_ref("reports", job_id))["state"] == "submitted"
 
 
 @pytest.mark.parametrize("value", [

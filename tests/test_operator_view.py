@@ -104,7 +104,7 @@ def test_task_events_carry_the_final_code_and_the_job(fleet: Harness, events: Ev
 
     def finished() -> list[dict[str, Any]] | None:
         done = events.of("task-succeeded") + events.of("task-failed")
-        return done if len(done) >= 5 else None  # prep x3 (two hand over) + infer x2
+        return done if len(done) >= 6 else None  # prep x3 (two hand over) + cancel + infer x2
 
     wait_until(finished, 60, "the task events")
     received = {e["uuid"]: e for e in events.of("task-received")}
@@ -121,7 +121,7 @@ def test_task_events_carry_the_final_code_and_the_job(fleet: Harness, events: Ev
     # a task that ended with a non-OK code is acknowledged, not left to be delivered again
     unacked = f"{fleet.settings.key_prefix}q:unacked"
     wait_until(lambda: client.redis.hlen(unacked) == 0, 30, "no unacknowledged task")
-    assert len(received) == len({e["uuid"] for e in events.of("task-received")}) == 5
+    assert len(received) == len({e["uuid"] for e in events.of("task-received")}) == 6  # with the cancel
 
 
 def test_worker_metrics_count_what_it_published(fleet: Harness) -> None:

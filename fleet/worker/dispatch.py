@@ -89,7 +89,7 @@ def make_send(settings: Settings, client: redis.Redis, celery: Celery) -> Callab
         celery.send_task(INFER_TASK, kwargs={"ref": grant.job_id, "project": grant.project,
                                              "fence": grant.fence},
                          expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC),
-                         **shown(grant.project, grant.job_id))
+                         **shown(grant.project, split_ref(grant.job_id)[1]))
 
     return send
 

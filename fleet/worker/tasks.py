@@ -73,7 +73,7 @@ def register_tasks(app: Celery) -> None:
 
     @app.task(name="fleet.infer", acks_late=True, throws=(JobEnded,))
     def infer(*, ref: str, project: str, fence: int) -> str:
-        return task_outcome(infer_job(runtime, ref, project, fence), ref)
+        return task_outcome(infer_job(runtime, ref, project, fence), split_ref(ref)[1])
 
 
 def _events(rt: Runtime, ref: str) -> EventSink:
