@@ -4,6 +4,7 @@ user (producer, worker, dispatcher; the simulator stands in for vLLM)."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,8 +46,12 @@ class AclBroker:
 @pytest.fixture(scope="module")
 def broker() -> Iterator[AclBroker]:
     server = start_redis()
-    settings = load_settings(EXAMPLE_CONFIG, env={}).model_copy(
-        update={"broker_url": server.url, "key_prefix": f"t-{uuid.uuid4().hex[:8]}:"})
+    example = load_settings(EXAMPLE_CONFIG, env={})
+    # secrets of its own: workers refuse the example's public ones on a broker fleet up did not start
+    projects = {name: project.model_copy(update={"secret": uuid.uuid4().hex})
+                for name, project in example.projects.items()}
+    settings = example.model_copy(update={"broker_url": server.url, "projects": projects,
+                                          "key_prefix": f"t-{uuid.uuid4().hex[:8]}:"})
     users = {user.name: user for user in acl_users(settings)}
     default = redis.Redis.from_url(server.url)
     apply_users(default, list(users.values()))
@@ -113,13 +118,15 @@ def test_a_producer_cannot_send_tasks_to_other_queues(broker: AclBroker) -> None
 def test_the_fleet_works_with_every_process_on_its_own_user(broker: AclBroker, tmp_path) -> None:
     fleet = LocalFleet(broker.settings, workers=0, dispatchers=0, sim_speed=50.0)
     fleet.start()
+    # the fixture's own project secrets reach the children the way an operator's would
+    projects = json.dumps({name: p.model_dump(mode="json") for name, p in broker.settings.projects.items()})
     try:
         fleet.spawn("dispatcher", ["dispatcher", "--log-level", "WARNING"],
                     {"FLEET_BROKER_URL": broker.url("fleet-dispatcher"),
-                     "FLEET_ADMISSION_METRICS_PORT": "0"})
+                     "FLEET_ADMISSION_METRICS_PORT": "0", "FLEET_PROJECTS": projects})
         fleet.spawn("worker", ["worker", "--concurrency", "4", "--log-level", "WARNING",
                                "--hostname", f"acl-{uuid.uuid4().hex[:6]}@%h"],
-                    {"FLEET_BROKER_URL": broker.url("fleet-worker")})
+                    {"FLEET_BROKER_URL": broker.url("fleet-worker"), "FLEET_PROJECTS": projects})
         settings = broker.settings_for(f"fleet-producer-{A}", A)
         with Client(settings) as client:
             job_id = client.submit({"project": A, "thinking_budget": 500, "messages": [
