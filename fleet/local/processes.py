@@ -52,6 +52,7 @@ from fleet.core.codes import Code
 from fleet.core.config import Settings
 from fleet.core.errors import FleetError
 from fleet.core.exposure import LOCAL_BROKER_ENV
+from fleet.core.redisconn import sentinel_target
 from fleet.local.embedded import EmbeddedRedis, ensure_broker, free_port, start_redis
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,8 @@ class LocalFleet:
         return self
 
     def _start_all(self) -> None:
-        self.broker = start_redis() if self.private_broker else ensure_broker(self.settings.broker_url)
+        self.broker = start_redis() if self.private_broker else ensure_broker(
+            self.settings.broker_url, **sentinel_target(self.settings))
         self.env = {**os.environ, **self.extra_env, "FLEET_BROKER_URL": self.broker.url,
                     "FLEET_KEY_PREFIX": self.settings.key_prefix}
         if self.config_path:
