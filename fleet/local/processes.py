@@ -104,6 +104,7 @@ class LocalFleet:
     children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     _tails: dict[str, deque[str]] = field(default_factory=dict, repr=False)
     _readers: dict[str, threading.Thread] = field(default_factory=dict, repr=False)
+    _commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict, repr=False)
     _previous_handlers: dict[int, Any] = field(default_factory=dict, repr=False)
     _stopping: bool = field(default=False, repr=False)
 
@@ -159,6 +160,7 @@ class LocalFleet:
 
     def spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
         env = {**self.env, **(extra_env or {})}
+        self._commands[name] = (args, extra_env or {})
         process = subprocess.Popen([sys.executable, "-m", "fleet", *args], env=env,
                                    start_new_session=True, stdin=subprocess.DEVNULL,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -170,6 +172,24 @@ class LocalFleet:
         reader.start()
         self._tails[name], self._readers[name] = tail, reader
         log.info("started %s pid=%d", name, process.pid)
+
+    def restart(self, name: str) -> None:
+        """Start child ``name`` again with its command, as a supervisor with a restart policy does
+        (systemd ``Restart=always``): the old process, dead or alive, is killed first."""
+        old = next(p for n, p in self.children if n == name)
+        _signal_group(old, signal.SIGKILL)
+        old.wait(timeout=10)
+        self.children = [(n, p) for n, p in self.children if n != name]
+        args, extra_env = self._commands[name]
+        self.spawn(name, args, extra_env)
+
+    def restart_exited(self) -> list[str]:
+        """Restart every child that exited (a supervisor's pass); the names restarted."""
+        exited = [] if self._stopping else self.check()
+        for name in exited:
+            log.warning("%s exited; restarting it", name)
+            self.restart(name)
+        return exited
 
     def check(self) -> list[str]:
         """Names of children that died."""
