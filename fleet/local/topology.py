@@ -148,7 +148,7 @@ class SentinelGroup:
             client = redis.Redis(port=node.port, socket_timeout=0.5, socket_connect_timeout=0.5)
             try:
                 address = client.sentinel_get_master_addr_by_name(MASTER_NAME)
-                if address:
+                if isinstance(address, tuple):
                     return int(address[1])
             except (redis.RedisError, OSError):
                 continue
