@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -69,25 +68,22 @@ def test_celery_gets_the_master_name_only_for_a_sentinel_url(tmp_path) -> None:
 
 
 # -- the failover, through the real fleet ---------------------------------------------------------
-@pytest.fixture(scope="module")
-def group() -> Iterator[SentinelGroup]:
-    with SentinelGroup() as started:
-        yield started
-
-
-def test_the_fleets_clients_follow_a_failover_and_reload_their_scripts(tmp_path, group: SentinelGroup) -> None:
+@pytest.mark.slow
+def test_the_fleets_clients_follow_a_failover_and_reload_their_scripts(tmp_path) -> None:
     """A client from the factory writes through a Lua script, the master dies, and the same client
     (same Script objects) goes on against the promoted replica."""
-    settings = load_settings(make_config(tmp_path, broker_url=group.url, redis={"master_name": MASTER_NAME}))
-    client = redis_client(settings)
-    script = client.register_script("return redis.call('INCR', KEYS[1])")
-    key = f"{settings.key_prefix}counter"
-    assert script(keys=[key]) == 1
-    wait_until(lambda: _replicated(group, key), 10, "the replica to have the counter")
-    old, _ = group.kill_master()
-    assert script(keys=[key]) == 2  # NOSCRIPT on the new master: loaded again, then run
-    assert group.master().port != old.port
-    client.close()
+    with SentinelGroup() as group:
+        settings = load_settings(make_config(tmp_path, broker_url=group.url,
+                                             redis={"master_name": MASTER_NAME}))
+        client = redis_client(settings)
+        script = client.register_script("return redis.call('INCR', KEYS[1])")
+        key = f"{settings.key_prefix}counter"
+        assert script(keys=[key]) == 1
+        wait_until(lambda: _replicated(group, key), 10, "the replica to have the counter")
+        old, _ = group.kill_master()
+        assert script(keys=[key]) == 2  # NOSCRIPT on the new master: loaded again, then run
+        assert group.master().port != old.port
+        client.close()
 
 
 def _replicated(group: SentinelGroup, key: str) -> bool:
