@@ -43,6 +43,7 @@ def test_a_sentinel_url_names_its_sentinels_db_and_the_masters_credentials() -> 
     ("sentinel://h1:26379;redis://h2:6379", "starts with sentinel://"),
     ("sentinel://:26379", "names no host"),
     ("sentinel://h1:26379/zero", "db of a Sentinel URL is a number"),
+    ("sentinel://h1:26379;sentinel://h2:26379/3", "go on its first sentinel:// part"),
 ])
 def test_a_malformed_sentinel_url_is_a_config_error_naming_the_fault(
         tmp_path, url: str, message: str) -> None:
@@ -174,3 +175,16 @@ def test_a_node_restarts_on_its_port_with_its_aof() -> None:
         assert redis.Redis(port=node.port).get("kept") == b"1"
     finally:
         node.close()
+
+
+def test_acl_urls_and_channels_of_a_sentinel_broker(tmp_path) -> None:
+    """``fleet acl`` puts each user's credentials where the master's are read (the first part)
+    and grants the event channel of the URL's db, not of a db parsed out of the wrong part."""
+    from fleet.cli.acl import AclUser, producer_rules
+
+    url = "sentinel://s1:26379/4;sentinel://s2:26379;sentinel://s3:26379"
+    user = AclUser("fleet-worker", [], "pw")
+    assert user.url(url) == "sentinel://fleet-worker:pw@s1:26379/4;sentinel://s2:26379;sentinel://s3:26379"
+    assert parse_sentinel_url(user.url(url)).password == "pw"
+    settings = load_settings(make_config(tmp_path), env={"FLEET_BROKER_URL": url})
+    assert f"&{settings.key_prefix}q:/4.celeryev/*" in producer_rules(settings, "triage")

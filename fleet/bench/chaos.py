@@ -33,7 +33,9 @@ What it reports (``RoundResult``):
                       promoted, the engine alive, the process restarted) until the simulator runs
                       ``min(cap, jobs still open)`` requests again; ``never`` if it does not
   exited              processes that exited by themselves (restarted by the supervisor)
-  RSS                 each process's resident memory (VmRSS) sampled every second: first, max, last
+  RSS                 each process's resident memory (VmRSS) sampled every second from the first
+                      envelopes on (imports done, work under way): first, max, last; a process
+                      restarted during the round keeps its row (its last figure is the new process's)
 Verdict: ``ok`` when nothing is missing or doubled, the cap held and no process exited; ``loss``
 when only jobs of a Redis without persistence are missing (what that configuration promises);
 ``FAIL`` naming what broke otherwise; ``error`` when the round itself could not run.
@@ -122,7 +124,8 @@ class RoundResult:
         if self.submit_failures:
             broken.append(f"{self.submit_failures} submissions failed")
         if broken:
-            return "FAIL: " + ", ".join(broken)
+            expected = f"; {len(self.lost)} lost (no persistence)" if self.lost and "none" in self.name else ""
+            return "FAIL: " + ", ".join(broken) + expected
         return "loss (no persistence)" if self.lost else "ok"
 
 
@@ -188,6 +191,7 @@ class ChaosFleet:
         # (stream, entry id) -> job id, code, when first seen; entry ids repeat across streams
         self.seen: dict[tuple[str, bytes], tuple[str, str, float]] = {}
         self.rss: dict[str, list[float]] = {}
+        self.warm = threading.Event()  # set once the first envelopes are out: RSS is sampled from then
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -233,6 +237,8 @@ class ChaosFleet:
 
     def _measure_rss(self) -> None:
         while not self._stop.wait(1.0):
+            if not self.warm.is_set():
+                continue
             pids = {name: p.pid for name, p in list(self.fleet.children) if p.poll() is None}
             pids.update(self.broker.pids())
             for name, pid in pids.items():
@@ -373,6 +379,7 @@ def run_round(name: str, plan: RoundPlan, jobs: int, cap: int, speed: float, thi
         with Sampler(cf.base_url, interval_s=0.1) as sampler:
             ids, result.submit_failures = cf.submit(short_mix(jobs, think, answer))
             _wait(lambda: sum(1 for c in cf.envelope_counts().values() if c) >= max(1, jobs // 5), 300)
+            cf.warm.set()
             ends = plan.inject(cf)
             _settle(cf, ids, stall_s)
             result.recoveries = [_back_to_full(sampler, end, min(cap, cf.open_jobs(ids, end))) for end in ends]

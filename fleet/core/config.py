@@ -265,7 +265,7 @@ class GatewaySettings(_Section):
 
 class RedisSettings(_Section):
     """How every part reaches Redis when ``broker_url`` names Sentinels
-    (``sentinel://host:port;sentinel://host:port/db``, kombu's form; fleet/core/redisconn.py)."""
+    (``sentinel://host:port/db;sentinel://host:port``, kombu's form; fleet/core/redisconn.py)."""
 
     master_name: str = Field("mymaster", min_length=1)
     """The master the Sentinels monitor (``sentinel monitor <name> ...``)."""
@@ -343,7 +343,7 @@ class Settings(BaseSettings):
 
     broker_url: str = "redis://127.0.0.1:6379/0"
     """Redis URL shared by producers, workers and dispatchers: ``redis://host:port/db``, or
-    ``sentinel://host:port;sentinel://host:port/db`` for Redis Sentinel (see [redis])."""
+    ``sentinel://host:port/db;sentinel://host:port`` for Redis Sentinel (see [redis])."""
     key_prefix: str = "fleet:"
     """Prefix of every Redis key and Celery queue key of this fleet."""
     result_ttl_s: int = Field(7 * 24 * 3600, gt=0)

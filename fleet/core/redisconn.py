@@ -5,7 +5,8 @@ Two shapes of ``broker_url``, the same for Celery/kombu and for the fleet's own 
 - ``redis://[user:password@]host:port/db``: one server (``rediss://`` for TLS);
 - ``sentinel://[user:password@]host:port/db;sentinel://host:port;...``: Redis Sentinel, written
   as kombu takes it. Each ``;``-separated part names one Sentinel; the user, password and db of
-  the first part are the master's (kombu reads them from there too). ``[redis] master_name``
+  the first part are the master's (kombu reads them from there only, so a different db or
+  password on another part is refused rather than silently ignored). ``[redis] master_name``
   names the monitored master and ``[redis] sentinel_password`` authenticates to the Sentinels.
 
 A Sentinel client asks the Sentinels for the current master on every new connection and drops
@@ -55,7 +56,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     """The Sentinels, db and master credentials of a Sentinel broker URL; ValueError names what
     is wrong."""
     sentinels: list[tuple[str, int]] = []
-    first = None
+    first: SentinelURL | None = None
     for part in (p.strip() for p in url.split(";") if p.strip()):
         parsed = urlsplit(part)
         if parsed.scheme.lower() != SENTINEL_SCHEME:
@@ -63,15 +64,19 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         if not parsed.hostname:
             raise ValueError("a sentinel:// part names no host")
         sentinels.append((parsed.hostname, parsed.port or DEFAULT_SENTINEL_PORT))
-        first = first or parsed
+        path = parsed.path.strip("/")
+        if path and not path.isdigit():
+            raise ValueError(f"the db of a Sentinel URL is a number, not {path!r}")
+        this = SentinelURL((), int(path or 0), unquote(parsed.username) if parsed.username else None,
+                           unquote(parsed.password) if parsed.password else None)
+        if first is None:
+            first = this
+        elif (path and this.db != first.db) or (parsed.password and this.password != first.password):
+            # kombu reads them from the first part only: a different one elsewhere would be ignored
+            raise ValueError("the db and password of a Sentinel URL go on its first sentinel:// part")
     if first is None:
         raise ValueError("a Sentinel URL names no Sentinel")
-    path = first.path.strip("/")
-    if path and not path.isdigit():
-        raise ValueError(f"the db of a Sentinel URL is a number, not {path!r}")
-    return SentinelURL(tuple(sentinels), int(path or 0),
-                       unquote(first.username) if first.username else None,
-                       unquote(first.password) if first.password else None)
+    return SentinelURL(tuple(sentinels), first.db, first.username, first.password)
 
 
 def _sentinel_args(url: str, sentinel_password: str,

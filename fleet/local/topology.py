@@ -140,7 +140,8 @@ class SentinelGroup:
 
     @property
     def url(self) -> str:
-        return ";".join(f"sentinel://127.0.0.1:{s.port}" for s in self.sentinels) + "/0"
+        return ";".join(f"sentinel://127.0.0.1:{s.port}" + ("/0" if n == 0 else "")
+                        for n, s in enumerate(self.sentinels))
 
     def master_port(self) -> int | None:
         """The master's port as the Sentinels that answer name it (the first that answers)."""
