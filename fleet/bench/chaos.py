@@ -31,7 +31,8 @@ What it reports (``RoundResult``):
   max in flight       the simulator's own peak of running requests, against the cap
   fault -> full       seconds from the end of each fault (Redis answering again, the new master
                       promoted, the engine alive, the process restarted) until the simulator runs
-                      ``min(cap, jobs still open)`` requests again; ``never`` if it does not
+                      ``min(full, jobs still open)`` requests again, ``full`` being the median it ran
+                      over the 2 s before the fault; ``never`` if it does not
   exited              processes that exited by themselves (restarted by the supervisor)
   RSS                 each process's resident memory (VmRSS) sampled every second from the first
                       envelopes on (imports done, work under way): first, max, last; a process
@@ -95,6 +96,7 @@ class RoundResult:
     doubled: list[str] = field(default_factory=list)
     max_running: int = 0
     cap: int = 0
+    full_level: int = 0  # running requests counted as a full backend (the level before the fault)
     recoveries: list[float | None] = field(default_factory=list)
     exited: Counter[str] = field(default_factory=Counter)
     submit_failures: int = 0
@@ -380,9 +382,11 @@ def run_round(name: str, plan: RoundPlan, jobs: int, cap: int, speed: float, thi
             ids, result.submit_failures = cf.submit(short_mix(jobs, think, answer))
             _wait(lambda: sum(1 for c in cf.envelope_counts().values() if c) >= max(1, jobs // 5), 300)
             cf.warm.set()
+            full = _steady_level(sampler, cap)
             ends = plan.inject(cf)
             _settle(cf, ids, stall_s)
-            result.recoveries = [_back_to_full(sampler, end, min(cap, cf.open_jobs(ids, end))) for end in ends]
+            result.full_level = full
+            result.recoveries = [_back_to_full(sampler, end, min(full, cf.open_jobs(ids, end))) for end in ends]
             result.max_running = max((s["max_running_seen"] for s in sampler.samples), default=0)
         _account(result, cf, ids)
     except Exception as exc:  # a round that cannot run is reported, never the end of the bench
@@ -420,6 +424,15 @@ def _settle(cf: ChaosFleet, ids: list[str], stall_s: float) -> None:
         elif time.monotonic() - since > stall_s:
             return
         time.sleep(0.2)
+
+
+def _steady_level(sampler: Sampler, cap: int, window_s: float = 2.0) -> int:
+    """What "a full backend" means for this round: the median number of running requests over the
+    ``window_s`` before the fault (short jobs turn over, so a sample rarely shows every slot taken
+    even when the fleet keeps the backend as full as it can); the cap if nothing was sampled."""
+    now = time.time()
+    running = sorted(s["running"] for s in sampler.samples if s["t"] > now - window_s)
+    return min(cap, running[len(running) // 2]) if running else cap
 
 
 def _back_to_full(sampler: Sampler, after: float, target: int) -> float | None:
@@ -469,11 +482,12 @@ def chaos_bench(rounds: list[str], jobs: int = 80, cap: int = 8, speed: float = 
 
 # -- reporting -------------------------------------------------------------------------------------
 COLUMNS = ("round", "fault", "jobs", "envelopes", "missing (lost/stuck)", "doubled", "max in flight / cap",
-           "fault -> full backend, s", "exited", "verdict")
+           "fault -> full backend (level), s", "exited", "verdict")
 
 
 def row_of(r: RoundResult) -> list[str]:
-    recoveries = ", ".join("never" if x is None else f"{x:.1f}" for x in r.recoveries) or "-"
+    recoveries = ", ".join("never" if x is None else f"{x:.1f}" for x in r.recoveries)
+    recoveries = f"{recoveries} ({r.full_level})" if recoveries else "-"
     exited = ", ".join(f"{n} x{c}" for n, c in sorted(r.exited.items())) or "0"
     return [r.name, r.fault, str(r.jobs), str(r.envelopes), f"{r.missing} ({len(r.lost)}/{len(r.stuck)})",
             str(len(r.doubled)), f"{r.max_running} / {r.cap}", recoveries, exited, r.verdict()]
