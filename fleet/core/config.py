@@ -36,7 +36,7 @@ from pydantic_settings.sources.utils import parse_env_vars
 
 from fleet.core.apikeys import parse_entry
 from fleet.core.errors import ConfigError
-from fleet.core.redisconn import is_sentinel, parse_sentinel_url
+from fleet.core.redisconn import DEFAULT_MASTER_NAME, is_sentinel, parse_sentinel_url
 from fleet.core.schema import check_pattern, check_schema
 
 EXAMPLE_CONFIG = Path(__file__).with_name("example.toml")
@@ -267,7 +267,7 @@ class RedisSettings(_Section):
     """How every part reaches Redis when ``broker_url`` names Sentinels
     (``sentinel://host:port/db;sentinel://host:port``, kombu's form; fleet/core/redisconn.py)."""
 
-    master_name: str = Field("mymaster", min_length=1)
+    master_name: str = Field(DEFAULT_MASTER_NAME, min_length=1)
     """The master the Sentinels monitor (``sentinel monitor <name> ...``)."""
     sentinel_password: str = ""
     """Password of the Sentinels themselves (their ``requirepass``); the master's is in broker_url."""

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from fleet.core.config import Settings
 
 SENTINEL_SCHEME = "sentinel"
+DEFAULT_MASTER_NAME = "mymaster"  # Redis's own example name (sentinel.conf)
 DEFAULT_SENTINEL_PORT = 26379
 # Connections to the Sentinels themselves: a dead Sentinel must not hold up the next one.
 _SENTINEL_TIMEOUT_S = 1.0
@@ -90,7 +91,7 @@ def _sentinel_args(url: str, sentinel_password: str,
     return target, master, to_sentinels
 
 
-def redis_from_url(url: str, master_name: str = "mymaster", sentinel_password: str = "",
+def redis_from_url(url: str, master_name: str = DEFAULT_MASTER_NAME, sentinel_password: str = "",
                    **kwargs: Any) -> redis.Redis:
     """A redis-py client for ``url`` (either shape); ``kwargs`` go to its connections."""
     if not is_sentinel(url):

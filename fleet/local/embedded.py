@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import redis
 
 from fleet.core.config import mask_url
-from fleet.core.redisconn import redis_from_url
+from fleet.core.redisconn import DEFAULT_MASTER_NAME, redis_from_url
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def redis_answers(url: str, timeout_s: float = 0.5, *, master_name: str = "mymaster",
+def redis_answers(url: str, timeout_s: float = 0.5, *, master_name: str = DEFAULT_MASTER_NAME,
                   sentinel_password: str = "") -> bool:
     """Does the Redis of ``url`` answer PING? (``master_name``, ``sentinel_password``: a Sentinel URL's)"""
     try:
@@ -122,7 +122,7 @@ def is_default_location(url: str) -> bool:
     return parsed.hostname in ("127.0.0.1", "localhost", "::1") and (parsed.port or 6379) == 6379
 
 
-def ensure_broker(configured_url: str, master_name: str = "mymaster",
+def ensure_broker(configured_url: str, master_name: str = DEFAULT_MASTER_NAME,
                   sentinel_password: str = "") -> EmbeddedRedis:
     if redis_answers(configured_url, master_name=master_name, sentinel_password=sentinel_password):
         return EmbeddedRedis(url=configured_url)

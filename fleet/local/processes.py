@@ -28,6 +28,10 @@ Life cycle, as an operator sees it:
   A child that dies while the group is starting (the simulator rejecting an option, say) raises
   the same error from ``start``, which then stops what it had started.
 
+- ``restart`` starts a child again with its command (kill -9 first if it still runs) and
+  ``restart_exited`` does so for every child that exited: a supervisor's restart policy, for the
+  tests and ``fleet bench chaos`` that kill processes on purpose (``supervise`` still raises).
+
 Not covered: a parent killed with SIGKILL cannot stop its children; stop them by process group.
 """
 
