@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/fleet bench loops
 	$(BIN)/fleet bench collect
 	$(BIN)/fleet bench pipeline
+	$(BIN)/fleet bench chaos
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -39,6 +39,7 @@ from fleet.core.events import EventSink, decode_event
 from fleet.core.keys import Keys, job_ref
 from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, describe_invalid
+from fleet.core.redisconn import redis_client as connect
 from fleet.core.results import ResultStore
 from fleet.core.seal import digest, sign_cancel
 from fleet.core.signing import sign
@@ -57,7 +58,7 @@ class Client:
         only = list(self.settings.projects) if len(self.settings.projects) == 1 else []
         self.project = project or (only[0] if only else None)
         self._projects: dict[str, str] = {}  # job id -> project, for ids this client submitted
-        self.redis: Any = redis_client or redis.Redis.from_url(self.settings.broker_url)
+        self.redis: Any = redis_client or connect(self.settings)
         self.keys = Keys(self.settings.key_prefix)
         self.results = ResultStore(self.redis, self.keys, self.settings)
         self._secrets = dict(secrets or {})

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import redis
+from redis.crc import key_slot
 
 from fleet.core.codes import Code
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
@@ -184,6 +185,47 @@ def test_the_check_sees_an_undeclared_key(fresh_client, key_prefix) -> None:
     lines = _monitor_lines(fresh_client, key_prefix, lambda c: sneaky(keys=[f"{key_prefix}k"], client=c))
     problems, _ran = undeclared_keys(fresh_client, lines, after)
     assert problems == [f"{sneaky.sha}: SET {key_prefix}k:other"]
+
+
+# Keys of one call that may sit in another slot than KEYS[1], by script and KEYS position (1-based):
+# publish.lua's shared code counter and project stream, create.lua's prep watchdog zset. Their
+# headers say what a Redis Cluster move does with them; any other split is a defect.
+CROSS_SLOT_ALLOWED = {"fleet.core/lua/publish.lua": {4, 5}, "fleet.core/lua/create.lua": {2}}
+
+
+def cross_slot_keys(lines: list[str]) -> list[str]:
+    """Every declared key of an EVALSHA in ``lines`` whose hash slot differs from its KEYS[1]'s,
+    beyond CROSS_SLOT_ALLOWED, as 'script: KEYS[n] key'."""
+    shas, problems = _all_shas(), []
+    for line in lines:
+        by_script, argv = _parse(line)
+        if by_script or not argv or argv[0].upper() != "EVALSHA" or int(argv[2]) == 0:
+            continue
+        name, declared = shas.get(argv[1], argv[1]), argv[3:3 + int(argv[2])]
+        slot = key_slot(declared[0].encode())
+        allowed = CROSS_SLOT_ALLOWED.get(name, set())
+        problems += [f"{name}: KEYS[{n}] {key}" for n, key in enumerate(declared, start=1)
+                     if key_slot(key.encode()) != slot and n not in allowed]
+    return problems
+
+
+def test_the_keys_of_each_script_call_share_a_hash_slot(fresh_client, key_prefix) -> None:
+    """What makes a move to Redis Cluster a configuration change: every key a script is given
+    hashes to one slot (computed as Cluster does, CRC16 of the hash tag mod 16384)."""
+    lines = _monitor_lines(fresh_client, key_prefix, lambda c: _workload(c, key_prefix))
+    assert cross_slot_keys(lines) == []
+    calls = [argv for by_script, argv in map(_parse, lines) if not by_script and argv]
+    ran = {_all_shas().get(argv[1]) for argv in calls if argv[0].upper() == "EVALSHA"}
+    assert set(CROSS_SLOT_ALLOWED) <= ran  # the exceptions were exercised, so the rule was applied
+
+
+def test_the_slot_check_sees_keys_in_two_slots(fresh_client, key_prefix) -> None:
+    """The check above can fail: a script given keys of two different hash tags is caught."""
+    pair = fresh_client.register_script("return redis.call('EXISTS', KEYS[1], KEYS[2])")
+    keys = [f"{key_prefix}{{a}}:x", f"{key_prefix}{{b}}:y"]
+    pair(keys=keys)
+    lines = _monitor_lines(fresh_client, key_prefix, lambda c: pair(keys=keys, client=c))
+    assert cross_slot_keys(lines) == [f"{pair.sha}: KEYS[2] {keys[1]}"]
 
 
 class CountingRedis(redis.Redis):

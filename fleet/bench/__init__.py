@@ -6,6 +6,7 @@ them to the CLI, starting a private Redis when none answers."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -145,3 +146,47 @@ def gateway(
         table, crowd = bench_gateway(broker.url, requests, clients, cap, speed, think, answer)
     console.print(table)
     console.print(crowd)
+
+
+@bench_app.command("chaos")
+def chaos(
+    rounds: Annotated[str, typer.Option(help="rounds, comma separated, or all (fleet/bench/chaos.py)")] = "all",
+    jobs: Annotated[int, typer.Option(help="jobs per round")] = 80,
+    cap: Annotated[int, typer.Option(help="backend.max_num_seqs of each round's fleet")] = 8,
+    speed: Annotated[float, typer.Option(help="simulator speed")] = 20.0,
+    think: Annotated[int, typer.Option(help="reasoning tokens of a job (+-25%)")] = 300,
+    answer: Annotated[int, typer.Option(help="answer tokens of a job (+-25%)")] = 30,
+    kills: Annotated[int, typer.Option(help="kill -9s in the storm round")] = 6,
+    stall_s: Annotated[float, typer.Option(help="a round ends when nothing finished for this long")] = 30.0,
+    markdown: Annotated[str, typer.Option(help="also write the tables as markdown here")] = "",
+) -> None:
+    """Faults an operator meets (kill storm, Redis restarts with and without AOF, Sentinel
+    failover, backend faults and death), each on a fleet and Redis of its own: jobs, envelopes,
+    missing, doubled, max in flight vs cap, time back to a full backend, process exits, RSS."""
+    from rich.table import Table
+
+    from fleet.bench.chaos import COLUMNS, ROUNDS, chaos_bench, row_of, rss_rows
+    from fleet.bench.chaos import markdown as to_markdown
+
+    def show(result) -> None:  # type: ignore[no-untyped-def]
+        logs = f"; logs in {result.logs}" if result.logs else ""
+        console.print(f"{result.name}: {result.verdict()} ({result.seconds:.0f} s){logs}")
+
+    chosen = list(ROUNDS) if rounds == "all" else [r.strip() for r in rounds.split(",") if r.strip()]
+    results = chaos_bench(chosen, jobs=jobs, cap=cap,
+                          speed=speed, think=think, answer=answer, kills=kills, stall_s=stall_s,
+                          on_result=show)
+    table = Table(title="fleet bench chaos")
+    for column in COLUMNS:
+        table.add_column(column)
+    for result in results:
+        table.add_row(*row_of(result))
+    console.print(table)
+    rss = Table(title="RSS per process, MB (first / max / last)")
+    for column in ("round", "process", "RSS MB"):
+        rss.add_column(column)
+    for row in rss_rows(results):
+        rss.add_row(*row)
+    console.print(rss)
+    if markdown:
+        Path(markdown).write_text(to_markdown(results), encoding="utf-8")

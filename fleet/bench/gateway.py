@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
 import tomli_w
 from rich.table import Table
 
 from fleet.core.apikeys import mint
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.redisconn import redis_client
 from fleet.infer.sse import SseParser
 from fleet.local.embedded import free_port
 from fleet.local.processes import LocalFleet
@@ -113,7 +113,7 @@ class GatewayBench:
 
     def __exit__(self, *exc: object) -> None:
         self.fleet.close(grace_s=5)
-        client = redis.Redis.from_url(self.settings.broker_url)
+        client = redis_client(self.settings)
         for key in client.scan_iter(match=f"{self.settings.key_prefix}*", count=1000):
             client.delete(key)
         client.close()

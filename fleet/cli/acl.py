@@ -34,6 +34,7 @@ import redis
 
 from fleet.core.config import Settings
 from fleet.core.errors import ConfigError
+from fleet.core.redisconn import is_sentinel, parse_sentinel_url
 from fleet.worker.app import collect_queue, project_queue
 
 # Read, write, streams, the fleet's Lua scripts (EVALSHA, and SCRIPT LOAD when Redis lost them;
@@ -57,7 +58,11 @@ class AclUser:
         return [self.name, "reset", "on", f"#{digest}", *self.rules]
 
     def url(self, broker_url: str) -> str:
-        """``broker_url`` with this user's credentials."""
+        """``broker_url`` with this user's credentials (of a Sentinel URL: in its first part, the
+        master's, as kombu and fleet/core/redisconn.py read them)."""
+        first, sep, others = broker_url.partition(";")
+        if sep:
+            return f"{self.url(first)};{others}"
         parts = urlsplit(broker_url)
         host = parts.hostname or "127.0.0.1"
         netloc = f"{quote(self.name, safe='')}:{quote(self.password, safe='')}@{host}"
@@ -67,6 +72,8 @@ class AclUser:
 
 
 def _db(broker_url: str) -> int:
+    if is_sentinel(broker_url):
+        return parse_sentinel_url(broker_url).db
     path = urlsplit(broker_url).path.strip("/")
     return int(path) if path.isdigit() else 0
 

@@ -20,7 +20,6 @@ import uuid
 from collections import Counter, defaultdict
 from typing import Any
 
-import redis
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -28,6 +27,7 @@ from rich.table import Table
 from fleet.client import Client
 from fleet.core.config import Settings, mask_url
 from fleet.core.models import Envelope
+from fleet.core.redisconn import redis_client
 from fleet.core.results import ResultFollower
 from fleet.local.processes import ChildExited, LocalFleet
 
@@ -178,7 +178,7 @@ def _push(settings: Settings, jobs: int, console: Console) -> list[Envelope]:
 
 
 def _delete_keys(settings: Settings) -> None:
-    client = redis.Redis.from_url(settings.broker_url)
+    client = redis_client(settings)
     try:
         for key in client.scan_iter(match=f"{settings.key_prefix}*", count=1000):
             client.delete(key)

@@ -19,6 +19,7 @@ from rich.table import Table
 from fleet.core.codes import Code
 from fleet.core.config import Settings, load_settings, mask_url
 from fleet.core.errors import ConfigError, DependencyMissing, FleetError, PublicSecrets
+from fleet.core.redisconn import redis_client
 
 if TYPE_CHECKING:
     from fleet.client import Client
@@ -70,10 +71,11 @@ def secrets_or_exit(role: str, settings: Settings) -> None:
 
 def client_or_exit():  # type: ignore[no-untyped-def]
     from fleet.client import Client
+    from fleet.core.redisconn import sentinel_target
     from fleet.local.embedded import redis_answers
 
     settings = settings_or_exit()
-    if not redis_answers(settings.broker_url):
+    if not redis_answers(settings.broker_url, **sentinel_target(settings)):
         err.print(f"[red]no broker answers at {mask_url(settings.broker_url)}[/red] "
                   "(set FLEET_BROKER_URL, or start the fleet with `fleet up`)")
         raise typer.Exit(2)
@@ -353,12 +355,11 @@ def cancel(job_id: Annotated[str, typer.Argument(help=JOB_HELP)],
 @app.command()
 def queues() -> None:
     """Pending per project and band, in flight, reserved KV, long prompts, holds."""
-    import redis
 
     from fleet.cli.queues import queues_table
 
     settings = settings_or_exit()
-    console.print(queues_table(settings, redis.Redis.from_url(settings.broker_url)))
+    console.print(queues_table(settings, redis_client(settings)))
 
 
 @app.command()
@@ -370,7 +371,7 @@ def top(once: Annotated[bool, typer.Option(help="print one frame and exit")] = F
 
     settings = settings_or_exit()
     try:
-        run_top(settings, redis.Redis.from_url(settings.broker_url), console, once)
+        run_top(settings, redis_client(settings), console, once)
     except redis.RedisError as exc:
         # the error names host and port; the URL itself may carry a password
         err.print(f"{Code.E_INTERNAL.value} the broker (broker_url) does not answer: {exc}",
@@ -409,14 +410,13 @@ def config(reference: Annotated[bool, typer.Option(help="print the key reference
 def acl(apply: Annotated[bool, typer.Option(help="ACL SETUSER on the broker (needs ACL rights)")] = False) -> None:
     """Redis ACL users: one producer per project, a worker, a dispatcher, an operator
     (docs/security.md). Prints the rules and each user's broker URL with a new password."""
-    import redis
 
     from fleet.cli.acl import acl_users, apply_users, render
 
     settings = settings_or_exit()
     users = acl_users(settings)
     if apply:
-        client = redis.Redis.from_url(settings.broker_url)
+        client = redis_client(settings)
         try:
             apply_users(client, users)
         except FleetError as exc:

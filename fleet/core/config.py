@@ -36,6 +36,7 @@ from pydantic_settings.sources.utils import parse_env_vars
 
 from fleet.core.apikeys import parse_entry
 from fleet.core.errors import ConfigError
+from fleet.core.redisconn import DEFAULT_MASTER_NAME, is_sentinel, parse_sentinel_url
 from fleet.core.schema import check_pattern, check_schema
 
 EXAMPLE_CONFIG = Path(__file__).with_name("example.toml")
@@ -262,6 +263,16 @@ class GatewaySettings(_Section):
     """How often the config file's mtime is checked for new API keys (SIGHUP reloads at once)."""
 
 
+class RedisSettings(_Section):
+    """How every part reaches Redis when ``broker_url`` names Sentinels
+    (``sentinel://host:port/db;sentinel://host:port``, kombu's form; fleet/core/redisconn.py)."""
+
+    master_name: str = Field(DEFAULT_MASTER_NAME, min_length=1)
+    """The master the Sentinels monitor (``sentinel monitor <name> ...``)."""
+    sentinel_password: str = ""
+    """Password of the Sentinels themselves (their ``requirepass``); the master's is in broker_url."""
+
+
 class ProjectSettings(_Section):
     weight: float = Field(1.0, gt=0)
     """Fair-share weight (tokens admitted are shared in proportion)."""
@@ -331,7 +342,8 @@ class Settings(BaseSettings):
     )
 
     broker_url: str = "redis://127.0.0.1:6379/0"
-    """Redis URL shared by producers, workers and dispatchers."""
+    """Redis URL shared by producers, workers and dispatchers: ``redis://host:port/db``, or
+    ``sentinel://host:port/db;sentinel://host:port`` for Redis Sentinel (see [redis])."""
     key_prefix: str = "fleet:"
     """Prefix of every Redis key and Celery queue key of this fleet."""
     result_ttl_s: int = Field(7 * 24 * 3600, gt=0)
@@ -362,7 +374,15 @@ class Settings(BaseSettings):
     limits: LimitsSettings = LimitsSettings()
     collect: CollectSettings = CollectSettings()
     gateway: GatewaySettings = GatewaySettings()
+    redis: RedisSettings = RedisSettings()
     projects: dict[str, ProjectSettings] = Field(default_factory=dict)
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker_url_shape(cls, value: str) -> str:
+        if is_sentinel(value):
+            parse_sentinel_url(value)  # its ValueError names what is wrong
+        return value
 
     @field_validator("key_prefix")
     @classmethod
@@ -423,7 +443,10 @@ def reference_markdown() -> str:
 
 
 def mask_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``: the one form of a URL that is printed or logged."""
+    """``url`` with its password replaced by ``***``: the one form of a URL that is printed or logged.
+    A Sentinel URL (``sentinel://...;sentinel://...``) is masked part by part."""
+    if ";" in url:
+        return ";".join(mask_url(part) for part in url.split(";"))
     try:
         parts = urlsplit(url)
         password = parts.password

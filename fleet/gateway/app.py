@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from redis.asyncio import Redis as AsyncRedis
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -34,6 +33,7 @@ from starlette.routing import Mount, Route
 from fleet.client import Client
 from fleet.core.codes import Code
 from fleet.core.errors import FleetError
+from fleet.core.redisconn import async_redis_client
 from fleet.core.request import build_request_messages, tools_allowed
 from fleet.gateway.admission import Admission
 from fleet.gateway.auth import Caller, LiveSettings
@@ -61,7 +61,7 @@ class Gateway:
         self.runtime = Runtime(settings)
         self.model = settings.backend.model
         self.vllm = self.runtime.vllm
-        self.aredis = AsyncRedis.from_url(settings.broker_url)
+        self.aredis = async_redis_client(settings)
         self.executor = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="gateway-io")
         send = make_send(settings, self.runtime.redis, create_celery_app(settings))
         self.admission = Admission(self.runtime.store, self.runtime.results, self.aredis,

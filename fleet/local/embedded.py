@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 import redis
 
 from fleet.core.config import mask_url
+from fleet.core.redisconn import DEFAULT_MASTER_NAME, redis_from_url
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +35,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def redis_answers(url: str, timeout_s: float = 0.5) -> bool:
+def redis_answers(url: str, timeout_s: float = 0.5, *, master_name: str = DEFAULT_MASTER_NAME,
+                  sentinel_password: str = "") -> bool:
+    """Does the Redis of ``url`` answer PING? (``master_name``, ``sentinel_password``: a Sentinel URL's)"""
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        client = redis_from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                                master_name=master_name, sentinel_password=sentinel_password)
         try:
             return bool(client.ping())
         finally:
@@ -118,8 +122,9 @@ def is_default_location(url: str) -> bool:
     return parsed.hostname in ("127.0.0.1", "localhost", "::1") and (parsed.port or 6379) == 6379
 
 
-def ensure_broker(configured_url: str) -> EmbeddedRedis:
-    if redis_answers(configured_url):
+def ensure_broker(configured_url: str, master_name: str = DEFAULT_MASTER_NAME,
+                  sentinel_password: str = "") -> EmbeddedRedis:
+    if redis_answers(configured_url, master_name=master_name, sentinel_password=sentinel_password):
         return EmbeddedRedis(url=configured_url)
     if not is_default_location(configured_url):
         # A broker that was configured and is down must not be silently replaced: producers

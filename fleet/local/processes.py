@@ -28,6 +28,10 @@ Life cycle, as an operator sees it:
   A child that dies while the group is starting (the simulator rejecting an option, say) raises
   the same error from ``start``, which then stops what it had started.
 
+- ``restart`` starts a child again with its command (kill -9 first if it still runs) and
+  ``restart_exited`` does so for every child that exited: a supervisor's restart policy, for the
+  tests and ``fleet bench chaos`` that kill processes on purpose (``supervise`` still raises).
+
 Not covered: a parent killed with SIGKILL cannot stop its children; stop them by process group.
 """
 
@@ -52,6 +56,7 @@ from fleet.core.codes import Code
 from fleet.core.config import Settings
 from fleet.core.errors import FleetError
 from fleet.core.exposure import LOCAL_BROKER_ENV
+from fleet.core.redisconn import sentinel_target
 from fleet.local.embedded import EmbeddedRedis, ensure_broker, free_port, start_redis
 
 log = logging.getLogger(__name__)
@@ -103,6 +108,7 @@ class LocalFleet:
     children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     _tails: dict[str, deque[str]] = field(default_factory=dict, repr=False)
     _readers: dict[str, threading.Thread] = field(default_factory=dict, repr=False)
+    _commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict, repr=False)
     _previous_handlers: dict[int, Any] = field(default_factory=dict, repr=False)
     _stopping: bool = field(default=False, repr=False)
 
@@ -117,7 +123,8 @@ class LocalFleet:
         return self
 
     def _start_all(self) -> None:
-        self.broker = start_redis() if self.private_broker else ensure_broker(self.settings.broker_url)
+        self.broker = start_redis() if self.private_broker else ensure_broker(
+            self.settings.broker_url, **sentinel_target(self.settings))
         self.env = {**os.environ, **self.extra_env, "FLEET_BROKER_URL": self.broker.url,
                     "FLEET_KEY_PREFIX": self.settings.key_prefix}
         if self.config_path:
@@ -157,6 +164,7 @@ class LocalFleet:
 
     def spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
         env = {**self.env, **(extra_env or {})}
+        self._commands[name] = (args, extra_env or {})
         process = subprocess.Popen([sys.executable, "-m", "fleet", *args], env=env,
                                    start_new_session=True, stdin=subprocess.DEVNULL,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -168,6 +176,24 @@ class LocalFleet:
         reader.start()
         self._tails[name], self._readers[name] = tail, reader
         log.info("started %s pid=%d", name, process.pid)
+
+    def restart(self, name: str) -> None:
+        """Start child ``name`` again with its command, as a supervisor with a restart policy does
+        (systemd ``Restart=always``): the old process, dead or alive, is killed first."""
+        old = next(p for n, p in self.children if n == name)
+        _signal_group(old, signal.SIGKILL)
+        old.wait(timeout=10)
+        self.children = [(n, p) for n, p in self.children if n != name]
+        args, extra_env = self._commands[name]
+        self.spawn(name, args, extra_env)
+
+    def restart_exited(self) -> list[str]:
+        """Restart every child that exited (a supervisor's pass); the names restarted."""
+        exited = [] if self._stopping else self.check()
+        for name in exited:
+            log.warning("%s exited; restarting it", name)
+            self.restart(name)
+        return exited
 
     def check(self) -> list[str]:
         """Names of children that died."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-import redis
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -27,6 +26,7 @@ from rich.table import Table
 from fleet.core.config import ProjectSettings, Settings, load_settings
 from fleet.core.keys import Keys
 from fleet.core.models import Job, Message
+from fleet.core.redisconn import redis_client
 from fleet.prep.tokens import TokenCounter
 
 
@@ -129,7 +129,7 @@ def prefix_command(
     settings = load_settings()
     if settings.project(project) is None:
         raise typer.BadParameter(f"unknown project {project!r}", param_hint="PROJECT")
-    client = redis.Redis.from_url(settings.broker_url)
+    client = redis_client(settings)
     counter = TokenCounter(
         settings.backend.url, settings.backend.model, client, Keys(settings.key_prefix)
     )

@@ -51,6 +51,7 @@ from kombu.transport.redis import PRIORITY_STEPS, Channel
 from fleet.core.codes import Code
 from fleet.core.config import Settings, load_settings
 from fleet.core.errors import ConfigError
+from fleet.core.redisconn import celery_transport_options
 
 PREP_TASK = "fleet.prep"
 INFER_TASK = "fleet.infer"
@@ -171,6 +172,7 @@ def create_app(settings: Settings) -> Celery:
         broker_transport_options={
             "visibility_timeout": settings.visibility_timeout_s,
             "global_keyprefix": f"{settings.key_prefix}q:",
+            **celery_transport_options(settings),
         },
         broker_connection_retry_on_startup=True,
         task_routes=(make_router(settings),),

@@ -31,6 +31,7 @@ from fleet.core.codes import Code
 from fleet.core.config import Settings
 from fleet.core.keys import Keys, split_ref
 from fleet.core.models import Envelope
+from fleet.core.redisconn import redis_client
 from fleet.core.results import ResultStore
 from fleet.prep.watchdog import run_prep_watchdog
 from fleet.worker.app import INFER_TASK, PREP_TASK, create_app, prep_backlog, shown
@@ -41,7 +42,7 @@ from schedulers.store.base import Grant
 def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) -> None:
     stop = stop or threading.Event()
     celery = create_app(settings)
-    client = redis.Redis.from_url(settings.broker_url)
+    client = redis_client(settings)
     results = ResultStore(client, Keys(settings.key_prefix), settings)
     send = make_send(settings, client, celery)
 

@@ -17,6 +17,7 @@ from redis.retry import Retry
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
 from fleet.core.models import Envelope
+from fleet.core.redisconn import redis_client
 from fleet.core.results import ResultStore
 
 if TYPE_CHECKING:  # the heavy modules are imported on first use, in the worker that needs them
@@ -33,19 +34,15 @@ class Runtime:
 
     @cached_property
     def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(
-            self.settings.broker_url, health_check_interval=30, socket_keepalive=True
-        )
+        return redis_client(self.settings, health_check_interval=30, socket_keepalive=True)
 
     @cached_property
     def lease_redis(self) -> Redis:
         """The lease keeper's client: short timeouts and no retries, so one call to a Redis that
         drops packets cannot block past the keeper's own 90%-of-TTL rule (fleet/worker/lease.py)."""
         timeout_s = max(0.2, min(2.0, self.settings.admission.lease_ttl_s / 10))
-        return redis.Redis.from_url(
-            self.settings.broker_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
+        return redis_client(self.settings, socket_timeout=timeout_s,
+                            socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
 
     @cached_property
     def keys(self) -> Keys:

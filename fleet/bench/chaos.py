@@ -1,0 +1,507 @@
+"""``fleet bench chaos``: the faults an operator meets, one round each, every round on a fleet of
+its own, reporting the fleet's invariants rather than its speed.
+
+Rounds (``ROUNDS``; ``--rounds`` picks some):
+  storm             kill -9 of dispatchers, inference workers and the prep worker in turn, each
+                    started again at once (a supervisor's restart policy)
+  redis-aof-clean   Redis with AOF (everysec) stopped with SHUTDOWN, started again on its port
+  redis-aof-kill9   the same Redis killed with kill -9 (up to a second of writes may be lost)
+  redis-none-clean  Redis without persistence stopped cleanly: every key is gone
+  redis-none-kill9  the same with kill -9
+  sentinel          master, replica and three Sentinels; kill -9 of the master
+  backend-faults    ``fleet sim --fault-rate`` (500, 503, dropped streams, error events)
+  backend-dead      one job carries ``[sim:dead=S/1]``: the engine dies for S seconds, every
+                    stream in flight fails, /health answers 503
+
+What runs per round: its own Redis (fleet/local/topology.py: a ``RedisNode`` on a free loopback
+port, or a ``SentinelGroup``), ``fleet sim``, two dispatchers, two inference workers
+(``--role infer``) and one prep worker (``--role prep``) as processes (fleet/local/processes.py),
+configured by a generated fleet.toml with secrets of its own. The bench submits all jobs, waits
+until a fifth have their envelope, injects the fault, then waits until every job has an envelope
+or nothing has finished for ``stall_s``. A supervisor thread restarts any process that exits on its
+own and counts it: an exit is a failure of the fleet (processes are meant to ride out faults), the
+restart only keeps the round going.
+
+What it reports (``RoundResult``):
+  jobs, envelopes     jobs submitted / jobs with at least one envelope
+  missing             jobs without one at the end: ``lost`` (no job record left: the fault took the
+                      submission) and ``stuck`` (a record that never reached its final state)
+  doubled             jobs with more than one envelope (distinct results-stream entries, collected
+                      as they appear, so a Redis that forgets its streams does not hide them)
+  max in flight       the simulator's own peak of running requests, against the cap
+  fault -> full       seconds from the end of each fault (Redis answering again, the new master
+                      promoted, the engine alive, the process restarted) until the simulator runs
+                      ``min(full, jobs still open)`` requests again, ``full`` being the median it ran
+                      over the 2 s before the fault; ``never`` if it does not
+  exited              processes that exited by themselves (restarted by the supervisor)
+  RSS                 each process's resident memory (VmRSS) sampled every second from the first
+                      envelopes on (imports done, work under way): first, max, last; a process
+                      restarted during the round keeps its row (its last figure is the new process's)
+Verdict: ``ok`` when nothing is missing or doubled, the cap held and no process exited; ``loss``
+when only jobs of a Redis without persistence are missing (what that configuration promises);
+``FAIL`` naming what broke otherwise; ``error`` when the round itself could not run.
+
+Nothing is asserted on timings (tests/test_bench_chaos.py runs a tiny round and checks the
+invariants). Every process and Redis the bench starts is stopped at the end of its round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import shutil
+import tempfile
+import threading
+import time
+import tomllib
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+import tomli_w
+
+from fleet.bench.fleetbench import PROJECTS, Sampler, Spec, job_of, short_mix
+from fleet.client import Client
+from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
+from fleet.core.models import Envelope
+from fleet.core.redisconn import redis_client
+from fleet.local.processes import LocalFleet
+from fleet.local.topology import MASTER_NAME, RedisNode, SentinelGroup
+
+log = logging.getLogger(__name__)
+
+AOF = ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
+NO_PERSISTENCE = ["--appendonly", "no", "--save", ""]
+ROUNDS = ("storm", "redis-aof-clean", "redis-aof-kill9", "redis-none-clean", "redis-none-kill9",
+          "sentinel", "backend-faults", "backend-dead")
+OUTAGE_S = 1.0  # how long Redis stays down in the restart rounds
+DEAD_S = 3.0  # how long the engine stays dead in backend-dead
+
+
+@dataclass
+class RoundResult:
+    name: str
+    fault: str
+    jobs: int = 0
+    envelopes: int = 0
+    lost: list[str] = field(default_factory=list)
+    stuck: list[str] = field(default_factory=list)
+    stuck_states: Counter[str] = field(default_factory=Counter)  # the state their records show
+    doubled: list[str] = field(default_factory=list)
+    max_running: int = 0
+    cap: int = 0
+    full_level: int = 0  # running requests counted as a full backend (the level before the fault)
+    recoveries: list[float | None] = field(default_factory=list)
+    exited: Counter[str] = field(default_factory=Counter)
+    submit_failures: int = 0
+    codes: Counter[str] = field(default_factory=Counter)
+    rss_mb: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # first, max, last
+    seconds: float = 0.0
+    error: str = ""
+    logs: str = ""  # the processes' logs, kept when the round did not end ok
+
+    @property
+    def missing(self) -> int:
+        return len(self.lost) + len(self.stuck)
+
+    def verdict(self) -> str:
+        if self.error:
+            return f"error: {self.error}"
+        broken = []
+        if self.stuck or (self.lost and "none" not in self.name):
+            states = ", ".join(f"{s} {n}" for s, n in sorted(self.stuck_states.items()))
+            broken.append(f"{self.missing} missing" + (f" (stuck: {states})" if states else ""))
+        if self.doubled:
+            broken.append(f"{len(self.doubled)} doubled")
+        if self.max_running > self.cap:
+            broken.append(f"cap {self.cap} exceeded")
+        if self.exited:
+            broken.append(f"{sum(self.exited.values())} process exits")
+        if self.submit_failures:
+            broken.append(f"{self.submit_failures} submissions failed")
+        if broken:
+            expected = f"; {len(self.lost)} lost (no persistence)" if self.lost and "none" in self.name else ""
+            return "FAIL: " + ", ".join(broken) + expected
+        return "loss (no persistence)" if self.lost else "ok"
+
+
+class Broker:
+    """The round's Redis: one node (restartable) or a Sentinel group."""
+
+    def __init__(self, node_args: list[str] | None = None, sentinel: bool = False) -> None:
+        self.node = RedisNode(node_args) if node_args is not None else None
+        self.group = SentinelGroup() if sentinel else None
+
+    def start(self) -> Broker:
+        if self.node is not None:
+            self.node.start()
+        if self.group is not None:
+            self.group.start()
+        return self
+
+    @property
+    def url(self) -> str:
+        if self.group is not None:
+            return self.group.url
+        assert self.node is not None
+        return self.node.url
+
+    def pids(self) -> dict[str, int]:
+        nodes = [("redis", self.node)] if self.node is not None else []
+        if self.group is not None:
+            nodes += [(f"redis-{n}", node) for n, node in enumerate(self.group.nodes)]
+        return {name: node.process.pid for name, node in nodes if node.process is not None and node.alive()}
+
+    def close(self) -> None:
+        if self.node is not None:
+            self.node.close()
+        if self.group is not None:
+            self.group.close()
+
+
+class ChaosFleet:
+    """One round's fleet, its observers and its supervisor."""
+
+    def __init__(self, broker: Broker, jobs: int, cap: int, speed: float, sim_args: list[str],
+                 lease_ttl_s: float) -> None:
+        self.broker, self.jobs, self.cap = broker, jobs, cap
+        self.tmp = Path(tempfile.mkdtemp(prefix="fleet-chaos-"))
+        data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
+        data.update(broker_url=broker.url, key_prefix=f"chaos-{uuid.uuid4().hex[:8]}:")
+        data["redis"] = {"master_name": MASTER_NAME}
+        for project in data["projects"].values():
+            project["secret"] = f"chaos-{uuid.uuid4().hex}"
+        data["backend"]["max_num_seqs"] = cap
+        data.setdefault("admission", {}).update(metrics_port=0, lease_ttl_s=lease_ttl_s)
+        data.setdefault("retry", {}).update(backoff_base_s=0.2, backoff_max_s=1.0)
+        # a killed prep worker's jobs come back after these (the defaults, 60 s and 600 s, suit a
+        # deployment, not a round of a minute)
+        data.update(prep_lease_s=5.0, prep_unclaimed_s=15.0)
+        (self.tmp / "fleet.toml").write_text(tomli_w.dumps(data), encoding="utf-8")
+        self.settings: Settings = load_settings(self.tmp / "fleet.toml", env={})
+        self.fleet = LocalFleet(self.settings, sim_speed=speed, workers=0, dispatchers=2,
+                                sim_args=["--max-num-seqs", str(max(cap, 32)), *sim_args],
+                                config_path=str(self.tmp / "fleet.toml"), log_dir=str(self.tmp))
+        self.lock = threading.Lock()  # the supervisor and the bench's own kills
+        self.exited: Counter[str] = Counter()
+        # (stream, entry id) -> job id, code, when first seen; entry ids repeat across streams
+        self.seen: dict[tuple[str, bytes], tuple[str, str, float]] = {}
+        self.rss: dict[str, list[float]] = {}
+        self.warm = threading.Event()  # set once the first envelopes are out: RSS is sampled from then
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> ChaosFleet:
+        self.fleet.start()
+        for name, role, threads in (("infer-0", "infer", 16), ("infer-1", "infer", 16), ("prep-0", "prep", 8)):
+            self.fleet.spawn(name, ["worker", "--role", role, "--concurrency", str(threads),
+                                    "--hostname", f"{name}-{uuid.uuid4().hex[:6]}@%h", "--log-level", "WARNING"])
+        self.base_url = self.fleet.env["FLEET_BACKEND_URL"]
+        self.settings = self.settings.model_copy(update={"backend": self.settings.backend.model_copy(
+            update={"url": self.base_url})})
+        self.client = Client(self.settings)
+        self.reader = redis_client(self.settings, socket_timeout=2, socket_connect_timeout=2)
+        for target in (self._supervise, self._collect, self._measure_rss):
+            thread = threading.Thread(target=target, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    # -- observers -------------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        while not self._stop.wait(0.2):
+            with self.lock:
+                self.exited.update(self.fleet.restart_exited())
+
+    def _collect(self) -> None:
+        """Every results-stream entry as it appears (deduplicated by entry id)."""
+        cursors = {self.client.keys.results(p): "0-0" for p in self.settings.projects}
+        while not self._stop.wait(0.2):
+            self.collect_once(cursors)
+
+    def collect_once(self, cursors: dict[str, str]) -> None:
+        for key in cursors:
+            try:
+                entries: Any = self.reader.xrange(key, min=cursors[key], count=1000)
+            except redis.RedisError as exc:
+                log.info("collecting %s: %s", key, exc)
+                continue
+            for entry_id, fields in entries:
+                envelope = Envelope.model_validate_json(fields[b"envelope"])
+                self.seen.setdefault((key, entry_id), (envelope.job_id, envelope.code.value, time.time()))
+                cursors[key] = "(" + entry_id.decode()
+
+    def _measure_rss(self) -> None:
+        while not self._stop.wait(1.0):
+            if not self.warm.is_set():
+                continue
+            pids = {name: p.pid for name, p in list(self.fleet.children) if p.poll() is None}
+            pids.update(self.broker.pids())
+            for name, pid in pids.items():
+                mb = _rss_mb(pid)
+                if mb is not None:
+                    self.rss.setdefault(name, []).append(mb)
+
+    def envelope_counts(self) -> Counter[str]:
+        return Counter(job_id for job_id, _code, _at in self.seen.values())
+
+    # -- actions -----------------------------------------------------------------------------------
+    def kill_and_restart(self, name: str) -> None:
+        with self.lock:
+            self.fleet.restart(name)
+
+    def submit(self, specs: list[Spec]) -> tuple[list[str], int]:
+        """Submit each job, retrying a broker error for up to 30 s; (ids, submissions given up)."""
+        ids, failed = [], 0
+        for spec in specs:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    ids.append(self.client.submit(job_of(spec, None)))
+                    break
+                except redis.RedisError:
+                    if time.monotonic() > deadline:
+                        failed += 1
+                        break
+                    time.sleep(0.5)
+        return ids, failed
+
+    def open_jobs(self, ids: list[str], at: float | None = None) -> int:
+        """Jobs without an envelope (seen before ``at``, if given)."""
+        done = {job_id for job_id, _code, seen in list(self.seen.values()) if at is None or seen <= at}
+        return sum(1 for j in ids if j not in done)
+
+    def close(self, keep_logs: bool = False) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        with contextlib.suppress(Exception):
+            self.client.close()
+            self.reader.close()
+        self.fleet.close(grace_s=5)
+        if not keep_logs:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+# -- faults: each returns the instants its faults ended -------------------------------------------
+def _storm(cf: ChaosFleet, kills: int) -> list[float]:
+    victims = ["dispatcher-0", "infer-0", "prep-0", "dispatcher-1", "infer-1"]
+    ends = []
+    for n in range(kills):
+        time.sleep(random.uniform(0.5, 1.5))
+        cf.kill_and_restart(victims[n % len(victims)])
+        ends.append(time.time())
+    return ends
+
+
+def _restart_redis(cf: ChaosFleet, clean: bool) -> list[float]:
+    node = cf.broker.node
+    assert node is not None
+    node.shutdown() if clean else node.kill()
+    time.sleep(OUTAGE_S)
+    node.start()
+    return [time.time()]
+
+
+def _failover(cf: ChaosFleet) -> list[float]:
+    assert cf.broker.group is not None
+    cf.broker.group.kill_master()
+    return [time.time()]
+
+
+def _engine_death(cf: ChaosFleet, specs_project: str) -> list[float]:
+    """Submit the job that kills the engine, wait for /health to fail and come back."""
+    cf.client.submit({"project": specs_project, "thinking_budget": 200, "content_reserve": 64,
+                      "messages": [{"role": "user", "content": f"[sim:dead={DEAD_S:g}/1] [sim:think=50]"}]})
+    with httpx.Client(base_url=cf.base_url, timeout=5) as http:
+        for want_ok in (False, True):
+            deadline = time.monotonic() + 120
+            while (http.get("/health").status_code == 200) != want_ok:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the engine did not " + ("come back" if want_ok else "die"))
+                time.sleep(0.05)
+    return [time.time()]
+
+
+@dataclass
+class RoundPlan:
+    fault: str
+    broker: Callable[[], Broker]
+    inject: Callable[[ChaosFleet], list[float]]
+    sim_args: list[str] = field(default_factory=list)
+
+
+def plans(kills: int) -> dict[str, RoundPlan]:
+    return {
+        "storm": RoundPlan(f"{kills} x kill -9 (dispatchers, infer, prep), each restarted",
+                           lambda: Broker(AOF), lambda cf: _storm(cf, kills)),
+        "redis-aof-clean": RoundPlan(f"Redis (AOF everysec) SHUTDOWN, {OUTAGE_S:g} s down",
+                                     lambda: Broker(AOF), lambda cf: _restart_redis(cf, clean=True)),
+        "redis-aof-kill9": RoundPlan(f"Redis (AOF everysec) kill -9, {OUTAGE_S:g} s down",
+                                     lambda: Broker(AOF), lambda cf: _restart_redis(cf, clean=False)),
+        "redis-none-clean": RoundPlan(f"Redis (no persistence) SHUTDOWN, {OUTAGE_S:g} s down",
+                                      lambda: Broker(NO_PERSISTENCE), lambda cf: _restart_redis(cf, clean=True)),
+        "redis-none-kill9": RoundPlan(f"Redis (no persistence) kill -9, {OUTAGE_S:g} s down",
+                                      lambda: Broker(NO_PERSISTENCE), lambda cf: _restart_redis(cf, clean=False)),
+        "sentinel": RoundPlan("Sentinel: kill -9 of the master, replica promoted",
+                              lambda: Broker(sentinel=True), _failover),
+        "backend-faults": RoundPlan("fleet sim --fault-rate 0.2 (500/503/drop/error event)",
+                                    lambda: Broker(AOF), lambda cf: [], sim_args=["--fault-rate", "0.2"]),
+        "backend-dead": RoundPlan(f"[sim:dead={DEAD_S:g}/1]: the engine dies for {DEAD_S:g} s",
+                                  lambda: Broker(AOF), lambda cf: _engine_death(cf, PROJECTS[0])),
+    }
+
+
+def run_round(name: str, plan: RoundPlan, jobs: int, cap: int, speed: float, think: int, answer: int,
+              stall_s: float, lease_ttl_s: float) -> RoundResult:
+    result = RoundResult(name, plan.fault, cap=cap)
+    started = time.monotonic()
+    broker: Broker | None = None
+    cf: ChaosFleet | None = None
+    try:
+        broker = plan.broker().start()
+        cf = ChaosFleet(broker, jobs, cap, speed, plan.sim_args, lease_ttl_s).start()
+        with Sampler(cf.base_url, interval_s=0.1) as sampler:
+            ids, result.submit_failures = cf.submit(short_mix(jobs, think, answer))
+            _wait(lambda: sum(1 for c in cf.envelope_counts().values() if c) >= max(1, jobs // 5), 300)
+            cf.warm.set()
+            full = _steady_level(sampler, cap)
+            ends = plan.inject(cf)
+            _settle(cf, ids, stall_s)
+            result.full_level = full
+            result.recoveries = [_back_to_full(sampler, end, min(full, cf.open_jobs(ids, end))) for end in ends]
+            result.max_running = max((s["max_running_seen"] for s in sampler.samples), default=0)
+        _account(result, cf, ids)
+    except Exception as exc:  # a round that cannot run is reported, never the end of the bench
+        log.exception("chaos round %s", name)
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if cf is not None:
+            result.exited = cf.exited
+            result.rss_mb = {n: (v[0], max(v), v[-1]) for n, v in cf.rss.items() if v}
+            result.logs = str(cf.tmp) if result.verdict() not in ("ok", "loss (no persistence)") else ""
+            cf.close(keep_logs=bool(result.logs))
+        if broker is not None:
+            broker.close()
+        result.seconds = time.monotonic() - started
+    return result
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing finished within {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def _settle(cf: ChaosFleet, ids: list[str], stall_s: float) -> None:
+    """Until every job has an envelope, or none arrives for ``stall_s``."""
+    last, since = -1, time.monotonic()
+    while True:
+        done = len(ids) - cf.open_jobs(ids)
+        if done == len(ids):
+            return
+        if done != last:
+            last, since = done, time.monotonic()
+        elif time.monotonic() - since > stall_s:
+            return
+        time.sleep(0.2)
+
+
+def _steady_level(sampler: Sampler, cap: int, window_s: float = 2.0) -> int:
+    """What "a full backend" means for this round: the median number of running requests over the
+    ``window_s`` before the fault (short jobs turn over, so a sample rarely shows every slot taken
+    even when the fleet keeps the backend as full as it can); the cap if nothing was sampled."""
+    now = time.time()
+    running = sorted(s["running"] for s in sampler.samples if s["t"] > now - window_s)
+    return min(cap, running[len(running) // 2]) if running else cap
+
+
+def _back_to_full(sampler: Sampler, after: float, target: int) -> float | None:
+    for s in list(sampler.samples):
+        if s["t"] > after and s["running"] >= target:
+            return s["t"] - after
+    return None
+
+
+def _account(result: RoundResult, cf: ChaosFleet, ids: list[str]) -> None:
+    before = cf.envelope_counts()
+    cf.collect_once({cf.client.keys.results(p): "0-0" for p in cf.settings.projects})  # a last full pass
+    counts = cf.envelope_counts()
+    if sum(counts.values()) != sum(before.values()):
+        log.warning("the last pass found %d envelopes the follower had not seen",
+                    sum(counts.values()) - sum(before.values()))
+    result.jobs = len(ids)
+    result.envelopes = sum(1 for j in ids if counts[j])
+    result.doubled = [j for j in ids if counts[j] > 1]
+    for job_id in (j for j in ids if counts[j] == 0):
+        try:
+            record = cf.client.results.job_record(cf.client.ref(job_id))
+        except redis.RedisError:
+            record = {}
+        (result.stuck if record else result.lost).append(job_id)
+        if record:
+            result.stuck_states[record.get("state", "?")] += 1
+    wanted = set(ids)
+    result.codes = Counter(code for job_id, code, _at in cf.seen.values() if job_id in wanted)
+
+
+def chaos_bench(rounds: list[str], jobs: int = 80, cap: int = 8, speed: float = 20.0, think: int = 300,
+                answer: int = 30, kills: int = 6, stall_s: float = 30.0, lease_ttl_s: float = 3.0,
+                on_result: Callable[[RoundResult], None] | None = None) -> list[RoundResult]:
+    table = plans(kills)
+    unknown = [r for r in rounds if r not in table]
+    if unknown:
+        raise ValueError(f"unknown rounds {unknown}; known: {', '.join(ROUNDS)}")
+    results = []
+    for name in rounds:
+        result = run_round(name, table[name], jobs, cap, speed, think, answer, stall_s, lease_ttl_s)
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return results
+
+
+# -- reporting -------------------------------------------------------------------------------------
+COLUMNS = ("round", "fault", "jobs", "envelopes", "missing (lost/stuck)", "doubled", "max in flight / cap",
+           "fault -> full backend (level), s", "exited", "verdict")
+
+
+def row_of(r: RoundResult) -> list[str]:
+    recoveries = ", ".join("never" if x is None else f"{x:.1f}" for x in r.recoveries)
+    recoveries = f"{recoveries} ({r.full_level})" if recoveries else "-"
+    exited = ", ".join(f"{n} x{c}" for n, c in sorted(r.exited.items())) or "0"
+    return [r.name, r.fault, str(r.jobs), str(r.envelopes), f"{r.missing} ({len(r.lost)}/{len(r.stuck)})",
+            str(len(r.doubled)), f"{r.max_running} / {r.cap}", recoveries, exited, r.verdict()]
+
+
+def rss_rows(results: list[RoundResult]) -> list[list[str]]:
+    """Per round and process: RSS first / max / last, MB."""
+    return [[r.name, name, f"{first:.0f} / {peak:.0f} / {last:.0f}"]
+            for r in results for name, (first, peak, last) in sorted(r.rss_mb.items())]
+
+
+def markdown(results: list[RoundResult]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row_of(r)) + " |" for r in results]
+    lines += ["", "| round | process | RSS MB first / max / last |", "|---|---|---|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rss_rows(results)]
+    return "\n".join(lines) + "\n"

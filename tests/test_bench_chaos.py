@@ -1,0 +1,47 @@
+"""``fleet bench chaos`` (fleet/bench/chaos.py): a tiny kill storm through real processes holds the
+invariants the bench reports (exactly one envelope per job, the backend never above the cap, no
+process exiting by itself), and the bench's own accounting can tell a broken round from a good one.
+No timing is asserted."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from fleet.bench.chaos import ROUNDS, RoundResult, chaos_bench, markdown, plans
+
+
+@pytest.mark.slow
+def test_a_small_kill_storm_keeps_every_invariant() -> None:
+    [result] = chaos_bench(["storm"], jobs=24, cap=4, speed=20.0, think=200, answer=20, kills=3,
+                           stall_s=30.0)
+    assert result.error == ""
+    assert (result.jobs, result.envelopes) == (24, 24)
+    assert result.lost == [] and result.stuck == [] and result.doubled == []
+    assert 0 < result.max_running <= 4
+    assert not result.exited
+    assert len(result.recoveries) == 3
+    assert result.verdict() == "ok"
+    assert sum(result.codes.values()) == 24
+    assert {"dispatcher-0", "infer-0", "prep-0", "sim", "redis"} <= set(result.rss_mb)
+
+
+def test_every_round_has_a_plan_and_unknown_rounds_are_refused() -> None:
+    assert set(plans(kills=1)) == set(ROUNDS)
+    with pytest.raises(ValueError, match="unknown rounds"):
+        chaos_bench(["storm", "meteor"])
+
+
+def test_the_verdict_names_what_broke() -> None:
+    good = RoundResult("storm", "x", jobs=3, envelopes=3, max_running=4, cap=4)
+    assert good.verdict() == "ok"
+    broken = RoundResult("redis-aof-kill9", "x", jobs=3, envelopes=1, lost=["a"], stuck=["b"],
+                         stuck_states=Counter(pending=1), doubled=["c"], max_running=5, cap=4,
+                         exited=Counter({"infer-0": 1}))
+    assert broken.verdict() == ("FAIL: 2 missing (stuck: pending 1), 1 doubled, cap 4 exceeded, "
+                                "1 process exits")
+    # a Redis without persistence loses what it held: reported as such, not as a fleet failure
+    assert RoundResult("redis-none-kill9", "x", lost=["a"], cap=4).verdict() == "loss (no persistence)"
+    assert RoundResult("storm", "x", error="TimeoutError: no").verdict() == "error: TimeoutError: no"
+    assert "| storm |" in markdown([good])
