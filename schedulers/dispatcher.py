@@ -9,9 +9,9 @@ Loop (``run_dispatcher``):
      inference task with the job id and the fence);
   4. block on the wake list (BLPOP) until a submit, a release, an expiry or a lifted backend hold
      pushes to it, or until the next time-based event: lease expiry, pending deadline, bucket
-     refill, spacing, a continuation's not-before time, or ``admission.max_wait_s`` at most (<= 4 s, below redis-py's socket
-     timeout). Nothing sleep-polls; a freed slot is refilled as soon as the release's wake
-     reaches a dispatcher.
+     refill, spacing, a continuation's not-before time, or ``admission.max_wait_s`` at most
+     (<= 4 s, below redis-py's socket timeout). Nothing sleep-polls; a freed slot is refilled
+     as soon as the release's wake reaches a dispatcher.
 
 What it logs at INFO: start, stop, hold reasons as they change and a summary line a minute
 (schedulers/activity.py), errors; each admission only at DEBUG.

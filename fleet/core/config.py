@@ -141,6 +141,9 @@ class RetrySettings(_Section):
     """Adaptive retries never raise the thinking budget above this."""
     reask_invalid: int = Field(1, ge=0)
     """Re-asks with the validation error before E_OUTPUT_INVALID."""
+    max_outage_returns: int = Field(10, ge=0)
+    """Times a job goes back in line because the backend was unavailable, before it ends with
+    that error (outage returns count apart from max_attempts and the retry budget)."""
 
 
 class WatcherSettings(_Section):

@@ -1,9 +1,15 @@
 """One inference job, from the planned prompt to its Envelope: the attempt loop.
 
-The lead's Celery task (fleet/worker/tasks.py) holds the lease and calls ``run_inference(job, plan, ctx)``;
-retries happen in here while the lease keeper renews the lease and sets ``ctx.cancel`` when the
-job is cancelled or the lease is lost. ``run_inference`` never raises: an unexpected exception
-becomes ``E_INTERNAL`` with a log line.
+The inference task (fleet/worker/tasks.py) holds the lease and calls
+``run_inference(job, plan, ctx, turn)`` for ONE model turn (one attempt) while the lease keeper
+renews the lease and sets ``ctx.cancel`` when the job is cancelled or the lease is lost. The turn
+ends with a final ``Envelope`` or a ``Continuation``: the job needs another turn (a retry, a
+re-ask, a backend outage), and the continuation carries everything that turn needs (``turn``:
+the grown plan, the carry-over and re-ask notes, the retry counters, the warnings) and when it
+may start (``not_before``: the backoff). The task saves the turn, gives its lease up and the job
+re-enters admission (schedulers/store/base.py, Continuations): no backoff ever holds a slot, and
+the next turn's plan is admitted like any job's. ``run_inference`` never raises: an unexpected
+exception becomes ``E_INTERNAL`` with a log line.
 
 Each attempt sends (fleet/core/request.py decides messages and tools)::
 
@@ -31,11 +37,15 @@ How an attempt ends and what follows:
                                        retry.reask_invalid times (E_OUTPUT_INVALID)
     retryable upstream error           backoff with full jitter, then retry (carry-over too when
                                        the attempt had reasoning)
+    backend unavailable (connection    an outage return: back in line behind the backend gate
+    refused, 502/503/504/429, connect  after a backoff, at its place; counted apart from the
+    timeout)                           retries (at most retry.max_outage_returns), never from
+                                       the project's retry budget
     cancel / deadline / rejected       final at once: E_CANCELLED / E_DEADLINE / the error's code
 
-Retries (not re-asks) are bounded by retry.max_attempts, every retry by the project's retry
-budget (fleet/infer/retrying.py), backoff by the job's deadline. After the last attempt the job ends with
-that attempt's code (E_THINK_LOOP, E_EMPTY_ANSWER, E_OUTPUT_INVALID, an upstream code).
+Retries (not re-asks, not outage returns) are bounded by retry.max_attempts, every retry by
+the project's retry budget (fleet/infer/retrying.py), backoff by the job's deadline. After the
+last attempt the job ends with that attempt's code (E_THINK_LOOP, E_EMPTY_ANSWER, E_OUTPUT_INVALID, an upstream code).
 Every attempt is an ``Attempt`` in the Envelope and a JSON entry in ``{p}attempts:<id>``; a
 redelivered job continues the numbering and the carry-over from that history.
 """
@@ -85,17 +95,25 @@ class InferenceContext:
     cancel: threading.Event
     client: VllmClient
     clock: Callable[[], float] = time.time
-    sleep: Callable[[float], object] | None = None  # default: cancel.wait (wakes on cancel)
     rand: Callable[[], float] = random.random
     emit_interval_s: float = EMIT_INTERVAL_S
-    # Told when a retry grows the plan (the worker resizes the lease's KV reservation).
-    on_plan: Callable[[Plan], object] | None = None
     # The untrusted-data fence tag prep counted the prompt with (None: draw a new one).
     fence_tag: str | None = None
 
-    def __post_init__(self) -> None:
-        if self.sleep is None:
-            self.sleep = self.cancel.wait
+
+OUTAGE_CODES = frozenset({Code.E_UPSTREAM_UNAVAILABLE, Code.E_CONNECT_TIMEOUT})
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The job needs another model turn: what that turn starts from, and not before when."""
+
+    turn: dict[str, Any]  # JSON-able; the task saves it sealed in the job record
+    not_before: float  # unix seconds
+    delay_s: float
+    max_tokens: int  # of the next turn's plan: its admission size
+    how: str  # "carry" | "budget" | "reserve" | "reask" | "backoff" | "outage"
+    cause: Code
 
 
 class _LoopDetected(ThinkLoop):
@@ -109,7 +127,7 @@ class _Outcome:
     code: Code
     cause: str
     result: StreamResult | None = None
-    retry: str | None = None  # "carry" | "budget" | "reserve" | "reask" | "backoff" | None
+    retry: str | None = None  # "carry" | "budget" | "reserve" | "reask" | "backoff" | "outage"
     parsed: Any = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
@@ -135,10 +153,14 @@ class _Coalescer:
         self._last = self._clock()
 
 
-def run_inference(job: Job, plan: Plan, ctx: InferenceContext) -> Envelope:
+def run_inference(job: Job, plan: Plan, ctx: InferenceContext,
+                  turn: dict[str, Any] | None = None) -> Envelope | Continuation:
+    """One model turn; ``turn`` is the ``Continuation.turn`` of the previous one (None: first)."""
     run: _Run | None = None
     try:
         run = _Run(job, plan, ctx)
+        if turn is not None:
+            run.resume(turn)
         return run.run()
     except Exception as exc:  # the one place a bug must not lose the job
         log.exception("inference failed inside the fleet job=%s", job.id)
@@ -146,6 +168,20 @@ def run_inference(job: Job, plan: Plan, ctx: InferenceContext) -> Envelope:
         return Envelope.failure(
             job.id, job.project, Code.E_INTERNAL, f"internal error: {exc!r}", attempts=attempts
         )
+
+
+def run_turns(job: Job, plan: Plan, ctx: InferenceContext,
+              on_continuation: Callable[[Continuation], object] | None = None) -> Envelope:
+    """Every turn in this process, back to back, without admission or backoff waits (the loop
+    benchmark's in-process mode); ``on_continuation`` sees each continuation."""
+    turn: dict[str, Any] | None = None
+    while True:
+        out = run_inference(job, plan, ctx, turn)
+        if isinstance(out, Envelope):
+            return out
+        if on_continuation is not None:
+            on_continuation(out)
+        turn = out.turn
 
 
 class _Run:
@@ -165,6 +201,7 @@ class _Run:
         self.reask_note: str | None = None
         self.retries = 0
         self.reasks = 0
+        self.outages = 0
         self.heat = 0
         self.budget = RetryBudget(ctx.redis, ctx.keys, job.project, self.s.retry.budget_ratio,
                                   clock=ctx.clock)
@@ -188,23 +225,41 @@ class _Run:
             self.carry_note = carryover.retry_note(self.conclusions, "an earlier delivery")
         return len(history)
 
+    TURN_FIELDS = ("carry_note", "reask_note", "conclusions", "retries", "reasks", "outages",
+                   "heat", "warnings")
+
+    def resume(self, turn: dict[str, Any]) -> None:
+        """Continue from the state the previous turn handed over (``Continuation.turn``)."""
+        self.plan = Plan(**turn["plan"])
+        for name in self.TURN_FIELDS:
+            setattr(self, name, turn[name])
+
+    def turn(self) -> dict[str, Any]:
+        return {"plan": dict(self.plan.__dict__),
+                **{name: getattr(self, name) for name in self.TURN_FIELDS}}
+
     def _record(self, attempt: Attempt, conclusions: list[str]) -> None:
         entry = {**attempt.model_dump(mode="json"), "conclusions": conclusions}
         carryover.record_attempt(self.ctx.redis, self.ctx.keys, job_ref(self.job.project, self.job.id), entry,
                                  self.s.events_ttl_s)
 
     # -- the loop -------------------------------------------------------------------------------
-    def run(self) -> Envelope:
+    def run(self) -> Envelope | Continuation:
         if self.previous == 0:
             self.budget.first_attempt()
-        while True:
-            number = self.previous + len(self.attempts) + 1
-            stop = self._stop_before_attempt()
-            if stop is not None:
-                return self._envelope(stop)
-            outcome = self._attempt(number)
-            if outcome.code.ok or outcome.retry is None or not self._prepare_retry(outcome):
-                return self._envelope(outcome)
+        stop = self._stop_before_attempt()
+        if stop is not None:
+            return self._envelope(stop)
+        outcome = self._attempt(self.previous + 1)
+        if outcome.code.ok or outcome.retry is None:
+            return self._envelope(outcome)
+        delay_s = self._prepare_retry(outcome)
+        if delay_s is None:
+            return self._envelope(outcome)
+        assert outcome.retry is not None
+        return Continuation(turn=self.turn(), not_before=self.ctx.clock() + delay_s,
+                            delay_s=delay_s, max_tokens=self.plan.max_tokens, how=outcome.retry,
+                            cause=outcome.code)
 
     def _stop_before_attempt(self) -> _Outcome | None:
         if self.ctx.cancel.is_set():
@@ -325,7 +380,7 @@ class _Run:
             return _Outcome(Code.E_THINK_LOOP, f"loop watcher: {exc.message}",
                             getattr(exc, "partial", None), retry="carry")
         except FleetError as exc:
-            retry = "backoff" if should_retry(exc.code) else None
+            retry = "outage" if exc.code in OUTAGE_CODES else "backoff" if should_retry(exc.code) else None
             return _Outcome(exc.code, exc.message, getattr(exc, "partial", None), retry=retry)
         finally:
             coalescer.flush()
@@ -369,39 +424,45 @@ class _Run:
         return kept
 
     # -- between attempts -----------------------------------------------------------------------
-    def _prepare_retry(self, outcome: _Outcome) -> bool:
-        """Set up the next attempt; False when no retry may happen (the outcome is final)."""
-        kind = outcome.retry
-        if kind == "reask":
-            if self.reasks >= self.s.retry.reask_invalid:
-                return False
-        elif self.retries >= self.s.retry.max_attempts - 1:
-            return False
+    def _prepare_retry(self, outcome: _Outcome) -> float | None:
+        """Set up the next turn; its backoff in seconds, or None when no retry may happen (the
+        outcome is final)."""
+        kind, r = outcome.retry, self.s.retry
+        if kind == "outage":
+            if self.outages >= r.max_outage_returns:
+                self.warnings.append(f"no retry: the backend was unavailable {self.outages + 1} times")
+                return None
+        elif kind == "reask":
+            if self.reasks >= r.reask_invalid:
+                return None
+        elif self.retries >= r.max_attempts - 1:
+            return None
         delay_s = self._delay(kind)
         if delay_s is None:
-            return False
-        if not self.budget.try_spend():
+            return None
+        # An outage return waits behind the backend gate and adds no load: no budget token.
+        if kind != "outage" and not self.budget.try_spend():
             self.warnings.append("no retry: the project's retry budget is used up")
-            return False
+            return None
         if kind == "reask":
             self.reasks += 1
+        elif kind == "outage":
+            self.outages += 1
         else:
             self.retries += 1
         self._adapt(outcome)
-        self.ctx.events.emit("retry", after=len(self.attempts), cause=outcome.code.value,
+        self.ctx.events.emit("retry", after=self.previous + 1, cause=outcome.code.value,
                              how=kind, delay_s=round(delay_s, 3),
                              thinking_budget=self.plan.thinking_budget,
                              max_tokens=self.plan.max_tokens, carried=len(self.conclusions))
-        if delay_s > 0:
-            assert self.ctx.sleep is not None
-            self.ctx.sleep(delay_s)
-        return True
+        return delay_s
 
     def _delay(self, kind: str | None) -> float | None:
-        if kind != "backoff":
+        if kind not in ("backoff", "outage"):
             return 0.0
         r = self.s.retry
-        delay_s = backoff_s(self.retries + 1, r.backoff_base_s, r.backoff_max_s, self.ctx.rand)
+        count = self.outages if kind == "outage" else self.retries
+        delay_s = backoff_s(count + 1, r.backoff_base_s, r.backoff_max_s, self.ctx.rand)
         if not fits_deadline(delay_s, self.ctx.clock(), self.job.deadline):
             self.warnings.append(f"no retry: a {delay_s:.1f} s backoff would pass the deadline")
             return None
@@ -409,15 +470,13 @@ class _Run:
 
     def _adapt(self, outcome: _Outcome) -> None:
         kind, result = outcome.retry, outcome.result
-        if kind != "backoff":
+        if kind not in ("backoff", "outage"):
             self.heat += 1
         if kind == "budget":
             self.plan = grow_budget(self.plan, self.s.retry.thinking_budget_ceiling)
         elif kind == "reserve":
             self.plan = grow_reserve(self.plan)
-        if kind in ("budget", "reserve") and self.ctx.on_plan is not None:
-            self.ctx.on_plan(self.plan)  # the lease's KV reservation follows the larger plan
-        if kind in ("carry", "backoff") and result is not None and result.reasoning:
+        if kind in ("carry", "backoff", "outage") and result is not None and result.reasoning:
             found = carryover.extract_conclusions(result.reasoning)
             self.conclusions = carryover.merge_conclusions(self.conclusions, found)
             self.carry_note = carryover.retry_note(self.conclusions, outcome.cause,

@@ -16,9 +16,16 @@ fleet.cancel (queue fleet.<project>, kwargs project, job_id; sent by fleet.Clien
 fleet.infer (queue fleet.infer, kwargs ref, project, fence; sent by a dispatcher)
   stale fence (duplicate or late delivery) -> drop; already final (cancelled) -> release, drop;
   the ref, the task, the lease, the record and the sealed job must name one project, and the seal
-  must verify, else E_AUTH before anything is sent; otherwise stream under a LeaseKeeper, release
-  the lease in ``finally`` and publish the envelope. A worker whose lease was lost publishes
-  nothing: the job is already pending again.
+  must verify, else E_AUTH before anything is sent; otherwise run ONE model turn under a
+  LeaseKeeper. A final envelope is published, then the lease released. A continuation (the job
+  needs another turn: retry, re-ask, backend outage) is saved sealed in the job hash (``turn``,
+  state "pending"), then ``readmit`` gives the lease up and puts the job back in line at its place
+  with the next turn's plan, not before its backoff (schedulers/store/base.py, Continuations). A
+  worker whose lease was lost publishes nothing: the job is already pending again.
+  Between two turns nothing runs and nothing is held: a worker dying after saving the turn and
+  before ``readmit`` leaves the lease to expire, and the reaped job resumes from the saved turn
+  (attempts are recorded as they end, fleet/infer/carryover.py); a cancel or a deadline between
+  turns ends the job like any pending job's.
 
 Failure cases: every exception inside either task becomes an Envelope (E_INTERNAL at worst), so
 a bad job never crashes a worker, poisons a queue or stays without a final result.
@@ -44,8 +51,9 @@ from fleet.core.events import EventSink
 from fleet.core.keys import job_ref, split_ref
 from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, Timings, describe_invalid
-from fleet.core.seal import cancel_valid, check_seal, digest, seal
+from fleet.core.seal import cancel_valid, check_seal, check_turn, digest, seal, seal_turn
 from fleet.core.signing import verify
+from fleet.infer.attempts import Continuation, InferenceContext, run_inference
 from fleet.prep.watchdog import HANDED_OVER, PrepClaim
 from fleet.worker.app import JobEnded, task_outcome
 from fleet.worker.lease import LeaseKeeper
@@ -244,6 +252,8 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
         # the job is pending again anyway); its next attempt will publish.
         store.requeue(ref, fence)
         return "lease-lost"
+    if isinstance(envelope, Continuation):
+        return _continue(rt, ref, fence, envelope)
     # Publish first, then release: a crash or a Redis error in between leaves the lease to
     # expire and the job to run again (which finds its result and stops), never a lost job.
     rt.results.publish(envelope)
@@ -251,11 +261,24 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
     return envelope.code.value
 
 
-def _resize(rt: Runtime, ref: str, fence: int, max_tokens: int) -> None:
+def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
+    """Save the next turn, give the lease up, back in line (module docstring). A Redis error
+    here leaves the lease to expire: the reaped job resumes from what was saved."""
+    turn_json = json.dumps(cont.turn)
     try:
-        rt.store.resize(ref, fence, max_tokens)
-    except redis.RedisError as exc:  # accounting only: never end a healthy retry over it
-        log.warning("lease of job=%s not resized: %s", ref, exc)
+        rt.results.record(ref, state="pending", pending_at=time.time(), turn=turn_json,
+                          turn_seal=seal_turn(rt.settings, ref, turn_json))
+        if not rt.store.readmit(ref, fence, cont.max_tokens, cont.not_before, time.time()):
+            return "lease-lost"  # reaped meanwhile: pending again, resuming from the saved turn
+        _events(rt, ref).emit("continuation", how=cont.how, cause=cont.cause.value,
+                              delay_s=round(cont.delay_s, 3), max_tokens=cont.max_tokens)
+        if cancel_requested(rt, ref) and rt.store.cancel_pending(ref):
+            owner, job_id = split_ref(ref)  # cancelled while this turn ran: never run another
+            return _fail(rt, job_id, owner, Code.E_CANCELLED, "cancelled between turns")
+    except redis.RedisError as exc:
+        log.warning("continuation of job=%s not readmitted (%r): its lease will expire", ref, exc)
+        return "readmit-failed"
+    return "continued"
 
 
 def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> Job:
@@ -269,8 +292,7 @@ def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> 
     return job
 
 
-def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope:
-    from fleet.infer.attempts import InferenceContext, run_inference
+def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope | Continuation:
     from fleet.infer.budget import Plan
 
     owner, job_id = split_ref(ref)
@@ -278,22 +300,26 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope:
     try:
         job = _sealed_job(rt, ref, project, record)
         plan = Plan(**json.loads(record["plan"]))
+        turn_json = check_turn(rt.settings, ref, record)
+        turn = None if turn_json is None else json.loads(turn_json)
     except AuthError as exc:
         log.warning("refused to run job=%s: %s", ref, exc.message)
         return Envelope.failure(job_id, owner, Code.E_AUTH, exc.message)
     except (KeyError, ValueError) as exc:
         return Envelope.failure(job_id, owner, Code.E_INTERNAL, f"job record unreadable: {exc}")
+    if cancel_requested(rt, ref):  # asked between two turns (the keeper checks only from now on)
+        return Envelope.failure(job_id, owner, Code.E_CANCELLED, "cancelled between turns")
     admitted_at = time.time()
     events = _events(rt, ref)
     events.emit("admitted", queued_s=round(admitted_at - job.submitted_at, 3))
     ctx = InferenceContext(
         settings=rt.settings, project=rt.settings.projects[job.project], redis=rt.redis,
         keys=rt.keys, events=events, cancel=keeper.cancel, client=rt.vllm,
-        sleep=keeper.cancel.wait,
-        on_plan=lambda grown: _resize(rt, ref, keeper.fence, grown.max_tokens),
         fence_tag=record.get("fence_tag") or None,
     )
-    envelope = run_inference(job, plan, ctx)
+    envelope = run_inference(job, plan, ctx, turn)
+    if isinstance(envelope, Continuation):
+        return envelope
     warnings = json.loads(record.get("warnings", "[]"))
     return envelope.model_copy(update={
         "warnings": warnings + envelope.warnings,
