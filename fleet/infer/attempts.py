@@ -39,8 +39,8 @@ How an attempt ends and what follows:
                                        the attempt had reasoning)
     backend unavailable (connection    an outage return: back in line behind the backend gate
     refused, 502/503/504/429, connect  after a backoff, at its place; counted apart from the
-    timeout)                           retries (at most retry.max_outage_returns), never from
-                                       the project's retry budget
+    timeout; any retryable failure     retries (at most retry.max_outage_returns), never from
+    while /health is not 200)          the project's retry budget
     cancel / deadline / rejected       final at once: E_CANCELLED / E_DEADLINE / the error's code
 
 Retries (not re-asks, not outage returns) are bounded by retry.max_attempts, every retry by
@@ -380,11 +380,20 @@ class _Run:
             return _Outcome(Code.E_THINK_LOOP, f"loop watcher: {exc.message}",
                             getattr(exc, "partial", None), retry="carry")
         except FleetError as exc:
-            retry = "outage" if exc.code in OUTAGE_CODES else "backoff" if should_retry(exc.code) else None
-            return _Outcome(exc.code, exc.message, getattr(exc, "partial", None), retry=retry)
+            return _Outcome(exc.code, exc.message, getattr(exc, "partial", None),
+                            retry=self._retry_kind(exc.code))
         finally:
             coalescer.flush()
         return self._classify(result)
+
+    def _retry_kind(self, code: Code) -> str | None:
+        """An unreachable backend, or any retryable failure while its /health says it is down
+        (a dead engine answers 500 and fails its streams), is an outage; else a plain retry."""
+        if code in OUTAGE_CODES:
+            return "outage"
+        if not should_retry(code):
+            return None
+        return "backoff" if self.ctx.client.health() else "outage"
 
     def _classify(self, r: StreamResult) -> _Outcome:
         budget = self.plan.thinking_budget
@@ -392,7 +401,7 @@ class _Run:
             return _Outcome(Code.E_THINK_LOOP, "vLLM stopped a repetition", r, retry="carry")
         if r.finish_reason in ("abort", "error"):
             return _Outcome(Code.E_UPSTREAM_ERROR, f"finish_reason {r.finish_reason}", r,
-                            retry="backoff")
+                            retry=self._retry_kind(Code.E_UPSTREAM_ERROR))
         calls = self._allowed_calls(r)
         if calls:
             return _Outcome(Code.OK, "tool call", r, tool_calls=calls)
