@@ -8,8 +8,9 @@ when they are cancelled or their deadline passes.
 
 Also here because they need one inference worker and a known slot: a duplicate delivery of a
 running attempt's task (dropped), a dead engine (``POST /sim/kill``: the running job returns
-to pending and the dispatcher's health gate holds admissions until ``POST /sim/revive``), and a ``kill -9`` of the worker during a
-retry (the next delivery continues from the attempt history in Redis). The module's last tests
+to pending and the dispatcher's health gate holds admissions until ``POST /sim/revive``), and a
+``kill -9`` of the worker during a retry (the next delivery continues from the attempt history in
+Redis). The module's last tests
 replace its worker, so they stay last.
 """
 

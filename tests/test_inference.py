@@ -1,7 +1,8 @@
 """run_inference against ``fleet sim`` as a real process: every path asserts the code, the
 attempts and what reached the simulator (GET /sim/requests). The turns run back to back
-(``run_turns``); each continuation's backoff and grown plan are recorded (the timing logic), the retry budget runs on the real Redis. Also the pure parts the
-attempt loop uses: carry-over extraction and the retry math."""
+(``run_turns``); each continuation's backoff and grown plan are recorded (the timing logic), the
+retry budget runs on the real Redis. Also the pure parts the attempt loop uses: carry-over
+extraction and the retry math."""
 
 from __future__ import annotations
 

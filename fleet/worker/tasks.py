@@ -39,7 +39,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from celery import Celery
@@ -53,13 +53,15 @@ from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, Timings, describe_invalid
 from fleet.core.seal import cancel_valid, check_seal, check_turn, digest, seal, seal_turn
 from fleet.core.signing import verify
-from fleet.infer.attempts import Continuation, InferenceContext, run_inference
 from fleet.prep.watchdog import HANDED_OVER, PrepClaim
 from fleet.worker.app import JobEnded, task_outcome
 from fleet.worker.lease import LeaseKeeper
 from fleet.worker.metrics import WorkerMetrics, serve_when_started
 from fleet.worker.runtime import Runtime
 from schedulers.store.base import PendingItem
+
+if TYPE_CHECKING:  # the inference modules are imported on first use, in the worker that runs one
+    from fleet.infer.attempts import Continuation
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +254,7 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
         # the job is pending again anyway); its next attempt will publish.
         store.requeue(ref, fence)
         return "lease-lost"
-    if isinstance(envelope, Continuation):
+    if not isinstance(envelope, Envelope):
         return _continue(rt, ref, fence, envelope)
     # Publish first, then release: a crash or a Redis error in between leaves the lease to
     # expire and the job to run again (which finds its result and stops), never a lost job.
@@ -293,6 +295,7 @@ def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> 
 
 
 def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope | Continuation:
+    from fleet.infer.attempts import InferenceContext, run_inference
     from fleet.infer.budget import Plan
 
     owner, job_id = split_ref(ref)
@@ -318,8 +321,8 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope |
         fence_tag=record.get("fence_tag") or None,
     )
     envelope = run_inference(job, plan, ctx, turn)
-    if isinstance(envelope, Continuation):
-        return envelope
+    if not isinstance(envelope, Envelope):
+        return envelope  # a Continuation
     warnings = json.loads(record.get("warnings", "[]"))
     return envelope.model_copy(update={
         "warnings": warnings + envelope.warnings,
