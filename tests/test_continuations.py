@@ -23,14 +23,12 @@ import pytest
 import redis
 
 from fleet.core.codes import Code
-from fleet.core.config import Settings, load_settings
+from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
 from fleet.core.keys import job_ref
 from fleet.core.models import Envelope
 from fleet.core.signing import sign
 from fleet.worker.runtime import Runtime
 from fleet.worker.tasks import infer_job, prep_job
-
-from fleet.core.config import EXAMPLE_CONFIG
 
 from .conftest import TEST_REDIS_URL
 from .test_inference import sim

@@ -26,7 +26,9 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                                      submitted), digest (its sha256), created once by the producer
                                      (fleet/core/lua/create.lua: never overwritten); the prep worker
                                      adds job (prepared job JSON), plan (token plan JSON), seal (the
-                                     workers' HMAC over both, fleet/core/seal.py); TTL result_ttl_s
+                                     workers' HMAC over both, fleet/core/seal.py); between two
+                                     model turns also turn (the next turn's state JSON) and
+                                     turn_seal (fleet/core/seal.py); TTL result_ttl_s
   {p}result:{<ref>}           string final Envelope JSON; TTL result_ttl_s; written exactly once
                                      (SET NX), which is what makes "one final Envelope" hold
   {p}events:{<ref>}           stream per-job events (queued, admitted, attempt, delta, retry, final);
@@ -85,6 +87,11 @@ D = ``{p}{d}:``, one hash tag for all)
                                      dispatchers BLPOP it (no polling)
   D backend                   hash   last /metrics + /health scrape: scraped_at, hold, figures
   D stats                     hash   admissions, hold:<reason>
+  D deferred                  zset   continuations waiting for their not-before time (a backoff),
+                                     score = that time (unix s); promoted into their queue by the
+                                     dispatcher (schedulers/store/base.py, Continuations)
+  D continuations             set    refs of jobs readmitted at least once (``fleet queues``); their
+                                     item has cont=1 (and deferred=<time> while waiting)
 """
 
 from __future__ import annotations
