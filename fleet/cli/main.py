@@ -84,7 +84,7 @@ def client_or_exit():  # type: ignore[no-untyped-def]
 @app.command()
 def worker(
     role: Annotated[str, typer.Option(
-        help="all | prep | collect | infer: which queues to consume")] = "all",
+        help="all | prep | collect | infer | tools: which queues to consume")] = "all",
     concurrency: Annotated[int, typer.Option(help="threads (or processes) in this worker")] = 40,
     pool: Annotated[str, typer.Option(help="threads (inference: one thread per stream) or "
                                            "prefork (CPU-bound prep at scale)")] = "threads",
@@ -96,6 +96,7 @@ def worker(
         INFER_QUEUE,
         collect_queues,
         prep_queues,
+        tool_queues,
         worker_app,
     )
 
@@ -108,8 +109,11 @@ def worker(
         queues += prep_queues(settings)
     if role in ("all", "collect"):
         queues += collect_queues(settings)
+    if role in ("all", "tools"):
+        queues += tool_queues(settings)
     if not queues:
-        raise typer.BadParameter("role must be all, prep, collect or infer")
+        raise typer.BadParameter("role must be all, prep, collect, infer or tools (tools: no "
+                                 "project runs tools)")
     preflight_or_exit(role)
     secrets_or_exit("worker", settings)
     if not settings.security.worker_secret:  # prep seals with it, inference checks the seal

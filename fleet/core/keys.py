@@ -48,6 +48,9 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
   {p}{prep}:prepping:<project> zset  the project's jobs not yet handed over, score = when the prep
                                      watchdog looks at them (fleet/prep/watchdog.py)
   {p}attempts:{<ref>}         list   attempt history (JSON) kept for carry-over between attempts
+  {p}tools:{<ref>}            hash   tool results of the job's tool rounds, field <round>:<call id>,
+                                     sealed by the tool worker (fleet/infer/tools.py); TTL
+                                     result_ttl_s
   {p}retry_budget:<project>   hash   sliding counters of first attempts and retries (retry budget)
   {p}tokcache:<sha256>        string cached /tokenize count for a piece of content
   {p}stats:codes              hash   final results counted by "<project>|<code>" (for /metrics)
@@ -150,6 +153,9 @@ class Keys:
 
     def attempts(self, ref: str) -> str:
         return f"{self.prefix}attempts:{{{ref}}}"
+
+    def tools(self, ref: str) -> str:
+        return f"{self.prefix}tools:{{{ref}}}"
 
     def retry_budget(self, project: str) -> str:
         return f"{self.prefix}retry_budget:{project}"

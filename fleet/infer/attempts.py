@@ -53,6 +53,7 @@ redelivered job continues the numbering and the carry-over from that history.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import random
 import threading
@@ -64,13 +65,14 @@ from typing import Any
 import redis
 
 from fleet.core.codes import Code
-from fleet.core.config import ProjectSettings, Settings
+from fleet.core.config import ProjectSettings, Settings, ToolSettings
 from fleet.core.errors import FleetError, ThinkLoop
 from fleet.core.events import EventSink
 from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Attempt, Envelope, Job, Timings, Usage
 from fleet.core.request import build_request_messages, fence, new_fence_tag, tools_allowed
 from fleet.infer import carryover
+from fleet.infer import tools as tools_mod
 from fleet.infer.budget import Plan, grow_budget, grow_reserve
 from fleet.infer.loopwatch import LoopWatcher, Verdict
 from fleet.infer.retrying import RetryBudget, backoff_s, fits_deadline, should_retry
@@ -112,8 +114,9 @@ class Continuation:
     not_before: float  # unix seconds
     delay_s: float
     max_tokens: int  # of the next turn's plan: its admission size
-    how: str  # "carry" | "budget" | "reserve" | "reask" | "backoff" | "outage"
+    how: str  # "carry" | "budget" | "reserve" | "reask" | "backoff" | "outage" | "tool"
     cause: Code
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # "tool": the calls to run
 
 
 class _LoopDetected(ThinkLoop):
@@ -127,7 +130,7 @@ class _Outcome:
     code: Code
     cause: str
     result: StreamResult | None = None
-    retry: str | None = None  # "carry" | "budget" | "reserve" | "reask" | "backoff" | "outage"
+    retry: str | None = None  # "carry" | "budget" | "reserve" | "reask" | "backoff" | "outage" | "tool"
     parsed: Any = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
@@ -193,6 +196,20 @@ class _Run:
         self.messages, self.warnings = build_request_messages(job, self.fence_tag)
         self.tools, self.tool_choice, tool_warnings = tools_allowed(job, ctx.project)
         self.warnings += tool_warnings
+        self.registry: dict[str, ToolSettings] = {}  # tools the fleet runs (mode "run")
+        if self.tools and ctx.project.tools == "run":
+            self.registry, unregistered = tools_mod.registered(
+                ctx.project, [str((t.get("function") or {}).get("name")) for t in self.tools])
+            if unregistered:
+                self.warnings.append(f"tools the fleet does not run were removed: {', '.join(unregistered)}")
+            self.tools = tools_mod.definitions(self.registry) or None
+            if self.tools is None:
+                self.tool_choice = None
+        # The tool loop's state (fleet/infer/tools.py), carried from turn to turn:
+        self.conversation: list[dict[str, Any]] = []  # messages after the job's own
+        self.tool_rounds: list[dict[str, Any]] = []
+        self.invalid_rounds = 0
+        self.tools_off = False  # an untrusted tool result came in: no tools any more
         self.response_format = response_format(job, ctx.project)
         self.attempts: list[Attempt] = []
         self.usage = Usage()
@@ -226,7 +243,7 @@ class _Run:
         return len(history)
 
     TURN_FIELDS = ("carry_note", "reask_note", "conclusions", "retries", "reasks", "outages",
-                   "heat", "warnings")
+                   "heat", "warnings", "conversation", "tool_rounds", "invalid_rounds", "tools_off")
 
     def resume(self, turn: dict[str, Any]) -> None:
         """Continue from the state the previous turn handed over (``Continuation.turn``)."""
@@ -247,19 +264,71 @@ class _Run:
     def run(self) -> Envelope | Continuation:
         if self.previous == 0:
             self.budget.first_attempt()
-        stop = self._stop_before_attempt()
+        stop = self._stop_before_attempt() or self._finish_tool_round()
         if stop is not None:
             return self._envelope(stop)
         outcome = self._attempt(self.previous + 1)
-        if outcome.code.ok or outcome.retry is None:
+        if outcome.retry is None:
             return self._envelope(outcome)
+        if outcome.retry == "tool":
+            return self._tool_round(outcome)
         delay_s = self._prepare_retry(outcome)
         if delay_s is None:
             return self._envelope(outcome)
         assert outcome.retry is not None
+        return self._continuation(delay_s, outcome.retry, outcome.code)
+
+    def _continuation(self, delay_s: float, how: str, cause: Code,
+                      calls: list[dict[str, Any]] | None = None) -> Continuation:
+        # Admission sizes the next turn by the planned prompt and max tokens; the conversation
+        # the tool rounds added is counted with it (about 3 characters a token).
+        grown = len(json.dumps(self.conversation)) // 3 if self.conversation else 0
         return Continuation(turn=self.turn(), not_before=self.ctx.clock() + delay_s,
-                            delay_s=delay_s, max_tokens=self.plan.max_tokens, how=outcome.retry,
-                            cause=outcome.code)
+                            delay_s=delay_s, max_tokens=self.plan.max_tokens + grown, how=how,
+                            cause=cause, tool_calls=calls or [])
+
+    # -- tool rounds (fleet/infer/tools.py) -----------------------------------------------------
+    def _tool_round(self, outcome: _Outcome) -> Envelope | Continuation:
+        project = self.ctx.project
+        if len(self.tool_rounds) >= project.max_tool_rounds:
+            return self._envelope(_Outcome(Code.E_TOOL_FAILED, f"the model asked for tools again "
+                                           f"after {project.max_tool_rounds} rounds", outcome.result))
+        calls = tools_mod.check_calls(outcome.tool_calls, self.registry)
+        invalid = [c for c in calls if c.error is not None]
+        if invalid:
+            if self.invalid_rounds >= project.tool_invalid_max:
+                return self._envelope(_Outcome(Code.E_TOOL_INVALID, f"invalid tool call: "
+                                               f"{invalid[0].error}", outcome.result))
+            self.invalid_rounds += 1
+        round_ = tools_mod.new_round(len(self.tool_rounds) + 1, calls, self.registry, self.ctx.clock())
+        self.tool_rounds.append(round_)
+        self.ctx.events.emit("tool_round", number=round_["number"],
+                             calls=[c.name for c in calls], invalid=len(invalid),
+                             timeout_s=round_["timeout_s"])
+        run = [{"id": c.id, "name": c.name, "arguments": c.arguments,
+                "task": self.registry[c.name].task,
+                "queue": self.registry[c.name].queue_for(self.job.project)}
+               for c in calls if c.error is None]
+        return self._continuation(round_["timeout_s"], "tool", Code.OK, run)
+
+    def _finish_tool_round(self) -> _Outcome | None:
+        """At the start of the turn after a tool round: its results become the tool messages."""
+        pending = self.tool_rounds[-1] if self.tool_rounds else None
+        if pending is None or "duration_s" in pending:
+            return None
+        ref = job_ref(self.job.project, self.job.id)
+        results = tools_mod.load_results(self.ctx.redis, self.ctx.keys, self.s, ref, pending)
+        done = tools_mod.finish_round(pending, results, self.registry, self.fence_tag,
+                                      self.ctx.clock())
+        self.ctx.events.emit("tool_results", number=pending["number"],
+                             results=len(results), duration_s=pending["duration_s"])
+        if done.failure is not None:
+            return _Outcome(Code(done.failure[0]), done.failure[1])
+        self.conversation += done.messages
+        if done.untrusted and not self.tools_off:
+            self.tools_off = True
+            self.warnings.append("an untrusted tool result came in: later turns go out without tools")
+        return None
 
     def _stop_before_attempt(self) -> _Outcome | None:
         if self.ctx.cancel.is_set():
@@ -283,6 +352,7 @@ class _Run:
         for note in (self.carry_note, self.reask_note):
             if note:
                 messages = carryover.with_note(messages, note)
+        messages = messages + self.conversation
         body: dict[str, Any] = {
             "messages": messages,
             "max_completion_tokens": self.plan.max_tokens,
@@ -295,6 +365,9 @@ class _Run:
         }
         if self.response_format is not None:
             body["response_format"] = self.response_format
+        if self.tools_off:
+            body["tool_choice"] = "none"
+            return body
         if self.tools:
             body["tools"] = self.tools
         if self.tool_choice is not None:
@@ -402,6 +475,8 @@ class _Run:
         if r.finish_reason in ("abort", "error"):
             return _Outcome(Code.E_UPSTREAM_ERROR, f"finish_reason {r.finish_reason}", r,
                             retry=self._retry_kind(Code.E_UPSTREAM_ERROR))
+        if self.registry and not self.tools_off and r.tool_calls:
+            return _Outcome(Code.OK, "tool call", r, retry="tool", tool_calls=r.tool_calls)
         calls = self._allowed_calls(r)
         if calls:
             return _Outcome(Code.OK, "tool call", r, tool_calls=calls)
@@ -511,7 +586,8 @@ class _Run:
             attempts=self.earlier + self.attempts,
             content=result.content if result is not None else None,
             reasoning=result.reasoning if result is not None else None,
-            parsed=outcome.parsed, tool_calls=outcome.tool_calls, usage=self.usage,
+            parsed=outcome.parsed, tool_calls=outcome.tool_calls, tool_rounds=self.tool_rounds,
+            usage=self.usage,
             timings=Timings(first_token_s=self.first_token_s,
                             total_s=round(self.ctx.clock() - self.started, 3)),
             warnings=self.warnings,

@@ -13,6 +13,10 @@ fleet.prep (queue fleet.<project>, kwargs project, job_id, signed)
 fleet.cancel (queue fleet.<project>, kwargs project, job_id; sent by fleet.Client.cancel)
   acts only on a cancel request signed by the project (``{p}cancel:{<ref>}``): removes a queued job
   from the dispatcher and publishes E_CANCELLED; a running job is left to its lease keeper.
+fleet.tool (queue of the tool, kwargs ref, round_number, call_id; sent by an inference worker)
+  runs one tool call of a job's tool round (fleet/infer/tools.py): only a call the job's sealed
+  turn names, with the arguments it names; stores the result sealed and, with the round's last
+  result, puts the job in line at once.
 fleet.infer (queue fleet.infer, kwargs ref, project, fence; sent by a dispatcher)
   stale fence (duplicate or late delivery) -> drop; already final (cancelled) -> release, drop;
   the ref, the task, the lease, the record and the sealed job must name one project, and the seal
@@ -69,7 +73,8 @@ log = logging.getLogger(__name__)
 
 def register_tasks(app: Celery) -> None:
     metrics = WorkerMetrics()
-    runtime = Runtime(app.fleet_settings, on_publish=metrics.observe)  # type: ignore[attr-defined]
+    runtime = Runtime(app.fleet_settings, on_publish=metrics.observe,  # type: ignore[attr-defined]
+                      send_task=app.send_task)
     serve_when_started(app, metrics, runtime.settings.worker_metrics_port)
 
     # A non-OK final code raises JobEnded (fleet/worker/app.py): FAILURE in Flower, no redelivery.
@@ -84,6 +89,10 @@ def register_tasks(app: Celery) -> None:
     @app.task(name="fleet.infer", acks_late=True, throws=(JobEnded,))
     def infer(*, ref: str, project: str, fence: int) -> str:
         return task_outcome(infer_job(runtime, ref, project, fence), split_ref(ref)[1])
+
+    @app.task(name="fleet.tool", acks_late=True)
+    def tool(*, ref: str, round_number: int, call_id: str) -> str:
+        return f"{tool_job(runtime, app.tasks, ref, round_number, call_id)} job={split_ref(ref)[1]}"
 
 
 def _events(rt: Runtime, ref: str) -> EventSink:
@@ -274,6 +283,8 @@ def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
             return "lease-lost"  # reaped meanwhile: pending again, resuming from the saved turn
         _events(rt, ref).emit("continuation", how=cont.how, cause=cont.cause.value,
                               delay_s=round(cont.delay_s, 3), max_tokens=cont.max_tokens)
+        if cont.tool_calls:
+            _send_tools(rt, ref, cont)
         if cancel_requested(rt, ref) and rt.store.cancel_pending(ref):
             owner, job_id = split_ref(ref)  # cancelled while this turn ran: never run another
             return _fail(rt, job_id, owner, Code.E_CANCELLED, "cancelled between turns")
@@ -281,6 +292,51 @@ def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
         log.warning("continuation of job=%s not readmitted (%r): its lease will expire", ref, exc)
         return "readmit-failed"
     return "continued"
+
+
+def _send_tools(rt: Runtime, ref: str, cont: Continuation) -> None:
+    """One ``fleet.tool`` task per call, all at once (they run in parallel on the tool workers).
+    A send that fails leaves that call without a result: it times out like a lost tool."""
+    assert rt.send_task is not None, "a worker runtime sends tasks"
+    number = cont.turn["tool_rounds"][-1]["number"]
+    for call in cont.tool_calls:
+        try:
+            rt.send_task("fleet.tool", kwargs={"ref": ref, "round_number": number,
+                                               "call_id": call["id"]},
+                         queue=call["queue"], argsrepr="()",
+                         kwargsrepr=f"job={ref} tool={call['name']} round={number}")
+        except Exception as exc:  # the broker: the call times out, the job goes on
+            log.warning("tool task of job=%s call=%s not sent: %r", ref, call["id"], exc)
+
+
+def tool_job(rt: Runtime, tasks: Any, ref: str, round_number: int, call_id: str) -> str:
+    """Run one call of a tool round (module docstring); returns what became of it."""
+    from fleet.infer import tools as tools_mod
+
+    record = rt.results.job_record(ref)
+    try:
+        turn_json = check_turn(rt.settings, ref, record)
+    except AuthError as exc:
+        log.warning("tool call %s of job=%s refused: %s", call_id, ref, exc.message)
+        return "refused"
+    rounds = json.loads(turn_json)["tool_rounds"] if turn_json else []
+    pending = next((r for r in rounds if r["number"] == round_number and "duration_s" not in r), None)
+    call = next((c for c in (pending or {}).get("calls", [])
+                 if c["id"] == call_id and c["error"] is None), None)
+    if pending is None or call is None:
+        return "stale"  # not a call of the job's open round (late, duplicate or forged)
+    tool = rt.settings.projects[split_ref(ref)[0]].tool_registry[call["name"]]
+    task = tasks.get(tool.task)
+    if task is None:
+        result = {"ok": False, "error": f"the tool task {tool.task!r} is not registered on this worker"}
+    else:
+        result = tools_mod.run_tool(task, call["arguments"])
+    have = tools_mod.save_result(rt.redis, rt.keys, rt.settings, ref, round_number, call_id, result)
+    _events(rt, ref).emit("tool_result", number=round_number, call=call_id, name=call["name"],
+                          ok=result["ok"], duration_s=result.get("duration_s"))
+    if have >= sum(1 for c in pending["calls"] if c["error"] is None):
+        rt.store.hurry(ref, time.time())  # the round is complete: in line now, not at its timeout
+    return "ok" if result["ok"] else "failed"
 
 
 def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> Job:

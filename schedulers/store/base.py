@@ -177,6 +177,11 @@ class AdmissionStore(Protocol):
 
     def next_not_before(self) -> float | None: ...
 
+    def hurry(self, job_id: str, not_before: float) -> bool:
+        """Bring a waiting continuation's not-before time forward to ``not_before`` (never
+        later); False when the job is not waiting."""
+        ...
+
     def continuations(self) -> dict[str, dict[str, int]]:
         """Continuations waiting per project: {"pending": n, "deferred": n} (non-zero only)."""
         ...

@@ -281,6 +281,17 @@ class MemoryStore:
                 self._signal()
         return promoted
 
+    def hurry(self, job_id: str, not_before: float) -> bool:
+        with self._lock:
+            waiting = self._deferred.get(job_id)
+            if waiting is None:
+                return False
+            if not_before < waiting[0]:
+                self._deferred[job_id] = (not_before, waiting[1])
+                heapq.heappush(self._not_before, (not_before, job_id))
+                self._signal()
+            return True
+
     def next_not_before(self) -> float | None:
         with self._lock:
             return min((due for due, _entry in self._deferred.values()), default=None)

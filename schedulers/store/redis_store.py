@@ -307,6 +307,15 @@ class RedisStore:
             args += [job_id, *where]
         return [_text(job_id) for job_id in self._run("promote", keys, args)]
 
+    def hurry(self, job_id: str, not_before: float) -> bool:
+        """One ZADD XX LT (only an existing entry, only earlier), then a wake."""
+        pipe = self._client.pipeline()
+        pipe.zadd(self._key("deferred"), {job_id: not_before}, xx=True, lt=True)
+        pipe.zscore(self._key("deferred"), job_id)
+        pipe.lpush(self._key("wake"), "1")
+        pipe.ltrim(self._key("wake"), 0, 99)
+        return pipe.execute()[1] is not None
+
     def next_not_before(self) -> float | None:
         first = self._client.zrange(self._key("deferred"), 0, 0, withscores=True)
         return float(first[0][1]) if first else None
