@@ -3,7 +3,8 @@ tasks of tests/tool_tasks.py on the fleet's tool queues, ``fleet sim``, Redis).
 
 Project ``assistant`` runs ``search_docs`` (trusted, fast; it reports the simulator's running
 count while it runs) and ``run_query`` (untrusted, outlasts its 1 s timeout); ``triage`` runs
-``open_ticket`` (fails). The simulator calls a tool on the first K requests of a job
+``open_ticket`` (fails) and ``crash_worker`` (kills its worker; the module's last test, since
+it leaves one of the two workers). The simulator calls a tool on the first K requests of a job
 (``[sim:tool=NAME/K]``), with arguments that fail the schema where asked (``[sim:bad_args/K]``).
 """
 
@@ -38,8 +39,10 @@ def tools_config(tmp: Path) -> Path:
                         "timeout_s": 20},
         "run_query": {"task": "tests.run_query", "timeout_s": 1,
                       "queue": "fleet.tools.slow"}})
-    data["projects"]["triage"].update(tools="run", tool_registry={
-        "open_ticket": {"task": "tests.open_ticket", "timeout_s": 20}})
+    data["projects"]["triage"].update(tools="run", allowed_tools=["open_ticket", "crash_worker"],
+                                      tool_registry={
+        "open_ticket": {"task": "tests.open_ticket", "timeout_s": 20},
+        "crash_worker": {"task": "tests.crash_worker", "timeout_s": 2, "on_error": "model"}})
     path.write_text(tomli_w.dumps(data), encoding="utf-8")
     return path
 
@@ -47,7 +50,7 @@ def tools_config(tmp: Path) -> Path:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     with Harness(tools_config(tmp_path_factory.mktemp("fleet-tools")), sim_speed=100,
-                 sim_args=SIM_ARGS) as harness:
+                 sim_args=SIM_ARGS, workers=2) as harness:
         yield harness
 
 
@@ -135,3 +138,18 @@ def test_an_untrusted_job_never_runs_tools(fleet: Harness, probe: FleetProbe) ->
     body, = probe.sim_requests(job)
     assert "tools" not in body and body["tool_choice"] == "none"
 
+
+
+def test_a_tool_worker_dying_mid_tool_loses_nothing(fleet: Harness, probe: FleetProbe) -> None:
+    """The round's result never comes: at the tool's timeout the job is in line again, the
+    surviving worker runs the next turn, and the model is told (``on_error = "model"``)."""
+    job = fleet.client.submit(ask("triage", "File it. [sim:tool=crash_worker/1]", "crash_worker"))
+    envelope = fleet.client.result(job, timeout=90)
+    assert envelope is not None and envelope.code == Code.OK, envelope
+    result = envelope.tool_rounds[0]["calls"][0]["result"]
+    assert result == {"ok": False, "error": "no result within 2 s"}
+    told = probe.sim_requests(job)[1]["messages"][-1]
+    assert told["role"] == "tool" and "no result within 2 s" in told["content"]
+    dead = [name for name, p in fleet.fleet.children if name.startswith("worker") and p.poll() is not None]
+    assert len(dead) == 1
+    assert probe.envelope_counts()[job] == 1

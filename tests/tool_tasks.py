@@ -3,12 +3,13 @@ this module (``tool_imports``), which registers them as Celery tasks.
 
 ``search_docs`` sleeps ``SEARCH_SLEEP_S`` and reports how many sequences the simulator runs right
 then: the proof that the job's inference slot is free while its tool runs. ``run_query`` outlasts
-its timeout, ``open_ticket`` fails.
+its timeout, ``open_ticket`` fails, ``crash_worker`` kills the worker that runs it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -34,3 +35,11 @@ def run_query(**arguments: Any) -> str:
 @shared_task(name="tests.open_ticket")
 def open_ticket(**arguments: Any) -> str:
     raise RuntimeError("the ticket system is down")
+
+
+@shared_task(name="tests.crash_worker")
+def crash_worker(**arguments: Any) -> str:
+    """The tool worker dies mid-tool (the whole process, as a kill -9 or an OOM would)."""
+    time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "never"
