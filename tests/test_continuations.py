@@ -52,6 +52,7 @@ def rt(sim: str, key_prefix: str, redis_client: redis.Redis) -> Iterator[Runtime
     runtime = Runtime(cfg)
     yield runtime
     runtime.vllm.close()
+    runtime.redis.close()
 
 
 def submit(rt: Runtime, text: str) -> str:
