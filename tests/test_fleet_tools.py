@@ -89,6 +89,9 @@ def test_three_tool_rounds_run_with_the_slot_free_then_the_answer(
     assert "invoice-2024-03.pdf" in last[-1]["content"]
     assert last[-2]["tool_calls"][0]["function"]["name"] == "search_docs"
     assert bodies[-1]["tools"][0]["function"]["parameters"] == QUERY  # the registry's schema
+    shown = probe.cli("tail", job, "--no-follow", "--project", "assistant").stdout
+    assert "tool round 3: search_docs; timeout 20.0 s" in shown
+    assert "continuation: slot given up, back in line (tools running" in shown
 
 
 def test_invalid_arguments_go_back_to_the_model_then_e_tool_invalid(

@@ -329,7 +329,10 @@ def status(job_id: Annotated[str | None, typer.Argument(help=JOB_HELP)] = None,
 @app.command()
 def tail(job_id: Annotated[str, typer.Argument(help=JOB_HELP)],
          follow: Annotated[bool, typer.Option()] = True, project: ProjectOption = None) -> None:
-    """Follow a job's live events (queued, admitted, attempts, deltas, retries, final)."""
+    """Follow a job's live events (queued, admitted, attempts, deltas, retries, continuations,
+    tool rounds, final)."""
+    from fleet.cli.tail import describe
+
     with client_or_exit() as client:
         for event in client.events(_job_ref(client, job_id, project), follow=follow):
             data = event["data"]
@@ -338,7 +341,7 @@ def tail(job_id: Annotated[str, typer.Argument(help=JOB_HELP)],
                 style = "dim" if event["type"] == "reasoning" else ""
                 console.print(text, style=style, end="", markup=False, highlight=False)
             else:
-                console.print(f"\n[bold]{event['type']}[/bold] {json.dumps(data)}")
+                console.print("\n" + describe(event["type"], data))
 
 
 @app.command()
