@@ -114,7 +114,7 @@ def fair3(fb: FleetBench, n: int, heavy: str = "reports") -> list[Row]:
         prompt = max(a.usage.prompt_tokens for a in e.attempts)
         for a in e.attempts:
             if a.started_at < end:
-                cost[e.project] += prompt + a.max_tokens
+                cost[e.project] += prompt + (a.max_tokens or 0)
                 attempts[e.project] += 1
     total, total_w = sum(cost.values()), sum(weights.values())
     sc = f"fair3 (five projects x {n}; every {heavy} job needs 3 attempts)"
