@@ -73,8 +73,8 @@ class MemoryStore:
         size = "long" if item.prompt_tokens > self.config.limits.long_prompt_tokens else "short"
         score = fairshare.pending_score(item.enqueued_at, item.priority, self.config.aging_s)
         with self._lock:
-            if item.job_id in self._pending or item.job_id in self._leases:
-                return  # pending already, or in flight: an expired lease puts it back itself
+            if item.job_id in self._pending or item.job_id in self._leases or item.job_id in self._deferred:
+                return  # pending, in flight or a waiting continuation: each comes back itself
             if not self._pending and self._state.in_flight == 0:
                 self._vtime = fairshare.forgive(self._vtime, self._finish.values())
             self._push(_Entry(item, score, size))
