@@ -87,6 +87,9 @@ def test_a_retry_gives_the_slot_up_and_the_next_turn_runs_from_the_saved_turn(rt
     assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "OK"
     final = envelope(rt, ref)
     assert final is not None and [a.code for a in final.attempts] == [Code.E_UPSTREAM_ERROR, Code.OK]
+    submitted_at = json.loads(rt.results.job_record(ref)["job"])["submitted_at"]
+    # queued until the FIRST admission, not the last turn's
+    assert final.timings.queued_s == round(final.attempts[0].started_at - submitted_at, 4)
 
 
 @pytest.mark.parametrize("how", ["worker dies", "redis error"])

@@ -380,11 +380,14 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope |
     if not isinstance(envelope, Envelope):
         return envelope  # a Continuation
     warnings = json.loads(record.get("warnings", "[]"))
+    # Queued until the job's FIRST admission: its first attempt (a later turn's admission
+    # would count the earlier turns as queueing).
+    first_admitted = envelope.attempts[0].started_at if envelope.attempts else admitted_at
     return envelope.model_copy(update={
         "warnings": warnings + envelope.warnings,
         "metadata": job.metadata,
         "timings": Timings(
-            queued_s=round(admitted_at - job.submitted_at, 4),
+            queued_s=round(min(first_admitted, admitted_at) - job.submitted_at, 4),
             first_token_s=envelope.timings.first_token_s,
             total_s=round(time.time() - job.submitted_at, 4),
         ),
