@@ -36,7 +36,7 @@ for ever and exactly one envelope is published. An inference worker that dies af
 round and before sending the tasks is the same case. A tool task may run twice (broker
 redelivery): the result is written by call id, the last write wins, the turn reads one.
 The envelope's ``tool_rounds`` lists every round: its calls (name, arguments, the check's error),
-their results (ok, content or error, duration) and the round's duration.
+their results (ok, content or error, started_at, duration_s) and the round's duration.
 """
 
 from __future__ import annotations
@@ -204,11 +204,11 @@ def finish_round(round_: dict[str, Any], results: dict[str, dict[str, Any]],
 
 def run_tool(task: Any, arguments: str) -> dict[str, Any]:
     """Run a registered tool task in this process; its result or error as stored."""
-    started = time.monotonic()
+    started_at, started = time.time(), time.monotonic()
     try:
         value = task(**json.loads(arguments or "{}"))
     except Exception as exc:  # the tool's own failure: reported, never the worker's
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
-                "duration_s": round(time.monotonic() - started, 3)}
-    return {"ok": True, "content": result_text(value),
+                "started_at": started_at, "duration_s": round(time.monotonic() - started, 3)}
+    return {"ok": True, "content": result_text(value), "started_at": started_at,
             "duration_s": round(time.monotonic() - started, 3)}
