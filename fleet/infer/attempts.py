@@ -45,7 +45,10 @@ How an attempt ends and what follows:
 
 Retries (not re-asks, not outage returns) are bounded by retry.max_attempts, every retry by
 the project's retry budget (fleet/infer/retrying.py), backoff by the job's deadline. After the
-last attempt the job ends with that attempt's code (E_THINK_LOOP, E_EMPTY_ANSWER, E_OUTPUT_INVALID, an upstream code).
+last attempt the job ends with that attempt's code (E_THINK_LOOP, E_EMPTY_ANSWER,
+E_OUTPUT_INVALID, an upstream code). Tool calls of a project in mode "run" end the turn too: a
+tool round (fleet/infer/tools.py) runs the tools while the job holds no slot, and the next turn
+starts with their results.
 Every attempt is an ``Attempt`` in the Envelope and a JSON entry in ``{p}attempts:<id>``; a
 redelivered job continues the numbering and the carry-over from that history.
 """
