@@ -123,6 +123,16 @@ def test_a_tool_past_its_timeout_ends_e_tool_timeout(fleet: Harness, probe: Flee
     assert probe.envelope_counts()[job] == 1
 
 
+def test_a_model_that_never_stops_calling_ends_after_max_tool_rounds(
+        fleet: Harness, probe: FleetProbe) -> None:
+    job = fleet.client.submit(ask("assistant", "Search forever. [sim:tool=search_docs]",
+                                  "search_docs"))
+    envelope = fleet.client.result(job, timeout=90)
+    assert envelope is not None and envelope.code == Code.E_TOOL_FAILED, envelope
+    assert len(envelope.tool_rounds) == 4 and "after 4 rounds" in envelope.message
+    assert len(probe.sim_requests(job)) == 5
+
+
 def test_a_failing_tool_ends_e_tool_failed(fleet: Harness, probe: FleetProbe) -> None:
     job = fleet.client.submit(ask("triage", "File it. [sim:tool=open_ticket]", "open_ticket"))
     envelope = fleet.client.result(job, timeout=90)
@@ -151,8 +161,12 @@ def test_a_tool_worker_dying_mid_tool_loses_nothing(fleet: Harness, probe: Fleet
     assert envelope is not None and envelope.code == Code.OK, envelope
     result = envelope.tool_rounds[0]["calls"][0]["result"]
     assert result == {"ok": False, "error": "no result within 2 s"}
-    told = probe.sim_requests(job)[1]["messages"][-1]
+    second = probe.sim_requests(job)[1]
+    told = second["messages"][-1]
     assert told["role"] == "tool" and "no result within 2 s" in told["content"]
+    # crash_worker is untrusted (the default): its result is fenced and turns the tools off
+    assert "tools" not in second and second["tool_choice"] == "none"
+    assert any("without tools" in w for w in envelope.warnings)
     dead = [name for name, p in fleet.fleet.children if name.startswith("worker") and p.poll() is not None]
     assert len(dead) == 1
     assert probe.envelope_counts()[job] == 1
