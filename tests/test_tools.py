@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import redis
 
 from fleet.core.config import ToolSettings
 from fleet.core.keys import Keys
+from fleet.core.seal import seal_turn
 from fleet.infer import tools
 from fleet.worker.runtime import Runtime
 from fleet.worker.tasks import infer_job, tool_job
@@ -89,3 +91,28 @@ def test_results_count_per_round(redis_client: redis.Redis, rt: Runtime) -> None
         have = tools.save_result(rt.redis, rt.keys, rt.settings, "reports/j3", 2, call_id, {"ok": True})
     tools.save_result(rt.redis, rt.keys, rt.settings, "reports/j3", 1, "a", {"ok": True})
     assert have == 2
+
+
+def test_a_round_of_parallel_calls_is_put_in_line_when_its_last_result_is_in(rt: Runtime) -> None:
+    """Two calls of one round run as two tasks; the job waits (no slot) until both are in."""
+    ref = submit(rt, "Sum the invoices. [sim:think=20]")
+    fence = admit(rt, ref, time.time())
+    assert rt.store.readmit(ref, fence, 500, time.time() + 100, time.time())  # waits for the tools
+    calls = [{"id": i, "name": "search_docs", "arguments": '{"query": "q"}', "error": None}
+             for i in ("a", "b")]
+    turn = json.dumps({"tool_rounds": [{"number": 1, "calls": calls}]})
+    rt.results.record(ref, turn=turn, turn_seal=seal_turn(rt.settings, ref, turn))
+    tasks = {"tests.search_docs": lambda **kw: {"found": kw["query"]}}
+    settings = rt.settings.model_copy(update={"projects": {**rt.settings.projects, "reports":
+        rt.settings.projects["reports"].model_copy(update={"tool_registry": {
+            "search_docs": ToolSettings(task="tests.search_docs", parameters=QUERY)}})}})
+    rt.settings = settings
+    waiting = rt.store.next_not_before()
+    assert tool_job(rt, tasks, ref, 1, "a") == "ok"
+    assert rt.store.next_not_before() == waiting  # one of two results: still waiting
+    assert tool_job(rt, tasks, ref, 1, "b") == "ok"
+    assert rt.store.next_not_before() is not None and rt.store.next_not_before() < waiting
+    assert rt.store.promote_due(time.time()) == [ref]
+    found = tools.load_results(rt.redis, rt.keys, rt.settings, ref, {"number": 1, "calls": calls})
+    assert {k: json.loads(v["content"]) for k, v in found.items()} == {
+        "a": {"found": "q"}, "b": {"found": "q"}}
