@@ -1,16 +1,17 @@
 """The dispatcher process: admits pending jobs into the backend, one atomic decision at a time.
 
 Loop (``run_dispatcher``):
-  1. reap expired leases (their jobs go back in line at their original place);
+  1. reap expired leases (their jobs go back in line at their original place), and put in line
+     the continuations whose not-before time (a backoff) came (``promote_due``);
   2. drop pending jobs whose deadline passed (``expire_deadlines``) and hand each id to
      ``on_expired`` (the caller publishes E_DEADLINE);
   3. ``admit_next`` while it grants, calling ``send(grant)`` for each (the caller enqueues the
      inference task with the job id and the fence);
   4. block on the wake list (BLPOP) until a submit, a release, an expiry or a lifted backend hold
      pushes to it, or until the next time-based event: lease expiry, pending deadline, bucket
-     refill, spacing, or ``admission.max_wait_s`` at most (<= 4 s, below redis-py's socket
-     timeout). Nothing sleep-polls; a freed slot is refilled as soon as the release's wake
-     reaches a dispatcher.
+     refill, spacing, a continuation's not-before time, or ``admission.max_wait_s`` at most
+     (<= 4 s, below redis-py's socket timeout). Nothing sleep-polls; a freed slot is refilled
+     as soon as the release's wake reaches a dispatcher.
 
 What it logs at INFO: start, stop, hold reasons as they change and a summary line a minute
 (schedulers/activity.py), errors; each admission only at DEBUG.
@@ -107,7 +108,7 @@ def wait_timeout_s(store: AdmissionStore, result: AdmitResult, now: float, max_s
         return 0.0
     if result.retry_in_s is not None:
         timeout_s = min(timeout_s, result.retry_in_s)
-    for event_at in (store.next_expiry(), store.next_deadline()):
+    for event_at in (store.next_expiry(), store.next_deadline(), store.next_not_before()):
         if event_at is not None:
             timeout_s = min(timeout_s, event_at - now)
     return max(timeout_s, 0.001)
@@ -138,6 +139,7 @@ def dispatch_round(
 ) -> AdmitResult:
     """One pass of the loop before its wait: reap, expire deadlines, admit."""
     store.reap_expired(clock())
+    store.promote_due(clock())
     expire_deadlines(store, clock(), on_expired)
     return admit_all(store, send, clock(), metrics)
 

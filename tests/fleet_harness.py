@@ -122,6 +122,12 @@ class FleetProbe:
     def sim_reset(self) -> None:
         httpx.post(f"{self.h.backend_url}/sim/reset", timeout=10).raise_for_status()
 
+    def sim_kill(self) -> None:
+        httpx.post(f"{self.h.backend_url}/sim/kill", timeout=10).raise_for_status()
+
+    def sim_revive(self) -> None:
+        httpx.post(f"{self.h.backend_url}/sim/revive", timeout=10).raise_for_status()
+
     def envelope_counts(self) -> Counter[str]:
         """How many envelopes each job id has across every project's results stream."""
         client, counts = self.h.client.redis, Counter[str]()

@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import httpx
 import kombu.exceptions
@@ -141,6 +142,28 @@ def test_queues_table(key_prefix: str, redis_client: redis.Redis) -> None:
     assert [cell.strip() for cell in row_a.split("│")[1:5]] == ["a", "2", "1", "1"]
     assert any("zeta" in line for line in lines)
     assert "in flight 0/1, long 0/3" in text
+
+
+def test_queues_table_shows_continuations_apart(key_prefix: str, redis_client: redis.Redis) -> None:
+    settings = settings_for(key_prefix)
+    store = make_store(settings, redis_client)
+    for job_id in ("j1", "j2", "j3"):
+        store.add_pending(PendingItem(job_id, "a", 100, 100))
+    store.config = replace(store.config, limits=replace(store.config.limits, max_num_seqs=3),
+                           gate=False)
+    grants = [store.admit_next(time.time()).grant for _ in range(2)]
+    assert all(grants)
+    first, second = (g for g in grants if g is not None)
+    assert store.readmit(first.job_id, first.fence, 100, 0.0, time.time())  # back in line
+    assert store.readmit(second.job_id, second.fence, 100, time.time() + 600, time.time())  # backoff
+    console = Console(record=True, width=200)
+    console.print(queues_table(settings, redis_client))
+    lines = console.export_text().splitlines()
+    header = next(line for line in lines if "continuing" in line)
+    assert [c.strip() for c in header.split("┃")[1:7]] == [
+        "project", "weight", "interactive", "batch", "continuing", "waiting"]
+    row_a = next(line for line in lines if line.strip().startswith("│ a"))
+    assert [cell.strip() for cell in row_a.split("│")[1:7]] == ["a", "2", "0", "2", "1", "1"]
 
 
 def test_wait_timeout_follows_the_next_event(key_prefix: str, redis_client: redis.Redis) -> None:

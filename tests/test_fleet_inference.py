@@ -7,9 +7,10 @@ backend and the jobs behind it are provably still queued (state ``pending`` in t
 when they are cancelled or their deadline passes.
 
 Also here because they need one inference worker and a known slot: a duplicate delivery of a
-running attempt's task (dropped), a dead engine (``[sim:dead]``: the dispatcher's health gate
-holds admissions until ``POST /sim/reset`` revives it), and a ``kill -9`` of the worker during a
-retry (the next delivery continues from the attempt history in Redis). The module's last tests
+running attempt's task (dropped), a dead engine (``POST /sim/kill``: the running job returns
+to pending and the dispatcher's health gate holds admissions until ``POST /sim/revive``), and a
+``kill -9`` of the worker during a retry (the next delivery continues from the attempt history in
+Redis). The module's last tests
 replace its worker, so they stay last.
 """
 
@@ -248,30 +249,43 @@ def test_duplicate_delivery_of_a_running_attempt_is_dropped(
     assert probe.envelope_counts()[blocker] == 1
 
 
-def test_dead_backend_holds_admissions_until_it_is_back(fleet: Harness, probe: FleetProbe) -> None:
+def test_dead_backend_sends_running_jobs_back_behind_the_gate(fleet: Harness, probe: FleetProbe) -> None:
+    """The engine dies with a job streaming and three queued (cap 1): the running job's attempt
+    fails, it goes back to pending (no envelope, no slot) behind the health gate with the others;
+    once the engine is back it runs before its project's newer job (it kept its place) and every
+    job ends OK (before issue 12 it burnt its attempts in seconds and ended E_UPSTREAM_ERROR)."""
     client = fleet.client
-    killer = client.submit(ask("research", "Crash the engine. [sim:dead] [sim:think=50]"))
-    failed = client.result(killer, timeout=60)
-    # Every attempt met the dead engine (HTTP 500) until the retries ran out.
-    assert failed is not None and failed.code == Code.E_UPSTREAM_ERROR, failed
-    assert [a.code for a in failed.attempts] == [Code.E_UPSTREAM_ERROR] * 3
-    assert len(probe.sim_requests(killer)) == 3
-    wait_until(lambda: probe.store().backend().get("hold") == "health", 30,
-               "the gate to see the dead engine")
+    running = client.submit(ask("reports", "Stream on. [sim:stall=1000000/1] [sim:think=50]"))
+    wait_until(lambda: probe.state(running) == "running" and probe.sim_stats()["running"] == 1,
+               60, "the job to stream")
     held = [client.submit(ask(p, f"Wait for the engine {p}. [sim:think=50]"))
             for p in ("reports", "triage", "translate")]
     wait_until(lambda: all(probe.state(j) == "pending" for j in held), 60, "the jobs to queue")
-    holds_before = probe.snapshot().holds.get("backend_health", 0)
-    wait_until(lambda: probe.snapshot().holds.get("backend_health", 0) > holds_before, 30,
-               "the dispatcher to hold them for the backend")
-    assert probe.snapshot().in_flight == 0
-    assert all(probe.sim_requests(j) == [] for j in held)
-
-    probe.sim_reset()  # revives the engine (and clears the simulator's request log)
-    envelopes = [client.result(j, timeout=60) for j in held]
-    assert [e.code if e else None for e in envelopes] == [Code.OK] * len(held)
-    assert all(len(e.attempts) == 1 for e in envelopes if e)
-    assert all(len(probe.sim_requests(j)) == 1 for j in held)
+    probe.sim_kill()
+    try:
+        wait_until(lambda: probe.store().backend().get("hold") == "health", 30,
+                   "the gate to see the dead engine")
+        wait_until(lambda: probe.state(running) == "pending", 30, "the running job to return")
+        holds_before = probe.snapshot().holds.get("backend_health", 0)
+        wait_until(lambda: probe.snapshot().holds.get("backend_health", 0) > holds_before, 30,
+                   "the dispatcher to hold them for the backend")
+        assert probe.snapshot().in_flight == 0
+        assert all(probe.envelope_counts()[j] == 0 for j in [running, *held])  # waiting, not failed
+    finally:
+        probe.sim_revive()
+    envelopes = {j: client.result(j, timeout=60) for j in [running, *held]}
+    assert [e.code if e else None for e in envelopes.values()] == [Code.OK] * 4, envelopes
+    # Until the gate saw the death (one scrape), its returns met the dead engine again: outage
+    # returns, more than max_attempts (3) allows plain retries, none of them final.
+    *failed, last_code = [a.code for a in envelopes[running].attempts]  # type: ignore[union-attr]
+    assert failed and set(failed) == {Code.E_UPSTREAM_ERROR} and last_code == Code.OK
+    # A held job admitted before the gate saw the death (one scrape) met the dead engine and
+    # came back too; its project's older job still went first (it kept its place).
+    same_project = envelopes[held[0]]
+    assert same_project is not None
+    last = f"{held[0]}-{len(same_project.attempts)}"
+    order = [b["request_id"] for b in probe.sim_requests()]
+    assert order.index(f"{running}-{len(failed) + 1}") < order.index(last)
 
 
 def test_worker_killed_in_a_retry_continues_from_the_attempt_history(

@@ -1,7 +1,8 @@
 """run_inference against ``fleet sim`` as a real process: every path asserts the code, the
-attempts and what reached the simulator (GET /sim/requests). Backoff sleeps are recorded by a fake
-``sleep`` (the timing logic), the retry budget runs on the real Redis. Also the pure parts the
-attempt loop uses: carry-over extraction and the retry math."""
+attempts and what reached the simulator (GET /sim/requests). The turns run back to back
+(``run_turns``); each continuation's backoff and grown plan are recorded (the timing logic), the
+retry budget runs on the real Redis. Also the pure parts the attempt loop uses: carry-over
+extraction and the retry math."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from fleet.core.events import EventSink, decode_event
 from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Envelope, Job, Message
 from fleet.infer import carryover
-from fleet.infer.attempts import InferenceContext, run_inference
+from fleet.infer.attempts import Continuation, InferenceContext, run_turns
+from fleet.infer.budget import Plan
 from fleet.infer.budget import plan as make_plan
 from fleet.infer.retrying import RetryBudget, backoff_s, fits_deadline, should_retry
 from fleet.infer.vllm import VllmClient
@@ -73,7 +75,7 @@ class Harness:
     def __init__(self, sim: str, client: redis.Redis, prefix: str, cfg: Settings) -> None:
         self.sim, self.redis, self.keys, self.cfg = sim, client, Keys(prefix), cfg
         self.sleeps: list[float] = []
-        self.plans: list[Any] = []  # what on_plan was told (lease resizes)
+        self.plans: list[Any] = []  # grown plans handed to the next turn's admission
         self.cancel = threading.Event()
         self.vllm = VllmClient(sim, "local", timeouts=cfg.timeouts)
 
@@ -89,9 +91,15 @@ class Harness:
         ctx = InferenceContext(
             settings=self.cfg, project=project, redis=self.redis, keys=self.keys,
             events=events or EventSink(self.redis, self.keys, job_ref(job.project, job.id), 60), cancel=self.cancel,
-            client=self.vllm, sleep=self.sleeps.append, rand=lambda: 0.5,
-            on_plan=self.plans.append, **ctx_fields)
-        return run_inference(job, plan, ctx)
+            client=self.vllm, rand=lambda: 0.5, **ctx_fields)
+        return run_turns(job, plan, ctx, self._continued)
+
+    def _continued(self, cont: Continuation) -> None:
+        """What admission would see: the backoff before the next turn and a grown plan."""
+        if cont.delay_s > 0:
+            self.sleeps.append(cont.delay_s)
+        if cont.how in ("budget", "reserve"):
+            self.plans.append(Plan(**cont.turn["plan"]))
 
     def requests(self, job: Job) -> list[dict[str, Any]]:
         data = httpx.get(f"{self.sim}/sim/requests", params={"limit": 200}).json()
@@ -238,12 +246,23 @@ def test_upstream_failure_then_success(h: Harness, marker: str, code: Code) -> N
 
 
 @HTTP_MARKERS_BROKEN
-def test_outage_ends_after_max_attempts_with_growing_backoff(h: Harness) -> None:
+def test_outage_returns_end_after_max_outage_returns_with_growing_backoff(h: Harness) -> None:
+    h.cfg = settings(retry={"max_outage_returns": 2})
     job = h.job("[sim:http503]")
     env = h.run(job)
     assert env.code is Code.E_UPSTREAM_UNAVAILABLE and env.retryable
     assert codes(env) == [Code.E_UPSTREAM_UNAVAILABLE] * 3
     assert h.sleeps == [0.5, 1.0]
+    assert any("unavailable 3 times" in w for w in env.warnings)
+
+
+@HTTP_MARKERS_BROKEN
+def test_outage_returns_outlast_max_attempts(h: Harness) -> None:
+    """A backend that is away longer than max_attempts tries: the job keeps coming back."""
+    job = h.job("[sim:http503/5] [sim:think=100]")
+    env = h.run(job)
+    assert env.code is Code.OK
+    assert codes(env) == [Code.E_UPSTREAM_UNAVAILABLE] * 5 + [Code.OK]
 
 
 @HTTP_MARKERS_BROKEN
@@ -251,11 +270,22 @@ def test_retry_budget_stops_a_retry_storm(h: Harness) -> None:
     bucket = RetryBudget(h.redis, h.keys, "reports", ratio=0.2)
     while bucket.try_spend():
         pass
-    job = h.job("[sim:http503]")
+    job = h.job("[sim:http500]")
     env = h.run(job)
-    assert codes(env) == [Code.E_UPSTREAM_UNAVAILABLE]
+    assert codes(env) == [Code.E_UPSTREAM_ERROR]
     assert any("retry budget" in w for w in env.warnings)
     assert len(h.requests(job)) == 1
+
+
+@HTTP_MARKERS_BROKEN
+def test_outage_returns_take_no_retry_budget(h: Harness) -> None:
+    """Waiting behind the backend gate adds no load: an empty budget does not end the job."""
+    bucket = RetryBudget(h.redis, h.keys, "reports", ratio=0.2)
+    while bucket.try_spend():
+        pass
+    job = h.job("[sim:http503/2] [sim:think=100]")
+    env = h.run(job)
+    assert codes(env) == [Code.E_UPSTREAM_UNAVAILABLE] * 2 + [Code.OK]
 
 
 def test_deadline_during_a_slow_first_token(h: Harness) -> None:

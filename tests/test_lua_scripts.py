@@ -80,6 +80,18 @@ def _workload(client: redis.Redis, prefix: str) -> None:
     store.add_pending(PendingItem("d1", "d", 100, 100, deadline=now[0] - 1))
     assert store.expire_deadlines(now[0]) == ["d1"]
     store.admit_next(now[0])  # project d has no queue left: PRUNE drops it
+    store.record_backend(now[0], "", {})
+    store.add_pending_many([PendingItem("e1", "e", 100, 100), PendingItem("e2", "e", 100, 100)])
+    for _ in range(2):  # continuations: back in line at once, after a backoff, cancelled waiting
+        grant = store.admit_next(now[0]).grant
+        assert grant is not None
+        assert store.readmit(grant.job_id, grant.fence, 300, now[0] + 5.0, now[0])
+    assert store.cancel_pending(grant.job_id)  # UNDEFER
+    now[0] += 10.0
+    store.record_backend(now[0], "", {})
+    assert store.promote_due(now[0]) != []
+    grant = store.admit_next(now[0]).grant
+    assert grant is not None and store.readmit(grant.job_id, grant.fence, 300, now[0], now[0])
 
     settings = load_settings(EXAMPLE_CONFIG, env={})
     keys = Keys(prefix)

@@ -252,8 +252,8 @@ def test_prep_backlog_shows_in_fleet_queues_and_metrics(
     console = Console(record=True, width=200)
     console.print(queues_table(settings, redis_client))
     rows = {cells[0]: cells for line in console.export_text().splitlines()
-            if len(cells := [c.strip() for c in line.strip().strip("│").split("│")]) == 5}
-    assert rows["reports"][4] == "3" and rows["triage"][4] == "0"
+            if len(cells := [c.strip() for c in line.strip().strip("│").split("│")]) == 7}
+    assert rows["reports"][6] == "3" and rows["triage"][6] == "0"  # the last column: prep queue
     family = next(iter(PrepBacklogCollector(settings, redis_client).collect()))
     assert {s.labels["project"]: s.value for s in family.samples}["reports"] == 3
 

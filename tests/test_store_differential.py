@@ -3,7 +3,8 @@
 A hypothesis state machine draws a small configuration (few sequences, a small KV budget, one or
 two long prompts at a time, a tight prefill bucket, spacing, project weights, the backend gate on
 or off), then feeds the same submits, resubmits, admissions, claims, renewals, resizes, releases,
-requeues, cancels, deadline expiries, backend verdicts and clock steps (which reap unrenewed
+requeues, readmits (continuations, with and without a not-before time), promotions, hurries,
+cancels, deadline expiries, backend verdicts and clock steps (which reap unrenewed
 leases) to a ``MemoryStore`` and a ``RedisStore`` sharing one fake clock. Every answer must be
 equal - grants (job, fence, project, sizes, expiry, wait), hold reasons and their retry times,
 booleans, reaped and expired ids - and after every step so must the snapshots (pending per
@@ -86,11 +87,14 @@ lease_ops = st.one_of(
     st.tuples(st.just("resize"), st.sampled_from([0, 1_500, 9_000])),
     st.tuples(st.just("release")),
     st.tuples(st.just("requeue")),
+    st.tuples(st.just("readmit"), st.sampled_from([400, 3_000]), st.sampled_from([0.0, 0.0, 4.0, 20.0])),
 )
 other_ops = st.one_of(
     st.tuples(st.just("resubmit"), st.sampled_from([None, 5.0])),
     st.tuples(st.just("cancel")),
     st.tuples(st.just("expire")),
+    st.tuples(st.just("promote")),
+    st.tuples(st.just("hurry")),
     st.tuples(st.just("verdict"), st.sampled_from([0.0, 0.0, 6.0]), st.sampled_from(["", "", "waiting", "kv_usage"])),
 )
 
@@ -162,6 +166,8 @@ class Differential(RuleBasedStateMachine):
         name, *extra = op
         now = self.clock.now
         args = {"claim": (*extra, now), "renew": (now,), "resize": tuple(extra)}.get(name, ())
+        if name == "readmit":  # max_new_tokens, a not-before time (now: straight back in line)
+            args = (extra[0], now + extra[1], now)
         self.both(name, *lease, *args)
 
     @rule(op=other_ops, index=st.integers(0, 30))
@@ -178,6 +184,11 @@ class Differential(RuleBasedStateMachine):
             self.both("cancel_pending", f"j{index % (len(self.submitted) + 1)}")
         elif name == "expire":
             self.both("expire_deadlines", self.clock.now)
+        elif name == "promote":
+            mine, theirs = self.memory.promote_due(self.clock.now), self.redis.promote_due(self.clock.now)
+            assert sorted(mine) == sorted(theirs), f"promoted: memory {mine} != redis {theirs}"
+        elif name == "hurry":
+            self.both("hurry", f"j{index % (len(self.submitted) + 1)}", self.clock.now)
         elif name == "verdict":
             self.both("record_backend", self.clock.now - extra[0], extra[1], {"waiting": "0"})
             assert self.memory.backend() == self.redis.backend()
@@ -194,7 +205,8 @@ class Differential(RuleBasedStateMachine):
     def same_state(self) -> None:
         if not hasattr(self, "keys"):
             return
-        for call in ("snapshot", "lease_fences", "pending_ids", "next_deadline", "next_expiry"):
+        for call in ("snapshot", "lease_fences", "pending_ids", "next_deadline", "next_expiry",
+                     "next_not_before", "continuations"):
             self.both(call)
 
 

@@ -83,6 +83,34 @@ def dispatch(
                                          speed=speed))
 
 
+@bench_app.command("continuations")
+def continuations(
+    redis_url: Annotated[str, typer.Option(help="Redis for the bench keys")] = BENCH_REDIS,
+    scenarios: Annotated[str, typer.Option(help="retries, fair3, tools; comma separated")]
+    = "retries,fair3,tools",
+    speed: Annotated[float, typer.Option(help="simulator speed")] = 5.0,
+    jobs: Annotated[int, typer.Option(help="jobs in the retries scenario (20% fail twice)")] = 300,
+    think: Annotated[int, typer.Option(help="reasoning tokens of a short job (+-25%)")] = 200,
+    answer: Annotated[int, typer.Option(help="answer tokens of a short job (+-25%)")] = 50,
+    fair_n: Annotated[int, typer.Option(help="jobs per project in the fair3 scenario")] = 40,
+    tool_jobs: Annotated[int, typer.Option(help="jobs of the 3-round tool loop")] = 1,
+    markdown: Annotated[str, typer.Option(help="also write the rows as markdown here")] = "",
+) -> None:
+    """Continuations: retries and tool rounds give the slot up and re-enter admission
+    (busy-backend ratio with 503s, idle slot-seconds, fair share with 3 attempts, tool loop)."""
+    from fleet.bench.continuations import continuation_bench
+    from fleet.bench.fleetbench import rows_markdown, rows_table
+
+    with _redis_url(redis_url) as broker:
+        rows = continuation_bench(broker.url, speed=speed, jobs=jobs, think=think, answer=answer,
+                                  fair_n=fair_n, tool_jobs=tool_jobs,
+                                  only=tuple(s.strip() for s in scenarios.split(",") if s.strip()))
+    console.print(rows_table(rows, "fleet bench continuations"))
+    if markdown:
+        with open(markdown, "w", encoding="utf-8") as f:
+            f.write(rows_markdown(rows))
+
+
 @bench_app.command("loops")
 def loops(
     jobs: Annotated[int, typer.Option()] = 40,

@@ -55,6 +55,7 @@ import time
 import tomllib
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,7 @@ class Spec:
     answer: int
     long: bool = False
     tag: str = ""
+    extra: str = ""  # more scenario markers (fleet/bench/continuations.py), made unique by the tag
 
     @property
     def thinking_budget(self) -> int:
@@ -163,6 +165,8 @@ def _tokenize(base_url: str, text: str) -> int:
 
 def content_of(spec: Spec, long_text: LongText | None) -> str:
     markers = f"[sim:think={spec.think}] [sim:answer={spec.answer}]"
+    if spec.extra:  # /K markers count per first message: this job's own
+        markers += f" (job {spec.tag}) {spec.extra}"
     if spec.long:
         assert long_text is not None
         return f"{long_text.content(spec.tag)} {markers}"
@@ -413,6 +417,7 @@ class FleetBench:
         concurrency: int = 32,
         lease_ttl_s: float = 5.0,
         cap: int = 32,
+        configure: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.redis_url, self.speed, self.cap = redis_url, speed, cap
         self.tmp = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
@@ -426,6 +431,8 @@ class FleetBench:
             lease_ttl_s=lease_ttl_s,
             prefill_tokens_per_s=float(admission.get("prefill_tokens_per_s", 60000)) * speed,
         )
+        if configure is not None:
+            configure(data)
         write_toml(self.tmp / "fleet.toml", data)
         self.settings = load_settings(self.tmp / "fleet.toml", env={})
         long_threshold = self.settings.backend.long_prompt_tokens
@@ -524,10 +531,11 @@ class FleetBench:
         raise RuntimeError("simulator did not go idle")
 
     # phases
-    def submit(self, specs: list[Spec], long_text: LongText | None) -> dict[str, Spec]:
+    def submit(self, specs: list[Spec], long_text: LongText | None,
+               job_extra: dict[str, Any] | None = None) -> dict[str, Spec]:
         ids: dict[str, Spec] = {}
         for spec in specs:
-            job = job_of(spec, long_text)
+            job = {**job_of(spec, long_text), **(job_extra or {})}
             job["id"] = uuid.uuid4().hex
             job["metadata"]["submitted_at"] = time.time()
             job["submitted_at"] = job["metadata"]["submitted_at"]
@@ -552,12 +560,13 @@ class FleetBench:
         timeout_s: float = 1200,
         during: Any = None,
         dispatcher_env: dict[str, str] | None = None,
+        job_extra: dict[str, Any] | None = None,
     ) -> tuple[FleetRun, dict[str, Spec]]:
         """Submit every job, wait until all are pending, then start a dispatcher and collect."""
         self.wait_idle()
         follower = ResultFollower(self.client.results, set(PROJECTS))
         submit_started = time.time()
-        ids = self.submit(specs, long_text)
+        ids = self.submit(specs, long_text, job_extra)
         submitted = time.time()
         self.wait_prepared(len(ids))
         self.prep_figures = (len(ids), submitted - submit_started, time.time() - submit_started)

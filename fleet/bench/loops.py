@@ -48,7 +48,7 @@ from fleet.core.config import EXAMPLE_CONFIG, Settings, WatcherSettings, load_se
 from fleet.core.events import EventSink
 from fleet.core.keys import Keys
 from fleet.core.models import Envelope, Job, Message
-from fleet.infer.attempts import InferenceContext, run_inference
+from fleet.infer.attempts import InferenceContext, run_turns
 from fleet.infer.budget import plan as make_plan
 from fleet.infer.loopwatch import LoopWatcher
 from fleet.infer.vllm import VllmClient
@@ -178,9 +178,8 @@ def _run_mode(base_url: str, cfg: Settings, jobs: list[tuple[Job, bool]], client
 
     def one(job: Job) -> Envelope:
         ctx = InferenceContext(settings=cfg, project=project, redis=client, keys=keys,
-                               events=_NullSink(), cancel=threading.Event(), client=vllm,
-                               sleep=lambda s: None)
-        return run_inference(job, make_plan(job, project, cfg, 200), ctx)
+                               events=_NullSink(), cancel=threading.Event(), client=vllm)
+        return run_turns(job, make_plan(job, project, cfg, 200), ctx)
 
     start = time.monotonic()
     with ThreadPoolExecutor(concurrency) as pool:

@@ -86,7 +86,7 @@ def client_or_exit():  # type: ignore[no-untyped-def]
 @app.command()
 def worker(
     role: Annotated[str, typer.Option(
-        help="all | prep | collect | infer: which queues to consume")] = "all",
+        help="all | prep | collect | infer | tools: which queues to consume")] = "all",
     concurrency: Annotated[int, typer.Option(help="threads (or processes) in this worker")] = 40,
     pool: Annotated[str, typer.Option(help="threads (inference: one thread per stream) or "
                                            "prefork (CPU-bound prep at scale)")] = "threads",
@@ -98,6 +98,7 @@ def worker(
         INFER_QUEUE,
         collect_queues,
         prep_queues,
+        tool_queues,
         worker_app,
     )
 
@@ -110,8 +111,11 @@ def worker(
         queues += prep_queues(settings)
     if role in ("all", "collect"):
         queues += collect_queues(settings)
+    if role in ("all", "tools"):
+        queues += tool_queues(settings)
     if not queues:
-        raise typer.BadParameter("role must be all, prep, collect or infer")
+        raise typer.BadParameter("role must be all, prep, collect, infer or tools (tools: no "
+                                 "project runs tools)")
     preflight_or_exit(role)
     secrets_or_exit("worker", settings)
     if not settings.security.worker_secret:  # prep seals with it, inference checks the seal
@@ -327,7 +331,10 @@ def status(job_id: Annotated[str | None, typer.Argument(help=JOB_HELP)] = None,
 @app.command()
 def tail(job_id: Annotated[str, typer.Argument(help=JOB_HELP)],
          follow: Annotated[bool, typer.Option()] = True, project: ProjectOption = None) -> None:
-    """Follow a job's live events (queued, admitted, attempts, deltas, retries, final)."""
+    """Follow a job's live events (queued, admitted, attempts, deltas, retries, continuations,
+    tool rounds, final)."""
+    from fleet.cli.tail import describe
+
     with client_or_exit() as client:
         for event in client.events(_job_ref(client, job_id, project), follow=follow):
             data = event["data"]
@@ -336,7 +343,7 @@ def tail(job_id: Annotated[str, typer.Argument(help=JOB_HELP)],
                 style = "dim" if event["type"] == "reasoning" else ""
                 console.print(text, style=style, end="", markup=False, highlight=False)
             else:
-                console.print(f"\n[bold]{event['type']}[/bold] {json.dumps(data)}")
+                console.print("\n" + describe(event["type"], data))
 
 
 @app.command()

@@ -2,7 +2,9 @@
 
 Per project: jobs waiting in the dispatcher store for admission (interactive, batch) and prep
 messages still waiting in the broker (``prep queue``). Flower's broker page sees only the latter:
-a prepared job waits in the dispatcher store, which is no Celery queue."""
+a prepared job waits in the dispatcher store, which is no Celery queue. Continuations (jobs
+between two model turns, fleet/infer/attempts.py) apart from new work: ``continuing`` are back in
+line (counted in their band too), ``waiting`` wait outside it for a backoff or their tools."""
 
 from __future__ import annotations
 
@@ -21,13 +23,17 @@ def queues_table(settings: Settings, client: redis.Redis) -> Table:
     limits = store.config.limits
     table = Table(title="Dispatcher queues")
     backlog = prep_backlog(settings, client)
-    for column in ("project", "weight", "interactive", "batch", "prep queue"):
+    continuing = store.continuations()
+    for column in ("project", "weight", "interactive", "batch", "continuing", "waiting",
+                   "prep queue"):
         table.add_column(column, justify="left" if column == "project" else "right")
-    for project in sorted(set(snap.pending) | set(settings.projects)):
+    for project in sorted(set(snap.pending) | set(settings.projects) | set(continuing)):
         bands = snap.pending.get(project, {})
         weight = store.config.weight(project)
+        cont = continuing.get(project, {})
         table.add_row(
             project, f"{weight:g}", str(bands.get("interactive", 0)), str(bands.get("batch", 0)),
+            str(cont.get("pending", 0)), str(cont.get("deferred", 0)),
             str(backlog.get(project, "-")),
         )
     backend = store.backend()

@@ -28,6 +28,9 @@ class Code(StrEnum):
     E_THINK_LOOP = "E_THINK_LOOP"
     E_EMPTY_ANSWER = "E_EMPTY_ANSWER"
     E_OUTPUT_INVALID = "E_OUTPUT_INVALID"
+    E_TOOL_INVALID = "E_TOOL_INVALID"
+    E_TOOL_TIMEOUT = "E_TOOL_TIMEOUT"
+    E_TOOL_FAILED = "E_TOOL_FAILED"
     E_UPSTREAM_TIMEOUT = "E_UPSTREAM_TIMEOUT"
     E_CONNECT_TIMEOUT = "E_CONNECT_TIMEOUT"
     E_FIRST_TOKEN_TIMEOUT = "E_FIRST_TOKEN_TIMEOUT"
@@ -100,6 +103,16 @@ CATALOGUE: dict[Code, CodeInfo] = {
     ),
     Code.E_OUTPUT_INVALID: CodeInfo(
         202, True, "The answer failed the job's JSON Schema or text checks after re-asking."
+    ),
+    Code.E_TOOL_INVALID: CodeInfo(
+        203, False, "The model kept calling tools with an unknown name or arguments that fail "
+        "the tool's schema, after being told the error each time."
+    ),
+    Code.E_TOOL_TIMEOUT: CodeInfo(
+        410, False, "A tool the model called did not answer within its timeout."
+    ),
+    Code.E_TOOL_FAILED: CodeInfo(
+        411, False, "A tool the model called failed, or the job used up its tool rounds."
     ),
     Code.E_UPSTREAM_TIMEOUT: CodeInfo(
         300, True, "An attempt ran past its total time limit; the stream was closed."

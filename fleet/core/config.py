@@ -142,6 +142,9 @@ class RetrySettings(_Section):
     """Adaptive retries never raise the thinking budget above this."""
     reask_invalid: int = Field(1, ge=0)
     """Re-asks with the validation error before E_OUTPUT_INVALID."""
+    max_outage_returns: int = Field(10, ge=0)
+    """Times a job goes back in line because the backend was unavailable, before it ends with
+    that error (outage returns count apart from max_attempts and the retry budget)."""
 
 
 class WatcherSettings(_Section):
@@ -273,6 +276,36 @@ class RedisSettings(_Section):
     """Password of the Sentinels themselves (their ``requirepass``); the master's is in broker_url."""
 
 
+class ToolSettings(_Section):
+    """A tool the fleet runs for a project's jobs (fleet/infer/tools.py)."""
+
+    task: str = Field(min_length=1)
+    """Name of the Celery task that runs it (imported by the tool workers: ``tool_imports``)."""
+    description: str = ""
+    """What the model is told the tool does."""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    """JSON Schema of the arguments; a call whose arguments fail it is not run."""
+    queue: str | None = None
+    """Celery queue of the tool's task (default: the project's tool queue, fleet.tools.<project>)."""
+    timeout_s: float = Field(30.0, gt=0)
+    """A call without a result after this many seconds ends E_TOOL_TIMEOUT (or goes back to the
+    model, with ``on_error = "model"``)."""
+    untrusted: bool = True
+    """Its results are outside material: fenced, and the job's next turns go out without tools."""
+    on_error: Literal["fail", "model"] = "fail"
+    """A failing or timed-out call: end the job (E_TOOL_FAILED / E_TOOL_TIMEOUT) or hand the
+    error to the model as the tool's result."""
+
+    @field_validator("parameters")
+    @classmethod
+    def _usable_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        check_schema(value)
+        return value
+
+    def queue_for(self, project: str) -> str:
+        return self.queue or f"fleet.tools.{project}"
+
+
 class ProjectSettings(_Section):
     weight: float = Field(1.0, gt=0)
     """Fair-share weight (tokens admitted are shared in proportion)."""
@@ -298,6 +331,16 @@ class ProjectSettings(_Section):
     """Stable system prompt put first in every job (prefix-cache friendly)."""
     api_keys: list[str] = Field(default_factory=list)
     """Gateway keys of this project as digests, "sha256:<hex>[:batch]" (``fleet keys mint``)."""
+    tools: Literal["passthrough", "run"] = "passthrough"
+    """Tool calls of the model: hand them back in the envelope (passthrough), or run the
+    registered tools and continue the job (run; fleet/infer/tools.py)."""
+    tool_registry: dict[str, ToolSettings] = Field(default_factory=dict)
+    """Tools the fleet runs for this project (mode run), by name; allowed_tools must name them."""
+    max_tool_rounds: int = Field(8, ge=1)
+    """Tool rounds per job; one more call ends it E_TOOL_FAILED."""
+    tool_invalid_max: int = Field(2, ge=0)
+    """Rounds with invalid calls that are answered with the validation error, before
+    E_TOOL_INVALID."""
 
     @field_validator("api_keys")
     @classmethod
@@ -365,6 +408,9 @@ class Settings(BaseSettings):
     worker_metrics_port: int = Field(0, ge=0, le=65535)
     """Port of a worker's Prometheus /metrics (0 = off; threads and solo pools). Give each worker
     on a host its own (FLEET_WORKER_METRICS_PORT); a busy port is a warning, the worker runs on."""
+    tool_imports: list[str] = Field(default_factory=list)
+    """Python modules a tool worker imports: they register the Celery tasks that projects'
+    ``tool_registry`` entries name (fleet/infer/tools.py)."""
     backend: BackendSettings = BackendSettings()
     admission: AdmissionSettings = AdmissionSettings()
     timeouts: TimeoutSettings = TimeoutSettings()

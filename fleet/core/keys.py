@@ -26,7 +26,9 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                                      submitted), digest (its sha256), created once by the producer
                                      (fleet/core/lua/create.lua: never overwritten); the prep worker
                                      adds job (prepared job JSON), plan (token plan JSON), seal (the
-                                     workers' HMAC over both, fleet/core/seal.py); TTL result_ttl_s
+                                     workers' HMAC over both, fleet/core/seal.py); between two
+                                     model turns also turn (the next turn's state JSON) and
+                                     turn_seal (fleet/core/seal.py); TTL result_ttl_s
   {p}result:{<ref>}           string final Envelope JSON; TTL result_ttl_s; written exactly once
                                      (SET NX), which is what makes "one final Envelope" hold
   {p}events:{<ref>}           stream per-job events (queued, admitted, attempt, delta, retry, final);
@@ -46,6 +48,9 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
   {p}{prep}:prepping:<project> zset  the project's jobs not yet handed over, score = when the prep
                                      watchdog looks at them (fleet/prep/watchdog.py)
   {p}attempts:{<ref>}         list   attempt history (JSON) kept for carry-over between attempts
+  {p}tools:{<ref>}            hash   tool results of the job's tool rounds, field <round>:<call id>,
+                                     sealed by the tool worker (fleet/infer/tools.py); TTL
+                                     result_ttl_s
   {p}retry_budget:<project>   hash   sliding counters of first attempts and retries (retry budget)
   {p}tokcache:<sha256>        string cached /tokenize count for a piece of content
   {p}stats:codes              hash   final results counted by "<project>|<code>" (for /metrics)
@@ -85,6 +90,11 @@ D = ``{p}{d}:``, one hash tag for all)
                                      dispatchers BLPOP it (no polling)
   D backend                   hash   last /metrics + /health scrape: scraped_at, hold, figures
   D stats                     hash   admissions, hold:<reason>
+  D deferred                  zset   continuations waiting for their not-before time (a backoff),
+                                     score = that time (unix s); promoted into their queue by the
+                                     dispatcher (schedulers/store/base.py, Continuations)
+  D continuations             set    refs of jobs readmitted at least once (``fleet queues``); their
+                                     item has cont=1 (and deferred=<time> while waiting)
 """
 
 from __future__ import annotations
@@ -143,6 +153,9 @@ class Keys:
 
     def attempts(self, ref: str) -> str:
         return f"{self.prefix}attempts:{{{ref}}}"
+
+    def tools(self, ref: str) -> str:
+        return f"{self.prefix}tools:{{{ref}}}"
 
     def retry_budget(self, project: str) -> str:
         return f"{self.prefix}retry_budget:{project}"

@@ -169,6 +169,9 @@ class Envelope(_Strict):
     reasoning: str | None = None
     parsed: Any = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    # Tool rounds the fleet ran (project mode "run"): number, calls (id, name, arguments, error:
+    # why it was not run, result: ok/content/error/duration_s), started_at, timeout_s, duration_s.
+    tool_rounds: list[dict[str, Any]] = Field(default_factory=list)
     material: list[dict[str, Any]] | None = None
     usage: Usage = Field(default_factory=Usage)
     timings: Timings = Field(default_factory=Timings)

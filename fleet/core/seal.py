@@ -8,6 +8,11 @@ anyone who does not hold the workers' key (a producer, anyone with a broker URL)
 ends E_AUTH. The ref (``<project>/<id>``) is in the MAC, so a sealed job cannot be moved to
 another project's or another job's record.
 
+Turn seal: a job between two model turns (a continuation, fleet/infer/attempts.py) keeps the
+state of its next turn in the job hash (``turn``) with ``turn_seal`` = HMAC-SHA256 over
+    "fleet-turn-v1\n" + ref + "\n" + turn JSON
+under the same key; a turn that does not verify runs nothing (E_AUTH), like a bad seal.
+
 Cancel requests: ``{p}cancel:{<ref>}`` holds a request signed with the project's own secret
 (fleet/core/signing.py, job ``{"cancel": <id>, "project": <project>}``); the workers that act on it
 (prep, the lease keeper of a running job, the cancel task) verify it first, so only the job's own
@@ -30,6 +35,7 @@ from fleet.core.errors import AuthError, ConfigError
 from fleet.core.signing import canonical, sign, signature_valid
 
 SEAL_VERSION = "fleet-seal-v1"
+TURN_VERSION = "fleet-turn-v1"
 
 
 def _worker_key(settings: Settings) -> bytes:
@@ -53,6 +59,23 @@ def check_seal(settings: Settings, ref: str, record: Mapping[str, str]) -> None:
         raise AuthError(f"job record not sealed by a prep worker (no {exc.args[0]!r})") from exc
     if not hmac.compare_digest(expected.encode(), given.encode("utf-8", "replace")):
         raise AuthError("job record seal does not verify: not prepared by this fleet's workers")
+
+
+def seal_turn(settings: Settings, ref: str, turn_json: str) -> str:
+    message = "\n".join([TURN_VERSION, ref, turn_json])
+    return hmac.new(_worker_key(settings), message.encode(), hashlib.sha256).hexdigest()
+
+
+def check_turn(settings: Settings, ref: str, record: Mapping[str, str]) -> str | None:
+    """The saved turn state's JSON (None before the second turn); AuthError unless sealed."""
+    turn_json = record.get("turn")
+    if turn_json is None:
+        return None
+    expected = seal_turn(settings, ref, turn_json)
+    given = record.get("turn_seal", "")
+    if not hmac.compare_digest(expected.encode(), given.encode("utf-8", "replace")):
+        raise AuthError("saved turn state seal does not verify: not written by this fleet's workers")
+    return turn_json
 
 
 def digest(signed: Any) -> str:

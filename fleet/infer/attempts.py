@@ -1,9 +1,15 @@
 """One inference job, from the planned prompt to its Envelope: the attempt loop.
 
-The lead's Celery task (fleet/worker/tasks.py) holds the lease and calls ``run_inference(job, plan, ctx)``;
-retries happen in here while the lease keeper renews the lease and sets ``ctx.cancel`` when the
-job is cancelled or the lease is lost. ``run_inference`` never raises: an unexpected exception
-becomes ``E_INTERNAL`` with a log line.
+The inference task (fleet/worker/tasks.py) holds the lease and calls
+``run_inference(job, plan, ctx, turn)`` for ONE model turn (one attempt) while the lease keeper
+renews the lease and sets ``ctx.cancel`` when the job is cancelled or the lease is lost. The turn
+ends with a final ``Envelope`` or a ``Continuation``: the job needs another turn (a retry, a
+re-ask, a backend outage), and the continuation carries everything that turn needs (``turn``:
+the grown plan, the carry-over and re-ask notes, the retry counters, the warnings) and when it
+may start (``not_before``: the backoff). The task saves the turn, gives its lease up and the job
+re-enters admission (schedulers/store/base.py, Continuations): no backoff ever holds a slot, and
+the next turn's plan is admitted like any job's. ``run_inference`` never raises: an unexpected
+exception becomes ``E_INTERNAL`` with a log line.
 
 Each attempt sends (fleet/core/request.py decides messages and tools)::
 
@@ -31,11 +37,18 @@ How an attempt ends and what follows:
                                        retry.reask_invalid times (E_OUTPUT_INVALID)
     retryable upstream error           backoff with full jitter, then retry (carry-over too when
                                        the attempt had reasoning)
+    backend unavailable (connection    an outage return: back in line behind the backend gate
+    refused, 502/503/504/429, connect  after a backoff, at its place; counted apart from the
+    timeout; any retryable failure     retries (at most retry.max_outage_returns), never from
+    while /health is not 200)          the project's retry budget
     cancel / deadline / rejected       final at once: E_CANCELLED / E_DEADLINE / the error's code
 
-Retries (not re-asks) are bounded by retry.max_attempts, every retry by the project's retry
-budget (fleet/infer/retrying.py), backoff by the job's deadline. After the last attempt the job ends with
-that attempt's code (E_THINK_LOOP, E_EMPTY_ANSWER, E_OUTPUT_INVALID, an upstream code).
+Retries (not re-asks, not outage returns) are bounded by retry.max_attempts, every retry by
+the project's retry budget (fleet/infer/retrying.py), backoff by the job's deadline. After the
+last attempt the job ends with that attempt's code (E_THINK_LOOP, E_EMPTY_ANSWER,
+E_OUTPUT_INVALID, an upstream code). Tool calls of a project in mode "run" end the turn too: a
+tool round (fleet/infer/tools.py) runs the tools while the job holds no slot, and the next turn
+starts with their results.
 Every attempt is an ``Attempt`` in the Envelope and a JSON entry in ``{p}attempts:<id>``; a
 redelivered job continues the numbering and the carry-over from that history.
 """
@@ -43,6 +56,7 @@ redelivered job continues the numbering and the carry-over from that history.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import random
 import threading
@@ -54,13 +68,14 @@ from typing import Any
 import redis
 
 from fleet.core.codes import Code
-from fleet.core.config import ProjectSettings, Settings
+from fleet.core.config import ProjectSettings, Settings, ToolSettings
 from fleet.core.errors import FleetError, ThinkLoop
 from fleet.core.events import EventSink
 from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Attempt, Envelope, Job, Timings, Usage
 from fleet.core.request import build_request_messages, fence, new_fence_tag, tools_allowed
 from fleet.infer import carryover
+from fleet.infer import tools as tools_mod
 from fleet.infer.budget import Plan, grow_budget, grow_reserve
 from fleet.infer.loopwatch import LoopWatcher, Verdict
 from fleet.infer.retrying import RetryBudget, backoff_s, fits_deadline, should_retry
@@ -85,17 +100,26 @@ class InferenceContext:
     cancel: threading.Event
     client: VllmClient
     clock: Callable[[], float] = time.time
-    sleep: Callable[[float], object] | None = None  # default: cancel.wait (wakes on cancel)
     rand: Callable[[], float] = random.random
     emit_interval_s: float = EMIT_INTERVAL_S
-    # Told when a retry grows the plan (the worker resizes the lease's KV reservation).
-    on_plan: Callable[[Plan], object] | None = None
     # The untrusted-data fence tag prep counted the prompt with (None: draw a new one).
     fence_tag: str | None = None
 
-    def __post_init__(self) -> None:
-        if self.sleep is None:
-            self.sleep = self.cancel.wait
+
+OUTAGE_CODES = frozenset({Code.E_UPSTREAM_UNAVAILABLE, Code.E_CONNECT_TIMEOUT})
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The job needs another model turn: what that turn starts from, and not before when."""
+
+    turn: dict[str, Any]  # JSON-able; the task saves it sealed in the job record
+    not_before: float  # unix seconds
+    delay_s: float
+    max_tokens: int  # of the next turn's plan: its admission size
+    how: str  # "carry" | "budget" | "reserve" | "reask" | "backoff" | "outage" | "tool"
+    cause: Code
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # "tool": the calls to run
 
 
 class _LoopDetected(ThinkLoop):
@@ -109,7 +133,7 @@ class _Outcome:
     code: Code
     cause: str
     result: StreamResult | None = None
-    retry: str | None = None  # "carry" | "budget" | "reserve" | "reask" | "backoff" | None
+    retry: str | None = None  # "carry" | "budget" | "reserve" | "reask" | "backoff" | "outage" | "tool"
     parsed: Any = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
@@ -135,10 +159,14 @@ class _Coalescer:
         self._last = self._clock()
 
 
-def run_inference(job: Job, plan: Plan, ctx: InferenceContext) -> Envelope:
+def run_inference(job: Job, plan: Plan, ctx: InferenceContext,
+                  turn: dict[str, Any] | None = None) -> Envelope | Continuation:
+    """One model turn; ``turn`` is the ``Continuation.turn`` of the previous one (None: first)."""
     run: _Run | None = None
     try:
         run = _Run(job, plan, ctx)
+        if turn is not None:
+            run.resume(turn)
         return run.run()
     except Exception as exc:  # the one place a bug must not lose the job
         log.exception("inference failed inside the fleet job=%s", job.id)
@@ -146,6 +174,20 @@ def run_inference(job: Job, plan: Plan, ctx: InferenceContext) -> Envelope:
         return Envelope.failure(
             job.id, job.project, Code.E_INTERNAL, f"internal error: {exc!r}", attempts=attempts
         )
+
+
+def run_turns(job: Job, plan: Plan, ctx: InferenceContext,
+              on_continuation: Callable[[Continuation], object] | None = None) -> Envelope:
+    """Every turn in this process, back to back, without admission or backoff waits (the loop
+    benchmark's in-process mode); ``on_continuation`` sees each continuation."""
+    turn: dict[str, Any] | None = None
+    while True:
+        out = run_inference(job, plan, ctx, turn)
+        if isinstance(out, Envelope):
+            return out
+        if on_continuation is not None:
+            on_continuation(out)
+        turn = out.turn
 
 
 class _Run:
@@ -157,6 +199,20 @@ class _Run:
         self.messages, self.warnings = build_request_messages(job, self.fence_tag)
         self.tools, self.tool_choice, tool_warnings = tools_allowed(job, ctx.project)
         self.warnings += tool_warnings
+        self.registry: dict[str, ToolSettings] = {}  # tools the fleet runs (mode "run")
+        if self.tools and ctx.project.tools == "run":
+            self.registry, unregistered = tools_mod.registered(
+                ctx.project, [str((t.get("function") or {}).get("name")) for t in self.tools])
+            if unregistered:
+                self.warnings.append(f"tools the fleet does not run were removed: {', '.join(unregistered)}")
+            self.tools = tools_mod.definitions(self.registry) or None
+            if self.tools is None:
+                self.tool_choice = None
+        # The tool loop's state (fleet/infer/tools.py), carried from turn to turn:
+        self.conversation: list[dict[str, Any]] = []  # messages after the job's own
+        self.tool_rounds: list[dict[str, Any]] = []
+        self.invalid_rounds = 0
+        self.tools_off = False  # an untrusted tool result came in: no tools any more
         self.response_format = response_format(job, ctx.project)
         self.attempts: list[Attempt] = []
         self.usage = Usage()
@@ -165,6 +221,7 @@ class _Run:
         self.reask_note: str | None = None
         self.retries = 0
         self.reasks = 0
+        self.outages = 0
         self.heat = 0
         self.budget = RetryBudget(ctx.redis, ctx.keys, job.project, self.s.retry.budget_ratio,
                                   clock=ctx.clock)
@@ -188,23 +245,93 @@ class _Run:
             self.carry_note = carryover.retry_note(self.conclusions, "an earlier delivery")
         return len(history)
 
+    TURN_FIELDS = ("carry_note", "reask_note", "conclusions", "retries", "reasks", "outages",
+                   "heat", "warnings", "conversation", "tool_rounds", "invalid_rounds", "tools_off")
+
+    def resume(self, turn: dict[str, Any]) -> None:
+        """Continue from the state the previous turn handed over (``Continuation.turn``)."""
+        self.plan = Plan(**turn["plan"])
+        for name in self.TURN_FIELDS:
+            setattr(self, name, turn[name])
+
+    def turn(self) -> dict[str, Any]:
+        return {"plan": dict(self.plan.__dict__),
+                **{name: getattr(self, name) for name in self.TURN_FIELDS}}
+
     def _record(self, attempt: Attempt, conclusions: list[str]) -> None:
         entry = {**attempt.model_dump(mode="json"), "conclusions": conclusions}
         carryover.record_attempt(self.ctx.redis, self.ctx.keys, job_ref(self.job.project, self.job.id), entry,
                                  self.s.events_ttl_s)
 
     # -- the loop -------------------------------------------------------------------------------
-    def run(self) -> Envelope:
+    def run(self) -> Envelope | Continuation:
         if self.previous == 0:
             self.budget.first_attempt()
-        while True:
-            number = self.previous + len(self.attempts) + 1
-            stop = self._stop_before_attempt()
-            if stop is not None:
-                return self._envelope(stop)
-            outcome = self._attempt(number)
-            if outcome.code.ok or outcome.retry is None or not self._prepare_retry(outcome):
-                return self._envelope(outcome)
+        stop = self._stop_before_attempt() or self._finish_tool_round()
+        if stop is not None:
+            return self._envelope(stop)
+        outcome = self._attempt(self.previous + 1)
+        if outcome.retry is None:
+            return self._envelope(outcome)
+        if outcome.retry == "tool":
+            return self._tool_round(outcome)
+        delay_s = self._prepare_retry(outcome)
+        if delay_s is None:
+            return self._envelope(outcome)
+        assert outcome.retry is not None
+        return self._continuation(delay_s, outcome.retry, outcome.code)
+
+    def _continuation(self, delay_s: float, how: str, cause: Code,
+                      calls: list[dict[str, Any]] | None = None) -> Continuation:
+        # Admission sizes the next turn by the planned prompt and max tokens; the conversation
+        # the tool rounds added is counted with it (about 3 characters a token).
+        grown = len(json.dumps(self.conversation)) // 3 if self.conversation else 0
+        return Continuation(turn=self.turn(), not_before=self.ctx.clock() + delay_s,
+                            delay_s=delay_s, max_tokens=self.plan.max_tokens + grown, how=how,
+                            cause=cause, tool_calls=calls or [])
+
+    # -- tool rounds (fleet/infer/tools.py) -----------------------------------------------------
+    def _tool_round(self, outcome: _Outcome) -> Envelope | Continuation:
+        project = self.ctx.project
+        if len(self.tool_rounds) >= project.max_tool_rounds:
+            return self._envelope(_Outcome(Code.E_TOOL_FAILED, f"the model asked for tools again "
+                                           f"after {project.max_tool_rounds} rounds", outcome.result))
+        calls = tools_mod.check_calls(outcome.tool_calls, self.registry)
+        invalid = [c for c in calls if c.error is not None]
+        if invalid:
+            if self.invalid_rounds >= project.tool_invalid_max:
+                return self._envelope(_Outcome(Code.E_TOOL_INVALID, f"invalid tool call: "
+                                               f"{invalid[0].error}", outcome.result))
+            self.invalid_rounds += 1
+        round_ = tools_mod.new_round(len(self.tool_rounds) + 1, calls, self.registry, self.ctx.clock())
+        self.tool_rounds.append(round_)
+        self.ctx.events.emit("tool_round", number=round_["number"],
+                             calls=[c.name for c in calls], invalid=len(invalid),
+                             timeout_s=round_["timeout_s"])
+        run = [{"id": c.id, "name": c.name, "arguments": c.arguments,
+                "task": self.registry[c.name].task,
+                "queue": self.registry[c.name].queue_for(self.job.project)}
+               for c in calls if c.error is None]
+        return self._continuation(round_["timeout_s"], "tool", Code.OK, run)
+
+    def _finish_tool_round(self) -> _Outcome | None:
+        """At the start of the turn after a tool round: its results become the tool messages."""
+        pending = self.tool_rounds[-1] if self.tool_rounds else None
+        if pending is None or "duration_s" in pending:
+            return None
+        ref = job_ref(self.job.project, self.job.id)
+        results = tools_mod.load_results(self.ctx.redis, self.ctx.keys, self.s, ref, pending)
+        done = tools_mod.finish_round(pending, results, self.registry, self.fence_tag,
+                                      self.ctx.clock())
+        self.ctx.events.emit("tool_results", number=pending["number"],
+                             results=len(results), duration_s=pending["duration_s"])
+        if done.failure is not None:
+            return _Outcome(Code(done.failure[0]), done.failure[1])
+        self.conversation += done.messages
+        if done.untrusted and not self.tools_off:
+            self.tools_off = True
+            self.warnings.append("an untrusted tool result came in: later turns go out without tools")
+        return None
 
     def _stop_before_attempt(self) -> _Outcome | None:
         if self.ctx.cancel.is_set():
@@ -228,6 +355,7 @@ class _Run:
         for note in (self.carry_note, self.reask_note):
             if note:
                 messages = carryover.with_note(messages, note)
+        messages = messages + self.conversation
         body: dict[str, Any] = {
             "messages": messages,
             "max_completion_tokens": self.plan.max_tokens,
@@ -240,6 +368,9 @@ class _Run:
         }
         if self.response_format is not None:
             body["response_format"] = self.response_format
+        if self.tools_off:
+            body["tool_choice"] = "none"
+            return body
         if self.tools:
             body["tools"] = self.tools
         if self.tool_choice is not None:
@@ -325,11 +456,20 @@ class _Run:
             return _Outcome(Code.E_THINK_LOOP, f"loop watcher: {exc.message}",
                             getattr(exc, "partial", None), retry="carry")
         except FleetError as exc:
-            retry = "backoff" if should_retry(exc.code) else None
-            return _Outcome(exc.code, exc.message, getattr(exc, "partial", None), retry=retry)
+            return _Outcome(exc.code, exc.message, getattr(exc, "partial", None),
+                            retry=self._retry_kind(exc.code))
         finally:
             coalescer.flush()
         return self._classify(result)
+
+    def _retry_kind(self, code: Code) -> str | None:
+        """An unreachable backend, or any retryable failure while its /health says it is down
+        (a dead engine answers 500 and fails its streams), is an outage; else a plain retry."""
+        if code in OUTAGE_CODES:
+            return "outage"
+        if not should_retry(code):
+            return None
+        return "backoff" if self.ctx.client.health() else "outage"
 
     def _classify(self, r: StreamResult) -> _Outcome:
         budget = self.plan.thinking_budget
@@ -337,7 +477,9 @@ class _Run:
             return _Outcome(Code.E_THINK_LOOP, "vLLM stopped a repetition", r, retry="carry")
         if r.finish_reason in ("abort", "error"):
             return _Outcome(Code.E_UPSTREAM_ERROR, f"finish_reason {r.finish_reason}", r,
-                            retry="backoff")
+                            retry=self._retry_kind(Code.E_UPSTREAM_ERROR))
+        if self.registry and not self.tools_off and r.tool_calls:
+            return _Outcome(Code.OK, "tool call", r, retry="tool", tool_calls=r.tool_calls)
         calls = self._allowed_calls(r)
         if calls:
             return _Outcome(Code.OK, "tool call", r, tool_calls=calls)
@@ -369,39 +511,45 @@ class _Run:
         return kept
 
     # -- between attempts -----------------------------------------------------------------------
-    def _prepare_retry(self, outcome: _Outcome) -> bool:
-        """Set up the next attempt; False when no retry may happen (the outcome is final)."""
-        kind = outcome.retry
-        if kind == "reask":
-            if self.reasks >= self.s.retry.reask_invalid:
-                return False
-        elif self.retries >= self.s.retry.max_attempts - 1:
-            return False
+    def _prepare_retry(self, outcome: _Outcome) -> float | None:
+        """Set up the next turn; its backoff in seconds, or None when no retry may happen (the
+        outcome is final)."""
+        kind, r = outcome.retry, self.s.retry
+        if kind == "outage":
+            if self.outages >= r.max_outage_returns:
+                self.warnings.append(f"no retry: the backend was unavailable {self.outages + 1} times")
+                return None
+        elif kind == "reask":
+            if self.reasks >= r.reask_invalid:
+                return None
+        elif self.retries >= r.max_attempts - 1:
+            return None
         delay_s = self._delay(kind)
         if delay_s is None:
-            return False
-        if not self.budget.try_spend():
+            return None
+        # An outage return waits behind the backend gate and adds no load: no budget token.
+        if kind != "outage" and not self.budget.try_spend():
             self.warnings.append("no retry: the project's retry budget is used up")
-            return False
+            return None
         if kind == "reask":
             self.reasks += 1
+        elif kind == "outage":
+            self.outages += 1
         else:
             self.retries += 1
         self._adapt(outcome)
-        self.ctx.events.emit("retry", after=len(self.attempts), cause=outcome.code.value,
+        self.ctx.events.emit("retry", after=self.previous + 1, cause=outcome.code.value,
                              how=kind, delay_s=round(delay_s, 3),
                              thinking_budget=self.plan.thinking_budget,
                              max_tokens=self.plan.max_tokens, carried=len(self.conclusions))
-        if delay_s > 0:
-            assert self.ctx.sleep is not None
-            self.ctx.sleep(delay_s)
-        return True
+        return delay_s
 
     def _delay(self, kind: str | None) -> float | None:
-        if kind != "backoff":
+        if kind not in ("backoff", "outage"):
             return 0.0
         r = self.s.retry
-        delay_s = backoff_s(self.retries + 1, r.backoff_base_s, r.backoff_max_s, self.ctx.rand)
+        count = self.outages if kind == "outage" else self.retries
+        delay_s = backoff_s(count + 1, r.backoff_base_s, r.backoff_max_s, self.ctx.rand)
         if not fits_deadline(delay_s, self.ctx.clock(), self.job.deadline):
             self.warnings.append(f"no retry: a {delay_s:.1f} s backoff would pass the deadline")
             return None
@@ -409,15 +557,13 @@ class _Run:
 
     def _adapt(self, outcome: _Outcome) -> None:
         kind, result = outcome.retry, outcome.result
-        if kind != "backoff":
+        if kind not in ("backoff", "outage"):
             self.heat += 1
         if kind == "budget":
             self.plan = grow_budget(self.plan, self.s.retry.thinking_budget_ceiling)
         elif kind == "reserve":
             self.plan = grow_reserve(self.plan)
-        if kind in ("budget", "reserve") and self.ctx.on_plan is not None:
-            self.ctx.on_plan(self.plan)  # the lease's KV reservation follows the larger plan
-        if kind in ("carry", "backoff") and result is not None and result.reasoning:
+        if kind in ("carry", "backoff", "outage") and result is not None and result.reasoning:
             found = carryover.extract_conclusions(result.reasoning)
             self.conclusions = carryover.merge_conclusions(self.conclusions, found)
             self.carry_note = carryover.retry_note(self.conclusions, outcome.cause,
@@ -443,7 +589,8 @@ class _Run:
             attempts=self.earlier + self.attempts,
             content=result.content if result is not None else None,
             reasoning=result.reasoning if result is not None else None,
-            parsed=outcome.parsed, tool_calls=outcome.tool_calls, usage=self.usage,
+            parsed=outcome.parsed, tool_calls=outcome.tool_calls, tool_rounds=self.tool_rounds,
+            usage=self.usage,
             timings=Timings(first_token_s=self.first_token_s,
                             total_s=round(self.ctx.clock() - self.started, 3)),
             warnings=self.warnings,

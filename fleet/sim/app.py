@@ -11,6 +11,10 @@ Simulator-only routes (for the fleet's tests and benchmarks; a real vLLM has non
   (now, simulated) and ``engine_time`` (how far the engine has computed; token counters match it).
 - ``POST /sim/reset``: zero those counters and peaks, the ``/K`` scenario counts and the request
   log; revive a dead engine. In-flight requests are not touched.
+- ``POST /sim/kill``: the engine dies now (as the ``dead`` marker does: in-flight requests fail,
+  ``/health`` answers 503, new requests get 500) until ``POST /sim/revive`` (or reset), which
+  brings it back and keeps every count (so ``/K`` markers stay spent: jobs that come back after an
+  outage are not hit by them again).
 - ``GET /sim/requests?limit=N``: the last N chat request bodies received (oldest first), each
   ``{"id", "received_at" (unix s), "sim_time", "body"}``; the log keeps 2,000.
 
@@ -256,6 +260,14 @@ def _sim_routes(s: SimState) -> list[Route]:
         s.reset()
         return JSONResponse({"ok": True})
 
+    async def kill(request: Request) -> Response:
+        s.engine.kill(float("inf"))
+        return JSONResponse({"ok": True})
+
+    async def revive(request: Request) -> Response:
+        s.engine.revive()
+        return JSONResponse({"ok": True})
+
     async def requests_log(request: Request) -> Response:
         limit = int(request.query_params.get("limit", "100"))
         items = list(s.requests)[-limit:] if limit > 0 else []
@@ -264,6 +276,8 @@ def _sim_routes(s: SimState) -> list[Route]:
     return [
         Route("/sim/stats", stats),
         Route("/sim/reset", reset, methods=["POST"]),
+        Route("/sim/kill", kill, methods=["POST"]),
+        Route("/sim/revive", revive, methods=["POST"]),
         Route("/sim/requests", requests_log),
     ]
 

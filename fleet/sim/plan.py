@@ -94,7 +94,9 @@ def _content_pieces(
         return [], 0, None
     if shape.tool is not None:
         fn = shape.tool.get("function", shape.tool)
-        call = ToolCall(str(fn.get("name", "tool")), generate_json(fn.get("parameters", {}), rng))
+        # bad_args: arguments that fail any object schema (a JSON array), as a confused model's
+        arguments = "[]" if scenario.has("bad_args") else generate_json(fn.get("parameters", {}), rng)
+        call = ToolCall(str(fn.get("name", "tool")), arguments)
         head = split_pieces(f'<tool_call>\n{{"name": "{call.name}", "arguments": ')
         tail = split_pieces("}\n</tool_call>")
         parts = [(HIDDEN, head[:-1]), (TOOL_START, head[-1:]),

@@ -25,7 +25,11 @@ Names (times are simulated seconds):
 ``empty``            reasoning, then an empty answer, ``finish_reason: "stop"``
 ``unicode``          reasoning and prose answer mix English, Japanese and U+2028, U+2029, U+0085
                      (sent raw inside the JSON chunks, as vLLM's encoder does)
-``tool`` / ``tool=NAME``  answer with a tool call (first tool of the request, or NAME)
+``tool`` / ``tool=NAME``  answer with a tool call (first tool of the request, or NAME);
+                     ``[sim:tool/3]`` calls it on the first 3 requests of the job (tool rounds
+                     keep the first user message, so they count), then answers
+``bad_args``         a tool call's arguments are ``[]`` (fail any object schema);
+                     ``[sim:bad_args/1]``: only the first call's
 ``think=N``          exactly N reasoning tokens (before budget and max-token caps)
 ``answer=N``         exactly N answer tokens (prose answers)
 ``prompt_pad=N``     count the prompt as N tokens longer (unique tokens, never prefix-cached)
@@ -49,7 +53,7 @@ MARKER_RE = re.compile(r"\[sim:([a-z0-9_]+)(?:=([^\]/\s]+))?(?:/(\d+))?\]")
 FAULTS = ("http500", "http503", "drop", "error_event")
 KNOWN = {
     "loop", "loop_fuzzy", "slow_first_token", "stall", "http500", "http503", "drop",
-    "error_event", "bad_json", "empty", "tool", "think", "answer", "prompt_pad", "dead", "unicode",
+    "error_event", "bad_json", "empty", "tool", "bad_args", "think", "answer", "prompt_pad", "dead", "unicode",
 }
 
 

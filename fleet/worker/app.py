@@ -41,6 +41,7 @@ Monitoring
 
 from __future__ import annotations
 
+import importlib
 import ipaddress
 from typing import Any
 
@@ -88,6 +89,13 @@ def prep_queues(settings: Settings) -> list[str]:
 
 def collect_queues(settings: Settings) -> list[str]:
     return [collect_queue(p) for p in settings.projects]
+
+
+def tool_queues(settings: Settings) -> list[str]:
+    """Every queue a tool worker consumes: each registered tool's, of each project that runs
+    its tools (fleet/infer/tools.py)."""
+    return sorted({tool.queue_for(name) for name, p in settings.projects.items()
+                   if p.tools == "run" for tool in p.tool_registry.values()})
 
 
 def shown(project: str, job_id: str) -> dict[str, str]:
@@ -177,7 +185,7 @@ def create_app(settings: Settings) -> Celery:
         broker_connection_retry_on_startup=True,
         task_routes=(make_router(settings),),
         task_queues=[_queue(q) for q in [INFER_QUEUE, *prep_queues(settings),
-                                          *collect_queues(settings)]],
+                                          *collect_queues(settings), *tool_queues(settings)]],
         task_default_queue=INFER_QUEUE,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
@@ -200,6 +208,8 @@ def worker_app(settings: Settings | None = None) -> Celery:
 
     app = create_app(settings or load_settings())
     register_tasks(app)
+    for module in app.fleet_settings.tool_imports:  # type: ignore[attr-defined]
+        importlib.import_module(module)  # registers the projects' tool tasks (shared_task)
     return app
 
 

@@ -24,7 +24,8 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "prep": _PREP,
     "collect": _PREP,
     "infer": _INFER,
-    "all": _PREP + _INFER,
+    "tools": ("fleet.infer.tools",),
+    "all": (*_PREP, *_INFER, "fleet.infer.tools"),
     "dispatcher": ("prometheus_client", "httpx", "schedulers.dispatcher", "schedulers.metrics", "schedulers.scrape"),
 }
 

@@ -31,6 +31,8 @@ if TYPE_CHECKING:  # the heavy modules are imported on first use, in the worker 
 class Runtime:
     settings: Settings
     on_publish: Callable[[Envelope], None] | None = None  # each final envelope this process writes
+    # Celery's send_task (name, kwargs=..., queue=...): a worker sends a tool round's tasks with it
+    send_task: Callable[..., object] | None = None
 
     @cached_property
     def redis(self) -> redis.Redis:

@@ -13,12 +13,23 @@ fleet.prep (queue fleet.<project>, kwargs project, job_id, signed)
 fleet.cancel (queue fleet.<project>, kwargs project, job_id; sent by fleet.Client.cancel)
   acts only on a cancel request signed by the project (``{p}cancel:{<ref>}``): removes a queued job
   from the dispatcher and publishes E_CANCELLED; a running job is left to its lease keeper.
+fleet.tool (queue of the tool, kwargs ref, round_number, call_id; sent by an inference worker)
+  runs one tool call of a job's tool round (fleet/infer/tools.py): only a call the job's sealed
+  turn names, with the arguments it names; stores the result sealed and, with the round's last
+  result, puts the job in line at once.
 fleet.infer (queue fleet.infer, kwargs ref, project, fence; sent by a dispatcher)
   stale fence (duplicate or late delivery) -> drop; already final (cancelled) -> release, drop;
   the ref, the task, the lease, the record and the sealed job must name one project, and the seal
-  must verify, else E_AUTH before anything is sent; otherwise stream under a LeaseKeeper, release
-  the lease in ``finally`` and publish the envelope. A worker whose lease was lost publishes
-  nothing: the job is already pending again.
+  must verify, else E_AUTH before anything is sent; otherwise run ONE model turn under a
+  LeaseKeeper. A final envelope is published, then the lease released. A continuation (the job
+  needs another turn: retry, re-ask, backend outage) is saved sealed in the job hash (``turn``,
+  state "pending"), then ``readmit`` gives the lease up and puts the job back in line at its place
+  with the next turn's plan, not before its backoff (schedulers/store/base.py, Continuations). A
+  worker whose lease was lost publishes nothing: the job is already pending again.
+  Between two turns nothing runs and nothing is held: a worker dying after saving the turn and
+  before ``readmit`` leaves the lease to expire, and the reaped job resumes from the saved turn
+  (attempts are recorded as they end, fleet/infer/carryover.py); a cancel or a deadline between
+  turns ends the job like any pending job's.
 
 Failure cases: every exception inside either task becomes an Envelope (E_INTERNAL at worst), so
 a bad job never crashes a worker, poisons a queue or stays without a final result.
@@ -32,7 +43,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from celery import Celery
@@ -44,7 +55,7 @@ from fleet.core.events import EventSink
 from fleet.core.keys import job_ref, split_ref
 from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, Timings, describe_invalid
-from fleet.core.seal import cancel_valid, check_seal, digest, seal
+from fleet.core.seal import cancel_valid, check_seal, check_turn, digest, seal, seal_turn
 from fleet.core.signing import verify
 from fleet.prep.watchdog import HANDED_OVER, PrepClaim
 from fleet.worker.app import JobEnded, task_outcome
@@ -53,13 +64,17 @@ from fleet.worker.metrics import WorkerMetrics, serve_when_started
 from fleet.worker.runtime import Runtime
 from schedulers.store.base import PendingItem
 
+if TYPE_CHECKING:  # the inference modules are imported on first use, in the worker that runs one
+    from fleet.infer.attempts import Continuation
+
 log = logging.getLogger(__name__)
 
 
 
 def register_tasks(app: Celery) -> None:
     metrics = WorkerMetrics()
-    runtime = Runtime(app.fleet_settings, on_publish=metrics.observe)  # type: ignore[attr-defined]
+    runtime = Runtime(app.fleet_settings, on_publish=metrics.observe,  # type: ignore[attr-defined]
+                      send_task=app.send_task)
     serve_when_started(app, metrics, runtime.settings.worker_metrics_port)
 
     # A non-OK final code raises JobEnded (fleet/worker/app.py): FAILURE in Flower, no redelivery.
@@ -74,6 +89,10 @@ def register_tasks(app: Celery) -> None:
     @app.task(name="fleet.infer", acks_late=True, throws=(JobEnded,))
     def infer(*, ref: str, project: str, fence: int) -> str:
         return task_outcome(infer_job(runtime, ref, project, fence), split_ref(ref)[1])
+
+    @app.task(name="fleet.tool", acks_late=True)
+    def tool(*, ref: str, round_number: int, call_id: str) -> str:
+        return f"{tool_job(runtime, app.tasks, ref, round_number, call_id)} job={split_ref(ref)[1]}"
 
 
 def _events(rt: Runtime, ref: str) -> EventSink:
@@ -244,6 +263,8 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
         # the job is pending again anyway); its next attempt will publish.
         store.requeue(ref, fence)
         return "lease-lost"
+    if not isinstance(envelope, Envelope):
+        return _continue(rt, ref, fence, envelope)
     # Publish first, then release: a crash or a Redis error in between leaves the lease to
     # expire and the job to run again (which finds its result and stops), never a lost job.
     rt.results.publish(envelope)
@@ -251,11 +272,71 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
     return envelope.code.value
 
 
-def _resize(rt: Runtime, ref: str, fence: int, max_tokens: int) -> None:
+def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
+    """Save the next turn, give the lease up, back in line (module docstring). A Redis error
+    here leaves the lease to expire: the reaped job resumes from what was saved."""
+    turn_json = json.dumps(cont.turn)
     try:
-        rt.store.resize(ref, fence, max_tokens)
-    except redis.RedisError as exc:  # accounting only: never end a healthy retry over it
-        log.warning("lease of job=%s not resized: %s", ref, exc)
+        rt.results.record(ref, state="pending", pending_at=time.time(), turn=turn_json,
+                          turn_seal=seal_turn(rt.settings, ref, turn_json))
+        if not rt.store.readmit(ref, fence, cont.max_tokens, cont.not_before, time.time()):
+            return "lease-lost"  # reaped meanwhile: pending again, resuming from the saved turn
+        _events(rt, ref).emit("continuation", how=cont.how, cause=cont.cause.value,
+                              delay_s=round(cont.delay_s, 3), max_tokens=cont.max_tokens)
+        if cont.tool_calls:
+            _send_tools(rt, ref, cont)
+        if cancel_requested(rt, ref) and rt.store.cancel_pending(ref):
+            owner, job_id = split_ref(ref)  # cancelled while this turn ran: never run another
+            return _fail(rt, job_id, owner, Code.E_CANCELLED, "cancelled between turns")
+    except redis.RedisError as exc:
+        log.warning("continuation of job=%s not readmitted (%r): its lease will expire", ref, exc)
+        return "readmit-failed"
+    return "continued"
+
+
+def _send_tools(rt: Runtime, ref: str, cont: Continuation) -> None:
+    """One ``fleet.tool`` task per call, all at once (they run in parallel on the tool workers).
+    A send that fails leaves that call without a result: it times out like a lost tool."""
+    assert rt.send_task is not None, "a worker runtime sends tasks"
+    number = cont.turn["tool_rounds"][-1]["number"]
+    for call in cont.tool_calls:
+        try:
+            rt.send_task("fleet.tool", kwargs={"ref": ref, "round_number": number,
+                                               "call_id": call["id"]},
+                         queue=call["queue"], argsrepr="()",
+                         kwargsrepr=f"job={ref} tool={call['name']} round={number}")
+        except Exception as exc:  # the broker: the call times out, the job goes on
+            log.warning("tool task of job=%s call=%s not sent: %r", ref, call["id"], exc)
+
+
+def tool_job(rt: Runtime, tasks: Any, ref: str, round_number: int, call_id: str) -> str:
+    """Run one call of a tool round (module docstring); returns what became of it."""
+    from fleet.infer import tools as tools_mod
+
+    record = rt.results.job_record(ref)
+    try:
+        turn_json = check_turn(rt.settings, ref, record)
+    except AuthError as exc:
+        log.warning("tool call %s of job=%s refused: %s", call_id, ref, exc.message)
+        return "refused"
+    rounds = json.loads(turn_json)["tool_rounds"] if turn_json else []
+    pending = next((r for r in rounds if r["number"] == round_number and "duration_s" not in r), None)
+    call = next((c for c in (pending or {}).get("calls", [])
+                 if c["id"] == call_id and c["error"] is None), None)
+    if pending is None or call is None:
+        return "stale"  # not a call of the job's open round (late, duplicate or forged)
+    tool = rt.settings.projects[split_ref(ref)[0]].tool_registry[call["name"]]
+    task = tasks.get(tool.task)
+    if task is None:
+        result = {"ok": False, "error": f"the tool task {tool.task!r} is not registered on this worker"}
+    else:
+        result = tools_mod.run_tool(task, call["arguments"])
+    have = tools_mod.save_result(rt.redis, rt.keys, rt.settings, ref, round_number, call_id, result)
+    _events(rt, ref).emit("tool_result", number=round_number, call=call_id, name=call["name"],
+                          ok=result["ok"], duration_s=result.get("duration_s"))
+    if have >= sum(1 for c in pending["calls"] if c["error"] is None):
+        rt.store.hurry(ref, time.time())  # the round is complete: in line now, not at its timeout
+    return "ok" if result["ok"] else "failed"
 
 
 def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> Job:
@@ -269,7 +350,7 @@ def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> 
     return job
 
 
-def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope:
+def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope | Continuation:
     from fleet.infer.attempts import InferenceContext, run_inference
     from fleet.infer.budget import Plan
 
@@ -278,28 +359,35 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope:
     try:
         job = _sealed_job(rt, ref, project, record)
         plan = Plan(**json.loads(record["plan"]))
+        turn_json = check_turn(rt.settings, ref, record)
+        turn = None if turn_json is None else json.loads(turn_json)
     except AuthError as exc:
         log.warning("refused to run job=%s: %s", ref, exc.message)
         return Envelope.failure(job_id, owner, Code.E_AUTH, exc.message)
     except (KeyError, ValueError) as exc:
         return Envelope.failure(job_id, owner, Code.E_INTERNAL, f"job record unreadable: {exc}")
+    if cancel_requested(rt, ref):  # asked between two turns (the keeper checks only from now on)
+        return Envelope.failure(job_id, owner, Code.E_CANCELLED, "cancelled between turns")
     admitted_at = time.time()
     events = _events(rt, ref)
     events.emit("admitted", queued_s=round(admitted_at - job.submitted_at, 3))
     ctx = InferenceContext(
         settings=rt.settings, project=rt.settings.projects[job.project], redis=rt.redis,
         keys=rt.keys, events=events, cancel=keeper.cancel, client=rt.vllm,
-        sleep=keeper.cancel.wait,
-        on_plan=lambda grown: _resize(rt, ref, keeper.fence, grown.max_tokens),
         fence_tag=record.get("fence_tag") or None,
     )
-    envelope = run_inference(job, plan, ctx)
+    envelope = run_inference(job, plan, ctx, turn)
+    if not isinstance(envelope, Envelope):
+        return envelope  # a Continuation
     warnings = json.loads(record.get("warnings", "[]"))
+    # Queued until the job's FIRST admission: its first attempt (a later turn's admission
+    # would count the earlier turns as queueing).
+    first_admitted = envelope.attempts[0].started_at if envelope.attempts else admitted_at
     return envelope.model_copy(update={
         "warnings": warnings + envelope.warnings,
         "metadata": job.metadata,
         "timings": Timings(
-            queued_s=round(admitted_at - job.submitted_at, 4),
+            queued_s=round(min(first_admitted, admitted_at) - job.submitted_at, 4),
             first_token_s=envelope.timings.first_token_s,
             total_s=round(time.time() - job.submitted_at, 4),
         ),

@@ -27,6 +27,16 @@ Deadlines: a ``PendingItem`` may carry ``deadline`` (unix seconds). ``expire_dea
 removes every pending job whose deadline is at or before ``now`` (like ``cancel_pending``) and
 returns their ids, for the caller to publish E_DEADLINE. A job in flight is left alone; its
 deadline comes back with it if its lease expires and it returns to pending.
+
+Continuations: a job that needs another model turn (a retry, a re-ask, a tool round, a backend
+outage) is not released but ``readmit``-ted: the lease is freed (fence-checked) and the job joins
+its queue again at its original score - it keeps its place, so it is ahead of its project's newer
+work, and every admission still charges its project's fair share - with ``max_new_tokens`` of its
+new plan (its KV reservation is checked again like any job's). With ``not_before`` in the future
+(a backoff) it waits outside the queues until ``promote_due(now)`` puts it in line; no slot is held
+meanwhile. ``cancel_pending`` removes a waiting continuation as well. A continuation has no
+deadline entry while it waits (its deadline comes back when it is promoted; the worker never
+schedules a not-before time at or past the deadline).
 """
 
 from __future__ import annotations
@@ -153,6 +163,28 @@ class AdmissionStore(Protocol):
     def wait_for_wake(self, timeout_s: float) -> bool: ...
 
     def lease_valid(self, job_id: str, fence: int) -> bool: ...
+
+    def readmit(self, job_id: str, fence: int, max_new_tokens: int, not_before: float,
+                now: float) -> bool:
+        """Another model turn (see Continuations above): give the lease up and re-enter
+        admission with the new plan's ``max_new_tokens``, at the job's original place in line,
+        once ``not_before`` has come. False for a stale fence."""
+        ...
+
+    def promote_due(self, now: float) -> list[str]:
+        """Continuations whose not-before time is at or before ``now`` join their queue."""
+        ...
+
+    def next_not_before(self) -> float | None: ...
+
+    def hurry(self, job_id: str, not_before: float) -> bool:
+        """Bring a waiting continuation's not-before time forward to ``not_before`` (never
+        later); False when the job is not waiting."""
+        ...
+
+    def continuations(self) -> dict[str, dict[str, int]]:
+        """Continuations waiting per project: {"pending": n, "deferred": n} (non-zero only)."""
+        ...
 
     def wake(self) -> None: ...
 

@@ -31,6 +31,7 @@ class _Entry:
     item: PendingItem
     score: float
     size: str
+    continuation: bool = False  # readmitted for another model turn
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class MemoryStore:
         self._queues: dict[QueueKey, list[tuple[float, str]]] = {}
         self._pending: dict[str, _Entry] = {}
         self._deadlines: list[tuple[float, str]] = []
+        self._deferred: dict[str, tuple[float, _Entry]] = {}  # continuations before not-before
+        self._not_before: list[tuple[float, str]] = []
         self._leases: dict[str, _Lease] = {}
         self._state = limits.LimitState()
         self._vtime = 0.0
@@ -70,8 +73,8 @@ class MemoryStore:
         size = "long" if item.prompt_tokens > self.config.limits.long_prompt_tokens else "short"
         score = fairshare.pending_score(item.enqueued_at, item.priority, self.config.aging_s)
         with self._lock:
-            if item.job_id in self._pending or item.job_id in self._leases:
-                return  # pending already, or in flight: an expired lease puts it back itself
+            if item.job_id in self._pending or item.job_id in self._leases or item.job_id in self._deferred:
+                return  # pending, in flight or a waiting continuation: each comes back itself
             if not self._pending and self._state.in_flight == 0:
                 self._vtime = fairshare.forgive(self._vtime, self._finish.values())
             self._push(_Entry(item, score, size))
@@ -83,7 +86,7 @@ class MemoryStore:
 
     def cancel_pending(self, job_id: str) -> bool:
         with self._lock:
-            return self._pending.pop(job_id, None) is not None
+            return (self._pending.pop(job_id, None) or self._deferred.pop(job_id, None)) is not None
 
     def expire_deadlines(self, now: float) -> list[str]:
         expired: list[str] = []
@@ -244,6 +247,64 @@ class MemoryStore:
                 self._push(lease.entry)
             self._signal()
             return True
+
+    # -- continuations -----------------------------------------------------------------------
+    def readmit(self, job_id: str, fence: int, max_new_tokens: int, not_before: float,
+                now: float) -> bool:
+        with self._lock:
+            lease = self._leases.get(job_id)
+            if lease is None or lease.fence != fence:
+                return False
+            self._free_lease(job_id)
+            item = replace(lease.entry.item, max_new_tokens=max_new_tokens)
+            entry = replace(lease.entry, item=item, continuation=True)
+            if not_before > now:
+                self._deferred[job_id] = (not_before, entry)
+                heapq.heappush(self._not_before, (not_before, job_id))
+            elif job_id not in self._pending:
+                self._push(entry)
+            self._signal()
+            return True
+
+    def promote_due(self, now: float) -> list[str]:
+        promoted: list[str] = []
+        with self._lock:
+            while self._not_before and self._not_before[0][0] <= now:
+                due, job_id = heapq.heappop(self._not_before)
+                waiting = self._deferred.get(job_id)
+                if waiting is not None and waiting[0] == due:
+                    del self._deferred[job_id]
+                    if job_id not in self._pending:
+                        self._push(waiting[1])
+                        promoted.append(job_id)
+            if promoted:
+                self._signal()
+        return promoted
+
+    def hurry(self, job_id: str, not_before: float) -> bool:
+        with self._lock:
+            waiting = self._deferred.get(job_id)
+            if waiting is None:
+                return False
+            if not_before < waiting[0]:
+                self._deferred[job_id] = (not_before, waiting[1])
+                heapq.heappush(self._not_before, (not_before, job_id))
+                self._signal()
+            return True
+
+    def next_not_before(self) -> float | None:
+        with self._lock:
+            return min((due for due, _entry in self._deferred.values()), default=None)
+
+    def continuations(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            found: dict[str, dict[str, int]] = {}
+            waiting = [("pending", e) for e in self._pending.values() if e.continuation]
+            waiting += [("deferred", e) for _due, e in self._deferred.values()]
+            for state, entry in waiting:
+                counts = found.setdefault(entry.item.project, {})
+                counts[state] = counts.get(state, 0) + 1
+            return found
 
     def lease_valid(self, job_id: str, fence: int) -> bool:
         with self._lock:

@@ -24,6 +24,11 @@ one serialisation point anyway, and a script may touch the shared counters and a
   D wake           list    LPUSHed on submit/release/expiry, capped at 100; dispatchers BLPOP it
   D backend        hash    scraped_at hold (gate verdict) + raw figures (schedulers/scrape.py)
   D stats          hash    admissions, hold:<reason>
+  Continuations (``readmit``, ``promote_due``; added beside the scripts above, not inside them):
+  D deferred       zset    continuations waiting for their not-before time (score, unix s); their
+                           item has pending=0, deferred=<time>, no lease and no deadline entry
+  D continuations  set     ids of jobs readmitted at least once (a hint list for ``fleet queues``;
+                           ``continuations`` drops ids whose item is gone); their item has cont=1
 
 The scripts are files in schedulers/store/lua/ (``prelude.lua`` holds their shared helpers), each
 opening with the KEYS it touches and its ARGV; they are registered once per store. Every key a
@@ -70,7 +75,7 @@ from schedulers.store.base import AdmitResult, Grant, PendingItem, StoreConfig, 
 log = logging.getLogger(__name__)
 
 SCRIPTS = ("add", "prune", "admit", "claim", "renew", "resize", "release", "reap", "requeue",
-           "cancel", "expire")
+           "cancel", "expire", "readmit", "promote", "undefer")
 _ROUNDS = 4  # admission attempts when other dispatchers keep taking our candidates
 _BATCH = 200  # expired leases or due deadlines handled by one script call
 MAX_BLOCK_S = 4.0  # longest BLPOP; below redis-py 8's default 5 s socket timeout
@@ -151,7 +156,10 @@ class RedisStore:
         where = self._where([job_id])[0]
         keys = [self._item(job_id), self._lease(job_id), self._queue(*where),
                 self._key("deadlines"), self._key("state")]
-        return bool(self._run("cancel", keys, [job_id, *where]))
+        if self._run("cancel", keys, [job_id, *where]):
+            return True
+        keys = [self._key("deferred"), self._item(job_id), self._lease(job_id)]
+        return bool(self._run("undefer", keys, [job_id]))
 
     def expire_deadlines(self, now: float) -> list[str]:
         due = [_text(i) for i in self._client.zrangebyscore(self._key("deadlines"), "-inf", repr(now), 0, _BATCH)]
@@ -273,6 +281,63 @@ class RedisStore:
         keys = [self._lease(job_id), self._key("leases"), self._key("state"), self._item(job_id),
                 self._queue(*where), *map(self._key, ("projects", "deadlines", "wake"))]
         return bool(self._run("requeue", keys, [job_id, fence, *where]))
+
+    # -- continuations -----------------------------------------------------------------------
+    def readmit(self, job_id: str, fence: int, max_new_tokens: int, not_before: float,
+                now: float) -> bool:
+        where = self._where([job_id])[0]
+        prompt = self._client.hget(self._item(job_id), "prompt")
+        if prompt is None:
+            return False
+        kv = kv_tokens(int(prompt), max_new_tokens, self.config.limits.block_tokens)
+        keys = [self._lease(job_id), self._key("leases"), self._key("state"), self._item(job_id),
+                self._queue(*where), *map(self._key, ("projects", "deadlines", "wake", "deferred",
+                                                      "continuations"))]
+        args = [job_id, fence, *where, max_new_tokens, kv, repr(not_before), repr(now)]
+        return bool(self._run("readmit", keys, args))
+
+    def promote_due(self, now: float) -> list[str]:
+        due = [_text(i) for i in self._client.zrangebyscore(self._key("deferred"), "-inf", repr(now), 0, _BATCH)]
+        if not due:
+            return []
+        keys = [self._key(k) for k in ("deferred", "state", "projects", "deadlines", "wake")]
+        args: list[Any] = [repr(now)]
+        for job_id, where in zip(due, self._where(due), strict=True):
+            keys += [self._item(job_id), self._queue(*where)]
+            args += [job_id, *where]
+        return [_text(job_id) for job_id in self._run("promote", keys, args)]
+
+    def hurry(self, job_id: str, not_before: float) -> bool:
+        """One ZADD XX LT (only an existing entry, only earlier), then a wake."""
+        pipe = self._client.pipeline()
+        pipe.zadd(self._key("deferred"), {job_id: not_before}, xx=True, lt=True)
+        pipe.zscore(self._key("deferred"), job_id)
+        pipe.lpush(self._key("wake"), "1")
+        pipe.ltrim(self._key("wake"), 0, 99)
+        return pipe.execute()[1] is not None
+
+    def next_not_before(self) -> float | None:
+        first = self._client.zrange(self._key("deferred"), 0, 0, withscores=True)
+        return float(first[0][1]) if first else None
+
+    def continuations(self) -> dict[str, dict[str, int]]:
+        ids = [_text(i) for i in self._client.smembers(self._key("continuations"))]
+        pipe = self._client.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(self._item(job_id), "project", "pending", "deferred")
+        found: dict[str, dict[str, int]] = {}
+        gone = []
+        for job_id, (project, pending, deferred) in zip(ids, pipe.execute(), strict=True):
+            if project is None:
+                gone.append(job_id)
+                continue
+            state = "deferred" if deferred is not None else "pending" if _text(pending) == "1" else ""
+            if state:
+                counts = found.setdefault(_text(project), {})
+                counts[state] = counts.get(state, 0) + 1
+        if gone:
+            self._client.srem(self._key("continuations"), *gone)
+        return found
 
     def lease_valid(self, job_id: str, fence: int) -> bool:
         value = self._client.hget(self._lease(job_id), "fence")

@@ -1,5 +1,5 @@
--- ADD: a job joins its queue (submit). A job already pending, or in flight (its lease puts it
--- back at its own place if it expires), is left as it is.
+-- ADD: a job joins its queue (submit). A job already pending, in flight (its lease puts it
+-- back at its own place if it expires) or waiting as a continuation is left as it is.
 -- KEYS[1] item:<id>        hash    the job's admission facts
 -- KEYS[2] pending:<project>:<band>:<size>  zset  the job's queue
 -- KEYS[3] deadlines        zset    pending jobs with a deadline
@@ -9,9 +9,11 @@
 -- KEYS[7] wake             list    dispatchers' wake-up list
 -- KEYS[8] lease:<id>       hash    the job's lease, if it is in flight
 -- ARGV: id, project, band, size, prompt, max_new, kv, long (1|0), enq, score, deadline ('' = none)
--- Returns 1 when added, 0 when the job was already pending or in flight.
+-- Returns 1 when added, 0 when the job was already pending, in flight or waiting.
 local item, id = KEYS[1], ARGV[1]
 if redis.call('HGET', item, 'pending') == '1' or redis.call('EXISTS', KEYS[8]) == 1 then return 0 end
+-- A continuation waiting for its not-before time (field deferred, READMIT) comes back by itself.
+if redis.call('HEXISTS', item, 'deferred') == 1 then return 0 end
 -- A job arriving at a drained system (nothing pending, nothing in flight) restarts fair share
 -- even: V moves to the largest finish tag (fairshare.forgive).
 local s = redis.call('HMGET', KEYS[5], 'in_flight', 'queued')

@@ -1,0 +1,214 @@
+"""The tool-call loop: a model turn that asks for tools ends, the tools run while the job holds no
+inference slot, and the job re-enters admission for the next turn with their results.
+
+Only for projects with ``tools = "run"`` (``"passthrough"``, the default, hands the calls back in
+the envelope as before) and never for a job with untrusted content (fleet/core/request.py sends it
+no tools at all). The tools a job may use are its ``tools`` names that the project allows
+(``allowed_tools``) AND registers (``tool_registry``); the model is sent the registry's definition
+(name, description, JSON Schema), never the job's.
+
+One round, across processes::
+
+  inference worker (turn N, holds the slot)
+    model answers with tool_calls -> check every call: a name that was sent, arguments that parse
+    as JSON and pass the tool's schema. Invalid calls are not run; their error becomes their
+    result (at most ``tool_invalid_max`` rounds with invalid calls, then E_TOOL_INVALID); more
+    than ``max_tool_rounds`` rounds -> E_TOOL_FAILED.
+    -> the round (calls, checks) is saved in the sealed turn state, ``readmit`` gives the slot up
+       with a not-before time of now + the longest timeout of the round's tools (deferred: the
+       job waits in the store, no slot), then one ``fleet.tool`` task per valid call goes to the
+       tool's queue (all at once: they run in parallel).
+  tool worker (``fleet worker --role tools``, imports ``tool_imports``)
+    ``fleet.tool`` checks that the sealed turn of the job names this very call, runs the
+    registered Celery task in-process (``task(**arguments)``), and stores the result or the
+    error, sealed, in ``{p}tools:{<ref>}`` (field ``<round>:<call id>``). The last result of a
+    round moves the job's not-before time to now (``store.hurry``): it is put in line at once.
+  inference worker (turn N+1, admitted like any continuation)
+    reads the round's results; a missing one is a timeout: E_TOOL_TIMEOUT, a failed one
+    E_TOOL_FAILED, or either goes back to the model as the tool's result (``on_error = "model"``).
+    The assistant message with the calls and one ``tool`` message per call are appended to the
+    conversation; an untrusted tool's result is fenced like any untrusted material, and the
+    job's later turns go out without tools (so untrusted text can never steer a tool call).
+
+Failure cases: a tool worker that dies mid-tool (or a lost task) leaves the result missing; the
+job's not-before time comes, the next turn runs and the call counts as timed out - nothing waits
+for ever and exactly one envelope is published. An inference worker that dies after saving the
+round and before sending the tasks is the same case. A tool task may run twice (broker
+redelivery): the result is written by call id, the last write wins, the turn reads one.
+The envelope's ``tool_rounds`` lists every round: its calls (name, arguments, the check's error),
+their results (ok, content or error, started_at, duration_s) and the round's duration.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+from jsonschema.exceptions import best_match
+
+from fleet.core.config import ProjectSettings, Settings, ToolSettings
+from fleet.core.keys import Keys
+from fleet.core.request import fence
+from fleet.core.schema import answer_validator
+from fleet.core.seal import seal_turn
+
+TOOL_TASK = "fleet.tool"
+MAX_RESULT_CHARS = 20_000
+
+
+def registered(project: ProjectSettings, names: list[str]) -> tuple[dict[str, ToolSettings], list[str]]:
+    """The registry entries of ``names`` (tools the job may use) and the names left out."""
+    kept = {n: project.tool_registry[n] for n in names if n in project.tool_registry}
+    return kept, sorted(set(names) - set(kept))
+
+
+def definitions(tools: dict[str, ToolSettings]) -> list[dict[str, Any]]:
+    """What the model is told: the registry's definitions, in the job's order."""
+    return [{"type": "function", "function": {"name": name, "description": tool.description,
+                                               "parameters": tool.parameters}}
+            for name, tool in tools.items()]
+
+
+@dataclass
+class Call:
+    id: str
+    name: str
+    arguments: str
+    error: str | None = None  # why the call was not run (the check), None: it was run
+
+
+def check_calls(raw: list[dict[str, Any]], tools: dict[str, ToolSettings]) -> list[Call]:
+    calls = []
+    for index, call in enumerate(raw):
+        function = call.get("function") or {}
+        name, arguments = str(function.get("name") or ""), str(function.get("arguments") or "")
+        checked = Call(str(call.get("id") or f"call-{index}"), name, arguments)
+        tool = tools.get(name)
+        if tool is None:
+            checked.error = f"unknown tool {name!r}; the tools are: {', '.join(tools) or 'none'}"
+        else:
+            checked.error = _arguments_error(arguments, tool)
+        calls.append(checked)
+    return calls
+
+
+def _arguments_error(arguments: str, tool: ToolSettings) -> str | None:
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError as exc:
+        return f"arguments are not JSON: {exc}"
+    failure = best_match(answer_validator(tool.parameters).iter_errors(value))
+    if failure is None:
+        return None
+    where = failure.json_path if failure.path else "$"
+    return f"arguments fail the tool's schema at {where}: {failure.message}"
+
+
+def new_round(number: int, calls: list[Call], tools: dict[str, ToolSettings], now: float) -> dict[str, Any]:
+    run = [c for c in calls if c.error is None]
+    return {"number": number, "calls": [asdict(c) for c in calls], "started_at": now,
+            "timeout_s": max((tools[c.name].timeout_s for c in run), default=0.0)}
+
+
+# -- results (written by the tool worker, read by the next turn) -------------------------------
+def result_field(round_number: int, call_id: str) -> str:
+    return f"{round_number}:{call_id}"
+
+
+def save_result(client: redis.Redis, keys: Keys, settings: Settings, ref: str, round_number: int,
+                call_id: str, result: dict[str, Any]) -> int:
+    """Store one call's result, sealed; returns how many results the round has now."""
+    text = json.dumps(result)
+    field = result_field(round_number, call_id)
+    sealed = json.dumps({"result": text, "seal": seal_turn(settings, f"{ref}#{field}", text)})
+    pipe = client.pipeline()
+    pipe.hset(keys.tools(ref), field, sealed)
+    pipe.expire(keys.tools(ref), settings.result_ttl_s)
+    pipe.hkeys(keys.tools(ref))
+    fields = pipe.execute()[2]
+    prefix = f"{round_number}:".encode()
+    return sum(1 for f in fields if (f if isinstance(f, bytes) else f.encode()).startswith(prefix))
+
+
+def load_results(client: redis.Redis, keys: Keys, settings: Settings, ref: str,
+                 round_: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The round's results by call id; one without the workers' seal counts as missing."""
+    ids = [c["id"] for c in round_["calls"] if c["error"] is None]
+    if not ids:
+        return {}
+    fields = [result_field(round_["number"], i) for i in ids]
+    found: dict[str, dict[str, Any]] = {}
+    for call_id, field, raw in zip(ids, fields, client.hmget(keys.tools(ref), fields), strict=True):
+        if raw is None:
+            continue
+        try:
+            sealed = json.loads(raw)
+            if sealed["seal"] == seal_turn(settings, f"{ref}#{field}", sealed["result"]):
+                found[call_id] = json.loads(sealed["result"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def result_text(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return text[:MAX_RESULT_CHARS]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a finished round goes on: its messages, or the code that ends the job."""
+
+    messages: list[dict[str, Any]]
+    untrusted: bool  # a result came from an untrusted tool: later turns go out without tools
+    failure: tuple[str, str] | None = None  # (code name, cause)
+
+
+def finish_round(round_: dict[str, Any], results: dict[str, dict[str, Any]],
+                 tools: dict[str, ToolSettings], fence_tag: str, now: float) -> Outcome:
+    """The tool messages of a round whose results are in (or whose time is up); records each
+    call's result in ``round_`` (for the envelope)."""
+    messages: list[dict[str, Any]] = [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": c["id"], "type": "function",
+         "function": {"name": c["name"], "arguments": c["arguments"]}} for c in round_["calls"]]}]
+    untrusted, failure = False, None
+    for call in round_["calls"]:
+        tool = tools.get(call["name"])
+        if call["error"] is not None:
+            content, call["result"] = f"The call was not run: {call['error']}", None
+        else:
+            assert tool is not None
+            result = results.get(call["id"])
+            if result is None:
+                result = {"ok": False, "error": f"no result within {tool.timeout_s:g} s"}
+                code = "E_TOOL_TIMEOUT"
+            else:
+                code = "E_TOOL_FAILED"
+            call["result"] = result
+            if not result.get("ok"):
+                if tool.on_error == "fail" and failure is None:
+                    failure = (code, f"tool {call['name']!r}: {result.get('error')}")
+                content = f"The tool failed: {result.get('error')}"
+            else:
+                content = result_text(result.get("content"))
+            if tool.untrusted:
+                untrusted = True
+                content = fence(content, fence_tag)
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+    round_["duration_s"] = round(now - round_["started_at"], 3)
+    return Outcome(messages, untrusted, failure)
+
+
+def run_tool(task: Any, arguments: str) -> dict[str, Any]:
+    """Run a registered tool task in this process; its result or error as stored."""
+    started_at, started = time.time(), time.monotonic()
+    try:
+        value = task(**json.loads(arguments or "{}"))
+    except Exception as exc:  # the tool's own failure: reported, never the worker's
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                "started_at": started_at, "duration_s": round(time.monotonic() - started, 3)}
+    return {"ok": True, "content": result_text(value), "started_at": started_at,
+            "duration_s": round(time.monotonic() - started, 3)}

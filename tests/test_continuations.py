@@ -1,0 +1,135 @@
+"""Between two model turns, in one process with the real pieces (Redis store, job records,
+``fleet sim``): the inference task's turn -> save -> readmit path, and what happens when it is
+cut short. Driving the task functions directly (not through Celery) puts a crash or a Redis
+error exactly between saving the next turn and the readmit, which no timing could hit.
+
+- a retry's turn is saved sealed in the job record, the lease is given up (no slot held), and the
+  job is pending again with the new plan's size;
+- the worker dies (or Redis fails) after saving the turn, before the readmit: the lease expires,
+  the reaper puts the job back, and the next delivery resumes from the saved turn (attempt 2,
+  same plan) and ends OK: nothing lost, no attempt repeated;
+- a saved turn that does not carry the workers' seal runs nothing (E_AUTH).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from fleet.core.codes import Code
+from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
+from fleet.core.keys import job_ref
+from fleet.core.models import Envelope
+from fleet.core.signing import sign
+from fleet.worker.runtime import Runtime
+from fleet.worker.tasks import infer_job, prep_job
+
+from .conftest import TEST_REDIS_URL
+from .test_inference import sim
+
+__all__ = ["sim"]
+
+LEASE_TTL_S = 5.0
+
+
+@pytest.fixture
+def rt(sim: str, key_prefix: str, redis_client: redis.Redis) -> Iterator[Runtime]:
+    secrets = {"reports": f"test-reports-{uuid.uuid4().hex}"}
+    cfg: Settings = load_settings(
+        EXAMPLE_CONFIG, env={}, broker_url=TEST_REDIS_URL, key_prefix=key_prefix,
+        backend={"url": sim}, admission={"backend_gate": False, "lease_ttl_s": LEASE_TTL_S},
+        security={"worker_secret": f"test-worker-{uuid.uuid4().hex}"},
+        retry={"backoff_base_s": 0.0, "backoff_max_s": 0.0},
+        timeouts={"first_token_s": 5, "idle_s": 5, "attempt_s": 60},
+        projects={"reports": {"secret": secrets["reports"]}},
+    )
+    runtime = Runtime(cfg)
+    yield runtime
+    runtime.vllm.close()
+    runtime.redis.close()
+
+
+def submit(rt: Runtime, text: str) -> str:
+    """What the client and the prep task do: the job ends pending in the store."""
+    job_id = uuid.uuid4().hex[:12]
+    content = f"Task {job_id}: {text}"  # the simulator counts /K markers per first message
+    raw = {"id": job_id, "project": "reports", "messages": [{"role": "user", "content": content}]}
+    signed = sign(raw, "reports", rt.settings.projects["reports"].secret)
+    assert prep_job(rt, "reports", job_id, signed) == "pending"
+    return job_ref("reports", job_id)
+
+
+def admit(rt: Runtime, ref: str, now: float) -> int:
+    grant = rt.store.admit_next(now).grant
+    assert grant is not None and grant.job_id == ref
+    return grant.fence
+
+
+def envelope(rt: Runtime, ref: str) -> Envelope | None:
+    return rt.results.get(ref)
+
+
+def test_a_retry_gives_the_slot_up_and_the_next_turn_runs_from_the_saved_turn(rt: Runtime) -> None:
+    ref = submit(rt, "Sum the invoices. [sim:http500/1] [sim:think=50]")
+    fence = admit(rt, ref, time.time())
+    assert infer_job(rt, ref, "reports", fence) == "continued"
+    record = rt.results.job_record(ref)
+    assert record["state"] == "pending" and json.loads(record["turn"])["retries"] == 1
+    assert rt.store.snapshot().in_flight == 0 and rt.store.lease_fences() == {}
+    assert ref in rt.store.pending_ids() and envelope(rt, ref) is None
+    assert rt.store.continuations() == {"reports": {"pending": 1}}
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "OK"
+    final = envelope(rt, ref)
+    assert final is not None and [a.code for a in final.attempts] == [Code.E_UPSTREAM_ERROR, Code.OK]
+    submitted_at = json.loads(rt.results.job_record(ref)["job"])["submitted_at"]
+    # queued until the FIRST admission, not the last turn's
+    assert final.timings.queued_s == round(final.attempts[0].started_at - submitted_at, 4)
+
+
+@pytest.mark.parametrize("how", ["worker dies", "redis error"])
+def test_cut_between_saving_the_turn_and_readmit_loses_nothing(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    ref = submit(rt, "Sum the invoices. [sim:http500/1] [sim:think=50]")
+    fence = admit(rt, ref, time.time())
+
+    class Died(BaseException):  # a process dying: nothing after this point runs
+        pass
+
+    def cut(*_args: Any) -> bool:
+        if how == "worker dies":
+            raise Died
+        raise redis.ConnectionError("simulated blip")
+
+    monkeypatch.setattr(rt.store, "readmit", cut)
+    if how == "worker dies":
+        with pytest.raises(Died):
+            infer_job(rt, ref, "reports", fence)
+    else:
+        assert infer_job(rt, ref, "reports", fence) == "readmit-failed"
+    monkeypatch.undo()
+    # The turn is saved, the lease still held: nothing runs, nothing is published.
+    assert "turn" in rt.results.job_record(ref) and envelope(rt, ref) is None
+    assert rt.store.lease_fences() == {ref: fence}
+    assert rt.store.reap_expired(time.time() + LEASE_TTL_S + 1) == [ref]
+    again = admit(rt, ref, time.time() + LEASE_TTL_S + 1)
+    assert again > fence
+    assert infer_job(rt, ref, "reports", again) == "OK"
+    final = envelope(rt, ref)
+    assert final is not None
+    assert [a.number for a in final.attempts] == [1, 2]  # resumed: attempt 1 is not run again
+    assert [a.code for a in final.attempts] == [Code.E_UPSTREAM_ERROR, Code.OK]
+
+
+def test_a_saved_turn_without_the_workers_seal_runs_nothing(rt: Runtime) -> None:
+    ref = submit(rt, "Sum the invoices. [sim:http500/1] [sim:think=50]")
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "continued"
+    turn = json.loads(rt.results.job_record(ref)["turn"])
+    turn["plan"]["max_tokens"] = 10**6  # a producer writing its own turn state
+    rt.results.record(ref, turn=json.dumps(turn))
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "E_AUTH"

@@ -1,0 +1,71 @@
+"""Continuations in the admission store (``readmit``, ``promote_due``), both stores.
+
+A job that needs another model turn gives its lease up at once and comes back at its original
+place in line (ahead of its project's newer work), with its new plan's size, after its
+not-before time; a waiting continuation holds no slot and can be cancelled.
+"""
+
+from __future__ import annotations
+
+from schedulers.policy.limits import kv_tokens
+
+from .test_store import BASE, FakeClock, StoreFactory, admit_ids, job, limits, make_store
+
+__all__ = ["make_store"]  # the parametrised fixture, memory and Redis
+
+
+def test_readmit_frees_the_slot_and_keeps_the_place(make_store: StoreFactory) -> None:
+    store = make_store(limits(max_num_seqs=1))
+    store.add_pending(job("j0"))
+    first = store.admit_next(1_010.0).grant
+    assert first is not None
+    store.add_pending(job("j5"))  # newer work of the same project
+    assert not store.readmit("j0", first.fence + 1, 800, 0.0, 1_011.0)  # stale fence
+    assert store.readmit("j0", first.fence, 800, 0.0, 1_011.0)
+    assert store.snapshot().in_flight == 0 and store.lease_fences() == {}
+    assert store.continuations() == {"a": {"pending": 1}}
+    again = store.admit_next(1_012.0).grant
+    assert again is not None and again.job_id == "j0" and again.fence > first.fence
+    assert again.kv_tokens == kv_tokens(500, 800, BASE.limits.block_tokens)  # the new plan
+    assert not store.readmit("j0", first.fence, 800, 0.0, 1_013.0)  # the old fence is dead
+
+
+def test_a_backoff_waits_outside_the_queue_without_a_slot(make_store: StoreFactory) -> None:
+    clock = FakeClock(1_010.0)
+    store = make_store(limits(max_num_seqs=1), clock)
+    store.add_pending(job("j0"))
+    store.add_pending(job("j1"))
+    grant = store.admit_next(1_010.0).grant
+    assert grant is not None and grant.job_id == "j0"
+    assert store.readmit("j0", grant.fence, 400, 1_020.0, 1_011.0)
+    assert store.next_not_before() == 1_020.0
+    assert store.continuations() == {"a": {"deferred": 1}}
+    assert store.promote_due(1_019.0) == []
+    assert admit_ids(store, 1_012.0) == ["j1"]  # the slot went to the next job at once
+    assert store.snapshot().in_flight == 1
+    assert store.promote_due(1_020.0) == ["j0"]
+    assert store.next_not_before() is None and store.pending_ids() == {"j0"}
+
+
+def test_a_waiting_continuation_can_be_cancelled(make_store: StoreFactory) -> None:
+    store = make_store(limits())
+    store.add_pending(job("j0", deadline=1_100.0))
+    grant = store.admit_next(1_010.0).grant
+    assert grant is not None
+    assert store.readmit("j0", grant.fence, 400, 1_050.0, 1_011.0)
+    assert store.cancel_pending("j0")
+    assert not store.cancel_pending("j0")
+    assert store.promote_due(1_060.0) == [] and store.pending_ids() == set()
+    assert store.continuations() == {}
+
+
+def test_a_promoted_continuation_gets_its_deadline_back(make_store: StoreFactory) -> None:
+    store = make_store(limits())
+    store.add_pending(job("j0", deadline=1_100.0))
+    grant = store.admit_next(1_010.0).grant
+    assert grant is not None
+    assert store.readmit("j0", grant.fence, 400, 1_050.0, 1_011.0)
+    assert store.next_deadline() is None  # waiting: no deadline entry
+    assert store.promote_due(1_050.0) == ["j0"]
+    assert store.next_deadline() == 1_100.0
+    assert store.expire_deadlines(1_100.0) == ["j0"]

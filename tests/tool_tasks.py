@@ -1,0 +1,45 @@
+"""Tool tasks for the tool-loop tests (tests/test_fleet_tools.py): the fleet's tool workers import
+this module (``tool_imports``), which registers them as Celery tasks.
+
+``search_docs`` sleeps ``SEARCH_SLEEP_S`` and reports how many sequences the simulator runs right
+then: the proof that the job's inference slot is free while its tool runs. ``run_query`` outlasts
+its timeout, ``open_ticket`` fails, ``crash_worker`` kills the worker that runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import httpx
+from celery import shared_task
+
+SEARCH_SLEEP_S = 0.5
+
+
+@shared_task(name="tests.search_docs")
+def search_docs(**arguments: Any) -> dict[str, Any]:
+    time.sleep(SEARCH_SLEEP_S)
+    stats = httpx.get(f"{os.environ['FLEET_BACKEND_URL']}/sim/stats", timeout=10).json()
+    return {"docs": ["invoice-2024-03.pdf"], "asked": arguments, "sim_running": stats["running"]}
+
+
+@shared_task(name="tests.run_query")
+def run_query(**arguments: Any) -> str:
+    time.sleep(5)
+    return "too late"
+
+
+@shared_task(name="tests.open_ticket")
+def open_ticket(**arguments: Any) -> str:
+    raise RuntimeError("the ticket system is down")
+
+
+@shared_task(name="tests.crash_worker")
+def crash_worker(**arguments: Any) -> str:
+    """The tool worker dies mid-tool (the whole process, as a kill -9 or an OOM would)."""
+    time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "never"
