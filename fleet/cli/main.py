@@ -68,6 +68,14 @@ def secrets_or_exit(role: str, settings: Settings) -> None:
         raise typer.Exit(3) from exc
 
 
+def workers_key_or_exit(settings: Settings) -> None:
+    """Prep seals with security.worker_secret, inference and the dispatchers' hand-off to a
+    gateway check the seal, the gateway seals its requests' records (fleet/core/seal.py)."""
+    if not settings.security.worker_secret:
+        err.print("[red]config error:[/red] security.worker_secret is not set (docs/security.md)")
+        raise typer.Exit(2)
+
+
 def client_or_exit():  # type: ignore[no-untyped-def]
     from fleet.client import Client
     from fleet.local.embedded import redis_answers
@@ -112,9 +120,7 @@ def worker(
         raise typer.BadParameter("role must be all, prep, collect or infer")
     preflight_or_exit(role)
     secrets_or_exit("worker", settings)
-    if not settings.security.worker_secret:  # prep seals with it, inference checks the seal
-        err.print("[red]config error:[/red] security.worker_secret is not set (docs/security.md)")
-        raise typer.Exit(2)
+    workers_key_or_exit(settings)
     worker_app(settings).worker_main([
         "worker", "-Q", ",".join(queues), "-P", pool, "-c", str(concurrency), "-E",
         "-n", hostname, "--loglevel", log_level, "--without-mingle", "--without-gossip",
@@ -134,6 +140,7 @@ def dispatcher(log_level: Annotated[str, typer.Option()] = "INFO") -> None:
     settings = settings_or_exit()
     setup_logging(log_level)
     secrets_or_exit("dispatcher", settings)
+    workers_key_or_exit(settings)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
@@ -153,6 +160,7 @@ def gateway(
     settings = settings_or_exit()
     setup_logging(log_level)
     secrets_or_exit("gateway", settings)
+    workers_key_or_exit(settings)
     serve_gateway(settings, host, port)
 
 
