@@ -48,7 +48,7 @@ from fleet.core.models import Envelope, Job, Timings, describe_invalid
 from fleet.core.seal import cancel_valid, check_seal, digest, sealed
 from fleet.core.signing import verify
 from fleet.prep.watchdog import HANDED_OVER, PrepClaim
-from fleet.worker.app import JobEnded, task_outcome
+from fleet.worker.app import JobEnded, ShownRequest, task_outcome
 from fleet.worker.lease import LeaseKeeper
 from fleet.worker.metrics import WorkerMetrics, serve_when_started
 from fleet.worker.runtime import Runtime
@@ -64,15 +64,15 @@ def register_tasks(app: Celery) -> None:
     serve_when_started(app, metrics, runtime.settings.worker_metrics_port)
 
     # A non-OK final code raises JobEnded (fleet/worker/app.py): FAILURE in Flower, no redelivery.
-    @app.task(name="fleet.prep", acks_late=True, throws=(JobEnded,))
+    @app.task(name="fleet.prep", acks_late=True, throws=(JobEnded,), Request=ShownRequest)
     def prep(*, project: str, job_id: str, signed: dict[str, Any]) -> str:
         return task_outcome(prep_job(runtime, project, job_id, signed), job_id)
 
-    @app.task(name="fleet.cancel", acks_late=True)
+    @app.task(name="fleet.cancel", acks_late=True, Request=ShownRequest)
     def cancel(*, project: str, job_id: str) -> str:
         return cancel_job(runtime, project, job_id)
 
-    @app.task(name="fleet.infer", acks_late=True, throws=(JobEnded,))
+    @app.task(name="fleet.infer", acks_late=True, throws=(JobEnded,), Request=ShownRequest)
     def infer(*, ref: str, project: str, fence: int) -> str:
         return task_outcome(infer_job(runtime, ref, project, fence), split_ref(ref)[1])
 
