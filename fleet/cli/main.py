@@ -407,6 +407,8 @@ def config(reference: Annotated[bool, typer.Option(help="print the key reference
     for project in shown["projects"].values():
         project["secret"] = "***"
     shown["backend"]["api_key"] = "***" if shown["backend"]["api_key"] else ""
+    shown["security"]["worker_secret"] = "***" if shown["security"]["worker_secret"] else None
+    shown["acl"]["passwords"] = dict.fromkeys(shown["acl"]["passwords"], "***")
     shown["broker_url"] = mask_url(shown["broker_url"])
     shown["backend"]["url"] = mask_url(shown["backend"]["url"])
     console.print(f"# from {config_path()}")
@@ -416,13 +418,18 @@ def config(reference: Annotated[bool, typer.Option(help="print the key reference
 @app.command()
 def acl(apply: Annotated[bool, typer.Option(help="ACL SETUSER on the broker (needs ACL rights)")] = False) -> None:
     """Redis ACL users: one producer per project, a worker, a dispatcher, an operator
-    (docs/security.md). Prints the rules and each user's broker URL with a new password."""
+    (docs/security.md). Prints the rules and each user's broker URL: its password from acl.passwords
+    or acl.password_file, else a new one."""
     import redis
 
     from fleet.cli.acl import acl_users, apply_users, render
 
     settings = settings_or_exit()
-    users = acl_users(settings)
+    try:
+        users = acl_users(settings)
+    except FleetError as exc:
+        err.print(f"[red]{exc.code.value}[/red] {exc.message}")
+        raise typer.Exit(2) from exc
     if apply:
         client = redis.Redis.from_url(settings.broker_url)
         try:
