@@ -9,6 +9,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,12 +22,14 @@ from fleet.cli.acl import AclUser, acl_users, apply_users
 from fleet.client import Client
 from fleet.core.codes import Code
 from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
+from fleet.core.exposure import unrestricted_default_user, warn_shared_broker
 from fleet.core.keys import Keys, job_ref
 from fleet.local.embedded import EmbeddedRedis, start_redis
 from fleet.local.processes import LocalFleet
 from fleet.worker.app import INFER_TASK, PREP_TASK, create_app, project_queue
 
-from .fleet_harness import make_config
+from .fleet_harness import make_config, wait_until
+from .test_local_processes import kill_tree
 
 A, B = "reports", "triage"
 
@@ -212,3 +215,32 @@ def test_a_bad_password_file_is_refused_naming_the_entry(tmp_path: Path, entry: 
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and named in done.stderr
     assert "p" * 20 not in done.stderr + done.stdout
+
+
+def test_a_process_on_the_all_powerful_default_user_warns(tmp_path: Path) -> None:
+    """Without ACL users every producer can read and write every project's keys: a dispatcher
+    (like a worker or gateway) started on such a broker says so in one line at start."""
+    config = make_config(tmp_path)
+    process = subprocess.Popen([sys.executable, "-m", "fleet", "dispatcher"],
+                               env={**os.environ, "FLEET_CONFIG": str(config)},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    lines: list[str] = []
+    assert process.stderr is not None
+    threading.Thread(target=lambda: lines.extend(process.stderr or []), daemon=True).start()
+    try:
+        wait_until(lambda: any("dispatcher running" in line for line in lines), 60,
+                   "the dispatcher to start")
+        warnings = [line for line in lines if "default user" in line]
+        assert len(warnings) == 1 and "WARNING" in warnings[0], lines
+        assert "every project's jobs and results" in warnings[0] and "fleet acl" in warnings[0]
+    finally:
+        kill_tree(process)
+
+
+def test_the_fleets_own_users_get_no_warning(broker: AclBroker) -> None:
+    for user in ("fleet-worker", "fleet-dispatcher", "fleet-operator", f"fleet-producer-{A}"):
+        with broker.client(user) as client:
+            assert not unrestricted_default_user(client), user
+    assert not warn_shared_broker(broker.settings_for("fleet-worker"), broker.client("fleet-worker"),
+                                  local_broker=False, role="worker")

@@ -4,6 +4,7 @@ registered here, so this file is the whole CLI surface at a glance."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -58,14 +59,22 @@ def preflight_or_exit(role: str) -> None:
 
 def secrets_or_exit(role: str, settings: Settings) -> None:
     """Stop before taking work on the example's public secrets, unless fleet up / fleet demo
-    started this broker (fleet/core/exposure.py); a warning there."""
-    from fleet.core.exposure import broker_is_local, refuse_public_secrets
+    started this broker (fleet/core/exposure.py); a warning there. Warn when the broker is
+    reached as the all-powerful default user (no ACL users: no isolation between projects)."""
+    import redis
 
+    from fleet.core.exposure import broker_is_local, refuse_public_secrets, warn_shared_broker
+
+    local = broker_is_local(settings)
     try:
-        refuse_public_secrets(settings, local_broker=broker_is_local(settings), role=role)
+        refuse_public_secrets(settings, local_broker=local, role=role)
     except PublicSecrets as exc:
         typer.echo(f"{exc.code.value} {exc.message}", err=True)
         raise typer.Exit(3) from exc
+    client = redis.Redis.from_url(settings.broker_url)
+    # an unreachable broker is reported by the process itself, the moment it needs it
+    with client, contextlib.suppress(redis.RedisError):
+        warn_shared_broker(settings, client, local_broker=local, role=role)
 
 
 def workers_key_or_exit(settings: Settings) -> None:
