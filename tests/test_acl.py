@@ -187,9 +187,8 @@ def test_passwords_from_the_settings_survive_a_second_apply(tmp_path: Path) -> N
         assert operator[0] != operator[1]
         with redis.Redis.from_url(operator[1]) as client:
             assert client.acl_whoami() == "fleet-operator"
-        with redis.Redis.from_url(operator[0]) as client:
-            with pytest.raises(redis.AuthenticationError):
-                client.ping()
+        with redis.Redis.from_url(operator[0]) as client, pytest.raises(redis.AuthenticationError):
+            client.ping()
         assert stale_pw not in runs[0].stdout
         shown = subprocess.run([sys.executable, "-m", "fleet", "config"], env=env,
                                capture_output=True, text=True, timeout=120)
