@@ -5,9 +5,15 @@ user (producer, worker, dispatcher; the simulator stands in for vLLM)."""
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import redis
@@ -16,10 +22,14 @@ from fleet.cli.acl import AclUser, acl_users, apply_users
 from fleet.client import Client
 from fleet.core.codes import Code
 from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
+from fleet.core.exposure import unrestricted_default_user, warn_shared_broker
 from fleet.core.keys import Keys, job_ref
 from fleet.local.embedded import EmbeddedRedis, start_redis
 from fleet.local.processes import LocalFleet
 from fleet.worker.app import INFER_TASK, PREP_TASK, create_app, project_queue
+
+from .fleet_harness import make_config, wait_until
+from .test_local_processes import kill_tree
 
 A, B = "reports", "triage"
 
@@ -140,3 +150,96 @@ def test_the_fleet_works_with_every_process_on_its_own_user(broker: AclBroker, t
             assert cancelled is not None and cancelled.code == Code.E_CANCELLED, cancelled
     finally:
         fleet.close()
+
+
+def test_passwords_from_the_settings_survive_a_second_apply(tmp_path: Path) -> None:
+    """``acl.passwords`` (or FLEET_ACL_PASSWORDS) and ``acl.password_file`` give users their
+    passwords: ``fleet acl --apply`` run twice leaves the handed-out URLs working, and only the
+    users given none get new ones; ``fleet config`` shows none of them."""
+    server = start_redis()
+    worker_pw, producer_pw, file_pw, stale_pw = (secrets.token_urlsafe(18) for _ in range(4))
+    password_file = tmp_path / "acl-passwords"
+    password_file.write_text(f"# rotated 2026-12-01\nfleet-producer-{A} {file_pw}\n"
+                             f"fleet-worker {stale_pw}  # the settings' entry wins\n",
+                             encoding="utf-8")
+    config = make_config(tmp_path, broker_url=server.url,
+                         acl={"passwords": {f"fleet-producer-{B}": producer_pw},
+                              "password_file": str(password_file)})
+    env = {**os.environ, "FLEET_CONFIG": str(config),
+           "FLEET_ACL_PASSWORDS": json.dumps({"fleet-worker": worker_pw,
+                                              f"fleet-producer-{B}": producer_pw})}
+    try:
+        runs = [subprocess.run([sys.executable, "-m", "fleet", "acl", "--apply"], env=env,
+                               capture_output=True, text=True, timeout=120) for _ in range(2)]
+        for run in runs:
+            assert run.returncode == 0, run.stderr
+        given = {"fleet-worker": worker_pw, f"fleet-producer-{B}": producer_pw,
+                 f"fleet-producer-{A}": file_pw}
+        host = server.url.removeprefix("redis://")
+        for user, password in given.items():
+            url = f"redis://{user}:{password}@{host}"
+            assert all(url in run.stdout for run in runs)
+            with redis.Redis.from_url(url) as client:
+                assert client.ping()  # authenticated as that user
+        # a user given no password got a new one at each run: only the second still works
+        operator = [dict(line.split("\t") for line in run.stdout.splitlines() if "\t" in line)
+                    ["fleet-operator"] for run in runs]
+        assert operator[0] != operator[1]
+        with redis.Redis.from_url(operator[1]) as client:
+            assert client.acl_whoami() == "fleet-operator"
+        with redis.Redis.from_url(operator[0]) as client, pytest.raises(redis.AuthenticationError):
+            client.ping()
+        assert stale_pw not in runs[0].stdout
+        shown = subprocess.run([sys.executable, "-m", "fleet", "config"], env=env,
+                               capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0, shown.stderr
+        secret = load_settings(config, env={}).security.worker_secret
+        assert secret and secret not in shown.stdout
+        assert worker_pw not in shown.stdout and producer_pw not in shown.stdout
+        assert str(password_file) in shown.stdout
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(("entry", "named"), [
+    ("fleet-wroker " + "p" * 20, "fleet-wroker"),  # a typo: that user would get a new password
+    ("fleet-worker short", "at least 16"),
+    ("fleet-worker", "expected <user> <password>"),
+])
+def test_a_bad_password_file_is_refused_naming_the_entry(tmp_path: Path, entry: str, named: str) -> None:
+    password_file = tmp_path / "acl-passwords"
+    password_file.write_text(entry + "\n", encoding="utf-8")
+    config = make_config(tmp_path, acl={"password_file": str(password_file)})
+    done = subprocess.run([sys.executable, "-m", "fleet", "acl"], env={**os.environ, "FLEET_CONFIG": str(config)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and named in done.stderr
+    assert "p" * 20 not in done.stderr + done.stdout
+
+
+def test_a_process_on_the_all_powerful_default_user_warns(tmp_path: Path) -> None:
+    """Without ACL users every producer can read and write every project's keys: a dispatcher
+    (like a worker or gateway) started on such a broker says so in one line at start."""
+    config = make_config(tmp_path)
+    process = subprocess.Popen([sys.executable, "-m", "fleet", "dispatcher"],
+                               env={**os.environ, "FLEET_CONFIG": str(config)},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    lines: list[str] = []
+    assert process.stderr is not None
+    threading.Thread(target=lambda: lines.extend(process.stderr or []), daemon=True).start()
+    try:
+        wait_until(lambda: any("dispatcher running" in line for line in lines), 60,
+                   "the dispatcher to start")
+        warnings = [line for line in lines if "default user" in line]
+        assert len(warnings) == 1 and "WARNING" in warnings[0], lines
+        assert "every project's jobs and results" in warnings[0] and "fleet acl" in warnings[0]
+    finally:
+        kill_tree(process)
+
+
+def test_the_fleets_own_users_get_no_warning(broker: AclBroker) -> None:
+    for user in ("fleet-worker", "fleet-dispatcher", "fleet-operator", f"fleet-producer-{A}"):
+        with broker.client(user) as client:
+            assert not unrestricted_default_user(client), user
+    assert not warn_shared_broker(broker.settings_for("fleet-worker"), broker.client("fleet-worker"),
+                                  local_broker=False, role="worker")

@@ -204,12 +204,12 @@ def test_kv_budget_bounds_concurrency(fleet: Harness, probe: FleetProbe) -> None
 
 
 def _active_infer_jobs(probe: FleetProbe) -> dict[int, set[str]]:
-    """Worker index -> job ids (refs without their project) of the fleet.infer tasks it is
-    running (Celery remote control)."""
+    """Worker index -> job ids of the fleet.infer tasks it is running (Celery remote control;
+    a worker shows a task's arguments as "project=<project> job=<id>", fleet/worker/app.py)."""
     found: dict[int, set[str]] = {}
     for hostname, tasks in (probe.active_tasks() or {}).items():
         index = int(hostname.split("@")[0].split("-")[1])  # fleet-<n>-<pid>@host
-        found[index] = {t["kwargs"]["ref"].split("/", 1)[1] for t in tasks if t["name"] == INFER_TASK}
+        found[index] = {t["kwargs"].split(" job=", 1)[1] for t in tasks if t["name"] == INFER_TASK}
     return found
 
 

@@ -15,6 +15,7 @@ from redis.asyncio import Redis as AsyncRedis
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
 from fleet.core.results import ResultStore
+from fleet.core.seal import sealed
 from fleet.gateway.admission import Admission
 from fleet.worker.app import create_app
 from fleet.worker.dispatch import hand_to_gateway, make_send
@@ -25,7 +26,8 @@ from schedulers.store.base import PendingItem
 def settings_for(prefix: str, broker_url: str) -> Settings:
     return Settings(broker_url=broker_url, key_prefix=prefix, backend={"max_num_seqs": 2},
                     admission={"backend_gate": False, "metrics_port": 0, "lease_ttl_s": 3600},
-                    projects={"a": {"secret": "secret-a-123"}})
+                    projects={"a": {"secret": "secret-a-123"}},
+                    security={"worker_secret": "test-workers-key-0123456789"})
 
 
 async def _off_loop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -58,11 +60,11 @@ def run_gateway_side(redis_url: str, key_prefix: str, body: Callable[..., Any],
         client.close()
 
 
-def dispatch_once(store: Any, client: redis.Redis, keys: Keys) -> int:
+def dispatch_once(store: Any, client: redis.Redis, settings: Settings) -> int:
     """What a dispatcher's round does with one pending job: admit it and send its grant."""
     grant = store.admit_next(time.time()).grant
     assert grant is not None
-    assert hand_to_gateway(client, keys, grant, ttl_s=30)
+    assert hand_to_gateway(client, settings, grant)
     return grant.fence
 
 
@@ -70,7 +72,8 @@ def test_a_grant_reaches_the_request_that_waits_for_it(redis_url: str, key_prefi
     async def body(admission: Admission, store: Any, client: redis.Redis, keys: Keys) -> None:
         enqueued_at = await admission.enqueue("j1", "a", "interactive", 100, 500, 30)
         assert await admission.next_grant("j1", 0.01) is None
-        fence = await asyncio.to_thread(dispatch_once, store, client, keys)
+        fence = await asyncio.to_thread(dispatch_once, store, client,
+                                        admission.results.settings)
         grant = await admission.next_grant("j1", 30)
         assert grant is not None and grant["fence"] == fence
         ticket = await admission.claim("j1", "a", grant, enqueued_at)
@@ -85,7 +88,8 @@ def test_a_grant_after_the_request_left_is_released_at_once(redis_url: str, key_
     async def body(admission: Admission, store: Any, client: redis.Redis, keys: Keys) -> None:
         await admission.enqueue("j2", "a", "interactive", 100, 500, 30)
         admission.forget("j2")  # the request gave up just before the dispatcher admitted it
-        await asyncio.to_thread(dispatch_once, store, client, keys)
+        await asyncio.to_thread(dispatch_once, store, client,
+                                        admission.results.settings)
         assert store.snapshot().admissions == 1  # admitted; its lease would last an hour
         for _ in range(3000):  # the listener's release, not the lease expiring an hour later
             if store.snapshot().in_flight == 0:
@@ -119,6 +123,30 @@ def test_queue_jobs_are_not_handed_to_a_gateway(redis_url: str, key_prefix: str)
     store.add_pending(PendingItem("q1", "a", 100, 500))
     grant = store.admit_next(time.time()).grant
     assert grant is not None
-    assert hand_to_gateway(client, keys, grant, ttl_s=30) is False
+    assert hand_to_gateway(client, settings, grant) is False
+    assert list(client.scan_iter(match=f"{key_prefix}gwgrants:*")) == []
+    client.close()
+
+
+def test_a_record_edited_to_claim_a_gateway_is_not_handed_to_it(redis_url: str, key_prefix: str
+                                                               ) -> None:
+    """A producer may write its own job hash: ``origin=gateway`` without the workers' seal over
+    it diverts nothing (the job goes to the inference workers, which refuse the record)."""
+    settings = settings_for(key_prefix, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    keys = Keys(key_prefix)
+    store = make_store(settings, client)
+    results = ResultStore(client, keys, settings)
+    results.record("a/q2", state="pending", **sealed(settings, "a/q2", project="a", kind="infer",
+                                                     job="{}", plan="{}", fence_tag="t"))
+    client.hset(keys.job("a/q2"), mapping={"origin": "gateway", "gateway": "0123456789abcdef"})
+    results.record("a/g1", state="pending", **sealed(settings, "a/g1", project="a", kind="infer",
+                                                     origin="gateway", gateway="feedfacecafe0001"))
+    client.hset(keys.job("a/g1"), "gateway", "0123456789abcdef")  # another gateway's list
+    for ref in ("a/q2", "a/g1"):
+        store.add_pending(PendingItem(ref, "a", 100, 500))
+        grant = store.admit_next(time.time()).grant
+        assert grant is not None and grant.job_id == ref
+        assert hand_to_gateway(client, settings, grant) is False
     assert list(client.scan_iter(match=f"{key_prefix}gwgrants:*")) == []
     client.close()

@@ -13,6 +13,7 @@ import tomllib
 from typing import Any
 
 import pytest
+import redis
 
 import fleet.client as client_module
 from fleet.client import Client
@@ -20,7 +21,9 @@ from fleet.core.codes import Code
 from fleet.core.config import Settings
 from fleet.core.keys import job_ref
 from fleet.core.signing import sign
-from fleet.worker.app import CANCEL_TASK, PREP_TASK, project_queue
+from fleet.worker.app import CANCEL_TASK, PREP_TASK, create_app, project_queue
+from fleet.worker.dispatch import make_send
+from schedulers.dispatcher import admit_all
 from schedulers.store.base import PendingItem
 from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until, write_config
 
@@ -182,12 +185,44 @@ def test_a_backdated_submitted_at_does_not_jump_the_queue(tmp_path) -> None:
         assert enqueued >= before
 
 
-def test_a_worker_without_the_workers_key_does_not_start(tmp_path) -> None:
+def test_a_job_edited_to_claim_a_gateway_after_prep_ends_e_auth(tmp_path) -> None:
+    """A producer may write its own job hash; setting ``origin=gateway`` on its prepared job
+    used to send the grant to a gateway's list (the job never ran, never ended, and came back
+    to take a slot at every lease expiry). The seal covers origin and gateway now."""
+    config = make_config(tmp_path, admission={"backend_gate": False, "metrics_port": 0})
+    with Harness(config, dispatchers=0) as harness:  # the admission round runs below
+        probe = FleetProbe(harness)
+        a = Client(own(harness.settings, A))
+        try:
+            job_id = a.submit(ask(A, "Divert me. [sim:think=50]"))
+            ref = job_ref(A, job_id)
+            wait_until(lambda: a.status(job_id).get("state") == "pending", 60,
+                       "the job to be prepared")
+            a.redis.hset(a.keys.job(ref), mapping={"origin": "gateway",
+                                                   "gateway": "0123456789abcdef"})
+            client = redis.Redis.from_url(harness.settings.broker_url)
+            send = make_send(harness.settings, client, create_app(harness.settings))
+            admitted = admit_all(probe.store(), send, time.time())  # a dispatcher's round
+            assert probe.snapshot().admissions == 1, admitted
+            envelope = a.result(job_id, timeout=120)
+            assert envelope is not None and envelope.code == Code.E_AUTH, envelope
+            assert "seal" in envelope.message
+            assert list(client.scan_iter(match=f"{harness.settings.key_prefix}gwgrants:*")) == []
+            assert probe.sim_requests(job_id) == []
+            client.close()
+        finally:
+            a.close()
+
+
+@pytest.mark.parametrize("role", ["worker", "dispatcher", "gateway"])
+def test_a_process_without_the_workers_key_does_not_start(tmp_path, role: str) -> None:
+    """Workers seal and check, dispatchers check a gateway's seal before the hand-off, the
+    gateway seals its requests' records: none of them runs without the key."""
     config = make_config(tmp_path)
     data = tomllib.loads(config.read_text(encoding="utf-8"))
     del data["security"]["worker_secret"]
     write_config(config, data)
     env = {**os.environ, "FLEET_CONFIG": str(config)}
-    done = subprocess.run([sys.executable, "-m", "fleet", "worker"], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "fleet", role], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and "worker_secret" in done.stderr

@@ -109,9 +109,10 @@ def test_fleet_up_and_its_processes_never_log_the_broker_password(tmp_path: Path
         process = subprocess.Popen(fleet_cmd("up", "--speed", "50"), env=env, stdout=output,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        # the banner, and the worker's Celery banner and "Connected to" line through its prefix
-        wait_until(lambda: "Connected to" in out.read_text() or process.poll() is not None, 180,
-                   "the worker to connect")
+        # the banner (printed once every child is up), and the worker's Celery banner and
+        # "Connected to" line through its prefix
+        wait_until(lambda: ("Connected to" in out.read_text() and "Ctrl-C to stop" in out.read_text())
+                   or process.poll() is not None, 180, "the fleet to be up and the worker to connect")
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 0, out.read_text()
     finally:

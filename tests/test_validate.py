@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from jsonschema import Draft7Validator, Draft202012Validator
 from pydantic import ValidationError
@@ -76,3 +79,25 @@ def test_project_answer_pattern_must_compile() -> None:
     with pytest.raises(ValidationError) as info:
         ProjectSettings(secret="s" * 8, answer_pattern="(unclosed")
     assert "not a valid regular expression" in str(info.value)
+
+
+def test_a_pathological_fenced_answer_is_checked_in_linear_time() -> None:
+    """An opening fence, 20,000 newlines and no closing fence: the fence regex this replaced backtracked
+    cubically (7 s at 2,000 newlines, 52 s at 4,000), holding the GIL and every lease of its
+    worker. Run in a child process so that the old behaviour fails on the safety net instead of
+    hanging the suite; the bound is hours away from what the linear scan takes."""
+    code = (
+        "from fleet.core.config import ProjectSettings\n"
+        "from fleet.core.models import Job, Message\n"
+        "from fleet.infer.validate import check_answer\n"
+        f"job = Job(project='p', messages=[Message(role='user', content='x')], response_schema={SCHEMA!r})\n"
+        "answer = '```json\\n' + '\\n' * 20000 + 'x'\n"
+        "print(check_answer(answer, job, ProjectSettings(secret='s' * 8)).error)\n"
+    )
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("checking a 20 KB fenced answer did not finish: a backtracking scan")
+    assert done.returncode == 0, done.stderr
+    assert "not valid JSON" in done.stdout

@@ -17,9 +17,15 @@ Users (``<p>`` is ``key_prefix``, ``<q>`` is ``<p>q:``, kombu's global_keyprefix
                     publishes E_DEADLINE results and owns the dispatcher store.
   fleet-operator    everything, including ACL itself (``fleet acl --apply``, ``fleet queues``).
 
-Passwords: generated here (``secrets.token_urlsafe``), shown once as broker URLs, and stored in
-Redis only as SHA-256 (``#<hex>`` rules), so the printed rules can be kept in an ACL file
-without secrets. Running it again makes new passwords (a rotation): hand out the new URLs.
+Passwords: a user's comes from the settings (``acl.passwords``, else ``acl.password_file``, see
+``configured_passwords``), else it is generated here (``secrets.token_urlsafe``). Either way it
+is shown once as a broker URL and stored in Redis only as SHA-256 (``#<hex>`` rules), so the
+printed rules can be kept in an ACL file without secrets. A generated password is new at every
+run (a rotation of that user); a configured one changes only when the operator changes it, so
+``fleet acl --apply`` can be run again (a new project, a changed rule) without invalidating
+every URL handed out, and a rotation is deliberate: change one user's entry, apply, hand out
+that URL. A configured name that is no user of the fleet is an error (a typo would otherwise
+leave the real user on a generated password).
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 
-from fleet.core.config import Settings
+from fleet.core.config import Settings, password_problem
 from fleet.core.errors import ConfigError
 from fleet.core.redisconn import is_sentinel, parse_sentinel_url
 from fleet.worker.app import collect_queue, project_queue
@@ -100,9 +107,37 @@ def service_rules(settings: Settings) -> list[str]:
     return [f"~{settings.key_prefix}*", "&*", *SERVICE_COMMANDS]
 
 
+def read_password_file(path: Path) -> dict[str, str]:
+    """``<user> <password>`` per line, ``#`` comments; a ConfigError names the line, never the
+    password."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ConfigError(f"acl.password_file {path}: {exc.strerror or exc}") from exc
+    found: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 2:
+            raise ConfigError(f"acl.password_file {path} line {number}: expected <user> <password>")
+        problem = password_problem(fields[1])
+        if problem:
+            raise ConfigError(f"acl.password_file {path} line {number} ({fields[0]}): {problem}")
+        found[fields[0]] = fields[1]
+    return found
+
+
+def configured_passwords(settings: Settings) -> dict[str, str]:
+    """The passwords the settings give: ``acl.password_file``, overridden by ``acl.passwords``."""
+    given = read_password_file(settings.acl.password_file) if settings.acl.password_file else {}
+    return {**given, **settings.acl.passwords}
+
+
 def acl_users(settings: Settings, passwords: dict[str, str] | None = None) -> list[AclUser]:
-    """Every user of the fleet with its rules; ``passwords`` by user name, else generated."""
-    given = passwords or {}
+    """Every user of the fleet with its rules; passwords from ``passwords`` by user name (default:
+    ``configured_passwords``), the rest generated."""
+    given = configured_passwords(settings) if passwords is None else passwords
 
     def password(name: str) -> str:
         return given.get(name) or secrets.token_urlsafe(24)
@@ -112,6 +147,9 @@ def acl_users(settings: Settings, passwords: dict[str, str] | None = None) -> li
     users += [AclUser(name, service_rules(settings), password(name))
               for name in ("fleet-worker", "fleet-dispatcher")]
     users.append(AclUser("fleet-operator", ["~*", "&*", "+@all"], password("fleet-operator")))
+    unknown = sorted(set(given) - {user.name for user in users})
+    if unknown:
+        raise ConfigError(f"ACL passwords given for users this fleet does not have: {', '.join(unknown)}")
     return users
 
 

@@ -4,6 +4,7 @@ registered here, so this file is the whole CLI surface at a glance."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -59,14 +60,30 @@ def preflight_or_exit(role: str) -> None:
 
 def secrets_or_exit(role: str, settings: Settings) -> None:
     """Stop before taking work on the example's public secrets, unless fleet up / fleet demo
-    started this broker (fleet/core/exposure.py); a warning there."""
-    from fleet.core.exposure import broker_is_local, refuse_public_secrets
+    started this broker (fleet/core/exposure.py); a warning there. Warn when the broker is
+    reached as the all-powerful default user (no ACL users: no isolation between projects)."""
+    import redis
 
+    from fleet.core.exposure import broker_is_local, refuse_public_secrets, warn_shared_broker
+
+    local = broker_is_local(settings)
     try:
-        refuse_public_secrets(settings, local_broker=broker_is_local(settings), role=role)
+        refuse_public_secrets(settings, local_broker=local, role=role)
     except PublicSecrets as exc:
         typer.echo(f"{exc.code.value} {exc.message}", err=True)
         raise typer.Exit(3) from exc
+    client = redis.Redis.from_url(settings.broker_url)
+    # an unreachable broker is reported by the process itself, the moment it needs it
+    with client, contextlib.suppress(redis.RedisError):
+        warn_shared_broker(settings, client, local_broker=local, role=role)
+
+
+def workers_key_or_exit(settings: Settings) -> None:
+    """Prep seals with security.worker_secret, inference and the dispatchers' hand-off to a
+    gateway check the seal, the gateway seals its requests' records (fleet/core/seal.py)."""
+    if not settings.security.worker_secret:
+        err.print("[red]config error:[/red] security.worker_secret is not set (docs/security.md)")
+        raise typer.Exit(2)
 
 
 def client_or_exit():  # type: ignore[no-untyped-def]
@@ -118,9 +135,7 @@ def worker(
                                  "project runs tools)")
     preflight_or_exit(role)
     secrets_or_exit("worker", settings)
-    if not settings.security.worker_secret:  # prep seals with it, inference checks the seal
-        err.print("[red]config error:[/red] security.worker_secret is not set (docs/security.md)")
-        raise typer.Exit(2)
+    workers_key_or_exit(settings)
     worker_app(settings).worker_main([
         "worker", "-Q", ",".join(queues), "-P", pool, "-c", str(concurrency), "-E",
         "-n", hostname, "--loglevel", log_level, "--without-mingle", "--without-gossip",
@@ -140,6 +155,7 @@ def dispatcher(log_level: Annotated[str, typer.Option()] = "INFO") -> None:
     settings = settings_or_exit()
     setup_logging(log_level)
     secrets_or_exit("dispatcher", settings)
+    workers_key_or_exit(settings)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
@@ -159,6 +175,7 @@ def gateway(
     settings = settings_or_exit()
     setup_logging(log_level)
     secrets_or_exit("gateway", settings)
+    workers_key_or_exit(settings)
     serve_gateway(settings, host, port)
 
 
@@ -407,6 +424,8 @@ def config(reference: Annotated[bool, typer.Option(help="print the key reference
     for project in shown["projects"].values():
         project["secret"] = "***"
     shown["backend"]["api_key"] = "***" if shown["backend"]["api_key"] else ""
+    shown["security"]["worker_secret"] = "***" if shown["security"]["worker_secret"] else None
+    shown["acl"]["passwords"] = dict.fromkeys(shown["acl"]["passwords"], "***")
     shown["broker_url"] = mask_url(shown["broker_url"])
     shown["backend"]["url"] = mask_url(shown["backend"]["url"])
     console.print(f"# from {config_path()}")
@@ -416,12 +435,17 @@ def config(reference: Annotated[bool, typer.Option(help="print the key reference
 @app.command()
 def acl(apply: Annotated[bool, typer.Option(help="ACL SETUSER on the broker (needs ACL rights)")] = False) -> None:
     """Redis ACL users: one producer per project, a worker, a dispatcher, an operator
-    (docs/security.md). Prints the rules and each user's broker URL with a new password."""
+    (docs/security.md). Prints the rules and each user's broker URL: its password from acl.passwords
+    or acl.password_file, else a new one."""
 
     from fleet.cli.acl import acl_users, apply_users, render
 
     settings = settings_or_exit()
-    users = acl_users(settings)
+    try:
+        users = acl_users(settings)
+    except FleetError as exc:
+        err.print(f"[red]{exc.code.value}[/red] {exc.message}")
+        raise typer.Exit(2) from exc
     if apply:
         client = redis_client(settings)
         try:

@@ -204,13 +204,49 @@ class SecuritySettings(_Section):
     replay is always either seen or too old."""
     worker_secret: str | None = Field(None, min_length=16)
     """The workers' own key (16+ characters, never given to producers): prep workers seal each
-    prepared job with it and inference workers run only sealed jobs (fleet/core/seal.py)."""
+    prepared job with it and inference workers run only sealed jobs; gateways seal their
+    requests' records and dispatchers check that seal before handing a grant to a gateway
+    (fleet/core/seal.py). Workers, dispatchers and gateways do not start without it."""
 
     @model_validator(mode="after")
     def _nonce_outlives_age(self) -> SecuritySettings:
         if self.nonce_ttl_s < self.max_age_s + self.max_clock_skew_s:
             raise ValueError("nonce_ttl_s must be at least max_age_s + max_clock_skew_s")
         return self
+
+
+class AclSettings(_Section):
+    """``fleet acl``: the Redis users' passwords (docs/security.md); a user given none here gets a
+    freshly generated one each time ``fleet acl`` runs."""
+
+    passwords: dict[str, str] = Field(default_factory=dict)
+    """Password per ACL user name (fleet-producer-<project>, fleet-worker, fleet-dispatcher,
+    fleet-operator), 16+ characters; FLEET_ACL_PASSWORDS takes the same as JSON. Wins over
+    password_file."""
+    password_file: Path | None = None
+    """A file of "<user> <password>" lines (# starts a comment) that ``fleet acl`` reads: keep
+    the passwords in a secret store's file instead of fleet.toml, and rotate by editing it."""
+
+    @field_validator("passwords")
+    @classmethod
+    def _strong(cls, value: dict[str, str]) -> dict[str, str]:
+        for user, password in value.items():
+            problem = password_problem(password)
+            if problem:
+                raise ValueError(f"password of {user}: {problem}")
+        return value
+
+
+def password_problem(password: str) -> str:
+    """Why ``password`` cannot be an ACL user's password ("" when it can)."""
+    if len(password) < MIN_ACL_PASSWORD:
+        return f"{len(password)} characters, at least {MIN_ACL_PASSWORD} needed"
+    if any(c.isspace() for c in password):
+        return "contains whitespace"
+    return ""
+
+
+MIN_ACL_PASSWORD = 16
 
 
 class LimitsSettings(_Section):
@@ -417,6 +453,7 @@ class Settings(BaseSettings):
     retry: RetrySettings = RetrySettings()
     watcher: WatcherSettings = WatcherSettings()
     security: SecuritySettings = SecuritySettings()
+    acl: AclSettings = AclSettings()
     limits: LimitsSettings = LimitsSettings()
     collect: CollectSettings = CollectSettings()
     gateway: GatewaySettings = GatewaySettings()

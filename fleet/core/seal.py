@@ -1,12 +1,25 @@
 """What the fleet authenticates itself, after a producer's signature was checked once at prep.
 
-Seal: the prep worker stores the prepared job, its token plan and fence tag in the job hash
-together with an HMAC-SHA256, keyed by ``security.worker_secret``, over
-    "fleet-seal-v1\\n" + ref + "\\n" + job JSON + "\\n" + plan JSON + "\\n" + fence tag
-The inference worker recomputes it before it sends anything: a record or an infer task written by
-anyone who does not hold the workers' key (a producer, anyone with a broker URL) runs nothing and
-ends E_AUTH. The ref (``<project>/<id>``) is in the MAC, so a sealed job cannot be moved to
-another project's or another job's record.
+Seal: the fleet's own HMAC-SHA256, keyed by ``security.worker_secret``, over every field of the
+job hash that decides what runs or where the outcome goes, ``SEALED_FIELDS`` (a field the record
+lacks counts as ""), as the JSON array
+    ["fleet-seal-v2", ref, project, kind, origin, gateway, job JSON, plan JSON, fence tag, warnings]
+(JSON, so no value can spill into its neighbour). Two writers seal:
+  - the prep worker, over the prepared job, its token plan, fence tag and warnings (origin and
+    gateway empty: the job is for the inference workers);
+  - the gateway, over its request's record (``origin=gateway``, ``gateway=<its id>``; no job).
+Two readers check:
+  - the inference worker, before it sends anything: a record or an infer task written by anyone
+    who does not hold the workers' key (a producer, anyone with a broker URL) runs nothing and
+    ends E_AUTH;
+  - the dispatcher's send (fleet/worker/dispatch.py), before it hands a grant to a gateway
+    instead of an inference worker: a record that claims ``origin=gateway`` without the seal
+    (a producer editing its own job hash after prep) goes to the inference workers, whose check
+    then ends it E_AUTH; it can neither take a slot away from the workers nor vanish into a
+    gateway's grant list.
+The ref (``<project>/<id>``) is in the MAC, so a sealed record cannot be moved to another
+project's or another job's key. Fields outside the seal (state, times, fence, the producer's
+signed message and digest) are information or are checked on their own.
 
 Turn seal: a job between two model turns (a continuation, fleet/infer/attempts.py) keeps the
 state of its next turn in the job hash (``turn``) with ``turn_seal`` = HMAC-SHA256 over
@@ -34,7 +47,8 @@ from fleet.core.config import Settings
 from fleet.core.errors import AuthError, ConfigError
 from fleet.core.signing import canonical, sign, signature_valid
 
-SEAL_VERSION = "fleet-seal-v1"
+SEAL_VERSION = "fleet-seal-v2"
+SEALED_FIELDS = ("project", "kind", "origin", "gateway", "job", "plan", "fence_tag", "warnings")
 TURN_VERSION = "fleet-turn-v1"
 
 
@@ -45,20 +59,33 @@ def _worker_key(settings: Settings) -> bytes:
     return secret.encode()
 
 
-def seal(settings: Settings, ref: str, job_json: str, plan_json: str, fence_tag: str) -> str:
-    message = "\n".join([SEAL_VERSION, ref, job_json, plan_json, fence_tag])
+def seal(settings: Settings, ref: str, fields: Mapping[str, str]) -> str:
+    """The seal of ``fields`` (the SEALED_FIELDS of a job hash) for ``ref``."""
+    message = json.dumps([SEAL_VERSION, ref, *(fields.get(name, "") for name in SEALED_FIELDS)])
     return hmac.new(_worker_key(settings), message.encode(), hashlib.sha256).hexdigest()
 
 
+def sealed(settings: Settings, ref: str, **fields: str) -> dict[str, str]:
+    """``fields`` and their ``seal``: what a prep worker or a gateway writes into the job hash."""
+    return {**fields, "seal": seal(settings, ref, fields)}
+
+
+def seal_valid(settings: Settings, ref: str, record: Mapping[str, str]) -> bool:
+    given = record.get("seal")
+    if not given:
+        return False
+    expected = seal(settings, ref, record)
+    return hmac.compare_digest(expected.encode(), given.encode("utf-8", "replace"))
+
+
 def check_seal(settings: Settings, ref: str, record: Mapping[str, str]) -> None:
-    """AuthError unless the record's prepared job and plan carry the workers' seal for ``ref``."""
-    try:
-        expected = seal(settings, ref, record["job"], record["plan"], record.get("fence_tag", ""))
-        given = record["seal"]
-    except KeyError as exc:
-        raise AuthError(f"job record not sealed by a prep worker (no {exc.args[0]!r})") from exc
-    if not hmac.compare_digest(expected.encode(), given.encode("utf-8", "replace")):
-        raise AuthError("job record seal does not verify: not prepared by this fleet's workers")
+    """AuthError unless the record's sealed fields carry the workers' seal for ``ref``."""
+    missing = [name for name in ("seal", "job", "plan") if name not in record]
+    if missing:
+        raise AuthError(f"job record not sealed by a prep worker (no {missing[0]!r})")
+    if not seal_valid(settings, ref, record):
+        raise AuthError("job record seal does not verify: not prepared by this fleet's workers, "
+                        "or edited since")
 
 
 def seal_turn(settings: Settings, ref: str, turn_json: str) -> str:

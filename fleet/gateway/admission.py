@@ -2,7 +2,8 @@
 
 Design: the dispatchers stay the only ones that admit. The gateway
 
-  1. records the job hash with ``origin=gateway`` and ``gateway=<this process's id>``, then
+  1. records the job hash with ``origin=gateway`` and ``gateway=<this process's id>`` under the
+     workers' seal (fleet/core/seal.py: the gateway holds ``security.worker_secret``), then
   2. ``add_pending`` with the request's prompt tokens and max tokens, band ``interactive`` unless
      its key says ``batch``, and a ``deadline`` a little past ``gateway.max_queue_wait_s``;
   3. runs one admission round itself, as a dispatcher would (``admit_all`` with the
@@ -12,7 +13,7 @@ Design: the dispatchers stay the only ones that admit. The gateway
 
 The admission (the one atomic Lua script) picks it by fair share like any job, counts it against
 the sequence cap, the KV budget and the long-prompt limit and issues the lease; ``send``
-(fleet/worker/dispatch.py ``make_send``) sees ``origin=gateway`` and pushes the grant onto
+(fleet/worker/dispatch.py ``make_send``) sees a sealed ``origin=gateway`` and pushes the grant onto
 ``{p}gwgrants:<gateway>`` instead of sending a Celery task. So fair share and the cap stay exact:
 one script decides for queue and gateway traffic alike, whichever process runs it (any number of
 dispatchers may admit; the gateway's round is one more, and a queued job it admits goes to the
@@ -55,6 +56,7 @@ from fleet.core.errors import QueueTimeout, UpstreamUnavailable
 from fleet.core.keys import Keys
 from fleet.core.models import Band
 from fleet.core.results import ResultStore
+from fleet.core.seal import sealed
 from schedulers.dispatcher import admit_all
 from schedulers.store.base import AdmissionStore, Grant, PendingItem
 
@@ -117,8 +119,9 @@ class Admission:
         self._waiting[job_id] = asyncio.get_running_loop().create_future()
 
         def add() -> None:
-            self.results.record(job_id, project=project, kind="infer", origin="gateway",
-                                gateway=self.gateway_id, state="pending", submitted_at=now)
+            self.results.record(job_id, state="pending", submitted_at=now, **sealed(
+                self.results.settings, job_id, project=project, kind="infer", origin="gateway",
+                gateway=self.gateway_id))
             self.store.add_pending(PendingItem(
                 job_id=job_id, project=project, prompt_tokens=prompt_tokens,
                 max_new_tokens=max_tokens, band=band, enqueued_at=now,

@@ -4,7 +4,8 @@ Schema: ``job.response_schema``, else ``project.response_schema``. It is sent to
 ``response_format: {"type": "json_schema", ...}`` (structured output through xgrammar) and checked
 again on the answer here, because a forced end of thinking, a truncated answer or a backend without
 structured output can still return something else. The answer is parsed (a surrounding
-```` ```json ```` fence is tolerated) and validated with ``jsonschema``, through the validator
+```` ```json ```` fence is tolerated: ``unfenced``, one linear scan, never a backtracking regex
+on model output) and validated with ``jsonschema``, through the validator
 class of fleet/core/schema.py that checked the schema when the job or the settings came in; the
 first (best-matching) error is reported with its JSON path so a re-ask can quote it.
 
@@ -20,7 +21,6 @@ appended to the conversation - at most ``retry.reask_invalid`` times, then ends
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ from fleet.core.errors import InputInvalid
 from fleet.core.models import Job
 from fleet.core.schema import SchemaInvalid, answer_validator, search_multiline
 
-_FENCE = re.compile(r"^\s*```(?:json)?\s*\n(.*?)\n\s*```\s*$", re.DOTALL)
+FENCE = "```"
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,23 @@ def _text_error(text: str, project: ProjectSettings) -> str:
     return ""
 
 
+def unfenced(text: str) -> str:
+    """The body of a ```` ``` ```` or ```` ```json ```` fence around the whole of ``text`` (the
+    opening line holds only the fence and its tag, the closing fence a line of its own), else
+    ``text``. Slices and strips only: linear in the answer's length, where the regex this
+    replaced backtracked for minutes on an opening fence followed by a few thousand newlines."""
+    inner = text.strip()
+    if not (inner.startswith(FENCE) and inner.endswith(FENCE)):
+        return text
+    head, newline, rest = inner[len(FENCE):-len(FENCE)].partition("\n")
+    body = rest.rstrip()
+    if not newline or head.rstrip() not in ("", "json") or "\n" not in rest[len(body):]:
+        return text
+    return body
+
+
 def parse_json(text: str) -> Any:
-    fenced = _FENCE.match(text)
-    return json.loads(fenced.group(1) if fenced else text)
+    return json.loads(unfenced(text))
 
 
 def check_answer(content: str, job: Job, project: ProjectSettings) -> Checked:

@@ -27,10 +27,13 @@ Reliability
 Monitoring
   Flower sees tasks because workers send task events and producers send "sent" events; the task
   names are ``fleet.prep`` / ``fleet.infer``. Every sender passes ``shown(project, job_id)``: Celery
-  puts that short ``kwargsrepr`` ("project=A job=X") into task events and logs instead of the
-  keyword arguments, which carry the signed job and its messages. (A worker asked for its active or
-  reserved tasks still answers with the arguments themselves.) ``flower_argv`` keeps Flower on
-  loopback unless it asks for a password.
+  puts that short ``kwargsrepr`` ("project=A job=X") into the sent event instead of the keyword
+  arguments, which carry the signed job and its messages. On the worker every fleet task runs as
+  a ``ShownRequest``, which puts the same line, made by the worker from the task's routing
+  arguments (never the sender's own repr), wherever the worker shows a task: received/started
+  events, logs, and its answers to ``celery inspect active / reserved / scheduled /
+  query_task`` (Flower's page of one worker). ``flower_argv`` keeps Flower on loopback unless it
+  asks for a password.
   A task whose job ended with a non-OK final envelope raises ``JobEnded`` (the code as its text),
   so Flower and the task-failed event show FAILURE and the code; it is listed in the tasks'
   ``throws`` (an expected outcome: no traceback in the log) and, like any task that raised, its
@@ -46,6 +49,7 @@ import ipaddress
 from typing import Any
 
 from celery import Celery
+from celery.worker.request import Request
 from kombu import Exchange, Queue
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
@@ -101,6 +105,39 @@ def tool_queues(settings: Settings) -> list[str]:
 def shown(project: str, job_id: str) -> dict[str, str]:
     """send_task options that stand in for a task's arguments wherever Celery shows them."""
     return {"argsrepr": "()", "kwargsrepr": f"project={project} job={job_id}"}
+
+
+SHOWN_CHARS = 80  # of a project or job id as shown: a hostile sender's value is cut there
+
+
+def task_shown(kwargs: Any) -> str:
+    """``project=A job=X`` for a fleet task's keyword arguments (prep/cancel: project, job_id;
+    infer: ref), whatever else they carry; made by the worker, so the sender cannot choose it."""
+    values = kwargs if isinstance(kwargs, dict) else {}
+    project, job_id = values.get("project"), values.get("job_id")
+    ref = values.get("ref")
+    if isinstance(ref, str) and "/" in ref:
+        project, job_id = ref.split("/", 1)
+
+    def short(value: Any) -> str:
+        return value[:SHOWN_CHARS] if isinstance(value, str) else "?"
+
+    return shown(short(project), short(job_id))["kwargsrepr"]
+
+
+class ShownRequest(Request):
+    """A fleet task as its worker shows it: ``task_shown`` instead of the arguments everywhere
+    (events, logs, ``inspect`` answers), whatever the sender put into argsrepr/kwargsrepr."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._argsrepr = "()"
+        self._kwargsrepr = task_shown(self._kwargs)
+        self._request_dict["argsrepr"] = self._argsrepr  # what the task's own log lines use
+        self._request_dict["kwargsrepr"] = self._kwargsrepr
+
+    def info(self, safe: bool = False) -> dict[str, Any]:
+        return super().info(safe=True)  # inspect active/reserved/...: never the arguments
 
 
 def flower_argv(*, port: int, address: str, basic_auth: str | None) -> list[str]:

@@ -5,7 +5,11 @@ the outside world.
   expires with the lease it carries: by then the job is pending again, so stale messages do not
   pile up while inference workers are down. A gateway request (job hash ``origin=gateway``)
   streams inside the gateway process that holds it, so its grant is pushed onto that gateway's
-  ``{p}gwgrants:<gateway>`` list instead (``hand_to_gateway``; fleet/gateway/admission.py).
+  ``{p}gwgrants:<gateway>`` list instead (``hand_to_gateway``; fleet/gateway/admission.py), but
+  only when the record carries the workers' seal over origin and gateway (fleet/core/seal.py):
+  a producer may write its own job hash, and one that sets ``origin=gateway`` on its prepared
+  job sends it to the inference workers all the same, which end it E_AUTH (the seal no longer
+  verifies). Dispatchers therefore hold ``security.worker_secret`` too.
 - ``on_expired``: a job whose deadline passed while it waited for admission gets its final
   E_DEADLINE envelope here, without ever taking a slot.
 - the prep watchdog (fleet/prep/watchdog.py) runs beside the loop, sending again the prep messages
@@ -17,6 +21,7 @@ the outside world.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
@@ -33,10 +38,13 @@ from fleet.core.keys import Keys, split_ref
 from fleet.core.models import Envelope
 from fleet.core.redisconn import redis_client
 from fleet.core.results import ResultStore
+from fleet.core.seal import SEALED_FIELDS, seal_valid
 from fleet.prep.watchdog import run_prep_watchdog
 from fleet.worker.app import INFER_TASK, PREP_TASK, create_app, prep_backlog, shown
 from schedulers.dispatcher import run_dispatcher
 from schedulers.store.base import Grant
+
+log = logging.getLogger(__name__)
 
 
 def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) -> None:
@@ -82,10 +90,8 @@ class PrepBacklogCollector(Collector):
 def make_send(settings: Settings, client: redis.Redis, celery: Celery) -> Callable[[Grant], None]:
     """Where a grant goes: to the gateway that holds the request, else to an inference worker.
     The gateway runs an admission round with the same function (fleet/gateway/admission.py)."""
-    keys = Keys(settings.key_prefix)
-
     def send(grant: Grant) -> None:
-        if hand_to_gateway(client, keys, grant, settings.admission.lease_ttl_s):
+        if hand_to_gateway(client, settings, grant):
             return
         celery.send_task(INFER_TASK, kwargs={"ref": grant.job_id, "project": grant.project,
                                              "fence": grant.fence},
@@ -98,16 +104,25 @@ def make_send(settings: Settings, client: redis.Redis, celery: Celery) -> Callab
 GATEWAY_ORIGIN = b"gateway"
 
 
-def hand_to_gateway(client: redis.Redis, keys: Keys, grant: Grant, ttl_s: float) -> bool:
+def hand_to_gateway(client: redis.Redis, settings: Settings, grant: Grant) -> bool:
     """Push a gateway request's grant to the gateway process that waits for it; False for any
-    other job.
+    other job, and for a record that claims a gateway without the workers' seal.
 
     The list expires with the lease: if that gateway died, nothing is left behind, and the lease
     expires the same way a dead worker's does."""
-    origin, gateway = client.hmget(keys.job(grant.job_id), ["origin", "gateway"])
-    if origin != GATEWAY_ORIGIN or not isinstance(gateway, bytes):
+    keys = Keys(settings.key_prefix)
+    if client.hget(keys.job(grant.job_id), "origin") != GATEWAY_ORIGIN:
+        return False  # one small read for a queued job: its prepared job is not fetched
+    values = client.hmget(keys.job(grant.job_id), [*SEALED_FIELDS, "seal"])
+    record = {name: value.decode("utf-8", "replace")
+              for name, value in zip([*SEALED_FIELDS, "seal"], values, strict=True)
+              if isinstance(value, bytes)}
+    if not seal_valid(settings, grant.job_id, record) or not record.get("gateway"):
+        log.warning("job %s claims origin=gateway without the workers' seal: sent to the "
+                    "inference workers, which refuse it", grant.job_id)
         return False
-    key = keys.gateway_grants(gateway.decode())
+    key = keys.gateway_grants(record["gateway"])
+    ttl_s = settings.admission.lease_ttl_s
     payload = json.dumps({"job_id": grant.job_id, "fence": grant.fence,
                           "lease_expires_at": grant.lease_expires_at, "waited_s": grant.waited_s})
     pipe = client.pipeline(transaction=False)

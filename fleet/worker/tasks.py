@@ -7,9 +7,10 @@ fleet.prep (queue fleet.<project>, kwargs project, job_id, signed)
   must be this project's and this message's -> parse Job -> cancelled/deadline? -> plan budget
   -> collect + trim
   -> kinds collect/trim: publish OK_MATERIAL
-  -> otherwise store the prepared job + plan in the job hash with the workers' seal
-     (fleet/core/seal.py) and add it to the dispatcher's pending set, enqueued at this worker's
-     clock (the producer's submitted_at is information only and never decides the order).
+  -> otherwise store the prepared job + plan in the job hash under the workers' seal (over them
+     and every other field that decides what runs or where the outcome goes; fleet/core/seal.py)
+     and add it to the dispatcher's pending set, enqueued at this worker's clock (the
+     producer's submitted_at is information only and never decides the order).
 fleet.cancel (queue fleet.<project>, kwargs project, job_id; sent by fleet.Client.cancel)
   acts only on a cancel request signed by the project (``{p}cancel:{<ref>}``): removes a queued job
   from the dispatcher and publishes E_CANCELLED; a running job is left to its lease keeper.
@@ -55,10 +56,10 @@ from fleet.core.events import EventSink
 from fleet.core.keys import job_ref, split_ref
 from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, Timings, describe_invalid
-from fleet.core.seal import cancel_valid, check_seal, check_turn, digest, seal, seal_turn
+from fleet.core.seal import cancel_valid, check_seal, check_turn, digest, seal_turn, sealed
 from fleet.core.signing import verify
 from fleet.prep.watchdog import HANDED_OVER, PrepClaim
-from fleet.worker.app import JobEnded, task_outcome
+from fleet.worker.app import JobEnded, ShownRequest, task_outcome
 from fleet.worker.lease import LeaseKeeper
 from fleet.worker.metrics import WorkerMetrics, serve_when_started
 from fleet.worker.runtime import Runtime
@@ -78,15 +79,15 @@ def register_tasks(app: Celery) -> None:
     serve_when_started(app, metrics, runtime.settings.worker_metrics_port)
 
     # A non-OK final code raises JobEnded (fleet/worker/app.py): FAILURE in Flower, no redelivery.
-    @app.task(name="fleet.prep", acks_late=True, throws=(JobEnded,))
+    @app.task(name="fleet.prep", acks_late=True, throws=(JobEnded,), Request=ShownRequest)
     def prep(*, project: str, job_id: str, signed: dict[str, Any]) -> str:
         return task_outcome(prep_job(runtime, project, job_id, signed), job_id)
 
-    @app.task(name="fleet.cancel", acks_late=True)
+    @app.task(name="fleet.cancel", acks_late=True, Request=ShownRequest)
     def cancel(*, project: str, job_id: str) -> str:
         return cancel_job(runtime, project, job_id)
 
-    @app.task(name="fleet.infer", acks_late=True, throws=(JobEnded,))
+    @app.task(name="fleet.infer", acks_late=True, throws=(JobEnded,), Request=ShownRequest)
     def infer(*, ref: str, project: str, fence: int) -> str:
         return task_outcome(infer_job(runtime, ref, project, fence), split_ref(ref)[1])
 
@@ -193,11 +194,10 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
     plan = plan_budget(job, project, settings, prepared.prompt_tokens)
     ready = job.model_copy(update={"messages": prepared.messages, "sources": []})
     job_json, plan_json = ready.model_dump_json(), json.dumps(plan.__dict__)
-    rt.results.record(
-        ref, project=job.project, kind=job.kind, job=job_json, plan=plan_json,
+    rt.results.record(ref, **sealed(
+        settings, ref, project=job.project, kind=job.kind, job=job_json, plan=plan_json,
         warnings=json.dumps(prepared.warnings), fence_tag=prepared.fence_tag,
-        seal=seal(settings, ref, job_json, plan_json, prepared.fence_tag),
-    )
+    ))
     handed_over = time.time()  # the fleet's clock orders the queue, never the producer's
     rt.store.add_pending(PendingItem(
         job_id=ref, project=job.project, prompt_tokens=prepared.prompt_tokens,
