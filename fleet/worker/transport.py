@@ -1,0 +1,76 @@
+"""kombu's Redis transport, with the one failure that made a worker exit on a Redis restart removed.
+
+What happens in kombu 5.x when the broker goes away under a running worker: the consumer sees a
+ConnectionError and closes its connection to start again; closing a channel gives its unacked
+messages back (``QoS.restore_unacked_once`` -> ``restore_unacked``), which needs a Redis client.
+By then the connection's transport has been detached (``transport.client`` is None), so building
+that client raises ``AttributeError: 'NoneType' object has no attribute 'hostname'`` from
+``Channel._connparams`` - not a connection error, so Celery calls it unrecoverable and the worker
+exits for good. With the broker down, a working client would fail the same way anyway.
+
+The same detached transport breaks the acknowledgement of a task that finishes after the
+reconnect, on the channel it came from (``QoS.ack`` -> ``pipe_or_acquire``: ``AttributeError:
+'NoneType' object has no attribute 'client'``), again fatal. A ConnectionError there is only
+logged by kombu (CRITICAL, with a traceback).
+
+``QoS.restore_unacked``, ``ack`` and ``reject`` here let those calls fail with one WARNING
+instead. Nothing is lost: the
+messages stay in kombu's unacked hash in Redis (``append`` wrote them there on delivery), and the
+fleet does not wait for the broker's visibility timeout to hand them out again - an inference job's
+lease expires and the dispatcher admits it again, a prep job's claim lapses and the prep watchdog
+sends it again (fleet/prep/watchdog.py). A late redelivery of the old message is then a no-op
+(stale fence, or a job already handed over).
+
+Used for ``redis://`` and ``rediss://`` broker URLs (``broker_transport``, fleet/worker/app.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+
+log = logging.getLogger(__name__)
+
+RESTORE_ERRORS = (AttributeError, *kombu_redis.get_redis_error_classes()[0],
+                  *kombu_redis.get_redis_error_classes()[1])
+
+
+class QoS(kombu_redis.QoS):
+    def ack(self, delivery_tag: Any) -> None:
+        try:
+            super().ack(delivery_tag)
+        except RESTORE_ERRORS as exc:
+            _unacked("acknowledged", exc)
+
+    def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        try:
+            super().reject(delivery_tag, requeue=requeue)
+        except RESTORE_ERRORS as exc:
+            _unacked("rejected", exc)
+
+    def restore_unacked(self, client: Any = None) -> None:
+        try:
+            super().restore_unacked(client)
+        except RESTORE_ERRORS as exc:
+            log.warning("broker lost: %d unacknowledged messages stay in the broker's unacked set "
+                        "(%r); leases and the prep watchdog hand their jobs out again",
+                        len(self._delivered), exc)
+            self._delivered.clear()
+
+
+def _unacked(what: str, exc: BaseException) -> None:
+    log.warning("broker lost: a finished task's message could not be %s (%r); it stays in the "
+                "broker's unacked set and a late redelivery is dropped as a duplicate", what, exc)
+
+
+class Channel(kombu_redis.Channel):
+    QoS = QoS
+
+
+class Transport(kombu_redis.Transport):
+    Channel = Channel
+
+
+TRANSPORT = f"{__name__}:Transport"

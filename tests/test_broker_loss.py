@@ -1,0 +1,75 @@
+"""Broker loss is an ordinary event (docs/operations.md): a Redis of the test's own, with AOF
+``everysec``, killed with ``kill -9`` and started again on the same port and folder while the REAL
+fleet (``fleet sim``, a dispatcher, a worker of every role) runs a batch. The processes stay up,
+reconnect by themselves, and every job ends with exactly one envelope."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from fleet.local.embedded import EmbeddedRedis, free_port, start_redis
+from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
+
+pytestmark = pytest.mark.slow
+
+JOBS = 12
+SIM_ARGS = ["--think-min-tokens", "200", "--think-max-tokens", "400",
+            "--answer-min-tokens", "10", "--answer-max-tokens", "40"]
+
+
+class RestartableRedis:
+    """A redis-server on a fixed port and folder that a test may kill -9 and start again."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.folder = tempfile.mkdtemp(prefix="fleet-loss-")
+        self.server: EmbeddedRedis = self.start()
+        self.url = self.server.url
+
+    def start(self) -> EmbeddedRedis:
+        return start_redis(port=self.port, folder=self.folder, appendonly=True)
+
+    def crash_and_restart(self, down_s: float = 3.0) -> None:
+        assert self.server.process is not None
+        os.kill(self.server.process.pid, signal.SIGKILL)
+        self.server.process.wait(timeout=10)
+        time.sleep(down_s)
+        self.server = self.start()
+
+    def close(self) -> None:
+        self.server.close()
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@pytest.fixture
+def broker() -> Iterator[RestartableRedis]:
+    server = RestartableRedis()
+    yield server
+    server.close()
+
+
+def test_workers_ride_out_a_redis_restart_and_every_job_ends_once(
+        tmp_path, broker: RestartableRedis) -> None:
+    config = make_config(tmp_path, broker_url=broker.url, backend={"max_num_seqs": 4},
+                         admission={"lease_ttl_s": 3})
+    with Harness(config, sim_speed=20, sim_args=SIM_ARGS) as fleet:
+        probe = FleetProbe(fleet)
+        ids = [fleet.client.submit({"project": "assistant", "id": f"loss-{n}",
+                                    "messages": [{"role": "user", "content": f"question {n}"}]})
+               for n in range(JOBS)]
+        wait_until(lambda: probe.snapshot().in_flight > 0, 60, "a job in flight")
+        fleet.client.redis.connection_pool.disconnect()
+        broker.crash_and_restart()
+        envelopes = {job_id: fleet.client.result(job_id, timeout=240) for job_id in ids}
+        assert all(envelopes.values()), [j for j, e in envelopes.items() if e is None]
+        assert not fleet.fleet.check(), "a process exited on the broker loss"
+        counts = probe.envelope_counts()
+        assert {job_id: counts[job_id] for job_id in ids} == dict.fromkeys(ids, 1)
