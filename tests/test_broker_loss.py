@@ -73,3 +73,26 @@ def test_workers_ride_out_a_redis_restart_and_every_job_ends_once(
         assert not fleet.fleet.check(), "a process exited on the broker loss"
         counts = probe.envelope_counts()
         assert {job_id: counts[job_id] for job_id in ids} == dict.fromkeys(ids, 1)
+
+
+def test_the_dispatcher_holds_while_no_inference_worker_is_live(tmp_path) -> None:
+    """A prepared job is not admitted into a fleet.infer queue nobody consumes; the first
+    inference worker to start runs it."""
+    config = make_config(tmp_path, admission={"lease_ttl_s": 3})
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS, workers=0) as fleet:
+        probe = FleetProbe(fleet)
+        fleet.fleet.spawn("prep", ["worker", "--role", "prep", "--concurrency", "2",
+                                   "--hostname", f"prep-{os.getpid()}@%h", "--log-level", "WARNING"])
+        job_id = fleet.client.submit({"project": "assistant", "id": "held",
+                                      "messages": [{"role": "user", "content": "anyone there?"}]})
+        wait_until(lambda: probe.state(job_id) == "pending", 60, "the job prepared")
+        time.sleep(3)  # several dispatcher rounds (admission.max_wait_s is 1 s)
+        assert probe.snapshot().in_flight == 0
+        assert probe.sim_requests(job_id) == []
+        held = [line for line in fleet.fleet._tails["dispatcher-0"] if "no live inference worker" in line]
+        assert len(held) == 1, list(fleet.fleet._tails["dispatcher-0"])
+        fleet.fleet.spawn("infer", ["worker", "--role", "infer", "--concurrency", "4",
+                                    "--hostname", f"infer-{os.getpid()}@%h", "--log-level", "WARNING"])
+        envelope = fleet.client.result(job_id, timeout=120)
+        assert envelope is not None and envelope.ok, envelope
+        assert len(probe.sim_requests(job_id)) == 1

@@ -109,6 +109,9 @@ class AdmissionSettings(_Section):
     """Longest blocking wait of an idle dispatcher (wake-ups are events; this is a safety net).
     At most 4: the wait is a BLPOP, and redis-py 8's default 5 s socket timeout would cut a
     longer one with a TimeoutError."""
+    worker_gate: bool = True
+    """Hold admissions while no live inference worker consumes fleet.infer (worker heartbeats in
+    Redis; fleet/worker/heartbeat.py). Turn off only for a fleet whose only door is the gateway."""
     backend_gate: bool = True
     """Scrape the backend's /metrics and /health and hold admissions when it is saturated."""
     on_server_mismatch: Literal["warn", "refuse"] = "warn"
@@ -262,6 +265,16 @@ class GatewaySettings(_Section):
     """How often the config file's mtime is checked for new API keys (SIGHUP reloads at once)."""
 
 
+class RedisSettings(_Section):
+    """What workers and dispatchers demand of the broker's Redis at start (docs/operations.md)."""
+
+    on_unsafe: Literal["warn", "refuse"] = "warn"
+    """A Redis without an append-only file (a restart loses queued jobs and results) or with a
+    maxmemory-policy that evicts keys (jobs vanish silently): "warn" logs a WARNING and runs on,
+    "refuse" does not start (E_BROKER_UNSAFE). A broker ``fleet up``/``fleet demo`` started
+    itself is exempt."""
+
+
 class ProjectSettings(_Section):
     weight: float = Field(1.0, gt=0)
     """Fair-share weight (tokens admitted are shared in proportion)."""
@@ -361,6 +374,7 @@ class Settings(BaseSettings):
     security: SecuritySettings = SecuritySettings()
     limits: LimitsSettings = LimitsSettings()
     collect: CollectSettings = CollectSettings()
+    redis: RedisSettings = RedisSettings()
     gateway: GatewaySettings = GatewaySettings()
     projects: dict[str, ProjectSettings] = Field(default_factory=dict)
 

@@ -85,6 +85,9 @@ D = ``{p}{d}:``, one hash tag for all)
                                      dispatchers BLPOP it (no polling)
   D backend                   hash   last /metrics + /health scrape: scraped_at, hold, figures
   D stats                     hash   admissions, hold:<reason>
+  D workers                   zset   Celery node names of live inference workers, score = when the
+                                     entry lapses (fleet/worker/heartbeat.py); no live entry holds
+                                     admissions ("no_workers")
 """
 
 from __future__ import annotations
@@ -166,3 +169,7 @@ class Keys:
     def dispatch(self) -> str:
         """Prefix of every dispatcher key (``{p}{d}:``: one hash tag, one Cluster slot)."""
         return f"{self.prefix}{{d}}:"
+
+    @property
+    def infer_workers(self) -> str:
+        return f"{self.dispatch}workers"

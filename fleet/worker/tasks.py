@@ -49,7 +49,8 @@ from fleet.core.models import Envelope, Job, Timings, describe_invalid
 from fleet.core.seal import cancel_valid, check_seal, digest, seal
 from fleet.core.signing import verify
 from fleet.prep.watchdog import HANDED_OVER, PrepClaim
-from fleet.worker.app import JobEnded, task_outcome
+from fleet.worker.app import INFER_QUEUE, JobEnded, task_outcome
+from fleet.worker.heartbeat import beat_when_ready
 from fleet.worker.lease import LeaseKeeper
 from fleet.worker.metrics import WorkerMetrics, serve_when_started
 from fleet.worker.runtime import Runtime
@@ -64,6 +65,7 @@ def register_tasks(app: Celery) -> None:
     metrics = WorkerMetrics()
     runtime = Runtime(app.fleet_settings, on_publish=metrics.observe)  # type: ignore[attr-defined]
     serve_when_started(app, metrics, runtime.settings.worker_metrics_port)
+    beat_when_ready(app, runtime.redis, runtime.keys, INFER_QUEUE)
 
     # A non-OK final code raises JobEnded (fleet/worker/app.py): FAILURE in Flower, no redelivery.
     @app.task(name="fleet.prep", acks_late=True, throws=(JobEnded,))
