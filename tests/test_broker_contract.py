@@ -5,6 +5,7 @@ check the broker's AOF and eviction policy at start."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -132,3 +133,20 @@ def test_a_dispatcher_refuses_an_unsafe_broker_in_one_line(tmp_path: Path) -> No
     assert out.returncode == 3, out
     assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr
     assert out.stderr.startswith("E_BROKER_UNSAFE dispatcher refuses to start")
+
+
+def test_batch_checks_the_project_before_the_file(tmp_path: Path) -> None:
+    out = fleet_cli(make_config(tmp_path), "batch", str(tmp_path / "missing.jsonl"), "-p", "nobody")
+    assert out.returncode == 2, out
+    assert out.stderr.strip() == "E_INPUT_INVALID unknown project 'nobody' (not in this configuration)"
+
+
+def test_batch_refuses_duplicate_custom_ids_before_sending(tmp_path: Path, client: Client) -> None:
+    src = tmp_path / "in.jsonl"
+    line = {"messages": [{"role": "user", "content": "hi"}]}
+    src.write_text("".join(json.dumps({**line, "custom_id": c}) + "\n" for c in ["a", "b", "a"]))
+    config = make_config(tmp_path, key_prefix=client.settings.key_prefix)
+    out = fleet_cli(config, "batch", str(src), "-p", "assistant", "--out", str(tmp_path / "o.jsonl"))
+    assert out.returncode == 2, out
+    assert out.stderr.strip() == "E_INPUT_INVALID custom_id must be unique in a batch file; repeated: a"
+    assert not list(client.redis.scan_iter(match=f"{client.settings.key_prefix}job:*"))

@@ -5,8 +5,12 @@ reconnect by themselves, and every job ends with exactly one envelope."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -44,8 +48,6 @@ class RestartableRedis:
 
     def close(self) -> None:
         self.server.close()
-        import shutil
-
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -96,3 +98,39 @@ def test_the_dispatcher_holds_while_no_inference_worker_is_live(tmp_path) -> Non
         envelope = fleet.client.result(job_id, timeout=120)
         assert envelope is not None and envelope.ok, envelope
         assert len(probe.sim_requests(job_id)) == 1
+
+
+def test_fleet_batch_across_a_redis_restart_reports_every_line(
+        tmp_path, broker: RestartableRedis) -> None:
+    """The batch client rides out the restart: every line is written to --out as it arrives, and
+    the same file collected again (--collect) or resumed (--resume) names the same jobs."""
+    config = make_config(tmp_path, broker_url=broker.url, backend={"max_num_seqs": 4},
+                         admission={"lease_ttl_s": 3})
+    lines = [{"custom_id": f"q{n}", "messages": [{"role": "user", "content": f"question {n}"}]}
+             for n in range(JOBS)]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    with Harness(config, sim_speed=20, sim_args=SIM_ARGS) as fleet:
+        probe = FleetProbe(fleet)
+        batch = subprocess.Popen(
+            [sys.executable, "-m", "fleet", "batch", str(src), "-p", "assistant", "--out", str(out),
+             "--timeout", "240"], env={**fleet.fleet.env, "COLUMNS": "200"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_until(lambda: out.exists() and out.read_text().count("\n") >= 2, 120, "first results")
+        broker.crash_and_restart()
+        output, _ = batch.communicate(timeout=300)
+        assert batch.returncode == 0, output
+        rows = [json.loads(text) for text in out.read_text().splitlines()]
+        assert sorted(r["custom_id"] for r in rows) == sorted(line["custom_id"] for line in lines)
+        assert {r["code"] for r in rows} == {"OK"}, rows
+        requests = len(probe.sim_requests())
+        again = tmp_path / "again.jsonl"
+        collected = probe.cli("batch", str(src), "-p", "assistant", "--collect", "--out", str(again))
+        assert collected.returncode == 0, collected.stdout + collected.stderr
+        assert sorted(json.loads(t)["id"] for t in again.read_text().splitlines()) == sorted(
+            r["id"] for r in rows)
+        resumed = probe.cli("batch", str(src), "-p", "assistant", "--resume", "--out", str(out))
+        assert resumed.returncode == 0 and "submitted 0 of 0 lines" in resumed.stdout, resumed.stdout
+        assert len(probe.sim_requests()) == requests  # nothing ran twice
+        counts = probe.envelope_counts()
+        assert all(counts[r["response"]["request_id"]] == 1 for r in rows)

@@ -24,6 +24,7 @@ from fleet.core.errors import (
     ConfigError,
     DependencyMissing,
     FleetError,
+    InputInvalid,
     NotFound,
     PublicSecrets,
 )
@@ -333,15 +334,28 @@ def batch(
     file: Annotated[Path, typer.Argument(help="JSONL: OpenAI batch lines or fleet job lines")],
     project: Annotated[str, typer.Option("--project", "-p")],
     wait: Annotated[bool, typer.Option(help="wait for every result")] = False,
-    out: Annotated[Path | None, typer.Option(help="write result lines here")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="write each result line here as it arrives (implies --wait)")] = None,
     timeout: Annotated[float, typer.Option(help="seconds to wait in all")] = 24 * 3600,
+    resume: Annotated[bool, typer.Option(
+        help="after an interrupted run: send only the lines not yet in --out, collect the rest")]
+    = False,
+    collect: Annotated[bool, typer.Option(
+        help="send nothing; collect the results of an earlier run into --out")] = False,
 ) -> None:
-    """Submit a batch file; with --wait, show progress by code and write one line per input."""
+    """Submit a batch file (custom_ids unique); with --wait or --out, show progress by code and
+    write one line per input as its result arrives (fleet/cli/batch.py)."""
     from fleet.cli.batch import run_batch
 
+    settings = settings_or_exit()
+    if settings.project(project) is None:  # before reading the file, before any broker
+        fail(InputInvalid(f"unknown project {project!r} (not in this configuration)"), 2)
     with client_or_exit() as client, broker_errors(client.settings):
-        code = run_batch(client, file, project, wait=wait, out=out, timeout_s=timeout,
-                         console=console)
+        try:
+            code = run_batch(client, file, project, wait=wait, out=out, timeout_s=timeout,
+                             console=console, resume=resume, collect=collect)
+        except InputInvalid as exc:
+            fail(exc, 2)
     raise typer.Exit(code)
 
 

@@ -83,7 +83,9 @@ def beat_when_ready(app: Celery, client: Any, keys: Keys, queue: str) -> None:
     beating: list[Heartbeat] = []
 
     def on_ready(sender: Any = None, **_: Any) -> None:
-        if getattr(sender, "app", None) is not app or queue not in app.amqp.queues.consume_from:
+        if getattr(sender, "app", None) is not app:
+            return
+        if queue not in app.amqp.queues.consume_from:  # type: ignore[union-attr]
             return
         heartbeat = Heartbeat(client, keys, sender.hostname)
         beating.append(heartbeat)

@@ -54,10 +54,11 @@ class QoS(kombu_redis.QoS):
         try:
             super().restore_unacked(client)
         except RESTORE_ERRORS as exc:
+            delivered: Any = self._delivered
             log.warning("broker lost: %d unacknowledged messages stay in the broker's unacked set "
                         "(%r); leases and the prep watchdog hand their jobs out again",
-                        len(self._delivered), exc)
-            self._delivered.clear()
+                        len(delivered), exc)
+            delivered.clear()
 
 
 def _unacked(what: str, exc: BaseException) -> None:
