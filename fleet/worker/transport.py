@@ -16,10 +16,12 @@ logged by kombu (CRITICAL, with a traceback).
 ``QoS.restore_unacked``, ``ack`` and ``reject`` here let those calls fail with one WARNING
 instead. Nothing is lost: the
 messages stay in kombu's unacked hash in Redis (``append`` wrote them there on delivery), and the
-fleet does not wait for the broker's visibility timeout to hand them out again - an inference job's
-lease expires and the dispatcher admits it again, a prep job's claim lapses and the prep watchdog
-sends it again (fleet/prep/watchdog.py). A late redelivery of the old message is then a no-op
-(stale fence, or a job already handed over).
+tags a lost channel could not give back are remembered: the next channel (the reconnect) moves
+them back to their queues (``Channel._restore_lost``), instead of leaving them to the broker's
+visibility timeout (hours) - a prep message a worker had reserved but not started would otherwise
+wait for the prep watchdog's ``prep_unclaimed_s``. A copy of a task still running (or one whose
+job already went on: an inference job's lease expired and it was admitted again) is dropped by
+its prep claim or its fence.
 
 Used for ``redis://`` and ``rediss://`` broker URLs (``broker_transport``, fleet/worker/app.py).
 """
@@ -35,6 +37,10 @@ log = logging.getLogger(__name__)
 
 RESTORE_ERRORS = (AttributeError, *kombu_redis.get_redis_error_classes()[0],
                   *kombu_redis.get_redis_error_classes()[1])
+
+
+# Delivery tags whose messages a lost channel could not give back (restore_unacked failed).
+_UNRESTORED: set[str] = set()
 
 
 class QoS(kombu_redis.QoS):
@@ -56,8 +62,8 @@ class QoS(kombu_redis.QoS):
         except RESTORE_ERRORS as exc:
             delivered: Any = self._delivered
             log.warning("broker lost: %d unacknowledged messages stay in the broker's unacked set "
-                        "(%r); leases and the prep watchdog hand their jobs out again",
-                        len(delivered), exc)
+                        "(%r); given back once the broker answers again", len(delivered), exc)
+            _UNRESTORED.update(delivered)
             delivered.clear()
 
 
@@ -68,6 +74,28 @@ def _unacked(what: str, exc: BaseException) -> None:
 
 class Channel(kombu_redis.Channel):
     QoS = QoS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._restore_lost()
+
+    def _restore_lost(self) -> None:
+        """Give back the messages a lost channel could not (module docstring): the new channel of
+        a reconnect moves them from the unacked set to their queues; a tag already gone is a
+        no-op. A copy of a task that is still running is dropped by its claim or fence."""
+        tags = list(_UNRESTORED)
+        if not tags:
+            return
+        try:
+            with self.conn_or_acquire() as client:
+                for tag in tags:
+                    self.qos.restore_by_tag(tag, client=client)
+                    _UNRESTORED.discard(tag)
+        except RESTORE_ERRORS as exc:
+            log.warning("giving back messages of a lost channel failed (%r); the next channel tries "
+                        "again", exc)
+            return
+        log.info("gave back %d messages a lost broker connection held", len(tags))
 
 
 class Transport(kombu_redis.Transport):
