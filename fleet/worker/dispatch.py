@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from fleet.core.codes import Code
 from fleet.core.config import Settings
+from fleet.core.connect import redis_client
 from fleet.core.keys import Keys, split_ref
 from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
@@ -44,7 +45,7 @@ from schedulers.store.base import Grant
 def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) -> None:
     stop = stop or threading.Event()
     celery = create_app(settings)
-    client = redis.Redis.from_url(settings.broker_url)
+    client = redis_client(settings.broker_url)
     results = ResultStore(client, Keys(settings.key_prefix), settings)
     send = make_send(settings, client, celery)
 

@@ -15,6 +15,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from fleet.core.config import Settings
+from fleet.core.connect import redis_client
 from fleet.core.keys import Keys
 from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
@@ -33,16 +34,14 @@ class Runtime:
 
     @cached_property
     def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(
-            self.settings.broker_url, health_check_interval=30, socket_keepalive=True
-        )
+        return redis_client(self.settings.broker_url, health_check_interval=30, socket_keepalive=True)
 
     @cached_property
     def lease_redis(self) -> Redis:
         """The lease keeper's client: short timeouts and no retries, so one call to a Redis that
         drops packets cannot block past the keeper's own 90%-of-TTL rule (fleet/worker/lease.py)."""
         timeout_s = max(0.2, min(2.0, self.settings.admission.lease_ttl_s / 10))
-        return redis.Redis.from_url(
+        return redis_client(
             self.settings.broker_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
         )
