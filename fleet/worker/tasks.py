@@ -72,7 +72,7 @@ def register_tasks(app: Celery) -> None:
     def prep(*, project: str, job_id: str, signed: dict[str, Any]) -> str:
         owner = _owner()  # one owner across retries: the claim of an attempt cut short is ours
         outcome = riding_out_broker_loss(
-            lambda: prep_job(runtime, project, job_id, signed, owner), f"prep job={project}/{job_id}",
+            lambda: prep_job(runtime, project, job_id, signed, owner), job_ref(project, job_id),
             runtime.settings.prep_lease_s)
         return task_outcome(outcome, job_id)
 
@@ -103,8 +103,7 @@ def _fail(rt: Runtime, job_id: str, project: str, code: Code, message: str, **ex
 BROKER_LOST = (redis.ConnectionError, redis.TimeoutError)
 
 
-def riding_out_broker_loss(run: Callable[[], str], what: str, patience_s: float,
-                           sleep: Callable[[float], object] = time.sleep) -> str:
+def riding_out_broker_loss(run: Callable[[], str], ref: str, patience_s: float) -> str:
     """``run()``, again after a pause while Redis is unreachable (0.5 s doubling to 5 s), for
     ``patience_s`` at most; then the error goes up (the prep watchdog sends the job again).
     Without this a prep task cut by a Redis restart would end and be acknowledged, and its job
@@ -118,8 +117,8 @@ def riding_out_broker_loss(run: Callable[[], str], what: str, patience_s: float,
             if time.monotonic() >= give_up_at:
                 raise
             pause_s = backoff.next_s()
-            log.warning("%s: redis unreachable (%r); again in %.1fs", what, exc, pause_s)
-            sleep(pause_s)
+            log.warning("prep of job=%s: redis unreachable (%r); again in %.1fs", ref, exc, pause_s)
+            time.sleep(pause_s)
 
 
 # -- prep -------------------------------------------------------------------------------------
