@@ -15,6 +15,12 @@ project this client submitted that id for, else the client's own (``Client(proje
 the only project in its settings). ``"<project>/<id>"`` names both. A job id already recorded in
 its project is a duplicate: ``submit`` sends nothing and returns the id (the first job stands).
 
+Unknown jobs and a dead broker: ``result``, ``status``, ``events`` and ``cancel`` raise NotFound
+(E_NOT_FOUND) for a job its project does not have (never submitted, expired, or lost with a
+Redis that kept no data), never wait for it; ``submit`` rides out a broker that does not answer
+for ``retry_s`` with the same signed message (no duplicates), then raises BrokerUnavailable
+(E_BROKER_UNAVAILABLE), as does ``result`` when the broker stays away past its timeout.
+
 Cancel is a request signed with the project's secret, written where only the job's project may
 write (``{p}cancel:{<ref>}``) and announced by a ``fleet.cancel`` task on the project's queue: the
 prep worker that takes it verifies the signature, removes a queued job from the dispatcher and
@@ -25,20 +31,23 @@ only reach its own project (``fleet acl``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import kombu.exceptions
 import redis
 from pydantic import ValidationError
 
 from fleet.core.config import Settings, load_settings
-from fleet.core.errors import InputInvalid
+from fleet.core.errors import InputInvalid, NotFound
 from fleet.core.events import EventSink, decode_event
 from fleet.core.keys import Keys, job_ref
 from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, describe_invalid
+from fleet.core.redisconn import UNREACHABLE, broker_unavailable
 from fleet.core.redisconn import redis_client as connect
 from fleet.core.results import ResultStore
 from fleet.core.seal import digest, sign_cancel
@@ -49,11 +58,13 @@ from fleet.worker.app import CANCEL_TASK, PREP_TASK, create_app, shown
 STATUS_FIELDS = ("project", "kind", "state", "submitted_at", "pending_at", "running_at",
                  "finished_at", "code")
 _REMEMBERED = 100_000  # job ids whose project a client remembers (oldest forgotten first)
+SEND_ERRORS = (*UNREACHABLE, kombu.exceptions.OperationalError)
 
 
 class Client:
     def __init__(self, settings: Settings | None = None, *, redis_client: redis.Redis | None = None,
-                 secrets: Mapping[str, str] | None = None, project: str | None = None) -> None:
+                 secrets: Mapping[str, str] | None = None, project: str | None = None,
+                 retry_s: float = 30.0) -> None:
         self.settings = settings or load_settings()
         only = list(self.settings.projects) if len(self.settings.projects) == 1 else []
         self.project = project or (only[0] if only else None)
@@ -63,6 +74,7 @@ class Client:
         self.results = ResultStore(self.redis, self.keys, self.settings)
         self._secrets = dict(secrets or {})
         self._celery = create_app(self.settings)
+        self.retry_s = retry_s  # how long submit rides out a broker that does not answer
 
     def close(self) -> None:
         self.redis.close()
@@ -107,30 +119,54 @@ class Client:
         if not job.idempotency_key:
             return self.submit_raw(raw, project=job.project, job_id=job.id, kind=job.kind)
         key = self.keys.idem(job.project, job.idempotency_key)
-        if not self.redis.set(key, job.id, nx=True, ex=self.settings.result_ttl_s):
-            existing = self.redis.get(key)
+        try:
+            claimed = self.redis.set(key, job.id, nx=True, ex=self.settings.result_ttl_s)
+            existing = None if claimed else self.redis.get(key)
+        except UNREACHABLE as exc:
+            raise broker_unavailable(self.settings.broker_url, exc) from exc
+        if not claimed:
             return existing.decode() if existing else job.id
         try:
             return self.submit_raw(raw, project=job.project, job_id=job.id, kind=job.kind)
         except BaseException:
             # The job never left: forget it entirely (the prep watchdog must not send it later),
-            # so a retry with the same key sends it.
+            # so a retry with the same key sends it. (With the broker gone, the record is left to
+            # the watchdog, which sends it once the broker is back; the key keeps it single.)
             ref = job_ref(job.project, job.id)
-            self.redis.delete(key, self.keys.job(ref))
-            self.redis.zrem(self.keys.prepping(job.project), ref)
+            with contextlib.suppress(*UNREACHABLE):
+                self.redis.delete(key, self.keys.job(ref))
+                self.redis.zrem(self.keys.prepping(job.project), ref)
             raise
 
     def submit_raw(self, raw: Mapping[str, Any], *, project: str, job_id: str,
                    kind: str = "infer", secret: str | None = None) -> str:
-        """Sign and send a job dict as is (no local validation): the worker judges it."""
+        """Sign and send a job dict as is (no local validation): the worker judges it.
+
+        A broker that does not answer is tried again for ``retry_s`` (then BrokerUnavailable,
+        E_BROKER_UNAVAILABLE) with the very same signed message: its record is created once, so
+        a second try after a blip finds this message's own record and sends the prep task again
+        (prep runs a job once however often it is sent), never a second job."""
         signed = sign(raw, project, secret if secret is not None else self._secret(project))
         check_message(signed, self.settings.limits)  # the worker would refuse it unread
-        now, ref = time.time(), job_ref(project, job_id)
         self._remember(job_id, project)
+        give_up_at = time.monotonic() + self.retry_s
+        while True:
+            try:
+                return self._send(signed, project, job_id, kind)
+            except SEND_ERRORS as exc:
+                if time.monotonic() >= give_up_at:
+                    raise broker_unavailable(self.settings.broker_url, exc) from exc
+                time.sleep(0.5)
+
+    def _send(self, signed: dict[str, Any], project: str, job_id: str, kind: str) -> str:
+        now, ref, received = time.time(), job_ref(project, job_id), digest(signed)
         if not self.results.create(ref, project, now + self.settings.prep_unclaimed_s,
                                    state="submitted", project=project, kind=kind, submitted_at=now,
-                                   digest=digest(signed), signed=json.dumps(signed)):
-            return job_id  # recorded already: a duplicate, the first submission stands
+                                   digest=received, signed=json.dumps(signed)):
+            record = self.results.job_record(ref)
+            if record.get("digest") != received or record.get("state") != "submitted":
+                return job_id  # recorded already: a duplicate, the first submission stands
+            # our own message, recorded by a try that a broker blip cut short: send it (again)
         EventSink(self.redis, self.keys, ref, self.settings.events_ttl_s).emit(
             "queued", project=project)
         self._celery.send_task(PREP_TASK, kwargs={"project": project, "job_id": job_id,
@@ -143,13 +179,15 @@ class Client:
         return self.results.wait(self.ref(job_id, project), 10**9 if timeout is None else timeout)
 
     def status(self, job_id: str, *, project: str | None = None) -> dict[str, Any]:
-        """The job's state; {} for a job its project does not have."""
+        """The job's state; NotFound (E_NOT_FOUND) for a job its project does not have."""
         ref = self.ref(job_id, project)
         full = self.results.job_record(ref)
         record: dict[str, Any] = {k: full[k] for k in STATUS_FIELDS if k in full}
         envelope = self.results.final(ref)
         if envelope is not None:
             record.update(state="final", code=envelope.code.value, message=envelope.message)
+        if not full and envelope is None:
+            raise _not_found(ref)
         return record
 
     def events(self, job_id: str, *, follow: bool = True, block_ms: int = 1000,
@@ -158,6 +196,8 @@ class Client:
         """Yield the job's events from the start; with ``follow``, until its final event."""
         ref = self.ref(job_id, project)
         key, cursor = self.keys.events(ref), "0-0"
+        if not self.redis.exists(self.keys.job(ref), key):
+            raise _not_found(ref)
         idle_since = time.monotonic()
         while True:
             reply = self.redis.xread({key: cursor}, block=block_ms if follow else None, count=200)
@@ -183,14 +223,21 @@ class Client:
     # -- cancelling -------------------------------------------------------------------------
     def cancel(self, job_id: str, *, project: str | None = None) -> bool:
         """Ask the fleet to cancel a job of this client's project (module docstring): a queued
-        one ends soon, a running one within about a second. False when the job is unknown or
-        already had its final result."""
+        one ends soon, a running one within about a second. False when the job already had its
+        final result; NotFound (E_NOT_FOUND) when its project has no such job."""
         ref = self.ref(job_id, project)
         owner, plain_id = ref.split("/", 1)
-        if not self.results.job_record(ref) or self.results.final(ref) is not None:
+        if not self.results.job_record(ref):
+            raise _not_found(ref)
+        if self.results.final(ref) is not None:
             return False
         self.redis.set(self.keys.cancel(ref), sign_cancel(owner, plain_id, self._secret(owner)),
                        ex=self.settings.result_ttl_s)
         self._celery.send_task(CANCEL_TASK, kwargs={"project": owner, "job_id": plain_id},
                                **shown(owner, plain_id))
         return True
+
+
+def _not_found(ref: str) -> NotFound:
+    return NotFound(f"no job {ref}: never submitted, expired after result_ttl_s, or lost with "
+                    "the broker's data")

@@ -7,6 +7,8 @@ Loop (``run_dispatcher``):
      ``on_expired`` (the caller publishes E_DEADLINE);
   3. ``admit_next`` while it grants, calling ``send(grant)`` for each (the caller enqueues the
      inference task with the job id and the fence);
+  (0. with a ``gate`` (fleet/worker/dispatch.py: no live inference worker), the round stops after
+     step 2 and holds with the gate's reason;)
   4. block on the wake list (BLPOP) until a submit, a release, an expiry or a lifted backend hold
      pushes to it, or until the next time-based event: lease expiry, pending deadline, bucket
      refill, spacing, a continuation's not-before time, or ``admission.max_wait_s`` at most
@@ -153,12 +155,15 @@ def run_dispatcher(
     on_expired: Callable[[str], None] | None = None,
     backoff: Backoff | None = None,
     shared_metrics: Iterable[Collector] = (),
+    gate: Callable[[], str] | None = None,
 ) -> None:
     """Run until ``stop`` is set (it is checked after every wake; ``store.wake()`` hurries it).
 
     ``on_expired(job_id)`` is called for each pending job dropped because its deadline passed;
     ``backoff`` paces the retries after a Redis error or a failed send (module docstring);
-    ``shared_metrics`` are more fleet-wide collectors, exported by the metrics leader only.
+    ``shared_metrics`` are more fleet-wide collectors, exported by the metrics leader only;
+    ``gate()`` is asked before each round: a non-empty answer is a hold reason, and the round only
+    reaps leases and expires deadlines (fleet/worker/heartbeat.py's ``no_workers``).
     """
     stop = stop or threading.Event()
     backoff = backoff or Backoff()
@@ -184,7 +189,13 @@ def run_dispatcher(
             try:
                 if server is not None:  # one without /metrics must never take the lead
                     leader.renew()
-                result = dispatch_round(store, counted_send, clock, metrics, on_expired)
+                hold = gate() if gate is not None else ""
+                if hold:
+                    store.reap_expired(clock())
+                    expire_deadlines(store, clock(), on_expired)
+                    result = AdmitResult(None, hold)
+                else:
+                    result = dispatch_round(store, counted_send, clock, metrics, on_expired)
                 activity.round_ended(result.hold_reason)
                 if result.hold_reason == "send_failed":
                     stop.wait(backoff.next_s())

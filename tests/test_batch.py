@@ -1,6 +1,14 @@
 import json
 
-from fleet.cli.batchfile import BatchLine, ResultMatcher, jsonl_lines, output_line, parse_lines
+from fleet.cli.batchfile import (
+    BatchLine,
+    ResultMatcher,
+    batch_tag,
+    duplicate_custom_ids,
+    jsonl_lines,
+    output_line,
+    parse_lines,
+)
 from fleet.core.codes import Code
 from fleet.core.models import Envelope, Usage
 
@@ -115,3 +123,35 @@ def test_a_batch_of_100000_lines_is_matched_with_linear_work():
     lines = [BatchLine(number=i + 1, custom_id="dup") for i in range(n)]
     assert all(matcher.envelope_for(line).job_id == line_id for line, line_id in zip(lines, ids, strict=True))
     assert _CountedId.used <= _CountedId.budget
+
+
+def test_upstream_errors_are_openai_responses_and_fleet_errors_are_errors():
+    [line] = parse_lines([json.dumps(OPENAI)], "reports")
+    upstream = output_line(line, Envelope.failure("j", "reports", Code.E_UPSTREAM_UNAVAILABLE,
+                                                  "backend down"), "local")
+    assert upstream["error"] is None and upstream["code"] == "E_UPSTREAM_UNAVAILABLE"
+    assert upstream["response"]["status_code"] == 503
+    assert upstream["response"]["body"]["error"] == {
+        "message": "backend down", "type": "upstream_error", "param": None,
+        "code": "E_UPSTREAM_UNAVAILABLE"}
+    rejected = output_line(line, Envelope.failure("j", "reports", Code.E_UPSTREAM_REJECTED, "no"), "x")
+    assert rejected["response"]["status_code"] == 400
+    fleet = output_line(line, Envelope.failure("j", "reports", Code.E_DEADLINE, "late"), "local")
+    assert fleet["response"] is None and fleet["error"] == {"code": "E_DEADLINE", "message": "late"}
+
+
+def test_the_same_file_names_the_same_jobs_and_an_own_id_is_kept():
+    text = [json.dumps({**OPENAI, "custom_id": "x"}),
+            json.dumps({"custom_id": "y", "id": "mine", "messages": [{"role": "user", "content": "q"}]})]
+    first = parse_lines(text, "reports", batch_tag(b"file one"))
+    again = parse_lines(text, "reports", batch_tag(b"file one"))
+    other = parse_lines(text, "reports", batch_tag(b"file two"))
+    assert [line.job.id for line in first] == [line.job.id for line in again]
+    assert first[0].job.id != other[0].job.id
+    assert first[1].job.id == "mine"
+
+
+def test_duplicate_custom_ids_are_named():
+    lines = parse_lines([json.dumps({**OPENAI, "custom_id": c}) for c in ["a", "b", "a", "c", "b"]],
+                        "reports")
+    assert duplicate_custom_ids(lines) == ["a", "b"]

@@ -80,3 +80,13 @@ def test_nothing_points_outside_the_repository() -> None:
         found += [f"{path.relative_to(ROOT)}: {word}" for word in OUTSIDE if word in text]
         found += [f"{path.relative_to(ROOT)}: {hit}" for hit in SHARED_OUTSIDE_CORPORA.findall(text)]
     assert found == []
+
+
+def test_the_job_table_lists_every_accepted_field() -> None:
+    from fleet.core.models import Job
+
+    page = (ROOT / "docs" / "jobs.md").read_text(encoding="utf-8")
+    table = page.split("## The Job", 1)[1].split("\n## ", 1)[0]
+    named = {name for row in table.splitlines() if row.startswith("| `")
+             for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    assert set(Job.model_fields) <= named, set(Job.model_fields) - named

@@ -286,7 +286,8 @@ def test_batch_lines_may_carry_sources(fleet: Harness, probe: FleetProbe, site: 
     out = tmp_path / "out.jsonl"
     run = probe.cli("batch", str(src), "--project", "digest", "--wait", "--out", str(out),
                     "--timeout", "60", timeout_s=120)
-    rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    rows = sorted((json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()),
+                  key=lambda r: r["custom_id"])  # written as they arrive
     assert [(r["custom_id"], r["code"]) for r in rows] == [
         ("line-1", "OK"), ("line-2", "OK_MATERIAL"), ("line-3", "E_COLLECT_FAILED")]
     assert run.returncode == 1, run.stderr  # one line failed
@@ -424,12 +425,12 @@ def test_job_around_the_client_with_a_bad_schema_ends_input_invalid_before_admis
     assert probe.snapshot().admissions == admitted_before
 
 
-def test_batch_file_lines_end_at_lf_only_and_duplicate_custom_ids_keep_their_lines(
+def test_batch_file_lines_end_at_lf_only(
         fleet: Harness, probe: FleetProbe, tmp_path: Path) -> None:
     question = "First\u2028line\u2029para\u0085end 日本語 [sim:think=40] [sim:answer=10]"
     lines = [
-        {"custom_id": "dup", "project": "digest", "messages": [{"role": "user", "content": question}]},
-        {"custom_id": "dup", "project": "digest",
+        {"custom_id": "u-1", "project": "digest", "messages": [{"role": "user", "content": question}]},
+        {"custom_id": "u-2", "project": "digest",
          "messages": [{"role": "user", "content": "Second. [sim:unicode] [sim:think=40] [sim:answer=60]"}]},
     ]
     src = tmp_path / "in.jsonl"
@@ -437,8 +438,9 @@ def test_batch_file_lines_end_at_lf_only_and_duplicate_custom_ids_keep_their_lin
     out = tmp_path / "out.jsonl"
     run = probe.cli("batch", str(src), "--project", "digest", "--wait", "--out", str(out),
                     "--timeout", "60", timeout_s=120)
-    rows = [json.loads(x) for x in jsonl_lines(out.read_text(encoding="utf-8")) if x]
-    assert [(r["custom_id"], r["code"]) for r in rows] == [("dup", "OK"), ("dup", "OK")], run.stdout
+    rows = sorted((json.loads(x) for x in jsonl_lines(out.read_text(encoding="utf-8")) if x),
+                  key=lambda r: r["custom_id"])
+    assert [(r["custom_id"], r["code"]) for r in rows] == [("u-1", "OK"), ("u-2", "OK")], run.stdout
     assert run.returncode == 0, run.stderr
     first, second = (r["response"]["request_id"] for r in rows)
     assert first != second

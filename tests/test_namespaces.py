@@ -19,6 +19,7 @@ import fleet.client as client_module
 from fleet.client import Client
 from fleet.core.codes import Code
 from fleet.core.config import Settings
+from fleet.core.errors import NotFound
 from fleet.core.keys import job_ref
 from fleet.core.signing import sign
 from fleet.worker.app import CANCEL_TASK, PREP_TASK, create_app, project_queue
@@ -90,7 +91,8 @@ def test_status_shows_no_other_project_and_no_signed_message(clients) -> None:
     a, b = clients
     job_id = a.submit(ask(A, "Status. [sim:think=50] [sim:answer=20]"))
     assert a.result(job_id, timeout=120) is not None
-    assert b.status(job_id) == {}
+    with pytest.raises(NotFound):  # B has no such job
+        b.status(job_id)
     mine = a.status(job_id)
     assert mine["state"] == "final" and mine["project"] == A
     assert not {"signed", "job", "nonce", "seal", "digest"} & set(mine)
@@ -101,7 +103,8 @@ def test_another_project_cannot_cancel_a_job(clients, probe) -> None:
     job_id = a.submit(ask(A, "Keep me. [sim:think=1500] [sim:answer=20]"))
     wait_until(lambda: probe.h.client.status(f"{A}/{job_id}").get("state") == "running", 60,
                "A's job to run")
-    assert b.cancel(job_id) is False  # B has no such job
+    with pytest.raises(NotFound):  # B has no such job
+        b.cancel(job_id)
     # B signs a cancel request with its own secret, writes it where A's would go and asks A's
     # prep workers to act on it: nobody acts on a request A did not sign.
     forged = json.dumps(sign({"cancel": job_id, "project": A}, A, own(probe.h.settings, B)

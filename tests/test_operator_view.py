@@ -264,9 +264,9 @@ def test_fleet_top_without_redis_says_so_in_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "FLEET_CONFIG": str(make_config(tmp_path)), "FLEET_BROKER_URL": dead}
     out = subprocess.run([sys.executable, "-m", "fleet", "top", "--once"], env=env,
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [out.stderr.strip()]
-    assert out.stderr.startswith(f"{Code.E_INTERNAL.value} the broker (broker_url) does not answer")
+    assert out.stderr.startswith(f"{Code.E_BROKER_UNAVAILABLE.value} the broker at redis://:***@")
     assert str(port) in out.stderr and "secret-password" not in out.stderr
 
 

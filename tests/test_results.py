@@ -29,6 +29,7 @@ def test_wait_blocks_until_published(redis_client, key_prefix):
         started.wait()
         results.publish(Envelope(job_id="j2", project="triage", code=Code.OK))
 
+    results.record("triage/j2", state="submitted")  # a submitted job has its record
     thread = threading.Thread(target=finish)
     thread.start()
     assert results.wait("triage/j2", 0.01) is None

@@ -156,6 +156,27 @@ def pipeline(
                                      speed=speed, redis_url=broker.url))
 
 
+@bench_app.command("loss")
+def loss(
+    configs: Annotated[str, typer.Option(help="Redis configurations: aof, none")] = "aof,none",
+    jobs: Annotated[int, typer.Option(help="jobs submitted before the crash")] = 200,
+    crash_after: Annotated[int, typer.Option(help="kill -9 Redis once this many have results")] = 60,
+    speed: Annotated[float, typer.Option(help="simulator speed")] = 20.0,
+    settle_s: Annotated[float, typer.Option(help="how long survivors may take to finish")] = 180.0,
+    markdown: Annotated[str, typer.Option(help="also write the rows as markdown here")] = "",
+) -> None:
+    """What a kill -9 of Redis mid-batch loses, with AOF everysec and without persistence."""
+    from fleet.bench.loss import loss_bench, rows_markdown
+
+    rows = loss_bench(configs=[c.strip() for c in configs.split(",") if c.strip()], jobs=jobs,
+                      crash_after=crash_after, speed=speed, settle_s=settle_s)
+    text = rows_markdown(rows)
+    console.print(text, markup=False)
+    if markdown:
+        with open(markdown, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
 @bench_app.command("gateway")
 def gateway(
     requests: Annotated[int, typer.Option(help="sequential requests per path (idle fleet)")] = 200,

@@ -94,7 +94,8 @@ class GatewayBench:
         data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
         data.update(broker_url=redis_url, key_prefix=f"gwbench-{uuid.uuid4().hex[:8]}:")
         data["backend"]["max_num_seqs"] = cap
-        data.setdefault("admission", {}).update(metrics_port=0, backend_gate=False)
+        data.setdefault("admission", {}).update(metrics_port=0, backend_gate=False,
+                                                 worker_gate=False)  # a gateway-only fleet
         data["gateway"] = {"port": free_port(), "max_queue_wait_s": 600}
         data["projects"]["assistant"]["api_keys"] = [entry]
         (self.tmp / "fleet.toml").write_text(tomli_w.dumps(data), encoding="utf-8")

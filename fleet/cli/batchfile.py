@@ -4,20 +4,29 @@ Input lines are either OpenAI batch requests
     {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 or the fleet's own job lines (a ``Job`` as JSON; ``project`` defaults to ``--project``; ``sources``
 may replace finished messages). Output lines follow the OpenAI batch output shape
-    {"id", "custom_id", "response": {"status_code", "request_id", "body": chat.completion} | null,
+    {"id", "custom_id", "response": {"status_code", "request_id", "body": ...} | null,
      "error": {"code", "message"} | null, "code": "<fleet message code>"}
-in input order. A malformed line becomes an error line (E_INPUT_INVALID) for that line only.
+as results arrive (not in input order: match them by ``custom_id``, which must be unique in a
+file). ``body`` is a chat.completion for an answer; an error of the backend (E_UPSTREAM_*) is a
+response too, as OpenAI reports one: its HTTP status and ``body.error`` {message, type, code};
+any other error is ``error`` {code, message} with ``response`` null. A malformed line becomes an
+error line (E_INPUT_INVALID) for that line only.
+
+Job ids: a line without its own ``id`` gets one derived from the batch (the file's content) and
+its ``custom_id`` (``batch_job_id``), so the same file sent again - ``fleet batch --resume`` after a
+crash, or ``--collect`` to fetch results later - names the same jobs: the fleet runs each once.
 
 Lines end at LF only (a CR before it is tolerated): JSON encoders leave U+2028, U+2029 and U+0085
 raw inside strings, and ``str.splitlines`` breaks on them, which would cut a valid line in two.
 
 Results are matched to lines through dicts (job id -> lines, job id -> envelope), so a batch of any
 size costs a constant amount of work per result; two lines may share a job id (the same
-idempotency key) and custom ids need not be unique.
+idempotency key).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -35,6 +44,14 @@ _BODY_FIELDS = {
     "model", "messages", "thinking_token_budget", "max_tokens", "max_completion_tokens",
     "response_format", "tools", "tool_choice", "temperature", "seed", "stream", "stream_options",
     "priority", "chat_template_kwargs", "top_p", "metadata",
+}
+
+
+# What the backend's errors are as HTTP: an OpenAI batch reports them as the request's response.
+UPSTREAM_STATUS = {
+    Code.E_UPSTREAM_REJECTED: 400, Code.E_UPSTREAM_ERROR: 500, Code.E_STREAM_DROPPED: 502,
+    Code.E_UPSTREAM_UNAVAILABLE: 503, Code.E_UPSTREAM_TIMEOUT: 504, Code.E_CONNECT_TIMEOUT: 504,
+    Code.E_FIRST_TOKEN_TIMEOUT: 504, Code.E_STREAM_STALLED: 504,
 }
 
 
@@ -74,7 +91,16 @@ def _job_from_openai(line: dict[str, Any], project: str, number: int) -> Job:
     return Job.model_validate({k: v for k, v in data.items() if v is not None})
 
 
-def parse_line(text: str, project: str, number: int) -> BatchLine:
+def batch_job_id(batch: str, custom_id: str) -> str:
+    """The job id of a line without one: the same file and custom_id always give the same id."""
+    return f"b{batch}-{hashlib.sha256(custom_id.encode()).hexdigest()[:20]}"
+
+
+def batch_tag(content: bytes) -> str:
+    return hashlib.sha256(content).hexdigest()[:12]
+
+
+def parse_line(text: str, project: str, number: int, batch: str | None = None) -> BatchLine:
     custom_id = f"line-{number}"
     try:
         line = json.loads(text)
@@ -90,6 +116,8 @@ def parse_line(text: str, project: str, number: int) -> BatchLine:
                                                    "custom_id": custom_id}})
         if job.project != project:
             raise ValueError(f"line is for project {job.project!r}, batch is for {project!r}")
+        if batch is not None and "id" not in line:
+            job = job.model_copy(update={"id": batch_job_id(batch, custom_id)})
         return BatchLine(number, custom_id, job=job)
     except ValidationError as exc:
         return BatchLine(number, custom_id, error=f"line {number}: {describe_invalid(exc, 1)}")
@@ -102,8 +130,13 @@ def jsonl_lines(text: str) -> list[str]:
     return [line.removesuffix("\r") for line in text.split("\n")]
 
 
-def parse_lines(lines: Iterable[str], project: str) -> list[BatchLine]:
-    return [parse_line(text, project, n) for n, text in enumerate(lines, 1) if text.strip()]
+def parse_lines(lines: Iterable[str], project: str, batch: str | None = None) -> list[BatchLine]:
+    return [parse_line(text, project, n, batch) for n, text in enumerate(lines, 1) if text.strip()]
+
+
+def duplicate_custom_ids(lines: Iterable[BatchLine]) -> list[str]:
+    counts = Counter(line.custom_id for line in lines)
+    return sorted(custom_id for custom_id, n in counts.items() if n > 1)
 
 
 class ResultMatcher:
@@ -112,6 +145,9 @@ class ResultMatcher:
     def __init__(self, job_of: Mapping[int, str]) -> None:
         self._job_of = dict(job_of)  # line number -> job id
         self._lines_per_job = Counter(self._job_of.values())
+        self._lines_of: dict[str, list[int]] = {}
+        for number, job_id in self._job_of.items():
+            self._lines_of.setdefault(job_id, []).append(number)
         self.envelopes: dict[str, Envelope] = {}
 
     def add(self, envelope: Envelope) -> int:
@@ -120,6 +156,10 @@ class ResultMatcher:
             return 0
         self.envelopes[envelope.job_id] = envelope
         return self._lines_per_job.get(envelope.job_id, 0)
+
+    def lines_of(self, job_id: str) -> list[int]:
+        """The line numbers a job answers."""
+        return self._lines_of.get(job_id, [])
 
     def envelope_for(self, line: BatchLine) -> Envelope | None:
         job_id = self._job_of.get(line.number)
@@ -135,6 +175,12 @@ def output_line(line: BatchLine, envelope: Envelope | None, model: str) -> dict[
                 "code": code.value}
     out: dict[str, Any] = {"id": f"batch_req_{envelope.job_id}", "custom_id": line.custom_id,
                            "code": envelope.code.value}
+    if envelope.code in UPSTREAM_STATUS:
+        error = {"message": envelope.message, "type": "upstream_error", "param": None,
+                 "code": envelope.code.value}
+        out.update(response={"status_code": UPSTREAM_STATUS[envelope.code],
+                             "request_id": envelope.job_id, "body": {"error": error}}, error=None)
+        return out
     if not envelope.ok:
         out.update(response=None, error={"code": envelope.code.value, "message": envelope.message})
         return out

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -19,7 +19,16 @@ from rich.table import Table
 
 from fleet.core.codes import Code
 from fleet.core.config import Settings, load_settings, mask_url
-from fleet.core.errors import ConfigError, DependencyMissing, FleetError, PublicSecrets
+from fleet.core.errors import (
+    BrokerUnavailable,
+    BrokerUnsafe,
+    ConfigError,
+    DependencyMissing,
+    FleetError,
+    InputInvalid,
+    NotFound,
+    PublicSecrets,
+)
 from fleet.core.redisconn import redis_client
 
 if TYPE_CHECKING:
@@ -72,7 +81,7 @@ def secrets_or_exit(role: str, settings: Settings) -> None:
     except PublicSecrets as exc:
         typer.echo(f"{exc.code.value} {exc.message}", err=True)
         raise typer.Exit(3) from exc
-    client = redis.Redis.from_url(settings.broker_url)
+    client = redis_client(settings)
     # an unreachable broker is reported by the process itself, the moment it needs it
     with client, contextlib.suppress(redis.RedisError):
         warn_shared_broker(settings, client, local_broker=local, role=role)
@@ -86,17 +95,58 @@ def workers_key_or_exit(settings: Settings) -> None:
         raise typer.Exit(2)
 
 
+def fail(exc: FleetError, exit_code: int = 1) -> NoReturn:
+    """The one line a command prints for an error: its code and message (no rich wrapping)."""
+    typer.echo(f"{exc.code.value} {exc.message}", err=True)
+    raise typer.Exit(exit_code) from exc
+
+
+@contextmanager
+def broker_errors(settings: Settings) -> Iterator[None]:
+    """One line instead of a traceback: a broker that does not answer (E_BROKER_UNAVAILABLE, exit
+    2, the URL without its password), a job its project does not have (E_NOT_FOUND, exit 1)."""
+    import kombu.exceptions
+
+    from fleet.core.redisconn import UNREACHABLE, broker_unavailable
+
+    try:
+        yield
+    except BrokerUnavailable as exc:
+        fail(exc, 2)
+    except (*UNREACHABLE, kombu.exceptions.OperationalError) as exc:
+        fail(broker_unavailable(settings.broker_url, exc), 2)
+    except NotFound as exc:
+        fail(exc)
+
+
 def client_or_exit():  # type: ignore[no-untyped-def]
     from fleet.client import Client
-    from fleet.core.redisconn import sentinel_target
+    from fleet.core.redisconn import broker_unavailable, sentinel_target
     from fleet.local.embedded import redis_answers
 
     settings = settings_or_exit()
     if not redis_answers(settings.broker_url, **sentinel_target(settings)):
-        err.print(f"[red]no broker answers at {mask_url(settings.broker_url)}[/red] "
-                  "(set FLEET_BROKER_URL, or start the fleet with `fleet up`)")
-        raise typer.Exit(2)
+        fail(broker_unavailable(settings.broker_url, ConnectionError("no PING reply")), 2)
     return Client(settings)
+
+
+def broker_or_exit(role: str, settings: Settings) -> None:
+    """Check the broker's persistence before taking work (fleet/core/persistence.py); a broker
+    that does not answer yet is not checked (the process waits for it like for any restart)."""
+    from fleet.core.exposure import broker_is_local
+    from fleet.core.persistence import check_broker
+    from fleet.core.redisconn import UNREACHABLE
+
+    client = redis_client(settings, socket_connect_timeout=2, socket_timeout=2)
+    try:
+        check_broker(settings, client, role=role, local_broker=broker_is_local(settings))
+    except BrokerUnsafe as exc:
+        fail(exc, 3)
+    except UNREACHABLE as exc:
+        logging.getLogger("fleet").warning("%s: the broker does not answer yet (%r); its persistence "
+                                           "is not checked", role, exc)
+    finally:
+        client.close()
 
 
 # -- running the fleet ------------------------------------------------------------------------
@@ -134,6 +184,7 @@ def worker(
         raise typer.BadParameter("role must be all, prep, collect, infer or tools (tools: no "
                                  "project runs tools)")
     preflight_or_exit(role)
+    broker_or_exit("worker", settings)  # a refusal first: then it is the only line printed
     secrets_or_exit("worker", settings)
     workers_key_or_exit(settings)
     worker_app(settings).worker_main([
@@ -154,6 +205,7 @@ def dispatcher(log_level: Annotated[str, typer.Option()] = "INFO") -> None:
 
     settings = settings_or_exit()
     setup_logging(log_level)
+    broker_or_exit("dispatcher", settings)
     secrets_or_exit("dispatcher", settings)
     workers_key_or_exit(settings)
     stop = threading.Event()
@@ -281,12 +333,13 @@ def submit(
     job: dict[str, Any] = (json.loads(file.read_text()) if file
                            else {"messages": [{"role": "user", "content": prompt}]})
     job["project"] = job.get("project", project)
-    with client_or_exit() as client:
+    with client_or_exit() as client, broker_errors(client.settings):
         try:
             job_id = client.submit(job)
         except FleetError as exc:
-            err.print(f"[red]{exc.code.value}[/red] {exc.message}")
-            raise typer.Exit(1) from exc
+            if isinstance(exc, BrokerUnavailable):
+                raise
+            fail(exc)
         if not wait:
             console.print(job_id)
             return
@@ -303,15 +356,28 @@ def batch(
     file: Annotated[Path, typer.Argument(help="JSONL: OpenAI batch lines or fleet job lines")],
     project: Annotated[str, typer.Option("--project", "-p")],
     wait: Annotated[bool, typer.Option(help="wait for every result")] = False,
-    out: Annotated[Path | None, typer.Option(help="write result lines here")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="write each result line here as it arrives (implies --wait)")] = None,
     timeout: Annotated[float, typer.Option(help="seconds to wait in all")] = 24 * 3600,
+    resume: Annotated[bool, typer.Option(
+        help="after an interrupted run: send only the lines not yet in --out, collect the rest")]
+    = False,
+    collect: Annotated[bool, typer.Option(
+        help="send nothing; collect the results of an earlier run into --out")] = False,
 ) -> None:
-    """Submit a batch file; with --wait, show progress by code and write one line per input."""
+    """Submit a batch file (custom_ids unique); with --wait or --out, show progress by code and
+    write one line per input as its result arrives (fleet/cli/batch.py)."""
     from fleet.cli.batch import run_batch
 
-    with client_or_exit() as client:
-        code = run_batch(client, file, project, wait=wait, out=out, timeout_s=timeout,
-                         console=console)
+    settings = settings_or_exit()
+    if settings.project(project) is None:  # before reading the file, before any broker
+        fail(InputInvalid(f"unknown project {project!r} (not in this configuration)"), 2)
+    with client_or_exit() as client, broker_errors(client.settings):
+        try:
+            code = run_batch(client, file, project, wait=wait, out=out, timeout_s=timeout,
+                             console=console, resume=resume, collect=collect)
+        except InputInvalid as exc:
+            fail(exc, 2)
     raise typer.Exit(code)
 
 
@@ -334,15 +400,22 @@ def status(job_id: Annotated[str | None, typer.Argument(help=JOB_HELP)] = None,
     if job_id is None:
         queues()
         return
-    with client_or_exit() as client:
+    with client_or_exit() as client, broker_errors(client.settings):
         record = client.status(_job_ref(client, job_id, project))
-    if not record:
-        err.print(f"unknown job {job_id}")
-        raise typer.Exit(1)
     table = Table(show_header=False)
     for key, value in record.items():
-        table.add_row(key, str(value))
+        table.add_row(key, shown_time(value) if key.endswith("_at") else str(value))
     console.print(table)
+
+
+def shown_time(value: Any) -> str:
+    """A unix timestamp as people read it: UTC, to the millisecond (the raw value if not one)."""
+    from datetime import UTC, datetime
+
+    try:
+        return datetime.fromtimestamp(float(value), tz=UTC).isoformat(sep=" ", timespec="milliseconds")
+    except (TypeError, ValueError, OverflowError):
+        return str(value)
 
 
 @app.command()
@@ -352,7 +425,7 @@ def tail(job_id: Annotated[str, typer.Argument(help=JOB_HELP)],
     tool rounds, final)."""
     from fleet.cli.tail import describe
 
-    with client_or_exit() as client:
+    with client_or_exit() as client, broker_errors(client.settings):
         for event in client.events(_job_ref(client, job_id, project), follow=follow):
             data = event["data"]
             text = data.get("text") if isinstance(data, dict) else None
@@ -368,7 +441,7 @@ def cancel(job_id: Annotated[str, typer.Argument(help=JOB_HELP)],
            project: ProjectOption = None) -> None:
     """Cancel a job of a project this configuration holds the secret of: a queued one soon, a
     running one within a second (E_CANCELLED)."""
-    with client_or_exit() as client:
+    with client_or_exit() as client, broker_errors(client.settings):
         if client.cancel(_job_ref(client, job_id, project)):
             console.print(f"cancelling {job_id}")
         else:
@@ -379,28 +452,21 @@ def cancel(job_id: Annotated[str, typer.Argument(help=JOB_HELP)],
 @app.command()
 def queues() -> None:
     """Pending per project and band, in flight, reserved KV, long prompts, holds."""
-
     from fleet.cli.queues import queues_table
 
     settings = settings_or_exit()
-    console.print(queues_table(settings, redis_client(settings)))
+    with broker_errors(settings):
+        console.print(queues_table(settings, redis_client(settings)))
 
 
 @app.command()
 def top(once: Annotated[bool, typer.Option(help="print one frame and exit")] = False) -> None:
     """Live view: in flight vs cap, per-project pending, waits and tokens/s, holds, backend."""
-    import redis
-
     from fleet.cli.top import run_top
 
     settings = settings_or_exit()
-    try:
+    with broker_errors(settings):
         run_top(settings, redis_client(settings), console, once)
-    except redis.RedisError as exc:
-        # the error names host and port; the URL itself may carry a password
-        err.print(f"{Code.E_INTERNAL.value} the broker (broker_url) does not answer: {exc}",
-                  markup=False, soft_wrap=True)
-        raise typer.Exit(1) from exc
 
 
 @app.command()
@@ -461,12 +527,13 @@ def acl(apply: Annotated[bool, typer.Option(help="ACL SETUSER on the broker (nee
 @app.command()
 def rejections(count: Annotated[int, typer.Option()] = 20) -> None:
     """The latest E_AUTH rejections (kept apart from every project's results)."""
-    with client_or_exit() as client:
+    with client_or_exit() as client, broker_errors(client.settings):
         entries = client.redis.xrevrange(client.keys.rejections, count=count)
     table = Table("time", "job", "claimed project", "reason")
     for _id, fields in entries:
         f = {k.decode(): v.decode() for k, v in fields.items()}
-        table.add_row(f.get("ts", ""), f.get("job_id", ""), f.get("project", ""), f.get("reason", ""))
+        table.add_row(shown_time(f.get("ts", "")), f.get("job_id", ""), f.get("project", ""),
+                      f.get("reason", ""))
     console.print(table)
 
 

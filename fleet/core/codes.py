@@ -43,6 +43,8 @@ class Code(StrEnum):
     E_DEADLINE = "E_DEADLINE"
     E_QUEUE_TIMEOUT = "E_QUEUE_TIMEOUT"
     E_INTERNAL = "E_INTERNAL"
+    E_BROKER_UNAVAILABLE = "E_BROKER_UNAVAILABLE"
+    E_BROKER_UNSAFE = "E_BROKER_UNSAFE"
 
     @property
     def info(self) -> CodeInfo:
@@ -93,7 +95,9 @@ CATALOGUE: dict[Code, CodeInfo] = {
         103, False, "A required source could not be collected (the source and reason are named)."
     ),
     Code.E_NOT_FOUND: CodeInfo(
-        104, False, "The gateway has no such task, model or route for this key's project."
+        104, False, "No such job in its project (never submitted, or its record expired after "
+        "result_ttl_s or was lost with the broker's data), or the gateway has no such task, model "
+        "or route for this key's project."
     ),
     Code.E_THINK_LOOP: CodeInfo(
         200, True, "The reasoning looped or stalled on every attempt; no answer was produced."
@@ -145,6 +149,13 @@ CATALOGUE: dict[Code, CodeInfo] = {
     ),
     Code.E_INTERNAL: CodeInfo(
         500, True, "A fault inside the fleet; the job was closed so nothing is lost."
+    ),
+    Code.E_BROKER_UNAVAILABLE: CodeInfo(
+        501, True, "The broker (Redis at broker_url) does not answer; nothing was sent or read."
+    ),
+    Code.E_BROKER_UNSAFE: CodeInfo(
+        502, False, "The broker's Redis keeps no append-only file or may evict keys, and "
+        "[redis] on_unsafe = \"refuse\" (docs/operations.md)."
     ),
 }
 

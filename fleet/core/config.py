@@ -110,6 +110,9 @@ class AdmissionSettings(_Section):
     """Longest blocking wait of an idle dispatcher (wake-ups are events; this is a safety net).
     At most 4: the wait is a BLPOP, and redis-py 8's default 5 s socket timeout would cut a
     longer one with a TimeoutError."""
+    worker_gate: bool = True
+    """Hold admissions while no live inference worker consumes fleet.infer (worker heartbeats in
+    Redis; fleet/worker/heartbeat.py). Turn off only for a fleet whose only door is the gateway."""
     backend_gate: bool = True
     """Scrape the backend's /metrics and /health and hold admissions when it is saturated."""
     on_server_mismatch: Literal["warn", "refuse"] = "warn"
@@ -304,12 +307,19 @@ class GatewaySettings(_Section):
 
 class RedisSettings(_Section):
     """How every part reaches Redis when ``broker_url`` names Sentinels
-    (``sentinel://host:port/db;sentinel://host:port``, kombu's form; fleet/core/redisconn.py)."""
+    (``sentinel://host:port/db;sentinel://host:port``, kombu's form; fleet/core/redisconn.py), and
+    what workers and dispatchers demand of the broker's Redis at start (docs/operations.md)."""
 
     master_name: str = Field(DEFAULT_MASTER_NAME, min_length=1)
     """The master the Sentinels monitor (``sentinel monitor <name> ...``)."""
     sentinel_password: str = ""
     """Password of the Sentinels themselves (their ``requirepass``); the master's is in broker_url."""
+
+    on_unsafe: Literal["warn", "refuse"] = "warn"
+    """A Redis without an append-only file (a restart loses queued jobs and results) or with a
+    maxmemory-policy that evicts keys (jobs vanish silently): "warn" logs a WARNING and runs on,
+    "refuse" does not start (E_BROKER_UNSAFE). A broker ``fleet up``/``fleet demo`` started
+    itself is exempt."""
 
 
 class ToolSettings(_Section):
@@ -456,8 +466,8 @@ class Settings(BaseSettings):
     acl: AclSettings = AclSettings()
     limits: LimitsSettings = LimitsSettings()
     collect: CollectSettings = CollectSettings()
-    gateway: GatewaySettings = GatewaySettings()
     redis: RedisSettings = RedisSettings()
+    gateway: GatewaySettings = GatewaySettings()
     projects: dict[str, ProjectSettings] = Field(default_factory=dict)
 
     @field_validator("broker_url")

@@ -4,12 +4,15 @@
      +-- ConfigError                 settings file or FLEET_* variable is wrong; names the key
      |    +-- DependencyMissing      a module this process needs is not installed; names the extra
      |    +-- PublicSecrets          E_AUTH: projects keep the example's published secrets
+     |    +-- BrokerUnsafe           E_BROKER_UNSAFE: Redis without AOF or with eviction, refused
+     +-- BrokerUnavailable           E_BROKER_UNAVAILABLE: Redis does not answer (producers, CLI)
      +-- JobError                    the job itself
      |    +-- InputInvalid           E_INPUT_INVALID
      |    +-- AuthError              E_AUTH
      |    +-- PromptTooLong          E_PROMPT_TOO_LONG
      |    +-- CollectFailed          E_COLLECT_FAILED
-     |    +-- NotFound               E_NOT_FOUND (the gateway: no such task for this project)
+     |    +-- NotFound               E_NOT_FOUND (no such job in its project; the gateway: no
+     |                               such task for this project)
      +-- AnswerError                 the model's answer
      |    +-- ThinkLoop              E_THINK_LOOP
      +-- UpstreamError               the backend (translated at the vLLM client boundary)
@@ -54,6 +57,14 @@ class DependencyMissing(ConfigError):
 class PublicSecrets(ConfigError):
     # E_AUTH, not E_INPUT_INVALID: the file is well formed, but anyone could sign jobs with it
     code = Code.E_AUTH
+
+
+class BrokerUnsafe(ConfigError):
+    code = Code.E_BROKER_UNSAFE
+
+
+class BrokerUnavailable(FleetError):
+    code = Code.E_BROKER_UNAVAILABLE
 
 
 class JobError(FleetError):

@@ -95,6 +95,9 @@ D = ``{p}{d}:``, one hash tag for all)
                                      dispatcher (schedulers/store/base.py, Continuations)
   D continuations             set    refs of jobs readmitted at least once (``fleet queues``); their
                                      item has cont=1 (and deferred=<time> while waiting)
+  D workers                   zset   Celery node names of live inference workers, score = when the
+                                     entry lapses (fleet/worker/heartbeat.py); no live entry holds
+                                     admissions ("no_workers")
 """
 
 from __future__ import annotations
@@ -179,3 +182,7 @@ class Keys:
     def dispatch(self) -> str:
         """Prefix of every dispatcher key (``{p}{d}:``: one hash tag, one Cluster slot)."""
         return f"{self.prefix}{{d}}:"
+
+    @property
+    def infer_workers(self) -> str:
+        return f"{self.dispatch}workers"

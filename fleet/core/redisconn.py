@@ -29,10 +29,14 @@ import redis.asyncio
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.sentinel import Sentinel
 
+from fleet.core.errors import BrokerUnavailable
+
 if TYPE_CHECKING:
     from fleet.core.config import Settings
 
 SENTINEL_SCHEME = "sentinel"
+# What a Redis that does not answer raises (``broker_unavailable`` turns it into one clear line).
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 DEFAULT_MASTER_NAME = "mymaster"  # Redis's own example name (sentinel.conf)
 DEFAULT_SENTINEL_PORT = 26379
 # Connections to the Sentinels themselves: a dead Sentinel must not hold up the next one.
@@ -132,3 +136,12 @@ def celery_transport_options(settings: Settings) -> dict[str, Any]:
     if settings.redis.sentinel_password:
         options["sentinel_kwargs"] = {"password": settings.redis.sentinel_password}
     return options
+
+
+def broker_unavailable(url: str, exc: BaseException) -> BrokerUnavailable:
+    """E_BROKER_UNAVAILABLE in one line naming the broker (password masked): what producers and
+    every CLI command show instead of a traceback."""
+    from fleet.core.config import mask_url
+
+    return BrokerUnavailable(f"the broker at {mask_url(url)} does not answer ({type(exc).__name__}); "
+                             "is Redis running, and is broker_url (FLEET_BROKER_URL) right?")

@@ -38,10 +38,12 @@ import redis
 
 from fleet.core.codes import Code
 from fleet.core.config import Settings
+from fleet.core.errors import NotFound
 from fleet.core.events import EVENTS_MAXLEN
 from fleet.core.keys import Keys, job_ref
 from fleet.core.lua import Scripts
 from fleet.core.models import Envelope
+from fleet.core.redisconn import UNREACHABLE, broker_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -151,19 +153,37 @@ class ResultStore:
         return Envelope.model_validate_json(raw) if raw else None
 
     def wait(self, ref: str, timeout_s: float) -> Envelope | None:
-        """Block until the job's final envelope exists or ``timeout_s`` passes."""
+        """Block until the job's final envelope exists or ``timeout_s`` passes. A job with neither
+        a record nor a final envelope raises NotFound (E_NOT_FOUND): never submitted, expired, or
+        lost with the broker's data - waiting for it would never end. A broker that stops
+        answering is waited for (a restart is an ordinary event) until ``timeout_s``, then
+        BrokerUnavailable."""
         deadline = time.monotonic() + timeout_s
         events = self.keys.events(ref)
-        last = self.client.xrevrange(events, count=1)
-        cursor = last[0][0] if last else b"0-0"
+        cursor: Any = None
         while True:
-            envelope = self.final(ref)
-            if envelope is not None:
-                return envelope
+            try:
+                if cursor is None:
+                    last = self.client.xrevrange(events, count=1)
+                    cursor = last[0][0] if last else b"0-0"
+                envelope = self.final(ref)
+                if envelope is not None:
+                    return envelope
+                if not self.client.exists(self.keys.job(ref)):
+                    raise NotFound(f"no job {ref}: never submitted, expired after result_ttl_s, "
+                                   "or lost with the broker's data")
+            except UNREACHABLE as exc:
+                if time.monotonic() >= deadline:
+                    raise broker_unavailable(self.settings.broker_url, exc) from exc
+                time.sleep(1.0)
+                continue
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 return None
-            reply = self.client.xread({events: cursor}, block=min(remaining_ms, 2000), count=100)
+            try:
+                reply = self.client.xread({events: cursor}, block=min(remaining_ms, 2000), count=100)
+            except UNREACHABLE:
+                continue  # the next round waits for the broker
             for _stream, entries in reply or []:
                 if entries:
                     cursor = entries[-1][0]
@@ -191,21 +211,28 @@ class ResultFollower:
         remaining = set(refs)
         deadline = time.monotonic() + timeout_s
         while remaining and time.monotonic() < deadline:
-            reply = self.store.client.xread(self.cursors, block=block_ms, count=500)
-            got = False
-            for stream, entries in reply or []:
-                name = stream.decode() if isinstance(stream, bytes) else stream
-                for entry_id, fields in entries:
-                    self.cursors[name] = entry_id
-                    envelope = Envelope.model_validate_json(fields[b"envelope"])
-                    ref = job_ref(envelope.project, envelope.job_id)
-                    if ref in remaining:
-                        remaining.discard(ref)
-                        got = True
-                        yield envelope
-            if not got:
-                for ref in list(remaining):
-                    found = self.store.final(ref)
-                    if found is not None:
-                        remaining.discard(ref)
-                        yield found
+            try:
+                reply = self.store.client.xread(self.cursors, block=block_ms, count=500)
+                found = self._arrived(reply, remaining)
+            except UNREACHABLE as exc:  # a broker restart: wait for it, up to the deadline
+                log.warning("results: the broker does not answer (%r); waiting for it", exc)
+                time.sleep(1.0)
+                continue
+            for envelope in found:
+                remaining.discard(job_ref(envelope.project, envelope.job_id))
+                yield envelope
+
+    def _arrived(self, reply: Any, remaining: set[str]) -> list[Envelope]:
+        """The envelopes of ``remaining`` in one XREAD reply, else (nothing new) in result keys.
+        Nothing is taken off ``remaining`` here: a broker error half-way loses nothing."""
+        found = []
+        for stream, entries in reply or []:
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            for entry_id, fields in entries:
+                self.cursors[name] = entry_id
+                envelope = Envelope.model_validate_json(fields[b"envelope"])
+                if job_ref(envelope.project, envelope.job_id) in remaining:
+                    found.append(envelope)
+        if not found:
+            found = [envelope for envelope in map(self.store.final, remaining) if envelope is not None]
+        return found

@@ -93,18 +93,25 @@ class EmbeddedRedis:
         self.close()
 
 
-def start_redis(timeout_s: float = 10.0) -> EmbeddedRedis:
-    folder = tempfile.mkdtemp(prefix="fleet-redis-")
-    port = free_port()
+def start_redis(timeout_s: float = 10.0, *, port: int | None = None, folder: str | None = None,
+                appendonly: bool = False) -> EmbeddedRedis:
+    """A private redis-server on loopback. ``port`` and ``folder`` given: the same server again
+    (a restart after a crash reads the folder's append-only file when ``appendonly``); a folder
+    given by the caller is the caller's to remove."""
+    own_folder = folder is None
+    folder = folder or tempfile.mkdtemp(prefix="fleet-redis-")
+    port = port or free_port()
     cmd = [
-        redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-        "--save", "", "--appendonly", "no", "--dir", folder, "--daemonize", "no",
+        redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        "--appendonly", "yes" if appendonly else "no", "--appendfsync", "everysec",
+        "--dir", folder, "--daemonize", "no",
     ]
     # Its own session: a Ctrl-C in the terminal must not stop the broker before the processes
     # that use it; the handle's close (or the process's exit) stops it last.
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
-    handle = EmbeddedRedis(url=f"redis://127.0.0.1:{port}/0", process=process, folder=folder)
+    handle = EmbeddedRedis(url=f"redis://127.0.0.1:{port}/0", process=process,
+                           folder=folder if own_folder else None)
     atexit.register(handle.close)
     deadline = time.monotonic() + timeout_s
     while not redis_answers(handle.url, 0.2):

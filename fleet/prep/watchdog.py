@@ -76,8 +76,13 @@ class PrepClaim:
         self._thread = threading.Thread(target=self._renew, name=f"prep-{job_id[:8]}", daemon=True)
 
     def acquire(self) -> bool:
-        if not self.client.set(self.keys.prep(self.job_id), self.owner, nx=True, px=self.ttl_ms):
-            return False
+        """Take the claim; True as well when it is already this owner's (a task trying again
+        after a Redis blip cut its first attempt short)."""
+        key = self.keys.prep(self.job_id)
+        if not self.client.set(key, self.owner, nx=True, px=self.ttl_ms):
+            if self.client.get(key) != self.owner.encode():
+                return False
+            self.client.pexpire(key, self.ttl_ms)
         pipe = self.client.pipeline(transaction=False)
         pipe.zadd(self.prepping, {self.job_id: time.time() + self.ttl_ms / 1000})
         pipe.hset(self.keys.job(self.job_id), "prep_claimed", "1")

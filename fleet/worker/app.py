@@ -21,6 +21,10 @@ Reliability
   carries its old fencing token and is dropped; the job itself was already re-admitted when its
   lease expired (see schedulers/store/base.py).
   prefetch 1: a worker reserves no more than it runs.
+  Broker loss: workers retry the broker connection forever and keep running tasks while it is
+  gone (``worker_cancel_long_running_tasks_on_connection_loss`` off: an inference stream needs
+  vLLM, not the broker); fleet/worker/transport.py removes the kombu failure that made a worker
+  exit when Redis restarted.
   Broker keys (queues, unacked sets) live under ``<key_prefix>q:`` (kombu's global_keyprefix), so
   several fleets or test runs can share one Redis.
 
@@ -57,6 +61,7 @@ from fleet.core.codes import Code
 from fleet.core.config import Settings, load_settings
 from fleet.core.errors import ConfigError
 from fleet.core.redisconn import celery_transport_options
+from fleet.worker.transport import SENTINEL_TRANSPORT, TRANSPORT
 
 PREP_TASK = "fleet.prep"
 INFER_TASK = "fleet.infer"
@@ -211,6 +216,15 @@ def _queue(name: str) -> Queue:
     return Queue(name, Exchange(name, type="direct"), routing_key=name)
 
 
+def broker_transport(url: str) -> str | None:
+    """The kombu transport for a broker URL: the fleet's Redis transports for ``redis://``,
+    ``rediss://`` and ``sentinel://`` (fleet/worker/transport.py), kombu's own choice otherwise."""
+    scheme = url.strip().split("://", 1)[0].lower()
+    if scheme == "sentinel":
+        return SENTINEL_TRANSPORT
+    return TRANSPORT if scheme in ("redis", "rediss") else None
+
+
 def create_app(settings: Settings) -> Celery:
     app = Celery("fleet", broker=settings.broker_url, set_as_current=False)
     app.conf.update(
@@ -219,7 +233,12 @@ def create_app(settings: Settings) -> Celery:
             "global_keyprefix": f"{settings.key_prefix}q:",
             **celery_transport_options(settings),
         },
+        broker_transport=broker_transport(settings.broker_url),
+        # a worker never gives up on its broker (docs/operations.md: broker loss)
+        broker_connection_retry=True,
         broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        broker_channel_error_retry=True,
         task_routes=(make_router(settings),),
         task_queues=[_queue(q) for q in [INFER_QUEUE, *prep_queues(settings),
                                           *collect_queues(settings), *tool_queues(settings)]],

@@ -14,6 +14,8 @@ the outside world.
   E_DEADLINE envelope here, without ever taking a slot.
 - the prep watchdog (fleet/prep/watchdog.py) runs beside the loop, sending again the prep messages
   of jobs whose prep worker died before handing them over.
+- ``gate``: admissions hold ("no_workers") while no inference worker's heartbeat is live
+  (fleet/worker/heartbeat.py; ``admission.worker_gate``).
 - ``stop`` ends both; ``fleet dispatcher`` sets it on SIGINT, SIGTERM and SIGHUP, so a supervisor
   (systemd, honcho, ``fleet up``) stops a dispatcher cleanly within ``admission.max_wait_s``.
 """
@@ -41,6 +43,7 @@ from fleet.core.results import ResultStore
 from fleet.core.seal import SEALED_FIELDS, seal_valid
 from fleet.prep.watchdog import run_prep_watchdog
 from fleet.worker.app import INFER_TASK, PREP_TASK, create_app, prep_backlog, shown
+from fleet.worker.heartbeat import WorkerGate
 from schedulers.dispatcher import run_dispatcher
 from schedulers.store.base import Grant
 
@@ -67,8 +70,9 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
 
     threading.Thread(target=run_prep_watchdog, name="prep-watchdog", daemon=True,
                      args=(settings, results, resend_prep, stop)).start()
+    gate = WorkerGate(client, Keys(settings.key_prefix)) if settings.admission.worker_gate else None
     run_dispatcher(settings, client, send, stop=stop, on_expired=on_expired,
-                   shared_metrics=[PrepBacklogCollector(settings, client)])
+                   shared_metrics=[PrepBacklogCollector(settings, client)], gate=gate)
 
 
 class PrepBacklogCollector(Collector):

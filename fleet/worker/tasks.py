@@ -38,12 +38,14 @@ a bad job never crashes a worker, poisons a queue or stays without a final resul
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -59,10 +61,12 @@ from fleet.core.models import Envelope, Job, Timings, describe_invalid
 from fleet.core.seal import cancel_valid, check_seal, check_turn, digest, seal_turn, sealed
 from fleet.core.signing import verify
 from fleet.prep.watchdog import HANDED_OVER, PrepClaim
-from fleet.worker.app import JobEnded, ShownRequest, task_outcome
+from fleet.worker.app import INFER_QUEUE, JobEnded, ShownRequest, task_outcome
+from fleet.worker.heartbeat import beat_when_ready
 from fleet.worker.lease import LeaseKeeper
 from fleet.worker.metrics import WorkerMetrics, serve_when_started
 from fleet.worker.runtime import Runtime
+from schedulers.backoff import Backoff
 from schedulers.store.base import PendingItem
 
 if TYPE_CHECKING:  # the inference modules are imported on first use, in the worker that runs one
@@ -77,11 +81,16 @@ def register_tasks(app: Celery) -> None:
     runtime = Runtime(app.fleet_settings, on_publish=metrics.observe,  # type: ignore[attr-defined]
                       send_task=app.send_task)
     serve_when_started(app, metrics, runtime.settings.worker_metrics_port)
+    beat_when_ready(app, runtime.redis, runtime.keys, INFER_QUEUE)
 
     # A non-OK final code raises JobEnded (fleet/worker/app.py): FAILURE in Flower, no redelivery.
     @app.task(name="fleet.prep", acks_late=True, throws=(JobEnded,), Request=ShownRequest)
     def prep(*, project: str, job_id: str, signed: dict[str, Any]) -> str:
-        return task_outcome(prep_job(runtime, project, job_id, signed), job_id)
+        owner = _owner()  # one owner across retries: the claim of an attempt cut short is ours
+        outcome = riding_out_broker_loss(
+            lambda: prep_job(runtime, project, job_id, signed, owner), job_ref(project, job_id),
+            runtime.settings.prep_lease_s)
+        return task_outcome(outcome, job_id)
 
     @app.task(name="fleet.cancel", acks_late=True, Request=ShownRequest)
     def cancel(*, project: str, job_id: str) -> str:
@@ -111,8 +120,30 @@ def _fail(rt: Runtime, job_id: str, project: str, code: Code, message: str, **ex
     return code.value
 
 
+BROKER_LOST = (redis.ConnectionError, redis.TimeoutError)
+
+
+def riding_out_broker_loss(run: Callable[[], str], ref: str, patience_s: float) -> str:
+    """``run()``, again after a pause while Redis is unreachable (0.5 s doubling to 5 s), for
+    ``patience_s`` at most; then the error goes up (the prep watchdog sends the job again).
+    Without this a prep task cut by a Redis restart would end and be acknowledged, and its job
+    would wait for the watchdog's ``prep_unclaimed_s``."""
+    backoff = Backoff()
+    give_up_at = time.monotonic() + patience_s
+    while True:
+        try:
+            return run()
+        except BROKER_LOST as exc:
+            if time.monotonic() >= give_up_at:
+                raise
+            pause_s = backoff.next_s()
+            log.warning("prep of job=%s: redis unreachable (%r); again in %.1fs", ref, exc, pause_s)
+            time.sleep(pause_s)
+
+
 # -- prep -------------------------------------------------------------------------------------
-def prep_job(rt: Runtime, project: str, job_id: str, signed: dict[str, Any]) -> str:
+def prep_job(rt: Runtime, project: str, job_id: str, signed: dict[str, Any],
+             owner: str | None = None) -> str:
     received = digest(signed)
     ref = job_ref(str(project), str(job_id))
     try:
@@ -125,7 +156,7 @@ def prep_job(rt: Runtime, project: str, job_id: str, signed: dict[str, Any]) -> 
     except (AuthError, InputInvalid) as exc:
         rt.results.reject(str(job_id), str(project), exc.message, received, code=exc.code)
         return exc.code.value
-    claim = PrepClaim(rt.redis, rt.keys, ref, _owner(), rt.settings.prep_lease_s)
+    claim = PrepClaim(rt.redis, rt.keys, ref, owner or _owner(), rt.settings.prep_lease_s)
     if not claim.acquire():
         return "duplicate"  # another delivery is preparing it right now
     try:
@@ -160,6 +191,8 @@ def _prep_claimed(rt: Runtime, project: str, job_id: str, raw: dict[str, Any]) -
         return _fail(rt, job_id, project, Code.E_INPUT_INVALID, "job id differs from the message")
     try:
         return _prepare_and_enqueue(rt, job)
+    except BROKER_LOST:
+        raise  # not the job's fault: the task tries again (riding_out_broker_loss)
     except FleetError as exc:
         return _fail(rt, job.id, job.project, exc.code, exc.message, kind=job.kind)
     except Exception as exc:  # the last line of defence: close the job, keep the worker
@@ -252,6 +285,12 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
         with keeper:
             rt.results.record(ref, state="running", running_at=time.time(), fence=fence)
             envelope = _run(rt, ref, project, keeper)
+    except BROKER_LOST as exc:
+        # Not the job's fault: its lease expires (or is given back here) and it runs again.
+        log.warning("redis lost while running job=%s (%r); the job goes back in line", ref, exc)
+        with contextlib.suppress(redis.RedisError):
+            store.requeue(ref, fence)
+        return "broker-lost"
     except Exception as exc:  # a bug or Redis failure: end the job, keep the worker
         log.exception("infer failed job=%s", ref)
         envelope = Envelope.failure(job_id, owner, Code.E_INTERNAL,
