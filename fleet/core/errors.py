@@ -36,9 +36,10 @@ from fleet.core.codes import Code
 class FleetError(Exception):
     code: Code = Code.E_INTERNAL
 
-    def __init__(self, message: str, *, code: Code | None = None) -> None:
+    def __init__(self, message: str, *, code: Code | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.param = param  # the request field at fault, when there is one (an HTTP error's param)
         if code is not None:
             self.code = code
 

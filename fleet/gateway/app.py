@@ -106,7 +106,7 @@ class Gateway:
 
 
 def _error(exc: FleetError) -> JSONResponse:
-    return JSONResponse(error_body(exc.code, exc.message), status_code=status_of(exc.code))
+    return JSONResponse(error_body(exc.code, exc.message, exc.param), status_code=status_of(exc.code))
 
 
 def _authed(gw: Gateway, handler: Callable[[Request, Caller], Awaitable[Response]]

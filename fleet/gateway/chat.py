@@ -16,8 +16,9 @@ the error body (fleet/gateway/wire.py): 401 ``E_AUTH``, 400 ``E_INPUT_INVALID`` 
 ``Retry-After``, 503/504 upstream.
 
 A client that disconnects: while waiting, its pending item is withdrawn at once (a grant that came
-anyway is given back); while streaming, the upstream stream is cancelled, vLLM aborts the sequence, and
-the lease is released as soon as the stream thread has closed the connection (within 0.25 s).
+anyway is given back); while streaming, the lease keeper's ``Cancel`` is set, which shuts the
+upstream socket down at once (fleet/infer/vllm.py), vLLM aborts the sequence, and the lease is
+released as soon as the stream thread has let go of the connection.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class ChatCompletions:
             self.gw.metrics.finished(project, exc.code)
             log.info("chat job=%s project=%s code=%s status=%d", job_id, project, exc.code.value,
                      status_of(exc.code))
-            await send_json(send, status_of(exc.code), _json(error_body(exc.code, exc.message)))
+            await send_json(send, status_of(exc.code), _json(error_body(exc.code, exc.message, exc.param)))
             return
         await _Session(self.gw, caller, req, job_id, body, prompt_tokens, max_tokens,
                        receive, send).run()
@@ -140,7 +141,7 @@ class _Session:
     async def _fail(self, exc: FleetError) -> None:
         if self.disconnected.is_set():
             return
-        body = error_body(exc.code, exc.message)
+        body = error_body(exc.code, exc.message, exc.param)
         if self.headers_sent:
             await self._write(sse(body) + DONE, more=False)
             return
