@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -189,6 +190,38 @@ def test_a_looping_stream_is_cut_with_a_coded_error_event(
     assert any('"reasoning"' in event for event in events)
     # Cut long before the thinking budget would have ended it, and the slot is free again.
     assert probe.sim_stats()["running"] == 0
+    wait_until(lambda: probe.snapshot().in_flight == 0, 30, "the lease to be released")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_asked_for_it_gets_a_loop_retried_transparently(
+    fleet: tuple[Harness, dict[str, str]], probe: FleetProbe, stream: bool,
+) -> None:
+    """``loop_retry``: the first attempt loops (``/1``: only the first request with this message),
+    the gateway cuts it before any delta reached the client and tries again with a new seed."""
+    text = f"Reconcile ledger {uuid.uuid4().hex}. [sim:loop/1] [sim:think=30] [sim:answer=8]"
+    client = sdk(fleet, "research")
+    args = {"model": "local", "messages": [{"role": "user", "content": text}],
+            "extra_body": {"loop_retry": True}}
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        completion_id = chunks[0].id
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning") or ""
+                            for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        answer = client.chat.completions.create(**args)
+        completion_id, content = answer.id, answer.choices[0].message.content or ""
+        reasoning = (answer.choices[0].message.model_extra or {}).get("reasoning") or ""
+        finish = [answer.choices[0].finish_reason]
+    assert content and finish == ["stop"]
+    sent = probe.sim_requests(completion_id.removeprefix("chatcmpl-"))
+    assert [b["request_id"].rsplit("-", 1)[1] for b in sent] == ["1", "2"]
+    assert sent[0].get("seed") != sent[1].get("seed")
+    # The client saw only the second attempt's reasoning: no looping paragraph repeated.
+    paragraphs = [p for p in reasoning.split("\n\n") if p.strip()]
+    assert len(paragraphs) == len(set(paragraphs))
     wait_until(lambda: probe.snapshot().in_flight == 0, 30, "the lease to be released")
 
 

@@ -43,6 +43,7 @@ from fleet.gateway.tasks import TaskRoutes
 from fleet.gateway.wire import ChatRequest, error_body, status_of
 from fleet.infer.attempts import DEFAULT_TEMPERATURE
 from fleet.infer.budget import plan as plan_budget
+from fleet.infer.retrying import RetryBudget
 from fleet.infer.validate import response_format
 from fleet.prep.prepare import prepare
 from fleet.worker.app import create_app as create_celery_app
@@ -68,11 +69,18 @@ class Gateway:
                                    self.runtime.keys, self.run, send)
         self.metrics = GatewayMetrics()
         self.client = Client(settings, redis_client=self.runtime.redis)
+        self._budgets: dict[str, RetryBudget] = {}
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A blocking call (Redis, /tokenize) off the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    def retry_budget(self, project: str) -> RetryBudget:
+        if project not in self._budgets:
+            self._budgets[project] = RetryBudget(self.runtime.redis, self.runtime.keys, project,
+                                                 self.live.settings.retry.budget_ratio)
+        return self._budgets[project]
 
     def caller(self, authorization: str | None) -> Caller:
         return self.live.current().caller(authorization)

@@ -35,7 +35,7 @@ import redis
 from starlette.requests import Request
 
 from fleet.core.codes import Code
-from fleet.core.errors import Cancelled, FleetError, NotFound
+from fleet.core.errors import Cancelled, FleetError, NotFound, ThinkLoop
 from fleet.core.keys import job_ref
 from fleet.core.models import Envelope, Timings, Usage
 from fleet.gateway.admission import Ticket
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Send = Any
+SEED_STEP = 1_000_003  # between the seeds of two attempts, as fleet/infer/attempts.py steps them
 
 
 async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
@@ -110,6 +111,8 @@ class _Session:
         self.waited_s: float | None = None
         self.result: StreamResult | None = None
         self.first_token_s: float | None = None
+        self.sent_deltas = False  # a reasoning/content delta reached the client
+        self.held: list[str] = []  # reasoning held back while loop_retry may still retry
 
     # -- the client side --------------------------------------------------------------------
     async def _watch_disconnect(self) -> None:
@@ -221,22 +224,56 @@ class _Session:
         self.keeper.__enter__()
         if self.disconnected.is_set():
             self.keeper.cancel.set()
-        upstream = UpstreamStream(gw.vllm, self.body, gw.live.settings.watcher, self.keeper.cancel,
-                                  asyncio.get_running_loop()).start()
+        if self.req.loop_retry:  # its first attempt credits the project's retry budget
+            await gw.run(gw.retry_budget(self.caller.project).first_attempt)
         if self.req.stream:
             await self._write(self.chunks.role())
-        outcome = await self._relay(upstream)
-        await upstream.done.wait()
-        if isinstance(outcome, Failed):
+        attempt = 1
+        while True:
+            outcome = await self._attempt(attempt)
+            if isinstance(outcome, Finished):
+                break
             if self.disconnected.is_set():
                 raise Cancelled("the client disconnected")
-            raise outcome.error
+            if not await self._retry_loop(outcome.error, attempt):
+                raise outcome.error
+            attempt += 1
+            log.info("chat job=%s: loop cut before any content was sent; attempt %d", self.job_id, attempt)
         self.result = outcome.result
         return await self._finish(outcome.result)
 
+    async def _attempt(self, attempt: int) -> Finished | Failed:
+        body = self.body
+        if attempt > 1:  # a new seed, as a worker's retry has (fleet/infer/attempts.py)
+            body = {**body, "request_id": f"{self.job_id}-{attempt}",
+                    "seed": (body.get("seed", 0) + (attempt - 1) * SEED_STEP) % 2**31}
+        upstream = UpstreamStream(self.gw.vllm, body, self.gw.live.settings.watcher,
+                                  self.keeper.cancel, asyncio.get_running_loop()).start()  # type: ignore[union-attr]
+        outcome = await self._relay(upstream)
+        await upstream.done.wait()
+        return outcome
+
+    async def _retry_loop(self, error: FleetError, attempt: int) -> bool:
+        """Whether a failed attempt is retried: only a loop cut, only when the client asked for it
+        (``loop_retry``), only before any delta was sent, within ``retry.max_attempts`` and the
+        project's retry budget (fleet/infer/retrying.py), under the same lease."""
+        if not (isinstance(error, ThinkLoop) and self.req.loop_retry and not self.sent_deltas):
+            return False
+        if attempt >= self.gw.live.settings.retry.max_attempts:
+            return False
+        self.held.clear()
+        budget = self.gw.retry_budget(self.caller.project)
+        return bool(await self.gw.run(budget.try_spend))
+
     async def _relay(self, upstream: UpstreamStream) -> Finished | Failed:
+        keepalive_s = self.gw.live.settings.gateway.keepalive_s
         while True:
-            item = await upstream.queue.get()
+            try:
+                item = await asyncio.wait_for(upstream.queue.get(), keepalive_s)
+            except TimeoutError:  # reasoning held back (loop_retry): the client still hears us
+                if self.req.stream:
+                    await self._write(KEEPALIVE)
+                continue
             if not isinstance(item, Delta):
                 if isinstance(item, Failed) and item.partial is not None:
                     self.result = item.partial
@@ -244,11 +281,28 @@ class _Session:
             if self.first_token_s is None:
                 self.first_token_s = time.monotonic() - self.started
             if self.req.stream and (item.reasoning or item.content or item.tool_calls):
-                await self._write(self.chunks.delta(item.reasoning, item.content, item.tool_calls))
+                await self._send_delta(item)
+
+    async def _send_delta(self, item: Delta) -> None:
+        """With ``loop_retry``, reasoning is held back until the answer starts (or the stream
+        ends), so a loop cut in the reasoning can be retried without the client seeing it."""
+        if self.req.loop_retry and not self.sent_deltas and not (item.content or item.tool_calls):
+            self.held.append(item.reasoning)
+            return
+        await self._flush_held()
+        self.sent_deltas = True
+        await self._write(self.chunks.delta(item.reasoning, item.content, item.tool_calls))
+
+    async def _flush_held(self) -> None:
+        if self.held:
+            reasoning, self.held = "".join(self.held), []
+            self.sent_deltas = True
+            await self._write(self.chunks.delta(reasoning, "", []))
 
     async def _finish(self, result: StreamResult) -> Code:
         usage = result.usage or {}
         if self.req.stream:
+            await self._flush_held()
             tail = self.chunks.finish(result.finish_reason)
             if self.req.include_usage:
                 tail += self.chunks.usage(usage)
