@@ -4,6 +4,7 @@ and the test holds that one slot, so nothing the gateway enqueues is ever admitt
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -19,6 +20,10 @@ import pytest
 import redis
 
 from fleet.core.apikeys import mint
+from fleet.core.codes import Code
+from fleet.core.keys import Keys
+from fleet.core.models import Envelope
+from fleet.core.results import ResultStore
 from fleet.core.config import load_settings
 from schedulers.store import make_store
 from schedulers.store.base import PendingItem
@@ -197,3 +202,47 @@ def test_a_project_sees_only_its_own_tasks(door: Door) -> None:
     assert cancelled.json()["cancelled"] is True
     after = call("GET", f"/v1/tasks/{task_id}", "reports").json()
     assert after["envelope"] is None and after["status"] == "submitted"
+
+
+FOLLOWERS = 200
+
+
+def test_two_hundred_task_event_followers_share_one_reader(door: Door) -> None:
+    """More followers than redis-py's pool has connections (100): each gets its task's events
+    through the one shared reader, and the gateway still answers other requests meanwhile."""
+    url, config, keys, _process = door
+    headers = {"Authorization": f"Bearer {keys['translate']}"}
+    task_ids = [httpx.post(f"{url}/v1/tasks", headers=headers, timeout=30, json={
+        "messages": [{"role": "user", "content": f"follow me {n}"}]}).json()["id"] for n in range(5)]
+
+    async def follow(client: httpx.AsyncClient, task_id: str, started: asyncio.Queue[str]
+                     ) -> list[str]:
+        kinds: list[str] = []
+        async with client.stream("GET", f"{url}/v1/tasks/{task_id}/events", headers=headers) as events:
+            assert events.status_code == 200
+            async for line in events.aiter_lines():
+                if line.startswith("event: "):
+                    kinds.append(line.removeprefix("event: "))
+                    if len(kinds) == 1:
+                        started.put_nowait(task_id)
+        return kinds
+
+    async def crowd() -> tuple[list[list[str]], int]:
+        started: asyncio.Queue[str] = asyncio.Queue()
+        limits = httpx.Limits(max_connections=FOLLOWERS + 10)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            followers = [asyncio.create_task(follow(client, task_ids[n % len(task_ids)], started))
+                         for n in range(FOLLOWERS)]
+            for _ in range(FOLLOWERS):  # every follower has had its first event: all are attached
+                await asyncio.wait_for(started.get(), 120)
+            status = (await client.get(f"{url}/v1/tasks/{task_ids[0]}", headers=headers)).status_code
+            settings = load_settings(config, env={})
+            results = ResultStore(redis.Redis.from_url(TEST_REDIS_URL), Keys(settings.key_prefix), settings)
+            for task_id in task_ids:
+                results.publish(Envelope.failure(task_id, "translate", Code.E_CANCELLED, "test over"))
+            return await asyncio.wait_for(asyncio.gather(*followers), 120), status
+
+    seen, status = asyncio.run(crowd())
+    assert status == 200
+    assert len(seen) == FOLLOWERS
+    assert all(kinds[-1] == "final" and len(kinds) >= 2 for kinds in seen)

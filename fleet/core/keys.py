@@ -55,6 +55,9 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                                      requests, pushed by the dispatcher instead of a Celery task when
                                      the job hash has origin=gateway and gateway=<its id>; TTL
                                      lease_ttl_s; the gateway BLPOPs it (fleet/gateway/admission.py)
+  {p}gwwake:<gateway>         stream one entry, added when a task-event follower joins, to wake the
+                                     gateway's one XREAD over all followed events streams
+                                     (fleet/gateway/events.py); TTL a day, deleted on shutdown
 
 Broker (kombu, fleet/worker/app.py)
   {p}q:*                      Celery's queues, unacked sets and bindings (kombu global_keyprefix)
@@ -152,6 +155,9 @@ class Keys:
 
     def gateway_grants(self, gateway: str) -> str:
         return f"{self.prefix}gwgrants:{gateway}"
+
+    def gateway_wake(self, gateway: str) -> str:
+        return f"{self.prefix}gwwake:{gateway}"
 
     @property
     def code_counts(self) -> str:

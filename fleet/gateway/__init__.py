@@ -6,6 +6,6 @@ without a Celery client (docs/gateway.md).
     admission.py   pending item + grant handed over by the dispatcher; lease claim and release
     upstream.py    one stream from vLLM on its own thread, with the loop watcher
     chat.py        POST /v1/chat/completions from key to released lease
-    tasks.py       fleet jobs over HTTP (/v1/tasks)
+    tasks.py       fleet jobs over HTTP (/v1/tasks); events.py one shared reader for their events
     metrics.py     Prometheus figures; app.py the ASGI app; server.py ``fleet gateway``
 """

@@ -38,6 +38,7 @@ from fleet.core.request import build_request_messages, tools_allowed
 from fleet.gateway.admission import Admission
 from fleet.gateway.auth import Caller, LiveSettings
 from fleet.gateway.chat import ChatCompletions
+from fleet.gateway.events import EventHub
 from fleet.gateway.metrics import GatewayMetrics
 from fleet.gateway.tasks import TaskRoutes
 from fleet.gateway.wire import ChatRequest, error_body, status_of
@@ -70,6 +71,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.client = Client(settings, redis_client=self.runtime.redis)
         self._budgets: dict[str, RetryBudget] = {}
+        self.events = EventHub(settings.broker_url, self.runtime.keys, self.admission.gateway_id)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A blocking call (Redis, /tokenize) off the event loop."""
@@ -86,6 +88,7 @@ class Gateway:
         return self.live.current().caller(authorization)
 
     async def close(self) -> None:
+        await self.events.close()
         await self.aredis.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.vllm.close()
@@ -172,11 +175,13 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 def create_app(gw: Gateway) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        listener = asyncio.create_task(gw.admission.listen(), name="grant-listener")
+        tasks = [asyncio.create_task(gw.admission.listen(), name="grant-listener"),
+                 asyncio.create_task(gw.events.run(), name="event-hub")]
         yield
-        listener.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await listener
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await gw.close()
 
     return Starlette(routes=_routes(gw), lifespan=lifespan,
