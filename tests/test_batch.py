@@ -1,6 +1,6 @@
 import json
 
-from fleet.cli.batchfile import BatchLine, ResultMatcher, jsonl_lines, output_line, parse_lines
+from fleet.core.batchfile import BatchLine, ResultMatcher, jsonl_lines, output_line, parse_lines
 from fleet.core.codes import Code
 from fleet.core.models import Envelope, Usage
 

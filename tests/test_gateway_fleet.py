@@ -255,3 +255,51 @@ def test_gateway_metrics_count_requests_by_project_and_code(
     text = httpx.get(f"http://127.0.0.1:{harness.settings.gateway.port}/metrics", timeout=10).text
     assert 'fleet_gateway_requests_total{code="OK",project="assistant"}' in text
     assert 'fleet_gateway_ttft_seconds_count{project="reports"}' in text
+
+
+def test_an_openai_batch_through_the_sdk_end_to_end(fleet: tuple[Harness, dict[str, str]]) -> None:
+    """files.create -> batches.create -> batches.retrieve until done -> files.content: the output
+    has one line per input line in input order, in the lines ``fleet batch`` writes."""
+    client = sdk(fleet, "reports")
+    lines = [
+        {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "local", "messages": [{"role": "user", "content": "One. [sim:think=20] [sim:answer=5]"}]}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": "nope"}},
+        {"custom_id": "c", "messages": [{"role": "user", "content": "Two. [sim:think=20] [sim:answer=5]"}]},
+    ]
+    text = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = client.files.create(file=("in.jsonl", text), purpose="batch")
+    assert uploaded.bytes == len(text) and uploaded.purpose == "batch"
+    assert client.files.content(uploaded.id).read() == text
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"run": "test"})
+    assert batch.request_counts is not None and batch.request_counts.total == 3
+    done = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
+                      120, "the batch to complete", every_s=0.2)
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    assert done.metadata == {"run": "test"} and done.output_file_id
+    out = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+    assert [row["custom_id"] for row in out] == ["a", "bad", "c"]
+    assert [row["code"] for row in out] == ["OK", "E_INPUT_INVALID", "OK"]
+    assert out[0]["response"]["body"]["choices"][0]["message"]["content"]
+    assert out[1]["response"] is None and "line 2" in out[1]["error"]["message"]
+    assert batch.id in [b.id for b in client.batches.list()]
+    assert {uploaded.id, done.output_file_id} <= {f.id for f in client.files.list()}
+
+
+def test_a_cancelled_batch_ends_cancelled_with_every_line_answered(
+    fleet: tuple[Harness, dict[str, str]],
+) -> None:
+    client = sdk(fleet, "triage")
+    line = {"custom_id": "long", "thinking_budget": 30000,
+            "messages": [{"role": "user", "content": "Think long. [sim:think=30000]"}]}
+    uploaded = client.files.create(file=("in.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    done = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status == "cancelled" and b,
+                      120, "the batch to be cancelled", every_s=0.2)
+    assert done.output_file_id
+    out = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
+    assert [(row["custom_id"], row["code"]) for row in out] == [("long", "E_CANCELLED")]

@@ -20,8 +20,8 @@ import pytest
 from fleet.core.codes import Code
 from fleet.core.config import TimeoutSettings
 from fleet.core.errors import FleetError
-from fleet.infer.sse import SseEvent, SseParser
 from fleet.infer import vllm
+from fleet.infer.sse import SseEvent, SseParser
 from fleet.infer.vllm import Cancel, Delta, VllmClient
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fleet.cli.batchfile import ResultMatcher, jsonl_lines, output_line, parse_lines
 from fleet.client import Client
+from fleet.core.batchfile import ResultMatcher, jsonl_lines, output_line, parse_lines
 from fleet.core.errors import FleetError
 from fleet.core.results import ResultFollower
 

@@ -25,6 +25,7 @@ class Code(StrEnum):
     E_PROMPT_TOO_LONG = "E_PROMPT_TOO_LONG"
     E_COLLECT_FAILED = "E_COLLECT_FAILED"
     E_NOT_FOUND = "E_NOT_FOUND"
+    E_TOO_LARGE = "E_TOO_LARGE"
     E_THINK_LOOP = "E_THINK_LOOP"
     E_EMPTY_ANSWER = "E_EMPTY_ANSWER"
     E_OUTPUT_INVALID = "E_OUTPUT_INVALID"
@@ -90,7 +91,10 @@ CATALOGUE: dict[Code, CodeInfo] = {
         103, False, "A required source could not be collected (the source and reason are named)."
     ),
     Code.E_NOT_FOUND: CodeInfo(
-        104, False, "The gateway has no such task, model or route for this key's project."
+        104, False, "The gateway has no such task, file, batch, model or route for this key's project."
+    ),
+    Code.E_TOO_LARGE: CodeInfo(
+        105, False, "A gateway file or batch is over the size, line or per-project count limit (413)."
     ),
     Code.E_THINK_LOOP: CodeInfo(
         200, True, "The reasoning looped or stalled on every attempt; no answer was produced."

@@ -65,6 +65,10 @@ class InputInvalid(JobError):
     code = Code.E_INPUT_INVALID
 
 
+class TooLarge(JobError):
+    code = Code.E_TOO_LARGE
+
+
 class AuthError(JobError):
     code = Code.E_AUTH
 

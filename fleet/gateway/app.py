@@ -1,7 +1,8 @@
 """The gateway's ASGI app and what one gateway process holds (``Gateway``).
 
 Routes: ``POST /v1/chat/completions`` (fleet/gateway/chat.py), ``GET /v1/models``, the task routes
-of fleet/gateway/tasks.py, ``GET /health`` and ``GET /metrics`` (no key needed for those two).
+of fleet/gateway/tasks.py, the file and batch routes of fleet/gateway/batches.py, ``GET /health``
+and ``GET /metrics`` (no key needed for those two).
 Every other route and method answers vLLM's error body with a code, never Starlette's HTML page.
 
 ``Gateway.build_body`` turns a chat request into the body the fleet would send for the same job
@@ -37,6 +38,7 @@ from fleet.core.errors import FleetError
 from fleet.core.request import build_request_messages, tools_allowed
 from fleet.gateway.admission import Admission
 from fleet.gateway.auth import Caller, LiveSettings
+from fleet.gateway.batches import BatchRoutes
 from fleet.gateway.chat import ChatCompletions
 from fleet.gateway.events import EventHub
 from fleet.gateway.metrics import GatewayMetrics
@@ -133,6 +135,7 @@ def _authed(gw: Gateway, handler: Callable[[Request, Caller], Awaitable[Response
 
 def _routes(gw: Gateway) -> list[Route | Mount]:
     tasks = TaskRoutes(gw)
+    batches = BatchRoutes(gw)
 
     async def models(request: Request, caller: Caller) -> Response:
         backend = gw.live.settings.backend
@@ -153,6 +156,15 @@ def _routes(gw: Gateway) -> list[Route | Mount]:
         Route("/v1/tasks/{task_id}", _authed(gw, tasks.get), methods=["GET"]),
         Route("/v1/tasks/{task_id}", _authed(gw, tasks.cancel), methods=["DELETE"]),
         Route("/v1/tasks/{task_id}/events", _authed(gw, tasks.events), methods=["GET"]),
+        Route("/v1/files", _authed(gw, batches.upload), methods=["POST"]),
+        Route("/v1/files", _authed(gw, batches.list_files), methods=["GET"]),
+        Route("/v1/files/{file_id}", _authed(gw, batches.file), methods=["GET"]),
+        Route("/v1/files/{file_id}", _authed(gw, batches.delete_file), methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", _authed(gw, batches.content), methods=["GET"]),
+        Route("/v1/batches", _authed(gw, batches.create), methods=["POST"]),
+        Route("/v1/batches", _authed(gw, batches.list_batches), methods=["GET"]),
+        Route("/v1/batches/{batch_id}", _authed(gw, batches.get), methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", _authed(gw, batches.cancel), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

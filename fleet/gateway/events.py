@@ -69,8 +69,8 @@ class EventHub:
         while True:
             try:
                 await self._take_joins()
-                streams = {self._wake_key: wake_cursor, **self._cursors}
-                reply = await self._reader.xread(streams, block=BLOCK_MS, count=READ_COUNT)
+                streams: dict[Any, Any] = {self._wake_key: wake_cursor, **self._cursors}
+                reply: Any = await self._reader.xread(streams, block=BLOCK_MS, count=READ_COUNT)
             except redis.RedisError as exc:
                 log.warning("event hub: redis error %r; again in %.1fs", exc, PAUSE_S)
                 await asyncio.sleep(PAUSE_S)

@@ -58,6 +58,7 @@ HTTP_STATUS: dict[Code, int] = {
     Code.E_UPSTREAM_REJECTED: 400,
     Code.E_AUTH: 401,
     Code.E_NOT_FOUND: 404,
+    Code.E_TOO_LARGE: 413,
     Code.E_QUEUE_TIMEOUT: 429,
     Code.E_CANCELLED: 499,
     Code.E_UPSTREAM_UNAVAILABLE: 503,
@@ -68,6 +69,7 @@ HTTP_STATUS: dict[Code, int] = {
     Code.E_DEADLINE: 504,
 }
 ERROR_TYPE = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+              413: "RequestTooLargeError",
               429: "RateLimitError", 499: "CancelledError", 503: "ServiceUnavailableError",
               504: "TimeoutError"}
 
