@@ -256,7 +256,7 @@ def batch_file(n: int) -> bytes:
 
 def test_a_project_sees_only_its_own_files_and_batches(door: Door) -> None:
     url, _config, keys, _process = door
-    mine = openai.OpenAI(base_url=f"{url}/v1", api_key=keys["research"], max_retries=0)
+    mine = openai.OpenAI(base_url=f"{url}/v1", api_key=keys["translate"], max_retries=0)
     theirs = openai.OpenAI(base_url=f"{url}/v1", api_key=keys["assistant"], max_retries=0)
     uploaded = mine.files.create(file=("in.jsonl", batch_file(2)), purpose="batch")
     batch = mine.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
