@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import statistics
 import tempfile
@@ -88,15 +89,18 @@ def _cpu_s(pid: int) -> float:
 
 
 class GatewayBench:
-    def __init__(self, redis_url: str, speed: float, cap: int) -> None:
+    def __init__(self, redis_url: str, speed: float, cap: int, exact_count: bool = True) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="fleet-bench-gw-"))
         self.key, entry = mint()
         data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
         data.update(broker_url=redis_url, key_prefix=f"gwbench-{uuid.uuid4().hex[:8]}:")
         data["backend"]["max_num_seqs"] = cap
         data.setdefault("admission", {}).update(metrics_port=0, backend_gate=False)
-        data["gateway"] = {"port": free_port(), "max_queue_wait_s": 600}
+        data["gateway"] = {"port": free_port(), "max_queue_wait_s": 600,
+                           "exact_prompt_count": exact_count}
         data["projects"]["assistant"]["api_keys"] = [entry]
+        for project in data["projects"].values():  # the gateway refuses the example's public secrets
+            project["secret"] = secrets.token_urlsafe(24)
         (self.tmp / "fleet.toml").write_text(tomli_w.dumps(data), encoding="utf-8")
         self.settings = load_settings(self.tmp / "fleet.toml", env={})
         self.fleet = LocalFleet(self.settings, sim_speed=speed, workers=0, dispatchers=1,

@@ -260,6 +260,9 @@ class GatewaySettings(_Section):
     """Also send reasoning as ``reasoning_content``, for clients that expect vLLM's old name."""
     reload_check_s: float = Field(1.0, gt=0)
     """How often the config file's mtime is checked for new API keys (SIGHUP reloads at once)."""
+    exact_prompt_count: bool = True
+    """Count each chat prompt with the backend's ``/tokenize`` (cached by content) as prep does;
+    false: the character estimate, one backend round trip less per new prompt (docs/gateway.md)."""
     files_ttl_s: int = Field(86_400, gt=0)
     """Uploaded files (/v1/files), batches and their output files are kept this long in Redis."""
     max_file_bytes: int = Field(20_000_000, gt=0)

@@ -49,6 +49,7 @@ from fleet.infer.budget import plan as plan_budget
 from fleet.infer.retrying import RetryBudget
 from fleet.infer.validate import response_format
 from fleet.prep.prepare import prepare
+from fleet.prep.tokens import TokenCounter
 from fleet.worker.app import create_app as create_celery_app
 from fleet.worker.dispatch import make_send
 from fleet.worker.runtime import Runtime
@@ -73,6 +74,9 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.client = Client(settings, redis_client=self.runtime.redis)
         self._budgets: dict[str, RetryBudget] = {}
+        # An empty base URL makes an estimate-only counter (fleet/prep/tokens.py).
+        self.counter = self.runtime.counter if settings.gateway.exact_prompt_count else TokenCounter(
+            "", settings.backend.model, None, self.runtime.keys)
         self.events = EventHub(settings.broker_url, self.runtime.keys, self.admission.gateway_id)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -100,7 +104,7 @@ class Gateway:
         settings, project, rt = self.live.settings, caller.settings, self.runtime
         job = req.to_job(job_id, caller.project, caller.band).model_copy(update={"allow_trim": False})
         first = plan_budget(job, project, settings, 0)
-        prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, rt.counter)
+        prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, self.counter)
         plan = plan_budget(job, project, settings, prepared.prompt_tokens)
         ready = job.model_copy(update={"messages": prepared.messages})
         messages, _ = build_request_messages(ready, prepared.fence_tag)

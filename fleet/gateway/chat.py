@@ -108,6 +108,7 @@ class _Session:
         self.last_write = self.started
         self.disconnected = asyncio.Event()
         self.keeper: LeaseKeeper | None = None
+        self.keeper_running = False
         self.waited_s: float | None = None
         self.result: StreamResult | None = None
         self.first_token_s: float | None = None
@@ -182,7 +183,7 @@ class _Session:
         finally:
             watcher.cancel()
             self.gw.admission.forget(self.ref)
-            if self.keeper is not None:
+            if self.keeper is not None and self.keeper_running:
                 await self.gw.run(self.keeper.__exit__, None, None, None)
             if ticket is not None:
                 await self.gw.admission.release(ticket)
@@ -221,13 +222,8 @@ class _Session:
         # A chat request is cancelled by its client leaving (self.disconnected), never by a request.
         self.keeper = LeaseKeeper(rt.lease_store, lambda: False, ticket.job_id, ticket.fence,
                                   rt.settings.admission.lease_ttl_s)
-        self.keeper.__enter__()
         if self.disconnected.is_set():
             self.keeper.cancel.set()
-        if self.req.loop_retry:  # its first attempt credits the project's retry budget
-            await gw.run(gw.retry_budget(self.caller.project).first_attempt)
-        if self.req.stream:
-            await self._write(self.chunks.role())
         attempt = 1
         while True:
             outcome = await self._attempt(attempt)
@@ -249,9 +245,23 @@ class _Session:
                     "seed": (body.get("seed", 0) + (attempt - 1) * SEED_STEP) % 2**31}
         upstream = UpstreamStream(self.gw.vllm, body, self.gw.live.settings.watcher,
                                   self.keeper.cancel, asyncio.get_running_loop()).start()  # type: ignore[union-attr]
+        if attempt == 1:  # the request is on its way to vLLM before anything else is done
+            await self._started()
         outcome = await self._relay(upstream)
         await upstream.done.wait()
         return outcome
+
+    async def _started(self) -> None:
+        """What the first attempt needs, off its critical path: lease renewals (the claim just
+        renewed it, so the first one is a third of the TTL away), the role chunk, and for
+        ``loop_retry`` the credit of a first attempt to the project's retry budget."""
+        assert self.keeper is not None
+        self.keeper.__enter__()
+        self.keeper_running = True
+        if self.req.stream:
+            await self._write(self.chunks.role())
+        if self.req.loop_retry:
+            await self.gw.run(self.gw.retry_budget(self.caller.project).first_attempt)
 
     async def _retry_loop(self, error: FleetError, attempt: int) -> bool:
         """Whether a failed attempt is retried: only a loop cut, only when the client asked for it
