@@ -278,12 +278,14 @@ class _Session:
     async def _relay(self, upstream: UpstreamStream) -> Finished | Failed:
         keepalive_s = self.gw.live.settings.gateway.keepalive_s
         while True:
-            try:
-                item = await asyncio.wait_for(upstream.queue.get(), keepalive_s)
-            except TimeoutError:  # reasoning held back (loop_retry): the client still hears us
-                if self.req.stream:
+            if not (self.req.stream and self.req.loop_retry and not self.sent_deltas):
+                item = await upstream.queue.get()
+            else:  # reasoning held back: keep-alives meanwhile, so the client still hears us
+                try:
+                    item = await asyncio.wait_for(upstream.queue.get(), keepalive_s)
+                except TimeoutError:
                     await self._write(KEEPALIVE)
-                continue
+                    continue
             if not isinstance(item, Delta):
                 if isinstance(item, Failed) and item.partial is not None:
                     self.result = item.partial
