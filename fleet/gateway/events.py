@@ -27,6 +27,7 @@ Redis Cluster (fleet/core/keys.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -87,7 +88,8 @@ class EventHub:
                         follower.queue.put_nowait(entries)
 
     async def close(self) -> None:
-        await self._waker.delete(self._wake_key)
+        with contextlib.suppress(redis.RedisError):  # else it expires after a day
+            await self._waker.delete(self._wake_key)
         await self._reader.aclose()
         await self._waker.aclose()
 
