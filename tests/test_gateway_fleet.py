@@ -304,3 +304,25 @@ def test_a_cancelled_batch_ends_cancelled_with_every_line_answered(
     assert done.output_file_id
     out = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
     assert [(row["custom_id"], row["code"]) for row in out] == [("long", "E_CANCELLED")]
+
+
+def test_loop_retry_holds_the_reasoning_back_until_the_answer_with_keepalives_meanwhile(
+    fleet: tuple[Harness, dict[str, str]],
+) -> None:
+    """The reasoning pauses (``stall``: a simulated minute, over a second here, longer than
+    ``keepalive_s``): the client hears keep-alives, then the held reasoning in one delta right
+    before the answer's first."""
+    harness, keys = fleet
+    body = {"model": "local", "stream": True, "loop_retry": True, "messages": [
+        {"role": "user", "content": f"Hold {uuid.uuid4().hex}. [sim:think=40] [sim:answer=8] [sim:stall=90]"}]}
+    with httpx.stream("POST", f"{base_url(harness)}/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {keys['triage']}"}) as response:
+        lines = [line for line in response.iter_lines() if line]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines
+              if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
+    with_reasoning = [n for n, d in enumerate(deltas) if d.get("reasoning")]
+    with_content = [n for n, d in enumerate(deltas) if d.get("content")]
+    assert len(with_reasoning) == 1 and with_content and with_reasoning[0] + 1 == with_content[0]
+    first_reasoning = next(n for n, line in enumerate(lines) if '"reasoning"' in line)
+    assert ": keep-alive" in lines[:first_reasoning]
