@@ -109,9 +109,11 @@ def test_fleet_up_and_its_processes_never_log_the_broker_password(tmp_path: Path
         process = subprocess.Popen(fleet_cmd("up", "--speed", "50"), env=env, stdout=output,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        # the banner, and the worker's Celery banner and "Connected to" line through its prefix
-        wait_until(lambda: "Connected to" in out.read_text() or process.poll() is not None, 180,
-                   "the worker to connect")
+        # the banner, and the worker's Celery banner and "Connected to" line through its prefix;
+        # ``fleet up`` prints its banner once every child is up (the gateway answering /health
+        # included), which can be after the worker connected
+        wait_until(lambda: ("Connected to" in (text := out.read_text()) and "broker  " in text)
+                   or process.poll() is not None, 180, "the worker to connect and the banner")
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 0, out.read_text()
     finally:
