@@ -66,9 +66,12 @@ def admit_all(
     send: Callable[[Grant], None],
     now: float,
     metrics: DispatcherMetrics | None = None,
+    until: Callable[[Grant], bool] | None = None,
 ) -> AdmitResult:
     """Admit while the store grants; returns the round's final (holding) result, or
-    ``AdmitResult(None, "send_failed")`` after a grant that could not be sent (it is requeued)."""
+    ``AdmitResult(None, "send_failed")`` after a grant that could not be sent (it is requeued).
+    ``until``: stop after the grant it is true for (the gateway's round stops at its own request's
+    grant and leaves the rest to the dispatchers, which the submission woke)."""
     while True:
         result = store.admit_next(now)
         grant = result.grant
@@ -94,6 +97,8 @@ def admit_all(
         except Exception:  # a bug in send: same handling, with the traceback
             log.exception("sending %s failed; back in line", grant.job_id)
             return _requeue(store, grant)
+        if until is not None and until(grant):
+            return result
 
 
 def _requeue(store: AdmissionStore, grant: Grant) -> AdmitResult:

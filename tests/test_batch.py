@@ -1,6 +1,6 @@
 import json
 
-from fleet.cli.batchfile import (
+from fleet.core.batchfile import (
     BatchLine,
     ResultMatcher,
     batch_tag,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.cli.batchfile import jsonl_lines
+from fleet.core.batchfile import jsonl_lines
 from fleet.core.codes import Code
 from fleet.core.errors import InputInvalid
 from fleet.core.models import Job

@@ -4,6 +4,7 @@ and the test holds that one slot, so nothing the gateway enqueues is ever admitt
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -19,7 +20,11 @@ import pytest
 import redis
 
 from fleet.core.apikeys import mint
+from fleet.core.codes import Code
 from fleet.core.config import load_settings
+from fleet.core.keys import Keys
+from fleet.core.models import Envelope
+from fleet.core.results import ResultStore
 from schedulers.store import make_store
 from schedulers.store.base import PendingItem
 
@@ -39,7 +44,8 @@ def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Door]:
         tmp_path_factory.mktemp("gateway-door"),
         # nothing listens on the backend: token counts are estimates
         backend={"url": "http://127.0.0.1:9", "max_num_seqs": 1},
-        gateway={"max_queue_wait_s": MAX_WAIT_S, "keepalive_s": 0.2, "reload_check_s": 0.05},
+        gateway={"max_queue_wait_s": MAX_WAIT_S, "keepalive_s": 0.2, "reload_check_s": 0.05,
+                 "max_file_bytes": 4000, "max_files": 3, "max_batch_lines": 5, "max_batches": 2},
         admission={"lease_ttl_s": 3600, "backend_gate": False},
     )
     settings = load_settings(config, env={})
@@ -197,3 +203,103 @@ def test_a_project_sees_only_its_own_tasks(door: Door) -> None:
     assert cancelled.json()["cancelled"] is True
     after = call("GET", f"/v1/tasks/{task_id}", "reports").json()
     assert after["envelope"] is None and after["status"] == "submitted"
+
+
+FOLLOWERS = 200
+
+
+def test_two_hundred_task_event_followers_share_one_reader(door: Door) -> None:
+    """More followers than redis-py's pool has connections (100): each gets its task's events
+    through the one shared reader, and the gateway still answers other requests meanwhile."""
+    url, config, keys, _process = door
+    headers = {"Authorization": f"Bearer {keys['translate']}"}
+    task_ids = [httpx.post(f"{url}/v1/tasks", headers=headers, timeout=30, json={
+        "messages": [{"role": "user", "content": f"follow me {n}"}]}).json()["id"] for n in range(5)]
+
+    async def follow(client: httpx.AsyncClient, task_id: str, started: asyncio.Queue[str]
+                     ) -> list[str]:
+        kinds: list[str] = []
+        async with client.stream("GET", f"{url}/v1/tasks/{task_id}/events", headers=headers) as events:
+            assert events.status_code == 200
+            async for line in events.aiter_lines():
+                if line.startswith("event: "):
+                    kinds.append(line.removeprefix("event: "))
+                    if len(kinds) == 1:
+                        started.put_nowait(task_id)
+        return kinds
+
+    async def crowd() -> tuple[list[list[str]], int]:
+        started: asyncio.Queue[str] = asyncio.Queue()
+        limits = httpx.Limits(max_connections=FOLLOWERS + 10)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            followers = [asyncio.create_task(follow(client, task_ids[n % len(task_ids)], started))
+                         for n in range(FOLLOWERS)]
+            for _ in range(FOLLOWERS):  # every follower has had its first event: all are attached
+                await asyncio.wait_for(started.get(), 120)
+            status = (await client.get(f"{url}/v1/tasks/{task_ids[0]}", headers=headers)).status_code
+            settings = load_settings(config, env={})
+            results = ResultStore(redis.Redis.from_url(TEST_REDIS_URL), Keys(settings.key_prefix), settings)
+            for task_id in task_ids:
+                results.publish(Envelope.failure(task_id, "translate", Code.E_CANCELLED, "test over"))
+            return await asyncio.wait_for(asyncio.gather(*followers), 120), status
+
+    seen, status = asyncio.run(crowd())
+    assert status == 200
+    assert len(seen) == FOLLOWERS
+    assert all(kinds[-1] == "final" and len(kinds) >= 2 for kinds in seen)
+
+
+def batch_file(n: int) -> bytes:
+    return "".join(json.dumps({"custom_id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
+                   for i in range(n)).encode()
+
+
+def test_a_project_sees_only_its_own_files_and_batches(door: Door) -> None:
+    url, _config, keys, _process = door
+    mine = openai.OpenAI(base_url=f"{url}/v1", api_key=keys["translate"], max_retries=0)
+    theirs = openai.OpenAI(base_url=f"{url}/v1", api_key=keys["assistant"], max_retries=0)
+    uploaded = mine.files.create(file=("in.jsonl", batch_file(2)), purpose="batch")
+    batch = mine.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                completion_window="24h")
+    assert mine.batches.retrieve(batch.id).status == "in_progress"  # no workers here
+    for call in (lambda: theirs.files.retrieve(uploaded.id), lambda: theirs.files.content(uploaded.id),
+                 lambda: theirs.files.delete(uploaded.id), lambda: theirs.batches.retrieve(batch.id),
+                 lambda: theirs.batches.cancel(batch.id),
+                 lambda: theirs.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                               completion_window="24h")):
+        with pytest.raises(openai.NotFoundError) as caught:
+            call()
+        assert caught.value.code == "E_NOT_FOUND"
+    assert uploaded.id not in [f.id for f in theirs.files.list()]
+    assert batch.id not in [b.id for b in theirs.batches.list()]
+    assert mine.files.retrieve(uploaded.id).id == uploaded.id  # still there for its owner
+    assert mine.files.delete(uploaded.id).deleted
+
+
+def test_files_and_batches_have_size_line_and_count_caps_with_codes(door: Door) -> None:
+    url, _config, keys, _process = door
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=keys["triage"], max_retries=0)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.files.create(file=("big.jsonl", b"x" * 5000), purpose="batch")
+    assert caught.value.status_code == 413 and caught.value.code == "E_TOO_LARGE"
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.files.create(file=("long.jsonl", batch_file(6)), purpose="batch")
+    assert caught.value.status_code == 413 and "max_batch_lines" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.files.create(file=("in.jsonl", batch_file(1)), purpose="fine-tune")
+    assert caught.value.code == "E_INPUT_INVALID" and "purpose" in caught.value.message
+    files = [client.files.create(file=("in.jsonl", batch_file(1)), purpose="batch") for _ in range(3)]
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.files.create(file=("in.jsonl", batch_file(1)), purpose="batch")
+    assert caught.value.status_code == 413 and "max_files" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.batches.create(input_file_id=files[0].id, endpoint="/v1/embeddings",  # type: ignore[arg-type]
+                              completion_window="24h")
+    assert caught.value.code == "E_INPUT_INVALID"
+    for _ in range(2):
+        client.batches.create(input_file_id=files[0].id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.batches.create(input_file_id=files[0].id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+    assert caught.value.status_code == 413 and "max_batches" in caught.value.message

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -192,6 +193,38 @@ def test_a_looping_stream_is_cut_with_a_coded_error_event(
     wait_until(lambda: probe.snapshot().in_flight == 0, 30, "the lease to be released")
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_asked_for_it_gets_a_loop_retried_transparently(
+    fleet: tuple[Harness, dict[str, str]], probe: FleetProbe, stream: bool,
+) -> None:
+    """``loop_retry``: the first attempt loops (``/1``: only the first request with this message),
+    the gateway cuts it before any delta reached the client and tries again with a new seed."""
+    text = f"Reconcile ledger {uuid.uuid4().hex}. [sim:loop/1] [sim:think=30] [sim:answer=8]"
+    client = sdk(fleet, "research")
+    args = {"model": "local", "messages": [{"role": "user", "content": text}],
+            "extra_body": {"loop_retry": True}}
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        completion_id = chunks[0].id
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning") or ""
+                            for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        answer = client.chat.completions.create(**args)
+        completion_id, content = answer.id, answer.choices[0].message.content or ""
+        reasoning = (answer.choices[0].message.model_extra or {}).get("reasoning") or ""
+        finish = [answer.choices[0].finish_reason]
+    assert content and finish == ["stop"]
+    sent = probe.sim_requests(completion_id.removeprefix("chatcmpl-"))
+    assert [b["request_id"].rsplit("-", 1)[1] for b in sent] == ["1", "2"]
+    assert sent[0].get("seed") != sent[1].get("seed")
+    # The client saw only the second attempt's reasoning: no looping paragraph repeated.
+    paragraphs = [p for p in reasoning.split("\n\n") if p.strip()]
+    assert len(paragraphs) == len(set(paragraphs))
+    wait_until(lambda: probe.snapshot().in_flight == 0, 30, "the lease to be released")
+
+
 def test_a_task_over_http_ends_with_its_envelope(fleet: tuple[Harness, dict[str, str]]) -> None:
     harness, keys = fleet
     headers = {"Authorization": f"Bearer {keys['reports']}"}
@@ -222,3 +255,74 @@ def test_gateway_metrics_count_requests_by_project_and_code(
     text = httpx.get(f"http://127.0.0.1:{harness.settings.gateway.port}/metrics", timeout=10).text
     assert 'fleet_gateway_requests_total{code="OK",project="assistant"}' in text
     assert 'fleet_gateway_ttft_seconds_count{project="reports"}' in text
+
+
+def test_an_openai_batch_through_the_sdk_end_to_end(fleet: tuple[Harness, dict[str, str]]) -> None:
+    """files.create -> batches.create -> batches.retrieve until done -> files.content: the output
+    has one line per input line in input order, in the lines ``fleet batch`` writes."""
+    client = sdk(fleet, "reports")
+    lines = [
+        {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "local", "messages": [{"role": "user", "content": "One. [sim:think=20] [sim:answer=5]"}]}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": "nope"}},
+        {"custom_id": "c", "messages": [{"role": "user", "content": "Two. [sim:think=20] [sim:answer=5]"}]},
+    ]
+    text = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = client.files.create(file=("in.jsonl", text), purpose="batch")
+    assert uploaded.bytes == len(text) and uploaded.purpose == "batch"
+    assert client.files.content(uploaded.id).read() == text
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"run": "test"})
+    assert batch.request_counts is not None and batch.request_counts.total == 3
+    done = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
+                      120, "the batch to complete", every_s=0.2)
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    assert done.metadata == {"run": "test"} and done.output_file_id
+    out = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+    assert [row["custom_id"] for row in out] == ["a", "bad", "c"]
+    assert [row["code"] for row in out] == ["OK", "E_INPUT_INVALID", "OK"]
+    assert out[0]["response"]["body"]["choices"][0]["message"]["content"]
+    assert out[1]["response"] is None and "line 2" in out[1]["error"]["message"]
+    assert batch.id in [b.id for b in client.batches.list()]
+    assert {uploaded.id, done.output_file_id} <= {f.id for f in client.files.list()}
+
+
+def test_a_cancelled_batch_ends_cancelled_with_every_line_answered(
+    fleet: tuple[Harness, dict[str, str]],
+) -> None:
+    client = sdk(fleet, "triage")
+    line = {"custom_id": "long", "thinking_budget": 30000,
+            "messages": [{"role": "user", "content": "Think long. [sim:think=30000]"}]}
+    uploaded = client.files.create(file=("in.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    # cancelled at once when its job had not started yet (a cancel of a queued job is final at once)
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    done = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status == "cancelled" and b,
+                      120, "the batch to be cancelled", every_s=0.2)
+    assert done.output_file_id
+    out = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
+    assert [(row["custom_id"], row["code"]) for row in out] == [("long", "E_CANCELLED")]
+
+
+def test_loop_retry_holds_the_reasoning_back_until_the_answer_with_keepalives_meanwhile(
+    fleet: tuple[Harness, dict[str, str]],
+) -> None:
+    """The reasoning pauses (``stall``: a simulated minute, over a second here, longer than
+    ``keepalive_s``): the client hears keep-alives, then the held reasoning in one delta right
+    before the answer's first."""
+    harness, keys = fleet
+    body = {"model": "local", "stream": True, "loop_retry": True, "messages": [
+        {"role": "user", "content": f"Hold {uuid.uuid4().hex}. [sim:think=40] [sim:answer=8] [sim:stall=90]"}]}
+    with httpx.stream("POST", f"{base_url(harness)}/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {keys['triage']}"}) as response:
+        lines = [line for line in response.iter_lines() if line]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines
+              if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
+    with_reasoning = [n for n, d in enumerate(deltas) if d.get("reasoning")]
+    with_content = [n for n, d in enumerate(deltas) if d.get("content")]
+    assert len(with_reasoning) == 1 and with_content and with_reasoning[0] + 1 == with_content[0]
+    first_reasoning = next(n for n, line in enumerate(lines) if '"reasoning"' in line)
+    assert ": keep-alive" in lines[:first_reasoning]

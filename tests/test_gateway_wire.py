@@ -18,13 +18,34 @@ def body(**extra: object) -> bytes:
 @pytest.mark.parametrize(("extra", "named"), [
     ({"n": 2}, "n"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ({"logprobs": True}, "logprobs"),
+    ({"store": True}, "store"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"temprature": 1}, "temprature"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"temperature": 3}, "temperature"),
 ])
 def test_a_request_the_gateway_cannot_honour_is_refused_naming_the_field(extra: dict, named: str) -> None:
     with pytest.raises(InputInvalid, match=named.replace(".", r"\.")):
         parse_chat(body(**extra))
+
+
+def test_what_an_openai_client_sends_by_default_is_accepted() -> None:
+    """The fields SDKs and editor plug-ins send unasked: neutral values and hints pass, and
+    what vLLM honours goes through."""
+    req = parse_chat(body(logprobs=False, top_logprobs=0, store=False, modalities=["text"], audio=None,
+                          metadata={"trace": "x"}, user="me", service_tier="auto", n=1,
+                          prompt_cache_key="k", logit_bias={"11": -100}, reasoning_effort="low"))
+    assert req.passthrough() == {"logit_bias": {"11": -100}, "reasoning_effort": "low"}
+
+
+def test_a_refused_field_is_named_in_the_error_bodys_param() -> None:
+    with pytest.raises(InputInvalid) as caught:
+        parse_chat(body(logprobs=True))
+    assert caught.value.param == "logprobs"
+    assert "log probabilities" in caught.value.message and "false" in caught.value.message
+    assert error_body(caught.value.code, caught.value.message, caught.value.param)["error"]["param"] == "logprobs"
 
 
 def test_untrusted_flags_and_sampling_fields_are_kept() -> None:

@@ -20,8 +20,9 @@ import pytest
 from fleet.core.codes import Code
 from fleet.core.config import TimeoutSettings
 from fleet.core.errors import FleetError
+from fleet.infer import vllm
 from fleet.infer.sse import SseEvent, SseParser
-from fleet.infer.vllm import Delta, VllmClient
+from fleet.infer.vllm import Cancel, Delta, VllmClient
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -407,6 +408,28 @@ def test_cancel_wakes_a_blocked_read_and_closes_the_connection() -> None:
                                  on_delta=on_delta))
     assert got is Code.E_CANCELLED
     assert server.closed_by_client.wait(5)
+
+
+def test_a_cancel_event_ends_a_blocked_read_at_once_not_at_the_slice_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With slices of a minute, only the ``Cancel`` hook can end the read within the bound."""
+    monkeypatch.setattr(vllm, "READ_SLICE_S", 60.0)
+    server = ScriptedServer([("send", HEAD), ("send", event_bytes(delta(reasoning="a"))),
+                             ("wait", 60)])
+    cancel = Cancel()
+    result: list[Code | None] = []
+
+    def on_delta(d: Delta) -> None:
+        if d.reasoning:
+            threading.Timer(0.2, cancel.set).start()
+
+    thread = threading.Thread(target=lambda: result.append(code_of(lambda: run(
+        server.client(first_token_s=600, idle_s=600), cancel=cancel, on_delta=on_delta))[0]))
+    thread.start()
+    assert server.closed_by_client.wait(10)
+    thread.join(10)
+    assert result == [Code.E_CANCELLED]
 
 
 def test_connection_refused_is_unavailable() -> None:

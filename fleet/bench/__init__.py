@@ -185,14 +185,20 @@ def gateway(
     speed: Annotated[float, typer.Option(help="simulator speed")] = 20.0,
     think: Annotated[int, typer.Option(help="reasoning tokens per request")] = 40,
     answer: Annotated[int, typer.Option(help="answer tokens per request")] = 20,
+    disconnects: Annotated[int, typer.Option(help="streaming clients that hang up (time to a free slot)")] = 20,
+    estimate_prompts: Annotated[bool, typer.Option(help="gateway.exact_prompt_count = false")] = False,
+    litellm: Annotated[str | None, typer.Option(help="a litellm executable: its proxy as a peer path")] = None,
     redis_url: Annotated[str, typer.Option(help="Redis for the fleet")] = BENCH_REDIS,
 ) -> None:
-    """Latency the gateway adds next to the same requests straight to the simulator; many
-    concurrent streams at the cap (backend never over it, gateway CPU per 1,000 tokens)."""
+    """Latency the gateway adds next to the same requests straight to the simulator (and LiteLLM's
+    proxy's, given one); the time a hung-up stream's slot takes to be free; many concurrent
+    streams at the cap (backend never over it, gateway CPU per 1,000 tokens)."""
     from fleet.bench.gateway import bench_gateway
 
     with _redis_url(redis_url) as broker:
-        table, crowd = bench_gateway(broker.url, requests, clients, cap, speed, think, answer)
+        table, crowd = bench_gateway(broker.url, requests, clients, cap, speed, think, answer,
+                                     disconnects=disconnects, exact_count=not estimate_prompts,
+                                     litellm=litellm)
     console.print(table)
     console.print(crowd)
 

@@ -2,7 +2,7 @@
 
 Order of work: the project is checked before the file is read; a file whose ``custom_id``s are not
 unique is refused whole (results are matched by it); each line gets a job id of its own derived
-from the file and its custom_id (fleet/cli/batchfile.py), so the same file always names the same
+from the file and its custom_id (fleet/core/batchfile.py), so the same file always names the same
 jobs.
 
 ``--out`` is written as results arrive, one line each, flushed at once: a client that dies keeps
@@ -25,7 +25,8 @@ from typing import IO, Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fleet.cli.batchfile import (
+from fleet.client import Client
+from fleet.core.batchfile import (
     BatchLine,
     ResultMatcher,
     batch_tag,
@@ -34,7 +35,6 @@ from fleet.cli.batchfile import (
     output_line,
     parse_lines,
 )
-from fleet.client import Client
 from fleet.core.codes import Code
 from fleet.core.errors import BrokerUnavailable, FleetError, InputInvalid
 from fleet.core.keys import job_ref

@@ -25,6 +25,7 @@ class Code(StrEnum):
     E_PROMPT_TOO_LONG = "E_PROMPT_TOO_LONG"
     E_COLLECT_FAILED = "E_COLLECT_FAILED"
     E_NOT_FOUND = "E_NOT_FOUND"
+    E_TOO_LARGE = "E_TOO_LARGE"
     E_THINK_LOOP = "E_THINK_LOOP"
     E_EMPTY_ANSWER = "E_EMPTY_ANSWER"
     E_OUTPUT_INVALID = "E_OUTPUT_INVALID"
@@ -96,8 +97,11 @@ CATALOGUE: dict[Code, CodeInfo] = {
     ),
     Code.E_NOT_FOUND: CodeInfo(
         104, False, "No such job in its project (never submitted, or its record expired after "
-        "result_ttl_s or was lost with the broker's data), or the gateway has no such task, model "
-        "or route for this key's project."
+        "result_ttl_s or was lost with the broker's data), or the gateway has no such task, file, "
+        "batch, model or route for this key's project."
+    ),
+    Code.E_TOO_LARGE: CodeInfo(
+        105, False, "A gateway file or batch is over the size, line or per-project count limit (413)."
     ),
     Code.E_THINK_LOOP: CodeInfo(
         200, True, "The reasoning looped or stalled on every attempt; no answer was produced."

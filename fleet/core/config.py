@@ -303,6 +303,19 @@ class GatewaySettings(_Section):
     """Also send reasoning as ``reasoning_content``, for clients that expect vLLM's old name."""
     reload_check_s: float = Field(1.0, gt=0)
     """How often the config file's mtime is checked for new API keys (SIGHUP reloads at once)."""
+    exact_prompt_count: bool = True
+    """Count each chat prompt with the backend's ``/tokenize`` (cached by content) as prep does;
+    false: the character estimate, one backend round trip less per new prompt (docs/gateway.md)."""
+    files_ttl_s: int = Field(86_400, gt=0)
+    """Uploaded files (/v1/files), batches and their output files are kept this long in Redis."""
+    max_file_bytes: int = Field(20_000_000, gt=0)
+    """Largest file a project may upload (413 ``E_TOO_LARGE`` above)."""
+    max_files: int = Field(100, gt=0)
+    """Uploaded files a project may hold at once (within ``files_ttl_s``)."""
+    max_batch_lines: int = Field(10_000, gt=0)
+    """Most request lines in one batch's input file."""
+    max_batches: int = Field(100, gt=0)
+    """Batches a project may create within ``files_ttl_s``."""
 
 
 class RedisSettings(_Section):

@@ -39,9 +39,10 @@ from fleet.core.codes import Code
 class FleetError(Exception):
     code: Code = Code.E_INTERNAL
 
-    def __init__(self, message: str, *, code: Code | None = None) -> None:
+    def __init__(self, message: str, *, code: Code | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.param = param  # the request field at fault, when there is one (an HTTP error's param)
         if code is not None:
             self.code = code
 
@@ -73,6 +74,10 @@ class JobError(FleetError):
 
 class InputInvalid(JobError):
     code = Code.E_INPUT_INVALID
+
+
+class TooLarge(JobError):
+    code = Code.E_TOO_LARGE
 
 
 class AuthError(JobError):

@@ -60,6 +60,15 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                                      requests, pushed by the dispatcher instead of a Celery task when
                                      the job hash has origin=gateway and gateway=<its id>; TTL
                                      lease_ttl_s; the gateway BLPOPs it (fleet/gateway/admission.py)
+  {p}gwfile:{<project>/<file>} hash  an OpenAI file of the project (/v1/files): meta (the file
+                                     object, JSON), content (the bytes); TTL gateway.files_ttl_s
+  {p}gwfiles:<project>        zset   the project's file ids, score = created_at (listing, count cap)
+  {p}gwbatch:{<project>/<batch>} hash a batch of the project (/v1/batches): meta (the batch object),
+                                     lines (line number, custom id, error, job id); TTL files_ttl_s
+  {p}gwbatches:<project>      zset   the project's batch ids, score = created_at
+  {p}gwwake:<gateway>         stream one entry, added when a task-event follower joins, to wake the
+                                     gateway's one XREAD over all followed events streams
+                                     (fleet/gateway/events.py); TTL a day, deleted on shutdown
 
 Broker (kombu, fleet/worker/app.py)
   {p}q:*                      Celery's queues, unacked sets and bindings (kombu global_keyprefix)
@@ -168,6 +177,21 @@ class Keys:
 
     def gateway_grants(self, gateway: str) -> str:
         return f"{self.prefix}gwgrants:{gateway}"
+
+    def gateway_file(self, ref: str) -> str:
+        return f"{self.prefix}gwfile:{{{ref}}}"
+
+    def gateway_files(self, project: str) -> str:
+        return f"{self.prefix}gwfiles:{project}"
+
+    def gateway_batch(self, ref: str) -> str:
+        return f"{self.prefix}gwbatch:{{{ref}}}"
+
+    def gateway_batches(self, project: str) -> str:
+        return f"{self.prefix}gwbatches:{project}"
+
+    def gateway_wake(self, gateway: str) -> str:
+        return f"{self.prefix}gwwake:{gateway}"
 
     @property
     def code_counts(self) -> str:

@@ -6,6 +6,7 @@ without a Celery client (docs/gateway.md).
     admission.py   pending item + grant handed over by the dispatcher; lease claim and release
     upstream.py    one stream from vLLM on its own thread, with the loop watcher
     chat.py        POST /v1/chat/completions from key to released lease
-    tasks.py       fleet jobs over HTTP (/v1/tasks)
+    tasks.py       fleet jobs over HTTP (/v1/tasks); events.py one shared reader for their events
+    batches.py     OpenAI batches (/v1/files, /v1/batches) onto fleet jobs; files.py their storage
     metrics.py     Prometheus figures; app.py the ASGI app; server.py ``fleet gateway``
 """

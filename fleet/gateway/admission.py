@@ -8,7 +8,11 @@ Design: the dispatchers stay the only ones that admit. The gateway
      its key says ``batch``, and a ``deadline`` a little past ``gateway.max_queue_wait_s``;
   3. runs one admission round itself, as a dispatcher would (``admit_all`` with the
      dispatcher's own ``send``), so on a fleet with room the request is admitted without waiting
-     for a dispatcher process to wake; then
+     for a dispatcher process to wake. A grant of this process's own waiting requests does not
+     take the detour through Redis (job hash lookup, list push, the listener's pop): it goes
+     straight to its request's future, and the request that ran the round claims its own lease
+     in the same call (the grant comes marked ``claimed``), so on a fleet with room the whole
+     enqueue-admit-claim is one trip off the event loop; else
   4. waits for its grant on a future that this process's one listener resolves.
 
 The admission (the one atomic Lua script) picks it by fair share like any job, counts it against
@@ -89,6 +93,7 @@ class Admission:
         self.gateway_id = uuid.uuid4().hex[:16]
         self.owner = f"gateway-{self.gateway_id}"
         self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._deliveries: set[asyncio.Future[None]] = set()
 
     # -- the listener -----------------------------------------------------------------------
     async def listen(self) -> None:
@@ -116,7 +121,19 @@ class Admission:
     async def enqueue(self, job_id: str, project: str, band: Band, prompt_tokens: int,
                       max_tokens: int, max_wait_s: float) -> float:
         now = time.time()
-        self._waiting[job_id] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = self._waiting[job_id] = loop.create_future()
+
+        def send(grant: Grant) -> None:
+            """The round's send: this process's own requests get their grant directly."""
+            if grant.job_id not in self._waiting:
+                self.send(grant)  # type: ignore[misc]
+            elif grant.job_id != job_id:
+                loop.call_soon_threadsafe(self._deliver_soon, _grant_dict(grant))
+            else:  # the request that runs the round: claim its lease right here
+                claimed = self.store.claim(job_id, grant.fence, self.owner, time.time())
+                own = {**_grant_dict(grant), "claimed": claimed}
+                loop.call_soon_threadsafe(_resolve, waiter, own)
 
         def add() -> None:
             self.results.record(job_id, state="pending", submitted_at=now, **sealed(
@@ -127,7 +144,7 @@ class Admission:
                 max_new_tokens=max_tokens, band=band, enqueued_at=now,
                 deadline=now + max_wait_s + DEADLINE_MARGIN_S))
             if self.send is not None:
-                admit_all(self.store, self.send, time.time())
+                admit_all(self.store, send, time.time(), until=lambda grant: grant.job_id == job_id)
 
         try:
             await self.run(add)
@@ -135,6 +152,11 @@ class Admission:
             self._waiting.pop(job_id, None)
             raise
         return now
+
+    def _deliver_soon(self, grant: dict[str, Any]) -> None:
+        task = asyncio.ensure_future(self._deliver(grant))
+        self._deliveries.add(task)
+        task.add_done_callback(self._deliveries.discard)
 
     async def next_grant(self, job_id: str, timeout_s: float, stop: asyncio.Event | None = None
                          ) -> dict[str, Any] | None:
@@ -167,7 +189,9 @@ class Admission:
                     enqueued_at: float) -> Ticket:
         self.forget(job_id)
         fence = int(grant["fence"])
-        if not await self.run(self.store.claim, job_id, fence, self.owner, time.time()):
+        claimed = grant["claimed"] if "claimed" in grant else await self.run(
+            self.store.claim, job_id, fence, self.owner, time.time())
+        if not claimed:
             raise UpstreamUnavailable("the admission lease expired before the gateway claimed it")
         return Ticket(job_id, project, fence, time.time() - enqueued_at)
 
@@ -181,3 +205,14 @@ class Admission:
     @staticmethod
     def timeout_error(max_wait_s: float) -> QueueTimeout:
         return QueueTimeout(f"not admitted within {max_wait_s:g} s: the fleet is busy; try again")
+
+
+def _grant_dict(grant: Grant) -> dict[str, Any]:
+    """A grant as the listener gets it from the list (fleet/worker/dispatch.py ``hand_to_gateway``)."""
+    return {"job_id": grant.job_id, "fence": grant.fence,
+            "lease_expires_at": grant.lease_expires_at, "waited_s": grant.waited_s}
+
+
+def _resolve(waiter: asyncio.Future[dict[str, Any]], grant: dict[str, Any]) -> None:
+    if not waiter.done():
+        waiter.set_result(grant)

@@ -1,7 +1,8 @@
 """The gateway's ASGI app and what one gateway process holds (``Gateway``).
 
 Routes: ``POST /v1/chat/completions`` (fleet/gateway/chat.py), ``GET /v1/models``, the task routes
-of fleet/gateway/tasks.py, ``GET /health`` and ``GET /metrics`` (no key needed for those two).
+of fleet/gateway/tasks.py, the file and batch routes of fleet/gateway/batches.py, ``GET /health``
+and ``GET /metrics`` (no key needed for those two).
 Every other route and method answers vLLM's error body with a code, never Starlette's HTML page.
 
 ``Gateway.build_body`` turns a chat request into the body the fleet would send for the same job
@@ -37,14 +38,18 @@ from fleet.core.redisconn import async_redis_client
 from fleet.core.request import build_request_messages, tools_allowed
 from fleet.gateway.admission import Admission
 from fleet.gateway.auth import Caller, LiveSettings
+from fleet.gateway.batches import BatchRoutes
 from fleet.gateway.chat import ChatCompletions
+from fleet.gateway.events import EventHub
 from fleet.gateway.metrics import GatewayMetrics
 from fleet.gateway.tasks import TaskRoutes
 from fleet.gateway.wire import ChatRequest, error_body, status_of
 from fleet.infer.attempts import DEFAULT_TEMPERATURE
 from fleet.infer.budget import plan as plan_budget
+from fleet.infer.retrying import RetryBudget
 from fleet.infer.validate import response_format
 from fleet.prep.prepare import prepare
+from fleet.prep.tokens import TokenCounter
 from fleet.worker.app import create_app as create_celery_app
 from fleet.worker.dispatch import make_send
 from fleet.worker.runtime import Runtime
@@ -68,16 +73,28 @@ class Gateway:
                                    self.runtime.keys, self.run, send)
         self.metrics = GatewayMetrics()
         self.client = Client(settings, redis_client=self.runtime.redis)
+        self._budgets: dict[str, RetryBudget] = {}
+        # An empty base URL makes an estimate-only counter (fleet/prep/tokens.py).
+        self.counter = self.runtime.counter if settings.gateway.exact_prompt_count else TokenCounter(
+            "", settings.backend.model, None, self.runtime.keys)
+        self.events = EventHub(settings.broker_url, self.runtime.keys, self.admission.gateway_id)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A blocking call (Redis, /tokenize) off the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
+    def retry_budget(self, project: str) -> RetryBudget:
+        if project not in self._budgets:
+            self._budgets[project] = RetryBudget(self.runtime.redis, self.runtime.keys, project,
+                                                 self.live.settings.retry.budget_ratio)
+        return self._budgets[project]
+
     def caller(self, authorization: str | None) -> Caller:
         return self.live.current().caller(authorization)
 
     async def close(self) -> None:
+        await self.events.close()
         await self.aredis.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.vllm.close()
@@ -87,7 +104,7 @@ class Gateway:
         settings, project, rt = self.live.settings, caller.settings, self.runtime
         job = req.to_job(job_id, caller.project, caller.band).model_copy(update={"allow_trim": False})
         first = plan_budget(job, project, settings, 0)
-        prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, rt.counter)
+        prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, self.counter)
         plan = plan_budget(job, project, settings, prepared.prompt_tokens)
         ready = job.model_copy(update={"messages": prepared.messages})
         messages, _ = build_request_messages(ready, prepared.fence_tag)
@@ -106,7 +123,7 @@ class Gateway:
 
 
 def _error(exc: FleetError) -> JSONResponse:
-    return JSONResponse(error_body(exc.code, exc.message), status_code=status_of(exc.code))
+    return JSONResponse(error_body(exc.code, exc.message, exc.param), status_code=status_of(exc.code))
 
 
 def _authed(gw: Gateway, handler: Callable[[Request, Caller], Awaitable[Response]]
@@ -122,6 +139,7 @@ def _authed(gw: Gateway, handler: Callable[[Request, Caller], Awaitable[Response
 
 def _routes(gw: Gateway) -> list[Route | Mount]:
     tasks = TaskRoutes(gw)
+    batches = BatchRoutes(gw)
 
     async def models(request: Request, caller: Caller) -> Response:
         backend = gw.live.settings.backend
@@ -142,6 +160,15 @@ def _routes(gw: Gateway) -> list[Route | Mount]:
         Route("/v1/tasks/{task_id}", _authed(gw, tasks.get), methods=["GET"]),
         Route("/v1/tasks/{task_id}", _authed(gw, tasks.cancel), methods=["DELETE"]),
         Route("/v1/tasks/{task_id}/events", _authed(gw, tasks.events), methods=["GET"]),
+        Route("/v1/files", _authed(gw, batches.upload), methods=["POST"]),
+        Route("/v1/files", _authed(gw, batches.list_files), methods=["GET"]),
+        Route("/v1/files/{file_id}", _authed(gw, batches.file), methods=["GET"]),
+        Route("/v1/files/{file_id}", _authed(gw, batches.delete_file), methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", _authed(gw, batches.content), methods=["GET"]),
+        Route("/v1/batches", _authed(gw, batches.create), methods=["POST"]),
+        Route("/v1/batches", _authed(gw, batches.list_batches), methods=["GET"]),
+        Route("/v1/batches/{batch_id}", _authed(gw, batches.get), methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", _authed(gw, batches.cancel), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
@@ -164,11 +191,13 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 def create_app(gw: Gateway) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        listener = asyncio.create_task(gw.admission.listen(), name="grant-listener")
+        tasks = [asyncio.create_task(gw.admission.listen(), name="grant-listener"),
+                 asyncio.create_task(gw.events.run(), name="event-hub")]
         yield
-        listener.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await listener
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await gw.close()
 
     return Starlette(routes=_routes(gw), lifespan=lifespan,

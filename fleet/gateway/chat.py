@@ -16,8 +16,9 @@ the error body (fleet/gateway/wire.py): 401 ``E_AUTH``, 400 ``E_INPUT_INVALID`` 
 ``Retry-After``, 503/504 upstream.
 
 A client that disconnects: while waiting, its pending item is withdrawn at once (a grant that came
-anyway is given back); while streaming, the upstream stream is cancelled, vLLM aborts the sequence, and
-the lease is released as soon as the stream thread has closed the connection (within 0.25 s).
+anyway is given back); while streaming, the lease keeper's ``Cancel`` is set, which shuts the
+upstream socket down at once (fleet/infer/vllm.py), vLLM aborts the sequence, and the lease is
+released as soon as the stream thread has let go of the connection.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import redis
 from starlette.requests import Request
 
 from fleet.core.codes import Code
-from fleet.core.errors import Cancelled, FleetError, NotFound
+from fleet.core.errors import Cancelled, FleetError, NotFound, ThinkLoop
 from fleet.core.keys import job_ref
 from fleet.core.models import Envelope, Timings, Usage
 from fleet.gateway.admission import Ticket
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Send = Any
+SEED_STEP = 1_000_003  # between the seeds of two attempts, as fleet/infer/attempts.py steps them
 
 
 async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
@@ -82,7 +84,7 @@ class ChatCompletions:
             self.gw.metrics.finished(project, exc.code)
             log.info("chat job=%s project=%s code=%s status=%d", job_id, project, exc.code.value,
                      status_of(exc.code))
-            await send_json(send, status_of(exc.code), _json(error_body(exc.code, exc.message)))
+            await send_json(send, status_of(exc.code), _json(error_body(exc.code, exc.message, exc.param)))
             return
         await _Session(self.gw, caller, req, job_id, body, prompt_tokens, max_tokens,
                        receive, send).run()
@@ -106,9 +108,12 @@ class _Session:
         self.last_write = self.started
         self.disconnected = asyncio.Event()
         self.keeper: LeaseKeeper | None = None
+        self.keeper_running = False
         self.waited_s: float | None = None
         self.result: StreamResult | None = None
         self.first_token_s: float | None = None
+        self.sent_deltas = False  # a reasoning/content delta reached the client
+        self.held: list[str] = []  # reasoning held back while loop_retry may still retry
 
     # -- the client side --------------------------------------------------------------------
     async def _watch_disconnect(self) -> None:
@@ -140,7 +145,7 @@ class _Session:
     async def _fail(self, exc: FleetError) -> None:
         if self.disconnected.is_set():
             return
-        body = error_body(exc.code, exc.message)
+        body = error_body(exc.code, exc.message, exc.param)
         if self.headers_sent:
             await self._write(sse(body) + DONE, more=False)
             return
@@ -178,7 +183,7 @@ class _Session:
         finally:
             watcher.cancel()
             self.gw.admission.forget(self.ref)
-            if self.keeper is not None:
+            if self.keeper is not None and self.keeper_running:
                 await self.gw.run(self.keeper.__exit__, None, None, None)
             if ticket is not None:
                 await self.gw.admission.release(ticket)
@@ -217,25 +222,70 @@ class _Session:
         # A chat request is cancelled by its client leaving (self.disconnected), never by a request.
         self.keeper = LeaseKeeper(rt.lease_store, lambda: False, ticket.job_id, ticket.fence,
                                   rt.settings.admission.lease_ttl_s)
-        self.keeper.__enter__()
         if self.disconnected.is_set():
             self.keeper.cancel.set()
-        upstream = UpstreamStream(gw.vllm, self.body, gw.live.settings.watcher, self.keeper.cancel,
-                                  asyncio.get_running_loop()).start()
-        if self.req.stream:
-            await self._write(self.chunks.role())
-        outcome = await self._relay(upstream)
-        await upstream.done.wait()
-        if isinstance(outcome, Failed):
+        attempt = 1
+        while True:
+            outcome = await self._attempt(attempt)
+            if isinstance(outcome, Finished):
+                break
             if self.disconnected.is_set():
                 raise Cancelled("the client disconnected")
-            raise outcome.error
+            if not await self._retry_loop(outcome.error, attempt):
+                raise outcome.error
+            attempt += 1
+            log.info("chat job=%s: loop cut before any content was sent; attempt %d", self.job_id, attempt)
         self.result = outcome.result
         return await self._finish(outcome.result)
 
+    async def _attempt(self, attempt: int) -> Finished | Failed:
+        body = self.body
+        if attempt > 1:  # a new seed, as a worker's retry has (fleet/infer/attempts.py)
+            body = {**body, "request_id": f"{self.job_id}-{attempt}",
+                    "seed": (body.get("seed", 0) + (attempt - 1) * SEED_STEP) % 2**31}
+        upstream = UpstreamStream(self.gw.vllm, body, self.gw.live.settings.watcher,
+                                  self.keeper.cancel, asyncio.get_running_loop()).start()  # type: ignore[union-attr]
+        if attempt == 1:  # the request is on its way to vLLM before anything else is done
+            await self._started()
+        outcome = await self._relay(upstream)
+        await upstream.done.wait()
+        return outcome
+
+    async def _started(self) -> None:
+        """What the first attempt needs, off its critical path: lease renewals (the claim just
+        renewed it, so the first one is a third of the TTL away), the role chunk, and for
+        ``loop_retry`` the credit of a first attempt to the project's retry budget."""
+        assert self.keeper is not None
+        self.keeper.__enter__()
+        self.keeper_running = True
+        if self.req.stream:
+            await self._write(self.chunks.role())
+        if self.req.loop_retry:
+            await self.gw.run(self.gw.retry_budget(self.caller.project).first_attempt)
+
+    async def _retry_loop(self, error: FleetError, attempt: int) -> bool:
+        """Whether a failed attempt is retried: only a loop cut, only when the client asked for it
+        (``loop_retry``), only before any delta was sent, within ``retry.max_attempts`` and the
+        project's retry budget (fleet/infer/retrying.py), under the same lease."""
+        if not (isinstance(error, ThinkLoop) and self.req.loop_retry and not self.sent_deltas):
+            return False
+        if attempt >= self.gw.live.settings.retry.max_attempts:
+            return False
+        self.held.clear()
+        budget = self.gw.retry_budget(self.caller.project)
+        return bool(await self.gw.run(budget.try_spend))
+
     async def _relay(self, upstream: UpstreamStream) -> Finished | Failed:
+        keepalive_s = self.gw.live.settings.gateway.keepalive_s
         while True:
-            item = await upstream.queue.get()
+            if not (self.req.stream and self.req.loop_retry and not self.sent_deltas):
+                item = await upstream.queue.get()
+            else:  # reasoning held back: keep-alives meanwhile, so the client still hears us
+                try:
+                    item = await asyncio.wait_for(upstream.queue.get(), keepalive_s)
+                except TimeoutError:
+                    await self._write(KEEPALIVE)
+                    continue
             if not isinstance(item, Delta):
                 if isinstance(item, Failed) and item.partial is not None:
                     self.result = item.partial
@@ -243,11 +293,28 @@ class _Session:
             if self.first_token_s is None:
                 self.first_token_s = time.monotonic() - self.started
             if self.req.stream and (item.reasoning or item.content or item.tool_calls):
-                await self._write(self.chunks.delta(item.reasoning, item.content, item.tool_calls))
+                await self._send_delta(item)
+
+    async def _send_delta(self, item: Delta) -> None:
+        """With ``loop_retry``, reasoning is held back until the answer starts (or the stream
+        ends), so a loop cut in the reasoning can be retried without the client seeing it."""
+        if self.req.loop_retry and not self.sent_deltas and not (item.content or item.tool_calls):
+            self.held.append(item.reasoning)
+            return
+        await self._flush_held()
+        self.sent_deltas = True
+        await self._write(self.chunks.delta(item.reasoning, item.content, item.tool_calls))
+
+    async def _flush_held(self) -> None:
+        if self.held:
+            reasoning, self.held = "".join(self.held), []
+            self.sent_deltas = True
+            await self._write(self.chunks.delta(reasoning, "", []))
 
     async def _finish(self, result: StreamResult) -> Code:
         usage = result.usage or {}
         if self.req.stream:
+            await self._flush_held()
             tail = self.chunks.finish(result.finish_reason)
             if self.req.include_usage:
                 tail += self.chunks.usage(usage)

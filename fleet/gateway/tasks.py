@@ -15,9 +15,7 @@ unknown id does, so ids of other projects cannot even be confirmed.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -32,8 +30,6 @@ from fleet.gateway.auth import Caller
 
 if TYPE_CHECKING:
     from fleet.gateway.app import Gateway
-
-EVENTS_BLOCK_MS = 1000
 
 
 def _task(job_id: str, **fields: Any) -> dict[str, Any]:
@@ -96,28 +92,15 @@ class TaskRoutes:
                                  headers={"cache-control": "no-cache"})
 
     async def _follow(self, project: str, job_id: str, ref: str) -> AsyncIterator[bytes]:
-        """The job's events, read by a thread (XREAD BLOCK) and written as they come. When the
-        client leaves, Starlette cancels this generator and the thread stops after its read."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        stop = threading.Event()
-
-        def read() -> None:
-            try:
-                for event in self.gw.client.events(job_id, block_ms=EVENTS_BLOCK_MS, project=project):
-                    if stop.is_set():
-                        return
-                    loop.call_soon_threadsafe(queue.put_nowait, event)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, None)
-
-        threading.Thread(target=read, name=f"events-{job_id[:8]}", daemon=True).start()
-        try:
-            while (event := await queue.get()) is not None:
-                data = event.get("data")
-                if event["type"] == "final":
-                    envelope = await self.gw.run(self.gw.runtime.results.final, ref)
-                    data = envelope.model_dump(mode="json") if envelope else data
-                yield f"event: {event['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-        finally:
-            stop.set()
+        """The job's events as they come, from the gateway's one shared reader
+        (fleet/gateway/events.py), until the final one (or a rejection of the job's own message)."""
+        async for event in self.gw.events.follow(self.gw.runtime.keys.events(ref)):
+            data = event.get("data")
+            final = event["type"] == "final"
+            if final:
+                envelope = await self.gw.run(self.gw.runtime.results.final, ref)
+                data = envelope.model_dump(mode="json") if envelope else data
+            yield f"event: {event['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+            if final or (event["type"] == "rejected"
+                         and await self.gw.run(self.gw.runtime.results.final, ref) is not None):
+                return

@@ -7,9 +7,10 @@ whose few threads would cap the gateway's concurrency). Each delta goes to the r
 ``StreamResult``) or ``Failed`` (a ``FleetError``, with the partial result when there is one).
 
 The loop watcher (fleet/infer/loopwatch.py) reads the reasoning as it streams; a verdict closes
-the upstream stream at once and ends the request with ``E_THINK_LOOP``. Setting ``cancel`` (the
-client disconnected, or the lease was lost) closes the upstream stream within the client's read
-slice (``READ_SLICE_S``, 0.25 s); vLLM aborts the sequence when the connection closes.
+the upstream stream at once and ends the request with ``E_THINK_LOOP``. Setting ``cancel`` (a
+``fleet.infer.vllm.Cancel``: the client disconnected, or the lease was lost) shuts the upstream
+socket down at once, even in the middle of a blocked read; vLLM aborts the sequence when the
+connection closes.
 """
 
 from __future__ import annotations

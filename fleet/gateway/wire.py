@@ -10,9 +10,14 @@ with one difference: ``code`` is the fleet's message code (``E_AUTH``, ``E_QUEUE
 string as in OpenAI's own API, where vLLM repeats the HTTP status. Mid-stream the same body is a
 ``data:`` event followed by ``[DONE]``, HTTP status still 200.
 
-A request is refused with 400 ``E_INPUT_INVALID`` naming the field when it carries a field the
-gateway does not know, ``n`` other than 1, or messages the fleet's ``Message`` refuses; the
-``untrusted`` flag on a message is the fleet's, as on the queue path.
+OpenAI fields clients send by default are accepted (``parse_chat``): identifiers and hints with no
+effect on the answer are dropped (``IGNORED``), sampling fields vLLM honours go through
+(``PASSTHROUGH``), and a field the gateway cannot honour is accepted only at its neutral value
+(``NEUTRAL``: ``logprobs: false``, ``store: false``, ``modalities: ["text"]``...); any other value is
+400 ``E_INPUT_INVALID`` with ``param`` naming the field and the message saying why. A field the
+gateway does not know at all (a typo such as ``temprature``), ``n`` other than 1, or messages the
+fleet's ``Message`` refuses are 400 ``E_INPUT_INVALID`` too; the ``untrusted`` flag on a message is
+the fleet's, as on the queue path. ``loop_retry`` is the gateway's own option (docs/gateway.md).
 """
 
 from __future__ import annotations
@@ -29,7 +34,23 @@ from fleet.core.models import Band, Job, Message, describe_invalid
 
 # Sampling fields sent on to vLLM unchanged when the client sets them.
 PASSTHROUGH = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "stop", "parallel_tool_calls", "chat_template_kwargs")
+               "repetition_penalty", "stop", "parallel_tool_calls", "chat_template_kwargs",
+               "logit_bias", "reasoning_effort", "min_tokens", "stop_token_ids")
+# Identifiers and hints that do not change the answer: accepted and dropped.
+IGNORED = frozenset({"user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
+                     "verbosity", "store_options"})
+# Fields the gateway cannot honour: accepted at their neutral value (or null), refused otherwise.
+NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "logprobs": ((False,), "the gateway does not return log probabilities"),
+    "top_logprobs": ((0,), "the gateway does not return log probabilities"),
+    "store": ((False,), "the gateway keeps no completions (chats are not stored)"),
+    "modalities": ((["text"],), "the fleet's model answers text only"),
+    "audio": ((), "the fleet's model answers text only"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "web_search_options": ((), "the fleet has no web search"),
+    "functions": ((), "the deprecated functions field is not supported; send tools"),
+    "function_call": ((), "the deprecated function_call field is not supported; send tool_choice"),
+}
 
 HTTP_STATUS: dict[Code, int] = {
     Code.E_INPUT_INVALID: 400,
@@ -37,6 +58,7 @@ HTTP_STATUS: dict[Code, int] = {
     Code.E_UPSTREAM_REJECTED: 400,
     Code.E_AUTH: 401,
     Code.E_NOT_FOUND: 404,
+    Code.E_TOO_LARGE: 413,
     Code.E_QUEUE_TIMEOUT: 429,
     Code.E_CANCELLED: 499,
     Code.E_UPSTREAM_UNAVAILABLE: 503,
@@ -47,6 +69,7 @@ HTTP_STATUS: dict[Code, int] = {
     Code.E_DEADLINE: 504,
 }
 ERROR_TYPE = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+              413: "RequestTooLargeError",
               429: "RateLimitError", 499: "CancelledError", 503: "ServiceUnavailableError",
               504: "TimeoutError"}
 
@@ -67,7 +90,7 @@ class ChatRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     n: Literal[1] = 1
-    user: str | None = None
+    loop_retry: bool = False  # the gateway's own: retry a loop cut before any content was sent
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -77,6 +100,10 @@ class ChatRequest(BaseModel):
     stop: str | list[str] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    reasoning_effort: str | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -113,6 +140,13 @@ def parse_chat(raw: bytes) -> ChatRequest:
         raise InputInvalid("the request body must be a JSON object")
     if data.get("stream_options") is not None and not data.get("stream"):
         raise InputInvalid("stream_options: only allowed when stream is true")
+    for name, (neutral, why) in NEUTRAL.items():
+        value = data.pop(name, None)
+        if value is not None and value not in neutral:
+            allowed = " or ".join(json.dumps(v) for v in neutral) or "null"
+            raise InputInvalid(f"{name}: {why}; send {allowed} or leave it out", param=name)
+    for name in IGNORED:
+        data.pop(name, None)
     try:
         return ChatRequest.model_validate(data)
     except ValidationError as exc:

@@ -11,7 +11,8 @@ Timeouts of one streamed attempt, each with its own code:
                                           (keep-alive comments do not count as progress)
   attempt total   E_UPSTREAM_TIMEOUT      the whole attempt (``timeouts.attempt_s``)
   job deadline    E_DEADLINE              ``deadline`` (unix seconds) passed to ``stream_chat``
-  cancel          E_CANCELLED             the ``cancel`` event, honoured within READ_SLICE_S
+  cancel          E_CANCELLED             the ``cancel`` event: at once when it is a ``Cancel``,
+                                          else within READ_SLICE_S
 
 httpx fixes a response's read timeout once per request, which cannot express "min(idle, remaining
 first-token/total/deadline), recomputed per read" nor a cancel that wakes a blocked read. So the
@@ -23,6 +24,13 @@ error from inside the read, httpcore closes the connection (it is mid-response, 
 reused) and vLLM aborts the sequence when it sees the disconnect. The same clock is also checked
 between events, so an injected transport (``httpx.MockTransport`` in tests) gets every limit
 except the wake-up of a blocked read.
+
+A cancel should not wait for the slice to end (a client that left must free its slot at once).
+When ``cancel`` is a ``Cancel`` (a ``threading.Event`` that runs hooks when set), the stream hooks
+itself to it: setting it shuts the socket being read down, the blocked ``recv`` returns at once,
+and the read raises ``Cancelled``. The hook is removed, under the clock's lock, before the
+connection can go back to the pool, so a late cancel never touches a connection another request
+then uses.
 
 Errors raised by ``stream_chat`` carry ``exc.partial``: the ``StreamResult`` assembled so far (the
 reasoning of an aborted attempt is what carry-over works from). Exceptions raised by ``on_delta``
@@ -36,8 +44,10 @@ E_UPSTREAM_ERROR. A body that ends without ``[DONE]``/finish_reason -> E_STREAM_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -121,6 +131,31 @@ class StreamResult:
 # -- timing -------------------------------------------------------------------------------------
 
 
+class Cancel(threading.Event):
+    """A ``threading.Event`` whose ``set`` also runs the hooks added to it (see module doc)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._hooks: list[Callable[[], None]] = []
+        self._hooks_lock = threading.Lock()
+
+    def hook(self, fn: Callable[[], None]) -> None:
+        with self._hooks_lock:
+            self._hooks.append(fn)
+
+    def unhook(self, fn: Callable[[], None]) -> None:
+        with self._hooks_lock:
+            if fn in self._hooks:
+                self._hooks.remove(fn)
+
+    def set(self) -> None:
+        super().set()
+        with self._hooks_lock:
+            hooks = list(self._hooks)
+        for fn in hooks:
+            fn()
+
+
 class _StreamClock:
     """Which limit of one attempt is nearest, on a monotonic clock."""
 
@@ -133,6 +168,27 @@ class _StreamClock:
         self.deadline = None if deadline is None else self.start + (deadline - time.time())
         self.first_token_at: float | None = None
         self.last_event_at = self.start
+        self._lock = threading.Lock()
+        self._socket: socket.socket | None = None
+        self._attached = True  # False once the stream let go of its connection
+
+    def reading(self, sock: socket.socket | None) -> None:
+        """The socket the stream reads from now (a cancel shuts it down)."""
+        with self._lock:
+            if self._attached:
+                self._socket = sock
+
+    def wake(self) -> None:
+        """The cancel hook: end a blocked read on the stream's socket at once."""
+        with self._lock:
+            if self._socket is not None:
+                with contextlib.suppress(OSError):
+                    self._socket.shutdown(socket.SHUT_RDWR)
+
+    def detach(self) -> None:
+        with self._lock:
+            self._attached = False
+            self._socket = None
 
     def remaining(self) -> tuple[float, Code]:
         """Seconds until the nearest limit and the code it would end with."""
@@ -180,12 +236,19 @@ class _SlicedStream(httpcore.NetworkStream):
         clock: _StreamClock | None = getattr(_local, "clock", None)
         if clock is None:
             return self._inner.read(max_bytes, timeout)
+        clock.reading(self._inner.get_extra_info("socket"))
         while True:
             left = clock.check()
             try:
-                return self._inner.read(max_bytes, min(left, READ_SLICE_S))
+                data = self._inner.read(max_bytes, min(left, READ_SLICE_S))
             except httpcore.ReadTimeout:
                 continue  # only a slice ended; nothing was read, the socket is intact
+            except httpcore.ReadError:
+                clock.check()  # a socket shut down by a cancel is the cancel
+                raise
+            if not data:
+                clock.check()
+            return data
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         self._inner.write(buffer, timeout)
@@ -394,6 +457,8 @@ class VllmClient:
         budget = body.get("thinking_token_budget")
         assembler = _Assembler(budget if isinstance(budget, int) else None)
         _local.clock = clock
+        if isinstance(cancel, Cancel):
+            cancel.hook(clock.wake)
         streaming = False
         try:
             # The read timeout only matters for a transport without sliced reads (a backstop);
@@ -404,11 +469,14 @@ class VllmClient:
             with self._http.stream(
                 "POST", "/v1/chat/completions", json=body, headers=headers, timeout=timeout
             ) as response:
-                if response.status_code != 200:
-                    response.read()
-                    raise http_error(response)
-                streaming = True
-                self._consume(response, assembler, clock, on_delta)
+                try:
+                    if response.status_code != 200:
+                        response.read()
+                        raise http_error(response)
+                    streaming = True
+                    self._consume(response, assembler, clock, on_delta)
+                finally:
+                    clock.detach()  # before the connection can go back to the pool
             return assembler.finish(clock.start)
         except httpx.HTTPError as exc:
             error = translate(exc, streaming)
@@ -418,6 +486,9 @@ class VllmClient:
             exc.partial = assembler.finish(clock.start)  # type: ignore[attr-defined]
             raise
         finally:
+            clock.detach()
+            if isinstance(cancel, Cancel):
+                cancel.unhook(clock.wake)
             _local.clock = None
 
     def _consume(

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import redis
 
+from fleet.infer.vllm import Cancel
 from schedulers.store.base import AdmissionStore
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class LeaseKeeper:
         self.fence = fence
         self.ttl_s = ttl_s
         self.renew_every_s = max(ttl_s / 3, 0.05)
-        self.cancel = threading.Event()
+        self.cancel = Cancel()  # wakes a blocked upstream read at once (fleet/infer/vllm.py)
         self.lost = False
         self.cancelled = False
         self._stop = threading.Event()

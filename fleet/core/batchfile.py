@@ -1,4 +1,6 @@
-"""``fleet batch``: OpenAI Batch API files in, one result line per input line out.
+"""The batch JSONL formats: OpenAI Batch API files in, one result line per input line out. Read
+and written by ``fleet batch`` (fleet/cli/batch.py) and by the gateway's ``/v1/batches``
+(fleet/gateway/batches.py), so both take and give the same lines.
 
 Input lines are either OpenAI batch requests
     {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
