@@ -3,8 +3,9 @@
 The workers run with small size caps while the test's producer keeps the defaults, so the
 messages reach prep and prep alone refuses them. The answer-pattern test gives the job a schema
 whose ``const`` (which the simulator writes as the answer) is a string Python's ``re`` would take
-minutes to match against ``^(a|aa)*$``, with a 2 s lease: a stalled worker would lose the lease
-and run the job again, so one request per attempt and the other jobs' results show it did not.
+minutes to match against ``^(a|aa)*$``, with a 10 s lease (room for a busy 2-core machine, far
+short of the stall): a stalled worker would lose the lease and run the job again, so one request
+per attempt and the other jobs' results show it did not.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ WORKER_LIMITS = {"max_message_bytes": 20_000, "max_messages": 3}
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     config = make_config(tmp_path_factory.mktemp("fleet-bounded"), limits=WORKER_LIMITS,
-                         admission={"lease_ttl_s": 2}, retry={"reask_invalid": 1})
+                         admission={"lease_ttl_s": 10}, retry={"reask_invalid": 1})
     with Harness(config, sim_speed=100) as harness:
         yield harness
 
