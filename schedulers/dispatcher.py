@@ -4,8 +4,9 @@ Loop (``run_dispatcher``):
   1. reap expired leases (their jobs go back in line at their original place);
   2. drop pending jobs whose deadline passed (``expire_deadlines``) and hand each id to
      ``on_expired`` (the caller publishes E_DEADLINE);
-  3. ``admit_next`` while it grants, calling ``send(grant)`` for each (the caller enqueues the
-     inference task with the job id and the fence);
+  3. ``admit_many`` while it grants (up to ``GRANTS_PER_CALL`` grants per call: one Lua script
+     call on Redis), calling ``send(grant)`` for each (the caller enqueues the inference task
+     with the job id and the fence);
   4. block on the wake list (BLPOP) until a submit, a release, an expiry or a lifted backend hold
      pushes to it, or until the next time-based event: lease expiry, pending deadline, bucket
      refill, spacing, or ``admission.max_wait_s`` at most (<= 4 s, below redis-py's socket
@@ -56,6 +57,7 @@ from schedulers.store.base import AdmissionStore, AdmitResult, Grant
 log = logging.getLogger(__name__)
 
 SEND_ERRORS = (kombu.exceptions.OperationalError, redis.RedisError, OSError)
+GRANTS_PER_CALL = 8  # grants one store call may decide (Redis: one ADMIT script call)
 
 
 def admit_all(
@@ -64,40 +66,45 @@ def admit_all(
     now: float,
     metrics: DispatcherMetrics | None = None,
 ) -> AdmitResult:
-    """Admit while the store grants; returns the round's final (holding) result, or
-    ``AdmitResult(None, "send_failed")`` after a grant that could not be sent (it is requeued)."""
+    """Admit while the store grants, up to ``GRANTS_PER_CALL`` grants per store call; returns the
+    round's final (holding) result, or ``AdmitResult(None, "send_failed")`` after a grant that
+    could not be sent (it and the grants of the same call not sent yet are requeued)."""
     while True:
-        result = store.admit_next(now)
-        grant = result.grant
-        if grant is None:
-            return result
-        log.debug(
-            "admitted %s project=%s fence=%d prompt=%d kv=%d long=%s waited=%.3fs",
-            grant.job_id,
-            grant.project,
-            grant.fence,
-            grant.prompt_tokens,
-            grant.kv_tokens,
-            grant.long,
-            grant.waited_s,
-        )
-        if metrics is not None:
-            metrics.admitted(grant)
-        try:
-            send(grant)
-        except SEND_ERRORS as exc:
-            log.warning("sending %s failed (%r); back in line", grant.job_id, exc)
-            return _requeue(store, grant)
-        except Exception:  # a bug in send: same handling, with the traceback
-            log.exception("sending %s failed; back in line", grant.job_id)
-            return _requeue(store, grant)
+        results = store.admit_many(now, GRANTS_PER_CALL)
+        grants = [result.grant for result in results if result.grant is not None]
+        for index, grant in enumerate(grants):
+            if not _send(send, grant, metrics):
+                for unsent in grants[index:]:
+                    store.requeue(unsent.job_id, unsent.fence)
+                return AdmitResult(None, "send_failed")
+        if results[-1].grant is None:
+            return results[-1]
 
 
-def _requeue(store: AdmissionStore, grant: Grant) -> AdmitResult:
-    """Give a grant's lease back at once. If Redis is down too, the RedisError reaches the loop,
-    and the lease simply expires after its TTL."""
-    store.requeue(grant.job_id, grant.fence)
-    return AdmitResult(None, "send_failed")
+def _send(send: Callable[[Grant], None], grant: Grant, metrics: DispatcherMetrics | None) -> bool:
+    """Hand one grant to ``send``; False when it failed (the caller requeues it). If Redis is
+    down too, the requeue's RedisError reaches the loop and the lease simply expires."""
+    log.debug(
+        "admitted %s project=%s fence=%d prompt=%d kv=%d long=%s waited=%.3fs",
+        grant.job_id,
+        grant.project,
+        grant.fence,
+        grant.prompt_tokens,
+        grant.kv_tokens,
+        grant.long,
+        grant.waited_s,
+    )
+    if metrics is not None:
+        metrics.admitted(grant)
+    try:
+        send(grant)
+    except SEND_ERRORS as exc:
+        log.warning("sending %s failed (%r); back in line", grant.job_id, exc)
+        return False
+    except Exception:  # a bug in send: same handling, with the traceback
+        log.exception("sending %s failed; back in line", grant.job_id)
+        return False
+    return True
 
 
 def wait_timeout_s(store: AdmissionStore, result: AdmitResult, now: float, max_s: float) -> float:

@@ -2,9 +2,9 @@
 
 A hypothesis state machine draws a small configuration (few sequences, a small KV budget, one or
 two long prompts at a time, a tight prefill bucket, spacing, project weights, the backend gate on
-or off), then feeds the same submits, resubmits, admissions, claims, renewals, resizes, releases,
-requeues, cancels, deadline expiries, backend verdicts and clock steps (which reap unrenewed
-leases) to a ``MemoryStore`` and a ``RedisStore`` sharing one fake clock. Every answer must be
+or off), then feeds the same submits, resubmits, admissions (one at a time and several per call),
+claims, renewals, resizes, releases, requeues, cancels, deadline expiries, backend verdicts and
+clock steps (which reap unrenewed leases) to a ``MemoryStore`` and a ``RedisStore`` sharing one fake clock. Every answer must be
 equal - grants (job, fence, project, sizes, expiry, wait), hold reasons and their retry times,
 booleans, reaped and expired ids - and after every step so must the snapshots (pending per
 project and band, in flight, reserved KV, long in flight, admissions, holds), the live leases,
@@ -154,6 +154,14 @@ class Differential(RuleBasedStateMachine):
                 break
             grants.append((result.grant.job_id, result.grant.fence))
         return multiple(*grants)
+
+    @rule(target=leases, max_grants=st.integers(1, 5))
+    def admit_many(self, max_grants: int) -> Any:
+        """Several grants decided by one call (one ADMIT script on Redis), as the dispatcher asks."""
+        results = self.both("admit_many", self.clock.now, max_grants)
+        assert len(results) <= max_grants + 1
+        event(f"admit_many: {len(results)} results")
+        return multiple(*[(r.grant.job_id, r.grant.fence) for r in results if r.grant is not None])
 
     @rule(lease=leases, op=lease_ops)
     def worker(self, lease: tuple[str, int], op: tuple[Any, ...]) -> None:

@@ -41,6 +41,8 @@ def dispatch(
     speed: Annotated[float, typer.Option(help="simulator speed of the in-bench saturation run")] = 50.0,
     redis_url: Annotated[str, typer.Option(help="Redis for the bench keys")] = BENCH_REDIS,
     overhead: Annotated[bool, typer.Option(help="run the dispatcher-only overhead figures")] = True,
+    in_bench_saturation: Annotated[bool, typer.Option(
+        help="with the overhead figures, also the in-bench saturation run against fleet sim")] = True,
     fleet: Annotated[bool, typer.Option(help="run the whole-fleet scenarios (real processes)")] = True,
     scenarios: Annotated[str, typer.Option(help="whole-fleet scenarios, comma separated")]
     = "fairness,saturation,long,crash",
@@ -79,7 +81,7 @@ def dispatch(
                     f.write(rows_markdown(rows))
         if overhead:
             console.print(dispatch_bench(broker.url, jobs=jobs, saturation_jobs=saturation_jobs,
-                                         speed=speed))
+                                         speed=speed, with_sim=in_bench_saturation))
 
 
 @bench_app.command("loops")

@@ -122,6 +122,11 @@ class AdmissionStore(Protocol):
 
     def admit_next(self, now: float) -> AdmitResult: ...
 
+    def admit_many(self, now: float, max_grants: int) -> list[AdmitResult]:
+        """Up to ``max_grants`` grants decided at ``now`` (each as ``admit_next`` would, one after
+        the other), followed by the hold that stopped them, if one did: a hold ends the list."""
+        ...
+
     def claim(self, job_id: str, fence: int, owner: str, now: float) -> bool: ...
 
     def resize(self, job_id: str, fence: int, max_new_tokens: int) -> bool:

@@ -108,14 +108,20 @@ class MemoryStore:
 
     # -- admission ---------------------------------------------------------------------------
     def admit_next(self, now: float) -> AdmitResult:
+        return self.admit_many(now, 1)[0]
+
+    def admit_many(self, now: float, max_grants: int) -> list[AdmitResult]:
+        results: list[AdmitResult] = []
         with self._lock:
-            result = self._admit(now)
-            if result.grant:
+            while len(results) < max_grants:
+                result = self._admit(now)
+                if result.grant is None:
+                    reason = result.hold_reason or "empty"
+                    self._holds[reason] = self._holds.get(reason, 0) + 1
+                    return [*results, result]
                 self._admissions += 1
-            else:
-                reason = result.hold_reason or "empty"
-                self._holds[reason] = self._holds.get(reason, 0) + 1
-            return result
+                results.append(result)
+        return results
 
     def _admit(self, now: float) -> AdmitResult:
         heads = self._heads(now)

@@ -69,9 +69,9 @@ from schedulers.store.base import AdmitResult, Grant, PendingItem, StoreConfig, 
 
 log = logging.getLogger(__name__)
 
-SCRIPTS = ("add", "prune", "admit", "claim", "renew", "resize", "release", "reap", "requeue",
+SCRIPTS = ("add", "admit", "claim", "renew", "resize", "release", "reap", "requeue",
            "cancel", "expire")
-_ROUNDS = 4  # admission attempts when other dispatchers keep taking our candidates
+_ROUNDS = 4  # ADMIT calls when the projects set keeps changing under us
 _BATCH = 200  # expired leases or due deadlines handled by one script call
 MAX_BLOCK_S = 4.0  # longest BLPOP; below redis-py 8's default 5 s socket timeout
 
@@ -90,16 +90,11 @@ class RedisStore:
         self._clock = clock
         self._max_block_s = max_block_s(client)
         self._scripts = Scripts(client, "schedulers.store", SCRIPTS, prelude="prelude")
+        self._projects: list[str] = []  # the projects set as the last ADMIT returned it
 
     # -- keys (all under D, one hash tag) -------------------------------------------------------
     def _key(self, name: str) -> str:
         return self._d + name
-
-    def _item(self, job_id: str) -> str:
-        return f"{self._d}item:{job_id}"
-
-    def _lease(self, job_id: str) -> str:
-        return f"{self._d}lease:{job_id}"
 
     def _queue(self, project: str, band: str, size: str) -> str:
         return f"{self._d}pending:{project}:{band}:{size}"
@@ -109,10 +104,10 @@ class RedisStore:
 
     def _where(self, job_ids: list[str]) -> list[tuple[str, str, str]]:
         """(project, band, size) of each job's item as it is now; '' for a missing item."""
-        pipe = self._client.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.hmget(self._item(job_id), "project", "band", "size")
-        return [(_text(p or ""), _text(b or ""), _text(z or "")) for p, b, z in pipe.execute()]
+        if not job_ids:
+            return []
+        found = self._client.hmget(self._key("items"), job_ids)
+        return [tuple(_text(f).split(" ", 3)[:3]) if f else ("", "", "") for f in found]  # type: ignore[misc]
 
     # -- submit / cancel ---------------------------------------------------------------------
     def add_pending(self, item: PendingItem) -> None:
@@ -131,8 +126,8 @@ class RedisStore:
         long = item.prompt_tokens > limits.long_prompt_tokens
         size = "long" if long else "short"
         score = fairshare.pending_score(enqueued_at, item.priority, self.config.aging_s)
-        keys = [self._item(item.job_id), self._queue(item.project, item.band, size),
-                *map(self._key, ("deadlines", "projects", "state", "vtime", "wake")), self._lease(item.job_id)]
+        keys = [self._key("items"), self._queue(item.project, item.band, size),
+                *map(self._key, ("deadlines", "projects", "state", "vtime", "wake", "lease"))]
         return keys, [
             item.job_id,
             item.project,
@@ -149,17 +144,20 @@ class RedisStore:
 
     def cancel_pending(self, job_id: str) -> bool:
         where = self._where([job_id])[0]
-        keys = [self._item(job_id), self._lease(job_id), self._queue(*where),
+        keys = [self._key("items"), self._key("lease"), self._queue(*where),
                 self._key("deadlines"), self._key("state")]
         return bool(self._run("cancel", keys, [job_id, *where]))
 
     def expire_deadlines(self, now: float) -> list[str]:
         due = [_text(i) for i in self._client.zrangebyscore(self._key("deadlines"), "-inf", repr(now), 0, _BATCH)]
-        keys, args = [self._key("deadlines"), self._key("state")], [repr(now)]
+        if not due:
+            return []
+        keys = [self._key(k) for k in ("deadlines", "state", "items", "lease")]
+        args: list[Any] = [repr(now)]
         for job_id, where in zip(due, self._where(due), strict=True):
-            keys += [self._item(job_id), self._lease(job_id), self._queue(*where)]
+            keys.append(self._queue(*where))
             args += [job_id, *where]
-        return [_text(job_id) for job_id in self._run("expire", keys, args)] if due else []
+        return [_text(job_id) for job_id in self._run("expire", keys, args)]
 
     def next_deadline(self) -> float | None:
         first = self._client.zrange(self._key("deadlines"), 0, 0, withscores=True)
@@ -167,49 +165,31 @@ class RedisStore:
 
     # -- admission ---------------------------------------------------------------------------
     def admit_next(self, now: float) -> AdmitResult:
+        return self.admit_many(now, 1)[0]
+
+    def admit_many(self, now: float, max_grants: int) -> list[AdmitResult]:
+        """Up to ``max_grants`` grants in one ADMIT call, then the hold that stopped it (if any).
+
+        The call names the projects this store last saw in the projects set; when the set holds
+        another one, ADMIT decides nothing and returns the set, and the call is made again."""
         for _ in range(_ROUNDS):
-            heads = self._heads(now)
-            if not heads:
-                self._client.hincrby(self._key("stats"), "hold:empty", 1)
-                return AdmitResult(None, "empty")
-            result = self._admit(heads, now)
-            if result.hold_reason != "conflict":
-                return result
-        return AdmitResult(None, "conflict", 0.0)
+            reply = self._run("admit", *self._admit_call(now, max_grants))
+            if _text(reply[0]) == "stale":
+                self._projects = sorted(_text(p) for p in reply[1])
+                continue
+            if _text(reply[0]) == "pruned":
+                self._projects = sorted(_text(p) for p in reply[1])
+            results = [AdmitResult(_grant(reply[i : i + 8])) for i in range(4, len(reply), 8)]
+            reason, retry = _text(reply[2]), _text(reply[3])
+            if reason:
+                results.append(AdmitResult(None, reason, float(retry) if retry else None))
+            return results
+        return [AdmitResult(None, "conflict", 0.0)]
 
-    def _heads(self, now: float) -> list[fairshare.Head]:
-        """The head of every queue of every project, ordered by the fair policy. Read without a
-        script (which keys it reads depends on what it finds); ADMIT checks every candidate again."""
-        pipe = self._client.pipeline(transaction=False)
-        pipe.smembers(self._key("projects"))
-        pipe.hget(self._key("state"), "vtime")
-        pipe.hgetall(self._key("vtime"))
-        members, v, tags = pipe.execute()
-        projects, tags = sorted(_text(p) for p in members), _texts(tags)
-        queues = [(p, b, z) for p in projects for b in fairshare.BANDS for z in fairshare.SIZES]
-        for queue in queues:
-            pipe.zrange(self._queue(*queue), 0, 0, withscores=True)
-        found = [(queue, top[0]) for queue, top in zip(queues, pipe.execute(), strict=True) if top]
-        for _q, (job_id, _score) in found:
-            pipe.hmget(self._item(_text(job_id)), "prompt", "max_new", "enq")
-        heads: dict[str, list[fairshare.Head]] = {}
-        for ((project, band, size), (job_id, score)), fields in zip(found, pipe.execute(), strict=True):
-            if None not in fields:  # the item left between the two reads
-                head = _head(project, [band, size, job_id, score, *fields])
-                heads.setdefault(project, []).append(head)
-        for project in projects:
-            if project not in heads:
-                keys = [self._queue(project, b, z) for b in fairshare.BANDS for z in fairshare.SIZES]
-                self._run("prune", [self._key("projects"), *keys], [project])
-        views = tuple(
-            fairshare.ProjectView(p, self.config.weight(p), float(tags.get(p, 0)), tuple(h))
-            for p, h in heads.items()
-        )
-        snapshot = fairshare.FairSnapshot(views, float(v or 0), now)
-        return fairshare.order(snapshot, self.config.aging_s)
-
-    def _admit(self, heads: list[fairshare.Head], now: float) -> AdmitResult:
+    def _admit_call(self, now: float, max_grants: int) -> tuple[list[str], list[Any]]:
         limits, config = self.config.limits, self.config
+        keys = [self._key(k) for k in ("state", "stats", "backend", "vtime", "fence", "leases",
+                                       "deadlines", "projects", "items", "lease")]
         args: list[Any] = [
             repr(now),
             repr(config.lease_ttl_s),
@@ -222,74 +202,62 @@ class RedisStore:
             repr(limits.hol_bypass_s),
             "1" if config.gate else "0",
             repr(config.scrape_stale_s),
+            repr(config.aging_s),
+            max_grants,
         ]
-        keys = [self._key(k) for k in ("state", "stats", "backend", "vtime", "fence", "leases", "deadlines")]
-        for head in heads:
-            size = "long" if head.long else "short"
-            keys += [self._item(head.job_id), self._lease(head.job_id),
-                     self._queue(head.project, head.band, size)]
-            args += [head.job_id, head.project, repr(config.weight(head.project)), head.band, size]
-        reply = self._run("admit", keys, args)
-        if reply[0] == 0:
-            retry = _text(reply[2])
-            return AdmitResult(None, _text(reply[1]), float(retry) if retry else None)
-        return AdmitResult(
-            Grant(
-                job_id=_text(reply[1]),
-                project=_text(reply[2]),
-                fence=int(reply[3]),
-                prompt_tokens=int(reply[4]),
-                kv_tokens=int(reply[5]),
-                long=bool(reply[6]),
-                lease_expires_at=float(reply[7]),
-                waited_s=float(reply[8]),
-            )
-        )
+        for project in self._projects:
+            keys += [self._queue(project, b, z) for b in fairshare.BANDS for z in fairshare.SIZES]
+            args += [project, repr(config.weight(project))]
+        return keys, args
 
     # -- leases ------------------------------------------------------------------------------
     def claim(self, job_id: str, fence: int, owner: str, now: float) -> bool:
-        keys = [self._lease(job_id), self._key("leases")]
+        keys = [self._key("lease"), self._key("leases")]
         return bool(self._run("claim", keys, [job_id, fence, owner, repr(now), repr(self.config.lease_ttl_s)]))
 
     def renew(self, job_id: str, fence: int, now: float) -> bool:
-        keys = [self._lease(job_id), self._key("leases")]
+        keys = [self._key("lease"), self._key("leases")]
         return bool(self._run("renew", keys, [job_id, fence, repr(now), repr(self.config.lease_ttl_s)]))
 
     def resize(self, job_id: str, fence: int, max_new_tokens: int) -> bool:
-        prompt = self._client.hget(self._item(job_id), "prompt")
-        if prompt is None:
+        item = self._client.hget(self._key("items"), job_id)
+        if item is None:
             return False
-        kv = kv_tokens(int(prompt), max_new_tokens, self.config.limits.block_tokens)
-        keys = [self._lease(job_id), self._key("state"), self._item(job_id)]
-        return bool(self._run("resize", keys, [fence, max_new_tokens, kv]))
+        prompt = int(_text(item).split(" ")[3])
+        kv = kv_tokens(prompt, max_new_tokens, self.config.limits.block_tokens)
+        keys = [self._key("lease"), self._key("state"), self._key("items")]
+        return bool(self._run("resize", keys, [job_id, fence, max_new_tokens, kv]))
 
     def release(self, job_id: str, fence: int) -> bool:
-        keys = [self._lease(job_id), self._key("leases"), self._key("state"), self._item(job_id),
-                self._key("wake")]
+        keys = [self._key(k) for k in ("lease", "leases", "state", "items", "wake")]
         return bool(self._run("release", keys, [job_id, fence]))
 
     def requeue(self, job_id: str, fence: int) -> bool:
         where = self._where([job_id])[0]
-        keys = [self._lease(job_id), self._key("leases"), self._key("state"), self._item(job_id),
+        keys = [self._key("lease"), self._key("leases"), self._key("state"), self._key("items"),
                 self._queue(*where), *map(self._key, ("projects", "deadlines", "wake"))]
         return bool(self._run("requeue", keys, [job_id, fence, *where]))
 
+    def _lease_fields(self, job_id: str) -> list[str] | None:
+        value = self._client.hget(self._key("lease"), job_id)
+        return None if value is None else _text(value).split(" ", 6)
+
     def lease_valid(self, job_id: str, fence: int) -> bool:
-        value = self._client.hget(self._lease(job_id), "fence")
-        return value is not None and int(value) == fence
+        fields = self._lease_fields(job_id)
+        return fields is not None and int(fields[0]) == fence
 
     def lease_project(self, job_id: str) -> str | None:
-        value = self._client.hget(self._lease(job_id), "project")
-        return None if value is None else _text(value)
+        fields = self._lease_fields(job_id)
+        return None if fields is None else fields[5]
 
     def reap_expired(self, now: float) -> list[str]:
         due = [_text(i) for i in self._client.zrangebyscore(self._key("leases"), "-inf", f"({now!r}", 0, _BATCH)]
         if not due:
             return []
-        keys = [self._key(k) for k in ("leases", "state", "projects", "deadlines", "wake")]
+        keys = [self._key(k) for k in ("leases", "state", "projects", "deadlines", "wake", "lease", "items")]
         args: list[Any] = [repr(now)]
         for job_id, where in zip(due, self._where(due), strict=True):
-            keys += [self._lease(job_id), self._item(job_id), self._queue(*where)]
+            keys.append(self._queue(*where))
             args += [job_id, *where]
         expired = [_text(job_id) for job_id in self._run("reap", keys, args)]
         if expired:
@@ -348,11 +316,8 @@ class RedisStore:
 
     def lease_fences(self) -> dict[str, int]:
         """Live leases (job id -> fence), for invariant checks and ``fleet queues``."""
-        ids = [_text(i) for i in self._client.zrange(self._d + "leases", 0, -1)]
-        pipe = self._client.pipeline(transaction=False)
-        for job_id in ids:
-            pipe.hget(f"{self._d}lease:{job_id}", "fence")
-        return {job_id: int(f) for job_id, f in zip(ids, pipe.execute(), strict=True)}
+        leases = self._client.hgetall(self._key("lease"))
+        return {_text(job_id): int(_text(v).split(" ", 1)[0]) for job_id, v in leases.items()}
 
     def pending_ids(self) -> set[str]:
         ids: set[str] = set()
@@ -382,15 +347,15 @@ def _texts(mapping: Any) -> dict[str, str]:
     return {_text(k): _text(v) for k, v in mapping.items()}
 
 
-def _head(project: str, fields: list[Any]) -> fairshare.Head:
-    band, size, job_id, score, prompt, max_new, enq = (_text(f) for f in fields)
-    return fairshare.Head(
+def _grant(fields: list[Any]) -> Grant:
+    job_id, project, fence, prompt, kv, long, expires, waited = (_text(f) for f in fields)
+    return Grant(
         job_id=job_id,
         project=project,
-        band=band,
+        fence=int(fence),
         prompt_tokens=int(prompt),
-        max_new_tokens=int(max_new),
-        enqueued_at=float(enq),
-        score=float(score),
-        long=size == "long",
+        kv_tokens=int(kv),
+        long=long == "1",
+        lease_expires_at=float(expires),
+        waited_s=float(waited),
     )
