@@ -78,7 +78,7 @@ def _workload(client: redis.Redis, prefix: str) -> None:
     assert store.cancel_pending("c2")
     store.add_pending(PendingItem("d1", "d", 100, 100, deadline=now[0] - 1))
     assert store.expire_deadlines(now[0]) == ["d1"]
-    store.admit_next(now[0])  # project d has no queue left: PRUNE drops it
+    store.admit_many(now[0], 2)  # project d has no queue left: ADMIT prunes it
 
     settings = load_settings(EXAMPLE_CONFIG, env={})
     keys = Keys(prefix)

@@ -91,7 +91,8 @@ other_ops = st.one_of(
     st.tuples(st.just("resubmit"), st.sampled_from([None, 5.0])),
     st.tuples(st.just("cancel")),
     st.tuples(st.just("expire")),
-    st.tuples(st.just("verdict"), st.sampled_from([0.0, 0.0, 6.0]), st.sampled_from(["", "", "waiting", "kv_usage"])),
+    st.tuples(st.just("verdict"), st.sampled_from([0.0, 0.0, 6.0]), st.sampled_from(["", "", "waiting", "kv_usage"]),
+              st.sampled_from(["0.0", "1.0", "3.0"])),
 )
 
 
@@ -187,7 +188,8 @@ class Differential(RuleBasedStateMachine):
         elif name == "expire":
             self.both("expire_deadlines", self.clock.now)
         elif name == "verdict":
-            self.both("record_backend", self.clock.now - extra[0], extra[1], {"waiting": "0"})
+            figures = {"waiting": "0", "outside": extra[2]}  # outside clients hold sequences
+            self.both("record_backend", self.clock.now - extra[0], extra[1], figures)
             assert self.memory.backend() == self.redis.backend()
 
     @rule(seconds=st.sampled_from([0.3, 0.7, 5.0, 12.0, 31.0]))

@@ -68,13 +68,15 @@ D = ``{p}{d}:``, one hash tag for all)
                                      enqueued_at - priority * aging_s, in ms; enqueued_at is the prep
                                      worker's clock at hand-over (never the producer's submitted_at);
                                      an expired lease puts the job back at its original place
-  D item:<id>                 hash   admission facts of a pending/in-flight job: project band size
-                                     prompt max_new kv long enq score pending(1|0) deadline
+  D items                     hash   job id -> admission facts of a pending/in-flight job, one
+                                     string "project band size prompt max_new kv long enq score
+                                     pending(1|0) deadline" (schedulers/store/lua/prelude.lua)
   D projects                  set    projects that may have pending work
   D vtime                     hash   per-project finish tag (token-weighted fair queuing)
   D leases                    zset   in-flight job ids, score = lease expiry (unix seconds)
-  D lease:<id>                hash   fence, kv tokens, long flag, expires, admitted_at, project,
-                                     owner (set by the first claim; another owner is refused)
+  D lease                     hash   job id -> its lease, one string "fence kv long expires
+                                     admitted_at project owner" (owner set by the first claim;
+                                     another owner is refused)
   D deadlines                 zset   pending job ids with a deadline, score = deadline (unix s);
                                      removed at admission, cancel or expiry
   D state                     hash   in_flight, kv, long (sums over live leases), queued (pending

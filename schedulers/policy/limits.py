@@ -7,6 +7,10 @@ store test suite keeps the two in step.
 Limits, checked in this order for every candidate job:
 
 ``seqs``     in-flight requests < ``max_num_seqs``. Global: when it fails nothing can go.
+``outside``  in-flight requests + the sequences outside clients hold at the server (the backend's
+             running count beyond the fleet's claimed leases, measured at the last scrape:
+             ``outside``) < ``max_num_seqs``, so the server's own total stays at its ceiling
+             while clients the fleet does not control share it. Global.
 ``spacing``  at least ``min_spacing_s`` since the last admission. Global.
 ``kv``       KV budget in whole blocks: the sum over in-flight requests of
              ``ceil((prompt + max_new) / block) * block`` stays <= ``kv_pool_tokens *
@@ -86,6 +90,7 @@ class LimitState:
     last_admit_at: float | None = None
     blocked_job: str | None = None
     blocked_since: float = 0.0
+    claimed: int = 0  # live leases a worker has claimed (its request is at the backend)
 
 
 @dataclass(frozen=True)
@@ -120,10 +125,14 @@ def bucket_level(limits: Limits, state: LimitState, now: float) -> float:
     return min(float(limits.prefill_burst_tokens), state.bucket_tokens + refill)
 
 
-def check_global(limits: Limits, state: LimitState, now: float) -> tuple[str | None, float | None]:
+def check_global(
+    limits: Limits, state: LimitState, now: float, outside: float = 0.0
+) -> tuple[str | None, float | None]:
     """Limits that stop every candidate: ``(reason, retry_in_s)`` or ``(None, None)``."""
     if state.in_flight >= limits.max_num_seqs:
         return "seqs", None
+    if state.in_flight + outside >= limits.max_num_seqs:
+        return "outside", None
     if state.last_admit_at is not None and limits.min_spacing_s > 0:
         wait_s = state.last_admit_at + limits.min_spacing_s - now
         if wait_s > 0:
@@ -171,15 +180,18 @@ class Choice:
     retry_in_s: float | None = None
 
 
-def choose(limits: Limits, state: LimitState, costs: Sequence[Cost], now: float) -> Choice:
+def choose(
+    limits: Limits, state: LimitState, costs: Sequence[Cost], now: float, outside: float = 0.0
+) -> Choice:
     """Try candidates in fair order; the first that fits wins. Updates the reservation fields.
+    ``outside``: sequences outside clients hold at the backend (module docstring).
 
     The reason reported when nothing fits is the first candidate's; ``retry_in_s`` is the
     soonest time-based lift among the candidates tried.
     """
     if not costs:
         return Choice(None, "empty")
-    reason, retry_in_s = check_global(limits, state, now)
+    reason, retry_in_s = check_global(limits, state, now, outside)
     if reason:
         return Choice(None, reason, retry_in_s)
     first_reason: str | None = None

@@ -72,7 +72,8 @@ class AdmitResult:
 
     grant: Grant | None
     # "empty", "seqs", "kv", "long", "bucket", "spacing", "backend_<why>" (stale, health,
-    # waiting, kv_usage, preemptions; see schedulers/policy/backend_gate.py), "conflict" (other
+    # waiting, kv_usage, preemptions; see schedulers/policy/backend_gate.py), "outside" (outside
+    # clients hold the rest of the backend's sequences), "conflict" (other
     # dispatchers kept taking the candidates; try again at once); "send_failed" (set by the
     # dispatcher, not the store: the grant could not be sent and was requeued; back off)
     hold_reason: str | None = None
@@ -85,6 +86,7 @@ class StoreSnapshot:
     in_flight: int = 0
     reserved_kv_tokens: int = 0
     long_in_flight: int = 0
+    claimed: int = 0  # live leases whose worker has claimed them (requests at the backend)
     admissions: int = 0
     holds: dict[str, int] = field(default_factory=dict)
 

@@ -136,7 +136,8 @@ class MemoryStore:
             limits.cost_of(h.job_id, h.prompt_tokens, h.max_new_tokens, self.config.limits)
             for h in heads
         ]
-        choice = limits.choose(self.config.limits, self._state, costs, now)
+        outside = float(self._figures.get("outside", 0.0)) if self.config.gate else 0.0
+        choice = limits.choose(self.config.limits, self._state, costs, now, outside)
         if choice.index is None:
             return AdmitResult(None, choice.reason, choice.retry_in_s)
         return AdmitResult(self._grant(heads[0], heads[choice.index], costs[choice.index], now))
@@ -208,6 +209,8 @@ class MemoryStore:
                 return False
             if lease.owner is not None and lease.owner != owner:
                 return False
+            if lease.owner is None:
+                self._state.claimed += 1
             expires_at = now + self.config.lease_ttl_s
             self._leases[job_id] = replace(lease, owner=owner, expires_at=expires_at)
             return True
@@ -281,6 +284,7 @@ class MemoryStore:
         lease = self._leases.pop(job_id, None)
         if lease is not None:
             limits.free(self._state, lease.kv_tokens, lease.long)
+            self._state.claimed -= 1 if lease.owner is not None else 0
 
     def _push(self, entry: _Entry) -> None:
         item = entry.item
@@ -328,6 +332,7 @@ class MemoryStore:
                 in_flight=self._state.in_flight,
                 reserved_kv_tokens=self._state.reserved_kv_tokens,
                 long_in_flight=self._state.long_in_flight,
+                claimed=self._state.claimed,
                 admissions=self._admissions,
                 holds=dict(self._holds),
             )

@@ -6,18 +6,18 @@ Every key carries the hash tag ``{d}``, so all of them share one Redis Cluster s
 one serialisation point anyway, and a script may touch the shared counters and any job's keys.
   D pending:<project>:<band>:<size>  zset  pending job ids; band interactive|batch, size
                                            short|long; score = fairshare.pending_score (ms)
-  D item:<id>      hash    project band size prompt max_new kv long enq score pending(1|0)
-                           deadline (absent: none); lives while the job is pending or leased
-                           (a lease needs it to requeue)
+  D items          hash    job id -> "project band size prompt max_new kv long enq score
+                           pending(1|0) deadline" (space-separated, deadline '-' = none); a field
+                           lives while the job is pending or leased (a lease needs it to requeue)
   D deadlines      zset    pending job ids that have a deadline, score = deadline (unix
                            seconds); an entry leaves at admission, cancel or expiry and comes
                            back when an expired lease requeues the job
   D projects       set     projects that may have pending work (pruned when found empty)
   D vtime          hash    project -> finish tag F_p (start-time fair queuing, tokens/weight)
   D leases         zset    in-flight job ids, score = lease expiry (unix seconds)
-  D lease:<id>     hash    fence kv long expires admitted_at project owner (absent until
-                           the first ``claim``; a delivery of another owner is refused)
-  D state          hash    in_flight kv long (counters of live leases), queued (pending jobs),
+  D lease          hash    job id -> "fence kv long expires admitted_at project owner" (owner
+                           empty until the first ``claim``; a delivery of another owner is refused)
+  D state          hash    in_flight kv long claimed (counters of live leases), queued (pending jobs),
                            bucket bucket_at (prefill token bucket), last_admit, blocked_job
                            blocked_since (head-of-line reservation), vtime (V)
   D fence          string  fencing token counter (INCR; every grant gets a new, larger one)
@@ -32,15 +32,22 @@ due deadlines, a job's queue), Python reads first and passes that job's keys, an
 again that what it was given still holds (an item in another queue, a lease renewed meanwhile: the
 job is skipped, not touched).
 
-Admission reads the heads without a script, in three pipelined round trips (projects and virtual
-times; the head of each queue; the heads' items), then ``ADMIT``; a project with no head is
-dropped from the set by ``PRUNE``, which checks its queues again atomically. Python orders the
-heads with the pure policy (schedulers/policy/fairshare.py); ``ADMIT`` then, atomically, re-reads
-those candidates, drops any that another dispatcher took meanwhile, applies the backend gate and
-every limit (the rules of schedulers/policy/limits.py, in the same order), and grants the first
-that fits: pop from pending, counters, bucket, virtual times, fence, lease. A race between
-dispatchers can only change who goes first, never what is allowed; when every candidate was taken,
-admission reads the heads again.
+Why one hash of items and one of leases, not a hash per job: a script then touches a fixed set of
+keys plus the queues of the projects it is told about, so ``ADMIT`` can find the heads, order
+them and grant several jobs in one call without the caller naming the jobs first; and a field
+costs less memory than a key (about 225 bytes per pending job in all, against 330 with a hash per
+job).
+
+Admission is one ``ADMIT`` call for up to ``max_grants`` grants (the dispatcher asks for 8): the
+store names the projects it last saw in the projects set (the script refuses to decide when the
+set holds another, returns the set and is called again), and the script reads the head of each of
+their queues (ZRANGE 0 0: O(log n) in the backlog), orders them with the fair policy (the rules
+of schedulers/policy/fairshare.py ``order``, repeated in Lua), applies the backend gate and every
+limit (the rules of schedulers/policy/limits.py, in the same order), and grants the first that
+fits: pop from pending, counters, bucket, virtual times, fence, lease; then again with the heads
+of the granted project read anew, until a hold or ``max_grants``. Projects whose queues are all
+empty leave the set there. Because the script reads and decides in one atomic step, dispatchers
+racing each other can only change who goes first, never what is allowed.
 
 ``CLAIM`` (worker start), ``REQUEUE`` (a grant that could not be sent), ``REAP`` (expired
 leases) and ``EXPIRE`` (pending deadlines), at most 200 jobs a call, are single scripts too.
@@ -212,7 +219,7 @@ class RedisStore:
 
     # -- leases ------------------------------------------------------------------------------
     def claim(self, job_id: str, fence: int, owner: str, now: float) -> bool:
-        keys = [self._key("lease"), self._key("leases")]
+        keys = [self._key("lease"), self._key("leases"), self._key("state")]
         return bool(self._run("claim", keys, [job_id, fence, owner, repr(now), repr(self.config.lease_ttl_s)]))
 
     def renew(self, job_id: str, fence: int, now: float) -> bool:
@@ -310,6 +317,7 @@ class RedisStore:
             in_flight=int(state.get("in_flight", 0)),
             reserved_kv_tokens=int(state.get("kv", 0)),
             long_in_flight=int(state.get("long", 0)),
+            claimed=int(state.get("claimed", 0)),
             admissions=int(stats.get("admissions", 0)),
             holds=holds,
         )

@@ -6,7 +6,8 @@
 -- KEYS[1]  state      hash    in_flight kv long queued bucket bucket_at last_admit blocked_job
 --                             blocked_since vtime
 -- KEYS[2]  stats      hash    admissions, hold:<reason>
--- KEYS[3]  backend    hash    scraped_at, hold (the gate's verdict)
+-- KEYS[3]  backend    hash    scraped_at, hold (the gate's verdict), outside (sequences outside
+--                             clients hold at the server, schedulers/scrape.py)
 -- KEYS[4]  vtime      hash    project -> finish tag
 -- KEYS[5]  fence      string  fencing token counter
 -- KEYS[6]  leases     zset    in-flight job ids by lease expiry
@@ -127,15 +128,18 @@ end
 -- One decision: the candidate to grant, or the hold reason and when it lifts.
 local function decide(cands)
   if #cands == 0 then return nil, hold('empty') end
+  local outside = 0
   if gate then
-    local b = redis.call('HMGET', KEYS[3], 'scraped_at', 'hold')
+    local b = redis.call('HMGET', KEYS[3], 'scraped_at', 'hold', 'outside')
     if not b[1] or now - tonumber(b[1]) > stale then return nil, hold('backend_stale') end
     if b[2] and b[2] ~= '' then return nil, hold('backend_' .. b[2]) end
+    outside = num(b[3], 0)
   end
   local s = redis.call('HMGET', st, 'in_flight', 'kv', 'long', 'bucket', 'bucket_at', 'last_admit',
     'blocked_job', 'blocked_since')
   local in_flight, kv_used, long_used = num(s[1], 0), num(s[2], 0), num(s[3], 0)
   if in_flight >= max_seqs then return nil, hold('seqs') end
+  if in_flight + outside >= max_seqs then return nil, hold('outside') end
   if s[6] and spacing > 0 then
     local wait = tonumber(s[6]) + spacing - now
     if wait > 0 then return nil, hold('spacing', wait) end
