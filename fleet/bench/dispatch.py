@@ -3,10 +3,12 @@ for saturation, ``fleet sim``); the whole-fleet runs (Celery workers, crash, lon
 fairness, the five-client baseline) are in fleet/bench/fleetbench.py, and ``fleet bench dispatch``
 runs both (docs/performance.md has the figures and the command).
 
-``backlog_overhead``  no backend at all: 100,000 pending jobs in one RedisStore, then admission
-                      decisions per second (each an admit + release on the real Lua scripts), the
-                      Redis memory the backlog takes (MEMORY USAGE of every dispatcher key) and
-                      the dispatcher process's own memory (it holds nothing per job).
+``backlog_overhead``  no backend at all: a steady backlog (1,000 as the baseline, then
+                      ``--jobs``) in one RedisStore, then admission decisions per second (each an
+                      admit + release on the real Lua scripts; up to 8 grants per ADMIT call, or
+                      one; releases one by one or pipelined), the Redis memory the backlog takes
+                      (MEMORY USAGE of every dispatcher key) and the dispatcher process's own
+                      memory (it holds nothing per job).
 ``saturation``        ``fleet sim`` at ``--speed`` as the backend, ``run_dispatcher`` in a thread,
                       and a pool of in-bench "workers" playing the inference worker: stream the
                       chat completion with httpx, release the lease in ``finally``. Measures mean
@@ -58,11 +60,17 @@ def _rss_mb() -> float:
 
 
 def backlog_overhead(
-    redis_url: str, jobs: int = 100_000, decisions: int = 4_000, per_call: int = GRANTS_PER_CALL
-) -> dict:
-    """Admission decisions per second at a steady backlog of ``jobs``: ``admit_many`` (up to
-    ``per_call`` grants per ADMIT call, as the dispatcher asks) and one release per grant (as
-    workers do), timed; the admitted jobs are submitted again, untimed, so the backlog stays."""
+    redis_url: str,
+    jobs: int = 100_000,
+    ways: tuple[tuple[int, bool], ...] = ((GRANTS_PER_CALL, False),),
+    decisions: int = 4_000,
+) -> list[dict]:
+    """Admission decisions per second at a steady backlog of ``jobs``, once per way of
+    ``ways`` = (grants per ADMIT call, pipelined releases), on one backlog: ``admit_many`` (up
+    to that many grants per ADMIT call, as the dispatcher asks) and one release per grant (as
+    workers do: one after the other from this one client, or the call's releases in one
+    pipeline, as several workers finishing at once), timed; the admitted jobs are submitted
+    again, untimed, so the backlog stays."""
     client = redis.Redis.from_url(redis_url)
     prefix = f"bench-{uuid.uuid4().hex[:8]}:"
     store = RedisStore(client, Keys(prefix), StoreConfig(gate=False))
@@ -77,28 +85,35 @@ def backlog_overhead(
             store.add_pending_many(item(i) for i in range(start, min(jobs, start + 1000)))
         submit_s = time.perf_counter() - started
         redis_bytes = _key_bytes(client, prefix)
-        decide_s, done, n = 0.0, 0, jobs
-        while done < decisions:
-            started = time.perf_counter()
-            grants = [r.grant for r in store.admit_many(2e9 + done, per_call) if r.grant]
-            for grant in grants:
-                store.release(grant.job_id, grant.fence)
-            decide_s += time.perf_counter() - started
-            assert grants
-            done += len(grants)
-            store.add_pending_many(item(n + k) for k in range(len(grants)))
-            n += len(grants)
-        return {
-            "backlog jobs": jobs,
-            "grants per ADMIT call (at most)": per_call,
-            "submit jobs/s": jobs / submit_s,
-            "admission decisions/s (admit+release)": done / decide_s,
-            "admit+release latency ms": 1000 * decide_s / done,
-            "Redis bytes per pending job": redis_bytes / jobs,
-            "Redis MB for the backlog": redis_bytes / 1e6,
-            "dispatcher RSS MB (peak)": _rss_mb(),
-            "dispatcher RSS growth MB": _rss_mb() - rss_before,
-        }
+        out, n = [], jobs
+        for per_call, pipelined in ways:
+            decide_s, done = 0.0, 0
+            while done < decisions:
+                started = time.perf_counter()
+                grants = [r.grant for r in store.admit_many(2e9 + n, per_call) if r.grant]
+                if pipelined:
+                    store.release_many((grant.job_id, grant.fence) for grant in grants)
+                else:
+                    for grant in grants:
+                        store.release(grant.job_id, grant.fence)
+                decide_s += time.perf_counter() - started
+                assert grants
+                done += len(grants)
+                store.add_pending_many(item(n + k) for k in range(len(grants)))
+                n += len(grants)
+            out.append({
+                "backlog jobs": jobs,
+                "grants per ADMIT call (at most)": per_call,
+                "releases": "pipelined" if pipelined else "one by one",
+                "submit jobs/s": jobs / submit_s,
+                "admission decisions/s (admit+release)": done / decide_s,
+                "admit+release latency ms": 1000 * decide_s / done,
+                "Redis bytes per pending job": redis_bytes / jobs,
+                "Redis MB for the backlog": redis_bytes / 1e6,
+                "dispatcher RSS MB (peak)": _rss_mb(),
+                "dispatcher RSS growth MB": _rss_mb() - rss_before,
+            })
+        return out
     finally:
         _delete(client, prefix)
         client.close()
@@ -276,23 +291,25 @@ def dispatch_bench(
 ) -> Table:
     """Run the benchmarks and return one table of figures (the lead registers the command).
 
-    The backlog figures come three times in one run: a 1,000-job backlog (the baseline), the
-    ``jobs`` backlog, and the ``jobs`` backlog with one grant per ADMIT call (what a dispatcher
-    that asked for one at a time would get); the ratios to the baseline follow."""
+    The backlog figures come for a 1,000-job backlog (the baseline) and the ``jobs`` backlog,
+    each with releases one by one and pipelined, and with one grant per ADMIT call (what a
+    dispatcher that asked for one at a time would get); the ratios to the baselines follow."""
     table = Table(title="fleet bench dispatch")
     table.add_column("benchmark")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    base = backlog_overhead(redis_url, 1_000)
-    big = backlog_overhead(redis_url, jobs)
-    single = backlog_overhead(redis_url, jobs, decisions=1_000, per_call=1)
+    ways = ((GRANTS_PER_CALL, False), (GRANTS_PER_CALL, True), (1, False))
+    base, base_piped, _ = backlog_overhead(redis_url, 1_000, ways)
+    big, big_piped, single = backlog_overhead(redis_url, jobs, ways)
     rate = "admission decisions/s (admit+release)"
     ratios = {
         f"{rate}, {jobs:,} / 1,000 backlog": big[rate] / base[rate],
+        "the same, releases pipelined": big_piped[rate] / base_piped[rate],
         f"{rate}, {GRANTS_PER_CALL} vs 1 grant per call at {jobs:,}": big[rate] / single[rate],
     }
     runs: list[tuple[str, dict]] = [
-        ("backlog 1,000 (baseline)", base), (f"backlog {jobs:,}", big),
+        ("backlog 1,000 (baseline)", base), ("backlog 1,000, pipelined releases", base_piped),
+        (f"backlog {jobs:,}", big), (f"backlog {jobs:,}, pipelined releases", big_piped),
         (f"backlog {jobs:,}, 1 per call", single), ("ratios", ratios),
     ]
     if with_sim:

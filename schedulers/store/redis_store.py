@@ -239,6 +239,15 @@ class RedisStore:
         keys = [self._key(k) for k in ("lease", "leases", "state", "items", "wake")]
         return bool(self._run("release", keys, [job_id, fence]))
 
+    def release_many(self, leases: Iterable[tuple[str, int]]) -> list[bool]:
+        """``release`` for several (job id, fence) pairs in one pipelined round trip, each release
+        atomic on its own: what many workers finishing at once amount to (``fleet bench``)."""
+        pipe = self._client.pipeline(transaction=False)
+        for job_id, fence in leases:
+            keys = [self._key(k) for k in ("lease", "leases", "state", "items", "wake")]
+            self._run("release", keys, [job_id, fence], client=pipe)
+        return [bool(done) for done in pipe.execute()]
+
     def requeue(self, job_id: str, fence: int) -> bool:
         where = self._where([job_id])[0]
         keys = [self._key("lease"), self._key("leases"), self._key("state"), self._key("items"),
