@@ -4,11 +4,11 @@ A hypothesis state machine draws a small configuration (few sequences, a small K
 two long prompts at a time, a tight prefill bucket, spacing, project weights, the backend gate on
 or off), then feeds the same submits, resubmits, admissions (one at a time and several per call),
 claims, renewals, resizes, releases, requeues, cancels, deadline expiries, backend verdicts and
-clock steps (which reap unrenewed leases) to a ``MemoryStore`` and a ``RedisStore`` sharing one fake clock. Every answer must be
-equal - grants (job, fence, project, sizes, expiry, wait), hold reasons and their retry times,
-booleans, reaped and expired ids - and after every step so must the snapshots (pending per
-project and band, in flight, reserved KV, long in flight, admissions, holds), the live leases,
-the pending ids and the next deadline and expiry.
+clock steps (which reap unrenewed leases) to a ``MemoryStore`` and a ``RedisStore`` sharing one
+fake clock. Every answer must be equal - grants (job, fence, project, sizes, expiry, wait), hold
+reasons and their retry times, booleans, reaped and expired ids - and after every step so must
+the snapshots (pending per project and band, in flight, reserved KV, long in flight, claimed
+leases, admissions, holds), the live leases, the pending ids and the next deadline and expiry.
 
 The order of ``reap_expired``'s ids is not part of the contract (the caller only logs them), so
 they are compared as sorted lists. Resubmissions happen at any time, in flight too.
