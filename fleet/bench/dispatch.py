@@ -10,8 +10,8 @@ runs both (docs/performance.md has the figures and the command).
                       (MEMORY USAGE of every dispatcher key) and the dispatcher process's own
                       memory (it holds nothing per job).
 ``saturation``        ``fleet sim`` at ``--speed`` as the backend, ``run_dispatcher`` in a thread,
-                      and a pool of in-bench "workers" playing the inference worker: stream the
-                      chat completion with httpx, release the lease in ``finally``. Measures mean
+                      and a pool of in-bench "workers" playing the inference worker: claim the
+                      lease, stream the chat completion with httpx, release it in ``finally``. Measures mean
                       in-flight / cap over the busy period (while jobs were still pending), the
                       simulator's own peak running count, release-to-next-admission latency and
                       release-to-next-request-at-the-backend latency (the simulator's request log).
@@ -217,6 +217,7 @@ def saturation(
 
     def work(grant: Grant) -> None:
         try:
+            store.claim(grant.job_id, grant.fence, "bench", time.time())  # as inference workers do
             _stream(http, grant, think, answer)
         finally:
             timeline.add("release", time.time())
