@@ -134,6 +134,47 @@ def test_long_cap_lets_short_jobs_pass(make_store: StoreFactory) -> None:
     assert snap.long_in_flight == 1 and snap.pending == {"a": {"batch": 1}}
 
 
+def test_a_long_prefill_runs_beside_few_short_sequences_and_alone_after(make_store: StoreFactory) -> None:
+    """Quiet long prefills: the long prompt waits while more than one short job is in flight
+    (shorts pass it meanwhile), goes once they are down to one, and then nothing is admitted
+    until its prefill (12,000 tokens at 1,000 tok/s: 12 s) should be done."""
+    store = make_store(limits(max_num_seqs=10, max_long=2, long_prefill_tokens_per_s=1_000.0,
+                              short_beside_long=1, hol_bypass_s=100.0))
+    for i in range(2):
+        store.add_pending(job(f"s{i}", project="b"))
+    assert admit_ids(store, 1_010.0) == ["s0", "s1"]
+    store.add_pending(job("l2", prompt=12_000, new=0))
+    store.add_pending(job("s3", project="b"))
+    held = store.admit_next(1_010.0)  # l2 first in fair order, two shorts in flight: s3 passes it
+    assert held.grant is not None and held.grant.job_id == "s3"
+    assert store.admit_next(1_010.0).hold_reason == "prefill"
+    for name in ("s0", "s1"):
+        assert store.release(name, store.lease_fences()[name])
+    assert admit_ids(store, 1_011.0) == ["l2"]  # one short in flight now
+    store.add_pending(job("s4", project="b"))
+    store.add_pending(job("l5", project="c", prompt=12_000, new=0))
+    held = store.admit_next(1_015.0)
+    assert held.hold_reason == "prefill" and held.retry_in_s == pytest.approx(8.0)
+    assert admit_ids(store, 1_023.0) == ["s4"]  # l5 waits: two shorts in flight again
+
+
+def test_a_long_prompt_kept_waiting_by_short_ones_reserves_its_turn(make_store: StoreFactory) -> None:
+    """Shorts keep coming; after hol_bypass_s the long prompt first in line stops them, the
+    shorts in flight drain, and it goes: no starvation."""
+    store = make_store(limits(max_num_seqs=10, long_prefill_tokens_per_s=1_000.0,
+                              short_beside_long=0, hol_bypass_s=5.0))
+    store.add_pending(job("s0", project="b"))
+    assert admit_ids(store, 1_010.0) == ["s0"]
+    store.add_pending(job("l1", prompt=12_000, new=0))
+    store.add_pending(job("s2", project="b"))
+    assert admit_ids(store, 1_010.0) == ["s2"]  # l1 first in line, held: shorts in flight
+    store.add_pending(job("s3", project="b"))
+    assert admit_ids(store, 1_016.0) == []  # l1 reserved its turn: s3 waits too
+    for name in ("s0", "s2"):
+        assert store.release(name, store.lease_fences()[name])
+    assert admit_ids(store, 1_016.0) == ["l1"]
+
+
 def test_prefill_bucket_paces_prompts(make_store: StoreFactory) -> None:
     store = make_store(limits(prefill_tokens_per_s=1_000.0, prefill_burst_tokens=2_000))
     for i in range(3):

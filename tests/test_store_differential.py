@@ -58,6 +58,8 @@ small_limits = st.builds(
     prefill_burst_tokens=st.sampled_from([12_000, 40_000, 10**9]),
     min_spacing_s=st.sampled_from([0.0, 0.0, 0.7]),
     hol_bypass_s=st.sampled_from([0.0, 3.0, 10.0]),
+    long_prefill_tokens_per_s=st.sampled_from([0.0, 0.0, 5_000.0]),
+    short_beside_long=st.integers(0, 1),
 )
 configs = st.builds(
     StoreConfig,

@@ -32,7 +32,8 @@ Measuring:
 
 Settings scaled by ``--speed`` so proportions stay those of the real deployment: the prefill
 token bucket (``admission.prefill_tokens_per_s`` x speed; the paced run's ``hol_bypass_s`` /
-speed). Lease TTL is not scaled (it is about
+speed) and the server's prefill rate the quiet long prefills count with
+(``backend.prefill_tokens_per_s`` x speed). Lease TTL is not scaled (it is about
 detecting a dead worker in real time).
 
 Failure handling: everything started is stopped in ``close`` (also on error), and every key under
@@ -420,6 +421,7 @@ class FleetBench:
         data["broker_url"] = redis_url
         data["key_prefix"] = f"fbench-{uuid.uuid4().hex[:8]}:"
         data["backend"]["max_num_seqs"] = cap
+        data["backend"]["prefill_tokens_per_s"] = float(data["backend"].get("prefill_tokens_per_s", 8000)) * speed
         admission = data.setdefault("admission", {})
         admission.update(
             metrics_port=0,

@@ -24,6 +24,13 @@ Limits, checked in this order for every candidate job:
              else is in flight: otherwise it could never run and would block its project forever.
 ``long``     at most ``max_long`` requests with ``prompt_tokens > long_prompt_tokens`` at once
              (four or more ultra-long prefills bring the server to a crawl).
+``prefill``  quiet long prefills (``long_prefill_tokens_per_s`` > 0): a long prompt goes only while
+             at most ``short_beside_long`` short sequences are in flight, and while its prefill runs
+             (until ``prefill_until``: its prompt tokens / the server's prefill rate after its
+             admission, after the previous long prefill's end) nothing is admitted (a global hold
+             with a retry time). A prefill chunk rides in every engine step, so each sequence
+             decoding beside a 60K-token prefill runs several times slower for its whole length;
+             short jobs wait in line instead, where they cost the backend nothing.
 ``bucket``   prefill pacing: a token bucket on admitted prompt tokens (rate
              ``prefill_tokens_per_s``, size ``prefill_burst_tokens``). A prompt bigger than the
              bucket is admitted when the bucket is full and leaves the bucket in debt, so the
@@ -47,7 +54,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fleet.core.config import Settings
 
-RESERVING_REASONS = ("kv", "bucket")
+RESERVING_REASONS = ("kv", "bucket", "prefill")
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,8 @@ class Limits:
     prefill_burst_tokens: int = 262_144
     min_spacing_s: float = 0.0
     hol_bypass_s: float = 10.0
+    long_prefill_tokens_per_s: float = 0.0  # the server's prefill rate; 0: no quiet long prefills
+    short_beside_long: int = 2
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
@@ -75,6 +84,8 @@ class Limits:
             prefill_burst_tokens=admission.prefill_burst_tokens,
             min_spacing_s=admission.min_spacing_ms / 1000.0,
             hol_bypass_s=admission.hol_bypass_s,
+            long_prefill_tokens_per_s=backend.prefill_tokens_per_s if admission.quiet_long_prefill else 0.0,
+            short_beside_long=admission.short_beside_long_prefill,
         )
 
 
@@ -91,6 +102,7 @@ class LimitState:
     blocked_job: str | None = None
     blocked_since: float = 0.0
     claimed: int = 0  # live leases a worker has claimed (its request is at the backend)
+    prefill_until: float = 0.0  # when the last admitted long prompt's prefill should be done
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,8 @@ def check_global(
         wait_s = state.last_admit_at + limits.min_spacing_s - now
         if wait_s > 0:
             return "spacing", wait_s
+    if limits.long_prefill_tokens_per_s > 0 and now < state.prefill_until:
+        return "prefill", state.prefill_until - now
     return None, None
 
 
@@ -149,6 +163,9 @@ def check_job(
         return "kv", None
     if cost.long and state.long_in_flight >= limits.max_long:
         return "long", None
+    short_in_flight = state.in_flight - state.long_in_flight
+    if cost.long and limits.long_prefill_tokens_per_s > 0 and short_in_flight > limits.short_beside_long:
+        return "prefill", None
     need = min(cost.prompt_tokens, limits.prefill_burst_tokens)
     level = bucket_level(limits, state, now)
     if level < need:
@@ -163,6 +180,9 @@ def admit(limits: Limits, state: LimitState, cost: Cost, now: float) -> None:
     state.in_flight += 1
     state.reserved_kv_tokens += cost.kv_tokens
     state.long_in_flight += 1 if cost.long else 0
+    if cost.long and limits.long_prefill_tokens_per_s > 0:
+        start = max(now, state.prefill_until)
+        state.prefill_until = start + cost.prompt_tokens / limits.long_prefill_tokens_per_s
 
 
 def free(state: LimitState, kv: int, long: bool) -> None:

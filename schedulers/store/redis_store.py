@@ -18,7 +18,8 @@ one serialisation point anyway, and a script may touch the shared counters and a
   D lease          hash    job id -> "fence kv long expires admitted_at project owner" (owner
                            empty until the first ``claim``; a delivery of another owner is refused)
   D state          hash    in_flight kv long claimed (counters of live leases), queued (pending jobs),
-                           bucket bucket_at (prefill token bucket), last_admit, blocked_job
+                           bucket bucket_at (prefill token bucket), prefill_until (quiet long
+                           prefills), last_admit, blocked_job
                            blocked_since (head-of-line reservation), vtime (V)
   D fence          string  fencing token counter (INCR; every grant gets a new, larger one)
   D wake           list    LPUSHed on submit/release/expiry, capped at 100; dispatchers BLPOP it
@@ -211,6 +212,8 @@ class RedisStore:
             repr(config.scrape_stale_s),
             repr(config.aging_s),
             max_grants,
+            repr(limits.long_prefill_tokens_per_s),
+            limits.short_beside_long,
         ]
         for project in self._projects:
             keys += [self._queue(project, b, z) for b in fairshare.BANDS for z in fairshare.SIZES]
