@@ -45,7 +45,7 @@ def dispatch(
         help="with the overhead figures, also the in-bench saturation run against fleet sim")] = True,
     fleet: Annotated[bool, typer.Option(help="run the whole-fleet scenarios (real processes)")] = True,
     scenarios: Annotated[str, typer.Option(help="whole-fleet scenarios, comma separated")]
-    = "fairness,saturation,long,crash",
+    = "fairness,saturation,long,crash,idle",
     fleet_speed: Annotated[float, typer.Option(help="simulator speed of the whole-fleet runs")] = 5.0,
     fleet_jobs: Annotated[int, typer.Option(help="short jobs in the saturation scenario")] = 2000,
     think: Annotated[int, typer.Option(help="reasoning tokens of a short job (+-25%)")] = 200,
