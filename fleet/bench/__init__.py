@@ -57,6 +57,7 @@ def dispatch(
     workers: Annotated[int, typer.Option(help="Celery workers (processes)")] = 2,
     concurrency: Annotated[int, typer.Option(help="threads per Celery worker")] = 32,
     lease_ttl_s: Annotated[float, typer.Option(help="lease TTL of the whole-fleet runs")] = 5.0,
+    idle_jobs: Annotated[int, typer.Option(help="jobs one at a time in the idle scenario")] = 100,
     paced_prefill_tokens_per_s: Annotated[float, typer.Option(
         help="prefill bucket of the paced long-prompt run, simulated tok/s")] = 1500.0,
     markdown: Annotated[str, typer.Option(help="also write the whole-fleet rows as markdown here")] = "",
@@ -74,7 +75,7 @@ def dispatch(
                 long_jobs=long_jobs, long_tokens=long_tokens, fair_n=fair_n, crash_jobs=crash_jobs,
                 only=tuple(s.strip() for s in scenarios.split(",") if s.strip()), workers=workers,
                 concurrency=concurrency, lease_ttl_s=lease_ttl_s,
-                paced_tokens_per_s=paced_prefill_tokens_per_s)
+                paced_tokens_per_s=paced_prefill_tokens_per_s, idle_jobs=idle_jobs)
             console.print(rows_table(rows))
             if markdown:
                 with open(markdown, "w", encoding="utf-8") as f:

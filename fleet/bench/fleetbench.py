@@ -1083,10 +1083,11 @@ IDLE_HOPS = (
 
 
 def idle_latency(fb: FleetBench, n: int) -> list[Row]:
-    """One tiny job at a time through ``fleet.Client`` on an idle fleet: the time of each hop,
-    from the client's clock at submit, the job's events (``prepared``, ``admitted``), the sim's
-    request log (``received_at``), the envelope's ``finished_at`` and ``Client.result``
-    returning; added latency = submit -> result minus request at the backend -> envelope."""
+    """One tiny job at a time through ``fleet.Client`` on an idle fleet (after one warm-up job):
+    the time of each hop, from the client's clock at submit, the job's events (``prepared``,
+    ``admitted``), the sim's request log (``received_at``), the envelope's ``finished_at`` and
+    ``Client.result`` returning; added latency = submit -> result minus request at the backend
+    -> envelope."""
     fb.wait_idle()
     fb.reset_sim()
     name = fb.start_dispatcher()
@@ -1094,7 +1095,7 @@ def idle_latency(fb: FleetBench, n: int) -> list[Row]:
     added: list[float] = []
     spec = Spec("triage", think=1, answer=1)
     try:
-        for _ in range(n):
+        for i in range(n + 1):  # the first job warms the workers up and is not counted
             job = job_of(spec, None)
             job["id"] = uuid.uuid4().hex
             started = time.time()
@@ -1107,6 +1108,8 @@ def idle_latency(fb: FleetBench, n: int) -> list[Row]:
             received = float(log_["requests"][-1]["received_at"])
             marks = [started, events["prepared"], events["admitted"], received, envelope.finished_at,
                      returned]
+            if i == 0:
+                continue
             for hop, (a, b) in zip(hops, itertools.pairwise(marks), strict=True):
                 hop.append(b - a)
             added.append((returned - started) - (envelope.finished_at - received))

@@ -98,7 +98,7 @@ class RedisStore:
         self._clock = clock
         self._max_block_s = max_block_s(client)
         self._scripts = Scripts(client, "schedulers.store", SCRIPTS, prelude="prelude")
-        self._projects: list[str] = []  # the projects set as the last ADMIT returned it
+        self._projects: list[str] = []  # every project ADMIT has found in the projects set
 
     # -- keys (all under D, one hash tag) -------------------------------------------------------
     def _key(self, name: str) -> str:
@@ -178,17 +178,17 @@ class RedisStore:
     def admit_many(self, now: float, max_grants: int) -> list[AdmitResult]:
         """Up to ``max_grants`` grants in one ADMIT call, then the hold that stopped it (if any).
 
-        The call names the projects this store last saw in the projects set; when the set holds
-        another one, ADMIT decides nothing and returns the set, and the call is made again."""
+        The call names every project this store has seen in the projects set (projects come
+        from the configuration: a short list); when the set holds another one, ADMIT decides
+        nothing and returns the set, and the call is made again with it. A project that drained
+        stays named, so its next job costs no extra call."""
         for _ in range(_ROUNDS):
             reply = self._run("admit", *self._admit_call(now, max_grants))
             if _text(reply[0]) == "stale":
-                self._projects = sorted(_text(p) for p in reply[1])
+                self._projects = sorted(set(self._projects) | {_text(p) for p in reply[1]})
                 continue
-            if _text(reply[0]) == "pruned":
-                self._projects = sorted(_text(p) for p in reply[1])
-            results = [AdmitResult(_grant(reply[i : i + 8])) for i in range(4, len(reply), 8)]
-            reason, retry = _text(reply[2]), _text(reply[3])
+            results = [AdmitResult(_grant(reply[i : i + 8])) for i in range(3, len(reply), 8)]
+            reason, retry = _text(reply[1]), _text(reply[2])
             if reason:
                 results.append(AdmitResult(None, reason, float(retry) if retry else None))
             return results

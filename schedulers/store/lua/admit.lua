@@ -23,10 +23,10 @@
 --       sequences in flight at most when a long prompt goes), then (project, weight) per
 --       project, in the same order as the keys.
 -- Returns {'stale', members} when the projects set holds a project the caller did not name
--- (nothing was decided; call again with them), else {kind, members, reason, retry_in, grant
--- fields...}: kind 'pruned' when projects found empty left the set (members: the set now) or
--- 'ok' (members: {}); reason '' when max_grants were granted, else the hold that stopped it;
--- each grant is 8 fields: id, project, fence, prompt, kv, long (1|0), expires, waited.
+-- (nothing was decided; call again with them), else {'ok', reason, retry_in, grant fields...}:
+-- reason '' when max_grants were granted, else the hold that stopped it; each grant is 8 fields:
+-- id, project, fence, prompt, kv, long (1|0), expires, waited. A named project whose queues are
+-- all empty leaves the set; the caller may keep naming it (it costs four empty reads).
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local max_seqs, kv_budget, max_long = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local rate, burst, spacing = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -85,14 +85,10 @@ end
 local tags = {}
 local in_set = {}
 for _, m in ipairs(members) do in_set[m] = true end
-local pruned = false
 for _, pr in ipairs(projects) do
   tags[pr.name] = num(redis.call('HGET', vtime, pr.name), 0)
   read_heads(pr)
-  if not pr.heads and in_set[pr.name] then
-    redis.call('SREM', KEYS[8], pr.name)
-    in_set[pr.name], pruned = nil, true
-  end
+  if not pr.heads and in_set[pr.name] then redis.call('SREM', KEYS[8], pr.name) end
 end
 
 -- fairshare.order: (tier, start tag, first candidate's score, project), candidates flattened.
@@ -211,13 +207,13 @@ local function grant(c, top, level, prefill_until)
     fmt(math.max(0, now - c.enq))}
 end
 
-local out = {'ok', {}, '', ''}
+local out = {'ok', '', ''}
 local granted = 0
 while granted < max_grants do
   local cands = order(num(redis.call('HGET', st, 'vtime'), 0))
   local pick, reason, retry = decide(cands)
   if not pick then
-    out[3], out[4] = reason, retry
+    out[2], out[3] = reason, retry
     break
   end
   for _, field in ipairs(grant(pick.c, cands[1], pick.level, pick.prefill_until)) do table.insert(out, field) end
@@ -225,12 +221,5 @@ while granted < max_grants do
   for _, pr in ipairs(projects) do
     if pr.name == pick.c.project then read_heads(pr) end
   end
-end
-if pruned then
-  local left = {}
-  for _, pr in ipairs(projects) do
-    if in_set[pr.name] then table.insert(left, pr.name) end
-  end
-  out[1], out[2] = 'pruned', left
 end
 return out
