@@ -10,8 +10,9 @@
 -- queues of the projects the caller names, so ADMIT can pick and grant several jobs in one call.
 --   items[id] = "project band size prompt max_new kv long enq score pending deadline cont
 --               deferred" (space-separated; project names are letters, digits, - and _; deadline
---               '-' = none; cont 1 once READMIT made the job a continuation; deferred = its
---               not-before time while it waits in `deferred`, '-' = not waiting). A field added
+--               '-' = none; cont 1 once READMIT made the job a continuation; deferred = the
+--               not-before time READMIT gave it while it waits in `deferred` (the zset's score
+--               is the one that counts: ``hurry`` may lower it), '-' = not waiting). A field added
 --               later goes at the end (readers outside Lua take the first ones by position).
 --   lease[id] = "fence kv long expires admitted_at project owner" (owner '' until the first claim;
 --               it may hold spaces: it is the rest of the string)
