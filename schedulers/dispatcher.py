@@ -171,7 +171,6 @@ def dispatch_round(
     """One pass of the loop before its wait: reap and promote (unless ``reap`` is False: no
     lease can have expired yet, no continuation come due), expire deadlines, admit."""
     housekeeping(store, clock, on_expired, reap)
-    expire_deadlines(store, clock(), on_expired)
     return admit_all(store, send, clock(), metrics)
 
 
@@ -192,7 +191,8 @@ def run_dispatcher(
     ``backoff`` paces the retries after a Redis error or a failed send (module docstring);
     ``shared_metrics`` are more fleet-wide collectors, exported by the metrics leader only;
     ``gate()`` is asked before each round: a non-empty answer is a hold reason, and the round only
-    reaps leases and expires deadlines (fleet/worker/heartbeat.py's ``no_workers``).
+    reaps leases, promotes due continuations and expires deadlines (fleet/worker/heartbeat.py's
+    ``no_workers``).
     """
     stop = stop or threading.Event()
     backoff = backoff or Backoff()

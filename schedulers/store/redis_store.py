@@ -24,7 +24,8 @@ one serialisation point anyway, and a script may touch the shared counters and a
                            prefills), last_admit, blocked_job
                            blocked_since (head-of-line reservation), vtime (V)
   D fence          string  fencing token counter (INCR; every grant gets a new, larger one)
-  D wake           list    LPUSHed on submit/release/expiry, capped at 100; dispatchers BLPOP it
+  D wake           list    LPUSHed on submit/release/readmit/promotion/expiry, capped at 100;
+                           dispatchers BLPOP it
   D backend        hash    scraped_at hold (gate verdict) + raw figures (schedulers/scrape.py)
   D stats          hash    admissions, hold:<reason>
   D deferred       zset    continuations waiting for their not-before time (score, unix s); their
