@@ -1,5 +1,6 @@
 """The dispatcher process loop on a real Redis: event-driven wakes, metrics, ``fleet queues``,
-deadlines of pending jobs, failed sends, and surviving Redis errors."""
+deadlines of pending jobs, continuations (promoted when due, also while held), failed sends, and
+surviving Redis errors."""
 
 from __future__ import annotations
 
@@ -392,6 +393,33 @@ def test_a_held_round_still_promotes_a_due_continuation(
     try:
         assert wait_until(lambda: store.continuations() == {"a": {"pending": 1}})
         assert store.next_not_before() is None and recorder.grants == []
+    finally:
+        dispatcher.close(store)
+        client.close()
+
+
+def test_a_backoff_ends_in_a_grant_while_other_wakes_keep_coming(
+    key_prefix: str, redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Rounds woken early skip the promotion as they skip the reap; the continuation's not-before
+    time still bounds the wait, so it is admitted again however many wakes come meanwhile."""
+    settings = settings_for(key_prefix, lease_ttl_s=3600.0, max_wait_s=4.0)
+    store = make_store(settings, redis_client)
+    store.add_pending(PendingItem("j1", "a", 100, 100))
+    recorder = Recorder()
+    client = redis.Redis.from_url(redis_url)
+    dispatcher = Dispatcher(settings, client, recorder)
+    try:
+        assert recorder.wait_for(1)
+        first = recorder.grants[0]
+        assert store.readmit("j1", first.fence, 100, time.time() + 1.0, time.time())
+        n = 0
+        while len(recorder.grants) < 2 and n < 400:  # every wake well inside max_wait_s
+            n += 1
+            store.wake()
+            threading.Event().wait(0.05)
+        assert [g.job_id for g in recorder.grants] == ["j1", "j1"]
+        assert recorder.grants[1].fence > first.fence
     finally:
         dispatcher.close(store)
         client.close()
