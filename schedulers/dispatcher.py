@@ -5,15 +5,23 @@ Loop (``run_dispatcher``):
      the continuations whose not-before time (a backoff) came (``promote_due``);
   2. drop pending jobs whose deadline passed (``expire_deadlines``) and hand each id to
      ``on_expired`` (the caller publishes E_DEADLINE);
-  3. ``admit_next`` while it grants, calling ``send(grant)`` for each (the caller enqueues the
-     inference task with the job id and the fence);
+  3. ``admit_many`` while it grants (up to ``GRANTS_PER_CALL`` grants per call: one Lua script
+     call on Redis), calling ``send(grant)`` for each (the caller enqueues the inference task
+     with the job id and the fence);
   (0. with a ``gate`` (fleet/worker/dispatch.py: no live inference worker), the round stops after
      step 2 and holds with the gate's reason;)
-  4. block on the wake list (BLPOP) until a submit, a release, an expiry or a lifted backend hold
-     pushes to it, or until the next time-based event: lease expiry, pending deadline, bucket
-     refill, spacing, a continuation's not-before time, or ``admission.max_wait_s`` at most
-     (<= 4 s, below redis-py's socket timeout). Nothing sleep-polls; a freed slot is refilled
-     as soon as the release's wake reaches a dispatcher.
+  4. block on the wake list (BLPOP) until a submit, a release, a readmit, an expiry or a lifted
+     backend hold pushes to it, or until the next time-based event: lease expiry, pending
+     deadline, bucket refill, spacing, a continuation's not-before time, or
+     ``admission.max_wait_s`` at most (<= 4 s, below redis-py's socket timeout). Nothing
+     sleep-polls; a freed slot is refilled as soon as the release's wake reaches a dispatcher.
+     A round woken before that timeout skips step 1 (one Redis round trip less between a
+     release and the next admission): the timeout never passes the earliest lease expiry E it
+     read, and no lease granted or renewed later can expire before E (each lasts
+     ``lease_ttl_s`` from its grant or renewal, and E was at most that far away). Nor does it
+     pass the earliest not-before time it read; a continuation deferred later pushes a wake, and
+     the round that wake starts reads its not-before time into the next timeout (1 ms when it
+     has already come), so a due continuation is promoted a round late at worst.
 
 What it logs at INFO: start, stop, hold reasons as they change and a summary line a minute
 (schedulers/activity.py), errors; each admission only at DEBUG.
@@ -59,6 +67,7 @@ from schedulers.store.base import AdmissionStore, AdmitResult, Grant
 log = logging.getLogger(__name__)
 
 SEND_ERRORS = (kombu.exceptions.OperationalError, redis.RedisError, OSError)
+GRANTS_PER_CALL = 8  # grants one store call may decide (Redis: one ADMIT script call)
 
 
 def admit_all(
@@ -68,44 +77,50 @@ def admit_all(
     metrics: DispatcherMetrics | None = None,
     until: Callable[[Grant], bool] | None = None,
 ) -> AdmitResult:
-    """Admit while the store grants; returns the round's final (holding) result, or
-    ``AdmitResult(None, "send_failed")`` after a grant that could not be sent (it is requeued).
-    ``until``: stop after the grant it is true for (the gateway's round stops at its own request's
-    grant and leaves the rest to the dispatchers, which the submission woke)."""
+    """Admit while the store grants, up to ``GRANTS_PER_CALL`` grants per store call; returns the
+    round's final (holding) result, or ``AdmitResult(None, "send_failed")`` after a grant that
+    could not be sent (it and the grants of the same call not sent yet are requeued).
+    ``until``: stop after the store call whose grants it is true for (the gateway's round stops
+    at its own request's grant, the other grants of that call sent, and leaves the rest to the
+    dispatchers, which the submission woke)."""
     while True:
-        result = store.admit_next(now)
-        grant = result.grant
-        if grant is None:
-            return result
-        log.debug(
-            "admitted %s project=%s fence=%d prompt=%d kv=%d long=%s waited=%.3fs",
-            grant.job_id,
-            grant.project,
-            grant.fence,
-            grant.prompt_tokens,
-            grant.kv_tokens,
-            grant.long,
-            grant.waited_s,
-        )
-        if metrics is not None:
-            metrics.admitted(grant)
-        try:
-            send(grant)
-        except SEND_ERRORS as exc:
-            log.warning("sending %s failed (%r); back in line", grant.job_id, exc)
-            return _requeue(store, grant)
-        except Exception:  # a bug in send: same handling, with the traceback
-            log.exception("sending %s failed; back in line", grant.job_id)
-            return _requeue(store, grant)
-        if until is not None and until(grant):
-            return result
+        results = store.admit_many(now, GRANTS_PER_CALL)
+        grants = [result.grant for result in results if result.grant is not None]
+        for index, grant in enumerate(grants):
+            if not _send(send, grant, metrics):
+                for unsent in grants[index:]:
+                    store.requeue(unsent.job_id, unsent.fence)
+                return AdmitResult(None, "send_failed")
+        if results[-1].grant is None:
+            return results[-1]
+        if until is not None and any(until(grant) for grant in grants):
+            return results[-1]
 
 
-def _requeue(store: AdmissionStore, grant: Grant) -> AdmitResult:
-    """Give a grant's lease back at once. If Redis is down too, the RedisError reaches the loop,
-    and the lease simply expires after its TTL."""
-    store.requeue(grant.job_id, grant.fence)
-    return AdmitResult(None, "send_failed")
+def _send(send: Callable[[Grant], None], grant: Grant, metrics: DispatcherMetrics | None) -> bool:
+    """Hand one grant to ``send``; False when it failed (the caller requeues it). If Redis is
+    down too, the requeue's RedisError reaches the loop and the lease simply expires."""
+    log.debug(
+        "admitted %s project=%s fence=%d prompt=%d kv=%d long=%s waited=%.3fs",
+        grant.job_id,
+        grant.project,
+        grant.fence,
+        grant.prompt_tokens,
+        grant.kv_tokens,
+        grant.long,
+        grant.waited_s,
+    )
+    if metrics is not None:
+        metrics.admitted(grant)
+    try:
+        send(grant)
+    except SEND_ERRORS as exc:
+        log.warning("sending %s failed (%r); back in line", grant.job_id, exc)
+        return False
+    except Exception:  # a bug in send: same handling, with the traceback
+        log.exception("sending %s failed; back in line", grant.job_id)
+        return False
+    return True
 
 
 def wait_timeout_s(store: AdmissionStore, result: AdmitResult, now: float, max_s: float) -> float:
@@ -137,17 +152,31 @@ def expire_deadlines(
     return expired
 
 
+def housekeeping(
+    store: AdmissionStore,
+    clock: Callable[[], float],
+    on_expired: Callable[[str], None] | None,
+    reap: bool = True,
+) -> None:
+    """Steps 1 and 2: reap expired leases and promote due continuations (when ``reap``), expire
+    pending deadlines. A held round does them too (its wait counts on them being done)."""
+    if reap:
+        store.reap_expired(clock())
+        store.promote_due(clock())
+    expire_deadlines(store, clock(), on_expired)
+
+
 def dispatch_round(
     store: AdmissionStore,
     send: Callable[[Grant], None],
     clock: Callable[[], float],
     metrics: DispatcherMetrics | None = None,
     on_expired: Callable[[str], None] | None = None,
+    reap: bool = True,
 ) -> AdmitResult:
-    """One pass of the loop before its wait: reap, expire deadlines, admit."""
-    store.reap_expired(clock())
-    store.promote_due(clock())
-    expire_deadlines(store, clock(), on_expired)
+    """One pass of the loop before its wait: reap and promote (unless ``reap`` is False: no
+    lease can have expired yet, no continuation come due), expire deadlines, admit."""
+    housekeeping(store, clock, on_expired, reap)
     return admit_all(store, send, clock(), metrics)
 
 
@@ -168,7 +197,8 @@ def run_dispatcher(
     ``backoff`` paces the retries after a Redis error or a failed send (module docstring);
     ``shared_metrics`` are more fleet-wide collectors, exported by the metrics leader only;
     ``gate()`` is asked before each round: a non-empty answer is a hold reason, and the round only
-    reaps leases and expires deadlines (fleet/worker/heartbeat.py's ``no_workers``).
+    reaps leases, promotes due continuations and expires deadlines (fleet/worker/heartbeat.py's
+    ``no_workers``).
     """
     stop = stop or threading.Event()
     backoff = backoff or Backoff()
@@ -189,25 +219,29 @@ def run_dispatcher(
     log.info(
         "dispatcher running: cap=%d, prefix=%s", settings.backend.max_num_seqs, settings.key_prefix
     )
+    reap_at = -float("inf")  # no lease expires before this (module docstring: the wait)
     try:
         while not stop.is_set():
             try:
                 if server is not None:  # one without /metrics must never take the lead
                     leader.renew()
                 hold = gate() if gate is not None else ""
+                reap = clock() >= reap_at
                 if hold:
-                    store.reap_expired(clock())
-                    expire_deadlines(store, clock(), on_expired)
+                    housekeeping(store, clock, on_expired, reap)
                     result = AdmitResult(None, hold)
                 else:
-                    result = dispatch_round(store, counted_send, clock, metrics, on_expired)
+                    result = dispatch_round(store, counted_send, clock, metrics, on_expired, reap)
                 activity.round_ended(result.hold_reason)
                 if result.hold_reason == "send_failed":
                     stop.wait(backoff.next_s())
                     continue
-                store.wait_for_wake(wait_timeout_s(store, result, clock(), admission.max_wait_s))
+                timeout_s = wait_timeout_s(store, result, clock(), admission.max_wait_s)
+                reap_at = clock() + timeout_s
+                store.wait_for_wake(timeout_s)
                 backoff.reset()
             except redis.RedisError as exc:
+                reap_at = -float("inf")
                 pause_s = backoff.next_s()
                 log.warning("redis error in the dispatcher loop (%r); again in %.1fs", exc, pause_s)
                 stop.wait(pause_s)

@@ -130,6 +130,13 @@ class StoreCollector(Collector):
         yield CounterMetricFamily(
             "fleet_dispatch_admissions", "Jobs admitted", value=snap.admissions
         )
+        outside = self._store.backend().get("outside")
+        if outside is not None:
+            yield GaugeMetricFamily(
+                "fleet_backend_outside_sequences",
+                "Sequences running at the backend that are not the fleet's (last scrape)",
+                value=float(outside),
+            )
         holds = CounterMetricFamily(
             "fleet_dispatch_holds", "Admission rounds that admitted nothing", labels=["reason"]
         )

@@ -9,6 +9,13 @@ backend it cannot see. When a scrape finds no reason to hold, it wakes one dispa
 lifts within one scrape interval without anyone polling. Several dispatchers each run a scraper;
 the last write wins, which is fine for a once-a-second gauge reading.
 
+Outside clients: the scrape also records ``outside``, the backend's running count beyond the
+fleet's claimed leases (tools run by hand, clients that do not go through the fleet); admission
+counts it against ``max_num_seqs`` (hold ``outside``), so the server's own total stays at its
+ceiling, and ``fleet_backend_outside_sequences`` exports it. The figure is the larger of the last
+two scrapes' estimates (``outside_now``), so a fleet request claimed a moment before the server
+counted it does not open a slot on its own.
+
 On its first healthy scrape, and the first after every unhealthy one, the scraper also compares
 the server's own block size, pool and max_model_len with ``[backend]`` (schedulers/serverinfo.py);
 with ``admission.on_server_mismatch = "refuse"`` a disagreement holds ("server_mismatch").
@@ -61,6 +68,14 @@ def figures(sample: BackendSample) -> dict[str, str]:
     return out
 
 
+def outside(running: float, claimed: int) -> float:
+    """Sequences at the backend that are not the fleet's: its running count beyond the fleet's
+    claimed leases (a worker claims its lease just before it sends the request). Admitted but
+    not yet claimed leases are not subtracted: they are not at the backend yet, and admission
+    counts them in its own in-flight figure."""
+    return max(0.0, running - claimed)
+
+
 def record(
     store: AdmissionStore, sample: BackendSample, admission: AdmissionSettings, server_hold: str = ""
 ) -> str:
@@ -76,7 +91,14 @@ def record(
         previous_waiting=float(waiting) if waiting else None,
     )
     hold = hold or server_hold
-    store.record_backend(sample.scraped_at, hold, figures(sample))
+    found = figures(sample)
+    if sample.running is not None:
+        # The larger of this scrape's estimate and the previous one: a fleet request claimed but
+        # not yet counted by the server makes one estimate too low, and two in a row are rare.
+        found["outside_now"] = repr(outside(sample.running, store.snapshot().claimed))
+        found["outside"] = repr(max(float(found["outside_now"]),
+                                    float(previous.get("outside_now", 0.0))))
+    store.record_backend(sample.scraped_at, hold, found)
     if not hold:
         store.wake()
     return hold

@@ -1,5 +1,6 @@
 """The dispatcher process loop on a real Redis: event-driven wakes, metrics, ``fleet queues``,
-deadlines of pending jobs, failed sends, and surviving Redis errors."""
+deadlines of pending jobs, continuations (promoted when due, also while held), failed sends, and
+surviving Redis errors."""
 
 from __future__ import annotations
 
@@ -314,6 +315,111 @@ def test_pending_deadline_is_expired_and_reported(
         assert expired == ["j1", "j3"]
         assert [g.job_id for g in recorder.grants] == ["j2"]
         assert store.pending_ids() == set() and store.lease_fences().keys() == {"j2"}
+    finally:
+        dispatcher.close(store)
+        client.close()
+
+
+def test_a_failed_send_requeues_the_unsent_grants_of_its_call(
+    key_prefix: str, redis_url: str, redis_client: redis.Redis
+) -> None:
+    """One ADMIT call grants several jobs; when the second send fails, it and every grant of the
+    call not sent yet go back in line at once, and the job sent before keeps its lease."""
+    settings = settings_for(key_prefix, lease_ttl_s=3600.0)
+    settings = settings.model_copy(update={"backend": settings.backend.model_copy(update={"max_num_seqs": 4})})
+    store = make_store(settings, redis_client)
+    store.add_pending_many(PendingItem(f"j{n}", "a", 100, 100, enqueued_at=1e9 + n) for n in range(4))
+    sent: list[Grant] = []
+    failed = threading.Event()
+
+    def send(grant: Grant) -> None:
+        if len(sent) == 1 and not failed.is_set():
+            failed.set()
+            raise redis.ConnectionError("broker down")
+        sent.append(grant)
+
+    client = redis.Redis.from_url(redis_url)
+    dispatcher = Dispatcher(settings, client, send)
+    try:
+        assert wait_until(lambda: len(sent) == 4)
+        assert [g.job_id for g in sent] == ["j0", "j1", "j2", "j3"]  # back at their places
+        assert store.lease_fences() == {g.job_id: g.fence for g in sent}
+        assert store.snapshot().in_flight == 4 and store.pending_ids() == set()
+    finally:
+        dispatcher.close(store)
+        client.close()
+
+
+def test_an_unrenewed_lease_is_reaped_while_other_wakes_keep_coming(
+    key_prefix: str, redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Rounds woken early skip the reap; the lease's expiry still bounds the wait, so a dead
+    worker's job comes back however many submits wake the dispatcher meanwhile."""
+    settings = settings_for(key_prefix, lease_ttl_s=1.0, max_wait_s=4.0)
+    store = make_store(settings, redis_client)
+    store.add_pending(PendingItem("j1", "a", 100, 100))
+    recorder = Recorder()
+    client = redis.Redis.from_url(redis_url)
+    dispatcher = Dispatcher(settings, client, recorder)
+    try:
+        assert recorder.wait_for(1)
+        n = 0
+        while len(recorder.grants) < 2 and n < 400:  # cap 1: only j1's expiry frees the slot
+            n += 1
+            store.add_pending(PendingItem(f"w{n}", "a", 100, 100, enqueued_at=time.time() + 3600))
+            threading.Event().wait(0.05)
+        assert [g.job_id for g in recorder.grants[:2]] == ["j1", "j1"]
+        assert recorder.grants[1].fence > recorder.grants[0].fence
+    finally:
+        dispatcher.close(store)
+        client.close()
+
+
+def test_a_held_round_still_promotes_a_due_continuation(
+    key_prefix: str, redis_url: str, redis_client: redis.Redis
+) -> None:
+    """While the worker gate holds, a continuation whose backoff ended joins its queue (before,
+    it stayed in ``deferred`` and the wait, ending at its past not-before time, spun at 1 ms)."""
+    settings = settings_for(key_prefix, max_wait_s=4.0, lease_ttl_s=3600.0)
+    store = make_store(settings, redis_client)
+    store.add_pending(PendingItem("j1", "a", 100, 100))
+    grant = store.admit_next(time.time()).grant
+    assert grant is not None
+    assert store.readmit("j1", grant.fence, 100, time.time() + 0.3, time.time())
+    assert store.continuations() == {"a": {"deferred": 1}}
+    recorder = Recorder()
+    client = redis.Redis.from_url(redis_url)
+    dispatcher = Dispatcher(settings, client, recorder, gate=lambda: "no_workers")
+    try:
+        assert wait_until(lambda: store.continuations() == {"a": {"pending": 1}})
+        assert store.next_not_before() is None and recorder.grants == []
+    finally:
+        dispatcher.close(store)
+        client.close()
+
+
+def test_a_backoff_ends_in_a_grant_while_other_wakes_keep_coming(
+    key_prefix: str, redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Rounds woken early skip the promotion as they skip the reap; the continuation's not-before
+    time still bounds the wait, so it is admitted again however many wakes come meanwhile."""
+    settings = settings_for(key_prefix, lease_ttl_s=3600.0, max_wait_s=4.0)
+    store = make_store(settings, redis_client)
+    store.add_pending(PendingItem("j1", "a", 100, 100))
+    recorder = Recorder()
+    client = redis.Redis.from_url(redis_url)
+    dispatcher = Dispatcher(settings, client, recorder)
+    try:
+        assert recorder.wait_for(1)
+        first = recorder.grants[0]
+        assert store.readmit("j1", first.fence, 100, time.time() + 1.0, time.time())
+        n = 0
+        while len(recorder.grants) < 2 and n < 400:  # every wake well inside max_wait_s
+            n += 1
+            store.wake()
+            threading.Event().wait(0.05)
+        assert [g.job_id for g in recorder.grants] == ["j1", "j1"]
+        assert recorder.grants[1].fence > first.fence
     finally:
         dispatcher.close(store)
         client.close()

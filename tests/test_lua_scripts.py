@@ -68,7 +68,6 @@ def _workload(client: redis.Redis, prefix: str) -> None:
     first, second = (g for g in grants if g is not None)
     assert store.claim(first.job_id, first.fence, "w1", now[0])
     assert store.renew(first.job_id, first.fence, now[0])
-    assert store.resize(first.job_id, first.fence, 800)
     assert store.release(first.job_id, first.fence)
     assert store.requeue(second.job_id, second.fence)
     third = store.admit_next(now[0]).grant
@@ -79,7 +78,7 @@ def _workload(client: redis.Redis, prefix: str) -> None:
     assert store.cancel_pending("c2")
     store.add_pending(PendingItem("d1", "d", 100, 100, deadline=now[0] - 1))
     assert store.expire_deadlines(now[0]) == ["d1"]
-    store.admit_next(now[0])  # project d has no queue left: PRUNE drops it
+    store.admit_many(now[0], 2)  # project d has no queue left: ADMIT prunes it
     store.record_backend(now[0], "", {})
     store.add_pending_many([PendingItem("e1", "e", 100, 100), PendingItem("e2", "e", 100, 100)])
     for _ in range(2):  # continuations: back in line at once, after a backoff, cancelled waiting

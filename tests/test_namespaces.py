@@ -184,7 +184,8 @@ def test_a_backdated_submitted_at_does_not_jump_the_queue(tmp_path) -> None:
         wait_until(lambda: harness.client.status(ref).get("state") == "pending", 60,
                    "the job to be handed to the dispatcher")
         store = probe.store()
-        enqueued = float(store._client.hget(store._item(ref), "enq"))
+        # items[ref] = "project band size prompt max_new kv long enq ..." (schedulers/store/lua/prelude.lua)
+        enqueued = float(store._client.hget(store._key("items"), ref).split()[7])
         assert enqueued >= before
 
 

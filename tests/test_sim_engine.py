@@ -84,6 +84,36 @@ def test_long_prefill_slows_everybody_else() -> None:
     assert 5.0 < long_seq.first_token_t - t0 < 12.0
 
 
+def _first_tokens(**flags: object) -> dict[str, float]:
+    """Two 60K prompts, then a 300-token one, submitted at once: when each got its first token."""
+    engine = make_engine(**flags)
+    seqs = [seq("long1", prompt=60_000), seq("long2", prompt=60_000), seq("short", prompt=300)]
+    for s in seqs:
+        engine.submit(s)
+    engine.advance_until(40.0)
+    assert all(s.first_token_t is not None for s in seqs)
+    return {s.request_id: s.first_token_t for s in seqs}  # type: ignore[misc]
+
+
+def test_chunked_prefill_flags_let_a_short_prompt_pass_long_ones() -> None:
+    """vLLM's defaults: the short prompt waits behind both long prefills (oldest first). With two
+    partial prefills, one of them long, and a 1,000-token threshold, the second long prompt waits
+    for the first and the short one prefills beside it at once."""
+    default = _first_tokens()
+    assert default["short"] > default["long1"] and default["short"] > default["long2"] - 0.5
+    limited = _first_tokens(max_num_partial_prefills=2, max_long_partial_prefills=1,
+                            long_prefill_token_threshold=1_000)
+    assert limited["short"] < 1.0 < limited["long1"] < limited["long2"]
+    assert limited["long2"] - limited["long1"] > 5.0  # one long prefill at a time
+
+
+def test_long_prefill_threshold_defaults_to_4_percent_with_partial_prefills() -> None:
+    profile = get_profile("qwen3-next-tp2pp2")
+    assert profile.long_prefill_threshold() == 0
+    assert profile.with_overrides(max_num_partial_prefills=4).long_prefill_threshold() == 10_485
+    assert profile.with_overrides(long_prefill_token_threshold=500).long_prefill_threshold() == 500
+
+
 def test_abort_frees_slot_and_blocks_at_once() -> None:
     engine = make_engine()
     s = seq("a", prompt=5_000)

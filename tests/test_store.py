@@ -134,6 +134,47 @@ def test_long_cap_lets_short_jobs_pass(make_store: StoreFactory) -> None:
     assert snap.long_in_flight == 1 and snap.pending == {"a": {"batch": 1}}
 
 
+def test_a_long_prefill_runs_beside_few_short_sequences_and_alone_after(make_store: StoreFactory) -> None:
+    """Quiet long prefills: the long prompt waits while more than one short job is in flight
+    (shorts pass it meanwhile), goes once they are down to one, and then nothing is admitted
+    until its prefill (12,000 tokens at 1,000 tok/s: 12 s) should be done."""
+    store = make_store(limits(max_num_seqs=10, max_long=2, long_prefill_tokens_per_s=1_000.0,
+                              short_beside_long=1, hol_bypass_s=100.0))
+    for i in range(2):
+        store.add_pending(job(f"s{i}", project="b"))
+    assert admit_ids(store, 1_010.0) == ["s0", "s1"]
+    store.add_pending(job("l2", prompt=12_000, new=0))
+    store.add_pending(job("s3", project="b"))
+    held = store.admit_next(1_010.0)  # l2 first in fair order, two shorts in flight: s3 passes it
+    assert held.grant is not None and held.grant.job_id == "s3"
+    assert store.admit_next(1_010.0).hold_reason == "prefill"
+    for name in ("s0", "s1"):
+        assert store.release(name, store.lease_fences()[name])
+    assert admit_ids(store, 1_011.0) == ["l2"]  # one short in flight now
+    store.add_pending(job("s4", project="b"))
+    store.add_pending(job("l5", project="c", prompt=12_000, new=0))
+    held = store.admit_next(1_015.0)
+    assert held.hold_reason == "prefill" and held.retry_in_s == pytest.approx(8.0)
+    assert admit_ids(store, 1_023.0) == ["s4"]  # l5 waits: two shorts in flight again
+
+
+def test_a_long_prompt_kept_waiting_by_short_ones_reserves_its_turn(make_store: StoreFactory) -> None:
+    """Shorts keep coming; after hol_bypass_s the long prompt first in line stops them, the
+    shorts in flight drain, and it goes: no starvation."""
+    store = make_store(limits(max_num_seqs=10, long_prefill_tokens_per_s=1_000.0,
+                              short_beside_long=0, hol_bypass_s=5.0))
+    store.add_pending(job("s0", project="b"))
+    assert admit_ids(store, 1_010.0) == ["s0"]
+    store.add_pending(job("l1", prompt=12_000, new=0))
+    store.add_pending(job("s2", project="b"))
+    assert admit_ids(store, 1_010.0) == ["s2"]  # l1 first in line, held: shorts in flight
+    store.add_pending(job("s3", project="b"))
+    assert admit_ids(store, 1_016.0) == []  # l1 reserved its turn: s3 waits too
+    for name in ("s0", "s2"):
+        assert store.release(name, store.lease_fences()[name])
+    assert admit_ids(store, 1_016.0) == ["l1"]
+
+
 def test_prefill_bucket_paces_prompts(make_store: StoreFactory) -> None:
     store = make_store(limits(prefill_tokens_per_s=1_000.0, prefill_burst_tokens=2_000))
     for i in range(3):
@@ -401,7 +442,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.done: set[str] = set()
         self.live: dict[str, int] = {}  # job -> fence, as the model believes
         self.owners: dict[tuple[str, int], str] = {}  # (job, fence) -> first claimant
-        self.grown: set[str] = set()  # jobs whose reservation grew after admission
+        self.waiting: dict[str, float] = {}  # continuations -> their not-before time
         self.count = 0
 
     @rule(
@@ -485,18 +526,21 @@ class StoreMachine(RuleBasedStateMachine):
         if self.live.get(job_id) == fence:
             assert self.store.renew(job_id, fence, self.clock.now)
 
-    @rule(lease=leases, extra=st.sampled_from([500, 4_000]))
-    def resize(self, lease, extra: int) -> None:
-        """A retry grows its max tokens inside the lease: the reservation follows."""
+    @rule(lease=consumes(leases), extra=st.sampled_from([-500, 4_000]),
+          backoff_s=st.sampled_from([0.0, 4.0]))
+    def readmit(self, lease, extra: int, backoff_s: float) -> None:
+        """Another model turn with a new plan: back in line at once, or after a backoff."""
         job_id, fence = lease
-        if self.live.get(job_id) != fence:
-            assert not self.store.resize(job_id, fence, 1)
-            return
         item = self.submitted[job_id]
-        grown = item.max_new_tokens + extra
-        assert self.store.resize(job_id, fence, grown)
-        self.submitted[job_id] = replace(item, max_new_tokens=grown)
-        self.grown.add(job_id)
+        new = max(0, item.max_new_tokens + extra)
+        now = self.clock.now
+        ok = self.store.readmit(job_id, fence, new, now + backoff_s, now)
+        assert ok == (self.live.get(job_id) == fence)
+        if ok:
+            del self.live[job_id]
+            self.submitted[job_id] = replace(item, max_new_tokens=new)
+            if backoff_s:
+                self.waiting[job_id] = now + backoff_s
 
     @rule(seconds=st.sampled_from([0.5, 5.0, 31.0]))
     def time_passes(self, seconds: float) -> None:
@@ -505,13 +549,18 @@ class StoreMachine(RuleBasedStateMachine):
         for job_id in self.store.reap_expired(self.clock.now):
             assert job_id in self.live
             del self.live[job_id]
+        due = {j for j, not_before in self.waiting.items() if not_before <= self.clock.now}
+        assert set(self.store.promote_due(self.clock.now)) == due
+        for job_id in due:
+            del self.waiting[job_id]
 
     @rule(index=st.integers(0, 50))
     def cancel(self, index: int) -> None:
         job_id = f"j{index}"
-        pending = job_id in self.store.pending_ids()
+        pending = job_id in self.store.pending_ids() or job_id in self.waiting
         assert self.store.cancel_pending(job_id) == pending
         if pending:
+            self.waiting.pop(job_id, None)
             self.done.add(job_id)
 
     @invariant()
@@ -531,15 +580,16 @@ class StoreMachine(RuleBasedStateMachine):
         )
         assert snap.in_flight <= self.limits.max_num_seqs
         assert snap.long_in_flight <= self.limits.max_long
-        if not self.grown & set(fences):  # growth after admission may pass the budget
-            assert kv <= self.limits.kv_budget_tokens or len(items) == 1
+        assert kv <= self.limits.kv_budget_tokens or len(items) == 1
 
     @invariant()
     def no_job_lost(self) -> None:
         pending = self.store.pending_ids()
         assert not pending & set(self.live)
-        assert pending | set(self.live) | self.done == set(self.submitted)
+        assert not pending & set(self.waiting) and not set(self.live) & set(self.waiting)
+        assert pending | set(self.live) | set(self.waiting) | self.done == set(self.submitted)
         assert not pending & self.done
+        assert self.store.next_not_before() == min(self.waiting.values(), default=None)
 
 
 def _machine(factory) -> type[StoreMachine]:

@@ -7,7 +7,11 @@ not-before time; a waiting continuation holds no slot and can be cancelled.
 
 from __future__ import annotations
 
+import redis
+
+from fleet.core.keys import Keys
 from schedulers.policy.limits import kv_tokens
+from schedulers.store.redis_store import RedisStore
 
 from .test_store import BASE, FakeClock, StoreFactory, admit_ids, job, limits, make_store
 
@@ -69,3 +73,31 @@ def test_a_promoted_continuation_gets_its_deadline_back(make_store: StoreFactory
     assert store.promote_due(1_050.0) == ["j0"]
     assert store.next_deadline() == 1_100.0
     assert store.expire_deadlines(1_100.0) == ["j0"]
+
+
+def test_a_job_submitted_again_after_its_release_is_no_continuation(make_store: StoreFactory) -> None:
+    store = make_store(limits())
+    store.add_pending(job("j0"))
+    grant = store.admit_next(1_010.0).grant
+    assert grant is not None and store.readmit("j0", grant.fence, 400, 0.0, 1_011.0)
+    again = store.admit_next(1_012.0).grant
+    assert again is not None and store.release("j0", again.fence)
+    store.add_pending(job("j0"))  # the same id submitted anew: new work, not a waiting turn
+    assert store.continuations() == {}
+    assert store.pending_ids() == {"j0"}
+
+
+def test_a_release_takes_the_job_out_of_the_continuations_set(
+    key_prefix: str, redis_client: redis.Redis
+) -> None:
+    """The set is a hint list for ``fleet queues``; without this it grew by every continuation
+    ever made until someone ran ``fleet queues``."""
+    store = RedisStore(redis_client, Keys(key_prefix), limits())
+    members = f"{Keys(key_prefix).dispatch}continuations"
+    store.add_pending(job("j0"))
+    grant = store.admit_next(1_010.0).grant
+    assert grant is not None and store.readmit("j0", grant.fence, 400, 0.0, 1_011.0)
+    assert redis_client.smembers(members) == {b"j0"}
+    again = store.admit_next(1_012.0).grant
+    assert again is not None and store.release("j0", again.fence)
+    assert redis_client.smembers(members) == set()

@@ -2,14 +2,15 @@
 
 A hypothesis state machine draws a small configuration (few sequences, a small KV budget, one or
 two long prompts at a time, a tight prefill bucket, spacing, project weights, the backend gate on
-or off), then feeds the same submits, resubmits, admissions, claims, renewals, resizes, releases,
-requeues, readmits (continuations, with and without a not-before time), promotions, hurries,
-cancels, deadline expiries, backend verdicts and clock steps (which reap unrenewed
-leases) to a ``MemoryStore`` and a ``RedisStore`` sharing one fake clock. Every answer must be
-equal - grants (job, fence, project, sizes, expiry, wait), hold reasons and their retry times,
-booleans, reaped and expired ids - and after every step so must the snapshots (pending per
-project and band, in flight, reserved KV, long in flight, admissions, holds), the live leases,
-the pending ids and the next deadline and expiry.
+or off), then feeds the same submits, resubmits, admissions (one at a time and several per call),
+claims, renewals, releases, requeues, readmits (continuations, with and without a not-before
+time), promotions, hurries, cancels, deadline expiries, backend verdicts and clock steps (which
+reap unrenewed leases) to a ``MemoryStore`` and a ``RedisStore`` sharing one fake clock. Every
+answer must be equal - grants (job, fence, project, sizes, expiry, wait), hold reasons and their
+retry times, booleans, reaped, expired and promoted ids - and after every step so must the
+snapshots (pending per project and band, in flight, reserved KV, long in flight, claimed leases,
+admissions, holds), the live leases, the pending ids, the next deadline, expiry and not-before
+time, and the continuations waiting per project.
 
 The order of ``reap_expired``'s ids is not part of the contract (the caller only logs them), so
 they are compared as sorted lists. Resubmissions happen at any time, in flight too.
@@ -59,6 +60,8 @@ small_limits = st.builds(
     prefill_burst_tokens=st.sampled_from([12_000, 40_000, 10**9]),
     min_spacing_s=st.sampled_from([0.0, 0.0, 0.7]),
     hol_bypass_s=st.sampled_from([0.0, 3.0, 10.0]),
+    long_prefill_tokens_per_s=st.sampled_from([0.0, 0.0, 5_000.0]),
+    short_beside_long=st.integers(0, 1),
 )
 configs = st.builds(
     StoreConfig,
@@ -84,7 +87,6 @@ jobs = st.fixed_dictionaries(
 lease_ops = st.one_of(
     st.tuples(st.just("claim"), st.sampled_from(["w1", "w2"])),
     st.tuples(st.just("renew")),
-    st.tuples(st.just("resize"), st.sampled_from([0, 1_500, 9_000])),
     st.tuples(st.just("release")),
     st.tuples(st.just("requeue")),
     st.tuples(st.just("readmit"), st.sampled_from([400, 3_000]), st.sampled_from([0.0, 0.0, 4.0, 20.0])),
@@ -95,7 +97,8 @@ other_ops = st.one_of(
     st.tuples(st.just("expire")),
     st.tuples(st.just("promote")),
     st.tuples(st.just("hurry")),
-    st.tuples(st.just("verdict"), st.sampled_from([0.0, 0.0, 6.0]), st.sampled_from(["", "", "waiting", "kv_usage"])),
+    st.tuples(st.just("verdict"), st.sampled_from([0.0, 0.0, 6.0]), st.sampled_from(["", "", "waiting", "kv_usage"]),
+              st.sampled_from(["0.0", "1.0", "3.0"])),
 )
 
 
@@ -159,13 +162,21 @@ class Differential(RuleBasedStateMachine):
             grants.append((result.grant.job_id, result.grant.fence))
         return multiple(*grants)
 
+    @rule(target=leases, max_grants=st.integers(1, 5))
+    def admit_many(self, max_grants: int) -> Any:
+        """Several grants decided by one call (one ADMIT script on Redis), as the dispatcher asks."""
+        results = self.both("admit_many", self.clock.now, max_grants)
+        assert len(results) <= max_grants + 1
+        event(f"admit_many: {len(results)} results")
+        return multiple(*[(r.grant.job_id, r.grant.fence) for r in results if r.grant is not None])
+
     @rule(lease=leases, op=lease_ops)
     def worker(self, lease: tuple[str, int], op: tuple[Any, ...]) -> None:
         """What a worker does with a grant; leases stay in the bundle, so a later call may
         carry a dead fence (a late or duplicate worker)."""
         name, *extra = op
         now = self.clock.now
-        args = {"claim": (*extra, now), "renew": (now,), "resize": tuple(extra)}.get(name, ())
+        args = {"claim": (*extra, now), "renew": (now,)}.get(name, ())
         if name == "readmit":  # max_new_tokens, a not-before time (now: straight back in line)
             args = (extra[0], now + extra[1], now)
         self.both(name, *lease, *args)
@@ -190,7 +201,8 @@ class Differential(RuleBasedStateMachine):
         elif name == "hurry":
             self.both("hurry", f"j{index % (len(self.submitted) + 1)}", self.clock.now)
         elif name == "verdict":
-            self.both("record_backend", self.clock.now - extra[0], extra[1], {"waiting": "0"})
+            figures = {"waiting": "0", "outside": extra[2]}  # outside clients hold sequences
+            self.both("record_backend", self.clock.now - extra[0], extra[1], figures)
             assert self.memory.backend() == self.redis.backend()
 
     @rule(seconds=st.sampled_from([0.3, 0.7, 5.0, 12.0, 31.0]))

@@ -42,9 +42,11 @@ def dispatch(
     speed: Annotated[float, typer.Option(help="simulator speed of the in-bench saturation run")] = 50.0,
     redis_url: Annotated[str, typer.Option(help="Redis for the bench keys")] = BENCH_REDIS,
     overhead: Annotated[bool, typer.Option(help="run the dispatcher-only overhead figures")] = True,
+    in_bench_saturation: Annotated[bool, typer.Option(
+        help="with the overhead figures, also the in-bench saturation run against fleet sim")] = True,
     fleet: Annotated[bool, typer.Option(help="run the whole-fleet scenarios (real processes)")] = True,
     scenarios: Annotated[str, typer.Option(help="whole-fleet scenarios, comma separated")]
-    = "fairness,saturation,long,crash",
+    = "fairness,saturation,long,crash,idle",
     fleet_speed: Annotated[float, typer.Option(help="simulator speed of the whole-fleet runs")] = 5.0,
     fleet_jobs: Annotated[int, typer.Option(help="short jobs in the saturation scenario")] = 2000,
     think: Annotated[int, typer.Option(help="reasoning tokens of a short job (+-25%)")] = 200,
@@ -56,6 +58,7 @@ def dispatch(
     workers: Annotated[int, typer.Option(help="Celery workers (processes)")] = 2,
     concurrency: Annotated[int, typer.Option(help="threads per Celery worker")] = 32,
     lease_ttl_s: Annotated[float, typer.Option(help="lease TTL of the whole-fleet runs")] = 5.0,
+    idle_jobs: Annotated[int, typer.Option(help="jobs one at a time in the idle scenario")] = 100,
     paced_prefill_tokens_per_s: Annotated[float, typer.Option(
         help="prefill bucket of the paced long-prompt run, simulated tok/s")] = 1500.0,
     markdown: Annotated[str, typer.Option(help="also write the whole-fleet rows as markdown here")] = "",
@@ -73,14 +76,14 @@ def dispatch(
                 long_jobs=long_jobs, long_tokens=long_tokens, fair_n=fair_n, crash_jobs=crash_jobs,
                 only=tuple(s.strip() for s in scenarios.split(",") if s.strip()), workers=workers,
                 concurrency=concurrency, lease_ttl_s=lease_ttl_s,
-                paced_tokens_per_s=paced_prefill_tokens_per_s)
+                paced_tokens_per_s=paced_prefill_tokens_per_s, idle_jobs=idle_jobs)
             console.print(rows_table(rows))
             if markdown:
                 with open(markdown, "w", encoding="utf-8") as f:
                     f.write(rows_markdown(rows))
         if overhead:
             console.print(dispatch_bench(broker.url, jobs=jobs, saturation_jobs=saturation_jobs,
-                                         speed=speed))
+                                         speed=speed, with_sim=in_bench_saturation))
 
 
 @bench_app.command("continuations")

@@ -3,13 +3,15 @@ for saturation, ``fleet sim``); the whole-fleet runs (Celery workers, crash, lon
 fairness, the five-client baseline) are in fleet/bench/fleetbench.py, and ``fleet bench dispatch``
 runs both (docs/performance.md has the figures and the command).
 
-``backlog_overhead``  no backend at all: 100,000 pending jobs in one RedisStore, then admission
-                      decisions per second (each an admit + release on the real Lua scripts), the
-                      Redis memory the backlog takes (MEMORY USAGE of every dispatcher key) and
-                      the dispatcher process's own memory (it holds nothing per job).
+``backlog_overhead``  no backend at all: a steady backlog (1,000 as the baseline, then
+                      ``--jobs``) in one RedisStore, then admission decisions per second (each an
+                      admit + release on the real Lua scripts; up to 8 grants per ADMIT call, or
+                      one; releases one by one or pipelined), the Redis memory the backlog takes
+                      (MEMORY USAGE of every dispatcher key) and the dispatcher process's own
+                      memory (it holds nothing per job).
 ``saturation``        ``fleet sim`` at ``--speed`` as the backend, ``run_dispatcher`` in a thread,
-                      and a pool of in-bench "workers" playing the inference worker: stream the
-                      chat completion with httpx, release the lease in ``finally``. Measures mean
+                      and a pool of in-bench "workers" playing the inference worker: claim the
+                      lease, stream the chat completion with httpx, release it in ``finally``. Measures mean
                       in-flight / cap over the busy period (while jobs were still pending), the
                       simulator's own peak running count, release-to-next-admission latency and
                       release-to-next-request-at-the-backend latency (the simulator's request log).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import resource
+import statistics
 import threading
 import time
 import uuid
@@ -32,7 +35,7 @@ from rich.table import Table
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
 from fleet.infer.sse import iter_events
-from schedulers.dispatcher import run_dispatcher
+from schedulers.dispatcher import GRANTS_PER_CALL, run_dispatcher
 from schedulers.store import make_store
 from schedulers.store.base import Grant, PendingItem, StoreConfig
 from schedulers.store.redis_store import RedisStore
@@ -57,38 +60,87 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def backlog_overhead(redis_url: str, jobs: int = 100_000, decisions: int = 2_000) -> dict:
-    client = redis.Redis.from_url(redis_url)
-    prefix = f"bench-{uuid.uuid4().hex[:8]}:"
-    store = RedisStore(client, Keys(prefix), StoreConfig(gate=False))
-    try:
-        rss_before = _rss_mb()
+class _Backlog:
+    """A steady backlog of ``jobs`` pending jobs in one RedisStore under its own prefix."""
+
+    def __init__(self, client: redis.Redis, jobs: int) -> None:
+        self.client, self.jobs, self.next = client, jobs, jobs
+        self.prefix = f"bench-{uuid.uuid4().hex[:8]}:"
+        self.store = RedisStore(client, Keys(self.prefix), StoreConfig(gate=False))
         started = time.perf_counter()
         for start in range(0, jobs, 1000):
-            store.add_pending_many(
-                PendingItem(f"j{i}", PROJECTS[i % 5], 500 + i % 4000, 1000, enqueued_at=1e9 + i)
-                for i in range(start, min(jobs, start + 1000))
-            )
-        submit_s = time.perf_counter() - started
-        started = time.perf_counter()
-        for n in range(decisions):
-            grant = store.admit_next(2e9 + n).grant
-            assert grant is not None
-            store.release(grant.job_id, grant.fence)
-        decide_s = time.perf_counter() - started
-        redis_bytes = _key_bytes(client, prefix)
-        return {
+            self.store.add_pending_many(self.item(i) for i in range(start, min(jobs, start + 1000)))
+        self.submit_s = time.perf_counter() - started
+        self.bytes = _key_bytes(client, self.prefix)
+
+    @staticmethod
+    def item(i: int) -> PendingItem:
+        return PendingItem(f"j{i}", PROJECTS[i % 5], 500 + i % 4000, 1000, enqueued_at=1e9 + i)
+
+    def decide(self, decisions: int, per_call: int, pipelined: bool) -> float:
+        """Seconds for ``decisions`` admit+release pairs; admitted jobs come back, untimed."""
+        decide_s, done = 0.0, 0
+        while done < decisions:
+            started = time.perf_counter()
+            grants = [r.grant for r in self.store.admit_many(2e9 + self.next, per_call) if r.grant]
+            if pipelined:
+                self.store.release_many((grant.job_id, grant.fence) for grant in grants)
+            else:
+                for grant in grants:
+                    self.store.release(grant.job_id, grant.fence)
+            decide_s += time.perf_counter() - started
+            assert grants
+            done += len(grants)
+            self.store.add_pending_many(self.item(self.next + k) for k in range(len(grants)))
+            self.next += len(grants)
+        return decide_s / done
+
+
+def backlog_overhead(
+    redis_url: str,
+    jobs: int = 100_000,
+    ways: tuple[tuple[int, bool], ...] = ((GRANTS_PER_CALL, False),),
+    decisions: int = 500,
+    rounds: int = 8,
+) -> list[dict]:
+    """Admission decisions per second at a steady backlog of 1,000 jobs (the baseline) and of
+    ``jobs``, once per way of ``ways`` = (grants per ADMIT call, pipelined releases):
+    ``admit_many`` (up to that many grants per ADMIT call, as the dispatcher asks) and one release
+    per grant (as workers do: one after the other from this one client, or the call's releases in
+    one pipeline, as several workers finishing at once). Both backlogs stay in Redis and the
+    measurements alternate between them, ``rounds`` times ``decisions`` pairs each; the median
+    round counts, so a machine busy with other work slows both sides alike."""
+    client = redis.Redis.from_url(redis_url)
+    rss_before = _rss_mb()
+    small, big = _Backlog(client, 1_000), _Backlog(client, jobs)
+    try:
+        out = []
+        for per_call, pipelined in ways:
+            times: dict[int, list[float]] = {1_000: [], jobs: []}
+            for _ in range(rounds):
+                for backlog in (small, big):
+                    times[backlog.jobs].append(backlog.decide(decisions, per_call, pipelined))
+            base_s, big_s = statistics.median(times[1_000]), statistics.median(times[jobs])
+            out.append({
+                "grants per ADMIT call (at most)": per_call,
+                "releases": "pipelined" if pipelined else "one by one",
+                "admission decisions/s, 1,000 backlog (baseline)": 1 / base_s,
+                f"admission decisions/s, {jobs:,} backlog": 1 / big_s,
+                "ratio to the baseline": base_s / big_s,
+                f"admit+release latency ms, {jobs:,} backlog": 1000 * big_s,
+            })
+        out.append({
             "backlog jobs": jobs,
-            "submit jobs/s": jobs / submit_s,
-            "admission decisions/s (admit+release)": decisions / decide_s,
-            "admit+release latency ms": 1000 * decide_s / decisions,
-            "Redis bytes per pending job": redis_bytes / jobs,
-            "Redis MB for the backlog": redis_bytes / 1e6,
+            "submit jobs/s": jobs / big.submit_s,
+            "Redis bytes per pending job": big.bytes / jobs,
+            "Redis MB for the backlog": big.bytes / 1e6,
             "dispatcher RSS MB (peak)": _rss_mb(),
             "dispatcher RSS growth MB": _rss_mb() - rss_before,
-        }
+        })
+        return out
     finally:
-        _delete(client, prefix)
+        for backlog in (small, big):
+            _delete(client, backlog.prefix)
         client.close()
 
 
@@ -165,6 +217,7 @@ def saturation(
 
     def work(grant: Grant) -> None:
         try:
+            store.claim(grant.job_id, grant.fence, "bench", time.time())  # as inference workers do
             _stream(http, grant, think, answer)
         finally:
             timeline.add("release", time.time())
@@ -262,14 +315,25 @@ def dispatch_bench(
     speed: float = 50.0,
     with_sim: bool = True,
 ) -> Table:
-    """Run the benchmarks and return one table of figures (the lead registers the command)."""
+    """Run the benchmarks and return one table of figures (the lead registers the command).
+
+    The backlog figures come for a 1,000-job backlog (the baseline) and the ``jobs`` backlog,
+    with up to 8 grants per ADMIT call (releases one by one, and pipelined) and with one grant
+    per call (what a dispatcher that asked for one at a time would get)."""
     table = Table(title="fleet bench dispatch")
     table.add_column("benchmark")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    for name, figures in (("backlog", backlog_overhead(redis_url, jobs)),) + (
-        (("saturation", saturation(redis_url, saturation_jobs, speed=speed)),) if with_sim else ()
-    ):
+    ways = ((GRANTS_PER_CALL, False), (GRANTS_PER_CALL, True), (1, False))
+    *per_way, memory = backlog_overhead(redis_url, jobs, ways)
+    runs: list[tuple[str, dict]] = [
+        (f"backlog, {w['grants per ADMIT call (at most)']} per call, releases {w['releases']}", w)
+        for w in per_way
+    ]
+    runs.append(("backlog memory", memory))
+    if with_sim:
+        runs.append(("saturation", saturation(redis_url, saturation_jobs, speed=speed)))
+    for name, figures in runs:
         for key, value in figures.items():
             table.add_row(name, key, f"{value:,.2f}" if isinstance(value, float) else str(value))
     return table

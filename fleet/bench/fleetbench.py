@@ -10,6 +10,8 @@ Scenarios (``fleet_bench(only=...)``, rows of scenario / figure / value / target
               the default and a paced prefill bucket; a 32-thread FIFO and five clients x 16
   crash       kill -9 of one of two workers five times (a replacement started each time):
               exactly one Envelope per job, time from kill to the backend back at cap
+  idle        one tiny job at a time through ``fleet.Client`` on an idle fleet: the time of each
+              hop (``IDLE_HOPS``) and the latency the fleet adds to the backend's own
 
 What runs (``FleetBench``): a generated fleet.toml (the example's five projects, Redis DB 15, a
 private key prefix ``fbench-<hex>:``), then ``LocalFleet`` starts the simulator and the Celery
@@ -32,7 +34,8 @@ Measuring:
 
 Settings scaled by ``--speed`` so proportions stay those of the real deployment: the prefill
 token bucket (``admission.prefill_tokens_per_s`` x speed; the paced run's ``hol_bypass_s`` /
-speed). Lease TTL is not scaled (it is about
+speed) and the server's prefill rate the quiet long prefills count with
+(``backend.prefill_tokens_per_s`` x speed). Lease TTL is not scaled (it is about
 detecting a dead worker in real time).
 
 Failure handling: everything started is stopped in ``close`` (also on error), and every key under
@@ -41,6 +44,7 @@ the prefix is deleted (SCAN + DEL, never FLUSHDB).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -425,6 +429,7 @@ class FleetBench:
         data["broker_url"] = redis_url
         data["key_prefix"] = f"fbench-{uuid.uuid4().hex[:8]}:"
         data["backend"]["max_num_seqs"] = cap
+        data["backend"]["prefill_tokens_per_s"] = float(data["backend"].get("prefill_tokens_per_s", 8000)) * speed
         admission = data.setdefault("admission", {})
         admission.update(
             metrics_port=0,
@@ -1076,7 +1081,59 @@ def _first_after(
     raise TimeoutError(f"running {'at' if full else 'below'} cap {cap} not seen within {timeout_s:.0f} s")
 
 
-SCENARIOS = ("fairness", "saturation", "long", "crash")
+SCENARIOS = ("fairness", "saturation", "long", "crash", "idle")
+IDLE_HOPS = (
+    "submit -> prepared (broker push, prep pick-up, verify, token count, store write)",
+    "prepared -> admitted at the worker (dispatcher wake, admission, send, broker, pick-up, claim)",
+    "admitted -> request at the backend (attempt set-up, HTTP)",
+    "request at the backend -> envelope (backend time, validation)",
+    "envelope -> Client.result returns (publish, XREAD wake)",
+)
+
+
+def idle_latency(fb: FleetBench, n: int) -> list[Row]:
+    """One tiny job at a time through ``fleet.Client`` on an idle fleet (after one warm-up job):
+    the time of each hop, from the client's clock at submit, the job's events (``prepared``,
+    ``admitted``), the sim's request log (``received_at``), the envelope's ``finished_at`` and
+    ``Client.result`` returning; added latency = submit -> result minus request at the backend
+    -> envelope."""
+    fb.wait_idle()
+    fb.reset_sim()
+    name = fb.start_dispatcher()
+    hops: list[list[float]] = [[] for _ in IDLE_HOPS]
+    added: list[float] = []
+    spec = Spec("triage", think=1, answer=1)
+    try:
+        for i in range(n + 1):  # the first job warms the workers up and is not counted
+            job = job_of(spec, None)
+            job["id"] = uuid.uuid4().hex
+            started = time.time()
+            job_id = fb.client.submit(job)
+            envelope = fb.client.result(job_id, timeout=120)
+            returned = time.time()
+            assert envelope is not None and envelope.ok, envelope
+            events = {e["type"]: e["ts"] for e in fb.client.events(job_id, follow=False)}
+            log_ = httpx.get(fb.base_url + "/sim/requests", params={"limit": 1}, timeout=10).json()
+            received = float(log_["requests"][-1]["received_at"])
+            marks = [started, events["prepared"], events["admitted"], received, envelope.finished_at,
+                     returned]
+            if i == 0:
+                continue
+            for hop, (a, b) in zip(hops, itertools.pairwise(marks), strict=True):
+                hop.append(b - a)
+            added.append((returned - started) - (envelope.finished_at - received))
+    finally:
+        fb.stop(name)
+    scenario = f"idle fleet, {n} jobs one at a time through fleet.Client"
+    rows: list[Row] = [
+        (scenario, f"{hop} p50 / p99 ms",
+         f"{_f(1000 * percentile(v, 0.5), 1)} / {_f(1000 * percentile(v, 0.99), 1)}", "", "")
+        for hop, v in zip(IDLE_HOPS, hops, strict=True)
+    ]
+    p50, p99 = 1000 * percentile(added, 0.5), 1000 * percentile(added, 0.99)
+    rows.append((scenario, "added latency p50 / p99 ms", f"{_f(p50, 1)} / {_f(p99, 1)}", "<= 8 / 25 ms",
+                 _verdict(p50 <= 8 and p99 <= 25, f"{_f(p50, 1)} / {_f(p99, 1)} ms")))
+    return rows
 
 
 def fleet_bench(
@@ -1094,6 +1151,7 @@ def fleet_bench(
     concurrency: int = 32,
     lease_ttl_s: float = 5.0,
     paced_tokens_per_s: float = 1500.0,
+    idle_jobs: int = 100,
 ) -> list[Row]:
     rows: list[Row] = []
     with FleetBench(redis_url, speed, workers=workers, concurrency=concurrency, lease_ttl_s=lease_ttl_s) as fb:
@@ -1120,6 +1178,8 @@ def fleet_bench(
                 rows += fairness(fb, fair_n)
             elif name == "crash":
                 rows += crash(fb, crash_jobs, think * 3, answer * 2)
+            elif name == "idle":
+                rows += idle_latency(fb, idle_jobs)
             log.warning("bench %s took %.0f s", name, time.monotonic() - started)
     return rows
 

@@ -75,6 +75,9 @@ class BackendSettings(_Section):
     """A prompt above this many tokens counts as long."""
     max_long: int = Field(3, ge=1)
     """At most this many long prompts in flight at once."""
+    prefill_tokens_per_s: float = Field(8_000.0, gt=0)
+    """The server's prefill throughput, prompt tokens/s (about 8,000 on the deployment): how long
+    a long prompt's prefill keeps every sequence beside it slow (admission.quiet_long_prefill)."""
 
 
 class AdmissionSettings(_Section):
@@ -103,6 +106,13 @@ class AdmissionSettings(_Section):
     metrics_port: int = Field(9810, ge=0, le=65535)
     """Port of the dispatcher's Prometheus /metrics (0 = off). If another dispatcher on the host
     holds it, this one logs a warning and runs on without /metrics (the shared figures are the same)."""
+    quiet_long_prefill: bool = True
+    """A long prompt is admitted only while at most short_beside_long_prefill short sequences are
+    in flight, and nothing else is admitted while its prefill runs (prompt tokens /
+    backend.prefill_tokens_per_s): a long prefill slows every sequence decoding beside it several
+    fold. A long prompt kept waiting reserves its turn after hol_bypass_s, so it is not starved."""
+    short_beside_long_prefill: int = Field(2, ge=0)
+    """Short sequences in flight at most when a long prompt is admitted (quiet_long_prefill)."""
     hol_bypass_s: float = Field(10.0, ge=0)
     """How long smaller jobs may pass the first job in fair order while it does not fit the KV
     budget or the prefill bucket; after that everyone waits for it."""

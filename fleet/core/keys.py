@@ -82,20 +82,24 @@ D = ``{p}{d}:``, one hash tag for all)
                                      enqueued_at - priority * aging_s, in ms; enqueued_at is the prep
                                      worker's clock at hand-over (never the producer's submitted_at);
                                      an expired lease puts the job back at its original place
-  D item:<id>                 hash   admission facts of a pending/in-flight job: project band size
-                                     prompt max_new kv long enq score pending(1|0) deadline
+  D items                     hash   job id -> admission facts of a pending, in-flight or waiting
+                                     job, one string "project band size prompt max_new kv long enq
+                                     score pending(1|0) deadline cont(1|0) deferred"
+                                     (schedulers/store/lua/prelude.lua; '-' = no deadline, not
+                                     waiting)
   D projects                  set    projects that may have pending work
   D vtime                     hash   per-project finish tag (token-weighted fair queuing)
   D leases                    zset   in-flight job ids, score = lease expiry (unix seconds)
-  D lease:<id>                hash   fence, kv tokens, long flag, expires, admitted_at, project,
-                                     owner (set by the first claim; another owner is refused)
+  D lease                     hash   job id -> its lease, one string "fence kv long expires
+                                     admitted_at project owner" (owner set by the first claim;
+                                     another owner is refused)
   D deadlines                 zset   pending job ids with a deadline, score = deadline (unix s);
                                      removed at admission, cancel or expiry
-  D state                     hash   in_flight, kv, long (sums over live leases), queued (pending
-                                     jobs), bucket, bucket_at, last_admit, blocked_job,
-                                     blocked_since, vtime
+  D state                     hash   in_flight, kv, long, claimed (sums over live leases), queued
+                                     (pending jobs), bucket, bucket_at, prefill_until, last_admit,
+                                     blocked_job, blocked_since, vtime
   D fence                     string monotonically increasing fencing token counter
-  D wake                      list   pushed on submit/release/expiry (capped at 100);
+  D wake                      list   pushed on submit/release/readmit/expiry (capped at 100);
                                      dispatchers BLPOP it (no polling)
   D backend                   hash   last /metrics + /health scrape: scraped_at, hold, figures
   D stats                     hash   admissions, hold:<reason>
@@ -103,7 +107,8 @@ D = ``{p}{d}:``, one hash tag for all)
                                      score = that time (unix s); promoted into their queue by the
                                      dispatcher (schedulers/store/base.py, Continuations)
   D continuations             set    refs of jobs readmitted at least once (``fleet queues``); their
-                                     item has cont=1 (and deferred=<time> while waiting)
+                                     item has cont 1 (and deferred <time> while waiting); a
+                                     release removes the ref with the item
   D workers                   zset   Celery node names of live inference workers, score = when the
                                      entry lapses (fleet/worker/heartbeat.py); no live entry holds
                                      admissions ("no_workers")

@@ -15,7 +15,13 @@ Inside an advance, the engine runs vLLM's V1 loop step by step, but in bulk wher
 2. If any running sequence is still prefilling, take ONE step: every decoding sequence gets one
    token and the rest of the ``max_num_batched_tokens`` budget goes to prefill chunks (oldest
    first). The step lasts ``decode_step(n) + prefill_tokens / prefill_tokens_per_s``, which is how
-   a long prompt slows everybody decoding beside it.
+   a long prompt slows everybody decoding beside it. vLLM's chunked-prefill flags shape the
+   chunks: with ``--long-prefill-token-threshold`` T set (or implied: 4% of ``max_model_len`` when
+   ``--max-num-partial-prefills`` > 1), no sequence gets more than T prompt tokens a step, so a
+   long prompt leaves budget to the prompts behind it; with ``--max-num-partial-prefills`` > 1, at
+   most that many prompts take chunks in one step, and at most ``--max-long-partial-prefills`` of
+   them longer than T (a long prompt over that count waits and the short ones behind it go). With
+   vLLM's defaults (1, 1, 0) the chunks are as without the flags, as in vLLM's V1 scheduler.
 3. Otherwise take ``k`` decode-only steps at once (each lasting ``n / aggregate(n)``), where ``k``
    stops at the next event: a sequence finishing, a stall point, a held sequence resuming, or the
    end of the tick.
@@ -284,14 +290,21 @@ class Engine:
 
     # -- steps --------------------------------------------------------------------------------
     def _mixed_step(self, decoding: list[Sequence]) -> None:
-        budget = self.profile.max_num_batched_tokens - len(decoding)
-        prefill = 0
+        profile = self.profile
+        budget = profile.max_num_batched_tokens - len(decoding)
+        threshold = profile.long_prefill_threshold()
+        limited = profile.max_num_partial_prefills > 1
+        prefill = partial = long_partial = 0
         for s in [s for s in self.running if s.computed < s.target]:
-            if budget <= 0:
+            if budget <= 0 or (limited and partial >= profile.max_num_partial_prefills):
                 break
             if s.state is not SeqState.RUNNING:
                 continue
-            chunk = min(budget, s.target - s.computed)
+            long = 0 < threshold < s.prompt_len
+            if limited and long and long_partial >= profile.max_long_partial_prefills:
+                continue
+            partial, long_partial = partial + 1, long_partial + long
+            chunk = min(budget, s.target - s.computed, threshold or budget)
             if not self._ensure_blocks(s, s.computed + chunk):
                 continue
             s.computed += chunk

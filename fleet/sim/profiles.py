@@ -80,12 +80,23 @@ class SimProfile:
     kv_pool_tokens: int = 530_000
     block_tokens: int = 1_072
     max_num_batched_tokens: int = 2_048
+    # vLLM's chunked-prefill limits, with vLLM's defaults (engine.py, step 2)
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
     prefill_tokens_per_s: float = 8_000.0
     decode: DecodeCurve = field(default_factory=DecodeCurve)
     cache_dtype: str = "fp8"
     """--kv-cache-dtype, as /metrics publishes it in vllm:cache_config_info."""
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.92
+
+    def long_prefill_threshold(self) -> int:
+        """vLLM's ``--long-prefill-token-threshold``: when it is 0 and several partial prefills
+        are allowed, vLLM takes 4% of ``max_model_len``; 0 means no threshold."""
+        if self.long_prefill_token_threshold or self.max_num_partial_prefills <= 1:
+            return self.long_prefill_token_threshold
+        return int(0.04 * self.max_model_len)
 
     def with_overrides(self, **overrides: object) -> SimProfile:
         clean = {k: v for k, v in overrides.items() if v is not None}

@@ -47,6 +47,9 @@ class SimOptions:
     kv_pool_tokens: int | None = None
     block_tokens: int | None = None
     max_num_batched_tokens: int | None = None
+    max_num_partial_prefills: int | None = None
+    max_long_partial_prefills: int | None = None
+    long_prefill_token_threshold: int | None = None
     speed: float = 1.0
     seed: int = 0
     fault_rate: float = 0.0
@@ -64,7 +67,10 @@ class SimOptions:
         profile = get_profile(self.profile).with_overrides(
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             kv_pool_tokens=self.kv_pool_tokens, block_tokens=self.block_tokens,
-            max_num_batched_tokens=self.max_num_batched_tokens)
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            max_long_partial_prefills=self.max_long_partial_prefills,
+            long_prefill_token_threshold=self.long_prefill_token_threshold)
         if self.speed <= 0:
             raise ValueError("speed must be positive")
         if profile.max_model_len > profile.kv_pool_tokens:
@@ -173,6 +179,13 @@ def sim_command(
     block_tokens: Annotated[int | None, typer.Option(help="KV block size, tokens.")] = None,
     max_num_batched_tokens: Annotated[
         int | None, typer.Option(help="Tokens per engine step (prefill chunk).")] = None,
+    max_num_partial_prefills: Annotated[int | None, typer.Option(
+        help="vLLM's flag: prompts part-way through prefill at once (default 1).")] = None,
+    max_long_partial_prefills: Annotated[int | None, typer.Option(
+        help="vLLM's flag: of those, long ones at most (default 1).")] = None,
+    long_prefill_token_threshold: Annotated[int | None, typer.Option(
+        help="vLLM's flag: prefill tokens per request and step at most; a longer prompt is long "
+             "(default 0: none, or 4% of max_model_len with several partial prefills).")] = None,
     speed: Annotated[float, typer.Option(help="Simulated seconds per real second.")] = 1.0,
     seed: Annotated[int, typer.Option(help="Seed for texts, lengths and faults.")] = 0,
     fault_rate: Annotated[float, typer.Option(help="Share of requests given a random fault.")]

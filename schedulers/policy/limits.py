@@ -7,6 +7,10 @@ store test suite keeps the two in step.
 Limits, checked in this order for every candidate job:
 
 ``seqs``     in-flight requests < ``max_num_seqs``. Global: when it fails nothing can go.
+``outside``  in-flight requests + the sequences outside clients hold at the server (the backend's
+             running count beyond the fleet's claimed leases, measured at the last scrape:
+             ``outside``) < ``max_num_seqs``, so the server's own total stays at its ceiling
+             while clients the fleet does not control share it. Global.
 ``spacing``  at least ``min_spacing_s`` since the last admission. Global.
 ``kv``       KV budget in whole blocks: the sum over in-flight requests of
              ``ceil((prompt + max_new) / block) * block`` stays <= ``kv_pool_tokens *
@@ -20,6 +24,13 @@ Limits, checked in this order for every candidate job:
              else is in flight: otherwise it could never run and would block its project forever.
 ``long``     at most ``max_long`` requests with ``prompt_tokens > long_prompt_tokens`` at once
              (four or more ultra-long prefills bring the server to a crawl).
+``prefill``  quiet long prefills (``long_prefill_tokens_per_s`` > 0): a long prompt goes only while
+             at most ``short_beside_long`` short sequences are in flight, and while its prefill runs
+             (until ``prefill_until``: its prompt tokens / the server's prefill rate after its
+             admission, after the previous long prefill's end) nothing is admitted (a global hold
+             with a retry time). A prefill chunk rides in every engine step, so each sequence
+             decoding beside a 60K-token prefill runs several times slower for its whole length;
+             short jobs wait in line instead, where they cost the backend nothing.
 ``bucket``   prefill pacing: a token bucket on admitted prompt tokens (rate
              ``prefill_tokens_per_s``, size ``prefill_burst_tokens``). A prompt bigger than the
              bucket is admitted when the bucket is full and leaves the bucket in debt, so the
@@ -43,7 +54,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fleet.core.config import Settings
 
-RESERVING_REASONS = ("kv", "bucket")
+RESERVING_REASONS = ("kv", "bucket", "prefill")
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,8 @@ class Limits:
     prefill_burst_tokens: int = 262_144
     min_spacing_s: float = 0.0
     hol_bypass_s: float = 10.0
+    long_prefill_tokens_per_s: float = 0.0  # the server's prefill rate; 0: no quiet long prefills
+    short_beside_long: int = 2
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
@@ -71,6 +84,8 @@ class Limits:
             prefill_burst_tokens=admission.prefill_burst_tokens,
             min_spacing_s=admission.min_spacing_ms / 1000.0,
             hol_bypass_s=admission.hol_bypass_s,
+            long_prefill_tokens_per_s=backend.prefill_tokens_per_s if admission.quiet_long_prefill else 0.0,
+            short_beside_long=admission.short_beside_long_prefill,
         )
 
 
@@ -86,6 +101,8 @@ class LimitState:
     last_admit_at: float | None = None
     blocked_job: str | None = None
     blocked_since: float = 0.0
+    claimed: int = 0  # live leases a worker has claimed (its request is at the backend)
+    prefill_until: float = 0.0  # when the last admitted long prompt's prefill should be done
 
 
 @dataclass(frozen=True)
@@ -120,14 +137,20 @@ def bucket_level(limits: Limits, state: LimitState, now: float) -> float:
     return min(float(limits.prefill_burst_tokens), state.bucket_tokens + refill)
 
 
-def check_global(limits: Limits, state: LimitState, now: float) -> tuple[str | None, float | None]:
+def check_global(
+    limits: Limits, state: LimitState, now: float, outside: float = 0.0
+) -> tuple[str | None, float | None]:
     """Limits that stop every candidate: ``(reason, retry_in_s)`` or ``(None, None)``."""
     if state.in_flight >= limits.max_num_seqs:
         return "seqs", None
+    if state.in_flight + outside >= limits.max_num_seqs:
+        return "outside", None
     if state.last_admit_at is not None and limits.min_spacing_s > 0:
         wait_s = state.last_admit_at + limits.min_spacing_s - now
         if wait_s > 0:
             return "spacing", wait_s
+    if limits.long_prefill_tokens_per_s > 0 and now < state.prefill_until:
+        return "prefill", state.prefill_until - now
     return None, None
 
 
@@ -140,6 +163,9 @@ def check_job(
         return "kv", None
     if cost.long and state.long_in_flight >= limits.max_long:
         return "long", None
+    short_in_flight = state.in_flight - state.long_in_flight
+    if cost.long and limits.long_prefill_tokens_per_s > 0 and short_in_flight > limits.short_beside_long:
+        return "prefill", None
     need = min(cost.prompt_tokens, limits.prefill_burst_tokens)
     level = bucket_level(limits, state, now)
     if level < need:
@@ -154,6 +180,9 @@ def admit(limits: Limits, state: LimitState, cost: Cost, now: float) -> None:
     state.in_flight += 1
     state.reserved_kv_tokens += cost.kv_tokens
     state.long_in_flight += 1 if cost.long else 0
+    if cost.long and limits.long_prefill_tokens_per_s > 0:
+        start = max(now, state.prefill_until)
+        state.prefill_until = start + cost.prompt_tokens / limits.long_prefill_tokens_per_s
 
 
 def free(state: LimitState, kv: int, long: bool) -> None:
@@ -171,15 +200,18 @@ class Choice:
     retry_in_s: float | None = None
 
 
-def choose(limits: Limits, state: LimitState, costs: Sequence[Cost], now: float) -> Choice:
+def choose(
+    limits: Limits, state: LimitState, costs: Sequence[Cost], now: float, outside: float = 0.0
+) -> Choice:
     """Try candidates in fair order; the first that fits wins. Updates the reservation fields.
+    ``outside``: sequences outside clients hold at the backend (module docstring).
 
     The reason reported when nothing fits is the first candidate's; ``retry_in_s`` is the
     soonest time-based lift among the candidates tried.
     """
     if not costs:
         return Choice(None, "empty")
-    reason, retry_in_s = check_global(limits, state, now)
+    reason, retry_in_s = check_global(limits, state, now, outside)
     if reason:
         return Choice(None, reason, retry_in_s)
     first_reason: str | None = None

@@ -82,7 +82,8 @@ class AdmitResult:
 
     grant: Grant | None
     # "empty", "seqs", "kv", "long", "bucket", "spacing", "backend_<why>" (stale, health,
-    # waiting, kv_usage, preemptions; see schedulers/policy/backend_gate.py), "conflict" (other
+    # waiting, kv_usage, preemptions; see schedulers/policy/backend_gate.py), "outside" (outside
+    # clients hold the rest of the backend's sequences), "conflict" (other
     # dispatchers kept taking the candidates; try again at once); "send_failed" (set by the
     # dispatcher, not the store: the grant could not be sent and was requeued; back off)
     hold_reason: str | None = None
@@ -95,6 +96,7 @@ class StoreSnapshot:
     in_flight: int = 0
     reserved_kv_tokens: int = 0
     long_in_flight: int = 0
+    claimed: int = 0  # live leases whose worker has claimed them (requests at the backend)
     admissions: int = 0
     holds: dict[str, int] = field(default_factory=dict)
 
@@ -132,13 +134,12 @@ class AdmissionStore(Protocol):
 
     def admit_next(self, now: float) -> AdmitResult: ...
 
-    def claim(self, job_id: str, fence: int, owner: str, now: float) -> bool: ...
-
-    def resize(self, job_id: str, fence: int, max_new_tokens: int) -> bool:
-        """A retry grew the job's max tokens inside its lease: the lease's KV reservation (and
-        the item's, for a re-admission) follows, so the KV limit keeps counting what is really
-        reserved. False for a stale fence."""
+    def admit_many(self, now: float, max_grants: int) -> list[AdmitResult]:
+        """Up to ``max_grants`` grants decided at ``now`` (each as ``admit_next`` would, one after
+        the other), followed by the hold that stopped them, if one did: a hold ends the list."""
         ...
+
+    def claim(self, job_id: str, fence: int, owner: str, now: float) -> bool: ...
 
     def renew(self, job_id: str, fence: int, now: float) -> bool: ...
 

@@ -111,14 +111,20 @@ class MemoryStore:
 
     # -- admission ---------------------------------------------------------------------------
     def admit_next(self, now: float) -> AdmitResult:
+        return self.admit_many(now, 1)[0]
+
+    def admit_many(self, now: float, max_grants: int) -> list[AdmitResult]:
+        results: list[AdmitResult] = []
         with self._lock:
-            result = self._admit(now)
-            if result.grant:
+            while len(results) < max_grants:
+                result = self._admit(now)
+                if result.grant is None:
+                    reason = result.hold_reason or "empty"
+                    self._holds[reason] = self._holds.get(reason, 0) + 1
+                    return [*results, result]
                 self._admissions += 1
-            else:
-                reason = result.hold_reason or "empty"
-                self._holds[reason] = self._holds.get(reason, 0) + 1
-            return result
+                results.append(result)
+        return results
 
     def _admit(self, now: float) -> AdmitResult:
         heads = self._heads(now)
@@ -133,7 +139,8 @@ class MemoryStore:
             limits.cost_of(h.job_id, h.prompt_tokens, h.max_new_tokens, self.config.limits)
             for h in heads
         ]
-        choice = limits.choose(self.config.limits, self._state, costs, now)
+        outside = float(self._figures.get("outside", 0.0)) if self.config.gate else 0.0
+        choice = limits.choose(self.config.limits, self._state, costs, now, outside)
         if choice.index is None:
             return AdmitResult(None, choice.reason, choice.retry_in_s)
         return AdmitResult(self._grant(heads[0], heads[choice.index], costs[choice.index], now))
@@ -205,6 +212,8 @@ class MemoryStore:
                 return False
             if lease.owner is not None and lease.owner != owner:
                 return False
+            if lease.owner is None:
+                self._state.claimed += 1
             expires_at = now + self.config.lease_ttl_s
             self._leases[job_id] = replace(lease, owner=owner, expires_at=expires_at)
             return True
@@ -215,17 +224,6 @@ class MemoryStore:
             if lease is None or lease.fence != fence or lease.expires_at < now:
                 return False
             self._leases[job_id] = replace(lease, expires_at=now + self.config.lease_ttl_s)
-            return True
-
-    def resize(self, job_id: str, fence: int, max_new_tokens: int) -> bool:
-        with self._lock:
-            lease = self._leases.get(job_id)
-            if lease is None or lease.fence != fence:
-                return False
-            item = replace(lease.entry.item, max_new_tokens=max_new_tokens)
-            kv = limits.kv_tokens(item.prompt_tokens, max_new_tokens, self.config.limits.block_tokens)
-            self._state.reserved_kv_tokens += kv - lease.kv_tokens
-            self._leases[job_id] = replace(lease, entry=replace(lease.entry, item=item), kv_tokens=kv)
             return True
 
     def release(self, job_id: str, fence: int) -> bool:
@@ -336,6 +334,7 @@ class MemoryStore:
         lease = self._leases.pop(job_id, None)
         if lease is not None:
             limits.free(self._state, lease.kv_tokens, lease.long)
+            self._state.claimed -= 1 if lease.owner is not None else 0
 
     def _push(self, entry: _Entry) -> None:
         item = entry.item
@@ -383,6 +382,7 @@ class MemoryStore:
                 in_flight=self._state.in_flight,
                 reserved_kv_tokens=self._state.reserved_kv_tokens,
                 long_in_flight=self._state.long_in_flight,
+                claimed=self._state.claimed,
                 admissions=self._admissions,
                 holds=dict(self._holds),
             )

@@ -6,29 +6,33 @@ Every key carries the hash tag ``{d}``, so all of them share one Redis Cluster s
 one serialisation point anyway, and a script may touch the shared counters and any job's keys.
   D pending:<project>:<band>:<size>  zset  pending job ids; band interactive|batch, size
                                            short|long; score = fairshare.pending_score (ms)
-  D item:<id>      hash    project band size prompt max_new kv long enq score pending(1|0)
-                           deadline (absent: none); lives while the job is pending or leased
-                           (a lease needs it to requeue)
+  D items          hash    job id -> "project band size prompt max_new kv long enq score
+                           pending(1|0) deadline cont(1|0) deferred" (space-separated, deadline
+                           and deferred '-' = none; cont 1 for a continuation, deferred its
+                           not-before time while it waits); a field lives while the job is
+                           pending, leased (a lease needs it to requeue) or waiting
   D deadlines      zset    pending job ids that have a deadline, score = deadline (unix
                            seconds); an entry leaves at admission, cancel or expiry and comes
                            back when an expired lease requeues the job
   D projects       set     projects that may have pending work (pruned when found empty)
   D vtime          hash    project -> finish tag F_p (start-time fair queuing, tokens/weight)
   D leases         zset    in-flight job ids, score = lease expiry (unix seconds)
-  D lease:<id>     hash    fence kv long expires admitted_at project owner (absent until
-                           the first ``claim``; a delivery of another owner is refused)
-  D state          hash    in_flight kv long (counters of live leases), queued (pending jobs),
-                           bucket bucket_at (prefill token bucket), last_admit, blocked_job
+  D lease          hash    job id -> "fence kv long expires admitted_at project owner" (owner
+                           empty until the first ``claim``; a delivery of another owner is refused)
+  D state          hash    in_flight kv long claimed (counters of live leases), queued (pending jobs),
+                           bucket bucket_at (prefill token bucket), prefill_until (quiet long
+                           prefills), last_admit, blocked_job
                            blocked_since (head-of-line reservation), vtime (V)
   D fence          string  fencing token counter (INCR; every grant gets a new, larger one)
-  D wake           list    LPUSHed on submit/release/expiry, capped at 100; dispatchers BLPOP it
+  D wake           list    LPUSHed on submit/release/readmit/promotion/expiry, capped at 100;
+                           dispatchers BLPOP it
   D backend        hash    scraped_at hold (gate verdict) + raw figures (schedulers/scrape.py)
   D stats          hash    admissions, hold:<reason>
-  Continuations (``readmit``, ``promote_due``; added beside the scripts above, not inside them):
   D deferred       zset    continuations waiting for their not-before time (score, unix s); their
-                           item has pending=0, deferred=<time>, no lease and no deadline entry
+                           item has pending 0, deferred <time>, no lease and no deadline entry
   D continuations  set     ids of jobs readmitted at least once (a hint list for ``fleet queues``;
-                           ``continuations`` drops ids whose item is gone); their item has cont=1
+                           RELEASE removes the id with the item, ``continuations`` drops ids whose
+                           item is gone or no continuation); their item has cont 1
 
 The scripts are files in schedulers/store/lua/ (``prelude.lua`` holds their shared helpers), each
 opening with the KEYS it touches and its ARGV; they are registered once per store. Every key a
@@ -37,18 +41,28 @@ due deadlines, a job's queue), Python reads first and passes that job's keys, an
 again that what it was given still holds (an item in another queue, a lease renewed meanwhile: the
 job is skipped, not touched).
 
-Admission reads the heads without a script, in three pipelined round trips (projects and virtual
-times; the head of each queue; the heads' items), then ``ADMIT``; a project with no head is
-dropped from the set by ``PRUNE``, which checks its queues again atomically. Python orders the
-heads with the pure policy (schedulers/policy/fairshare.py); ``ADMIT`` then, atomically, re-reads
-those candidates, drops any that another dispatcher took meanwhile, applies the backend gate and
-every limit (the rules of schedulers/policy/limits.py, in the same order), and grants the first
-that fits: pop from pending, counters, bucket, virtual times, fence, lease. A race between
-dispatchers can only change who goes first, never what is allowed; when every candidate was taken,
-admission reads the heads again.
+Why one hash of items and one of leases, not a hash per job: a script then touches a fixed set of
+keys plus the queues of the projects it is told about, so ``ADMIT`` can find the heads, order
+them and grant several jobs in one call without the caller naming the jobs first; and a field
+costs less memory than a key (about 225 bytes per pending job in all, against 330 with a hash per
+job).
+
+Admission is one ``ADMIT`` call for up to ``max_grants`` grants (the dispatcher asks for 8): the
+store names the projects it last saw in the projects set (the script refuses to decide when the
+set holds another, returns the set and is called again), and the script reads the head of each of
+their queues (ZRANGE 0 0: O(log n) in the backlog), orders them with the fair policy (the rules
+of schedulers/policy/fairshare.py ``order``, repeated in Lua), applies the backend gate and every
+limit (the rules of schedulers/policy/limits.py, in the same order), and grants the first that
+fits: pop from pending, counters, bucket, virtual times, fence, lease; then again with the heads
+of the granted project read anew, until a hold or ``max_grants``. Projects whose queues are all
+empty leave the set there. Because the script reads and decides in one atomic step, dispatchers
+racing each other can only change who goes first, never what is allowed.
 
 ``CLAIM`` (worker start), ``REQUEUE`` (a grant that could not be sent), ``REAP`` (expired
-leases) and ``EXPIRE`` (pending deadlines), at most 200 jobs a call, are single scripts too.
+leases) and ``EXPIRE`` (pending deadlines), at most 200 jobs a call, are single scripts too, and
+so are the continuations' (schedulers/store/base.py): ``READMIT`` (the lease given up for another
+model turn, the job back in line or into ``deferred``), ``PROMOTE`` (due continuations into their
+queue, at most 200 a call) and ``UNDEFER`` (``cancel_pending`` of a waiting continuation).
 ``wait_for_wake`` never blocks longer than ``MAX_BLOCK_S`` (or 80% of the client's socket
 timeout, if that is shorter): redis-py 8 gives every connection a 5 s socket timeout, and a BLPOP
 blocking past it raises TimeoutError.
@@ -74,9 +88,9 @@ from schedulers.store.base import AdmitResult, Grant, PendingItem, StoreConfig, 
 
 log = logging.getLogger(__name__)
 
-SCRIPTS = ("add", "prune", "admit", "claim", "renew", "resize", "release", "reap", "requeue",
-           "cancel", "expire", "readmit", "promote", "undefer")
-_ROUNDS = 4  # admission attempts when other dispatchers keep taking our candidates
+SCRIPTS = ("add", "admit", "claim", "renew", "release", "reap", "requeue", "cancel", "expire",
+           "readmit", "promote", "undefer")
+_ROUNDS = 4  # ADMIT calls when the projects set keeps changing under us
 _BATCH = 200  # expired leases or due deadlines handled by one script call
 MAX_BLOCK_S = 4.0  # longest BLPOP; below redis-py 8's default 5 s socket timeout
 
@@ -95,16 +109,11 @@ class RedisStore:
         self._clock = clock
         self._max_block_s = max_block_s(client)
         self._scripts = Scripts(client, "schedulers.store", SCRIPTS, prelude="prelude")
+        self._projects: list[str] = []  # every project ADMIT has found in the projects set
 
     # -- keys (all under D, one hash tag) -------------------------------------------------------
     def _key(self, name: str) -> str:
         return self._d + name
-
-    def _item(self, job_id: str) -> str:
-        return f"{self._d}item:{job_id}"
-
-    def _lease(self, job_id: str) -> str:
-        return f"{self._d}lease:{job_id}"
 
     def _queue(self, project: str, band: str, size: str) -> str:
         return f"{self._d}pending:{project}:{band}:{size}"
@@ -114,10 +123,10 @@ class RedisStore:
 
     def _where(self, job_ids: list[str]) -> list[tuple[str, str, str]]:
         """(project, band, size) of each job's item as it is now; '' for a missing item."""
-        pipe = self._client.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.hmget(self._item(job_id), "project", "band", "size")
-        return [(_text(p or ""), _text(b or ""), _text(z or "")) for p, b, z in pipe.execute()]
+        if not job_ids:
+            return []
+        found = self._client.hmget(self._key("items"), job_ids)
+        return [tuple(_text(f).split(" ", 3)[:3]) if f else ("", "", "") for f in found]  # type: ignore[misc]
 
     # -- submit / cancel ---------------------------------------------------------------------
     def add_pending(self, item: PendingItem) -> None:
@@ -136,8 +145,8 @@ class RedisStore:
         long = item.prompt_tokens > limits.long_prompt_tokens
         size = "long" if long else "short"
         score = fairshare.pending_score(enqueued_at, item.priority, self.config.aging_s)
-        keys = [self._item(item.job_id), self._queue(item.project, item.band, size),
-                *map(self._key, ("deadlines", "projects", "state", "vtime", "wake")), self._lease(item.job_id)]
+        keys = [self._key("items"), self._queue(item.project, item.band, size),
+                *map(self._key, ("deadlines", "projects", "state", "vtime", "wake", "lease"))]
         return keys, [
             item.job_id,
             item.project,
@@ -153,21 +162,25 @@ class RedisStore:
         ]
 
     def cancel_pending(self, job_id: str) -> bool:
+        """CANCEL takes a pending job out of line, else UNDEFER a waiting continuation."""
         where = self._where([job_id])[0]
-        keys = [self._item(job_id), self._lease(job_id), self._queue(*where),
+        keys = [self._key("items"), self._key("lease"), self._queue(*where),
                 self._key("deadlines"), self._key("state")]
         if self._run("cancel", keys, [job_id, *where]):
             return True
-        keys = [self._key("deferred"), self._item(job_id), self._lease(job_id)]
+        keys = [self._key("deferred"), self._key("items"), self._key("lease")]
         return bool(self._run("undefer", keys, [job_id]))
 
     def expire_deadlines(self, now: float) -> list[str]:
         due = [_text(i) for i in self._client.zrangebyscore(self._key("deadlines"), "-inf", repr(now), 0, _BATCH)]
-        keys, args = [self._key("deadlines"), self._key("state")], [repr(now)]
+        if not due:
+            return []
+        keys = [self._key(k) for k in ("deadlines", "state", "items", "lease")]
+        args: list[Any] = [repr(now)]
         for job_id, where in zip(due, self._where(due), strict=True):
-            keys += [self._item(job_id), self._lease(job_id), self._queue(*where)]
+            keys.append(self._queue(*where))
             args += [job_id, *where]
-        return [_text(job_id) for job_id in self._run("expire", keys, args)] if due else []
+        return [_text(job_id) for job_id in self._run("expire", keys, args)]
 
     def next_deadline(self) -> float | None:
         first = self._client.zrange(self._key("deadlines"), 0, 0, withscores=True)
@@ -175,49 +188,31 @@ class RedisStore:
 
     # -- admission ---------------------------------------------------------------------------
     def admit_next(self, now: float) -> AdmitResult:
+        return self.admit_many(now, 1)[0]
+
+    def admit_many(self, now: float, max_grants: int) -> list[AdmitResult]:
+        """Up to ``max_grants`` grants in one ADMIT call, then the hold that stopped it (if any).
+
+        The call names every project this store has seen in the projects set (projects come
+        from the configuration: a short list); when the set holds another one, ADMIT decides
+        nothing and returns the set, and the call is made again with it. A project that drained
+        stays named, so its next job costs no extra call."""
         for _ in range(_ROUNDS):
-            heads = self._heads(now)
-            if not heads:
-                self._client.hincrby(self._key("stats"), "hold:empty", 1)
-                return AdmitResult(None, "empty")
-            result = self._admit(heads, now)
-            if result.hold_reason != "conflict":
-                return result
-        return AdmitResult(None, "conflict", 0.0)
+            reply = self._run("admit", *self._admit_call(now, max_grants))
+            if _text(reply[0]) == "stale":
+                self._projects = sorted(set(self._projects) | {_text(p) for p in reply[1]})
+                continue
+            results = [AdmitResult(_grant(reply[i : i + 8])) for i in range(3, len(reply), 8)]
+            reason, retry = _text(reply[1]), _text(reply[2])
+            if reason:
+                results.append(AdmitResult(None, reason, float(retry) if retry else None))
+            return results
+        return [AdmitResult(None, "conflict", 0.0)]
 
-    def _heads(self, now: float) -> list[fairshare.Head]:
-        """The head of every queue of every project, ordered by the fair policy. Read without a
-        script (which keys it reads depends on what it finds); ADMIT checks every candidate again."""
-        pipe = self._client.pipeline(transaction=False)
-        pipe.smembers(self._key("projects"))
-        pipe.hget(self._key("state"), "vtime")
-        pipe.hgetall(self._key("vtime"))
-        members, v, tags = pipe.execute()
-        projects, tags = sorted(_text(p) for p in members), _texts(tags)
-        queues = [(p, b, z) for p in projects for b in fairshare.BANDS for z in fairshare.SIZES]
-        for queue in queues:
-            pipe.zrange(self._queue(*queue), 0, 0, withscores=True)
-        found = [(queue, top[0]) for queue, top in zip(queues, pipe.execute(), strict=True) if top]
-        for _q, (job_id, _score) in found:
-            pipe.hmget(self._item(_text(job_id)), "prompt", "max_new", "enq")
-        heads: dict[str, list[fairshare.Head]] = {}
-        for ((project, band, size), (job_id, score)), fields in zip(found, pipe.execute(), strict=True):
-            if None not in fields:  # the item left between the two reads
-                head = _head(project, [band, size, job_id, score, *fields])
-                heads.setdefault(project, []).append(head)
-        for project in projects:
-            if project not in heads:
-                keys = [self._queue(project, b, z) for b in fairshare.BANDS for z in fairshare.SIZES]
-                self._run("prune", [self._key("projects"), *keys], [project])
-        views = tuple(
-            fairshare.ProjectView(p, self.config.weight(p), float(tags.get(p, 0)), tuple(h))
-            for p, h in heads.items()
-        )
-        snapshot = fairshare.FairSnapshot(views, float(v or 0), now)
-        return fairshare.order(snapshot, self.config.aging_s)
-
-    def _admit(self, heads: list[fairshare.Head], now: float) -> AdmitResult:
+    def _admit_call(self, now: float, max_grants: int) -> tuple[list[str], list[Any]]:
         limits, config = self.config.limits, self.config
+        keys = [self._key(k) for k in ("state", "stats", "backend", "vtime", "fence", "leases",
+                                       "deadlines", "projects", "items", "lease")]
         args: list[Any] = [
             repr(now),
             repr(config.lease_ttl_s),
@@ -230,80 +225,70 @@ class RedisStore:
             repr(limits.hol_bypass_s),
             "1" if config.gate else "0",
             repr(config.scrape_stale_s),
+            repr(config.aging_s),
+            max_grants,
+            repr(limits.long_prefill_tokens_per_s),
+            limits.short_beside_long,
         ]
-        keys = [self._key(k) for k in ("state", "stats", "backend", "vtime", "fence", "leases", "deadlines")]
-        for head in heads:
-            size = "long" if head.long else "short"
-            keys += [self._item(head.job_id), self._lease(head.job_id),
-                     self._queue(head.project, head.band, size)]
-            args += [head.job_id, head.project, repr(config.weight(head.project)), head.band, size]
-        reply = self._run("admit", keys, args)
-        if reply[0] == 0:
-            retry = _text(reply[2])
-            return AdmitResult(None, _text(reply[1]), float(retry) if retry else None)
-        return AdmitResult(
-            Grant(
-                job_id=_text(reply[1]),
-                project=_text(reply[2]),
-                fence=int(reply[3]),
-                prompt_tokens=int(reply[4]),
-                kv_tokens=int(reply[5]),
-                long=bool(reply[6]),
-                lease_expires_at=float(reply[7]),
-                waited_s=float(reply[8]),
-            )
-        )
+        for project in self._projects:
+            keys += [self._queue(project, b, z) for b in fairshare.BANDS for z in fairshare.SIZES]
+            args += [project, repr(config.weight(project))]
+        return keys, args
 
     # -- leases ------------------------------------------------------------------------------
     def claim(self, job_id: str, fence: int, owner: str, now: float) -> bool:
-        keys = [self._lease(job_id), self._key("leases")]
+        keys = [self._key("lease"), self._key("leases"), self._key("state")]
         return bool(self._run("claim", keys, [job_id, fence, owner, repr(now), repr(self.config.lease_ttl_s)]))
 
     def renew(self, job_id: str, fence: int, now: float) -> bool:
-        keys = [self._lease(job_id), self._key("leases")]
+        keys = [self._key("lease"), self._key("leases")]
         return bool(self._run("renew", keys, [job_id, fence, repr(now), repr(self.config.lease_ttl_s)]))
 
-    def resize(self, job_id: str, fence: int, max_new_tokens: int) -> bool:
-        prompt = self._client.hget(self._item(job_id), "prompt")
-        if prompt is None:
-            return False
-        kv = kv_tokens(int(prompt), max_new_tokens, self.config.limits.block_tokens)
-        keys = [self._lease(job_id), self._key("state"), self._item(job_id)]
-        return bool(self._run("resize", keys, [fence, max_new_tokens, kv]))
-
     def release(self, job_id: str, fence: int) -> bool:
-        keys = [self._lease(job_id), self._key("leases"), self._key("state"), self._item(job_id),
-                self._key("wake")]
+        keys = [self._key(k) for k in ("lease", "leases", "state", "items", "wake", "continuations")]
         return bool(self._run("release", keys, [job_id, fence]))
+
+    def release_many(self, leases: Iterable[tuple[str, int]]) -> list[bool]:
+        """``release`` for several (job id, fence) pairs in one pipelined round trip, each release
+        atomic on its own: what many workers finishing at once amount to (``fleet bench``)."""
+        pipe = self._client.pipeline(transaction=False)
+        for job_id, fence in leases:
+            keys = [self._key(k) for k in ("lease", "leases", "state", "items", "wake", "continuations")]
+            self._run("release", keys, [job_id, fence], client=pipe)
+        return [bool(done) for done in pipe.execute()]
 
     def requeue(self, job_id: str, fence: int) -> bool:
         where = self._where([job_id])[0]
-        keys = [self._lease(job_id), self._key("leases"), self._key("state"), self._item(job_id),
+        keys = [self._key("lease"), self._key("leases"), self._key("state"), self._key("items"),
                 self._queue(*where), *map(self._key, ("projects", "deadlines", "wake"))]
         return bool(self._run("requeue", keys, [job_id, fence, *where]))
+
+    def _lease_fields(self, job_id: str) -> list[str] | None:
+        value = self._client.hget(self._key("lease"), job_id)
+        return None if value is None else _text(value).split(" ", 6)
 
     # -- continuations -----------------------------------------------------------------------
     def readmit(self, job_id: str, fence: int, max_new_tokens: int, not_before: float,
                 now: float) -> bool:
-        where = self._where([job_id])[0]
-        prompt = self._client.hget(self._item(job_id), "prompt")
-        if prompt is None:
+        item = self._client.hget(self._key("items"), job_id)
+        if item is None:
             return False
+        project, band, size, prompt = _text(item).split(" ", 4)[:4]
         kv = kv_tokens(int(prompt), max_new_tokens, self.config.limits.block_tokens)
-        keys = [self._lease(job_id), self._key("leases"), self._key("state"), self._item(job_id),
-                self._queue(*where), *map(self._key, ("projects", "deadlines", "wake", "deferred",
-                                                      "continuations"))]
-        args = [job_id, fence, *where, max_new_tokens, kv, repr(not_before), repr(now)]
+        keys = [self._key("lease"), self._key("leases"), self._key("state"), self._key("items"),
+                self._queue(project, band, size),
+                *map(self._key, ("projects", "deadlines", "wake", "deferred", "continuations"))]
+        args = [job_id, fence, project, band, size, max_new_tokens, kv, repr(not_before), repr(now)]
         return bool(self._run("readmit", keys, args))
 
     def promote_due(self, now: float) -> list[str]:
         due = [_text(i) for i in self._client.zrangebyscore(self._key("deferred"), "-inf", repr(now), 0, _BATCH)]
         if not due:
             return []
-        keys = [self._key(k) for k in ("deferred", "state", "projects", "deadlines", "wake")]
+        keys = [self._key(k) for k in ("deferred", "state", "projects", "deadlines", "wake", "items")]
         args: list[Any] = [repr(now)]
         for job_id, where in zip(due, self._where(due), strict=True):
-            keys += [self._item(job_id), self._queue(*where)]
+            keys.append(self._queue(*where))
             args += [job_id, *where]
         return [_text(job_id) for job_id in self._run("promote", keys, args)]
 
@@ -321,40 +306,40 @@ class RedisStore:
         return float(first[0][1]) if first else None
 
     def continuations(self) -> dict[str, dict[str, int]]:
+        """Counted from the items the continuations set names; ids whose item is gone or is no
+        continuation any more (submitted anew) leave the set."""
         ids = [_text(i) for i in self._client.smembers(self._key("continuations"))]
-        pipe = self._client.pipeline(transaction=False)
-        for job_id in ids:
-            pipe.hmget(self._item(job_id), "project", "pending", "deferred")
         found: dict[str, dict[str, int]] = {}
         gone = []
-        for job_id, (project, pending, deferred) in zip(ids, pipe.execute(), strict=True):
-            if project is None:
+        for job_id, item in zip(ids, self._client.hmget(self._key("items"), ids) if ids else [], strict=True):
+            fields = _text(item).split(" ") if item is not None else []
+            if not fields or fields[11] != "1":
                 gone.append(job_id)
                 continue
-            state = "deferred" if deferred is not None else "pending" if _text(pending) == "1" else ""
+            state = "deferred" if fields[12] != "-" else "pending" if fields[9] == "1" else ""
             if state:
-                counts = found.setdefault(_text(project), {})
+                counts = found.setdefault(fields[0], {})
                 counts[state] = counts.get(state, 0) + 1
         if gone:
             self._client.srem(self._key("continuations"), *gone)
         return found
 
     def lease_valid(self, job_id: str, fence: int) -> bool:
-        value = self._client.hget(self._lease(job_id), "fence")
-        return value is not None and int(value) == fence
+        fields = self._lease_fields(job_id)
+        return fields is not None and int(fields[0]) == fence
 
     def lease_project(self, job_id: str) -> str | None:
-        value = self._client.hget(self._lease(job_id), "project")
-        return None if value is None else _text(value)
+        fields = self._lease_fields(job_id)
+        return None if fields is None else fields[5]
 
     def reap_expired(self, now: float) -> list[str]:
         due = [_text(i) for i in self._client.zrangebyscore(self._key("leases"), "-inf", f"({now!r}", 0, _BATCH)]
         if not due:
             return []
-        keys = [self._key(k) for k in ("leases", "state", "projects", "deadlines", "wake")]
+        keys = [self._key(k) for k in ("leases", "state", "projects", "deadlines", "wake", "lease", "items")]
         args: list[Any] = [repr(now)]
         for job_id, where in zip(due, self._where(due), strict=True):
-            keys += [self._lease(job_id), self._item(job_id), self._queue(*where)]
+            keys.append(self._queue(*where))
             args += [job_id, *where]
         expired = [_text(job_id) for job_id in self._run("reap", keys, args)]
         if expired:
@@ -407,17 +392,15 @@ class RedisStore:
             in_flight=int(state.get("in_flight", 0)),
             reserved_kv_tokens=int(state.get("kv", 0)),
             long_in_flight=int(state.get("long", 0)),
+            claimed=int(state.get("claimed", 0)),
             admissions=int(stats.get("admissions", 0)),
             holds=holds,
         )
 
     def lease_fences(self) -> dict[str, int]:
         """Live leases (job id -> fence), for invariant checks and ``fleet queues``."""
-        ids = [_text(i) for i in self._client.zrange(self._d + "leases", 0, -1)]
-        pipe = self._client.pipeline(transaction=False)
-        for job_id in ids:
-            pipe.hget(f"{self._d}lease:{job_id}", "fence")
-        return {job_id: int(f) for job_id, f in zip(ids, pipe.execute(), strict=True)}
+        leases = self._client.hgetall(self._key("lease"))
+        return {_text(job_id): int(_text(v).split(" ", 1)[0]) for job_id, v in leases.items()}
 
     def pending_ids(self) -> set[str]:
         ids: set[str] = set()
@@ -447,15 +430,15 @@ def _texts(mapping: Any) -> dict[str, str]:
     return {_text(k): _text(v) for k, v in mapping.items()}
 
 
-def _head(project: str, fields: list[Any]) -> fairshare.Head:
-    band, size, job_id, score, prompt, max_new, enq = (_text(f) for f in fields)
-    return fairshare.Head(
+def _grant(fields: list[Any]) -> Grant:
+    job_id, project, fence, prompt, kv, long, expires, waited = (_text(f) for f in fields)
+    return Grant(
         job_id=job_id,
         project=project,
-        band=band,
+        fence=int(fence),
         prompt_tokens=int(prompt),
-        max_new_tokens=int(max_new),
-        enqueued_at=float(enq),
-        score=float(score),
-        long=size == "long",
+        kv_tokens=int(kv),
+        long=long == "1",
+        lease_expires_at=float(expires),
+        waited_s=float(waited),
     )

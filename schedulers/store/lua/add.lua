@@ -1,19 +1,20 @@
 -- ADD: a job joins its queue (submit). A job already pending, in flight (its lease puts it
 -- back at its own place if it expires) or waiting as a continuation is left as it is.
--- KEYS[1] item:<id>        hash    the job's admission facts
+-- KEYS[1] items            hash    job id -> admission facts (prelude)
 -- KEYS[2] pending:<project>:<band>:<size>  zset  the job's queue
 -- KEYS[3] deadlines        zset    pending jobs with a deadline
 -- KEYS[4] projects         set     projects that may have pending work
 -- KEYS[5] state            hash    in_flight, queued, vtime (V)
 -- KEYS[6] vtime            hash    project -> finish tag
 -- KEYS[7] wake             list    dispatchers' wake-up list
--- KEYS[8] lease:<id>       hash    the job's lease, if it is in flight
+-- KEYS[8] lease            hash    job id -> lease (prelude)
 -- ARGV: id, project, band, size, prompt, max_new, kv, long (1|0), enq, score, deadline ('' = none)
 -- Returns 1 when added, 0 when the job was already pending, in flight or waiting.
-local item, id = KEYS[1], ARGV[1]
-if redis.call('HGET', item, 'pending') == '1' or redis.call('EXISTS', KEYS[8]) == 1 then return 0 end
--- A continuation waiting for its not-before time (field deferred, READMIT) comes back by itself.
-if redis.call('HEXISTS', item, 'deferred') == 1 then return 0 end
+local items, id = KEYS[1], ARGV[1]
+local old = item_get(items, id)
+if (old and old.pending == '1') or redis.call('HEXISTS', KEYS[8], id) == 1 then return 0 end
+-- A continuation waiting for its not-before time (READMIT, `deferred`) comes back by itself.
+if old and old.deferred then return 0 end
 -- A job arriving at a drained system (nothing pending, nothing in flight) restarts fair share
 -- even: V moves to the largest finish tag (fairshare.forgive).
 local s = redis.call('HMGET', KEYS[5], 'in_flight', 'queued')
@@ -22,16 +23,15 @@ if num(s[1], 0) == 0 and num(s[2], 0) == 0 then
   for _, f in ipairs(redis.call('HVALS', KEYS[6])) do V = math.max(V, tonumber(f)) end
   redis.call('HSET', KEYS[5], 'vtime', fmt(V))
 end
-redis.call('HSET', item, 'project', ARGV[2], 'band', ARGV[3], 'size', ARGV[4], 'prompt', ARGV[5],
-  'max_new', ARGV[6], 'kv', ARGV[7], 'long', ARGV[8], 'enq', ARGV[9], 'score', ARGV[10],
-  'pending', '1')
+local deadline = ARGV[11] ~= '' and ARGV[11] or nil
+item_put(items, id, {project = ARGV[2], band = ARGV[3], size = ARGV[4], prompt = ARGV[5],
+  max_new = ARGV[6], kv = ARGV[7], long = ARGV[8], enq = ARGV[9], score = ARGV[10], pending = '1',
+  deadline = deadline})
 redis.call('ZADD', KEYS[2], ARGV[10], id)
 redis.call('HINCRBY', KEYS[5], 'queued', 1)
-if ARGV[11] ~= '' then
-  redis.call('HSET', item, 'deadline', ARGV[11])
-  redis.call('ZADD', KEYS[3], ARGV[11], id)
+if deadline then
+  redis.call('ZADD', KEYS[3], deadline, id)
 else
-  redis.call('HDEL', item, 'deadline')
   redis.call('ZREM', KEYS[3], id)
 end
 redis.call('SADD', KEYS[4], ARGV[2])

@@ -1,6 +1,6 @@
 -- CANCEL: take a pending job out of line.
--- KEYS[1] item:<id>                        hash  the job's admission facts
--- KEYS[2] lease:<id>                       hash  its lease, if any (keeps the item alive)
+-- KEYS[1] items                            hash  job id -> admission facts (prelude)
+-- KEYS[2] lease                            hash  job id -> lease (a lease keeps the item alive)
 -- KEYS[3] pending:<project>:<band>:<size>  zset  the job's queue, as the caller read the item
 -- KEYS[4] deadlines                        zset
 -- KEYS[5] state                            hash  queued

@@ -1,13 +1,15 @@
 -- CLAIM: a worker starts a granted job. A live lease with this fence, unclaimed or claimed by
 -- this owner: record the owner and renew, in one step.
--- KEYS[1] lease:<id>  hash  fence expires owner ...
--- KEYS[2] leases      zset  in-flight job ids by lease expiry
+-- KEYS[1] lease   hash  job id -> lease (prelude)
+-- KEYS[2] leases  zset  in-flight job ids by lease expiry
+-- KEYS[3] state   hash  claimed (live leases with an owner)
 -- ARGV: id, fence, owner, now, ttl
 -- Returns 1 when claimed, 0 otherwise (stale fence, expired, another owner's).
-local f = redis.call('HMGET', KEYS[1], 'fence', 'expires', 'owner')
-if f[1] ~= ARGV[2] or tonumber(f[2]) < tonumber(ARGV[4]) then return 0 end
-if f[3] and f[3] ~= ARGV[3] then return 0 end
-local expires = fmt(tonumber(ARGV[4]) + tonumber(ARGV[5]))
-redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'expires', expires)
-redis.call('ZADD', KEYS[2], expires, ARGV[1])
+local f = lease_get(KEYS[1], ARGV[1])
+if not f or f.fence ~= ARGV[2] or tonumber(f.expires) < tonumber(ARGV[4]) then return 0 end
+if f.owner and f.owner ~= ARGV[3] then return 0 end
+if not f.owner then redis.call('HINCRBY', KEYS[3], 'claimed', 1) end
+f.owner, f.expires = ARGV[3], fmt(tonumber(ARGV[4]) + tonumber(ARGV[5]))
+lease_put(KEYS[1], ARGV[1], f)
+redis.call('ZADD', KEYS[2], f.expires, ARGV[1])
 return 1

@@ -3,18 +3,19 @@
 -- kept safe) are dropped without being returned.
 -- KEYS[1] deadlines  zset  pending jobs with a deadline
 -- KEYS[2] state      hash  queued
--- then three per job j = 0, 1, ...:
--- KEYS[3+3j] item:<id>  hash;  KEYS[4+3j] lease:<id>  hash;
--- KEYS[5+3j] pending:<project>:<band>:<size>  zset  (the job's queue, as the caller read the item)
+-- KEYS[3] items      hash  job id -> admission facts (prelude)
+-- KEYS[4] lease      hash  job id -> lease
+-- then one per job j = 0, 1, ...:
+-- KEYS[5+j] pending:<project>:<band>:<size>  zset  (the job's queue, as the caller read the item)
 -- ARGV: now, then (id, project, band, size) per job, in the same order as the keys.
 -- Returns the ids that left the line.
 local now, out = tonumber(ARGV[1]), {}
-for j = 0, (#KEYS - 2) / 3 - 1 do
-  local a, k = 2 + 4 * j, 3 + 3 * j
+for j = 0, #KEYS - 5 do
+  local a = 2 + 4 * j
   local id = ARGV[a]
   local deadline = redis.call('ZSCORE', KEYS[1], id)
   if deadline and tonumber(deadline) <= now
-      and unqueue(KEYS[2], KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[1], id, ARGV[a + 1], ARGV[a + 2],
+      and unqueue(KEYS[2], KEYS[3], KEYS[4], KEYS[5 + j], KEYS[1], id, ARGV[a + 1], ARGV[a + 2],
         ARGV[a + 3]) then
     table.insert(out, id)
   end

@@ -4,6 +4,18 @@
 --
 -- Field `queued` of the state hash counts pending jobs (every pending zset together), so a
 -- script can tell "nothing pending" without reading queues it did not declare.
+--
+-- A job's admission facts are one field of the `items` hash and its lease one field of the
+-- `lease` hash (not a hash per job): every script then touches a fixed set of keys plus the
+-- queues of the projects the caller names, so ADMIT can pick and grant several jobs in one call.
+--   items[id] = "project band size prompt max_new kv long enq score pending deadline cont
+--               deferred" (space-separated; project names are letters, digits, - and _; deadline
+--               '-' = none; cont 1 once READMIT made the job a continuation; deferred = the
+--               not-before time READMIT gave it while it waits in `deferred` (the zset's score
+--               is the one that counts: ``hurry`` may lower it), '-' = not waiting). A field added
+--               later goes at the end (readers outside Lua take the first ones by position).
+--   lease[id] = "fence kv long expires admitted_at project owner" (owner '' until the first claim;
+--               it may hold spaces: it is the rest of the string)
 
 local function num(v, default) if v then return tonumber(v) end return default end
 local function fmt(x) return string.format('%.17g', x) end
@@ -13,47 +25,83 @@ local function wake(wake_key)
   redis.call('LTRIM', wake_key, 0, 99)
 end
 
+local function item_get(items, id)
+  local s = redis.call('HGET', items, id)
+  if not s then return nil end
+  local project, band, size, prompt, max_new, kv, long, enq, score, pending, deadline, cont, deferred =
+    string.match(s, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
+  return {project = project, band = band, size = size, prompt = prompt, max_new = max_new, kv = kv,
+    long = long, enq = enq, score = score, pending = pending,
+    deadline = deadline ~= '-' and deadline or nil, cont = cont,
+    deferred = deferred ~= '-' and deferred or nil}
+end
+
+local function item_put(items, id, f)
+  redis.call('HSET', items, id, table.concat({f.project, f.band, f.size, f.prompt, f.max_new, f.kv,
+    f.long, f.enq, f.score, f.pending, f.deadline or '-', f.cont or '0', f.deferred or '-'}, ' '))
+end
+
+local function lease_get(leases_info, id)
+  local s = redis.call('HGET', leases_info, id)
+  if not s then return nil end
+  local fence, kv, long, expires, admitted_at, project, owner =
+    string.match(s, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) ?(.*)$')
+  return {fence = fence, kv = kv, long = long, expires = expires, admitted_at = admitted_at,
+    project = project, owner = owner ~= '' and owner or nil}
+end
+
+local function lease_put(leases_info, id, f)
+  redis.call('HSET', leases_info, id, table.concat({f.fence, f.kv, f.long, f.expires, f.admitted_at,
+    f.project, f.owner or ''}, ' '))
+end
+
 -- Give back what a lease holds; the counters always equal the sum over live leases.
-local function free_lease(state, leases, lease, id)
-  local f = redis.call('HMGET', lease, 'kv', 'long')
-  if not f[1] then return false end
+local function free_lease(state, leases, leases_info, id)
+  local f = lease_get(leases_info, id)
+  if not f then return false end
   redis.call('HINCRBY', state, 'in_flight', -1)
-  redis.call('HINCRBY', state, 'kv', -tonumber(f[1]))
-  if f[2] == '1' then redis.call('HINCRBY', state, 'long', -1) end
-  redis.call('DEL', lease)
+  redis.call('HINCRBY', state, 'kv', -tonumber(f.kv))
+  if f.long == '1' then redis.call('HINCRBY', state, 'long', -1) end
+  if f.owner then redis.call('HINCRBY', state, 'claimed', -1) end
+  redis.call('HDEL', leases_info, id)
   redis.call('ZREM', leases, id)
   return true
 end
 
--- Put a job whose lease is gone back in line at its original score (and its deadline back).
--- `pending` is the queue the caller read from the item (project, band, size); only ADD rewrites
--- those fields and it marks the item pending, so a job that is not pending still has them.
-local function requeue_item(state, item, pending, projects, deadlines, id, project, band, size)
-  local f = redis.call('HMGET', item, 'pending', 'project', 'band', 'size', 'score', 'deadline')
-  if not f[2] or f[1] == '1' then return false end
-  if f[2] ~= project or f[3] ~= band or f[4] ~= size then return false end
-  redis.call('ZADD', pending, f[5], id)
-  redis.call('HSET', item, 'pending', '1')
+-- Put a job whose lease is gone (or a continuation whose not-before time came) back in line at
+-- its original score (and its deadline back). `pending` is the queue the caller read from the
+-- item (project, band, size); only ADD rewrites those fields and it marks the item pending, so a
+-- job that is not pending still has them.
+local function requeue_item(state, items, pending, projects, deadlines, id, project, band, size)
+  local f = item_get(items, id)
+  if not f or f.pending == '1' then return false end
+  if f.project ~= project or f.band ~= band or f.size ~= size then return false end
+  redis.call('ZADD', pending, f.score, id)
+  f.pending, f.deferred = '1', nil
+  item_put(items, id, f)
   redis.call('HINCRBY', state, 'queued', 1)
-  redis.call('SADD', projects, f[2])
-  if f[6] then redis.call('ZADD', deadlines, f[6], id) end
+  redis.call('SADD', projects, f.project)
+  if f.deadline then redis.call('ZADD', deadlines, f.deadline, id) end
   return true
 end
 
 -- Take a pending job out of line (cancel, deadline); keep its item while a lease needs it.
 -- A pending item whose queue is not the one the caller read (it was added again in between)
 -- is left alone: the caller's view is stale, nothing is removed.
-local function unqueue(state, item, lease, pending, deadlines, id, project, band, size)
-  local f = redis.call('HMGET', item, 'pending', 'project', 'band', 'size')
-  if f[1] == '1' and (f[2] ~= project or f[3] ~= band or f[4] ~= size) then return false end
+local function unqueue(state, items, leases_info, pending, deadlines, id, project, band, size)
+  local f = item_get(items, id)
+  if f and f.pending == '1' and (f.project ~= project or f.band ~= band or f.size ~= size) then
+    return false
+  end
   redis.call('ZREM', deadlines, id)
-  if f[1] ~= '1' then return false end
+  if not f or f.pending ~= '1' then return false end
   redis.call('ZREM', pending, id)
   redis.call('HINCRBY', state, 'queued', -1)
-  if redis.call('EXISTS', lease) == 1 then
-    redis.call('HSET', item, 'pending', '0')
+  if redis.call('HEXISTS', leases_info, id) == 1 then
+    f.pending = '0'
+    item_put(items, id, f)
   else
-    redis.call('DEL', item)
+    redis.call('HDEL', items, id)
   end
   return true
 end

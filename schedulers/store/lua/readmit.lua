@@ -2,10 +2,10 @@
 -- continuation: with its new plan's size, at its original place in line (it keeps its score, so
 -- it is ahead of its project's newer work and still inside fair share), and not before
 -- `not_before` (a backoff): until then it waits in `deferred`, and PROMOTE puts it in line.
--- KEYS[1]  lease:<id>                       hash  fence kv long ...
+-- KEYS[1]  lease                            hash  job id -> lease (prelude)
 -- KEYS[2]  leases                           zset  in-flight job ids by lease expiry
--- KEYS[3]  state                            hash  in_flight kv long queued
--- KEYS[4]  item:<id>                        hash  the job's admission facts
+-- KEYS[3]  state                            hash  in_flight kv long claimed queued
+-- KEYS[4]  items                            hash  job id -> admission facts (prelude)
 -- KEYS[5]  pending:<project>:<band>:<size>  zset  the job's queue, as the caller read the item
 -- KEYS[6]  projects                         set
 -- KEYS[7]  deadlines                        zset
@@ -13,16 +13,21 @@
 -- KEYS[9]  deferred                         zset  continuations waiting for their not-before time
 -- KEYS[10] continuations                    set   ids of jobs that were readmitted (a hint list)
 -- ARGV: id, fence, project, band, size (of the item as read), max_new, kv, not_before, now
--- Returns 1 when the job was readmitted, 0 for a stale fence.
-if redis.call('HGET', KEYS[1], 'fence') ~= ARGV[2] then return 0 end
-free_lease(KEYS[3], KEYS[2], KEYS[1], ARGV[1])
-redis.call('HSET', KEYS[4], 'max_new', ARGV[6], 'kv', ARGV[7], 'cont', '1')
-redis.call('SADD', KEYS[10], ARGV[1])
+-- Returns 1 when the job was readmitted, 0 for a stale fence or a job without its item.
+local id = ARGV[1]
+local lease = lease_get(KEYS[1], id)
+local f = item_get(KEYS[4], id)
+if not lease or lease.fence ~= ARGV[2] or not f then return 0 end
+free_lease(KEYS[3], KEYS[2], KEYS[1], id)
+f.max_new, f.kv, f.cont = ARGV[6], ARGV[7], '1'
+redis.call('SADD', KEYS[10], id)
 if tonumber(ARGV[8]) > tonumber(ARGV[9]) then
-  redis.call('HSET', KEYS[4], 'deferred', ARGV[8])
-  redis.call('ZADD', KEYS[9], ARGV[8], ARGV[1])
+  f.deferred = ARGV[8]
+  item_put(KEYS[4], id, f)
+  redis.call('ZADD', KEYS[9], ARGV[8], id)
 else
-  requeue_item(KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], ARGV[1], ARGV[3], ARGV[4], ARGV[5])
+  item_put(KEYS[4], id, f)
+  requeue_item(KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], id, ARGV[3], ARGV[4], ARGV[5])
 end
 wake(KEYS[8])
 return 1

@@ -5,18 +5,19 @@
 -- KEYS[3] projects   set
 -- KEYS[4] deadlines  zset
 -- KEYS[5] wake       list
--- then three per job j = 0, 1, ...:
--- KEYS[6+3j] lease:<id>  hash;  KEYS[7+3j] item:<id>  hash;
--- KEYS[8+3j] pending:<project>:<band>:<size>  zset  (the job's queue, as the caller read the item)
+-- KEYS[6] lease      hash  job id -> lease (prelude)
+-- KEYS[7] items      hash  job id -> admission facts
+-- then one per job j = 0, 1, ...:
+-- KEYS[8+j] pending:<project>:<band>:<size>  zset  (the job's queue, as the caller read the item)
 -- ARGV: now, then (id, project, band, size) per job, in the same order as the keys.
 -- Returns the ids whose lease was freed here.
 local now, out = tonumber(ARGV[1]), {}
-for j = 0, (#KEYS - 5) / 3 - 1 do
-  local a, k = 2 + 4 * j, 6 + 3 * j
+for j = 0, #KEYS - 8 do
+  local a = 2 + 4 * j
   local id = ARGV[a]
   local expires = redis.call('ZSCORE', KEYS[1], id)
-  if expires and tonumber(expires) < now and free_lease(KEYS[2], KEYS[1], KEYS[k], id) then
-    requeue_item(KEYS[2], KEYS[k + 1], KEYS[k + 2], KEYS[3], KEYS[4], id, ARGV[a + 1], ARGV[a + 2],
+  if expires and tonumber(expires) < now and free_lease(KEYS[2], KEYS[1], KEYS[6], id) then
+    requeue_item(KEYS[2], KEYS[7], KEYS[8 + j], KEYS[3], KEYS[4], id, ARGV[a + 1], ARGV[a + 2],
       ARGV[a + 3])
     table.insert(out, id)
   end

@@ -1,15 +1,16 @@
 -- REQUEUE: give a lease up at once and put the job back in line (a grant that could not be sent).
--- KEYS[1] lease:<id>                       hash  fence kv long ...
+-- KEYS[1] lease                            hash  job id -> lease (prelude)
 -- KEYS[2] leases                           zset  in-flight job ids by lease expiry
 -- KEYS[3] state                            hash  in_flight kv long queued
--- KEYS[4] item:<id>                        hash  the job's admission facts
+-- KEYS[4] items                            hash  job id -> admission facts
 -- KEYS[5] pending:<project>:<band>:<size>  zset  the job's queue, as the caller read the item
 -- KEYS[6] projects                         set
 -- KEYS[7] deadlines                        zset
 -- KEYS[8] wake                             list
 -- ARGV: id, fence, project, band, size (of the item as read; '' when it had none)
 -- Returns 1 when the lease was given up, 0 for a stale fence.
-if redis.call('HGET', KEYS[1], 'fence') ~= ARGV[2] then return 0 end
+local f = lease_get(KEYS[1], ARGV[1])
+if not f or f.fence ~= ARGV[2] then return 0 end
 free_lease(KEYS[3], KEYS[2], KEYS[1], ARGV[1])
 requeue_item(KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], ARGV[1], ARGV[3], ARGV[4], ARGV[5])
 wake(KEYS[8])

@@ -1,13 +1,16 @@
--- UNDEFER: take a continuation that waits for its not-before time out (cancel, deadline).
--- KEYS[1] deferred   zset  continuations waiting for their not-before time
--- KEYS[2] item:<id>  hash  the job's admission facts
--- KEYS[3] lease:<id> hash  its lease, if any (keeps the item alive)
+-- UNDEFER: take a continuation that waits for its not-before time out (cancel).
+-- KEYS[1] deferred  zset  continuations waiting for their not-before time
+-- KEYS[2] items     hash  job id -> admission facts (prelude)
+-- KEYS[3] lease     hash  job id -> lease (a lease keeps the item alive)
 -- ARGV: id
 -- Returns 1 when the job was waiting and left, 0 otherwise.
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('HDEL', KEYS[2], 'deferred')
+local id = ARGV[1]
+if redis.call('ZREM', KEYS[1], id) == 0 then return 0 end
+local f = item_get(KEYS[2], id)
+if f and redis.call('HEXISTS', KEYS[3], id) == 1 then
+  f.deferred = nil
+  item_put(KEYS[2], id, f)
 else
-  redis.call('DEL', KEYS[2])
+  redis.call('HDEL', KEYS[2], id)
 end
 return 1
