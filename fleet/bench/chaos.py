@@ -376,8 +376,10 @@ def run_round(name: str, plan: RoundPlan, jobs: int, cap: int, speed: float, thi
     broker: Broker | None = None
     cf: ChaosFleet | None = None
     try:
-        broker = plan.broker().start()
-        cf = ChaosFleet(broker, jobs, cap, speed, plan.sim_args, lease_ttl_s).start()
+        broker = plan.broker()  # named before it starts: the finally below stops what it started
+        broker.start()
+        cf = ChaosFleet(broker, jobs, cap, speed, plan.sim_args, lease_ttl_s)
+        cf.start()
         with Sampler(cf.base_url, interval_s=0.1) as sampler:
             ids, result.submit_failures = cf.submit(short_mix(jobs, think, answer))
             _wait(lambda: sum(1 for c in cf.envelope_counts().values() if c) >= max(1, jobs // 5), 300)
