@@ -32,7 +32,8 @@ What it reports (``RoundResult``):
   fault -> full       seconds from the end of each fault (Redis answering again, the new master
                       promoted, the engine alive, the process restarted) until the simulator runs
                       ``min(full, jobs still open)`` requests again, ``full`` being the median it ran
-                      over the 2 s before the fault; ``never`` if it does not
+                      over the 2 s before the fault; ``never`` if it does not. Jobs a Redis without
+                      persistence lost are not open: they never run again
   exited              processes that exited by themselves (restarted by the supervisor)
   RSS                 each process's resident memory (VmRSS) sampled every second from the first
                       envelopes on (imports done, work under way): first, max, last; a process
@@ -387,10 +388,12 @@ def run_round(name: str, plan: RoundPlan, jobs: int, cap: int, speed: float, thi
             full = _steady_level(sampler, cap)
             ends = plan.inject(cf)
             _settle(cf, ids, stall_s)
+            _account(result, cf, ids)
             result.full_level = full
-            result.recoveries = [_back_to_full(sampler, end, min(full, cf.open_jobs(ids, end))) for end in ends]
+            lost = set(result.lost)  # gone with the Redis that held them: never to run again
+            targets = [min(full, cf.open_jobs([j for j in ids if j not in lost], end)) for end in ends]
+            result.recoveries = [_back_to_full(sampler, end, target) for end, target in zip(ends, targets, strict=True)]
             result.max_running = max((s["max_running_seen"] for s in sampler.samples), default=0)
-        _account(result, cf, ids)
     except Exception as exc:  # a round that cannot run is reported, never the end of the bench
         log.exception("chaos round %s", name)
         result.error = f"{type(exc).__name__}: {exc}"
