@@ -1,6 +1,6 @@
 """What a ``fleet bench`` run leaves on the machine (fleet/bench/__init__.py): a run stopped by
 SIGTERM or SIGINT stops every process it started (simulator, dispatchers, workers, redis-servers),
-and a bench uses a private redis-server of its own unless ``--redis-url`` /
+leaving no temporary folder behind, and a bench uses a private redis-server of its own unless ``--redis-url`` /
 ``FLEET_BENCH_REDIS_URL`` names one, which must answer. Real processes: ``fleet bench`` runs as a
 child of the test and its process tree is read from /proc."""
 
@@ -52,8 +52,10 @@ def _alive(pid: int, started: int) -> bool:
     return stat is not None and stat[2] == started and stat[1] != "Z"
 
 
-def _bench(args: list[str], log: Path) -> subprocess.Popen:
+def _bench(args: list[str], log: Path, tmp: Path | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    if tmp is not None:
+        env["TMPDIR"] = str(tmp)  # where its fleet.toml, logs and Redis folders go
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, "-m", "fleet", "bench", *args], env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -74,7 +76,8 @@ BENCHES = {
 def test_a_bench_stopped_by_a_signal_leaves_no_process_behind(bench: str, sig: signal.Signals,
                                                               tmp_path: Path) -> None:
     args, wanted = BENCHES[bench]
-    proc = _bench(args, tmp_path / "bench.log")
+    (tmp_path / "tmp").mkdir()
+    proc = _bench(args, tmp_path / "bench.log", tmp_path / "tmp")
     seen: dict[tuple[int, int], str] = {}
     try:
         deadline = time.monotonic() + 240
@@ -90,6 +93,8 @@ def test_a_bench_stopped_by_a_signal_leaves_no_process_behind(bench: str, sig: s
         proc.wait(timeout=120)
         survivors = [command for (pid, started), command in seen.items() if _alive(pid, started)]
         assert survivors == [], survivors
+        # and nothing of the run is left in the temporary folder (configs, logs, Redis data)
+        assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

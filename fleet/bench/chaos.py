@@ -43,7 +43,8 @@ when only jobs of a Redis without persistence are missing (what that configurati
 ``FAIL`` naming what broke otherwise; ``error`` when the round itself could not run.
 
 Nothing is asserted on timings (tests/test_bench_chaos.py runs a tiny round and checks the
-invariants). Every process and Redis the bench starts is stopped at the end of its round.
+invariants). Every process and Redis the bench starts is stopped at the end of its round; a round
+cut short by a stop signal (fleet/bench/__init__.py) keeps no logs.
 """
 
 from __future__ import annotations
@@ -376,6 +377,7 @@ def run_round(name: str, plan: RoundPlan, jobs: int, cap: int, speed: float, thi
     started = time.monotonic()
     broker: Broker | None = None
     cf: ChaosFleet | None = None
+    ended = False  # False while the round is cut short (a stop signal): its logs are not kept
     try:
         broker = plan.broker()  # named before it starts: the finally below stops what it started
         broker.start()
@@ -394,14 +396,17 @@ def run_round(name: str, plan: RoundPlan, jobs: int, cap: int, speed: float, thi
             targets = [min(full, cf.open_jobs([j for j in ids if j not in lost], end)) for end in ends]
             result.recoveries = [_back_to_full(sampler, end, target) for end, target in zip(ends, targets, strict=True)]
             result.max_running = max((s["max_running_seen"] for s in sampler.samples), default=0)
+        ended = True
     except Exception as exc:  # a round that cannot run is reported, never the end of the bench
+        ended = True
         log.exception("chaos round %s", name)
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
         if cf is not None:
             result.exited = cf.exited
             result.rss_mb = {n: (v[0], max(v), v[-1]) for n, v in cf.rss.items() if v}
-            result.logs = str(cf.tmp) if result.verdict() not in ("ok", "loss (no persistence)") else ""
+            kept = ended and result.verdict() not in ("ok", "loss (no persistence)")
+            result.logs = str(cf.tmp) if kept else ""
             cf.close(keep_logs=bool(result.logs))
         if broker is not None:
             broker.close()
