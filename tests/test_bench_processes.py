@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fleet.core.config import load_settings
 from fleet.local.embedded import free_port
 
 
@@ -110,3 +111,9 @@ def test_a_named_redis_must_answer(tmp_path: Path) -> None:
     proc = _bench(["loops", "--redis-url", url], tmp_path / "bench.log")
     assert proc.wait(timeout=60) == 2
     assert "does not answer" in (tmp_path / "bench.log").read_text()
+
+
+def test_the_bench_redis_variable_is_no_unknown_setting() -> None:
+    """The bench's children inherit it and load their settings with it set."""
+    settings = load_settings(env={"FLEET_BENCH_REDIS_URL": "redis://127.0.0.1:6399/0"})
+    assert settings.broker_url != "redis://127.0.0.1:6399/0"
