@@ -27,6 +27,19 @@ def test_a_small_kill_storm_keeps_every_invariant() -> None:
     assert {"dispatcher-0", "infer-0", "prep-0", "sim", "redis"} <= set(result.rss_mb)
 
 
+@pytest.mark.slow
+def test_a_redis_without_persistence_loses_its_jobs_and_nothing_else() -> None:
+    # the bench's own sizes: the backend is busy when Redis goes (a tiny round may be idle by then)
+    [result] = chaos_bench(["redis-none-kill9"], stall_s=10.0)
+    assert result.error == ""
+    assert result.lost and not result.stuck and not result.doubled
+    assert result.envelopes + len(result.lost) == 80
+    assert not result.exited and result.max_running <= 8
+    # the lost jobs never run again: they are no backend level to wait for ("never" before)
+    assert None not in result.recoveries
+    assert result.verdict() == "loss (no persistence)"
+
+
 def test_every_round_has_a_plan_and_unknown_rounds_are_refused() -> None:
     assert set(plans(kills=1)) == set(ROUNDS)
     with pytest.raises(ValueError, match="unknown rounds"):

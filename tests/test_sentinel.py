@@ -120,10 +120,9 @@ class Supervisor:
 
 @pytest.mark.slow
 def test_kill_9_of_the_master_mid_batch_every_job_ends_once_under_the_cap(tmp_path) -> None:
-    """Known on this branch: kombu's ``restore_unacked_once`` raises AttributeError when the broker
-    connection drops, and the Celery workers exit (issue 13 item 1, fixed on the broker-loss
-    branch); the supervisor restarts them as systemd would, so this test is about the Sentinel
-    part: every client finds the new master, nothing is done twice, the cap holds."""
+    """Every client finds the new master, nothing is done twice, the cap holds, and no process
+    exits: the workers ride the failover out on fleet/worker/transport.py's SentinelTransport (the
+    supervisor, a deploy's restart policy, only counts what would have needed it)."""
     with SentinelGroup() as sentinels:
         config = make_config(tmp_path, broker_url=sentinels.url, redis={"master_name": MASTER_NAME},
                              backend={"max_num_seqs": CAP}, admission={"lease_ttl_s": 3},
@@ -147,7 +146,7 @@ def test_kill_9_of_the_master_mid_batch_every_job_ends_once_under_the_cap(tmp_pa
             wait_until(lambda: probe.snapshot().in_flight == 0, 30, "every lease to be released")
             assert len(lost) <= 2, f"the failover lost {lost}"
             assert sentinels.master().port != old.port
-            assert "dispatcher-0" not in supervisor.restarted and "sim" not in supervisor.restarted
+            assert not supervisor.restarted, f"processes exited on the failover: {supervisor.restarted}"
 
 
 def _lost_submissions(fleet: Harness, ids: list[str]) -> list[str]:

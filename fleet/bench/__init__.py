@@ -2,7 +2,15 @@
 next to a baseline measured in the same run; nothing here is a pass/fail test.
 
 Each module exposes a plain function returning rows (or a rich table); this package only wires
-them to the CLI, starting a private Redis when none answers."""
+them to the CLI.
+
+Redis: every bench that needs one starts a private redis-server for its run (fleet/local/embedded.py;
+``loss`` and ``chaos`` start their own per round) and stops it at the end, so a bench never writes
+into a Redis someone else uses. ``--redis-url`` or ``FLEET_BENCH_REDIS_URL`` names one instead (it
+must answer; the bench's keys go under a random prefix and are deleted where the bench says so).
+
+Signals: SIGINT, SIGTERM and SIGHUP stop every process the bench started (simulator, workers,
+dispatchers, redis-servers) before it exits (``stop_children_on_signals``)."""
 
 from __future__ import annotations
 
@@ -14,13 +22,29 @@ from rich.console import Console
 
 bench_app = typer.Typer(no_args_is_help=True)
 console = Console()
-BENCH_REDIS = "redis://127.0.0.1:6379/15"
+BENCH_REDIS_ENV = "FLEET_BENCH_REDIS_URL"
+RedisUrl = Annotated[str, typer.Option(
+    "--redis-url", envvar=BENCH_REDIS_ENV,
+    help="a Redis for the bench (it must answer); default: a private redis-server for the run")]
+
+
+@bench_app.callback()
+def _signals() -> None:
+    from fleet.local.embedded import stop_children_on_signals
+
+    stop_children_on_signals()
 
 
 def _redis_url(url: str):  # type: ignore[no-untyped-def]
-    from fleet.local.embedded import ensure_broker
+    """The bench's Redis: ``url`` when given (it must answer), else a private redis-server."""
+    from fleet.core.config import mask_url
+    from fleet.local.embedded import EmbeddedRedis, redis_answers, start_redis
 
-    return ensure_broker(url)
+    if not url:
+        return start_redis()
+    if not redis_answers(url):
+        raise typer.BadParameter(f"{mask_url(url)} does not answer", param_hint=f"--redis-url / {BENCH_REDIS_ENV}")
+    return EmbeddedRedis(url=url)
 
 
 @bench_app.command("sim")
@@ -40,7 +64,7 @@ def dispatch(
     jobs: Annotated[int, typer.Option(help="backlog size for the overhead figures")] = 100_000,
     saturation_jobs: Annotated[int, typer.Option(help="jobs in the in-bench saturation run")] = 400,
     speed: Annotated[float, typer.Option(help="simulator speed of the in-bench saturation run")] = 50.0,
-    redis_url: Annotated[str, typer.Option(help="Redis for the bench keys")] = BENCH_REDIS,
+    redis_url: RedisUrl = "",
     overhead: Annotated[bool, typer.Option(help="run the dispatcher-only overhead figures")] = True,
     in_bench_saturation: Annotated[bool, typer.Option(
         help="with the overhead figures, also the in-bench saturation run against fleet sim")] = True,
@@ -88,7 +112,7 @@ def dispatch(
 
 @bench_app.command("continuations")
 def continuations(
-    redis_url: Annotated[str, typer.Option(help="Redis for the bench keys")] = BENCH_REDIS,
+    redis_url: RedisUrl = "",
     scenarios: Annotated[str, typer.Option(help="retries, fair3, tools; comma separated")]
     = "retries,fair3,tools",
     speed: Annotated[float, typer.Option(help="simulator speed")] = 5.0,
@@ -119,7 +143,7 @@ def loops(
     jobs: Annotated[int, typer.Option()] = 40,
     loop_share: Annotated[float, typer.Option(help="share of jobs whose reasoning loops")] = 0.2,
     speed: Annotated[float, typer.Option(help="simulator speed")] = 40.0,
-    redis_url: Annotated[str, typer.Option(help="Redis for the bench keys")] = BENCH_REDIS,
+    redis_url: RedisUrl = "",
 ) -> None:
     """Loop watcher on vs off in the same run: wasted tokens, OK within two attempts, CPU cost."""
     from fleet.bench.loops import bench_loops
@@ -133,7 +157,7 @@ def collect(
     jobs: Annotated[int, typer.Option()] = 30,
     sources_per_job: Annotated[int, typer.Option()] = 3,
     doc_kb: Annotated[int, typer.Option(help="size of each source document")] = 100,
-    redis_url: Annotated[str, typer.Option(help="Redis for the token cache")] = BENCH_REDIS,
+    redis_url: RedisUrl = "",
 ) -> None:
     """Collect + trim throughput (MB/s of text, jobs/s), exact counts vs the estimate."""
     from fleet.bench.collect import bench_collect
@@ -149,7 +173,7 @@ def pipeline(
     heavy_jobs: Annotated[int, typer.Option(help="collect-heavy jobs in the backlog")] = 40,
     doc_kb: Annotated[int, typer.Option(help="size of each source document")] = 200,
     speed: Annotated[float, typer.Option(help="simulator speed")] = 30.0,
-    redis_url: Annotated[str, typer.Option(help="Redis for the fleet")] = BENCH_REDIS,
+    redis_url: RedisUrl = "",
 ) -> None:
     """Backend utilization with and without a backlog of collect-heavy jobs (same run)."""
     from fleet.bench.pipeline import bench_pipeline
@@ -191,7 +215,7 @@ def gateway(
     disconnects: Annotated[int, typer.Option(help="streaming clients that hang up (time to a free slot)")] = 20,
     estimate_prompts: Annotated[bool, typer.Option(help="gateway.exact_prompt_count = false")] = False,
     litellm: Annotated[str | None, typer.Option(help="a litellm executable: its proxy as a peer path")] = None,
-    redis_url: Annotated[str, typer.Option(help="Redis for the fleet")] = BENCH_REDIS,
+    redis_url: RedisUrl = "",
 ) -> None:
     """Latency the gateway adds next to the same requests straight to the simulator (and LiteLLM's
     proxy's, given one); the time a hung-up stream's slot takes to be free; many concurrent

@@ -32,7 +32,8 @@ What it reports (``RoundResult``):
   fault -> full       seconds from the end of each fault (Redis answering again, the new master
                       promoted, the engine alive, the process restarted) until the simulator runs
                       ``min(full, jobs still open)`` requests again, ``full`` being the median it ran
-                      over the 2 s before the fault; ``never`` if it does not
+                      over the 2 s before the fault; ``never`` if it does not. Jobs a Redis without
+                      persistence lost are not open: they never run again
   exited              processes that exited by themselves (restarted by the supervisor)
   RSS                 each process's resident memory (VmRSS) sampled every second from the first
                       envelopes on (imports done, work under way): first, max, last; a process
@@ -42,7 +43,8 @@ when only jobs of a Redis without persistence are missing (what that configurati
 ``FAIL`` naming what broke otherwise; ``error`` when the round itself could not run.
 
 Nothing is asserted on timings (tests/test_bench_chaos.py runs a tiny round and checks the
-invariants). Every process and Redis the bench starts is stopped at the end of its round.
+invariants). Every process and Redis the bench starts is stopped at the end of its round; a round
+cut short by a stop signal (fleet/bench/__init__.py) keeps no logs.
 """
 
 from __future__ import annotations
@@ -375,9 +377,12 @@ def run_round(name: str, plan: RoundPlan, jobs: int, cap: int, speed: float, thi
     started = time.monotonic()
     broker: Broker | None = None
     cf: ChaosFleet | None = None
+    ended = False  # False while the round is cut short (a stop signal): its logs are not kept
     try:
-        broker = plan.broker().start()
-        cf = ChaosFleet(broker, jobs, cap, speed, plan.sim_args, lease_ttl_s).start()
+        broker = plan.broker()  # named before it starts: the finally below stops what it started
+        broker.start()
+        cf = ChaosFleet(broker, jobs, cap, speed, plan.sim_args, lease_ttl_s)
+        cf.start()
         with Sampler(cf.base_url, interval_s=0.1) as sampler:
             ids, result.submit_failures = cf.submit(short_mix(jobs, think, answer))
             _wait(lambda: sum(1 for c in cf.envelope_counts().values() if c) >= max(1, jobs // 5), 300)
@@ -385,18 +390,23 @@ def run_round(name: str, plan: RoundPlan, jobs: int, cap: int, speed: float, thi
             full = _steady_level(sampler, cap)
             ends = plan.inject(cf)
             _settle(cf, ids, stall_s)
+            _account(result, cf, ids)
             result.full_level = full
-            result.recoveries = [_back_to_full(sampler, end, min(full, cf.open_jobs(ids, end))) for end in ends]
+            lost = set(result.lost)  # gone with the Redis that held them: never to run again
+            targets = [min(full, cf.open_jobs([j for j in ids if j not in lost], end)) for end in ends]
+            result.recoveries = [_back_to_full(sampler, end, target) for end, target in zip(ends, targets, strict=True)]
             result.max_running = max((s["max_running_seen"] for s in sampler.samples), default=0)
-        _account(result, cf, ids)
+        ended = True
     except Exception as exc:  # a round that cannot run is reported, never the end of the bench
+        ended = True
         log.exception("chaos round %s", name)
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
         if cf is not None:
             result.exited = cf.exited
             result.rss_mb = {n: (v[0], max(v), v[-1]) for n, v in cf.rss.items() if v}
-            result.logs = str(cf.tmp) if result.verdict() not in ("ok", "loss (no persistence)") else ""
+            kept = ended and result.verdict() not in ("ok", "loss (no persistence)")
+            result.logs = str(cf.tmp) if kept else ""
             cf.close(keep_logs=bool(result.logs))
         if broker is not None:
             broker.close()

@@ -309,7 +309,7 @@ def _gaps(releases: list[float], followers: list[float], busy_end: float) -> lis
 
 
 def dispatch_bench(
-    redis_url: str = "redis://127.0.0.1:6379/15",
+    redis_url: str,
     jobs: int = 100_000,
     saturation_jobs: int = 400,
     speed: float = 50.0,
@@ -337,9 +337,3 @@ def dispatch_bench(
         for key, value in figures.items():
             table.add_row(name, key, f"{value:,.2f}" if isinstance(value, float) else str(value))
     return table
-
-
-if __name__ == "__main__":
-    from rich.console import Console
-
-    Console().print(dispatch_bench())

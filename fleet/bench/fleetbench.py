@@ -474,14 +474,18 @@ class FleetBench:
         self.close()
 
     def close(self) -> None:
-        if hasattr(self, "client"):
-            self.client.close()
-        self.fleet.close(grace_s=5)
-        keys = list(self.redis.scan_iter(match=f"{self.settings.key_prefix}*", count=2000))
-        for start in range(0, len(keys), 1000):
-            self.redis.delete(*keys[start : start + 1000])
-        self.redis.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        try:
+            if hasattr(self, "client"):
+                self.client.close()
+            self.fleet.close(grace_s=5)
+            keys = list(self.redis.scan_iter(match=f"{self.settings.key_prefix}*", count=2000))
+            for start in range(0, len(keys), 1000):
+                self.redis.delete(*keys[start : start + 1000])
+        except redis.ConnectionError as exc:  # a stop signal stopped a private Redis first: nothing to delete
+            log.warning("keys under %s not deleted: %s", self.settings.key_prefix, exc)
+        finally:
+            self.redis.close()
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     # processes
     def pids(self) -> dict[str, int]:

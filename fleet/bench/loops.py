@@ -203,9 +203,8 @@ def _ok_share(loops: list[Envelope]) -> float:
     return sum(1 for e in loops if e.code.ok and len(e.attempts) <= 2) / max(1, len(loops))
 
 
-def bench_loops(jobs: int = 40, loop_share: float = 0.2, speed: float = 40.0,
-                concurrency: int = 8, seed: int = 1,
-                redis_url: str = "redis://127.0.0.1:6379/15") -> list[dict[str, Any]]:
+def bench_loops(redis_url: str, jobs: int = 40, loop_share: float = 0.2, speed: float = 40.0,
+                concurrency: int = 8, seed: int = 1) -> list[dict[str, Any]]:
     from fleet.sim.server import start_sim_process
 
     client = redis.Redis.from_url(redis_url)
@@ -267,7 +266,3 @@ def _print_template(rows: list[dict[str, Any]], cpu_ms: float) -> None:
                       f"{r['median_tokens_after_onset']}, {r['max_tokens_after_onset']}",
                       f"{r['tokens_saved']:,} / {r['tokens_if_run_out']:,}")
     Console().print(table)
-
-
-if __name__ == "__main__":
-    bench_loops()

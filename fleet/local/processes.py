@@ -57,11 +57,10 @@ from fleet.core.config import Settings
 from fleet.core.errors import FleetError
 from fleet.core.exposure import LOCAL_BROKER_ENV
 from fleet.core.redisconn import sentinel_target
-from fleet.local.embedded import EmbeddedRedis, ensure_broker, free_port, start_redis
+from fleet.local.embedded import STOP_SIGNALS, EmbeddedRedis, ensure_broker, free_port, start_redis, track
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 TAIL_LINES = 20
 _stdout_lock = threading.Lock()
 
@@ -165,9 +164,9 @@ class LocalFleet:
     def spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
         env = {**self.env, **(extra_env or {})}
         self._commands[name] = (args, extra_env or {})
-        process = subprocess.Popen([sys.executable, "-m", "fleet", *args], env=env,
-                                   start_new_session=True, stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        process = track(subprocess.Popen([sys.executable, "-m", "fleet", *args], env=env,
+                                         start_new_session=True, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
         self.children.append((name, process))
         tail: deque[str] = deque(maxlen=TAIL_LINES)
         sink = open(os.path.join(self.log_dir, f"{name}.log"), "a") if self.log_dir else None  # noqa: SIM115

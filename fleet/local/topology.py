@@ -26,7 +26,7 @@ from pathlib import Path
 
 import redis
 
-from fleet.local.embedded import free_port, redis_server_binary
+from fleet.local.embedded import free_port, redis_server_binary, track
 
 MASTER_NAME = "fleetmaster"
 DOWN_AFTER_MS = 1000
@@ -75,8 +75,8 @@ class RedisNode:
                        "--daemonize", "no", *self.args]
 
     def start(self, timeout_s: float = 10.0) -> RedisNode:
-        self.process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, start_new_session=True)
+        self.process = track(subprocess.Popen(self.command(), stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL, start_new_session=True))
         _wait(lambda: _answers(self.port) or self.process.poll() is not None,  # type: ignore[union-attr]
               timeout_s, f"redis-server on port {self.port} answers")
         if self.process.poll() is not None:
