@@ -228,6 +228,7 @@ def run_dispatcher(
                 hold = gate() if gate is not None else ""
                 reap = clock() >= reap_at
                 if hold:
+                    store.count_hold(hold)
                     housekeeping(store, clock, on_expired, reap)
                     result = AdmitResult(None, hold)
                 else:

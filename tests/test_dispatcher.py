@@ -423,3 +423,27 @@ def test_a_backoff_ends_in_a_grant_while_other_wakes_keep_coming(
     finally:
         dispatcher.close(store)
         client.close()
+
+
+def test_a_no_workers_hold_is_counted_and_shown_in_fleet_queues(
+    key_prefix: str, redis_url: str, redis_client: redis.Redis
+) -> None:
+    """The worker gate's hold is counted with the store's own holds (before, it showed in the
+    dispatcher's log only), and ``fleet queues`` says no inference worker is live."""
+    settings = settings_for(key_prefix, max_wait_s=0.05)
+    store = make_store(settings, redis_client)
+    store.add_pending(PendingItem("j1", "a", 100, 100))
+    recorder = Recorder()
+    client = redis.Redis.from_url(redis_url)
+    dispatcher = Dispatcher(settings, client, recorder, gate=lambda: "no_workers")
+    try:
+        assert wait_until(lambda: store.snapshot().holds.get("no_workers", 0) >= 2)
+        assert recorder.grants == []
+    finally:
+        dispatcher.close(store)
+        client.close()
+    console = Console(record=True, width=200)
+    console.print(queues_table(settings, redis_client))
+    text = console.export_text()
+    assert "no_workers=" in text
+    assert "live inference workers 0 (admissions held: no_workers)" in text

@@ -8,11 +8,15 @@ line (counted in their band too), ``waiting`` wait outside it for a backoff or t
 
 from __future__ import annotations
 
+import time
+
 import redis
 from rich.table import Table
 
 from fleet.core.config import Settings
+from fleet.core.keys import Keys
 from fleet.worker.app import prep_backlog
+from fleet.worker.heartbeat import live_workers
 from schedulers.store import make_store
 
 
@@ -38,6 +42,8 @@ def queues_table(settings: Settings, client: redis.Redis) -> Table:
         )
     backend = store.backend()
     gate = backend.get("hold") or ("open" if backend else "no scrape yet")
+    workers = live_workers(client, Keys(settings.key_prefix), time.time())
+    held = settings.admission.worker_gate and workers == 0
     holds = ", ".join(f"{reason}={count}" for reason, count in sorted(snap.holds.items())) or "-"
     table.caption = "\n".join(
         (
@@ -47,6 +53,7 @@ def queues_table(settings: Settings, client: redis.Redis) -> Table:
             f"admissions {snap.admissions}",
             f"holds {holds}",
             f"backend gate: {gate}",
+            f"live inference workers {workers}" + (" (admissions held: no_workers)" if held else ""),
             f"running {backend.get('running', '?')}, waiting {backend.get('waiting', '?')}",
         )
     )

@@ -371,6 +371,10 @@ class MemoryStore:
         self._wakes = min(self._wakes + 1, 100)
         self._woken.notify()
 
+    def count_hold(self, reason: str) -> None:
+        with self._lock:
+            self._holds[reason] = self._holds.get(reason, 0) + 1
+
     def snapshot(self) -> StoreSnapshot:
         with self._lock:
             pending: dict[str, dict[str, int]] = {}

@@ -369,6 +369,9 @@ class RedisStore:
         timeout_s = min(max(timeout_s, 0.001), self._max_block_s)
         return self._client.blpop([self._d + "wake"], timeout=timeout_s) is not None
 
+    def count_hold(self, reason: str) -> None:
+        self._client.hincrby(self._d + "stats", f"hold:{reason}", 1)
+
     def snapshot(self) -> StoreSnapshot:
         projects = sorted(_text(p) for p in self._client.smembers(self._d + "projects"))
         pipe = self._client.pipeline(transaction=False)
