@@ -56,6 +56,7 @@ def _ends_wait(fields: dict[Any, Any]) -> bool:
     kind = fields.get(b"type", fields.get("type"))
     return (kind.decode() if isinstance(kind, bytes) else kind) in ENDING_EVENTS
 
+
 class ResultStore:
     def __init__(self, client: redis.Redis, keys: Keys, settings: Settings,
                  on_publish: Callable[[Envelope], None] | None = None) -> None:

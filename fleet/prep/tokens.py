@@ -16,8 +16,8 @@ canonical JSON of what was counted, so two models (two tokenizers) never share a
 In front of Redis each counter keeps the last ``local_entries`` counts it saw (least recently
 used dropped first), so a prompt counted before - the same system prompt and question sent
 again, a retried job - costs no round trip at all: neither ``/tokenize`` nor Redis (the queue
-path's latency, docs/performance.md). A count never changes for one digest, so the local copy
-cannot go stale while the Redis entry lives.
+path's latency, docs/performance.md). The digest names the model and everything counted, so an
+entry is as true as the Redis one; a few hundred kilobytes at most.
 
 Failure cases:
   * backend down, slow, or answering garbage -> the estimate (``exact`` False) and
