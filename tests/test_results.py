@@ -1,7 +1,12 @@
 import threading
+import time
+from collections import Counter
+
+import redis
 
 from fleet.core.codes import Code
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.events import EventSink
 from fleet.core.keys import Keys
 from fleet.core.models import Envelope
 from fleet.core.results import ResultFollower, ResultStore
@@ -83,3 +88,49 @@ def test_result_codes_reach_the_metrics(redis_client, key_prefix):
     text = generate_latest(registry).decode()
     assert 'fleet_results_total{code="OK",project="reports"} 2.0' in text
     assert 'fleet_results_total{code="E_THINK_LOOP",project="triage"} 1.0' in text
+
+
+class CountingRedis(redis.Redis):
+    """A client that counts the commands it sends, by name."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sent: Counter[str] = Counter()
+
+    def execute_command(self, *args, **options):
+        self.sent[str(args[0]).upper()] += 1
+        return super().execute_command(*args, **options)
+
+
+def test_wait_reads_the_result_only_when_an_ending_event_arrives(redis_url, redis_client, key_prefix):
+    """Progress events (prepared, admitted, reasoning, ...) wake ``wait`` on its XREAD but cost no
+    read of the result: before, each one cost four round trips on the queue path."""
+    settings = load_settings(EXAMPLE_CONFIG, env={})
+    counting = CountingRedis.from_url(redis_url)
+    waiter = ResultStore(counting, Keys(key_prefix), settings)
+    writer = store(redis_client, key_prefix)
+    ref = "triage/j9"
+    writer.record(ref, state="submitted")
+    sink = EventSink(redis_client, Keys(key_prefix), ref, 60)
+    sink.emit("queued")
+    got: list[Envelope | None] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.wait(ref, 60)))
+    thread.start()
+
+    def waiter_back_in_xread(seen: int) -> None:
+        deadline = time.monotonic() + 30
+        while counting.sent["XREAD"] <= seen and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    waiter_back_in_xread(0)
+    for n in range(20):
+        seen = counting.sent["XREAD"]
+        sink.emit("reasoning", n=n)
+        waiter_back_in_xread(seen)  # it woke for this event and waits again
+    writer.publish(Envelope(job_id="j9", project="triage", code=Code.OK))
+    thread.join(timeout=30)
+    assert got and got[0] is not None and got[0].code == Code.OK
+    assert counting.sent["XREAD"] >= 20  # it woke for the progress events
+    # the result read before waiting and after the final event (and after a quiet 2 s XREAD, should
+    # this busy machine stall the writer that long); before: one read per progress event
+    assert counting.sent["GET"] <= 4

@@ -71,6 +71,33 @@ def test_exact_count_is_cached_by_content_hash(redis_client: redis.Redis, key_pr
     assert third.count_text("x" * 400) == (100, True) and len(other_calls.bodies) == 1
 
 
+def test_a_count_seen_before_needs_neither_tokenize_nor_redis(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The queue path's latency: a prompt counted before by this counter is answered from the
+    process (the Redis entry deleted here would otherwise send it to /tokenize again); the
+    process keeps ``local_entries`` counts, least recently used dropped first."""
+    calls = Calls(fake_tokenize)
+    counter = TokenCounter("http://backend", "local", redis_client, Keys(key_prefix),
+                           transport=httpx.MockTransport(calls), local_entries=2)
+    messages = [{"role": "user", "content": "Summarise the nightly batch."}]
+    first = counter.count_messages(messages)
+    counter.count_text("a" * 40)
+    assert len(calls.bodies) == 2
+
+    def forget_redis() -> None:
+        for key in redis_client.scan_iter(match=f"{key_prefix}tokcache:*"):
+            redis_client.delete(key)
+
+    forget_redis()
+    assert counter.count_messages(messages) == first and counter.count_text("a" * 40) == (10, True)
+    assert len(calls.bodies) == 2  # no /tokenize call, and Redis had nothing to give
+    counter.count_text("b" * 40)  # a third entry: the least recently used (the messages) goes
+    forget_redis()
+    assert counter.count_text("a" * 40) == (10, True) and len(calls.bodies) == 3
+    assert counter.count_messages(messages) == first and len(calls.bodies) == 4
+
+
 def test_count_messages_sends_the_chat_shape(redis_client: redis.Redis, key_prefix: str) -> None:
     calls = Calls(fake_tokenize)
     counter = TokenCounter(

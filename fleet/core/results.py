@@ -23,7 +23,9 @@ copying its nonce) has another digest and changes nothing for that job.
 Waiting: ``wait`` reads the last event id, then the result key, then blocks on the event stream
 from that id (XREAD BLOCK, at most 2 s at a time: redis-py's default socket timeout is 5 s).
 Because ``publish`` writes the result before the final event, a result missed by the GET is
-always seen by the XREAD: no sleep-polling, no lost wake-up.
+always seen by the XREAD: no sleep-polling, no lost wake-up. Only a ``final`` or ``rejected``
+event (or 2 s without any) makes it read the result again: a job's progress events (prepared,
+admitted, reasoning, ...) cost the waiting client no round trip beyond the XREAD itself.
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ from fleet.core.models import Envelope
 from fleet.core.redisconn import UNREACHABLE, broker_unavailable
 
 log = logging.getLogger(__name__)
+
+ENDING_EVENTS = frozenset({"final", "rejected"})  # the events after which ``wait`` reads the result
+
+
+def _ends_wait(fields: dict[Any, Any]) -> bool:
+    kind = fields.get(b"type", fields.get("type"))
+    return (kind.decode() if isinstance(kind, bytes) else kind) in ENDING_EVENTS
+
 
 class ResultStore:
     def __init__(self, client: redis.Redis, keys: Keys, settings: Settings,
@@ -161,17 +171,19 @@ class ResultStore:
         deadline = time.monotonic() + timeout_s
         events = self.keys.events(ref)
         cursor: Any = None
+        check = True
         while True:
             try:
                 if cursor is None:
                     last = self.client.xrevrange(events, count=1)
                     cursor = last[0][0] if last else b"0-0"
-                envelope = self.final(ref)
-                if envelope is not None:
-                    return envelope
-                if not self.client.exists(self.keys.job(ref)):
-                    raise NotFound(f"no job {ref}: never submitted, expired after result_ttl_s, "
-                                   "or lost with the broker's data")
+                if check:
+                    envelope = self.final(ref)
+                    if envelope is not None:
+                        return envelope
+                    if not self.client.exists(self.keys.job(ref)):
+                        raise NotFound(f"no job {ref}: never submitted, expired after "
+                                       "result_ttl_s, or lost with the broker's data")
             except UNREACHABLE as exc:
                 if time.monotonic() >= deadline:
                     raise broker_unavailable(self.settings.broker_url, exc) from exc
@@ -183,10 +195,14 @@ class ResultStore:
             try:
                 reply = self.client.xread({events: cursor}, block=min(remaining_ms, 2000), count=100)
             except UNREACHABLE:
+                check = True
                 continue  # the next round waits for the broker
-            for _stream, entries in reply or []:
-                if entries:
-                    cursor = entries[-1][0]
+            entries = [entry for _stream, batch in reply or [] for entry in batch]
+            if entries:
+                cursor = entries[-1][0]
+            # Progress events (prepared, admitted, reasoning, ...) end nothing: only a final or
+            # rejected event, or a quiet stream (expired job?), is worth reading the result for.
+            check = not entries or any(_ends_wait(fields) for _id, fields in entries)
 
 
 class ResultFollower:

@@ -36,7 +36,9 @@ the project's prompt budget.
 asked for them) and so do the whitespace/duplicate steps its TrimPolicy names.
 Between collecting and trimming the job's cancel request (``{p}cancel:{<ref>}``, only if signed by
 the job's project) is checked, so a
-cancelled job stops before its most expensive remaining step (raises ``Cancelled``).
+cancelled job stops before its most expensive remaining step (raises ``Cancelled``); a job without
+sources collects nothing, so it is not read again there (the prep task checked it just before; the
+gateway made the job id a moment ago).
 """
 
 from __future__ import annotations
@@ -164,7 +166,8 @@ def prepare(
     warnings: list[str] = []
     collected = _collect(job, settings, collector, warnings)
     material = [_entry(item) for item in collected]
-    _check_cancelled(job, settings, client, keys)
+    if job.sources:  # nothing collected: the caller's check a moment ago stands
+        _check_cancelled(job, settings, client, keys)
     tally = _Tally(counter, job, project)
     prefix = stable_prefix(project, job)
     slots, pieces = _layout(job, prefix, collected, material)

@@ -1,5 +1,5 @@
-"""Token counting for collect/trim: exact counts from the backend's ``/tokenize``, cached in
-Redis by content hash, with an estimate when the backend cannot answer.
+"""Token counting for collect/trim: exact counts from the backend's ``/tokenize``, cached by
+content hash in the process and in Redis, with an estimate when the backend cannot answer.
 
 Why exact counts: the fleet promises that a prompt plus ``max_tokens`` fits ``max_model_len`` and
 the project's prompt budget, and the dispatcher reserves KV blocks by the prompt's token count.
@@ -12,6 +12,12 @@ Key schema (fleet/core/keys.py)::
 
 The digest is sha256 over the model name, the kind of request ("text" or "chat") and the
 canonical JSON of what was counted, so two models (two tokenizers) never share an entry.
+
+In front of Redis each counter keeps the last ``local_entries`` counts it saw (least recently
+used dropped first), so a prompt counted before - the same system prompt and question sent
+again, a retried job - costs no round trip at all: neither ``/tokenize`` nor Redis (the queue
+path's latency, docs/performance.md). The digest names the model and everything counted, so an
+entry is as true as the Redis one; a few hundred kilobytes at most.
 
 Failure cases:
   * backend down, slow, or answering garbage -> the estimate (``exact`` False) and
@@ -34,6 +40,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +102,7 @@ class TokenCounter:
         *,
         cache_ttl_s: int = 7 * 24 * 3600,
         down_s: float = 5.0,
+        local_entries: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = model
@@ -108,6 +116,8 @@ class TokenCounter:
         self._clock = clock
         self._down_until = -math.inf
         self._lock = threading.Lock()
+        self._local: OrderedDict[str, int] = OrderedDict()
+        self._local_entries = local_entries
         self._http = (
             httpx.Client(base_url=base_url.rstrip("/"), transport=transport, timeout=timeout_s)
             if base_url
@@ -152,14 +162,33 @@ class TokenCounter:
         self, kind: str, body: dict[str, Any], estimate: Callable[[], int]
     ) -> tuple[int, bool]:
         digest = self._digest(kind, body)
+        cached = self._local_get(digest)
+        if cached is not None:
+            return cached, True
         cached = self._cache_get(digest)
         if cached is not None:
+            self._local_set(digest, cached)
             return cached, True
         count = self._ask_backend(body)
         if count is None:
             return estimate(), False
+        self._local_set(digest, count)
         self._cache_set(digest, count)
         return count, True
+
+    def _local_get(self, digest: str) -> int | None:
+        with self._lock:
+            count = self._local.get(digest)
+            if count is not None:
+                self._local.move_to_end(digest)
+            return count
+
+    def _local_set(self, digest: str, count: int) -> None:
+        with self._lock:
+            self._local[digest] = count
+            self._local.move_to_end(digest)
+            while len(self._local) > self._local_entries:
+                self._local.popitem(last=False)
 
     def _digest(self, kind: str, body: dict[str, Any]) -> str:
         canonical = json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))

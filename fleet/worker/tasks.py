@@ -266,10 +266,12 @@ def cancel_job(rt: Runtime, project: str, job_id: str) -> str:
 # -- infer ------------------------------------------------------------------------------------
 def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
     store = rt.store
-    if not store.lease_valid(ref, fence):
-        log.info("dropped stale delivery job=%s fence=%d", ref, fence)
-        return "stale"
+    # Claim first (it checks the fence itself: one round trip on the way to the backend); only a
+    # refused claim reads the lease, to tell a stale delivery from a duplicate one.
     if not store.claim(ref, fence, _owner(), time.time()):
+        if not store.lease_valid(ref, fence):
+            log.info("dropped stale delivery job=%s fence=%d", ref, fence)
+            return "stale"
         log.info("dropped duplicate delivery job=%s fence=%d", ref, fence)
         return "duplicate"
     owner, job_id = split_ref(ref)  # envelopes go to the ref's own job, whatever the task says
