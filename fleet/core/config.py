@@ -84,6 +84,9 @@ class BackendSettings(_Section):
     """The server's --max-long-partial-prefills (vLLM's default 1): long prompts prefilling side by
     side when max_num_partial_prefills > 1; so many long prefills may share one quiet window
     (admission.quiet_long_prefill)."""
+    prefix_cache_s: float = Field(600.0, ge=0)
+    """How long the fleet counts a prompt a project sent as still in the server's prefix cache
+    (the uncached-token estimate of fleet/prep/cachehint.py; 0: never, every prompt counts whole)."""
     long_prefill_token_threshold: int = Field(0, ge=0)
     """The server's --long-prefill-token-threshold (vLLM's default 0: 4% of max_model_len when
     max_num_partial_prefills > 1); checked against the server by fleet plan, not used in admission."""
