@@ -213,7 +213,7 @@ def test_one_quiet_window_takes_the_servers_long_partial_prefills(make_store: St
 def test_prefill_bucket_counts_uncached_tokens(make_store: StoreFactory) -> None:
     store = make_store(limits(prefill_tokens_per_s=1_000.0, prefill_burst_tokens=2_000))
     for i in range(3):
-        store.add_pending(job(f"j{i}", prompt=1_000, uncached_tokens=100))
+        store.add_pending(job(f"j{i}", prompt=1_900, uncached_tokens=100))
     store.add_pending(job("j3", prompt=2_000))
     assert admit_ids(store, 1_010.0) == ["j0", "j1", "j2"]  # 300 of the bucket's 2,000
     held = store.admit_next(1_010.0)

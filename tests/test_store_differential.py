@@ -84,7 +84,7 @@ jobs = st.fixed_dictionaries(
         "deadline_in_s": st.sampled_from([None, None, None, 0.0, 1.0, 20.0, 60.0]),
         # prep's prefix-cache estimate: none (the whole prompt), mostly cached, around the long
         # threshold, more than the prompt (clamped)
-        "uncached_tokens": st.sampled_from([None, None, 0, 800, LONG_PROMPT_TOKENS + 1, 30_000]),
+        "uncached_tokens": st.sampled_from([None, 0, 800, LONG_PROMPT_TOKENS + 1, 30_000]),
     }
 )
 
