@@ -1,8 +1,9 @@
 """The in-memory twin and the Redis store (Lua) agree: one random operation sequence, both stores.
 
 A hypothesis state machine draws a small configuration (few sequences, a small KV budget, one or
-two long prompts at a time, one or two long prefills per quiet window, a tight prefill bucket, spacing, project weights, the backend gate on
-or off), then feeds the same submits, resubmits, admissions (one at a time and several per call),
+two long prompts at a time, one or two long prefills per quiet window, a tight prefill bucket,
+spacing, project weights, the backend gate on or off) and jobs with and without prep's
+uncached-token estimate, then feeds the same submits, resubmits, admissions (one at a time and several per call),
 claims, renewals, releases, requeues, readmits (continuations, with and without a not-before
 time), promotions, hurries, cancels, deadline expiries, backend verdicts and clock steps (which
 reap unrenewed leases) to a ``MemoryStore`` and a ``RedisStore`` sharing one fake clock. Every
