@@ -747,3 +747,13 @@ def test_a_job_in_flight_is_not_added_again(make_store: StoreFactory) -> None:
     again = store.admit_next(reaped_at).grant
     assert again is not None and again.job_id == "j0"
     assert again.waited_s == pytest.approx(reaped_at - 990.0)
+
+
+@pytest.mark.parametrize(("partial", "long_partial", "expected"), [(1, 3, 1), (4, 3, 3), (2, 3, 2), (4, 1, 1)])
+def test_long_prefills_per_window_follow_the_servers_flags(partial: int, long_partial: int, expected: int) -> None:
+    """vLLM prefills one prompt at a time unless --max-num-partial-prefills > 1; then at most
+    --max-long-partial-prefills long ones (and never more than the partial prefills)."""
+    from fleet.core.config import Settings
+
+    settings = Settings(backend={"max_num_partial_prefills": partial, "max_long_partial_prefills": long_partial})
+    assert Limits.from_settings(settings).long_prefills == expected
