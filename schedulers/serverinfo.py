@@ -13,6 +13,12 @@ A disagreement is logged as an error; with ``admission.on_server_mismatch = "ref
 also yields the hold ``server_mismatch``, which the scraper stores as the backend verdict, so every
 dispatcher stops admitting until a later check agrees.
 
+vLLM's chunked-prefill flags (``--max-num-partial-prefills``, ``--max-long-partial-prefills``,
+``--long-prefill-token-threshold``) are scheduler settings, and vLLM's ``/metrics`` carries only
+its CacheConfig: they are read from any ``*_info`` gauge whose labels name them (a proxy in front,
+a release that exports its SchedulerConfig), compared like the rest when found, and otherwise
+shown as not exposed (``fleet plan --server``): then ``[backend]`` is all the fleet knows of them.
+
 Failure cases: the server unreachable or answering an error raises ``UpstreamUnavailable``
 (E_UPSTREAM_UNAVAILABLE); a ``/metrics`` without ``vllm:cache_config_info`` (an older vLLM, or a
 proxy in front) leaves those figures unknown and they are not compared; unparsable exposition text
@@ -49,6 +55,7 @@ class ServerInfo:
     pool_tokens: int | None = None
     cache_dtype: str | None = None
     prefix_caching: bool | None = None
+    partial_prefills: dict[str, int] | None = None  # PARTIAL_PREFILL_FLAGS found, by name
 
 
 def _int(labels: dict[str, str], key: str) -> int | None:
@@ -56,6 +63,22 @@ def _int(labels: dict[str, str], key: str) -> int | None:
         return int(float(labels.get(key, "None")))
     except ValueError:  # "None": not set on this server
         return None
+
+
+PARTIAL_PREFILL_FLAGS = ("max_num_partial_prefills", "max_long_partial_prefills",
+                         "long_prefill_token_threshold")
+
+
+def partial_prefill_flags(metrics_text: str) -> dict[str, int] | None:
+    """The chunked-prefill flags from the labels of any ``*_info`` sample naming one (None: none)."""
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if not sample.name.endswith("_info"):
+                continue
+            found = {k: v for k in PARTIAL_PREFILL_FLAGS if (v := _int(sample.labels, k)) is not None}
+            if found:
+                return found
+    return None
 
 
 def cache_config_labels(metrics_text: str) -> dict[str, str] | None:
@@ -76,8 +99,9 @@ def server_info_from(models: dict[str, object], metrics_text: str) -> ServerInfo
     max_len = first.get("max_model_len")
     info = ServerInfo(model=str(first.get("id", "")), max_model_len=max_len if isinstance(max_len, int) else None)
     labels = cache_config_labels(metrics_text)
+    flags = partial_prefill_flags(metrics_text)
     if labels is None:
-        return info
+        return ServerInfo(model=info.model, max_model_len=info.max_model_len, partial_prefills=flags)
     block, blocks = _int(labels, "block_size"), _int(labels, "num_gpu_blocks")
     pool = _int(labels, "kv_cache_size_tokens")
     if pool is None and block is not None and blocks is not None:
@@ -91,6 +115,7 @@ def server_info_from(models: dict[str, object], metrics_text: str) -> ServerInfo
         pool_tokens=pool,
         cache_dtype=labels.get("cache_dtype"),
         prefix_caching=None if prefix is None else prefix == "True",
+        partial_prefills=flags,
     )
 
 
@@ -120,6 +145,9 @@ def disagreements(backend: BackendSettings, info: ServerInfo) -> list[str]:
         POOL_TOLERANCE * info.pool_tokens
     ):
         out.append(f"kv_pool_tokens: fleet.toml {backend.kv_pool_tokens}, server {info.pool_tokens}")
+    for name, value in (info.partial_prefills or {}).items():
+        if getattr(backend, name) != value:
+            out.append(f"{name}: fleet.toml {getattr(backend, name)}, server {value}")
     return out
 
 

@@ -23,7 +23,7 @@ from fleet.core.errors import ConfigError, InputInvalid
 from fleet.core.kvplan import GIB, Layout, PlanInputs, plan_layout, recommend, shape_from_config
 from fleet.sim.server import SimProcess, start_sim_process
 from schedulers.dispatcher import run_dispatcher
-from schedulers.serverinfo import HOLD, ServerCheck, disagreements, read_server
+from schedulers.serverinfo import HOLD, ServerCheck, disagreements, read_server, server_info_from
 from schedulers.store import make_store
 from schedulers.store.base import PendingItem
 
@@ -247,3 +247,29 @@ def test_refusing_dispatcher_without_a_gate_does_not_start(sim: SimProcess, redi
             run_dispatcher(settings, client, lambda grant: None, stop=threading.Event())
     finally:
         client.close()
+
+
+def test_partial_prefill_flags_are_compared_where_the_server_exposes_them() -> None:
+    """vLLM's /metrics has only its CacheConfig: the flags stay unknown and are not compared;
+    an info gauge that names them (a proxy, a release exporting its SchedulerConfig) is read."""
+    models = {"data": [{"id": "m", "max_model_len": 262_144}]}
+    cache = 'vllm:cache_config_info{block_size="1072",num_gpu_blocks="494"} 1.0\n'
+    assert server_info_from(models, cache).partial_prefills is None
+    scheduler = ('vllm:scheduler_config_info{max_num_partial_prefills="4",max_long_partial_prefills="2",'
+                 'long_prefill_token_threshold="0"} 1.0\n')
+    info = server_info_from(models, cache + scheduler)
+    assert info.partial_prefills == {"max_num_partial_prefills": 4, "max_long_partial_prefills": 2,
+                                     "long_prefill_token_threshold": 0}
+    assert disagreements(Settings().backend, info) == [
+        "max_num_partial_prefills: fleet.toml 1, server 4", "max_long_partial_prefills: fleet.toml 1, server 2"]
+    backend = Settings(backend={"max_num_partial_prefills": 4, "max_long_partial_prefills": 2}).backend
+    assert disagreements(backend, info) == []
+
+
+def test_plan_server_shows_the_partial_prefill_flags_vllm_does_not_expose(sim: SimProcess, tmp_path: Path) -> None:
+    toml = tmp_path / "fleet.toml"
+    toml.write_text("[backend]\nkv_pool_tokens = 530000\nmax_long_partial_prefills = 3\n", encoding="utf-8")
+    result = runner.invoke(app, ["plan", "--server", sim.base_url], env={"FLEET_CONFIG": str(toml)})
+    assert result.exit_code == 0
+    row = next(line for line in result.output.splitlines() if "max_long_partial_prefills" in line)
+    assert "not exposed" in row and "3" in row

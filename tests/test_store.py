@@ -175,6 +175,51 @@ def test_a_long_prompt_kept_waiting_by_short_ones_reserves_its_turn(make_store: 
     assert admit_ids(store, 1_016.0) == ["l1"]
 
 
+def test_a_mostly_cached_long_prompt_is_no_long_prefill(make_store: StoreFactory) -> None:
+    """Prep expects 11,000 of the 12,000-token prompt to hit the prefix cache: it goes beside
+    three short sequences and opens no quiet window (a short goes right after it); the same
+    prompt uncached waits for the shorts to drain. The long-sequence cap still counts both."""
+    store = make_store(limits(max_num_seqs=10, max_long=2, long_prefill_tokens_per_s=1_000.0,
+                              short_beside_long=1, hol_bypass_s=100.0))
+    for i in range(3):
+        store.add_pending(job(f"s{i}", project="b"))
+    assert admit_ids(store, 1_010.0) == ["s0", "s1", "s2"]
+    store.add_pending(job("l3", prompt=12_000, new=0, uncached_tokens=1_000))
+    store.add_pending(job("s4", project="b"))
+    assert admit_ids(store, 1_010.0) == ["l3", "s4"]
+    store.add_pending(job("l5", prompt=12_000, new=0))  # nothing cached: a long prefill
+    store.add_pending(job("s6", project="b"))
+    assert admit_ids(store, 1_010.0) == ["s6"]
+    assert store.snapshot().long_in_flight == 1
+
+
+def test_one_quiet_window_takes_the_servers_long_partial_prefills(make_store: StoreFactory) -> None:
+    """With long_prefills 2 (vLLM --max-num-partial-prefills > 1, --max-long-partial-prefills
+    2) a second long prefill joins the window of the first (one drain of the shorts for both);
+    a third waits, and so do shorts, until both prefills (2 x 12 s at 1,000 tok/s) are done."""
+    store = make_store(limits(max_num_seqs=10, max_long=3, long_prefill_tokens_per_s=1_000.0,
+                              short_beside_long=0, hol_bypass_s=100.0, long_prefills=2,
+                              kv_budget_tokens=100_000))
+    for name, project in (("l0", "a"), ("l1", "b"), ("l2", "c")):
+        store.add_pending(job(name, project=project, prompt=12_000, new=0))
+    store.add_pending(job("s3", project="d"))
+    assert admit_ids(store, 1_010.0) == ["l0", "l1"]
+    held = store.admit_next(1_020.0)
+    assert held.hold_reason == "prefill" and held.retry_in_s == pytest.approx(14.0)
+    assert admit_ids(store, 1_034.0) == ["l2"]  # a new window, the short waits for it too
+    assert admit_ids(store, 1_046.0) == ["s3"]
+
+
+def test_prefill_bucket_counts_uncached_tokens(make_store: StoreFactory) -> None:
+    store = make_store(limits(prefill_tokens_per_s=1_000.0, prefill_burst_tokens=2_000))
+    for i in range(3):
+        store.add_pending(job(f"j{i}", prompt=1_900, uncached_tokens=100))
+    store.add_pending(job("j3", prompt=2_000))
+    assert admit_ids(store, 1_010.0) == ["j0", "j1", "j2"]  # 300 of the bucket's 2,000
+    held = store.admit_next(1_010.0)
+    assert held.hold_reason == "bucket" and held.retry_in_s == pytest.approx(0.3)
+
+
 def test_prefill_bucket_paces_prompts(make_store: StoreFactory) -> None:
     store = make_store(limits(prefill_tokens_per_s=1_000.0, prefill_burst_tokens=2_000))
     for i in range(3):
@@ -702,3 +747,13 @@ def test_a_job_in_flight_is_not_added_again(make_store: StoreFactory) -> None:
     again = store.admit_next(reaped_at).grant
     assert again is not None and again.job_id == "j0"
     assert again.waited_s == pytest.approx(reaped_at - 990.0)
+
+
+@pytest.mark.parametrize(("partial", "long_partial", "expected"), [(1, 3, 1), (4, 3, 3), (2, 3, 2), (4, 1, 1)])
+def test_long_prefills_per_window_follow_the_servers_flags(partial: int, long_partial: int, expected: int) -> None:
+    """vLLM prefills one prompt at a time unless --max-num-partial-prefills > 1; then at most
+    --max-long-partial-prefills long ones (and never more than the partial prefills)."""
+    from fleet.core.config import Settings
+
+    settings = Settings(backend={"max_num_partial_prefills": partial, "max_long_partial_prefills": long_partial})
+    assert Limits.from_settings(settings).long_prefills == expected

@@ -1,8 +1,9 @@
 """The in-memory twin and the Redis store (Lua) agree: one random operation sequence, both stores.
 
 A hypothesis state machine draws a small configuration (few sequences, a small KV budget, one or
-two long prompts at a time, a tight prefill bucket, spacing, project weights, the backend gate on
-or off), then feeds the same submits, resubmits, admissions (one at a time and several per call),
+two long prompts at a time, one or two long prefills per quiet window, a tight prefill bucket,
+spacing, project weights, the backend gate on or off) and jobs with and without prep's
+uncached-token estimate, then feeds the same submits, resubmits, admissions (one at a time and several per call),
 claims, renewals, releases, requeues, readmits (continuations, with and without a not-before
 time), promotions, hurries, cancels, deadline expiries, backend verdicts and clock steps (which
 reap unrenewed leases) to a ``MemoryStore`` and a ``RedisStore`` sharing one fake clock. Every
@@ -62,6 +63,7 @@ small_limits = st.builds(
     hol_bypass_s=st.sampled_from([0.0, 3.0, 10.0]),
     long_prefill_tokens_per_s=st.sampled_from([0.0, 0.0, 5_000.0]),
     short_beside_long=st.integers(0, 1),
+    long_prefills=st.integers(1, 2),
 )
 configs = st.builds(
     StoreConfig,
@@ -81,6 +83,9 @@ jobs = st.fixed_dictionaries(
         "priority": st.integers(0, 2),
         "age_s": st.sampled_from([None, 0.0, 15.0, 90.0]),
         "deadline_in_s": st.sampled_from([None, None, None, 0.0, 1.0, 20.0, 60.0]),
+        # prep's prefix-cache estimate: none (the whole prompt), mostly cached, around the long
+        # threshold, more than the prompt (clamped)
+        "uncached_tokens": st.sampled_from([None, 0, 800, LONG_PROMPT_TOKENS + 1, 30_000]),
     }
 )
 

@@ -47,6 +47,14 @@ def _redis_url(url: str):  # type: ignore[no-untyped-def]
     return EmbeddedRedis(url=url)
 
 
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        first, second = (int(part) for part in text.split(","))
+    except ValueError as exc:
+        raise typer.BadParameter("two whole numbers, e.g. 4,3", param_hint="--partial-prefills") from exc
+    return first, second
+
+
 @bench_app.command("sim")
 def sim(
     speed: Annotated[float, typer.Option(help="simulator speed for the main run")] = 20.0,
@@ -84,7 +92,10 @@ def dispatch(
     lease_ttl_s: Annotated[float, typer.Option(help="lease TTL of the whole-fleet runs")] = 5.0,
     idle_jobs: Annotated[int, typer.Option(help="jobs one at a time in the idle scenario")] = 100,
     paced_prefill_tokens_per_s: Annotated[float, typer.Option(
-        help="prefill bucket of the paced long-prompt run, simulated tok/s")] = 1500.0,
+        help="prefill bucket of the paced long-prompt run, simulated tok/s (0: no paced run)")] = 1500.0,
+    partial_prefills: Annotated[str, typer.Option(
+        help="the server's --max-num-partial-prefills,--max-long-partial-prefills for the "
+             "whole-fleet runs (fleet.toml and the simulator alike; vLLM's defaults 1,1)")] = "1,1",
     markdown: Annotated[str, typer.Option(help="also write the whole-fleet rows as markdown here")] = "",
 ) -> None:
     """Dispatcher benchmarks: overhead at a large backlog and the in-bench saturation
@@ -100,7 +111,8 @@ def dispatch(
                 long_jobs=long_jobs, long_tokens=long_tokens, fair_n=fair_n, crash_jobs=crash_jobs,
                 only=tuple(s.strip() for s in scenarios.split(",") if s.strip()), workers=workers,
                 concurrency=concurrency, lease_ttl_s=lease_ttl_s,
-                paced_tokens_per_s=paced_prefill_tokens_per_s, idle_jobs=idle_jobs)
+                paced_tokens_per_s=paced_prefill_tokens_per_s, idle_jobs=idle_jobs,
+                partial_prefills=_pair(partial_prefills))
             console.print(rows_table(rows))
             if markdown:
                 with open(markdown, "w", encoding="utf-8") as f:

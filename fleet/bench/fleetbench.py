@@ -69,11 +69,12 @@ import redis
 import tomli_w
 
 from fleet.client import Client
-from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
 from fleet.core.models import Envelope
 from fleet.core.results import ResultFollower
 from fleet.infer.sse import iter_events
 from fleet.local.processes import LocalFleet
+from schedulers.policy.limits import long_prefills_at_once
 from schedulers.store import make_store
 
 log = logging.getLogger(__name__)
@@ -449,7 +450,8 @@ class FleetBench:
             dispatchers=0,
             config_path=str(self.tmp / "fleet.toml"),
             log_dir=str(self.tmp),
-            sim_args=["--long-threshold", str(long_threshold), "--max-num-seqs", str(cap)],
+            sim_args=["--long-threshold", str(long_threshold), "--max-num-seqs", str(cap),
+                      *_partial_prefill_args(self.settings)],
             local_broker=True,  # the example's projects under a throwaway prefix, for minutes
         )
         self.redis = redis.Redis.from_url(redis_url)
@@ -767,6 +769,27 @@ def saturation(fb: FleetBench, n: int, think: int, answer: int) -> list[Row]:
     return rows
 
 
+def _partial_prefill_args(settings: Settings) -> list[str]:
+    """The simulator started with the chunked-prefill flags fleet.toml says the server has."""
+    backend = settings.backend
+    return ["--max-num-partial-prefills", str(backend.max_num_partial_prefills),
+            "--max-long-partial-prefills", str(backend.max_long_partial_prefills),
+            "--long-prefill-token-threshold", str(backend.long_prefill_token_threshold)]
+
+
+def long_runs(fb: FleetBench, paced: dict[str, str], paced_label: str) -> list[tuple[str, dict[str, str] | None]]:
+    """The fleet runs of the long-prompt scenario: the settings as given; with several long
+    prefills per quiet window, also the rule before (one per window) on the same server; the
+    paced bucket unless its rate is 0."""
+    runs: list[tuple[str, dict[str, str] | None]] = [("default settings", None)]
+    if long_prefills_at_once(fb.settings) > 1:
+        runs.append(("one long prefill per quiet window (the rule before)",
+                     {"FLEET_BACKEND_MAX_LONG_PARTIAL_PREFILLS": "1"}))
+    if paced:
+        runs.append((paced_label, paced))
+    return runs
+
+
 def paced_env(fb: FleetBench, prefill_tokens_per_s: float, burst_tokens: int, hol_bypass_s: float) -> dict[str, str]:
     """Dispatcher settings for the paced long-prompt run (rates x speed, times / speed)."""
     return {
@@ -789,15 +812,10 @@ def long_prompts(
     p95_0 = percentile(lat0["service"], 0.95)
     rows: list[Row] = []
     sc = f"long prompts ({n} jobs, {sum(s.long for s in specs)} of {long_text.tokens:,} tokens)"
-    paced = paced_env(fb, paced_tokens_per_s, long_tokens + 4096, 120.0)
-    for label, env in (
-        ("default settings", None),
-        (
-            f"paced: prefill {paced_tokens_per_s:,.0f} tok/s, burst {long_tokens + 4096:,}, "
-            f"hol_bypass 120 s (sim time)",
-            paced,
-        ),
-    ):
+    paced = paced_env(fb, paced_tokens_per_s, long_tokens + 4096, 120.0) if paced_tokens_per_s > 0 else {}
+    paced_label = (f"paced: prefill {paced_tokens_per_s:,.0f} tok/s, burst {long_tokens + 4096:,}, "
+                   f"hol_bypass 120 s (sim time)")
+    for label, env in long_runs(fb, paced, paced_label):
         run, ids = fb.run_fleet(specs, long_text, samplers, dispatcher_env=env)
         mx = stats_max(samplers[-1])
         w = samplers[-1].window(run.first_admit, run.last_admit, cap)
@@ -1156,9 +1174,17 @@ def fleet_bench(
     lease_ttl_s: float = 5.0,
     paced_tokens_per_s: float = 1500.0,
     idle_jobs: int = 100,
+    partial_prefills: tuple[int, int] = (1, 1),
 ) -> list[Row]:
+    """``partial_prefills``: the server's --max-num-partial-prefills and
+    --max-long-partial-prefills, in fleet.toml and on the simulator alike."""
     rows: list[Row] = []
-    with FleetBench(redis_url, speed, workers=workers, concurrency=concurrency, lease_ttl_s=lease_ttl_s) as fb:
+
+    def configure(data: dict[str, Any]) -> None:
+        data["backend"]["max_num_partial_prefills"], data["backend"]["max_long_partial_prefills"] = partial_prefills
+
+    with FleetBench(redis_url, speed, workers=workers, concurrency=concurrency, lease_ttl_s=lease_ttl_s,
+                    configure=configure) as fb:
         rows.append(
             (
                 "setup",

@@ -129,7 +129,7 @@ def write_backend(path: Path, values: dict[str, int]) -> None:
 
 
 def server_table(url: str, api_key: str) -> tuple[Table, list[str]]:
-    from schedulers.serverinfo import disagreements, read_server
+    from schedulers.serverinfo import PARTIAL_PREFILL_FLAGS, disagreements, read_server
 
     settings = load_settings()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -143,6 +143,9 @@ def server_table(url: str, api_key: str) -> tuple[Table, list[str]]:
     table.add_row("KV pool (tokens)", str(info.pool_tokens), str(backend.kv_pool_tokens))
     table.add_row("KV cache dtype", str(info.cache_dtype), "")
     table.add_row("prefix caching", str(info.prefix_caching), "")
+    for name in PARTIAL_PREFILL_FLAGS:
+        found = (info.partial_prefills or {}).get(name)
+        table.add_row(name, "not exposed" if found is None else str(found), str(getattr(backend, name)))
     return table, disagreements(backend, info)
 
 

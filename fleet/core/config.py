@@ -79,6 +79,18 @@ class BackendSettings(_Section):
     prefill_tokens_per_s: float = Field(8_000.0, gt=0)
     """The server's prefill throughput, prompt tokens/s (about 8,000 on the deployment): how long
     a long prompt's prefill keeps every sequence beside it slow (admission.quiet_long_prefill)."""
+    max_num_partial_prefills: int = Field(1, ge=1)
+    """The server's --max-num-partial-prefills (vLLM's default 1: one prompt prefills at a time)."""
+    max_long_partial_prefills: int = Field(1, ge=1)
+    """The server's --max-long-partial-prefills (vLLM's default 1): long prompts prefilling side by
+    side when max_num_partial_prefills > 1; so many long prefills may share one quiet window
+    (admission.quiet_long_prefill)."""
+    prefix_cache_s: float = Field(600.0, ge=0)
+    """How long the fleet counts a prompt a project sent as still in the server's prefix cache
+    (the uncached-token estimate of fleet/prep/cachehint.py; 0: never, every prompt counts whole)."""
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    """The server's --long-prefill-token-threshold (vLLM's default 0: 4% of max_model_len when
+    max_num_partial_prefills > 1); checked against the server by fleet plan, not used in admission."""
 
 
 class AdmissionSettings(_Section):
@@ -108,8 +120,10 @@ class AdmissionSettings(_Section):
     """Port of the dispatcher's Prometheus /metrics (0 = off). If another dispatcher on the host
     holds it, this one logs a warning and runs on without /metrics (the shared figures are the same)."""
     quiet_long_prefill: bool = True
-    """A long prompt is admitted only while at most short_beside_long_prefill short sequences are
-    in flight, and nothing else is admitted while its prefill runs (prompt tokens /
+    """A long prefill (a prompt whose tokens expected to miss the prefix cache are above
+    backend.long_prompt_tokens) is admitted only while at most short_beside_long_prefill short
+    sequences are in flight, and nothing but further long prefills (up to the server's
+    max_long_partial_prefills) is admitted while the prefills run (uncached tokens /
     backend.prefill_tokens_per_s): a long prefill slows every sequence decoding beside it several
     fold. A long prompt kept waiting reserves its turn after hol_bypass_s, so it is not starved."""
     short_beside_long_prefill: int = Field(2, ge=0)

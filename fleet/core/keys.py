@@ -53,6 +53,10 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                                      result_ttl_s
   {p}retry_budget:<project>   hash   sliding counters of first attempts and retries (retry budget)
   {p}tokcache:<sha256>        string cached /tokenize count for a piece of content
+  {p}sent:{<project>}:<sha256> string prompt tokens of a prompt (or stable prefix) the project sent
+                                     recently, by the digest of its messages; TTL
+                                     backend.prefix_cache_s (fleet/prep/cachehint.py); tagged by
+                                     project, so one MGET reads a job's lookups in one slot
   {p}stats:codes              hash   final results counted by "<project>|<code>" (for /metrics)
   {p}metrics:leader           string the dispatcher exporting the fleet-wide metrics (redis-py
                                      Lock token; PX 15 s, extended by its owner)
@@ -179,6 +183,9 @@ class Keys:
 
     def tokcache(self, digest: str) -> str:
         return f"{self.prefix}tokcache:{digest}"
+
+    def sent(self, project: str, digest: str) -> str:
+        return f"{self.prefix}sent:{{{project}}}:{digest}"
 
     def gateway_grants(self, gateway: str) -> str:
         return f"{self.prefix}gwgrants:{gateway}"

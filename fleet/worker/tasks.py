@@ -202,6 +202,7 @@ def _prep_claimed(rt: Runtime, project: str, job_id: str, raw: dict[str, Any]) -
 
 def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
     from fleet.infer.budget import plan as plan_budget
+    from fleet.prep.cachehint import uncached_of
     from fleet.prep.prepare import prepare
 
     settings = rt.settings
@@ -231,11 +232,12 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
         settings, ref, project=job.project, kind=job.kind, job=job_json, plan=plan_json,
         warnings=json.dumps(prepared.warnings), fence_tag=prepared.fence_tag,
     ))
+    uncached = uncached_of(rt.redis, rt.keys, settings, project, job, ready, prepared)
     handed_over = time.time()  # the fleet's clock orders the queue, never the producer's
     rt.store.add_pending(PendingItem(
         job_id=ref, project=job.project, prompt_tokens=prepared.prompt_tokens,
         max_new_tokens=plan.max_tokens, band=job.band, priority=job.priority,
-        enqueued_at=handed_over, deadline=job.deadline,
+        enqueued_at=handed_over, deadline=job.deadline, uncached_tokens=uncached,
     ))
     # Only now "pending": had this task died before add_pending, the job would still read
     # "submitted", and a redelivery or the prep watchdog would prepare it again.
@@ -244,7 +246,8 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
         # cancelled while this task prepared it: never let it take a slot
         return _fail(rt, job.id, job.project, Code.E_CANCELLED, "cancelled while queued")
     _events(rt, ref).emit("prepared", prompt_tokens=prepared.prompt_tokens,
-                             max_tokens=plan.max_tokens, warnings=prepared.warnings)
+                             uncached_tokens=uncached, max_tokens=plan.max_tokens,
+                             warnings=prepared.warnings)
     return "pending"
 
 

@@ -54,6 +54,7 @@ class Head:
     enqueued_at: float
     score: float  # pending_score(), milliseconds
     long: bool = False
+    uncached_tokens: int | None = None  # prep's estimate of the prompt's prefix-cache misses
 
     @property
     def cost(self) -> int:

@@ -24,14 +24,22 @@ Limits, checked in this order for every candidate job:
              else is in flight: otherwise it could never run and would block its project forever.
 ``long``     at most ``max_long`` requests with ``prompt_tokens > long_prompt_tokens`` at once
              (four or more ultra-long prefills bring the server to a crawl).
-``prefill``  quiet long prefills (``long_prefill_tokens_per_s`` > 0): a long prompt goes only while
-             at most ``short_beside_long`` short sequences are in flight, and while its prefill runs
-             (until ``prefill_until``: its prompt tokens / the server's prefill rate after its
-             admission, after the previous long prefill's end) nothing is admitted (a global hold
-             with a retry time). A prefill chunk rides in every engine step, so each sequence
-             decoding beside a 60K-token prefill runs several times slower for its whole length;
-             short jobs wait in line instead, where they cost the backend nothing.
-``bucket``   prefill pacing: a token bucket on admitted prompt tokens (rate
+``prefill``  quiet long prefills (``long_prefill_tokens_per_s`` > 0). A *long prefill* is a prompt
+             whose tokens expected to miss the prefix cache (``uncached_tokens``, estimated by prep:
+             fleet/prep/cachehint.py) are above ``long_prompt_tokens``; a long but mostly cached
+             prompt is not one. A long prefill goes only while at most ``short_beside_long``
+             short sequences are in flight, and while the prefill window runs (until
+             ``prefill_until``: the uncached tokens / the server's prefill rate after its
+             admission, after the previous long prefill's end) nothing but further long
+             prefills is admitted, and those only while fewer than ``long_prefills`` went into
+             the current window (the server's ``--max-long-partial-prefills`` when its
+             ``--max-num-partial-prefills`` > 1, else 1). A prefill chunk rides in every engine
+             step, so each sequence decoding beside a 60K-token prefill runs several times slower
+             for its whole length; short jobs wait in line instead, where they cost the backend
+             nothing. Several long prefills in one window share one drain of the short
+             sequences (the window is as long as their prefills together), which is what keeps
+             the backend busier than one window per long prompt.
+``bucket``   prefill pacing: a token bucket on admitted uncached prompt tokens (rate
              ``prefill_tokens_per_s``, size ``prefill_burst_tokens``). A prompt bigger than the
              bucket is admitted when the bucket is full and leaves the bucket in debt, so the
              long-run prompt rate is exact and the prefill after it waits its turn.
@@ -54,7 +62,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fleet.core.config import Settings
 
-RESERVING_REASONS = ("kv", "bucket", "prefill")
+RESERVING_REASONS = ("kv", "bucket", "prefill")  # "prefill": the short-sequences rule, not the window
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ class Limits:
     hol_bypass_s: float = 10.0
     long_prefill_tokens_per_s: float = 0.0  # the server's prefill rate; 0: no quiet long prefills
     short_beside_long: int = 2
+    long_prefills: int = 1  # long prefills one quiet window may take
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
@@ -86,7 +95,17 @@ class Limits:
             hol_bypass_s=admission.hol_bypass_s,
             long_prefill_tokens_per_s=backend.prefill_tokens_per_s if admission.quiet_long_prefill else 0.0,
             short_beside_long=admission.short_beside_long_prefill,
+            long_prefills=long_prefills_at_once(settings),
         )
+
+
+def long_prefills_at_once(settings: Settings) -> int:
+    """How many long prompts the server prefills side by side: vLLM's --max-long-partial-prefills
+    counts only when --max-num-partial-prefills > 1 (otherwise one prompt prefills at a time)."""
+    backend = settings.backend
+    if backend.max_num_partial_prefills <= 1:
+        return 1
+    return min(backend.max_long_partial_prefills, backend.max_num_partial_prefills)
 
 
 @dataclass
@@ -103,6 +122,7 @@ class LimitState:
     blocked_since: float = 0.0
     claimed: int = 0  # live leases a worker has claimed (its request is at the backend)
     prefill_until: float = 0.0  # when the last admitted long prompt's prefill should be done
+    prefill_longs: int = 0  # long prefills admitted into the window ending at prefill_until
 
 
 @dataclass(frozen=True)
@@ -113,6 +133,8 @@ class Cost:
     prompt_tokens: int
     kv_tokens: int
     long: bool
+    uncached_tokens: int  # expected to miss the prefix cache: what the prefill computes
+    long_prefill: bool
 
 
 def kv_tokens(prompt_tokens: int, max_new_tokens: int, block_tokens: int) -> int:
@@ -121,12 +143,17 @@ def kv_tokens(prompt_tokens: int, max_new_tokens: int, block_tokens: int) -> int
     return blocks * block_tokens
 
 
-def cost_of(job_id: str, prompt_tokens: int, max_new_tokens: int, limits: Limits) -> Cost:
+def cost_of(
+    job_id: str, prompt_tokens: int, max_new_tokens: int, limits: Limits, uncached_tokens: int | None = None
+) -> Cost:
+    uncached = prompt_tokens if uncached_tokens is None else max(0, min(uncached_tokens, prompt_tokens))
     return Cost(
         job_id=job_id,
         prompt_tokens=prompt_tokens,
         kv_tokens=kv_tokens(prompt_tokens, max_new_tokens, limits.block_tokens),
         long=prompt_tokens > limits.long_prompt_tokens,
+        uncached_tokens=uncached,
+        long_prefill=uncached > limits.long_prompt_tokens,
     )
 
 
@@ -149,8 +176,6 @@ def check_global(
         wait_s = state.last_admit_at + limits.min_spacing_s - now
         if wait_s > 0:
             return "spacing", wait_s
-    if limits.long_prefill_tokens_per_s > 0 and now < state.prefill_until:
-        return "prefill", state.prefill_until - now
     return None, None
 
 
@@ -158,15 +183,20 @@ def check_job(
     limits: Limits, state: LimitState, cost: Cost, now: float
 ) -> tuple[str | None, float | None]:
     """Limits of one candidate: ``(reason, retry_in_s)`` or ``(None, None)`` when it fits."""
+    quiet = limits.long_prefill_tokens_per_s > 0
+    window = state.prefill_until - now
+    if quiet and window > 0 and (not cost.long_prefill or state.prefill_longs >= limits.long_prefills):
+        return "prefill", window
     over_kv = state.reserved_kv_tokens + cost.kv_tokens > limits.kv_budget_tokens
     if over_kv and state.in_flight > 0:
         return "kv", None
     if cost.long and state.long_in_flight >= limits.max_long:
         return "long", None
-    short_in_flight = state.in_flight - state.long_in_flight
-    if cost.long and limits.long_prefill_tokens_per_s > 0 and short_in_flight > limits.short_beside_long:
-        return "prefill", None
-    need = min(cost.prompt_tokens, limits.prefill_burst_tokens)
+    if quiet:
+        short_in_flight = state.in_flight - state.long_in_flight
+        if cost.long_prefill and short_in_flight > limits.short_beside_long:
+            return "prefill", None
+    need = min(cost.uncached_tokens, limits.prefill_burst_tokens)
     level = bucket_level(limits, state, now)
     if level < need:
         return "bucket", (need - level) / limits.prefill_tokens_per_s
@@ -174,15 +204,18 @@ def check_job(
 
 
 def admit(limits: Limits, state: LimitState, cost: Cost, now: float) -> None:
-    state.bucket_tokens = bucket_level(limits, state, now) - cost.prompt_tokens
+    state.bucket_tokens = bucket_level(limits, state, now) - cost.uncached_tokens
     state.bucket_at = now
     state.last_admit_at = now
     state.in_flight += 1
     state.reserved_kv_tokens += cost.kv_tokens
     state.long_in_flight += 1 if cost.long else 0
-    if cost.long and limits.long_prefill_tokens_per_s > 0:
+    if cost.long_prefill and limits.long_prefill_tokens_per_s > 0:
+        if now >= state.prefill_until:
+            state.prefill_longs = 0
         start = max(now, state.prefill_until)
-        state.prefill_until = start + cost.prompt_tokens / limits.long_prefill_tokens_per_s
+        state.prefill_until = start + cost.uncached_tokens / limits.long_prefill_tokens_per_s
+        state.prefill_longs += 1
 
 
 def free(state: LimitState, kv: int, long: bool) -> None:
@@ -233,8 +266,8 @@ def choose(
 
 def _may_bypass(limits: Limits, state: LimitState, top: Cost, why: str, now: float) -> bool:
     """May jobs behind the blocked first candidate go ahead of it? (see module docstring)"""
-    if why not in RESERVING_REASONS:
-        return True
+    if why not in RESERVING_REASONS or (why == "prefill" and state.prefill_until > now):
+        return True  # the window lifts by itself: nothing to reserve
     if state.blocked_job != top.job_id:
         state.blocked_job, state.blocked_since = top.job_id, now
     return now - state.blocked_since < limits.hol_bypass_s

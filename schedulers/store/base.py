@@ -62,6 +62,9 @@ class PendingItem:
     priority: int = 0  # higher first, inside a project's band
     enqueued_at: float = 0.0  # unix seconds; set by the store when 0
     deadline: float | None = None  # unix seconds; expire_deadlines drops it from pending after
+    # prompt tokens expected to miss the prefix cache (fleet/prep/cachehint.py); None = all of
+    # them. What a long prefill and the prefill bucket count (schedulers/policy/limits.py).
+    uncached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ class MemoryStore:
             if reason:
                 return AdmitResult(None, reason)
         costs = [
-            limits.cost_of(h.job_id, h.prompt_tokens, h.max_new_tokens, self.config.limits)
+            limits.cost_of(h.job_id, h.prompt_tokens, h.max_new_tokens, self.config.limits, h.uncached_tokens)
             for h in heads
         ]
         outside = float(self._figures.get("outside", 0.0)) if self.config.gate else 0.0
@@ -412,4 +412,5 @@ def _head(entry: _Entry, band: str) -> fairshare.Head:
         enqueued_at=item.enqueued_at,
         score=entry.score,
         long=entry.size == "long",
+        uncached_tokens=item.uncached_tokens,
     )

@@ -7,9 +7,10 @@ one serialisation point anyway, and a script may touch the shared counters and a
   D pending:<project>:<band>:<size>  zset  pending job ids; band interactive|batch, size
                                            short|long; score = fairshare.pending_score (ms)
   D items          hash    job id -> "project band size prompt max_new kv long enq score
-                           pending(1|0) deadline cont(1|0) deferred" (space-separated, deadline
-                           and deferred '-' = none; cont 1 for a continuation, deferred its
-                           not-before time while it waits); a field lives while the job is
+                           pending(1|0) deadline cont(1|0) deferred uncached" (space-separated,
+                           deadline and deferred '-' = none; cont 1 for a continuation, deferred
+                           its not-before time while it waits; uncached the prompt tokens
+                           expected to miss the prefix cache); a field lives while the job is
                            pending, leased (a lease needs it to requeue) or waiting
   D deadlines      zset    pending job ids that have a deadline, score = deadline (unix
                            seconds); an entry leaves at admission, cancel or expiry and comes
@@ -20,8 +21,9 @@ one serialisation point anyway, and a script may touch the shared counters and a
   D lease          hash    job id -> "fence kv long expires admitted_at project owner" (owner
                            empty until the first ``claim``; a delivery of another owner is refused)
   D state          hash    in_flight kv long claimed (counters of live leases), queued (pending jobs),
-                           bucket bucket_at (prefill token bucket), prefill_until (quiet long
-                           prefills), last_admit, blocked_job
+                           bucket bucket_at (prefill token bucket), prefill_until prefill_longs
+                           (quiet long prefills: the window's end, long prefills in it),
+                           last_admit, blocked_job
                            blocked_since (head-of-line reservation), vtime (V)
   D fence          string  fencing token counter (INCR; every grant gets a new, larger one)
   D wake           list    LPUSHed on submit/release/readmit/promotion/expiry, capped at 100;
@@ -159,6 +161,7 @@ class RedisStore:
             repr(enqueued_at),
             repr(score),
             "" if item.deadline is None else repr(float(item.deadline)),
+            _uncached(item),
         ]
 
     def cancel_pending(self, job_id: str) -> bool:
@@ -229,6 +232,8 @@ class RedisStore:
             max_grants,
             repr(limits.long_prefill_tokens_per_s),
             limits.short_beside_long,
+            limits.long_prefills,
+            limits.long_prompt_tokens,
         ]
         for project in self._projects:
             keys += [self._queue(project, b, z) for b in fairshare.BANDS for z in fairshare.SIZES]
@@ -422,6 +427,13 @@ def max_block_s(client: redis.Redis) -> float:
     if socket_timeout_s is None:
         return MAX_BLOCK_S
     return max(0.01, min(MAX_BLOCK_S, 0.8 * float(socket_timeout_s)))
+
+
+def _uncached(item: PendingItem) -> int:
+    """The item's uncached prompt tokens as the store keeps them (never more than the prompt)."""
+    if item.uncached_tokens is None:
+        return item.prompt_tokens
+    return max(0, min(item.uncached_tokens, item.prompt_tokens))
 
 
 def _text(value: Any) -> str:

@@ -4,7 +4,7 @@
 -- limit (schedulers/policy/limits.py, same order) and grants the first that fits: pop from
 -- pending, counters, bucket, virtual times, fence, lease. It stops at the first hold.
 -- KEYS[1]  state      hash    in_flight kv long queued bucket bucket_at last_admit blocked_job
---                             blocked_since vtime prefill_until
+--                             blocked_since vtime prefill_until prefill_longs
 -- KEYS[2]  stats      hash    admissions, hold:<reason>
 -- KEYS[3]  backend    hash    scraped_at, hold (the gate's verdict), outside (sequences outside
 --                             clients hold at the server, schedulers/scrape.py)
@@ -20,8 +20,10 @@
 --                             long, batch short, batch long
 -- ARGV: now, ttl, max_seqs, kv_budget, max_long, rate, burst, spacing, bypass, gate (1|0), stale,
 --       aging, max_grants, prefill_rate (the server's; 0: no quiet long prefills), beside (short
---       sequences in flight at most when a long prompt goes), then (project, weight) per
---       project, in the same order as the keys.
+--       sequences in flight at most when a long prefill goes), long_prefills (long prefills one
+--       window may take), long_threshold, then (project, weight) per project, in the same order as the keys.
+-- A long prefill is a head whose uncached tokens (the item's last field) are above the long
+-- threshold (`long_threshold`, ARGV[17]).
 -- Returns {'stale', members} when the projects set holds a project the caller did not name
 -- (nothing was decided; call again with them), else {'ok', reason, retry_in, grant fields...}:
 -- reason '' when max_grants were granted, else the hold that stopped it; each grant is 8 fields:
@@ -32,14 +34,15 @@ local max_seqs, kv_budget, max_long = tonumber(ARGV[3]), tonumber(ARGV[4]), tonu
 local rate, burst, spacing = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local bypass, gate, stale = tonumber(ARGV[9]), ARGV[10] == '1', tonumber(ARGV[11])
 local aging, max_grants = tonumber(ARGV[12]), tonumber(ARGV[13])
-local prefill_rate, beside = tonumber(ARGV[14]), tonumber(ARGV[15])
+local prefill_rate, beside, long_prefills = tonumber(ARGV[14]), tonumber(ARGV[15]), tonumber(ARGV[16])
+local long_threshold = tonumber(ARGV[17])
 local st, stats, vtime, items, lease_info = KEYS[1], KEYS[2], KEYS[4], KEYS[9], KEYS[10]
 local BANDS, SIZES = {'interactive', 'batch'}, {'short', 'long'}
 
 local projects, named = {}, {}
-for p = 0, (#ARGV - 15) / 2 - 1 do
-  local name = ARGV[16 + 2 * p]
-  projects[p + 1] = {name = name, weight = tonumber(ARGV[17 + 2 * p]), k = 11 + 4 * p}
+for p = 0, (#ARGV - 17) / 2 - 1 do
+  local name = ARGV[18 + 2 * p]
+  projects[p + 1] = {name = name, weight = tonumber(ARGV[19 + 2 * p]), k = 11 + 4 * p}
   named[name] = true
 end
 local members = redis.call('SMEMBERS', KEYS[8])
@@ -57,8 +60,10 @@ local function read_heads(pr)
       local top = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')
       if top[1] then
         local f = item_get(items, top[1])
+        local uncached = tonumber(f.uncached)
         heads[band][size] = {id = top[1], score = tonumber(top[2]), queue = queue, band = band,
           long = size == 'long', prompt = tonumber(f.prompt), max_new = tonumber(f.max_new),
+          uncached = uncached, long_prefill = uncached > long_threshold,
           kv = tonumber(f.kv), enq = tonumber(f.enq), project = pr.name, weight = pr.weight}
         any = true
       end
@@ -135,7 +140,7 @@ local function decide(cands)
     outside = num(b[3], 0)
   end
   local s = redis.call('HMGET', st, 'in_flight', 'kv', 'long', 'bucket', 'bucket_at', 'last_admit',
-    'blocked_job', 'blocked_since', 'prefill_until')
+    'blocked_job', 'blocked_since', 'prefill_until', 'prefill_longs')
   local in_flight, kv_used, long_used = num(s[1], 0), num(s[2], 0), num(s[3], 0)
   if in_flight >= max_seqs then return nil, hold('seqs') end
   if in_flight + outside >= max_seqs then return nil, hold('outside') end
@@ -143,28 +148,30 @@ local function decide(cands)
     local wait = tonumber(s[6]) + spacing - now
     if wait > 0 then return nil, hold('spacing', wait) end
   end
-  local prefill_until = num(s[9], 0)
-  if prefill_rate > 0 and now < prefill_until then return nil, hold('prefill', prefill_until - now) end
+  local prefill_until, prefill_longs = num(s[9], 0), num(s[10], 0)
   local level = burst
   if s[4] then level = math.min(burst, tonumber(s[4]) + math.max(0, now - tonumber(s[5])) * rate) end
   local first_reason, soonest = nil, nil
   for i, c in ipairs(cands) do
     local why, retry = nil, nil
-    if kv_used + c.kv > kv_budget and in_flight > 0 then why = 'kv'
+    if prefill_rate > 0 and now < prefill_until and (not c.long_prefill or prefill_longs >= long_prefills) then
+      why, retry = 'prefill', prefill_until - now
+    elseif kv_used + c.kv > kv_budget and in_flight > 0 then why = 'kv'
     elseif c.long and long_used >= max_long then why = 'long'
-    elseif c.long and prefill_rate > 0 and in_flight - long_used > beside then why = 'prefill'
+    elseif c.long_prefill and prefill_rate > 0 and in_flight - long_used > beside then why = 'prefill'
     else
-      local need = math.min(c.prompt, burst)
+      local need = math.min(c.uncached, burst)
       if level < need then why, retry = 'bucket', (need - level) / rate end
     end
     if not why then
       if i == 1 then redis.call('HDEL', st, 'blocked_job', 'blocked_since') end
-      return {c = c, level = level, prefill_until = prefill_until}
+      return {c = c, level = level, prefill_until = prefill_until, prefill_longs = prefill_longs}
     end
     if retry and (not soonest or retry < soonest) then soonest = retry end
     if i == 1 then
       first_reason = why
-      if why == 'kv' or why == 'bucket' or why == 'prefill' then
+      -- a window hold lifts by itself: nothing to reserve (limits._may_bypass)
+      if why == 'kv' or why == 'bucket' or (why == 'prefill' and not (prefill_until > now)) then
         if s[7] ~= c.id then
           s[8] = fmt(now)
           redis.call('HSET', st, 'blocked_job', c.id, 'blocked_since', s[8])
@@ -176,16 +183,18 @@ local function decide(cands)
   return nil, hold(first_reason, soonest)
 end
 
-local function grant(c, top, level, prefill_until)
+local function grant(c, top, level, prefill_until, prefill_longs)
   free_lease(st, KEYS[6], lease_info, c.id)
   redis.call('HINCRBY', st, 'in_flight', 1)
   redis.call('HINCRBY', st, 'kv', c.kv)
   if c.long then redis.call('HINCRBY', st, 'long', 1) end
-  if c.long and prefill_rate > 0 then
-    redis.call('HSET', st, 'prefill_until', fmt(math.max(now, prefill_until) + c.prompt / prefill_rate))
+  if c.long_prefill and prefill_rate > 0 then
+    if now >= prefill_until then prefill_longs = 0 end
+    redis.call('HSET', st, 'prefill_until', fmt(math.max(now, prefill_until) + c.uncached / prefill_rate),
+      'prefill_longs', prefill_longs + 1)
   end
   redis.call('HINCRBY', st, 'queued', -1)
-  redis.call('HSET', st, 'bucket', fmt(level - c.prompt), 'bucket_at', fmt(now),
+  redis.call('HSET', st, 'bucket', fmt(level - c.uncached), 'bucket_at', fmt(now),
     'last_admit', fmt(now))
   local V = math.max(num(redis.call('HGET', st, 'vtime'), 0), tags[top.project])
   local start = math.max(V, tags[c.project])
@@ -216,7 +225,7 @@ while granted < max_grants do
     out[2], out[3] = reason, retry
     break
   end
-  for _, field in ipairs(grant(pick.c, cands[1], pick.level, pick.prefill_until)) do table.insert(out, field) end
+  for _, field in ipairs(grant(pick.c, cands[1], pick.level, pick.prefill_until, pick.prefill_longs)) do table.insert(out, field) end
   granted = granted + 1
   for _, pr in ipairs(projects) do
     if pr.name == pick.c.project then read_heads(pr) end

@@ -9,11 +9,13 @@
 -- `lease` hash (not a hash per job): every script then touches a fixed set of keys plus the
 -- queues of the projects the caller names, so ADMIT can pick and grant several jobs in one call.
 --   items[id] = "project band size prompt max_new kv long enq score pending deadline cont
---               deferred" (space-separated; project names are letters, digits, - and _; deadline
---               '-' = none; cont 1 once READMIT made the job a continuation; deferred = the
---               not-before time READMIT gave it while it waits in `deferred` (the zset's score
---               is the one that counts: ``hurry`` may lower it), '-' = not waiting). A field added
---               later goes at the end (readers outside Lua take the first ones by position).
+--               deferred uncached" (space-separated; project names are letters, digits, - and _;
+--               deadline '-' = none; cont 1 once READMIT made the job a continuation; deferred =
+--               the not-before time READMIT gave it while it waits in `deferred` (the zset's score
+--               is the one that counts: ``hurry`` may lower it), '-' = not waiting; uncached = the
+--               prompt tokens prep expects to miss the prefix cache, absent in items written
+--               before it existed: the whole prompt). A field added later goes at the end
+--               (readers outside Lua take the first ones by position).
 --   lease[id] = "fence kv long expires admitted_at project owner" (owner '' until the first claim;
 --               it may hold spaces: it is the rest of the string)
 
@@ -28,17 +30,20 @@ end
 local function item_get(items, id)
   local s = redis.call('HGET', items, id)
   if not s then return nil end
-  local project, band, size, prompt, max_new, kv, long, enq, score, pending, deadline, cont, deferred =
-    string.match(s, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
+  local project, band, size, prompt, max_new, kv, long, enq, score, pending, deadline, cont, deferred,
+    uncached = string.match(s,
+      '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) ?(%S*)$')
   return {project = project, band = band, size = size, prompt = prompt, max_new = max_new, kv = kv,
     long = long, enq = enq, score = score, pending = pending,
     deadline = deadline ~= '-' and deadline or nil, cont = cont,
-    deferred = deferred ~= '-' and deferred or nil}
+    deferred = deferred ~= '-' and deferred or nil,
+    uncached = uncached ~= '' and uncached or prompt}
 end
 
 local function item_put(items, id, f)
   redis.call('HSET', items, id, table.concat({f.project, f.band, f.size, f.prompt, f.max_new, f.kv,
-    f.long, f.enq, f.score, f.pending, f.deadline or '-', f.cont or '0', f.deferred or '-'}, ' '))
+    f.long, f.enq, f.score, f.pending, f.deadline or '-', f.cont or '0', f.deferred or '-',
+    f.uncached or f.prompt}, ' '))
 end
 
 local function lease_get(leases_info, id)

@@ -1,0 +1,79 @@
+"""The uncached-token estimate (fleet/prep/cachehint.py) against a real Redis: what a project sent
+recently counts as cached in whole KV blocks, nothing else does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.keys import Keys
+from fleet.core.models import Job, Message
+from fleet.prep.cachehint import estimate_uncached, uncached_of
+from fleet.prep.prepare import Prepared
+
+SYSTEM = Message(role="system", content="You are the research assistant. " * 40)
+BLOCK = 1_000
+
+
+def estimate(client: redis.Redis, keys: Keys, wire: list[dict[str, Any]], prompt: int,
+             project: str = "research", prefix_tokens: int = 2_500, remember_s: float = 600.0) -> int:
+    return estimate_uncached(client, keys, project, wire=wire, tools=None, prompt_tokens=prompt,
+                             prefix=[SYSTEM], prefix_tokens=prefix_tokens, block_tokens=BLOCK,
+                             remember_s=remember_s)
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def test_the_next_turn_of_a_conversation_is_mostly_cached(redis_client: redis.Redis, key_prefix: str) -> None:
+    keys = Keys(key_prefix)
+    first = [SYSTEM.to_openai(), user("the 25K-token code base ...")]
+    assert estimate(redis_client, keys, first, 26_030) == 26_030  # nothing sent before
+    second = [*first, {"role": "assistant", "content": "answer"}, user("and now?")]
+    assert estimate(redis_client, keys, second, 26_600) == 600  # 26 whole blocks cached
+    third = [*second, {"role": "assistant", "content": "more"}, user("and then?")]
+    assert estimate(redis_client, keys, third, 40_200) == 40_200 - 26_000  # the longest match
+    assert estimate(redis_client, keys, second, 26_600) == 600  # sent again: whole blocks only
+
+
+def test_a_new_report_misses_all_but_the_stable_prefix(redis_client: redis.Redis, key_prefix: str) -> None:
+    keys = Keys(key_prefix)
+    estimate(redis_client, keys, [SYSTEM.to_openai(), user("a short question")], 3_000)
+    report = [SYSTEM.to_openai(), user("a 60K-token report nobody sent before ...")]
+    assert estimate(redis_client, keys, report, 60_118) == 60_118 - 2_000  # 2 whole prefix blocks
+
+
+def test_projects_never_match_each_others_prompts(redis_client: redis.Redis, key_prefix: str) -> None:
+    keys = Keys(key_prefix)
+    wire = [SYSTEM.to_openai(), user("shared text")]
+    estimate(redis_client, keys, wire, 30_000, project="research")
+    assert estimate(redis_client, keys, [*wire, user("more")], 30_500, project="legal") == 30_500
+
+
+def test_nothing_is_counted_cached_when_the_fleet_remembers_nothing(redis_client: redis.Redis, key_prefix: str) -> None:
+    keys = Keys(key_prefix)
+    wire = [SYSTEM.to_openai(), user("q")]
+    estimate(redis_client, keys, wire, 30_000)
+    assert estimate(redis_client, keys, wire, 30_000, remember_s=0.0) == 30_000
+    other = [SYSTEM.to_openai(), user("r")]
+    assert estimate(redis_client, keys, other, 30_000, remember_s=0.0) == 30_000
+    assert estimate(redis_client, keys, other, 30_000) == 28_000  # the prefix; `other` not recorded
+
+
+def test_untrusted_material_never_matches_another_jobs(redis_client: redis.Redis, key_prefix: str) -> None:
+    """Each job fences untrusted text with its own tag, so vLLM cannot reuse it across jobs, and
+    neither does the estimate; the job's stable prefix still counts once it was sent."""
+    settings = load_settings(EXAMPLE_CONFIG, env={})
+    project = settings.projects["research"]
+    keys = Keys(key_prefix)
+    messages = [SYSTEM, Message(role="user", content="material " * 9_000, untrusted=True)]
+    job = Job(id="j1", project="research", messages=messages)
+    found = []
+    for tag in ("tag-one", "tag-two"):
+        prepared = Prepared(messages, 40_000, True, [], prefix_tokens=4_000, fence_tag=tag)
+        found.append(uncached_of(redis_client, keys, settings, project, job, job, prepared))
+    block = settings.backend.block_tokens
+    assert found == [40_000, 40_000 - 4_000 // block * block]
