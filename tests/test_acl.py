@@ -216,6 +216,19 @@ def test_a_bad_password_file_is_refused_naming_the_entry(tmp_path: Path, entry: 
     assert "p" * 20 not in done.stderr + done.stdout
 
 
+def test_a_password_file_keeps_a_hash_inside_a_password(tmp_path: Path) -> None:
+    """A ``#`` inside a password is part of it (before, the rest of the line was cut off as a
+    comment and the shorter password applied silently); a line starting with ``#`` is a comment."""
+    from fleet.cli.acl import read_password_file
+
+    password_file = tmp_path / "acl-passwords"
+    password = "abcdefghijklmnopqrst#uvwxyz0123456789"
+    starts = "#" + password
+    password_file.write_text(f"  # rotated\nfleet-worker {password}  # a comment\n"
+                             f"fleet-operator {starts}\n", encoding="utf-8")
+    assert read_password_file(password_file) == {"fleet-worker": password, "fleet-operator": starts}
+
+
 def test_a_process_on_the_all_powerful_default_user_warns(tmp_path: Path) -> None:
     """Without ACL users every producer can read and write every project's keys: a dispatcher
     (like a worker or gateway) started on such a broker says so in one line at start."""

@@ -108,17 +108,20 @@ def service_rules(settings: Settings) -> list[str]:
 
 
 def read_password_file(path: Path) -> dict[str, str]:
-    """``<user> <password>`` per line, ``#`` comments; a ConfigError names the line, never the
-    password."""
+    """``<user> <password>`` per line, then optionally a comment (a word starting with ``#`` after
+    the password); a line starting with ``#`` is a comment; a ``#`` inside a password, or at its
+    start, is part of it. A ConfigError names the line, never the password."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise ConfigError(f"acl.password_file {path}: {exc.strerror or exc}") from exc
     found: dict[str, str] = {}
     for number, line in enumerate(lines, 1):
-        fields = line.split("#", 1)[0].split()
-        if not fields:
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
             continue
+        if len(fields) > 2 and fields[2].startswith("#"):
+            fields = fields[:2]
         if len(fields) != 2:
             raise ConfigError(f"acl.password_file {path} line {number}: expected <user> <password>")
         problem = password_problem(fields[1])

@@ -252,8 +252,9 @@ class AclSettings(_Section):
     fleet-operator), 16+ characters; FLEET_ACL_PASSWORDS takes the same as JSON. Wins over
     password_file."""
     password_file: Path | None = None
-    """A file of "<user> <password>" lines (# starts a comment) that ``fleet acl`` reads: keep
-    the passwords in a secret store's file instead of fleet.toml, and rotate by editing it."""
+    """A file of "<user> <password>" lines (a line, or a word after the password, starting with #
+    is a comment) that ``fleet acl`` reads: keep the passwords in a secret store's file instead of
+    fleet.toml, and rotate by editing it."""
 
     @field_validator("passwords")
     @classmethod
