@@ -4,9 +4,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from fleet.core.config import ToolSettings
@@ -16,6 +21,7 @@ from fleet.infer import tools
 from fleet.worker.runtime import Runtime
 from fleet.worker.tasks import infer_job, tool_job
 
+from .fleet_harness import make_config
 from .test_continuations import admit, rt, sim, submit
 
 __all__ = ["rt", "sim"]
@@ -116,3 +122,20 @@ def test_a_round_of_parallel_calls_is_put_in_line_when_its_last_result_is_in(rt:
     found = tools.load_results(rt.redis, rt.keys, rt.settings, ref, {"number": 1, "calls": calls})
     assert {k: json.loads(v["content"]) for k, v in found.items()} == {
         "a": {"found": "q"}, "b": {"found": "q"}}
+
+
+@pytest.mark.parametrize(("role_runs_tools", "known"), [(False, False), (True, True)])
+def test_only_a_worker_that_runs_tools_knows_the_tool_tasks(tmp_path: Path, role_runs_tools: bool,
+                                                            known: bool) -> None:
+    """Celery runs any task it knows, whatever queue the message came on, and a producer may push
+    onto its own project queue: a prep worker that imported ``tool_imports`` would run a tool's
+    task for anyone who names it (before, every worker imported them). Checked in a fresh process:
+    Celery's shared tasks are registered process-wide."""
+    config = make_config(tmp_path, tool_imports=["tests.tool_tasks"])
+    code = ("from fleet.core.config import load_settings; from fleet.worker.app import worker_app; "
+            f"app = worker_app(load_settings(), tools={role_runs_tools}); "
+            "print('tests.search_docs' in app.tasks, 'fleet.tool' in app.tasks)")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "FLEET_CONFIG": str(config)},
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(known), "True"]  # the fleet's own fleet.tool checks the seal

@@ -187,7 +187,7 @@ def worker(
     broker_or_exit("worker", settings)  # a refusal first: then it is the only line printed
     secrets_or_exit("worker", settings)
     workers_key_or_exit(settings)
-    worker_app(settings).worker_main([
+    worker_app(settings, tools=role in ("all", "tools")).worker_main([
         "worker", "-Q", ",".join(queues), "-P", pool, "-c", str(concurrency), "-E",
         "-n", hostname, "--loglevel", log_level, "--without-mingle", "--without-gossip",
     ])

@@ -258,14 +258,19 @@ def create_app(settings: Settings) -> Celery:
     return app
 
 
-def worker_app(settings: Settings | None = None) -> Celery:
-    """The app a worker runs: the Celery app with the fleet's tasks registered."""
+def worker_app(settings: Settings | None = None, tools: bool = True) -> Celery:
+    """The app a worker runs: the Celery app with the fleet's tasks registered, and the projects'
+    tool tasks (``tool_imports``) when ``tools``. A worker that consumes project queues must not
+    import them unless it runs tools too (``fleet worker --role all``): Celery runs any task it
+    knows whatever queue the message came on, and a producer may push onto its own queue, so a
+    prep worker that knew a tool's task would run it for anyone who names it."""
     from fleet.worker.tasks import register_tasks  # tasks import the heavy modules
 
     app = create_app(settings or load_settings())
     register_tasks(app)
-    for module in app.fleet_settings.tool_imports:  # type: ignore[attr-defined]
-        importlib.import_module(module)  # registers the projects' tool tasks (shared_task)
+    if tools:
+        for module in app.fleet_settings.tool_imports:  # type: ignore[attr-defined]
+            importlib.import_module(module)  # registers the projects' tool tasks (shared_task)
     return app
 
 
