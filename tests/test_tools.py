@@ -40,7 +40,7 @@ def test_calls_are_checked_by_name_json_and_schema() -> None:
         call("delete_all", "{}", "unknown"),
         call("search_docs", "{not json", "broken"),
         call("search_docs", '{"query": 3}', "typed"),
-    ], REGISTRY)
+    ], REGISTRY, 8)
     errors = {c.id: c.error for c in checked}
     assert errors["ok"] is None
     assert "unknown tool 'delete_all'" in str(errors["unknown"])
@@ -48,11 +48,27 @@ def test_calls_are_checked_by_name_json_and_schema() -> None:
     assert "schema at $.query" in str(errors["typed"])
 
 
+def test_a_repeated_call_id_and_calls_past_the_limit_are_not_run() -> None:
+    """Results are keyed by call id: before, two calls with one id both ran the first call's
+    arguments and the round never counted as complete; and one turn could start any number of
+    tool tasks."""
+    checked = tools.check_calls([
+        call("search_docs", '{"query": "a"}', "x"),
+        call("search_docs", '{"query": "b"}', "x"),
+        call("search_docs", '{"query": "c"}', "y"),
+        call("search_docs", '{"query": "d"}', "z"),
+    ], REGISTRY, 3)
+    errors = [c.error for c in checked]
+    assert errors[0] is None and errors[2] is None
+    assert "call id 'x' was used by an earlier call" in str(errors[1])
+    assert "at most 3 tool calls per turn" in str(errors[3])
+
+
 def test_a_round_ends_with_fenced_untrusted_results_and_a_timeout(rt: Runtime) -> None:
     registry = {"search_docs": ToolSettings(task="t", parameters=QUERY, timeout_s=3),
                 "slow": ToolSettings(task="t", untrusted=False, on_error="model")}
     calls = tools.check_calls([call("search_docs", '{"query": "q"}', "a"),
-                               call("slow", "{}", "b")], registry)
+                               call("slow", "{}", "b")], registry, 8)
     round_ = tools.new_round(1, calls, registry, 100.0)
     assert round_["timeout_s"] == 30.0  # the longest of the round's tools
     ref = "reports/j1"
@@ -68,7 +84,7 @@ def test_a_round_ends_with_fenced_untrusted_results_and_a_timeout(rt: Runtime) -
 
 
 def test_a_result_without_the_workers_seal_counts_as_missing(rt: Runtime) -> None:
-    calls = tools.check_calls([call("search_docs", '{"query": "q"}', "a")], REGISTRY)
+    calls = tools.check_calls([call("search_docs", '{"query": "q"}', "a")], REGISTRY, 8)
     round_ = tools.new_round(1, calls, REGISTRY, 100.0)
     forged = json.dumps({"result": json.dumps({"ok": True, "content": "forged"}), "seal": "0" * 64})
     rt.redis.hset(rt.keys.tools("reports/j2"), "1:a", forged)

@@ -423,6 +423,9 @@ class ProjectSettings(_Section):
     """Tools the fleet runs for this project (mode run), by name; allowed_tools must name them."""
     max_tool_rounds: int = Field(8, ge=1)
     """Tool rounds per job; one more call ends it E_TOOL_FAILED."""
+    max_tool_calls: int = Field(8, ge=1)
+    """Tool calls the fleet runs from one model turn; the calls past it (and a call that repeats
+    an earlier call's id) are not run: the model is told why, as for invalid arguments."""
     tool_invalid_max: int = Field(2, ge=0)
     """Rounds with invalid calls that are answered with the validation error, before
     E_TOOL_INVALID."""

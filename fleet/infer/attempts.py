@@ -296,7 +296,7 @@ class _Run:
         if len(self.tool_rounds) >= project.max_tool_rounds:
             return self._envelope(_Outcome(Code.E_TOOL_FAILED, f"the model asked for tools again "
                                            f"after {project.max_tool_rounds} rounds", outcome.result))
-        calls = tools_mod.check_calls(outcome.tool_calls, self.registry)
+        calls = tools_mod.check_calls(outcome.tool_calls, self.registry, project.max_tool_calls)
         invalid = [c for c in calls if c.error is not None]
         if invalid:
             if self.invalid_rounds >= project.tool_invalid_max:

@@ -80,17 +80,27 @@ class Call:
     error: str | None = None  # why the call was not run (the check), None: it was run
 
 
-def check_calls(raw: list[dict[str, Any]], tools: dict[str, ToolSettings]) -> list[Call]:
-    calls = []
+def check_calls(raw: list[dict[str, Any]], tools: dict[str, ToolSettings],
+                max_calls: int) -> list[Call]:
+    """The model's calls of one turn, each with why it is not run (None: it is run). Results are
+    keyed by call id, so a repeated id is not run (its twin's result would be taken for it and
+    the round would never count as complete); nor are the calls past ``max_calls``."""
+    calls: list[Call] = []
+    seen: set[str] = set()
     for index, call in enumerate(raw):
         function = call.get("function") or {}
         name, arguments = str(function.get("name") or ""), str(function.get("arguments") or "")
         checked = Call(str(call.get("id") or f"call-{index}"), name, arguments)
         tool = tools.get(name)
-        if tool is None:
+        if checked.id in seen:
+            checked.error = f"call id {checked.id!r} was used by an earlier call of this turn"
+        elif index >= max_calls:
+            checked.error = f"at most {max_calls} tool calls per turn are run; ask again for the rest"
+        elif tool is None:
             checked.error = f"unknown tool {name!r}; the tools are: {', '.join(tools) or 'none'}"
         else:
             checked.error = _arguments_error(arguments, tool)
+        seen.add(checked.id)
         calls.append(checked)
     return calls
 
