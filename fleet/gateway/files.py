@@ -64,9 +64,11 @@ class FileStore:
 
     def put(self, project: str, filename: str, purpose: str, content: bytes, *,
             file_id: str | None = None, counted: bool = True) -> dict[str, Any]:
-        """Store one file; its OpenAI file object. ``counted`` uploads count against max_files."""
+        """Store one file; its OpenAI file object. ``counted``: a client's upload, held to
+        max_file_bytes and max_files; a batch's output file (the fleet's own, as large as its
+        results) is neither, or a large batch could never finish."""
         settings = self._settings()
-        if len(content) > settings.max_file_bytes:
+        if counted and len(content) > settings.max_file_bytes:
             raise TooLarge(f"file: {len(content)} bytes, over gateway.max_file_bytes "
                            f"({settings.max_file_bytes})")
         now = time.time()
