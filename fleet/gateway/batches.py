@@ -47,6 +47,7 @@ from fleet.core.keys import job_ref
 from fleet.core.models import Envelope
 from fleet.gateway.auth import Caller
 from fleet.gateway.files import MULTIPART_SLACK, FileStore, capped_receive
+from fleet.gateway.wire import json_object
 
 if TYPE_CHECKING:
     from fleet.gateway.app import Gateway
@@ -58,16 +59,6 @@ LIST_LIMIT = 20
 def _list(data: list[dict[str, Any]], has_more: bool = False) -> dict[str, Any]:
     return {"object": "list", "data": data, "has_more": has_more,
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
-
-
-async def _json_body(request: Request) -> dict[str, Any]:
-    try:
-        data = json.loads(await request.body())
-    except ValueError as exc:
-        raise InputInvalid(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InputInvalid("the request body must be a JSON object")
-    return data
 
 
 def _limit(request: Request) -> int:
@@ -129,7 +120,7 @@ class BatchRoutes:
 
     # -- batches ------------------------------------------------------------------------------
     async def create(self, request: Request, caller: Caller) -> Response:
-        data = await _json_body(request)
+        data = json_object(await request.body())
         if data.get("endpoint") != CHAT_URL:
             raise InputInvalid(f"endpoint: only {CHAT_URL} is served", param="endpoint")
         if data.get("completion_window") != "24h":

@@ -27,6 +27,7 @@ from fleet.core.errors import InputInvalid, NotFound
 from fleet.core.keys import job_ref
 from fleet.core.models import Job, describe_invalid
 from fleet.gateway.auth import Caller
+from fleet.gateway.wire import json_object
 
 if TYPE_CHECKING:
     from fleet.gateway.app import Gateway
@@ -37,12 +38,7 @@ def _task(job_id: str, **fields: Any) -> dict[str, Any]:
 
 
 async def _job_from(request: Request, caller: Caller) -> Job:
-    try:
-        data = json.loads(await request.body())
-    except ValueError as exc:
-        raise InputInvalid(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InputInvalid("the request body must be a JSON object (a fleet Job)")
+    data = json_object(await request.body(), "a JSON object (a fleet Job)")
     if "id" in data:
         raise InputInvalid("id: the gateway assigns task ids; use idempotency_key to deduplicate")
     if data.setdefault("project", caller.project) != caller.project:

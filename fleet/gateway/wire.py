@@ -131,13 +131,19 @@ class ChatRequest(BaseModel):
             raise InputInvalid(describe_invalid(exc)) from exc
 
 
-def parse_chat(raw: bytes) -> ChatRequest:
+def json_object(raw: bytes, what: str = "a JSON object") -> dict[str, Any]:
+    """A request body that must be one JSON object; InputInvalid (400) otherwise."""
     try:
         data = json.loads(raw)
     except ValueError as exc:
         raise InputInvalid(f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
-        raise InputInvalid("the request body must be a JSON object")
+        raise InputInvalid(f"the request body must be {what}")
+    return data
+
+
+def parse_chat(raw: bytes) -> ChatRequest:
+    data = json_object(raw)
     if data.get("stream_options") is not None and not data.get("stream"):
         raise InputInvalid("stream_options: only allowed when stream is true")
     for name, (neutral, why) in NEUTRAL.items():
