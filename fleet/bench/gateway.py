@@ -130,7 +130,7 @@ class GatewayBench:
         self.fleet = LocalFleet(self.settings, sim_speed=speed, workers=0, dispatchers=1,
                                 config_path=str(self.tmp / "fleet.toml"), log_dir=str(self.tmp),
                                 sim_args=["--max-num-seqs", str(4 * cap)],
-                                gateway_port=self.settings.gateway.port)
+                                gateway_port=self.settings.gateway.port, inherit_env=False)
 
     def __enter__(self) -> GatewayBench:
         self.fleet.start()
