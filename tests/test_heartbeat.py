@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,6 +86,11 @@ def test_two_workers_with_one_node_name_count_twice(fleet: LocalFleet) -> None:
         start_infer(fleet, f"worker-{n}", "twin@samehost")
     wait_until(lambda: live_workers(client, keys) == 2, 60, "both twins' heartbeats")
     assert live_worker_names(client, keys) == ["twin@samehost", "twin@samehost"]
+    for command, line in ((["queues"], "live inference workers 2: twin@samehost x2"),
+                          (["top", "--once"], "inference workers 2: twin@samehost x2")):
+        shown = subprocess.run([sys.executable, "-m", "fleet", *command], env={**fleet.env, "COLUMNS": "200"},
+                               capture_output=True, text=True, timeout=60)
+        assert line in shown.stdout, shown.stdout + shown.stderr
     stop_cleanly(fleet, "worker-0")
     assert live_workers(client, keys) == 1
     assert WorkerGate(client, keys)() == ""

@@ -8,15 +8,13 @@ line (counted in their band too), ``waiting`` wait outside it for a backoff or t
 
 from __future__ import annotations
 
-from collections import Counter
-
 import redis
 from rich.table import Table
 
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
 from fleet.worker.app import prep_backlog
-from fleet.worker.heartbeat import live_worker_names
+from fleet.worker.heartbeat import live_worker_names, shown_workers
 from schedulers.store import make_store
 
 
@@ -43,8 +41,7 @@ def queues_table(settings: Settings, client: redis.Redis) -> Table:
     backend = store.backend()
     gate = backend.get("hold") or ("open" if backend else "no scrape yet")
     names = live_worker_names(client, Keys(settings.key_prefix))
-    workers = len(names)
-    held = settings.admission.worker_gate and workers == 0
+    held = settings.admission.worker_gate and not names
     holds = ", ".join(f"{reason}={count}" for reason, count in sorted(snap.holds.items())) or "-"
     table.caption = "\n".join(
         (
@@ -54,15 +51,10 @@ def queues_table(settings: Settings, client: redis.Redis) -> Table:
             f"admissions {snap.admissions}",
             f"holds {holds}",
             f"backend gate: {gate}",
-            f"live inference workers {workers}" + (f": {_names(names)}" if names else "")
+            f"live inference workers {shown_workers(names)}"
             + (" (admissions held: no_workers)" if held else ""),
             f"running {backend.get('running', '?')}, waiting {backend.get('waiting', '?')}",
         )
     )
     return table
 
-
-def _names(names: list[str]) -> str:
-    """Node names, a name that several processes share counted (``infer@a x2``)."""
-    counts = Counter(names)
-    return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in sorted(counts.items()))

@@ -36,6 +36,7 @@ import logging
 import os
 import secrets
 import threading
+from collections import Counter
 from typing import Any
 
 import redis
@@ -77,6 +78,14 @@ def live_workers(client: Any, keys: Keys) -> int:
 def live_worker_names(client: Any, keys: Keys) -> list[str]:
     """The node names of the live instances, sorted (a name twice: two processes share it)."""
     return sorted(node_of(instance) for instance in live_instances(client, keys))
+
+
+def shown_workers(names: list[str]) -> str:
+    """How ``fleet queues`` and ``fleet top`` show them: the count, then the node names, a name
+    that several processes share counted (``2: infer@a x2``)."""
+    counts = Counter(names)
+    shown = ", ".join(name if n == 1 else f"{name} x{n}" for name, n in sorted(counts.items()))
+    return f"{len(names)}: {shown}" if names else "0"
 
 
 class Heartbeat:
