@@ -5,6 +5,7 @@ cleanly closes the gate at once."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from fleet.worker.heartbeat import WorkerGate, live_worker_names, live_workers
 
 from .fleet_harness import make_config, wait_until
 
-SKEW_S = 3600.0  # far more than the lapse: a host whose clock is an hour behind
+SKEW_S = 3600.0  # far more than the lapse: a host whose clock is an hour off
 
 
 @pytest.fixture
@@ -55,13 +56,13 @@ def stop_cleanly(fleet: LocalFleet, name: str) -> None:
     worker.wait(timeout=60)
 
 
-def clock_behind(tmp_path: Path) -> dict[str, str]:
-    """The environment of a process whose wall clock is SKEW_S behind (a host without NTP)."""
+def skewed_clock(tmp_path: Path, offset_s: float) -> dict[str, str]:
+    """The environment of a process whose wall clock is ``offset_s`` off (a host without NTP)."""
     folder = tmp_path / "skewed"
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     (folder / "sitecustomize.py").write_text(
         "import time\n_real = time.time\n"
-        f"time.time = lambda: _real() - {SKEW_S}\n", encoding="utf-8")
+        f"time.time = lambda: _real() + {offset_s}\n", encoding="utf-8")
     return {"PYTHONPATH": str(folder)}
 
 
@@ -70,10 +71,25 @@ def test_a_worker_whose_clock_is_behind_still_counts(fleet: LocalFleet, tmp_path
     entries that had lapsed already, and the gate held admissions with a live worker."""
     client = redis.Redis.from_url(fleet.broker.url)  # type: ignore[union-attr]
     keys = Keys(fleet.settings.key_prefix)
-    start_infer(fleet, "worker-skewed", "skewed@%h", clock_behind(tmp_path))
+    start_infer(fleet, "worker-skewed", "skewed@%h", skewed_clock(tmp_path, -SKEW_S))
     wait_until(lambda: client.zcard(keys.infer_workers) > 0, 60, "the skewed worker's heartbeat")
     assert live_workers(client, keys) == 1
     assert WorkerGate(client, keys)() == ""
+    client.close()
+
+
+def test_a_killed_worker_whose_clock_is_ahead_lapses(fleet: LocalFleet, tmp_path: Path) -> None:
+    """Before, a host an hour ahead wrote entries that lapsed an hour late: after its kill -9 the
+    gate stayed open for that hour and admitted into a queue nobody read."""
+    client = redis.Redis.from_url(fleet.broker.url)  # type: ignore[union-attr]
+    keys = Keys(fleet.settings.key_prefix)
+    gate = WorkerGate(client, keys)
+    start_infer(fleet, "worker-skewed", "skewed@%h", skewed_clock(tmp_path, SKEW_S))
+    wait_until(lambda: gate() == "", 60, "the skewed worker's heartbeat")
+    worker = process(fleet, "worker-skewed")
+    os.killpg(worker.pid, signal.SIGKILL)  # no shutdown: the entry stays until it lapses
+    worker.wait(timeout=10)
+    wait_until(lambda: gate() == "no_workers", 60, "the killed worker's entry to lapse")
     client.close()
 
 
