@@ -132,7 +132,8 @@ def test_a_named_redis_must_answer(tmp_path: Path) -> None:
 
 
 def test_the_bench_redis_variable_is_no_unknown_setting() -> None:
-    """The bench's children inherit it and load their settings with it set."""
+    """An operator's shell may keep it exported for every fleet command, which load their
+    settings with it set (a bench's own children no longer inherit it)."""
     settings = load_settings(env={"FLEET_BENCH_REDIS_URL": "redis://127.0.0.1:6399/0"})
     assert settings.broker_url != "redis://127.0.0.1:6399/0"
 
