@@ -135,7 +135,7 @@ class LocalFleet:
     def _start_all(self) -> None:
         self.broker = start_redis() if self.private_broker else ensure_broker(
             self.settings.broker_url, **sentinel_target(self.settings))
-        inherited = os.environ if self.inherit_env else {k: v for k, v in os.environ.items() if k in OS_ENV}
+        inherited = os.environ if self.inherit_env else os_env()
         self.env = {**inherited, **self.extra_env, "FLEET_BROKER_URL": self.broker.url,
                     "FLEET_KEY_PREFIX": self.settings.key_prefix}
         if self.config_path or not self.inherit_env:
@@ -260,6 +260,11 @@ class LocalFleet:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def os_env() -> dict[str, str]:
+    """What a bench's child keeps of this process's environment (``OS_ENV``)."""
+    return {name: value for name, value in os.environ.items() if name in OS_ENV}
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
