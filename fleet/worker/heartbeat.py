@@ -120,9 +120,16 @@ class Heartbeat:
             self._failing = True
 
     def leave(self) -> None:
+        """Stop beating and remove the entry; a beat stuck on an unreachable Redis is not waited
+        for past ``HEARTBEAT_S`` (the shutdown goes on, the entry lapses on its own)."""
         self.stop.set()
-        with self._lock, contextlib.suppress(redis.RedisError):  # else the entry lapses on its own
-            self.client.zrem(self.keys.infer_workers, self.instance)
+        if not self._lock.acquire(timeout=HEARTBEAT_S):
+            return
+        try:
+            with contextlib.suppress(redis.RedisError):  # else the entry lapses on its own
+                self.client.zrem(self.keys.infer_workers, self.instance)
+        finally:
+            self._lock.release()
 
 
 def beat_when_ready(app: Celery, client: Any, keys: Keys, queue: str) -> None:
