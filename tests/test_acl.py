@@ -155,16 +155,19 @@ def test_the_fleet_works_with_every_process_on_its_own_user(broker: AclBroker, t
 def test_passwords_from_the_settings_survive_a_second_apply(tmp_path: Path) -> None:
     """``acl.passwords`` (or FLEET_ACL_PASSWORDS) and ``acl.password_file`` give users their
     passwords: ``fleet acl --apply`` run twice leaves the handed-out URLs working, and only the
-    users given none get new ones; ``fleet config`` shows none of them."""
+    users given none get new ones; neither ``fleet acl`` nor ``fleet config`` prints a configured
+    one (before, ``fleet acl`` printed every configured password in its URL at each run)."""
     server = start_redis()
     worker_pw, producer_pw, file_pw, stale_pw = (secrets.token_urlsafe(18) for _ in range(4))
     password_file = tmp_path / "acl-passwords"
     password_file.write_text(f"# rotated 2026-12-01\nfleet-producer-{A} {file_pw}\n"
                              f"fleet-worker {stale_pw}  # the settings' entry wins\n",
                              encoding="utf-8")
+    password_file.chmod(0o600)
     config = make_config(tmp_path, broker_url=server.url,
                          acl={"passwords": {f"fleet-producer-{B}": producer_pw},
                               "password_file": str(password_file)})
+    config.chmod(0o600)
     env = {**os.environ, "FLEET_CONFIG": str(config),
            "FLEET_ACL_PASSWORDS": json.dumps({"fleet-worker": worker_pw,
                                               f"fleet-producer-{B}": producer_pw})}
@@ -177,8 +180,11 @@ def test_passwords_from_the_settings_survive_a_second_apply(tmp_path: Path) -> N
                  f"fleet-producer-{A}": file_pw}
         host = server.url.removeprefix("redis://")
         for user, password in given.items():
+            for run in runs:
+                assert password not in run.stdout + run.stderr
+                assert f"{user}\t(from settings)\n" in run.stdout
+                assert "can read it" not in run.stderr and "readable by others" not in run.stderr
             url = f"redis://{user}:{password}@{host}"
-            assert all(url in run.stdout for run in runs)
             with redis.Redis.from_url(url) as client:
                 assert client.ping()  # authenticated as that user
         # a user given no password got a new one at each run: only the second still works
@@ -214,6 +220,34 @@ def test_a_bad_password_file_is_refused_naming_the_entry(tmp_path: Path, entry: 
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and named in done.stderr
     assert "p" * 20 not in done.stderr + done.stdout
+
+
+def test_passwords_in_a_file_others_can_read_are_a_warning_never_shown(tmp_path: Path) -> None:
+    """``acl.passwords`` inline in a fleet.toml that every user of the host reads (every unit that
+    reads the config learns them) and a password file readable by others: each command that loads
+    them says so in one WARNING that names the file, never the password."""
+    inline_pw, file_pw = secrets.token_urlsafe(18), secrets.token_urlsafe(18)
+    password_file = tmp_path / "acl-passwords"
+    password_file.write_text(f"fleet-worker {file_pw}\n", encoding="utf-8")
+    password_file.chmod(0o644)
+    config = make_config(tmp_path, acl={"passwords": {"fleet-operator": inline_pw},
+                                        "password_file": str(password_file)})
+    config.chmod(0o644)
+    env = {**os.environ, "FLEET_CONFIG": str(config)}
+    for command in (["acl"], ["config"]):
+        done = subprocess.run([sys.executable, "-m", "fleet", *command], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert any(str(config) in line and "acl.passwords" in line and "can read it" in line
+                   for line in done.stderr.splitlines()), done.stderr
+        assert inline_pw not in done.stdout + done.stderr and file_pw not in done.stdout + done.stderr
+    acl = subprocess.run([sys.executable, "-m", "fleet", "acl"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert any(str(password_file) in line and "readable by others" in line
+               for line in acl.stderr.splitlines()), acl.stderr
+    assert "fleet-operator\t(from settings)" in acl.stdout
+    assert "fleet-worker\t(from settings)" in acl.stdout
+    assert "fleet-dispatcher\tredis://fleet-dispatcher:" in acl.stdout  # generated: shown once
 
 
 def test_a_password_file_keeps_a_hash_inside_a_password(tmp_path: Path) -> None:

@@ -12,12 +12,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
-from fleet.core.config import load_settings
-from fleet.local.embedded import free_port
+from fleet.bench import BENCH_REDIS_ENV
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.local.embedded import EmbeddedRedis, free_port, redis_answers, start_redis
+from fleet.local.processes import LocalFleet
+from fleet.local.topology import RedisNode
 
 
 def _stat(pid: int) -> tuple[int, str, int] | None:
@@ -53,8 +58,21 @@ def _alive(pid: int, started: int) -> bool:
     return stat is not None and stat[2] == started and stat[1] != "Z"
 
 
-def _bench(args: list[str], log: Path, tmp: Path | None = None) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+def _exit_code(proc: subprocess.Popen, timeout_s: float = 60) -> int | None:
+    """The bench's exit code; one still running then is stopped (its signal handler stops what
+    it started) and counts as None."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+        return None
+
+
+def _bench(args: list[str], log: Path, tmp: Path | None = None,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}, "COLUMNS": "1000",
+           **(env or {})}
     if tmp is not None:
         env["TMPDIR"] = str(tmp)  # where its fleet.toml, logs and Redis folders go
     with log.open("wb") as out:
@@ -114,6 +132,79 @@ def test_a_named_redis_must_answer(tmp_path: Path) -> None:
 
 
 def test_the_bench_redis_variable_is_no_unknown_setting() -> None:
-    """The bench's children inherit it and load their settings with it set."""
+    """An operator's shell may keep it exported for every fleet command, which load their
+    settings with it set (a bench's own children no longer inherit it)."""
     settings = load_settings(env={"FLEET_BENCH_REDIS_URL": "redis://127.0.0.1:6399/0"})
     assert settings.broker_url != "redis://127.0.0.1:6399/0"
+
+
+@pytest.fixture
+def spare_redis() -> Iterator[EmbeddedRedis]:
+    """A redis-server of this test's own, standing in for a Redis that holds someone's data."""
+    server = start_redis()
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize(("key", "named"), [("notes", "holds 1 keys"),
+                                            ("prod:{d}:state", "a fleet's among them (key prefix 'prod:')")])
+def test_a_named_redis_that_holds_keys_is_refused_without_force(
+        spare_redis: EmbeddedRedis, tmp_path: Path, key: str, named: str) -> None:
+    """Before, a bench wrote into any Redis it was given and ran workers there on the example's
+    public secrets: a deployment's Redis included."""
+    client = redis.Redis.from_url(spare_redis.url)
+    client.set(key, "theirs")
+    for how in (["--redis-url", spare_redis.url], []):
+        proc = _bench(["loops", "--jobs", "1", *how], tmp_path / "bench.log",
+                      env={} if how else {BENCH_REDIS_ENV: spare_redis.url})
+        assert _exit_code(proc) == 2
+        text = (tmp_path / "bench.log").read_text()
+        assert "E_INPUT_INVALID" in text and named in text and "--force" in text, text
+    assert client.dbsize() == 1 and client.get(key) == b"theirs"
+    client.close()
+
+
+@pytest.mark.parametrize("bench", ["chaos", "loss"])
+def test_chaos_and_loss_refuse_a_redis_they_did_not_start(spare_redis: EmbeddedRedis, tmp_path: Path,
+                                                          bench: str) -> None:
+    """They kill and restart their Redis: before, the variable was ignored by them (and an
+    explicit --redis-url an unknown option) with nothing said."""
+    proc = _bench([bench], tmp_path / "bench.log", env={BENCH_REDIS_ENV: spare_redis.url})
+    assert _exit_code(proc) == 2
+    text = (tmp_path / "bench.log").read_text()
+    assert "E_INPUT_INVALID" in text and "redis-servers it starts itself" in text, text
+    assert redis_answers(spare_redis.url)
+
+
+def test_a_redis_node_never_acts_on_a_server_it_did_not_start(spare_redis: EmbeddedRedis) -> None:
+    """Before, a node whose port another server took between ``free_port`` and its start took
+    that server's answer for its own start, and its shutdown sent SHUTDOWN to that server (the
+    chaos rounds then stopped and restarted a Redis they did not hold)."""
+    port = int(spare_redis.url.rsplit(":", 1)[1].split("/")[0])
+    node = RedisNode(["--save", ""], port=port)
+    with pytest.raises(RuntimeError, match="held by another server"):
+        node.start()
+    node.shutdown()
+    node.kill()
+    node.close()
+    assert redis_answers(spare_redis.url)
+
+
+def test_bench_processes_get_none_of_the_operators_fleet_variables(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shell set up for a deployment: before, the bench's children inherited FLEET_BACKEND_URL
+    (no simulator was started: the bench's load went to that backend), FLEET_PROJECTS and the rest."""
+    production = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("FLEET_BACKEND_URL", production)
+    monkeypatch.setenv("FLEET_BACKEND_MAX_NUM_SEQS", "3")
+    monkeypatch.setenv("FLEET_CONFIG", str(tmp_path / "production.toml"))
+    settings = load_settings(EXAMPLE_CONFIG, env={})
+    with LocalFleet(settings, workers=0, dispatchers=0, private_broker=True, log_dir=str(tmp_path),
+                    inherit_env=False) as fleet:
+        assert "sim" in dict(fleet.children)
+        assert fleet.env["FLEET_BACKEND_URL"] != production
+        fleet.spawn("config", ["config"])
+        config = dict(fleet.children)["config"]
+        assert config.wait(timeout=60) == 0
+        shown = (tmp_path / "config.log").read_text()
+    assert production not in shown and '"max_num_seqs": 32' in shown, shown

@@ -26,10 +26,11 @@ from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
 from fleet.infer.retrying import RetryBudget
 from fleet.prep.watchdog import PrepClaim, watch_once
+from fleet.worker.heartbeat import beat, live_workers
 from schedulers.store.base import PendingItem, StoreConfig
 from schedulers.store.redis_store import RedisStore
 
-LUA_FOLDERS = ("schedulers.store", "fleet.core", "fleet.prep", "fleet.infer")
+LUA_FOLDERS = ("schedulers.store", "fleet.core", "fleet.prep", "fleet.infer", "fleet.worker")
 _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
 _ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "a": "\a", "b": "\b", '"': '"', "\\": "\\"}
 
@@ -55,7 +56,8 @@ def _keys_of(client: redis.Redis, argv: list[str]) -> set[str]:
 
 
 def _workload(client: redis.Redis, prefix: str) -> None:
-    """Every script at least once: the dispatcher store's life cycle, publish, prep, retry budget."""
+    """Every script at least once: the dispatcher store's life cycle, heartbeats, publish, prep,
+    retry budget."""
     now = [1_000.0]
     store = RedisStore(client, Keys(prefix), StoreConfig(gate=True, lease_ttl_s=10.0),
                        clock=lambda: now[0])
@@ -94,6 +96,8 @@ def _workload(client: redis.Redis, prefix: str) -> None:
 
     settings = load_settings(EXAMPLE_CONFIG, env={})
     keys = Keys(prefix)
+    beat(client, keys, "w1@host#1-ab")  # an inference worker's heartbeat, the dispatcher's gate
+    assert live_workers(client, keys) == 1
     results = ResultStore(client, keys, settings)
     assert results.publish(Envelope.failure("j1", "p", Code.E_INTERNAL, "x"))
     assert results.publish(Envelope.failure("j2", "p", Code.E_INTERNAL, "x"), to_project_stream=False)

@@ -6,8 +6,18 @@ them to the CLI.
 
 Redis: every bench that needs one starts a private redis-server for its run (fleet/local/embedded.py;
 ``loss`` and ``chaos`` start their own per round) and stops it at the end, so a bench never writes
-into a Redis someone else uses. ``--redis-url`` or ``FLEET_BENCH_REDIS_URL`` names one instead (it
-must answer; the bench's keys go under a random prefix and are deleted where the bench says so).
+into a Redis someone else uses. ``--redis-url`` or ``FLEET_BENCH_REDIS_URL`` names one instead: it
+must answer, and its database must be empty (a bench writes up to hundreds of thousands of keys
+there and runs workers on the example configuration's public secrets, so a deployment's Redis is
+refused, naming what it holds) unless ``--force``; the bench's keys go under a random prefix and
+are deleted where the bench says so. ``loss`` and ``chaos`` kill and restart their Redis: they
+refuse a named one (exit code 2), whatever ``--force`` says.
+
+Environment: the processes a bench starts get none of the operator's ``FLEET_*`` variables (nor
+any other but the operating system's basics, fleet/local/processes.py ``inherit_env``), and the
+benches load the shipped example settings, never ``./fleet.toml``: a shell set up for a
+deployment (``FLEET_BACKEND_URL``, ``FLEET_BROKER_URL``, ``FLEET_CONFIG``) cannot point a bench
+at it.
 
 Signals: SIGINT, SIGTERM and SIGHUP stop every process the bench started (simulator, workers,
 dispatchers, redis-servers) before it exits (``stop_children_on_signals``)."""
@@ -20,12 +30,18 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from fleet.core.codes import Code
+
 bench_app = typer.Typer(no_args_is_help=True)
 console = Console()
 BENCH_REDIS_ENV = "FLEET_BENCH_REDIS_URL"
 RedisUrl = Annotated[str, typer.Option(
     "--redis-url", envvar=BENCH_REDIS_ENV,
-    help="a Redis for the bench (it must answer); default: a private redis-server for the run")]
+    help="a Redis for the bench (it must answer, its database empty); default: a private "
+         "redis-server for the run")]
+Force = Annotated[bool, typer.Option(
+    "--force", help="run on a --redis-url whose database holds keys already")]
+REDIS_HINT = f"--redis-url / {BENCH_REDIS_ENV}"
 
 
 @bench_app.callback()
@@ -35,16 +51,34 @@ def _signals() -> None:
     stop_children_on_signals()
 
 
-def _redis_url(url: str):  # type: ignore[no-untyped-def]
-    """The bench's Redis: ``url`` when given (it must answer), else a private redis-server."""
+def _redis_url(url: str, force: bool):  # type: ignore[no-untyped-def]
+    """The bench's Redis: ``url`` when given (it must answer, and hold nothing unless ``force``),
+    else a private redis-server."""
     from fleet.core.config import mask_url
-    from fleet.local.embedded import EmbeddedRedis, redis_answers, start_redis
+    from fleet.local.embedded import EmbeddedRedis, database_contents, redis_answers, start_redis
 
     if not url:
         return start_redis()
     if not redis_answers(url):
-        raise typer.BadParameter(f"{mask_url(url)} does not answer", param_hint=f"--redis-url / {BENCH_REDIS_ENV}")
+        raise typer.BadParameter(f"{Code.E_INPUT_INVALID.value} {mask_url(url)} does not answer",
+                                 param_hint=REDIS_HINT)
+    held = database_contents(url)
+    if held and not force:
+        raise typer.BadParameter(
+            f"{Code.E_INPUT_INVALID.value} {mask_url(url)} {held}: a bench writes its keys there and "
+            "runs workers on the example configuration's public secrets; name an empty Redis "
+            "database (or none: a private redis-server), or add --force if this Redis is yours "
+            "to spare", param_hint=REDIS_HINT)
     return EmbeddedRedis(url=url)
+
+
+def _own_redis_only(bench: str, url: str) -> None:
+    """``loss`` and ``chaos`` kill and restart their Redis: never one they did not start."""
+    if url:
+        raise typer.BadParameter(
+            f"{Code.E_INPUT_INVALID.value} fleet bench {bench} kills and restarts its Redis, so it "
+            f"runs only on redis-servers it starts itself; unset {BENCH_REDIS_ENV} and drop "
+            "--redis-url", param_hint=REDIS_HINT)
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -73,6 +107,7 @@ def dispatch(
     saturation_jobs: Annotated[int, typer.Option(help="jobs in the in-bench saturation run")] = 400,
     speed: Annotated[float, typer.Option(help="simulator speed of the in-bench saturation run")] = 50.0,
     redis_url: RedisUrl = "",
+    force: Force = False,
     overhead: Annotated[bool, typer.Option(help="run the dispatcher-only overhead figures")] = True,
     in_bench_saturation: Annotated[bool, typer.Option(
         help="with the overhead figures, also the in-bench saturation run against fleet sim")] = True,
@@ -102,7 +137,7 @@ def dispatch(
     run, then the whole-fleet scenarios (saturation, long prompts, fairness, crash, baselines)."""
     from fleet.bench.dispatch import dispatch_bench
 
-    with _redis_url(redis_url) as broker:
+    with _redis_url(redis_url, force) as broker:
         if fleet:
             from fleet.bench.fleetbench import fleet_bench, rows_markdown, rows_table
 
@@ -125,6 +160,7 @@ def dispatch(
 @bench_app.command("continuations")
 def continuations(
     redis_url: RedisUrl = "",
+    force: Force = False,
     scenarios: Annotated[str, typer.Option(help="retries, fair3, tools; comma separated")]
     = "retries,fair3,tools",
     speed: Annotated[float, typer.Option(help="simulator speed")] = 5.0,
@@ -140,7 +176,7 @@ def continuations(
     from fleet.bench.continuations import continuation_bench
     from fleet.bench.fleetbench import rows_markdown, rows_table
 
-    with _redis_url(redis_url) as broker:
+    with _redis_url(redis_url, force) as broker:
         rows = continuation_bench(broker.url, speed=speed, jobs=jobs, think=think, answer=answer,
                                   fair_n=fair_n, tool_jobs=tool_jobs,
                                   only=tuple(s.strip() for s in scenarios.split(",") if s.strip()))
@@ -156,11 +192,12 @@ def loops(
     loop_share: Annotated[float, typer.Option(help="share of jobs whose reasoning loops")] = 0.2,
     speed: Annotated[float, typer.Option(help="simulator speed")] = 40.0,
     redis_url: RedisUrl = "",
+    force: Force = False,
 ) -> None:
     """Loop watcher on vs off in the same run: wasted tokens, OK within two attempts, CPU cost."""
     from fleet.bench.loops import bench_loops
 
-    with _redis_url(redis_url) as broker:
+    with _redis_url(redis_url, force) as broker:
         bench_loops(jobs=jobs, loop_share=loop_share, speed=speed, redis_url=broker.url)
 
 
@@ -170,11 +207,12 @@ def collect(
     sources_per_job: Annotated[int, typer.Option()] = 3,
     doc_kb: Annotated[int, typer.Option(help="size of each source document")] = 100,
     redis_url: RedisUrl = "",
+    force: Force = False,
 ) -> None:
     """Collect + trim throughput (MB/s of text, jobs/s), exact counts vs the estimate."""
     from fleet.bench.collect import bench_collect
 
-    with _redis_url(redis_url) as broker:
+    with _redis_url(redis_url, force) as broker:
         bench_collect(jobs=jobs, sources_per_job=sources_per_job, doc_kb=doc_kb,
                       redis_url=broker.url)
 
@@ -186,11 +224,12 @@ def pipeline(
     doc_kb: Annotated[int, typer.Option(help="size of each source document")] = 200,
     speed: Annotated[float, typer.Option(help="simulator speed")] = 30.0,
     redis_url: RedisUrl = "",
+    force: Force = False,
 ) -> None:
     """Backend utilization with and without a backlog of collect-heavy jobs (same run)."""
     from fleet.bench.pipeline import bench_pipeline
 
-    with _redis_url(redis_url) as broker:
+    with _redis_url(redis_url, force) as broker:
         console.print(bench_pipeline(infer_jobs=infer_jobs, heavy_jobs=heavy_jobs, doc_kb=doc_kb,
                                      speed=speed, redis_url=broker.url))
 
@@ -203,10 +242,12 @@ def loss(
     speed: Annotated[float, typer.Option(help="simulator speed")] = 20.0,
     settle_s: Annotated[float, typer.Option(help="how long survivors may take to finish")] = 180.0,
     markdown: Annotated[str, typer.Option(help="also write the rows as markdown here")] = "",
+    redis_url: RedisUrl = "",
 ) -> None:
     """What a kill -9 of Redis mid-batch loses, with AOF everysec and without persistence."""
     from fleet.bench.loss import loss_bench, rows_markdown
 
+    _own_redis_only("loss", redis_url)
     rows = loss_bench(configs=[c.strip() for c in configs.split(",") if c.strip()], jobs=jobs,
                       crash_after=crash_after, speed=speed, settle_s=settle_s)
     text = rows_markdown(rows)
@@ -228,13 +269,14 @@ def gateway(
     estimate_prompts: Annotated[bool, typer.Option(help="gateway.exact_prompt_count = false")] = False,
     litellm: Annotated[str | None, typer.Option(help="a litellm executable: its proxy as a peer path")] = None,
     redis_url: RedisUrl = "",
+    force: Force = False,
 ) -> None:
     """Latency the gateway adds next to the same requests straight to the simulator (and LiteLLM's
     proxy's, given one); the time a hung-up stream's slot takes to be free; many concurrent
     streams at the cap (backend never over it, gateway CPU per 1,000 tokens)."""
     from fleet.bench.gateway import bench_gateway
 
-    with _redis_url(redis_url) as broker:
+    with _redis_url(redis_url, force) as broker:
         table, crowd = bench_gateway(broker.url, requests, clients, cap, speed, think, answer,
                                      disconnects=disconnects, exact_count=not estimate_prompts,
                                      litellm=litellm)
@@ -253,6 +295,7 @@ def chaos(
     kills: Annotated[int, typer.Option(help="kill -9s in the storm round")] = 6,
     stall_s: Annotated[float, typer.Option(help="a round ends when nothing finished for this long")] = 30.0,
     markdown: Annotated[str, typer.Option(help="also write the tables as markdown here")] = "",
+    redis_url: RedisUrl = "",
 ) -> None:
     """Faults an operator meets (kill storm, Redis restarts with and without AOF, Sentinel
     failover, backend faults and death), each on a fleet and Redis of its own: jobs, envelopes,
@@ -262,6 +305,7 @@ def chaos(
     from fleet.bench.chaos import COLUMNS, ROUNDS, chaos_bench, row_of, rss_rows
     from fleet.bench.chaos import markdown as to_markdown
 
+    _own_redis_only("chaos", redis_url)
     def show(result) -> None:  # type: ignore[no-untyped-def]
         logs = f"; logs in {result.logs}" if result.logs else ""
         console.print(f"{result.name}: {result.verdict()} ({result.seconds:.0f} s){logs}")

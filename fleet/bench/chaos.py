@@ -189,7 +189,8 @@ class ChaosFleet:
         self.settings: Settings = load_settings(self.tmp / "fleet.toml", env={})
         self.fleet = LocalFleet(self.settings, sim_speed=speed, workers=0, dispatchers=2,
                                 sim_args=["--max-num-seqs", str(max(cap, 32)), *sim_args],
-                                config_path=str(self.tmp / "fleet.toml"), log_dir=str(self.tmp))
+                                config_path=str(self.tmp / "fleet.toml"), log_dir=str(self.tmp),
+                                inherit_env=False)
         self.lock = threading.Lock()  # the supervisor and the bench's own kills
         self.exited: Counter[str] = Counter()
         # (stream, entry id) -> job id, code, when first seen; entry ids repeat across streams

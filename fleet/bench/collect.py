@@ -9,8 +9,9 @@ job has ``sources_per_job`` sources (HTML, file, JSON in turn), every job's mate
 
 Token counts come from a real /tokenize: by default a ``fleet sim`` process started here (exact
 counts over HTTP as in production), or ``backend_url`` (an existing server), or ``backend_url=""``
-for the character estimate only. The cache lives in Redis (``redis_url``, default the configured
-broker) under a private key prefix that is deleted afterwards.
+for the character estimate only. The cache lives in Redis (``redis_url``, the bench's) under a private
+key prefix that is deleted afterwards. Settings are the shipped example's: nothing of the
+operator's fleet.toml or ``FLEET_*`` variables.
 
 Reported per kind: jobs, raw MB fetched/read, MB of extracted text, wall seconds, MB/s of
 text, jobs/s, /tokenize calls per job and the p50/p95 job latency.
@@ -36,7 +37,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from fleet.core.config import Settings, load_settings
+from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
 from fleet.core.keys import Keys
 from fleet.core.models import Job, JobKind, Message, Source
 from fleet.prep.collect import Collector
@@ -257,11 +258,10 @@ def bench_collect(
     room_tokens: int = 16_000,
     workers: int = 4,
     backend_url: str | None = None,
-    redis_url: str | None = None,
+    redis_url: str = "",
 ) -> Table:
-    """Run ``jobs`` collect jobs and ``jobs`` trim jobs; print and return the table."""
-    base_settings = load_settings()
-    redis_url = redis_url or base_settings.broker_url
+    """Run ``jobs`` collect jobs and ``jobs`` trim jobs against the Redis of ``redis_url``; print
+    and return the table."""
     client = redis.Redis.from_url(redis_url)
     keys = Keys(f"bench-collect-{uuid.uuid4().hex[:8]}:")
     doc_bytes = doc_kb * 1000
@@ -299,6 +299,7 @@ def bench_collect(
 
 def _bench_settings(root: str, doc_bytes: int) -> Settings:
     return load_settings(
+        EXAMPLE_CONFIG, env={},
         # the material server listens on 127.0.0.1, a non-public address refused by default
         collect={"allowed_roots": [root], "max_bytes": max(5_000_000, 4 * doc_bytes),
                  "allow_networks": ["127.0.0.1/32"]},

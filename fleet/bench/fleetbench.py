@@ -453,6 +453,7 @@ class FleetBench:
             sim_args=["--long-threshold", str(long_threshold), "--max-num-seqs", str(cap),
                       *_partial_prefill_args(self.settings)],
             local_broker=True,  # the example's projects under a throwaway prefix, for minutes
+            inherit_env=False,
         )
         self.redis = redis.Redis.from_url(redis_url)
         self._dispatcher_n = 0

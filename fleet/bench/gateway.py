@@ -50,7 +50,7 @@ from fleet.core.config import EXAMPLE_CONFIG, load_settings
 from fleet.core.redisconn import redis_client
 from fleet.infer.sse import SseParser
 from fleet.local.embedded import free_port
-from fleet.local.processes import LocalFleet, wait_http
+from fleet.local.processes import LocalFleet, os_env, wait_http
 from schedulers.store import make_store
 
 PROMPT = "[sim:think={think}] [sim:answer={answer}] bench {n}"
@@ -130,7 +130,7 @@ class GatewayBench:
         self.fleet = LocalFleet(self.settings, sim_speed=speed, workers=0, dispatchers=1,
                                 config_path=str(self.tmp / "fleet.toml"), log_dir=str(self.tmp),
                                 sim_args=["--max-num-seqs", str(4 * cap)],
-                                gateway_port=self.settings.gateway.port)
+                                gateway_port=self.settings.gateway.port, inherit_env=False)
 
     def __enter__(self) -> GatewayBench:
         self.fleet.start()
@@ -145,7 +145,7 @@ class GatewayBench:
         port = free_port()
         config = self.tmp / "litellm.yaml"
         config.write_text(LITELLM_CONFIG.format(api_base=f"{self.sim_url}/v1"), encoding="utf-8")
-        env = {**os.environ, "LITELLM_MASTER_KEY": self.litellm_key, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+        env = {**os_env(), "LITELLM_MASTER_KEY": self.litellm_key, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
         with (self.tmp / "litellm.log").open("wb") as out:
             self.litellm_process = subprocess.Popen(
                 [executable, "--config", str(config), "--port", str(port), "--num_workers", "1"],

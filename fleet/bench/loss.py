@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleet.client import Client
-from fleet.core.config import load_settings
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
 from fleet.core.errors import NotFound
 from fleet.core.keys import job_ref
 from fleet.local.embedded import EmbeddedRedis, free_port, start_redis
@@ -61,12 +61,13 @@ def measure(config: str, *, jobs: int, crash_after: int, speed: float, settle_s:
     port = free_port()
     appendonly = CONFIGS[config]
     server = _server(port, folder, appendonly)
-    settings = load_settings(broker_url=server.url, key_prefix=f"loss-{uuid.uuid4().hex[:8]}:",
+    settings = load_settings(EXAMPLE_CONFIG, env={}, broker_url=server.url, key_prefix=f"loss-{uuid.uuid4().hex[:8]}:",
                              admission={"metrics_port": 0, "lease_ttl_s": 5},
                              backend={"max_num_seqs": 8})
     env = {"FLEET_ADMISSION_METRICS_PORT": "0", "FLEET_ADMISSION_LEASE_TTL_S": "5",
            "FLEET_BACKEND_MAX_NUM_SEQS": "8"}  # the children read FLEET_*, not ``settings``
     fleet = LocalFleet(settings, sim_speed=speed, local_broker=True, log_dir=folder, extra_env=env,
+                       inherit_env=False,
                        sim_args=["--think-min-tokens", "100", "--think-max-tokens", "300",
                                  "--answer-min-tokens", "10", "--answer-max-tokens", "40"])
     try:

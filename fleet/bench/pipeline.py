@@ -34,7 +34,7 @@ from rich.table import Table
 
 from fleet.bench.collect import Site, make_jobs, material_server
 from fleet.client import Client
-from fleet.core.config import load_settings
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
 from fleet.core.models import Envelope
 from fleet.core.results import ResultFollower
 from fleet.local.processes import LocalFleet
@@ -77,14 +77,15 @@ def _phase(fleet: LocalFleet, client: Client, light: int, heavy: list[Any]) -> d
 def bench_pipeline(redis_url: str, infer_jobs: int = 200, heavy_jobs: int = 40, sources_per_job: int = 3,
                    doc_kb: int = 200, speed: float = 30.0) -> Table:
     root = Path(tempfile.mkdtemp(prefix="fleet-bench-pipeline-"))
-    settings = load_settings(broker_url=redis_url, key_prefix=f"bench-{uuid.uuid4().hex[:8]}:",
+    settings = load_settings(EXAMPLE_CONFIG, env={}, broker_url=redis_url, key_prefix=f"bench-{uuid.uuid4().hex[:8]}:",
                              admission={"metrics_port": 0})
     env = {"FLEET_COLLECT_ALLOWED_ROOTS": f'["{root}"]',
            "FLEET_COLLECT_MAX_BYTES": str(8 * doc_kb * 1024), "FLEET_ADMISSION_METRICS_PORT": "0",
            "FLEET_COLLECT_ALLOW_NETWORKS": '["127.0.0.1/32"]'}  # the material server
     fleet = LocalFleet(settings, sim_speed=speed, workers=0, extra_env=env,
                        sim_args=["--log-level", "warning"], log_dir=str(root),
-                       local_broker=True)  # the configured projects under a throwaway prefix
+                       local_broker=True,  # the example's projects under a throwaway prefix
+                       inherit_env=False)
     site = Site()
     with material_server(site) as base, fleet:
         fleet.spawn("infer-worker", ["worker", "--role", "infer", "--concurrency", "40",

@@ -18,10 +18,13 @@ Users (``<p>`` is ``key_prefix``, ``<q>`` is ``<p>q:``, kombu's global_keyprefix
   fleet-operator    everything, including ACL itself (``fleet acl --apply``, ``fleet queues``).
 
 Passwords: a user's comes from the settings (``acl.passwords``, else ``acl.password_file``, see
-``configured_passwords``), else it is generated here (``secrets.token_urlsafe``). Either way it
-is shown once as a broker URL and stored in Redis only as SHA-256 (``#<hex>`` rules), so the
-printed rules can be kept in an ACL file without secrets. A generated password is new at every
-run (a rotation of that user); a configured one changes only when the operator changes it, so
+``configured_passwords``), else it is generated here (``secrets.token_urlsafe``). Redis stores it
+only as SHA-256 (``#<hex>`` rules), so the printed rules can be kept in an ACL file without
+secrets. A generated password is shown once, in its user's broker URL; a configured one is never
+printed (its line reads ``(from settings)``: the operator has it already, and a terminal, a log
+or a ticket that keeps the output must not). A password file anyone on the host may read is a
+WARNING. A generated password is new at every run (a rotation of that user); a configured one
+changes only when the operator changes it, so
 ``fleet acl --apply`` can be run again (a new project, a changed rule) without invalidating
 every URL handed out, and a rotation is deliberate: change one user's entry, apply, hand out
 that URL. A configured name that is no user of the fleet is an error (a typo would otherwise
@@ -31,7 +34,9 @@ leave the real user on a generated password).
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +49,8 @@ from fleet.core.errors import ConfigError
 from fleet.core.redisconn import is_sentinel, parse_sentinel_url
 from fleet.worker.app import collect_queue, project_queue
 
+log = logging.getLogger(__name__)
+
 # Read, write, streams, the fleet's Lua scripts (EVALSHA, and SCRIPT LOAD when Redis lost them;
 # the keys a script touches are checked too), MULTI and PUBLISH; never EVAL, FUNCTION, KEYS,
 # FLUSH*, CONFIG, DEBUG, ACL or any other administrative command.
@@ -51,6 +58,7 @@ PRODUCER_COMMANDS = ["-@all", "+@connection", "+@read", "+@write", "+@stream", "
                      "+script|load", "+@transaction", "+publish", "-@dangerous", "-@admin",
                      "-function"]
 SERVICE_COMMANDS = ["+@all", "-@dangerous", "-@admin", "+info", "+client"]
+FROM_SETTINGS = "(from settings)"
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ class AclUser:
     name: str
     rules: list[str]  # ACL SETUSER rules, without the password
     password: str
+    generated: bool = False  # made by this run (shown once), not given by the settings
 
     def setuser(self) -> list[str]:
         """The full ACL SETUSER argument list, password as its SHA-256."""
@@ -113,8 +122,12 @@ def read_password_file(path: Path) -> dict[str, str]:
     start, is part of it. A ConfigError names the line, never the password."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
+        mode = path.stat().st_mode
     except OSError as exc:
         raise ConfigError(f"acl.password_file {path}: {exc.strerror or exc}") from exc
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        log.warning("acl.password_file %s is readable by others on this host (mode %s): "
+                    "chmod 600 it, owned by the operator", path, stat.filemode(mode))
     found: dict[str, str] = {}
     for number, line in enumerate(lines, 1):
         fields = line.split()
@@ -142,14 +155,15 @@ def acl_users(settings: Settings, passwords: dict[str, str] | None = None) -> li
     ``configured_passwords``), the rest generated."""
     given = configured_passwords(settings) if passwords is None else passwords
 
-    def password(name: str) -> str:
-        return given.get(name) or secrets.token_urlsafe(24)
+    def user(name: str, rules: list[str]) -> AclUser:
+        if name in given:
+            return AclUser(name, rules, given[name])
+        return AclUser(name, rules, secrets.token_urlsafe(24), generated=True)
 
-    users = [AclUser(f"fleet-producer-{project}", producer_rules(settings, project),
-                     password(f"fleet-producer-{project}")) for project in settings.projects]
-    users += [AclUser(name, service_rules(settings), password(name))
-              for name in ("fleet-worker", "fleet-dispatcher")]
-    users.append(AclUser("fleet-operator", ["~*", "&*", "+@all"], password("fleet-operator")))
+    users = [user(f"fleet-producer-{project}", producer_rules(settings, project))
+             for project in settings.projects]
+    users += [user(name, service_rules(settings)) for name in ("fleet-worker", "fleet-dispatcher")]
+    users.append(user("fleet-operator", ["~*", "&*", "+@all"]))
     unknown = sorted(set(given) - {user.name for user in users})
     if unknown:
         raise ConfigError(f"ACL passwords given for users this fleet does not have: {', '.join(unknown)}")
@@ -167,9 +181,11 @@ def apply_users(client: Any, users: list[AclUser]) -> None:
 
 
 def render(users: list[AclUser], broker_url: str) -> str:
-    """ACL file lines (password hashes only), then each user's broker URL (shown once)."""
+    """ACL file lines (password hashes only), then each generated password's broker URL (shown
+    once); a user whose password the settings give reads ``(from settings)``, never its URL."""
     lines = ["# Redis ACL rules (an ACL file, or ACL SETUSER arguments)"]
     lines += [f"user {' '.join(user.setuser())}" for user in users]
-    lines += ["", "# broker URLs: shown only now; give each process and project its own"]
-    lines += [f"{user.name}\t{user.url(broker_url)}" for user in users]
+    lines += ["", "# broker URLs of new passwords: shown only now; give each process and project its own",
+              "# (from settings): the password in acl.passwords / acl.password_file, not shown"]
+    lines += [f"{user.name}\t{user.url(broker_url) if user.generated else FROM_SETTINGS}" for user in users]
     return "\n".join(lines) + "\n"

@@ -8,15 +8,13 @@ line (counted in their band too), ``waiting`` wait outside it for a backoff or t
 
 from __future__ import annotations
 
-import time
-
 import redis
 from rich.table import Table
 
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
 from fleet.worker.app import prep_backlog
-from fleet.worker.heartbeat import live_workers
+from fleet.worker.heartbeat import live_worker_names, shown_workers
 from schedulers.store import make_store
 
 
@@ -42,8 +40,8 @@ def queues_table(settings: Settings, client: redis.Redis) -> Table:
         )
     backend = store.backend()
     gate = backend.get("hold") or ("open" if backend else "no scrape yet")
-    workers = live_workers(client, Keys(settings.key_prefix), time.time())
-    held = settings.admission.worker_gate and workers == 0
+    names = live_worker_names(client, Keys(settings.key_prefix))
+    held = settings.admission.worker_gate and not names
     holds = ", ".join(f"{reason}={count}" for reason, count in sorted(snap.holds.items())) or "-"
     table.caption = "\n".join(
         (
@@ -53,8 +51,10 @@ def queues_table(settings: Settings, client: redis.Redis) -> Table:
             f"admissions {snap.admissions}",
             f"holds {holds}",
             f"backend gate: {gate}",
-            f"live inference workers {workers}" + (" (admissions held: no_workers)" if held else ""),
+            f"live inference workers {shown_workers(names)}"
+            + (" (admissions held: no_workers)" if held else ""),
             f"running {backend.get('running', '?')}, waiting {backend.get('waiting', '?')}",
         )
     )
     return table
+

@@ -3,8 +3,9 @@
 One frame shows in flight against the cap (and long prompts, reserved KV), per project the jobs
 waiting for admission, the mean queue wait and the tokens per second of the jobs that finished in
 the last ``WINDOW_S`` seconds (read from the projects' result streams, so it covers every worker),
-admission holds by reason (since the previous frame when live, totals with ``--once``) and the
-backend as the dispatchers last scraped it (running, waiting, KV usage, preemptions).
+admission holds by reason (since the previous frame when live, totals with ``--once``), the
+backend as the dispatchers last scraped it (running, waiting, KV usage, preemptions) and the live
+inference workers by node name (fleet/worker/heartbeat.py).
 
 Everything comes from the shared store, so any host that reaches Redis sees the same figures
 whichever dispatchers and workers run; nothing is asked of the processes themselves.
@@ -27,6 +28,7 @@ from rich.text import Text
 
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
+from fleet.worker.heartbeat import live_worker_names, shown_workers
 from schedulers.store import make_store
 from schedulers.store.base import StoreSnapshot
 
@@ -53,6 +55,7 @@ class TopFrame:
     backend: dict[str, str]
     rows: list[ProjectRow] = field(default_factory=list)
     holds: dict[str, int] = field(default_factory=dict)  # since the previous frame, or totals
+    workers: list[str] = field(default_factory=list)  # node names of the live inference workers
 
 
 def read_frame(settings: Settings, client: redis.Redis, now: float,
@@ -68,7 +71,7 @@ def read_frame(settings: Settings, client: redis.Redis, now: float,
         holds = {r: n for r, n in holds.items() if n > 0}
     return TopFrame(at=now, snapshot=snap, cap=limits.max_num_seqs, max_long=limits.max_long,
                     kv_budget_tokens=limits.kv_budget_tokens, backend=store.backend(), rows=rows,
-                    holds=holds)
+                    holds=holds, workers=live_worker_names(client, keys))
 
 
 def _project_row(client: redis.Redis, keys: Keys, project: str, snap: StoreSnapshot,
@@ -114,7 +117,8 @@ def render(frame: TopFrame, live: bool) -> Group:
         f"waiting {b.get('waiting', '?')}, KV {_percent(b.get('kv_usage'))}, ",
         f"preemptions {b.get('preemptions', '?')}",
     )
-    return Group(head, table, Text.assemble((label + ": ", "bold"), holds), backend)
+    workers = Text.assemble(("inference workers ", "bold"), shown_workers(frame.workers))
+    return Group(head, table, Text.assemble((label + ": ", "bold"), holds), backend, workers)
 
 
 def _percent(value: str | None) -> str:

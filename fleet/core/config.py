@@ -14,7 +14,9 @@ naming the key, e.g. ``backend.max_num_seqs: Input should be greater than 0``.
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 import tomllib
 from collections.abc import Mapping
 from contextvars import ContextVar
@@ -38,6 +40,8 @@ from fleet.core.apikeys import parse_entry
 from fleet.core.errors import ConfigError
 from fleet.core.redisconn import DEFAULT_MASTER_NAME, is_sentinel, parse_sentinel_url
 from fleet.core.schema import check_pattern, check_schema
+
+log = logging.getLogger(__name__)
 
 EXAMPLE_CONFIG = Path(__file__).with_name("example.toml")
 ENV_PREFIX = "FLEET_"
@@ -250,11 +254,12 @@ class AclSettings(_Section):
     passwords: dict[str, str] = Field(default_factory=dict)
     """Password per ACL user name (fleet-producer-<project>, fleet-worker, fleet-dispatcher,
     fleet-operator), 16+ characters; FLEET_ACL_PASSWORDS takes the same as JSON. Wins over
-    password_file."""
+    password_file. Every process that reads fleet.toml learns what is written here: prefer
+    password_file (acl.passwords in a fleet.toml others can read is a warning at load)."""
     password_file: Path | None = None
     """A file of "<user> <password>" lines (a line, or a word after the password, starting with #
-    is a comment) that ``fleet acl`` reads: keep the passwords in a secret store's file instead of
-    fleet.toml, and rotate by editing it."""
+    is a comment) that only ``fleet acl`` reads: keep the passwords in a secret store's file, mode
+    600, instead of fleet.toml, and rotate by editing it."""
 
     @field_validator("passwords")
     @classmethod
@@ -634,6 +639,28 @@ def _describe(error: ValidationError, env: Mapping[str, str]) -> str:
     return "; ".join(lines)
 
 
+_warned_readable: set[Path] = set()
+
+
+def _warn_readable_passwords(file: Path, data: dict[str, Any]) -> None:
+    """One WARNING per process and file when ``acl.passwords`` is written into a config file that
+    every user of the host may read: every unit and login that reads fleet.toml (workers,
+    dispatchers, producers on the same host) would learn the operator's and every user's Redis
+    password. ``acl.password_file`` (mode 600) or FLEET_ACL_PASSWORDS keep them apart."""
+    acl = data.get("acl")
+    if not isinstance(acl, dict) or not acl.get("passwords") or file in _warned_readable:
+        return
+    try:
+        mode = file.stat().st_mode
+    except OSError:
+        return
+    if mode & stat.S_IROTH:
+        _warned_readable.add(file)
+        log.warning("%s holds acl.passwords and every user of this host can read it (mode %s): "
+                    "move them to acl.password_file (chmod 600, the operator's only) or "
+                    "FLEET_ACL_PASSWORDS for the fleet acl run", file, stat.filemode(mode))
+
+
 def load_settings(
     path: Path | str | None = None,
     env: dict[str, str] | None = None,
@@ -653,6 +680,7 @@ def load_settings(
     unknown = _unknown_env_keys(env_map)
     if unknown:
         raise ConfigError(f"unknown settings in the environment: {', '.join(unknown)}")
+    _warn_readable_passwords(file, data)
     data = _merge(data, overrides)
     token = _GIVEN_ENV.set(env_map)
     try:

@@ -113,9 +113,10 @@ D = ``{p}{d}:``, one hash tag for all)
   D continuations             set    refs of jobs readmitted at least once (``fleet queues``); their
                                      item has cont 1 (and deferred <time> while waiting); a
                                      release removes the ref with the item
-  D workers                   zset   Celery node names of live inference workers, score = when the
-                                     entry lapses (fleet/worker/heartbeat.py); no live entry holds
-                                     admissions ("no_workers")
+  D workers                   zset   inference worker instances (``<node name>#<pid>-<nonce>``),
+                                     score = when the entry lapses by Redis's clock
+                                     (fleet/worker/heartbeat.py); no live entry holds admissions
+                                     ("no_workers")
 """
 
 from __future__ import annotations

@@ -104,6 +104,31 @@ def redis_answers(url: str, timeout_s: float = 0.5, *, master_name: str = DEFAUL
         return False
 
 
+def database_contents(url: str, scan_limit: int = 100_000) -> str:
+    """What the database of ``url`` holds, in words ("" when it is empty): its key count, and a
+    fleet deployment's dispatcher state (``<prefix>{d}:state``) when one is among the first
+    ``scan_limit`` keys scanned."""
+    client = redis_from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        size = int(client.dbsize())
+        if size == 0:
+            return ""
+        cursor, scanned = 0, 0
+        while scanned < scan_limit:
+            cursor, found = client.scan(cursor, match="*{d}:state", count=1000)
+            if found:
+                key = found[0]
+                name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+                prefix = name.removesuffix("{d}:state")
+                return f"holds {size} keys, a fleet's among them (key prefix {prefix!r})"
+            scanned += 1000
+            if cursor == 0:
+                break
+        return f"holds {size} keys"
+    finally:
+        client.close()
+
+
 def redis_server_binary() -> str:
     found = shutil.which("redis-server")
     if found:

@@ -10,6 +10,14 @@ are. (In production the Procfile runs the same commands under honcho.) A broker 
 dispatchers and workers run on the example's public secrets there with a warning instead of
 refusing to start (fleet/core/exposure.py).
 
+Environment: by default each child inherits this process's environment (``fleet up`` runs the
+fleet its operator configured). With ``inherit_env=False`` (every ``fleet bench``) a child gets
+only the operating system's basics (``OS_ENV``: PATH, HOME, locale, TMPDIR, ...) plus what the
+caller sets: no ``FLEET_*`` variable of the operator's shell (a ``FLEET_BACKEND_URL`` would send
+the bench's load to a production vLLM, a ``FLEET_BROKER_URL`` or ``FLEET_PROJECTS`` would mix
+in a deployment's) and ``FLEET_CONFIG`` always named (``config_path``, else the shipped example),
+so a ``./fleet.toml`` in the working directory is never read either.
+
 Life cycle, as an operator sees it:
 - every child runs in its own session, so stopping it signals its whole process group (Celery
   prefork children included) and a Ctrl-C in the terminal reaches only the parent, which then
@@ -53,7 +61,7 @@ from typing import IO, Any
 import httpx
 
 from fleet.core.codes import Code
-from fleet.core.config import Settings
+from fleet.core.config import EXAMPLE_CONFIG, Settings
 from fleet.core.errors import FleetError
 from fleet.core.exposure import LOCAL_BROKER_ENV
 from fleet.core.redisconn import sentinel_target
@@ -62,6 +70,8 @@ from fleet.local.embedded import STOP_SIGNALS, EmbeddedRedis, ensure_broker, fre
 log = logging.getLogger(__name__)
 
 TAIL_LINES = 20
+# what a child of ``inherit_env=False`` keeps of this process's environment
+OS_ENV = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH")
 _stdout_lock = threading.Lock()
 
 
@@ -102,6 +112,7 @@ class LocalFleet:
     local_broker: bool = False  # mark the broker local even when it was not started here
     handle_signals: bool = False  # turn SIGINT/SIGTERM/SIGHUP into Stopped (main thread only)
     gateway_port: int | None = None  # start ``fleet gateway`` on this port (None: no gateway)
+    inherit_env: bool = True  # False: children get OS_ENV and what is set here only (benches)
     env: dict[str, str] = field(default_factory=dict)
     broker: EmbeddedRedis | None = None
     children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
@@ -124,10 +135,11 @@ class LocalFleet:
     def _start_all(self) -> None:
         self.broker = start_redis() if self.private_broker else ensure_broker(
             self.settings.broker_url, **sentinel_target(self.settings))
-        self.env = {**os.environ, **self.extra_env, "FLEET_BROKER_URL": self.broker.url,
+        inherited = os.environ if self.inherit_env else os_env()
+        self.env = {**inherited, **self.extra_env, "FLEET_BROKER_URL": self.broker.url,
                     "FLEET_KEY_PREFIX": self.settings.key_prefix}
-        if self.config_path:
-            self.env["FLEET_CONFIG"] = self.config_path
+        if self.config_path or not self.inherit_env:
+            self.env["FLEET_CONFIG"] = self.config_path or str(EXAMPLE_CONFIG)
         if self.broker.started or self.local_broker:
             self.env[LOCAL_BROKER_ENV] = self.broker.url
         if not self.env.get("FLEET_BACKEND_URL"):
@@ -248,6 +260,11 @@ class LocalFleet:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def os_env() -> dict[str, str]:
+    """What a bench's child keeps of this process's environment (``OS_ENV``)."""
+    return {name: value for name, value in os.environ.items() if name in OS_ENV}
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

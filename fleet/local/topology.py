@@ -1,8 +1,12 @@
 """Redis servers a test or ``fleet bench chaos`` starts on loopback and then hurts on purpose.
 
-``RedisNode``: one ``redis-server`` on a fixed free port and folder, so it can be stopped (SHUTDOWN,
-which writes the AOF / snapshot it is configured for), killed (``kill -9``) and started again on the
-same port and data: a restart as an operator's Redis would see one.
+``RedisNode``: one ``redis-server`` on a fixed free port and folder, so it can be stopped (SIGTERM,
+which writes the AOF / snapshot it is configured for, as SHUTDOWN does), killed (``kill -9``) and
+started again on the same port and data: a restart as an operator's Redis would see one. A node
+acts on its own process only, never on whatever answers on its port: ``start`` waits for a server
+whose ``INFO`` names the pid it started, so a port taken by another server meanwhile (free_port
+only finds a port that was free a moment ago) is an error, not a Redis the caller then shuts down
+or restarts.
 
 ``SentinelGroup``: one master, one replica and three Sentinels (quorum 2) watching the master under
 ``MASTER_NAME``, with ``down-after-milliseconds`` 1 s so a killed master is replaced within seconds.
@@ -15,7 +19,6 @@ folder removed: nothing outlives the caller.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import signal
 import subprocess
@@ -75,13 +78,24 @@ class RedisNode:
                        "--daemonize", "no", *self.args]
 
     def start(self, timeout_s: float = 10.0) -> RedisNode:
-        self.process = track(subprocess.Popen(self.command(), stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL, start_new_session=True))
-        _wait(lambda: _answers(self.port) or self.process.poll() is not None,  # type: ignore[union-attr]
-              timeout_s, f"redis-server on port {self.port} answers")
-        if self.process.poll() is not None:
-            raise RuntimeError(f"redis-server on port {self.port} exited with {self.process.returncode}")
+        process = self.process = track(subprocess.Popen(self.command(), stdout=subprocess.DEVNULL,
+                                                        stderr=subprocess.DEVNULL, start_new_session=True))
+        _wait(lambda: self._serves() or process.poll() is not None, timeout_s,
+              f"redis-server on port {self.port} answers")
+        if process.poll() is not None:
+            held = " (the port is held by another server, left alone)" if _answers(self.port) else ""
+            raise RuntimeError(f"redis-server on port {self.port} exited with {process.returncode}{held}")
         return self
+
+    def _serves(self) -> bool:
+        """Does this node's own process answer on its port?"""
+        client = redis.Redis(port=self.port, socket_timeout=0.3, socket_connect_timeout=0.3)
+        try:
+            return self.process is not None and int(client.info("server")["process_id"]) == self.process.pid
+        except (redis.RedisError, OSError, KeyError, ValueError):
+            return False
+        finally:
+            client.close()
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -93,11 +107,11 @@ class RedisNode:
             self.process.wait(timeout=10)  # type: ignore[union-attr]
 
     def shutdown(self) -> None:
-        """A clean stop (SHUTDOWN: the AOF is flushed, a snapshot saved if configured)."""
+        """A clean stop of its own process (SIGTERM: like SHUTDOWN, the AOF is flushed and a
+        snapshot saved if configured)."""
         if not self.alive():
             return
-        with contextlib.suppress(redis.RedisError, OSError):
-            redis.Redis(port=self.port, socket_timeout=5).shutdown()
+        self.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         try:
             self.process.wait(timeout=10)  # type: ignore[union-attr]
         except subprocess.TimeoutExpired:
