@@ -160,7 +160,7 @@ def test_a_tool_worker_dying_mid_tool_loses_nothing(fleet: Harness, probe: Fleet
     envelope = fleet.client.result(job, timeout=90)
     assert envelope is not None and envelope.code == Code.OK, envelope
     result = envelope.tool_rounds[0]["calls"][0]["result"]
-    assert result == {"ok": False, "error": "no result within 2 s"}
+    assert result == {"ok": False, "error": "no result within 2 s", "timed_out": True}
     second = probe.sim_requests(job)[1]
     told = second["messages"][-1]
     assert told["role"] == "tool" and "no result within 2 s" in told["content"]

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis
+from celery.exceptions import SoftTimeLimitExceeded
 from jsonschema.exceptions import best_match
 
 from fleet.core.config import ProjectSettings, Settings, ToolSettings
@@ -57,6 +58,13 @@ from fleet.core.seal import seal_turn
 
 TOOL_TASK = "fleet.tool"
 MAX_RESULT_CHARS = 20_000
+# Counted with each result's text: its message's framing in the chat template and the markers of
+# an untrusted tool's fence (an allowance: the text itself is counted by the backend's tokenizer).
+RESULT_FRAMING_TOKENS = 32
+# A tool task still running this long after its timeout is killed (Celery's hard time limit).
+KILL_GRACE_S = 2.0
+# Sends of a round whose tasks never left (the worker lost Redis between saving and sending).
+MAX_ROUND_SENDS = 3
 
 
 def registered(project: ProjectSettings, names: list[str]) -> tuple[dict[str, ToolSettings], list[str]]:
@@ -123,6 +131,13 @@ def new_round(number: int, calls: list[Call], tools: dict[str, ToolSettings], no
             "timeout_s": max((tools[c.name].timeout_s for c in run), default=0.0)}
 
 
+def task_of(call: dict[str, Any], tool: ToolSettings, project: str) -> dict[str, Any]:
+    """What the inference worker sends for one valid call: the task runs under Celery's time
+    limits, soft at the tool's timeout, hard ``KILL_GRACE_S`` later (prefork pool only)."""
+    return {"id": call["id"], "name": call["name"], "queue": tool.queue_for(project),
+            "timeout_s": tool.timeout_s, "time_limit_s": tool.timeout_s + KILL_GRACE_S}
+
+
 # -- results (written by the tool worker, read by the next turn) -------------------------------
 def result_field(round_number: int, call_id: str) -> str:
     return f"{round_number}:{call_id}"
@@ -141,6 +156,23 @@ def save_result(client: redis.Redis, keys: Keys, settings: Settings, ref: str, r
     fields = pipe.execute()[2]
     prefix = f"{round_number}:".encode()
     return sum(1 for f in fields if (f if isinstance(f, bytes) else f.encode()).startswith(prefix))
+
+
+def sent_field(round_number: int) -> str:
+    """The round's mark in the results hash (call ids' fields start with the round's number)."""
+    return f"sent:{round_number}"
+
+
+def mark_sent(client: redis.Redis, keys: Keys, settings: Settings, ref: str, round_number: int) -> None:
+    """The round's tasks are being sent (written just before them)."""
+    pipe = client.pipeline()
+    pipe.hset(keys.tools(ref), sent_field(round_number), "1")
+    pipe.expire(keys.tools(ref), settings.result_ttl_s)
+    pipe.execute()
+
+
+def was_sent(client: redis.Redis, keys: Keys, ref: str, round_number: int) -> bool:
+    return bool(client.hexists(keys.tools(ref), sent_field(round_number)))
 
 
 def load_results(client: redis.Redis, keys: Keys, settings: Settings, ref: str,
@@ -163,6 +195,23 @@ def load_results(client: redis.Redis, keys: Keys, settings: Settings, ref: str,
     return found
 
 
+def counted_text(result: dict[str, Any]) -> str:
+    """What the model will read of a result (before an untrusted tool's fence)."""
+    if result.get("ok"):
+        return result_text(result.get("content"))
+    return f"The tool failed: {result.get('error')}"
+
+
+def next_prompt_tokens(turn: dict[str, Any], results: dict[str, dict[str, Any]]) -> int:
+    """The next turn's prompt once ``results`` are in: the prompt the round was readmitted with
+    (the conversation and the calls) and each result's ``tokens``."""
+    return int(turn["plan"]["prompt_tokens"]) + sum(int(r.get("tokens") or 0) for r in results.values())
+
+
+def timeout_error(timeout_s: float) -> str:
+    return f"no result within {timeout_s:g} s"
+
+
 def result_text(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     return text[:MAX_RESULT_CHARS]
@@ -177,13 +226,18 @@ class Outcome:
     failure: tuple[str, str] | None = None  # (code name, cause)
 
 
+def call_message(round_: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message of a round: its calls, as the model made them."""
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": c["id"], "type": "function",
+         "function": {"name": c["name"], "arguments": c["arguments"]}} for c in round_["calls"]]}
+
+
 def finish_round(round_: dict[str, Any], results: dict[str, dict[str, Any]],
                  tools: dict[str, ToolSettings], fence_tag: str, now: float) -> Outcome:
     """The tool messages of a round whose results are in (or whose time is up); records each
     call's result in ``round_`` (for the envelope)."""
-    messages: list[dict[str, Any]] = [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": c["id"], "type": "function",
-         "function": {"name": c["name"], "arguments": c["arguments"]}} for c in round_["calls"]]}]
+    messages: list[dict[str, Any]] = [call_message(round_)]
     untrusted, failure = False, None
     for call in round_["calls"]:
         tool = tools.get(call["name"])
@@ -193,10 +247,8 @@ def finish_round(round_: dict[str, Any], results: dict[str, dict[str, Any]],
             assert tool is not None
             result = results.get(call["id"])
             if result is None:
-                result = {"ok": False, "error": f"no result within {tool.timeout_s:g} s"}
-                code = "E_TOOL_TIMEOUT"
-            else:
-                code = "E_TOOL_FAILED"
+                result = {"ok": False, "error": timeout_error(tool.timeout_s), "timed_out": True}
+            code = "E_TOOL_TIMEOUT" if result.get("timed_out") else "E_TOOL_FAILED"
             call["result"] = result
             if not result.get("ok"):
                 if tool.on_error == "fail" and failure is None:
@@ -212,11 +264,15 @@ def finish_round(round_: dict[str, Any], results: dict[str, dict[str, Any]],
     return Outcome(messages, untrusted, failure)
 
 
-def run_tool(task: Any, arguments: str) -> dict[str, Any]:
-    """Run a registered tool task in this process; its result or error as stored."""
+def run_tool(task: Any, arguments: str, timeout_s: float) -> dict[str, Any]:
+    """Run a registered tool task in this process; its result or error as stored. Celery's
+    soft time limit (at ``timeout_s``) raises inside the tool: a timeout, not a failure."""
     started_at, started = time.time(), time.monotonic()
     try:
         value = task(**json.loads(arguments or "{}"))
+    except SoftTimeLimitExceeded:
+        return {"ok": False, "error": timeout_error(timeout_s), "timed_out": True,
+                "started_at": started_at, "duration_s": round(time.monotonic() - started, 3)}
     except Exception as exc:  # the tool's own failure: reported, never the worker's
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
                 "started_at": started_at, "duration_s": round(time.monotonic() - started, 3)}

@@ -174,10 +174,23 @@ class AdmissionStore(Protocol):
     def lease_valid(self, job_id: str, fence: int) -> bool: ...
 
     def readmit(self, job_id: str, fence: int, max_new_tokens: int, not_before: float,
-                now: float) -> bool:
+                now: float, *, prompt_tokens: int | None = None, turn: int = 1) -> bool:
         """Another model turn (see Continuations above): give the lease up and re-enter
-        admission with the new plan's ``max_new_tokens``, at the job's original place in line,
-        once ``not_before`` has come. False for a stale fence."""
+        admission with the new plan's ``max_new_tokens`` and the next turn's ``prompt_tokens``
+        (None: unchanged; never smaller), at the job's original place in line, once
+        ``not_before`` has come; the store keeps ``turn``, the number of that turn
+        (``turn_of``). False for a stale fence."""
+        ...
+
+    def grow(self, job_id: str, prompt_tokens: int) -> bool:
+        """A waiting continuation's next prompt grows to ``prompt_tokens`` (a tool result came
+        in; never smaller), its uncached tokens by as much, KV and size follow. False when the
+        job is not waiting or its prompt is already that large."""
+        ...
+
+    def turn_of(self, job_id: str) -> int:
+        """The number of the turn ``readmit`` last put in line (0: none, or no item): only the
+        fleet writes it, so the inference worker runs only the saved turn that carries it."""
         ...
 
     def promote_due(self, now: float) -> list[str]:
