@@ -5,8 +5,10 @@ The inference task (fleet/worker/tasks.py) holds the lease and calls
 renews the lease and sets ``ctx.cancel`` when the job is cancelled or the lease is lost. The turn
 ends with a final ``Envelope`` or a ``Continuation``: the job needs another turn (a retry, a
 re-ask, a backend outage), and the continuation carries everything that turn needs (``turn``:
-the grown plan, the carry-over and re-ask notes, the retry counters, the warnings) and when it
-may start (``not_before``: the backoff). The task saves the turn, gives its lease up and the job
+its number, the grown plan, the carry-over and re-ask notes, the retry and tool counters, the
+warnings), its admission size (``max_tokens`` and ``prompt_tokens``: the plan's prompt grown by
+the tool rounds' conversation, counted with ``ctx.count_prompt``) and when it may start
+(``not_before``: the backoff). The task saves the turn, gives its lease up and the job
 re-enters admission (schedulers/store/base.py, Continuations): no backoff ever holds a slot, and
 the next turn's plan is admitted like any job's. ``run_inference`` never raises: an unexpected
 exception becomes ``E_INTERNAL`` with a log line.

@@ -16,25 +16,39 @@ One round, across processes::
     than ``max_tool_rounds`` rounds -> E_TOOL_FAILED.
     -> the round (calls, checks) is saved in the sealed turn state, ``readmit`` gives the slot up
        with a not-before time of now + the longest timeout of the round's tools (deferred: the
-       job waits in the store, no slot), then one ``fleet.tool`` task per valid call goes to the
-       tool's queue (all at once: they run in parallel).
-  tool worker (``fleet worker --role tools``, imports ``tool_imports``)
+       job waits in the store, no slot) and the next turn's prompt so far (the conversation and
+       the calls, counted by the worker's token counter); the round is marked sent
+       (``sent:<round>`` in the results hash), then one ``fleet.tool`` task per valid call goes
+       to the tool's queue (all at once: they run in parallel) under Celery's time limits, soft
+       at the tool's timeout, hard ``KILL_GRACE_S`` later (enforced by the prefork pool only).
+  tool worker (``fleet worker --role tools --pool prefork``, imports ``tool_imports``)
     ``fleet.tool`` checks that the sealed turn of the job names this very call, runs the
-    registered Celery task in-process (``task(**arguments)``), and stores the result or the
-    error, sealed, in ``{p}tools:{<ref>}`` (field ``<round>:<call id>``). The last result of a
-    round moves the job's not-before time to now (``store.hurry``): it is put in line at once.
+    registered Celery task in-process (``task(**arguments)``; the soft limit inside it is a
+    timeout), and stores the result or the error, sealed, in ``{p}tools:{<ref>}`` (field
+    ``<round>:<call id>``) with its size in tokens (the backend's tokenizer and
+    ``RESULT_FRAMING_TOKENS``); the waiting job's admission size grows to the turn's prompt and
+    the results in so far (``store.grow``: never smaller, so two workers may report in any
+    order). The last result of a round moves the job's not-before time to now
+    (``store.hurry``): it is put in line at once.
   inference worker (turn N+1, admitted like any continuation)
     reads the round's results; a missing one is a timeout: E_TOOL_TIMEOUT, a failed one
     E_TOOL_FAILED, or either goes back to the model as the tool's result (``on_error = "model"``).
     The assistant message with the calls and one ``tool`` message per call are appended to the
-    conversation; an untrusted tool's result is fenced like any untrusted material, and the
-    job's later turns go out without tools (so untrusted text can never steer a tool call).
+    conversation, and the whole prompt is counted: past ``max_model_len`` with the plan's max
+    tokens it ends E_PROMPT_TOO_LONG before sending. An untrusted tool's result is fenced like any
+    untrusted material, and the job's later turns go out without tools (so untrusted text can
+    never steer a tool call).
 
-Failure cases: a tool worker that dies mid-tool (or a lost task) leaves the result missing; the
-job's not-before time comes, the next turn runs and the call counts as timed out - nothing waits
-for ever and exactly one envelope is published. An inference worker that dies after saving the
-round and before sending the tasks is the same case. A tool task may run twice (broker
-redelivery): the result is written by call id, the last write wins, the turn reads one.
+Failure cases: a tool worker that dies mid-tool (or a lost task, or a tool killed at its hard
+time limit) leaves the result missing; the job's not-before time comes, the next turn runs and
+the call counts as timed out - nothing waits for ever and exactly one envelope is published. A
+round whose tasks never left (``readmit`` failed after the round was saved and the job came
+back through its lease, or the worker died before sending) is not marked sent: the next turn
+sends it again (at most ``MAX_ROUND_SENDS`` times, then E_BROKER_UNAVAILABLE) instead of
+calling tools that never ran timed out. A task the broker refuses is a failed call saying so. A
+tool task may run twice (broker redelivery): the result is written by call id, the last write
+wins, the turn reads one. A result that comes in after its round's timeout (the job already in
+line) is read but not counted in that turn's admission size.
 The envelope's ``tool_rounds`` lists every round: its calls (name, arguments, the check's error),
 their results (ok, content or error, started_at, duration_s) and the round's duration.
 """

@@ -14,18 +14,23 @@ fleet.prep (queue fleet.<project>, kwargs project, job_id, signed)
 fleet.cancel (queue fleet.<project>, kwargs project, job_id; sent by fleet.Client.cancel)
   acts only on a cancel request signed by the project (``{p}cancel:{<ref>}``): removes a queued job
   from the dispatcher and publishes E_CANCELLED; a running job is left to its lease keeper.
-fleet.tool (queue of the tool, kwargs ref, round_number, call_id; sent by an inference worker)
+fleet.tool (queue of the tool, kwargs ref, round_number, call_id; sent by an inference worker
+  with Celery time limits from the tool's timeout)
   runs one tool call of a job's tool round (fleet/infer/tools.py): only a call the job's sealed
-  turn names, with the arguments it names; stores the result sealed and, with the round's last
-  result, puts the job in line at once.
+  turn names, with the arguments it names; stores the result sealed with its size in tokens,
+  grows the waiting job's admission size by it and, with the round's last result, puts the job
+  in line at once.
 fleet.infer (queue fleet.infer, kwargs ref, project, fence; sent by a dispatcher)
   stale fence (duplicate or late delivery) -> drop; already final (cancelled) -> release, drop;
   the ref, the task, the lease, the record and the sealed job must name one project, and the seal
-  must verify, else E_AUTH before anything is sent; otherwise run ONE model turn under a
+  must verify, and a saved turn must be the one the store names (its number, recorded by
+  ``readmit``; the producer may write its job hash but not the store), else E_AUTH before
+  anything is sent; otherwise run ONE model turn under a
   LeaseKeeper. A final envelope is published, then the lease released. A continuation (the job
   needs another turn: retry, re-ask, backend outage) is saved sealed in the job hash (``turn``,
   state "pending"), then ``readmit`` gives the lease up and puts the job back in line at its place
-  with the next turn's plan, not before its backoff (schedulers/store/base.py, Continuations). A
+  with the next turn's plan and prompt, not before its backoff (schedulers/store/base.py,
+  Continuations), and records the turn's number. A
   worker whose lease was lost publishes nothing: the job is already pending again.
   Between two turns nothing runs and nothing is held: a worker dying after saving the turn and
   before ``readmit`` leaves the lease to expire, and the reaped job resumes from the saved turn

@@ -32,7 +32,9 @@ Continuations: a job that needs another model turn (a retry, a re-ask, a tool ro
 outage) is not released but ``readmit``-ted: the lease is freed (fence-checked) and the job joins
 its queue again at its original score - it keeps its place, so it is ahead of its project's newer
 work, and every admission still charges its project's fair share - with ``max_new_tokens`` of its
-new plan (its KV reservation is checked again like any job's). With ``not_before`` in the future
+new plan and its next prompt (a prompt grown by tool rounds: prompt, uncached tokens, KV and size
+follow, and ``grow`` adds each tool result while the job waits), checked again like any job's;
+the store keeps the number of that turn (``turn_of``). With ``not_before`` in the future
 (a backoff) it waits outside the queues until ``promote_due(now)`` puts it in line; no slot is held
 meanwhile. ``cancel_pending`` removes a waiting continuation as well. A continuation has no
 deadline entry while it waits (its deadline comes back when it is promoted; the worker never
