@@ -345,8 +345,9 @@ def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
 
 
 def _send_tools(rt: Runtime, ref: str, cont: Continuation) -> None:
-    """One ``fleet.tool`` task per call, all at once (they run in parallel on the tool workers).
-    A send that fails leaves that call without a result: it times out like a lost tool."""
+    """One ``fleet.tool`` task per call, all at once (they run in parallel on the tool workers),
+    after the round is marked sent (fleet/infer/tools.py). A send that fails is that call's
+    result: a failure saying so (no tool ran, so it did not time out)."""
     from fleet.infer import tools as tools_mod
 
     assert rt.send_task is not None, "a worker runtime sends tasks"
