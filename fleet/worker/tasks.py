@@ -17,9 +17,9 @@ fleet.cancel (queue fleet.<project>, kwargs project, job_id; sent by fleet.Clien
 fleet.tool (queue of the tool, kwargs ref, round_number, call_id; sent by an inference worker
   with Celery time limits from the tool's timeout)
   runs one tool call of a job's tool round (fleet/infer/tools.py): only a call the job's sealed
-  turn names, with the arguments it names; stores the result sealed with its size in tokens,
-  grows the waiting job's admission size by it and, with the round's last result, puts the job
-  in line at once.
+  current turn names (the same check as fleet.infer's), with the arguments it names; stores the
+  result sealed with its size in tokens, grows the waiting job's admission size by it and, with
+  the round's last result, puts the job in line at once.
 fleet.infer (queue fleet.infer, kwargs ref, project, fence; sent by a dispatcher)
   stale fence (duplicate or late delivery) -> drop; already final (cancelled) -> release, drop;
   the ref, the task, the lease, the record and the sealed job must name one project, and the seal
@@ -371,13 +371,11 @@ def tool_job(rt: Runtime, tasks: Any, ref: str, round_number: int, call_id: str)
     """Run one call of a tool round (module docstring); returns what became of it."""
     from fleet.infer import tools as tools_mod
 
-    record = rt.results.job_record(ref)
     try:
-        turn_json = check_turn(rt.settings, ref, record)
+        turn = _current_turn(rt, ref, rt.results.job_record(ref)) or {"tool_rounds": []}
     except AuthError as exc:
         log.warning("tool call %s of job=%s refused: %s", call_id, ref, exc.message)
         return "refused"
-    turn = json.loads(turn_json) if turn_json else {"tool_rounds": []}
     rounds = turn["tool_rounds"]
     pending = next((r for r in rounds if r["number"] == round_number and "duration_s" not in r), None)
     call = next((c for c in (pending or {}).get("calls", [])
