@@ -38,28 +38,35 @@ __all__ = ["sim"]
 LEASE_TTL_S = 5.0
 
 
-@pytest.fixture
-def rt(sim: str, key_prefix: str, redis_client: redis.Redis) -> Iterator[Runtime]:
-    secrets = {"reports": f"test-reports-{uuid.uuid4().hex}"}
+def runtime(sim: str, key_prefix: str, reports: dict[str, Any] | None = None,
+            backend: dict[str, Any] | None = None) -> Iterator[Runtime]:
+    """A worker's runtime on the test Redis and ``sim``; ``reports``: more project settings."""
     cfg: Settings = load_settings(
         EXAMPLE_CONFIG, env={}, broker_url=TEST_REDIS_URL, key_prefix=key_prefix,
-        backend={"url": sim}, admission={"backend_gate": False, "lease_ttl_s": LEASE_TTL_S},
+        backend={"url": sim, **(backend or {})},
+        admission={"backend_gate": False, "lease_ttl_s": LEASE_TTL_S},
         security={"worker_secret": f"test-worker-{uuid.uuid4().hex}"},
         retry={"backoff_base_s": 0.0, "backoff_max_s": 0.0},
         timeouts={"first_token_s": 5, "idle_s": 5, "attempt_s": 60},
-        projects={"reports": {"secret": secrets["reports"]}},
+        projects={"reports": {"secret": f"test-reports-{uuid.uuid4().hex}", **(reports or {})}},
     )
-    runtime = Runtime(cfg)
-    yield runtime
-    runtime.vllm.close()
-    runtime.redis.close()
+    made = Runtime(cfg)
+    yield made
+    made.vllm.close()
+    made.redis.close()
 
 
-def submit(rt: Runtime, text: str) -> str:
+@pytest.fixture
+def rt(sim: str, key_prefix: str, redis_client: redis.Redis) -> Iterator[Runtime]:
+    yield from runtime(sim, key_prefix)
+
+
+def submit(rt: Runtime, text: str, **extra: Any) -> str:
     """What the client and the prep task do: the job ends pending in the store."""
     job_id = uuid.uuid4().hex[:12]
     content = f"Task {job_id}: {text}"  # the simulator counts /K markers per first message
-    raw = {"id": job_id, "project": "reports", "messages": [{"role": "user", "content": content}]}
+    raw = {"id": job_id, "project": "reports", "messages": [{"role": "user", "content": content}],
+           **extra}
     signed = sign(raw, "reports", rt.settings.projects["reports"].secret)
     assert prep_job(rt, "reports", job_id, signed) == "pending"
     return job_ref("reports", job_id)
@@ -101,7 +108,7 @@ def test_cut_between_saving_the_turn_and_readmit_loses_nothing(
     class Died(BaseException):  # a process dying: nothing after this point runs
         pass
 
-    def cut(*_args: Any) -> bool:
+    def cut(*_args: Any, **_kwargs: Any) -> bool:
         if how == "worker dies":
             raise Died
         raise redis.ConnectionError("simulated blip")
@@ -133,3 +140,33 @@ def test_a_saved_turn_without_the_workers_seal_runs_nothing(rt: Runtime) -> None
     turn["plan"]["max_tokens"] = 10**6  # a producer writing its own turn state
     rt.results.record(ref, turn=json.dumps(turn))
     assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "E_AUTH"
+
+
+@pytest.mark.parametrize("replay", ["an earlier turn", "no turn at all"])
+def test_a_replayed_turn_runs_nothing_and_resets_no_counter(rt: Runtime, replay: str) -> None:
+    """The producer may write its own job hash: putting back an earlier sealed turn (or deleting
+    the turn, the first turn's state) would reset the retry and tool counters. The store, which
+    only the fleet writes, names the turn that may run."""
+    ref = submit(rt, "Sum the invoices. [sim:http500/2] [sim:think=50]")
+    first = rt.results.job_record(ref)
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "continued"
+    earlier = rt.results.job_record(ref)
+    assert json.loads(earlier["turn"])["number"] == 1 and rt.store.turn_of(ref) == 1
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "continued"
+    assert json.loads(rt.results.job_record(ref)["turn"])["retries"] == 2
+    assert rt.store.turn_of(ref) == 2
+    if replay == "an earlier turn":
+        rt.results.record(ref, turn=earlier["turn"], turn_seal=earlier["turn_seal"])
+    else:
+        assert "turn" not in first
+        rt.redis.hdel(rt.keys.job(ref), "turn", "turn_seal")
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "E_AUTH"
+    final = envelope(rt, ref)
+    assert final is not None and final.code == Code.E_AUTH and "turn" in final.message
+    assert len(carryover_attempts(rt, ref)) == 2  # nothing more was sent
+
+
+def carryover_attempts(rt: Runtime, ref: str) -> list[dict[str, Any]]:
+    from fleet.infer.carryover import load_attempts
+
+    return load_attempts(rt.redis, rt.keys, ref)

@@ -2,10 +2,12 @@
 tasks of tests/tool_tasks.py on the fleet's tool queues, ``fleet sim``, Redis).
 
 Project ``assistant`` runs ``search_docs`` (trusted, fast; it reports the simulator's running
-count while it runs) and ``run_query`` (untrusted, outlasts its 1 s timeout); ``triage`` runs
-``open_ticket`` (fails) and ``crash_worker`` (kills its worker; the module's last test, since
-it leaves one of the two workers). The simulator calls a tool on the first K requests of a job
-(``[sim:tool=NAME/K]``), with arguments that fail the schema where asked (``[sim:bad_args/K]``).
+count while it runs), ``run_query`` (untrusted, outlasts its 1 s timeout) and ``hang`` (never
+returns); ``triage`` runs ``open_ticket`` (fails) and ``crash_worker`` (kills the tool worker's
+process that runs it). The tool tasks run on the local fleet's tool worker (prefork pool, where
+Celery's time limits hold). The simulator calls a tool on the first K requests of a job
+(``[sim:tool=NAME/K]``), N calls at once where asked (``[sim:parallel=N]``), with arguments that
+fail the schema where asked (``[sim:bad_args/K]``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import pytest
 import tomli_w
 
 from fleet.core.codes import Code
-from tests.fleet_harness import FleetProbe, Harness, make_config
+from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
+from tests.tool_tasks import hang_pid_file
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +41,9 @@ def tools_config(tmp: Path) -> Path:
         "search_docs": {"task": "tests.search_docs", "parameters": QUERY, "untrusted": False,
                         "timeout_s": 20},
         "run_query": {"task": "tests.run_query", "timeout_s": 1,
-                      "queue": "fleet.tools.slow"}})
+                      "queue": "fleet.tools.slow"},
+        "hang": {"task": "tests.hang", "timeout_s": 1, "untrusted": False}})
+    data["projects"]["assistant"]["allowed_tools"] += ["hang"]
     data["projects"]["triage"].update(tools="run", allowed_tools=["open_ticket", "crash_worker"],
                                       tool_registry={
         "open_ticket": {"task": "tests.open_ticket", "timeout_s": 20},
@@ -153,20 +158,64 @@ def test_an_untrusted_job_never_runs_tools(fleet: Harness, probe: FleetProbe) ->
 
 
 
+def test_parallel_calls_of_one_answer_run_at_once(fleet: Harness, probe: FleetProbe) -> None:
+    """The model asks for three calls in one answer: three tool tasks, on the tool worker's
+    processes at the same time; the next turn gets the three results."""
+    job = fleet.client.submit(ask("assistant", "Find all three. [sim:tool=search_docs/1] "
+                                  "[sim:parallel=3]", "search_docs"))
+    envelope = fleet.client.result(job, timeout=90)
+    assert envelope is not None and envelope.code == Code.OK, envelope
+    (round_,) = envelope.tool_rounds
+    results = [c["result"] for c in round_["calls"]]
+    assert len(results) == 3 and all(r["ok"] for r in results)
+    assert len({c["id"] for c in round_["calls"]}) == 3
+    # every call started before any other ended: they ran side by side
+    assert max(r["started_at"] for r in results) < min(r["started_at"] + r["duration_s"] for r in results)
+    last = probe.sim_requests(job)[-1]["messages"]
+    assert [m["role"] for m in last[-4:]] == ["assistant", "tool", "tool", "tool"]
+    assert len(last[-4]["tool_calls"]) == 3
+
+
+def test_a_hung_tool_is_killed_at_its_time_limit(fleet: Harness, probe: FleetProbe) -> None:
+    """Before, the waiting side timed out but the tool task ran on for ever, holding a tool
+    worker. Celery's hard time limit (the tool's timeout + 2 s) now kills its process."""
+    pid_file = hang_pid_file(fleet.settings.key_prefix)
+    pid_file.unlink(missing_ok=True)
+    job = fleet.client.submit(ask("assistant", "Wait for it. [sim:tool=hang/1]", "hang"))
+    envelope = fleet.client.result(job, timeout=90)
+    assert envelope is not None and envelope.code == Code.E_TOOL_TIMEOUT, envelope
+    assert "no result within 1 s" in envelope.message
+    pid = int(wait_until(lambda: pid_file.exists() and pid_file.read_text(), 30, "the tool's pid"))
+    wait_until(lambda: not running(pid), 30, "the hung tool's process killed")
+    pid_file.unlink()
+    after = fleet.client.submit(ask("assistant", "Look it up. [sim:tool=search_docs/1]", "search_docs"))
+    envelope = fleet.client.result(after, timeout=90)
+    assert envelope is not None and envelope.code == Code.OK, envelope
+
+
+def running(pid: int) -> bool:
+    """The process exists and is no zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
 def test_a_tool_worker_dying_mid_tool_loses_nothing(fleet: Harness, probe: FleetProbe) -> None:
     """The round's result never comes: at the tool's timeout the job is in line again, the
-    surviving worker runs the next turn, and the model is told (``on_error = "model"``)."""
+    next turn runs, and the model is told (``on_error = "model"``)."""
     job = fleet.client.submit(ask("triage", "File it. [sim:tool=crash_worker/1]", "crash_worker"))
     envelope = fleet.client.result(job, timeout=90)
     assert envelope is not None and envelope.code == Code.OK, envelope
     result = envelope.tool_rounds[0]["calls"][0]["result"]
-    assert result == {"ok": False, "error": "no result within 2 s"}
+    assert result == {"ok": False, "error": "no result within 2 s", "timed_out": True}
     second = probe.sim_requests(job)[1]
     told = second["messages"][-1]
     assert told["role"] == "tool" and "no result within 2 s" in told["content"]
     # crash_worker is untrusted (the default): its result is fenced and turns the tools off
     assert "tools" not in second and second["tool_choice"] == "none"
     assert any("without tools" in w for w in envelope.warnings)
-    dead = [name for name, p in fleet.fleet.children if name.startswith("worker") and p.poll() is not None]
-    assert len(dead) == 1
+    # the tool worker's pool replaced the process; every worker of the fleet still runs
+    assert [name for name, p in fleet.fleet.children if p.poll() is not None] == []
     assert probe.envelope_counts()[job] == 1

@@ -87,6 +87,7 @@ def _workload(client: redis.Redis, prefix: str) -> None:
         grant = store.admit_next(now[0]).grant
         assert grant is not None
         assert store.readmit(grant.job_id, grant.fence, 300, now[0] + 5.0, now[0])
+    assert store.grow(grant.job_id, 50_000)  # a tool result came in while it waits
     assert store.cancel_pending(grant.job_id)  # UNDEFER
     now[0] += 10.0
     store.record_backend(now[0], "", {})

@@ -152,6 +152,29 @@ def test_tool_call_non_streaming_first_tool(client: openai.OpenAI) -> None:
     assert plain.choices[0].finish_reason == "stop" and not plain.choices[0].message.tool_calls
 
 
+def test_parallel_tool_calls_in_one_answer_streamed_and_not(client: openai.OpenAI) -> None:
+    """``[sim:parallel=3]``: three hermes calls in one answer, as vLLM's parser hands them out."""
+    text = user("[sim:think=30] [sim:tool=weather] [sim:parallel=3] weather in three cities?")
+    stream = client.chat.completions.create(model="local", messages=text, tools=TOOLS, stream=True)
+    by_index: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                call = by_index.setdefault(delta.index, {"id": "", "arguments": ""})
+                call["id"] += delta.id or ""
+                call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and sorted(by_index) == [0, 1, 2]
+    assert len({c["id"] for c in by_index.values()}) == 3
+    for call in by_index.values():
+        jsonschema.validate(json.loads(call["arguments"]), TOOLS[1]["function"]["parameters"])
+    full = client.chat.completions.create(model="local", messages=text, tools=TOOLS)
+    calls = full.choices[0].message.tool_calls
+    assert full.choices[0].finish_reason == "tool_calls" and len(calls) == 3
+    assert all(c.function.name == "weather" and json.loads(c.function.arguments) for c in calls)
+
+
 SCHEMA = {
     "type": "object", "additionalProperties": False, "required": ["title", "items", "status"],
     "properties": {

@@ -101,3 +101,25 @@ def test_a_release_takes_the_job_out_of_the_continuations_set(
     again = store.admit_next(1_012.0).grant
     assert again is not None and store.release("j0", again.fence)
     assert redis_client.smembers(members) == set()
+
+
+def test_the_next_turns_prompt_grows_the_item_and_the_store_names_the_turn(
+        make_store: StoreFactory) -> None:
+    """A tool round's conversation and results are prompt the next turn sends: admission counts
+    them (prompt, KV, size, and the uncached tokens the long-prefill rule and the prefill bucket
+    charge); the store keeps the number of the turn it put in line (before, only max_new and KV
+    changed on readmit)."""
+    store = make_store(limits(max_num_seqs=1))
+    store.add_pending(job("j0", uncached_tokens=200))
+    grant = store.admit_next(1_010.0).grant
+    assert grant is not None and store.turn_of("j0") == 0
+    assert store.readmit("j0", grant.fence, 400, 1_050.0, 1_011.0, prompt_tokens=2_500, turn=1)
+    assert store.turn_of("j0") == 1
+    assert store.grow("j0", 12_000)  # a large tool result came in while the job waits
+    assert not store.grow("j0", 11_000)  # an earlier report, out of order: never smaller
+    assert store.promote_due(1_050.0) == ["j0"]
+    assert not store.grow("j0", 13_000)  # in line again: a late result is not counted
+    again = store.admit_next(1_051.0).grant
+    assert again is not None and again.prompt_tokens == 12_000 and again.long
+    assert again.kv_tokens == kv_tokens(12_000, 400, BASE.limits.block_tokens)
+    assert store.turn_of("j0") == 1 and store.snapshot().long_in_flight == 1

@@ -8,21 +8,24 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
+from fleet.core.codes import Code
 from fleet.core.config import ToolSettings
 from fleet.core.keys import Keys
 from fleet.core.seal import seal_turn
 from fleet.infer import tools
+from fleet.infer.carryover import load_attempts
 from fleet.worker.runtime import Runtime
 from fleet.worker.tasks import infer_job, tool_job
 
 from .fleet_harness import make_config
-from .test_continuations import admit, rt, sim, submit
+from .test_continuations import LEASE_TTL_S, admit, envelope, rt, runtime, sim, submit
 
 __all__ = ["rt", "sim"]
 
@@ -119,10 +122,12 @@ def test_a_round_of_parallel_calls_is_put_in_line_when_its_last_result_is_in(rt:
     """Two calls of one round run as two tasks; the job waits (no slot) until both are in."""
     ref = submit(rt, "Sum the invoices. [sim:think=20]")
     fence = admit(rt, ref, time.time())
-    assert rt.store.readmit(ref, fence, 500, time.time() + 100, time.time())  # waits for the tools
+    assert rt.store.readmit(ref, fence, 500, time.time() + 100, time.time(), prompt_tokens=100,
+                            turn=1)  # waits for the tools
     calls = [{"id": i, "name": "search_docs", "arguments": '{"query": "q"}', "error": None}
              for i in ("a", "b")]
-    turn = json.dumps({"tool_rounds": [{"number": 1, "calls": calls}]})
+    turn = json.dumps({"number": 1, "plan": {"prompt_tokens": 100},
+                       "tool_rounds": [{"number": 1, "calls": calls}]})
     rt.results.record(ref, turn=turn, turn_seal=seal_turn(rt.settings, ref, turn))
     tasks = {"tests.search_docs": lambda **kw: {"found": kw["query"]}}
     settings = rt.settings.model_copy(update={"projects": {**rt.settings.projects, "reports":
@@ -138,6 +143,11 @@ def test_a_round_of_parallel_calls_is_put_in_line_when_its_last_result_is_in(rt:
     found = tools.load_results(rt.redis, rt.keys, rt.settings, ref, {"number": 1, "calls": calls})
     assert {k: json.loads(v["content"]) for k, v in found.items()} == {
         "a": {"found": "q"}, "b": {"found": "q"}}
+    # Each result was counted by the backend's tokenizer into the next turn's admission size.
+    each = rt.counter.count_text('{"found": "q"}')[0] + tools.RESULT_FRAMING_TOKENS
+    assert [r["tokens"] for r in found.values()] == [each, each]
+    grant = rt.store.admit_next(time.time()).grant
+    assert grant is not None and grant.prompt_tokens == 100 + 2 * each
 
 
 @pytest.mark.parametrize(("role_runs_tools", "known"), [(False, False), (True, True)])
@@ -155,3 +165,94 @@ def test_only_a_worker_that_runs_tools_knows_the_tool_tasks(tmp_path: Path, role
                           capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(known), "True"]  # the fleet's own fleet.tool checks the seal
+
+
+# -- a whole round in one process: the inference task, the tool task, the next turn --------------
+BIG_RESULT = "invoice " * 2400  # below MAX_RESULT_CHARS
+
+
+@pytest.fixture
+def tool_rt(sim: str, key_prefix: str, redis_client: redis.Redis) -> Iterator[Runtime]:
+    """Project ``reports`` runs ``search_docs`` (trusted); the backend's max_model_len leaves a
+    prompt of at most 3600 tokens next to max_tokens 400."""
+    yield from runtime(sim, key_prefix, backend={"max_model_len": 4000}, reports={
+        "tools": "run", "allowed_tools": ["search_docs"], "thinking_budget": 200,
+        "content_reserve": 200, "tool_registry": {"search_docs": {
+            "task": "tests.search_docs", "parameters": QUERY, "untrusted": False,
+            "timeout_s": 30}}})
+
+
+class Sent:
+    """The inference worker's send_task: records the tool tasks it sends."""
+
+    def __init__(self) -> None:
+        self.tasks: list[dict[str, Any]] = []
+
+    def __call__(self, name: str, kwargs: dict[str, Any], **options: Any) -> None:
+        self.tasks.append({"name": name, **kwargs, **options})
+
+
+def submit_asking(rt: Runtime, text: str) -> str:
+    return submit(rt, text, tools=[{"type": "function", "function": {"name": "search_docs"}}],
+                  tool_choice="auto")
+
+
+def run_sent_tools(rt: Runtime, sent: Sent, tasks: dict[str, Any]) -> None:
+    for task in sent.tasks:
+        assert tool_job(rt, tasks, task["ref"], task["round_number"], task["call_id"]) == "ok"
+    sent.tasks.clear()
+
+
+def test_a_large_tool_result_is_admitted_as_prompt_and_one_too_large_ends_e_prompt_too_long(
+        tool_rt: Runtime) -> None:
+    """Before, readmit changed only max_new and KV: a tool result entered the next turn's
+    prompt uncounted (admission reserved KV for the first prompt only, and an estimate of
+    3 characters a token sized the conversation)."""
+    rt, sent = tool_rt, Sent()
+    rt.send_task = sent
+    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1]")
+    first = rt.store.admit_next(time.time()).grant
+    assert first is not None
+    assert infer_job(rt, ref, "reports", first.fence) == "continued"
+    assert [t["soft_time_limit"] for t in sent.tasks] == [30]
+    readmitted = json.loads(rt.results.job_record(ref)["turn"])["plan"]["prompt_tokens"]
+    assert readmitted > first.prompt_tokens  # the conversation: the assistant's call
+    run_sent_tools(rt, sent, {"tests.search_docs": lambda **kw: BIG_RESULT})
+    grown = readmitted + rt.counter.count_text(BIG_RESULT)[0] + tools.RESULT_FRAMING_TOKENS
+    assert rt.store.promote_due(time.time()) == [ref]  # the round is complete: in line now
+    again = rt.store.admit_next(time.time()).grant
+    assert again is not None and again.prompt_tokens == grown > 3600
+    # Admitted (nothing else runs), the turn counts its whole prompt before it sends anything.
+    assert infer_job(rt, ref, "reports", again.fence) == "E_PROMPT_TOO_LONG"
+    final = envelope(rt, ref)
+    assert final is not None and "max_model_len 4000" in final.message
+    assert len(load_attempts(rt.redis, rt.keys, ref)) == 1  # the second request was not sent
+
+
+def test_a_round_whose_tasks_were_never_sent_is_sent_again_not_timed_out(
+        tool_rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis fails at readmit, after the round was saved: the tool tasks never left. Before, the
+    job came back when its lease expired and ended E_TOOL_TIMEOUT although no tool ran."""
+    rt, sent = tool_rt, Sent()
+    rt.send_task = sent
+    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1] [sim:think=30]")
+
+    def blip(*_args: Any, **_kwargs: Any) -> bool:
+        raise redis.ConnectionError("simulated blip")
+
+    monkeypatch.setattr(rt.store, "readmit", blip)
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "readmit-failed"
+    monkeypatch.undo()
+    assert sent.tasks == []
+    later = time.time() + LEASE_TTL_S + 1
+    assert rt.store.reap_expired(later) == [ref]
+    assert infer_job(rt, ref, "reports", admit(rt, ref, later)) == "continued"
+    assert len(sent.tasks) == 1
+    run_sent_tools(rt, sent, {"tests.search_docs": lambda **kw: "invoice-2024-03.pdf"})
+    assert rt.store.promote_due(time.time()) == [ref]
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "OK"
+    final = envelope(rt, ref)
+    assert final is not None and final.code == Code.OK
+    (round_,) = final.tool_rounds
+    assert round_["sends"] == 2 and round_["calls"][0]["result"]["ok"]
+    assert any("were not sent: sent again" in w for w in final.warnings)

@@ -3,18 +3,23 @@ this module (``tool_imports``), which registers them as Celery tasks.
 
 ``search_docs`` sleeps ``SEARCH_SLEEP_S`` and reports how many sequences the simulator runs right
 then: the proof that the job's inference slot is free while its tool runs. ``run_query`` outlasts
-its timeout, ``open_ticket`` fails, ``crash_worker`` kills the worker that runs it.
+its timeout, ``open_ticket`` fails, ``crash_worker`` kills the worker process that runs it, ``hang``
+hangs past its timeout whatever it is told (only Celery's hard time limit stops it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 from celery import shared_task
+from celery.exceptions import SoftTimeLimitExceeded
 
 SEARCH_SLEEP_S = 0.5
 
@@ -43,3 +48,17 @@ def crash_worker(**arguments: Any) -> str:
     time.sleep(0.2)
     os.kill(os.getpid(), signal.SIGKILL)
     return "never"
+
+
+def hang_pid_file(key_prefix: str) -> Path:
+    """Where ``hang`` writes the pid of the process it runs in (one file per test fleet)."""
+    return Path(tempfile.gettempdir()) / f"fleet-hang-{key_prefix.strip(':')}.pid"
+
+
+@shared_task(name="tests.hang")
+def hang(**arguments: Any) -> str:
+    """Never returns and swallows the soft time limit, as a tool stuck in a C call would."""
+    hang_pid_file(os.environ["FLEET_KEY_PREFIX"]).write_text(str(os.getpid()))
+    while True:
+        with contextlib.suppress(SoftTimeLimitExceeded):
+            time.sleep(60)

@@ -39,6 +39,7 @@ from fleet.bench.fleetbench import (
     codes,
     short_mix,
 )
+from fleet.local.processes import TOOL_PROCESSES
 
 SCENARIOS = ("retries", "fair3", "tools")
 TOOL = {"type": "function", "function": {"name": "bench_sleep", "parameters": {"type": "object"}}}
@@ -190,8 +191,9 @@ def continuation_bench(redis_url: str, speed: float = 5.0, jobs: int = 300, thin
                        only: tuple[str, ...] = SCENARIOS) -> list[Row]:
     rows: list[Row] = []
     with FleetBench(redis_url, speed, configure=configure) as fb:
-        rows.append(("setup", "fleet", f"sim --speed {speed:g}, 2 Celery workers, 1 dispatcher, "
-                     f"cap {fb.cap}, backoff U(0, 0.5 s x 2^n) up to 2 s", "", ""))
+        rows.append(("setup", "fleet", f"sim --speed {speed:g}, 2 Celery workers, 1 tool worker "
+                     f"(prefork, {TOOL_PROCESSES} processes), 1 dispatcher, cap {fb.cap}, "
+                     f"backoff U(0, 0.5 s x 2^n) up to 2 s", "", ""))
         for name in only:
             if name == "retries":
                 rows += retries(fb, jobs, think, answer)

@@ -56,12 +56,13 @@ def setup_logging(level: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def preflight_or_exit(role: str) -> None:
-    """Stop before taking work when a module the role needs cannot be imported (see preflight.py)."""
+def preflight_or_exit(*roles: str) -> None:
+    """Stop before taking work when a module a role needs cannot be imported (see preflight.py)."""
     from fleet.worker.preflight import check
 
     try:
-        check(role)
+        for role in roles:
+            check(role)
     except DependencyMissing as exc:
         typer.echo(f"{exc.code.value} {exc.message}", err=True)  # one line: rich would wrap it
         raise typer.Exit(3) from exc
@@ -153,7 +154,8 @@ def broker_or_exit(role: str, settings: Settings) -> None:
 @app.command()
 def worker(
     role: Annotated[str, typer.Option(
-        help="all | prep | collect | infer | tools: which queues to consume")] = "all",
+        help="all | prep | collect | infer | tools, or several joined by commas "
+             "(infer,prep,collect): which queues to consume")] = "all",
     concurrency: Annotated[int, typer.Option(help="threads (or processes) in this worker")] = 40,
     pool: Annotated[str, typer.Option(help="threads (inference: one thread per stream) or "
                                            "prefork (CPU-bound prep at scale)")] = "threads",
@@ -171,23 +173,24 @@ def worker(
 
     settings = settings_or_exit()
     setup_logging(log_level)
+    roles = {"infer", "prep", "collect", "tools"} if role == "all" else set(role.split(","))
     queues = []
-    if role in ("all", "infer"):
+    if "infer" in roles:
         queues.append(INFER_QUEUE)
-    if role in ("all", "prep"):
+    if "prep" in roles:
         queues += prep_queues(settings)
-    if role in ("all", "collect"):
+    if "collect" in roles:
         queues += collect_queues(settings)
-    if role in ("all", "tools"):
+    if "tools" in roles:
         queues += tool_queues(settings)
-    if not queues:
-        raise typer.BadParameter("role must be all, prep, collect, infer or tools (tools: no "
-                                 "project runs tools)")
-    preflight_or_exit(role)
+    if not queues or not roles <= {"infer", "prep", "collect", "tools"}:
+        raise typer.BadParameter("role must be all, prep, collect, infer or tools, or several "
+                                 "joined by commas (tools: no project runs tools)")
+    preflight_or_exit(*sorted(roles))
     broker_or_exit("worker", settings)  # a refusal first: then it is the only line printed
     secrets_or_exit("worker", settings)
     workers_key_or_exit(settings)
-    worker_app(settings, tools=role in ("all", "tools")).worker_main([
+    worker_app(settings, tools="tools" in roles).worker_main([
         "worker", "-Q", ",".join(queues), "-P", pool, "-c", str(concurrency), "-E",
         "-n", hostname, "--loglevel", log_level, "--without-mingle", "--without-gossip",
     ])

@@ -24,7 +24,10 @@ signed message and digest) are information or are checked on their own.
 Turn seal: a job between two model turns (a continuation, fleet/infer/attempts.py) keeps the
 state of its next turn in the job hash (``turn``) with ``turn_seal`` = HMAC-SHA256 over
     "fleet-turn-v1\n" + ref + "\n" + turn JSON
-under the same key; a turn that does not verify runs nothing (E_AUTH), like a bad seal.
+under the same key; a turn that does not verify runs nothing (E_AUTH), like a bad seal. The seal
+binds a turn to its job, not to its position: the producer may write its own job hash, so the
+turn carries its number and the inference worker also checks it against the number the
+dispatcher store keeps (fleet/worker/tasks.py ``_current_turn``), which only the fleet writes.
 
 Cancel requests: ``{p}cancel:{<ref>}`` holds a request signed with the project's own secret
 (fleet/core/signing.py, job ``{"cancel": <id>, "project": <project>}``); the workers that act on it

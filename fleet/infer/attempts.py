@@ -5,8 +5,10 @@ The inference task (fleet/worker/tasks.py) holds the lease and calls
 renews the lease and sets ``ctx.cancel`` when the job is cancelled or the lease is lost. The turn
 ends with a final ``Envelope`` or a ``Continuation``: the job needs another turn (a retry, a
 re-ask, a backend outage), and the continuation carries everything that turn needs (``turn``:
-the grown plan, the carry-over and re-ask notes, the retry counters, the warnings) and when it
-may start (``not_before``: the backoff). The task saves the turn, gives its lease up and the job
+its number, the grown plan, the carry-over and re-ask notes, the retry and tool counters, the
+warnings), its admission size (``max_tokens`` and ``prompt_tokens``: the plan's prompt grown by
+the tool rounds' conversation, counted with ``ctx.count_prompt``) and when it may start
+(``not_before``: the backoff). The task saves the turn, gives its lease up and the job
 re-enters admission (schedulers/store/base.py, Continuations): no backoff ever holds a slot, and
 the next turn's plan is admitted like any job's. ``run_inference`` never raises: an unexpected
 exception becomes ``E_INTERNAL`` with a log line.
@@ -62,7 +64,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
@@ -104,8 +106,14 @@ class InferenceContext:
     emit_interval_s: float = EMIT_INTERVAL_S
     # The untrusted-data fence tag prep counted the prompt with (None: draw a new one).
     fence_tag: str | None = None
+    # Prompt tokens of a request's (messages, tools) and whether the count is exact: the worker's
+    # token counter (the backend's /tokenize, fleet/prep/tokens.py). None: CHARS_PER_TOKEN_ESTIMATE.
+    count_prompt: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], tuple[int, bool]] | None = None
 
 
+# Without a token counter (the in-process benchmark) a prompt is estimated from its JSON size,
+# about 3 characters a token: long for prose, so on the safe side of a fit check.
+CHARS_PER_TOKEN_ESTIMATE = 3
 OUTAGE_CODES = frozenset({Code.E_UPSTREAM_UNAVAILABLE, Code.E_CONNECT_TIMEOUT})
 
 
@@ -116,7 +124,8 @@ class Continuation:
     turn: dict[str, Any]  # JSON-able; the task saves it sealed in the job record
     not_before: float  # unix seconds
     delay_s: float
-    max_tokens: int  # of the next turn's plan: its admission size
+    max_tokens: int  # of the next turn's plan: its admission size, with prompt_tokens
+    prompt_tokens: int  # of the next turn: the plan's prompt and the conversation so far
     how: str  # "carry" | "budget" | "reserve" | "reask" | "backoff" | "outage" | "tool"
     cause: Code
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # "tool": the calls to run
@@ -226,6 +235,7 @@ class _Run:
         self.budget = RetryBudget(ctx.redis, ctx.keys, job.project, self.s.retry.budget_ratio,
                                   clock=ctx.clock)
         self.first_token_s: float | None = None
+        self.number = 0  # of this turn: 0 the first, then one more per continuation
         self.earlier: list[Attempt] = []
         self.previous = self._load_history()
 
@@ -250,12 +260,15 @@ class _Run:
 
     def resume(self, turn: dict[str, Any]) -> None:
         """Continue from the state the previous turn handed over (``Continuation.turn``)."""
+        self.number = turn["number"]
         self.plan = Plan(**turn["plan"])
         for name in self.TURN_FIELDS:
             setattr(self, name, turn[name])
 
     def turn(self) -> dict[str, Any]:
-        return {"plan": dict(self.plan.__dict__),
+        """The next turn's state; ``number`` counts the turns (this one's + 1): the store keeps
+        the number of the turn it put in line, so an earlier turn cannot be run again."""
+        return {"number": self.number + 1, "plan": dict(self.plan.__dict__),
                 **{name: getattr(self, name) for name in self.TURN_FIELDS}}
 
     def _record(self, attempt: Attempt, conclusions: list[str]) -> None:
@@ -267,7 +280,12 @@ class _Run:
     def run(self) -> Envelope | Continuation:
         if self.previous == 0:
             self.budget.first_attempt()
-        stop = self._stop_before_attempt() or self._finish_tool_round()
+        stop = self._stop_before_attempt()
+        if stop is None:
+            unsent = self._unsent_round()
+            if unsent is not None:
+                return unsent
+            stop = self._finish_tool_round()
         if stop is not None:
             return self._envelope(stop)
         outcome = self._attempt(self.previous + 1)
@@ -283,12 +301,19 @@ class _Run:
 
     def _continuation(self, delay_s: float, how: str, cause: Code,
                       calls: list[dict[str, Any]] | None = None) -> Continuation:
-        # Admission sizes the next turn by the planned prompt and max tokens; the conversation
-        # the tool rounds added is counted with it (about 3 characters a token).
-        grown = len(json.dumps(self.conversation)) // 3 if self.conversation else 0
         return Continuation(turn=self.turn(), not_before=self.ctx.clock() + delay_s,
-                            delay_s=delay_s, max_tokens=self.plan.max_tokens + grown, how=how,
-                            cause=cause, tool_calls=calls or [])
+                            delay_s=delay_s, max_tokens=self.plan.max_tokens,
+                            prompt_tokens=self.plan.prompt_tokens, how=how, cause=cause,
+                            tool_calls=calls or [])
+
+    def _count_prompt(self, extra: list[dict[str, Any]]) -> int:
+        """Prompt tokens of this turn's request with ``extra`` messages appended (exact when the
+        worker's counter reaches the backend, else its estimate)."""
+        messages = self._messages() + extra
+        tools = None if self.tools_off else self.tools
+        if self.ctx.count_prompt is not None:
+            return self.ctx.count_prompt(messages, tools)[0]
+        return len(json.dumps([messages, tools])) // CHARS_PER_TOKEN_ESTIMATE
 
     # -- tool rounds (fleet/infer/tools.py) -----------------------------------------------------
     def _tool_round(self, outcome: _Outcome) -> Envelope | Continuation:
@@ -308,11 +333,35 @@ class _Run:
         self.ctx.events.emit("tool_round", number=round_["number"],
                              calls=[c.name for c in calls], invalid=len(invalid),
                              timeout_s=round_["timeout_s"])
-        run = [{"id": c.id, "name": c.name, "arguments": c.arguments,
-                "task": self.registry[c.name].task,
-                "queue": self.registry[c.name].queue_for(self.job.project)}
-               for c in calls if c.error is None]
-        return self._continuation(round_["timeout_s"], "tool", Code.OK, run)
+        # Admission sizes the next turn by its prompt: this one's and the calls (each result is
+        # added by its tool worker as it comes in, ``store.grow``).
+        self.plan = replace(self.plan, prompt_tokens=self._count_prompt([tools_mod.call_message(round_)]))
+        return self._continuation(round_["timeout_s"], "tool", Code.OK, self._tasks(round_))
+
+    def _tasks(self, round_: dict[str, Any]) -> list[dict[str, Any]]:
+        """The ``fleet.tool`` tasks of a round's valid calls: where each goes, its time limits."""
+        return [tools_mod.task_of(c, self.registry[c["name"]], self.job.project)
+                for c in round_["calls"] if c["error"] is None]
+
+    def _unsent_round(self) -> Continuation | Envelope | None:
+        """At the start of the turn after a tool round whose tasks were never sent (the worker
+        lost Redis or died between saving the round and sending them; the job came back when
+        its lease expired): send them now and wait for the round again, at most
+        ``MAX_ROUND_SENDS`` times. Without this the round would count as timed out although no
+        tool ever ran."""
+        pending = self.tool_rounds[-1] if self.tool_rounds else None
+        if pending is None or "duration_s" in pending or not self._tasks(pending):
+            return None
+        ref = job_ref(self.job.project, self.job.id)
+        if tools_mod.was_sent(self.ctx.redis, self.ctx.keys, ref, pending["number"]):
+            return None
+        sends = pending.get("sends", 1)
+        if sends >= tools_mod.MAX_ROUND_SENDS:
+            return self._envelope(_Outcome(Code.E_BROKER_UNAVAILABLE, f"the tool tasks of round "
+                                           f"{pending['number']} could not be sent ({sends} tries)"))
+        pending.update(sends=sends + 1, started_at=self.ctx.clock())
+        self.warnings.append(f"the tool tasks of round {pending['number']} were not sent: sent again")
+        return self._continuation(pending["timeout_s"], "tool", Code.OK, self._tasks(pending))
 
     def _finish_tool_round(self) -> _Outcome | None:
         """At the start of the turn after a tool round: its results become the tool messages."""
@@ -331,6 +380,12 @@ class _Run:
         if done.untrusted and not self.tools_off:
             self.tools_off = True
             self.warnings.append("an untrusted tool result came in: later turns go out without tools")
+        self.plan = replace(self.plan, prompt_tokens=self._count_prompt([]))
+        if self.plan.prompt_tokens + self.plan.max_tokens > self.plan.max_model_len:
+            return _Outcome(Code.E_PROMPT_TOO_LONG, f"with the results of tool round "
+                            f"{pending['number']} the prompt is {self.plan.prompt_tokens} tokens: "
+                            f"with max_tokens {self.plan.max_tokens} it passes max_model_len "
+                            f"{self.plan.max_model_len}")
         return None
 
     def _stop_before_attempt(self) -> _Outcome | None:
@@ -350,14 +405,17 @@ class _Run:
             base = int(hashlib.sha256(self.job.id.encode()).hexdigest()[:8], 16)
         return (base + (number - 1) * 1_000_003) % (2**31)
 
-    def _body(self, number: int, seed: int, temperature: float) -> dict[str, Any]:
+    def _messages(self) -> list[dict[str, Any]]:
+        """The request's messages: the job's, the retry notes, the tool rounds' conversation."""
         messages = self.messages
         for note in (self.carry_note, self.reask_note):
             if note:
                 messages = carryover.with_note(messages, note)
-        messages = messages + self.conversation
+        return messages + self.conversation
+
+    def _body(self, number: int, seed: int, temperature: float) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "messages": messages,
+            "messages": self._messages(),
             "max_completion_tokens": self.plan.max_tokens,
             "thinking_token_budget": self.plan.thinking_budget,
             "stream": True,

@@ -16,25 +16,39 @@ One round, across processes::
     than ``max_tool_rounds`` rounds -> E_TOOL_FAILED.
     -> the round (calls, checks) is saved in the sealed turn state, ``readmit`` gives the slot up
        with a not-before time of now + the longest timeout of the round's tools (deferred: the
-       job waits in the store, no slot), then one ``fleet.tool`` task per valid call goes to the
-       tool's queue (all at once: they run in parallel).
-  tool worker (``fleet worker --role tools``, imports ``tool_imports``)
+       job waits in the store, no slot) and the next turn's prompt so far (the conversation and
+       the calls, counted by the worker's token counter); the round is marked sent
+       (``sent:<round>`` in the results hash), then one ``fleet.tool`` task per valid call goes
+       to the tool's queue (all at once: they run in parallel) under Celery's time limits, soft
+       at the tool's timeout, hard ``KILL_GRACE_S`` later (enforced by the prefork pool only).
+  tool worker (``fleet worker --role tools --pool prefork``, imports ``tool_imports``)
     ``fleet.tool`` checks that the sealed turn of the job names this very call, runs the
-    registered Celery task in-process (``task(**arguments)``), and stores the result or the
-    error, sealed, in ``{p}tools:{<ref>}`` (field ``<round>:<call id>``). The last result of a
-    round moves the job's not-before time to now (``store.hurry``): it is put in line at once.
+    registered Celery task in-process (``task(**arguments)``; the soft limit inside it is a
+    timeout), and stores the result or the error, sealed, in ``{p}tools:{<ref>}`` (field
+    ``<round>:<call id>``) with its size in tokens (the backend's tokenizer and
+    ``RESULT_FRAMING_TOKENS``); the waiting job's admission size grows to the turn's prompt and
+    the results in so far (``store.grow``: never smaller, so two workers may report in any
+    order). The last result of a round moves the job's not-before time to now
+    (``store.hurry``): it is put in line at once.
   inference worker (turn N+1, admitted like any continuation)
     reads the round's results; a missing one is a timeout: E_TOOL_TIMEOUT, a failed one
     E_TOOL_FAILED, or either goes back to the model as the tool's result (``on_error = "model"``).
     The assistant message with the calls and one ``tool`` message per call are appended to the
-    conversation; an untrusted tool's result is fenced like any untrusted material, and the
-    job's later turns go out without tools (so untrusted text can never steer a tool call).
+    conversation, and the whole prompt is counted: past ``max_model_len`` with the plan's max
+    tokens it ends E_PROMPT_TOO_LONG before sending. An untrusted tool's result is fenced like any
+    untrusted material, and the job's later turns go out without tools (so untrusted text can
+    never steer a tool call).
 
-Failure cases: a tool worker that dies mid-tool (or a lost task) leaves the result missing; the
-job's not-before time comes, the next turn runs and the call counts as timed out - nothing waits
-for ever and exactly one envelope is published. An inference worker that dies after saving the
-round and before sending the tasks is the same case. A tool task may run twice (broker
-redelivery): the result is written by call id, the last write wins, the turn reads one.
+Failure cases: a tool worker that dies mid-tool (or a lost task, or a tool killed at its hard
+time limit) leaves the result missing; the job's not-before time comes, the next turn runs and
+the call counts as timed out - nothing waits for ever and exactly one envelope is published. A
+round whose tasks never left (``readmit`` failed after the round was saved and the job came
+back through its lease, or the worker died before sending) is not marked sent: the next turn
+sends it again (at most ``MAX_ROUND_SENDS`` times, then E_BROKER_UNAVAILABLE) instead of
+calling tools that never ran timed out. A task the broker refuses is a failed call saying so. A
+tool task may run twice (broker redelivery): the result is written by call id, the last write
+wins, the turn reads one. A result that comes in after its round's timeout (the job already in
+line) is read but not counted in that turn's admission size.
 The envelope's ``tool_rounds`` lists every round: its calls (name, arguments, the check's error),
 their results (ok, content or error, started_at, duration_s) and the round's duration.
 """
@@ -47,6 +61,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis
+from celery.exceptions import SoftTimeLimitExceeded
 from jsonschema.exceptions import best_match
 
 from fleet.core.config import ProjectSettings, Settings, ToolSettings
@@ -57,6 +72,13 @@ from fleet.core.seal import seal_turn
 
 TOOL_TASK = "fleet.tool"
 MAX_RESULT_CHARS = 20_000
+# Counted with each result's text: its message's framing in the chat template and the markers of
+# an untrusted tool's fence (an allowance: the text itself is counted by the backend's tokenizer).
+RESULT_FRAMING_TOKENS = 32
+# A tool task still running this long after its timeout is killed (Celery's hard time limit).
+KILL_GRACE_S = 2.0
+# Sends of a round whose tasks never left (the worker lost Redis between saving and sending).
+MAX_ROUND_SENDS = 3
 
 
 def registered(project: ProjectSettings, names: list[str]) -> tuple[dict[str, ToolSettings], list[str]]:
@@ -123,6 +145,13 @@ def new_round(number: int, calls: list[Call], tools: dict[str, ToolSettings], no
             "timeout_s": max((tools[c.name].timeout_s for c in run), default=0.0)}
 
 
+def task_of(call: dict[str, Any], tool: ToolSettings, project: str) -> dict[str, Any]:
+    """What the inference worker sends for one valid call: the task runs under Celery's time
+    limits, soft at the tool's timeout, hard ``KILL_GRACE_S`` later (prefork pool only)."""
+    return {"id": call["id"], "name": call["name"], "queue": tool.queue_for(project),
+            "timeout_s": tool.timeout_s, "time_limit_s": tool.timeout_s + KILL_GRACE_S}
+
+
 # -- results (written by the tool worker, read by the next turn) -------------------------------
 def result_field(round_number: int, call_id: str) -> str:
     return f"{round_number}:{call_id}"
@@ -141,6 +170,23 @@ def save_result(client: redis.Redis, keys: Keys, settings: Settings, ref: str, r
     fields = pipe.execute()[2]
     prefix = f"{round_number}:".encode()
     return sum(1 for f in fields if (f if isinstance(f, bytes) else f.encode()).startswith(prefix))
+
+
+def sent_field(round_number: int) -> str:
+    """The round's mark in the results hash (call ids' fields start with the round's number)."""
+    return f"sent:{round_number}"
+
+
+def mark_sent(client: redis.Redis, keys: Keys, settings: Settings, ref: str, round_number: int) -> None:
+    """The round's tasks are being sent (written just before them)."""
+    pipe = client.pipeline()
+    pipe.hset(keys.tools(ref), sent_field(round_number), "1")
+    pipe.expire(keys.tools(ref), settings.result_ttl_s)
+    pipe.execute()
+
+
+def was_sent(client: redis.Redis, keys: Keys, ref: str, round_number: int) -> bool:
+    return bool(client.hexists(keys.tools(ref), sent_field(round_number)))
 
 
 def load_results(client: redis.Redis, keys: Keys, settings: Settings, ref: str,
@@ -163,6 +209,23 @@ def load_results(client: redis.Redis, keys: Keys, settings: Settings, ref: str,
     return found
 
 
+def counted_text(result: dict[str, Any]) -> str:
+    """What the model will read of a result (before an untrusted tool's fence)."""
+    if result.get("ok"):
+        return result_text(result.get("content"))
+    return f"The tool failed: {result.get('error')}"
+
+
+def next_prompt_tokens(turn: dict[str, Any], results: dict[str, dict[str, Any]]) -> int:
+    """The next turn's prompt once ``results`` are in: the prompt the round was readmitted with
+    (the conversation and the calls) and each result's ``tokens``."""
+    return int(turn["plan"]["prompt_tokens"]) + sum(int(r.get("tokens") or 0) for r in results.values())
+
+
+def timeout_error(timeout_s: float) -> str:
+    return f"no result within {timeout_s:g} s"
+
+
 def result_text(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     return text[:MAX_RESULT_CHARS]
@@ -177,13 +240,18 @@ class Outcome:
     failure: tuple[str, str] | None = None  # (code name, cause)
 
 
+def call_message(round_: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message of a round: its calls, as the model made them."""
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": c["id"], "type": "function",
+         "function": {"name": c["name"], "arguments": c["arguments"]}} for c in round_["calls"]]}
+
+
 def finish_round(round_: dict[str, Any], results: dict[str, dict[str, Any]],
                  tools: dict[str, ToolSettings], fence_tag: str, now: float) -> Outcome:
     """The tool messages of a round whose results are in (or whose time is up); records each
     call's result in ``round_`` (for the envelope)."""
-    messages: list[dict[str, Any]] = [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": c["id"], "type": "function",
-         "function": {"name": c["name"], "arguments": c["arguments"]}} for c in round_["calls"]]}]
+    messages: list[dict[str, Any]] = [call_message(round_)]
     untrusted, failure = False, None
     for call in round_["calls"]:
         tool = tools.get(call["name"])
@@ -193,10 +261,8 @@ def finish_round(round_: dict[str, Any], results: dict[str, dict[str, Any]],
             assert tool is not None
             result = results.get(call["id"])
             if result is None:
-                result = {"ok": False, "error": f"no result within {tool.timeout_s:g} s"}
-                code = "E_TOOL_TIMEOUT"
-            else:
-                code = "E_TOOL_FAILED"
+                result = {"ok": False, "error": timeout_error(tool.timeout_s), "timed_out": True}
+            code = "E_TOOL_TIMEOUT" if result.get("timed_out") else "E_TOOL_FAILED"
             call["result"] = result
             if not result.get("ok"):
                 if tool.on_error == "fail" and failure is None:
@@ -212,11 +278,15 @@ def finish_round(round_: dict[str, Any], results: dict[str, dict[str, Any]],
     return Outcome(messages, untrusted, failure)
 
 
-def run_tool(task: Any, arguments: str) -> dict[str, Any]:
-    """Run a registered tool task in this process; its result or error as stored."""
+def run_tool(task: Any, arguments: str, timeout_s: float) -> dict[str, Any]:
+    """Run a registered tool task in this process; its result or error as stored. Celery's
+    soft time limit (at ``timeout_s``) raises inside the tool: a timeout, not a failure."""
     started_at, started = time.time(), time.monotonic()
     try:
         value = task(**json.loads(arguments or "{}"))
+    except SoftTimeLimitExceeded:
+        return {"ok": False, "error": timeout_error(timeout_s), "timed_out": True,
+                "started_at": started_at, "duration_s": round(time.monotonic() - started, 3)}
     except Exception as exc:  # the tool's own failure: reported, never the worker's
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
                 "started_at": started_at, "duration_s": round(time.monotonic() - started, 3)}

@@ -3,7 +3,9 @@
 ``LocalFleet`` brings up, in order: the broker (a private redis-server when ``private_broker`` is
 set, else fleet/local/embedded.py decides: configured, answering or a private one), ``fleet sim``
 when no ``FLEET_BACKEND_URL`` is set, the dispatchers, the workers and (with ``gateway_port``)
-``fleet gateway``, each as a child process
+``fleet gateway``, each as a child process. When a project runs tools, the workers leave the tool
+queues to one more worker, ``tools``, on the prefork pool: only there do the tool tasks' Celery
+time limits hold (a hung tool is killed, docs/tools.md)
 that inherits ``FLEET_BROKER_URL`` / ``FLEET_BACKEND_URL`` so all of them agree on where things
 are. (In production the Procfile runs the same commands under honcho.) A broker it started itself
 (or any broker, for ``local_broker``: ``fleet demo``) is also named in ``FLEET_LOCAL_BROKER``, so
@@ -96,6 +98,9 @@ class Stopped(Exception):
         self.signum = signum
 
 
+TOOL_PROCESSES = 4  # the local tool worker's prefork processes: tool calls run at once
+
+
 @dataclass
 class LocalFleet:
     settings: Settings
@@ -147,10 +152,17 @@ class LocalFleet:
         for n in range(self.dispatchers):
             extra = {} if n == 0 else {"FLEET_ADMISSION_METRICS_PORT": "0"}
             self.spawn(f"dispatcher-{n}", ["dispatcher", "--log-level", self.log_level], extra)
+        tools = self._runs_tools()
         for n in range(self.workers):
-            self.spawn(f"worker-{n}", ["worker", "--concurrency", str(self.worker_concurrency),
+            role = ["--role", "infer,prep,collect"] if tools else []
+            self.spawn(f"worker-{n}", ["worker", *role, "--concurrency", str(self.worker_concurrency),
                                        "--hostname", f"fleet-{n}-{os.getpid()}@%h",
                                        "--log-level", self.log_level])
+        if tools:
+            self.spawn("tools", ["worker", "--role", "tools", "--pool", "prefork",
+                                 "--concurrency", str(TOOL_PROCESSES),
+                                 "--hostname", f"fleet-tools-{os.getpid()}@%h",
+                                 "--log-level", self.log_level])
         if self.gateway_port is not None:
             self.spawn("gateway", ["gateway", "--port", str(self.gateway_port),
                                    "--log-level", self.log_level])
@@ -159,6 +171,11 @@ class LocalFleet:
                       alive=lambda: process.poll() is None)
             if process.poll() is not None:
                 raise self._exited("gateway", process)
+
+    def _runs_tools(self) -> bool:
+        from fleet.worker.app import tool_queues
+
+        return bool(tool_queues(self.settings))
 
     def _start_sim(self) -> None:
         port = free_port()

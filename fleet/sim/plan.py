@@ -77,7 +77,7 @@ class OutputPlan:
     segments: list[tuple[str, int, PieceStream]]
     reasoning_tokens: int
     finish_reason: str
-    tool_call: ToolCall | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # in the order they are written
     stall_at: int | None = None
     break_at: int | None = None  # drop / error_event position (tokens)
 
@@ -88,29 +88,35 @@ class OutputPlan:
 
 def _content_pieces(
     shape: RequestShape, scenario: Scenario, rng: random.Random, dist: LengthDistribution
-) -> tuple[list[tuple[str, list[str]]] | PieceStream, int, ToolCall | None]:
+) -> tuple[list[tuple[str, list[str]]] | PieceStream, int, list[ToolCall]]:
     """The answer as (kind, pieces) parts, or a prose stream and its length."""
     if scenario.has("empty"):
-        return [], 0, None
+        return [], 0, []
     if shape.tool is not None:
         fn = shape.tool.get("function", shape.tool)
-        # bad_args: arguments that fail any object schema (a JSON array), as a confused model's
-        arguments = "[]" if scenario.has("bad_args") else generate_json(fn.get("parameters", {}), rng)
-        call = ToolCall(str(fn.get("name", "tool")), arguments)
-        head = split_pieces(f'<tool_call>\n{{"name": "{call.name}", "arguments": ')
-        tail = split_pieces("}\n</tool_call>")
-        parts = [(HIDDEN, head[:-1]), (TOOL_START, head[-1:]),
-                 (TOOL_ARGS, split_pieces(call.arguments)), (HIDDEN, tail)]
-        return parts, sum(len(p) for _, p in parts), call
+        calls: list[ToolCall] = []
+        parts: list[tuple[str, list[str]]] = []
+        # parallel=N: N hermes <tool_call> blocks in one answer (one TOOL_START each)
+        for _ in range(max(1, scenario.integer("parallel") or 1)):
+            # bad_args: arguments that fail any object schema (a JSON array), as a confused model's
+            arguments = "[]" if scenario.has("bad_args") else generate_json(fn.get("parameters", {}), rng)
+            call = ToolCall(str(fn.get("name", "tool")), arguments)
+            opening = "\n<tool_call>" if calls else "<tool_call>"  # blocks one per line
+            head = split_pieces(f'{opening}\n{{"name": "{call.name}", "arguments": ')
+            tail = split_pieces("}\n</tool_call>")
+            parts += [(HIDDEN, head[:-1]), (TOOL_START, head[-1:]),
+                      (TOOL_ARGS, split_pieces(call.arguments)), (HIDDEN, tail)]
+            calls.append(call)
+        return parts, sum(len(p) for _, p in parts), calls
     text = _json_text(shape.response_format, rng)
     if scenario.has("bad_json"):
         text = _break_json(text if text is not None else generate_object(rng))
     if text is not None:
         pieces = split_pieces(text)
-        return [(CONTENT, pieces)], len(pieces), None
+        return [(CONTENT, pieces)], len(pieces), []
     n = scenario.integer("answer")
     prose = UnicodeStream(rng) if scenario.has("unicode") else ProseStream(rng)
-    return prose, dist.answer(rng) if n is None else n, None
+    return prose, dist.answer(rng) if n is None else n, []
 
 
 def _json_text(response_format: dict[str, Any] | None, rng: random.Random) -> str | None:
@@ -161,9 +167,9 @@ def build_plan(
             return _with_events(OutputPlan(segments, m, "length"), scenario)
         segments.append((REASONING, reasoning, stream))
         segments.append((HIDDEN, 1, FixedPieces(["</think>"])))
-    content, full, call = _content_pieces(shape, scenario, rng, dist)
+    content, full, calls = _content_pieces(shape, scenario, rng, dist)
     room = m - sum(n for _, n, _ in segments)
-    finish = "tool_calls" if call is not None else "stop"
+    finish = "tool_calls" if calls else "stop"
     if full > room:
         finish, full = "length", room
     if isinstance(content, PieceStream):
@@ -175,7 +181,7 @@ def build_plan(
             if take:
                 segments.append((kind, take, FixedPieces(pieces[:take])))
             left -= take
-    return _with_events(OutputPlan(segments, reasoning, finish, call), scenario)
+    return _with_events(OutputPlan(segments, reasoning, finish, calls), scenario)
 
 
 def _with_events(plan: OutputPlan, scenario: Scenario) -> OutputPlan:

@@ -73,6 +73,7 @@ class _Writer:
         self.c = c
         self.cursor = OutputCursor(c.plan)
         self.consumed = 0
+        self.calls_started = 0  # tool calls whose first delta was written (their index)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         watcher = asyncio.create_task(_watch_disconnect(receive, self.c.engine, self.c.seq))
@@ -167,12 +168,14 @@ class StreamWriter(_Writer):
             return {"reasoning": text}
         if kind == CONTENT:
             return {"content": text}
-        call = self.c.plan.tool_call
-        if kind == TOOL_START and call is not None:
-            return {"tool_calls": [{"index": 0, "type": "function", "id": call.call_id,
+        calls = self.c.plan.tool_calls
+        if kind == TOOL_START and self.calls_started < len(calls):
+            call, index = calls[self.calls_started], self.calls_started
+            self.calls_started += 1
+            return {"tool_calls": [{"index": index, "type": "function", "id": call.call_id,
                                     "function": {"name": call.name}}]}
         if kind == TOOL_ARGS:
-            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+            return {"tool_calls": [{"index": self.calls_started - 1, "function": {"arguments": text}}]}
         return None
 
     def _finish_frame(self) -> str:
@@ -219,9 +222,14 @@ class FullWriter(_Writer):
 
     def _body(self) -> dict[str, Any]:
         c = self.c
-        texts: dict[str, list[str]] = {REASONING: [], CONTENT: [], TOOL_ARGS: []}
+        texts: dict[str, list[str]] = {REASONING: [], CONTENT: []}
+        arguments: list[list[str]] = []  # per call, in order
         for kind, pieces in self.cursor.take_pieces(c.seq.generated):
-            if kind in texts:
+            if kind == TOOL_START:
+                arguments.append([])
+            elif kind == TOOL_ARGS:
+                arguments[-1].extend(pieces)
+            elif kind in texts:
                 texts[kind].extend(pieces)
         message: dict[str, Any] = {
             "role": "assistant",
@@ -230,10 +238,10 @@ class FullWriter(_Writer):
             "tool_calls": [],
             "refusal": None,
         }
-        call = c.plan.tool_call
-        if call is not None and c.plan.finish_reason == "tool_calls":
+        if c.plan.finish_reason == "tool_calls":
             message["tool_calls"] = [{"id": call.call_id, "type": "function", "function": {
-                "name": call.name, "arguments": "".join(texts[TOOL_ARGS])}}]
+                "name": call.name, "arguments": "".join(args)}}
+                for call, args in zip(c.plan.tool_calls, arguments, strict=True)]
         return {
             "id": c.completion_id, "object": "chat.completion", "created": c.created,
             "model": c.model,

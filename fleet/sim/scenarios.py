@@ -30,6 +30,9 @@ Names (times are simulated seconds):
                      keep the first user message, so they count), then answers
 ``bad_args``         a tool call's arguments are ``[]`` (fail any object schema);
                      ``[sim:bad_args/1]``: only the first call's
+``parallel=N``       a tool-call answer holds N calls of the tool (N hermes ``<tool_call>``
+                     blocks, streamed as ``tool_calls`` deltas with indexes 0..N-1), each with
+                     its own id and arguments: parallel tool calls
 ``think=N``          exactly N reasoning tokens (before budget and max-token caps)
 ``answer=N``         exactly N answer tokens (prose answers)
 ``prompt_pad=N``     count the prompt as N tokens longer (unique tokens, never prefix-cached)
@@ -53,7 +56,8 @@ MARKER_RE = re.compile(r"\[sim:([a-z0-9_]+)(?:=([^\]/\s]+))?(?:/(\d+))?\]")
 FAULTS = ("http500", "http503", "drop", "error_event")
 KNOWN = {
     "loop", "loop_fuzzy", "slow_first_token", "stall", "http500", "http503", "drop",
-    "error_event", "bad_json", "empty", "tool", "bad_args", "think", "answer", "prompt_pad", "dead", "unicode",
+    "error_event", "bad_json", "empty", "tool", "bad_args", "parallel", "think", "answer", "prompt_pad",
+    "dead", "unicode",
 }
 
 

@@ -14,18 +14,23 @@ fleet.prep (queue fleet.<project>, kwargs project, job_id, signed)
 fleet.cancel (queue fleet.<project>, kwargs project, job_id; sent by fleet.Client.cancel)
   acts only on a cancel request signed by the project (``{p}cancel:{<ref>}``): removes a queued job
   from the dispatcher and publishes E_CANCELLED; a running job is left to its lease keeper.
-fleet.tool (queue of the tool, kwargs ref, round_number, call_id; sent by an inference worker)
+fleet.tool (queue of the tool, kwargs ref, round_number, call_id; sent by an inference worker
+  with Celery time limits from the tool's timeout)
   runs one tool call of a job's tool round (fleet/infer/tools.py): only a call the job's sealed
-  turn names, with the arguments it names; stores the result sealed and, with the round's last
-  result, puts the job in line at once.
+  current turn names (the same check as fleet.infer's), with the arguments it names; stores the
+  result sealed with its size in tokens, grows the waiting job's admission size by it and, with
+  the round's last result, puts the job in line at once.
 fleet.infer (queue fleet.infer, kwargs ref, project, fence; sent by a dispatcher)
   stale fence (duplicate or late delivery) -> drop; already final (cancelled) -> release, drop;
   the ref, the task, the lease, the record and the sealed job must name one project, and the seal
-  must verify, else E_AUTH before anything is sent; otherwise run ONE model turn under a
+  must verify, and a saved turn must be the one the store names (its number, recorded by
+  ``readmit``; the producer may write its job hash but not the store), else E_AUTH before
+  anything is sent; otherwise run ONE model turn under a
   LeaseKeeper. A final envelope is published, then the lease released. A continuation (the job
   needs another turn: retry, re-ask, backend outage) is saved sealed in the job hash (``turn``,
   state "pending"), then ``readmit`` gives the lease up and puts the job back in line at its place
-  with the next turn's plan, not before its backoff (schedulers/store/base.py, Continuations). A
+  with the next turn's plan and prompt, not before its backoff (schedulers/store/base.py,
+  Continuations), and records the turn's number. A
   worker whose lease was lost publishes nothing: the job is already pending again.
   Between two turns nothing runs and nothing is held: a worker dying after saving the turn and
   before ``readmit`` leaves the lease to expire, and the reaped job resumes from the saved turn
@@ -323,7 +328,8 @@ def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
     try:
         rt.results.record(ref, state="pending", pending_at=time.time(), turn=turn_json,
                           turn_seal=seal_turn(rt.settings, ref, turn_json))
-        if not rt.store.readmit(ref, fence, cont.max_tokens, cont.not_before, time.time()):
+        if not rt.store.readmit(ref, fence, cont.max_tokens, cont.not_before, time.time(),
+                                prompt_tokens=cont.prompt_tokens, turn=cont.turn["number"]):
             return "lease-lost"  # reaped meanwhile: pending again, resuming from the saved turn
         _events(rt, ref).emit("continuation", how=cont.how, cause=cont.cause.value,
                               delay_s=round(cont.delay_s, 3), max_tokens=cont.max_tokens)
@@ -339,31 +345,38 @@ def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
 
 
 def _send_tools(rt: Runtime, ref: str, cont: Continuation) -> None:
-    """One ``fleet.tool`` task per call, all at once (they run in parallel on the tool workers).
-    A send that fails leaves that call without a result: it times out like a lost tool."""
+    """One ``fleet.tool`` task per call, all at once (they run in parallel on the tool workers),
+    after the round is marked sent (fleet/infer/tools.py). A send that fails is that call's
+    result: a failure saying so (no tool ran, so it did not time out)."""
+    from fleet.infer import tools as tools_mod
+
     assert rt.send_task is not None, "a worker runtime sends tasks"
     number = cont.turn["tool_rounds"][-1]["number"]
+    tools_mod.mark_sent(rt.redis, rt.keys, rt.settings, ref, number)
     for call in cont.tool_calls:
         try:
             rt.send_task("fleet.tool", kwargs={"ref": ref, "round_number": number,
                                                "call_id": call["id"]},
-                         queue=call["queue"], argsrepr="()",
+                         queue=call["queue"], argsrepr="()", time_limit=call["time_limit_s"],
+                         soft_time_limit=call["timeout_s"],
                          kwargsrepr=f"job={ref} tool={call['name']} round={number}")
-        except Exception as exc:  # the broker: the call times out, the job goes on
+        except Exception as exc:  # the broker: the call fails as not sent, the job goes on
             log.warning("tool task of job=%s call=%s not sent: %r", ref, call["id"], exc)
+            with contextlib.suppress(redis.RedisError):
+                tools_mod.save_result(rt.redis, rt.keys, rt.settings, ref, number, call["id"], {
+                    "ok": False, "error": f"the tool task could not be sent: {type(exc).__name__}"})
 
 
 def tool_job(rt: Runtime, tasks: Any, ref: str, round_number: int, call_id: str) -> str:
     """Run one call of a tool round (module docstring); returns what became of it."""
     from fleet.infer import tools as tools_mod
 
-    record = rt.results.job_record(ref)
     try:
-        turn_json = check_turn(rt.settings, ref, record)
+        turn = _current_turn(rt, ref, rt.results.job_record(ref)) or {"tool_rounds": []}
     except AuthError as exc:
         log.warning("tool call %s of job=%s refused: %s", call_id, ref, exc.message)
         return "refused"
-    rounds = json.loads(turn_json)["tool_rounds"] if turn_json else []
+    rounds = turn["tool_rounds"]
     pending = next((r for r in rounds if r["number"] == round_number and "duration_s" not in r), None)
     call = next((c for c in (pending or {}).get("calls", [])
                  if c["id"] == call_id and c["error"] is None), None)
@@ -374,8 +387,13 @@ def tool_job(rt: Runtime, tasks: Any, ref: str, round_number: int, call_id: str)
     if task is None:
         result = {"ok": False, "error": f"the tool task {tool.task!r} is not registered on this worker"}
     else:
-        result = tools_mod.run_tool(task, call["arguments"])
+        result = tools_mod.run_tool(task, call["arguments"], tool.timeout_s)
+    # Counted here, where the text is: the next turn's admission must reserve for it.
+    result["tokens"] = (rt.counter.count_text(tools_mod.counted_text(result))[0]
+                        + tools_mod.RESULT_FRAMING_TOKENS)
     have = tools_mod.save_result(rt.redis, rt.keys, rt.settings, ref, round_number, call_id, result)
+    results = tools_mod.load_results(rt.redis, rt.keys, rt.settings, ref, pending)
+    rt.store.grow(ref, tools_mod.next_prompt_tokens(turn, results))
     _events(rt, ref).emit("tool_result", number=round_number, call=call_id, name=call["name"],
                           ok=result["ok"], duration_s=result.get("duration_s"))
     if have >= sum(1 for c in pending["calls"] if c["error"] is None):
@@ -394,6 +412,23 @@ def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> 
     return job
 
 
+def _current_turn(rt: Runtime, ref: str, record: dict[str, str]) -> dict[str, Any] | None:
+    """The saved turn to run (None: the first); AuthError unless the workers sealed it AND it is
+    the job's current turn. The producer may write its job hash, so the seal alone would let it
+    put an earlier turn back (or delete it) and reset every counter the turn carries; the number
+    of the turn that may run is in the dispatcher store, which only the fleet writes (``readmit``
+    records it). A saved turn one ahead of the store's is the turn of a worker that died (or lost
+    Redis) between saving it and ``readmit``: the reaped job resumes from it."""
+    turn_json = check_turn(rt.settings, ref, record)
+    turn = None if turn_json is None else json.loads(turn_json)
+    number = 0 if turn is None else turn.get("number")
+    expected = rt.store.turn_of(ref)
+    if number not in (expected, expected + 1):
+        raise AuthError(f"the saved turn ({number}) is not the job's current turn ({expected}): "
+                        f"an earlier turn put back")
+    return turn
+
+
 def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope | Continuation:
     from fleet.infer.attempts import InferenceContext, run_inference
     from fleet.infer.budget import Plan
@@ -403,8 +438,7 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope |
     try:
         job = _sealed_job(rt, ref, project, record)
         plan = Plan(**json.loads(record["plan"]))
-        turn_json = check_turn(rt.settings, ref, record)
-        turn = None if turn_json is None else json.loads(turn_json)
+        turn = _current_turn(rt, ref, record)
     except AuthError as exc:
         log.warning("refused to run job=%s: %s", ref, exc.message)
         return Envelope.failure(job_id, owner, Code.E_AUTH, exc.message)
@@ -418,7 +452,7 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope |
     ctx = InferenceContext(
         settings=rt.settings, project=rt.settings.projects[job.project], redis=rt.redis,
         keys=rt.keys, events=events, cancel=keeper.cancel, client=rt.vllm,
-        fence_tag=record.get("fence_tag") or None,
+        fence_tag=record.get("fence_tag") or None, count_prompt=rt.counter.count_messages,
     )
     envelope = run_inference(job, plan, ctx, turn)
     if not isinstance(envelope, Envelope):

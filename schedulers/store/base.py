@@ -32,7 +32,9 @@ Continuations: a job that needs another model turn (a retry, a re-ask, a tool ro
 outage) is not released but ``readmit``-ted: the lease is freed (fence-checked) and the job joins
 its queue again at its original score - it keeps its place, so it is ahead of its project's newer
 work, and every admission still charges its project's fair share - with ``max_new_tokens`` of its
-new plan (its KV reservation is checked again like any job's). With ``not_before`` in the future
+new plan and its next prompt (a prompt grown by tool rounds: prompt, uncached tokens, KV and size
+follow, and ``grow`` adds each tool result while the job waits), checked again like any job's;
+the store keeps the number of that turn (``turn_of``). With ``not_before`` in the future
 (a backoff) it waits outside the queues until ``promote_due(now)`` puts it in line; no slot is held
 meanwhile. ``cancel_pending`` removes a waiting continuation as well. A continuation has no
 deadline entry while it waits (its deadline comes back when it is promoted; the worker never
@@ -174,10 +176,23 @@ class AdmissionStore(Protocol):
     def lease_valid(self, job_id: str, fence: int) -> bool: ...
 
     def readmit(self, job_id: str, fence: int, max_new_tokens: int, not_before: float,
-                now: float) -> bool:
+                now: float, *, prompt_tokens: int | None = None, turn: int = 1) -> bool:
         """Another model turn (see Continuations above): give the lease up and re-enter
-        admission with the new plan's ``max_new_tokens``, at the job's original place in line,
-        once ``not_before`` has come. False for a stale fence."""
+        admission with the new plan's ``max_new_tokens`` and the next turn's ``prompt_tokens``
+        (None: unchanged; never smaller), at the job's original place in line, once
+        ``not_before`` has come; the store keeps ``turn``, the number of that turn
+        (``turn_of``). False for a stale fence."""
+        ...
+
+    def grow(self, job_id: str, prompt_tokens: int) -> bool:
+        """A waiting continuation's next prompt grows to ``prompt_tokens`` (a tool result came
+        in; never smaller), its uncached tokens by as much, KV and size follow. False when the
+        job is not waiting or its prompt is already that large."""
+        ...
+
+    def turn_of(self, job_id: str) -> int:
+        """The number of the turn ``readmit`` last put in line (0: none, or no item): only the
+        fleet writes it, so the inference worker runs only the saved turn that carries it."""
         ...
 
     def promote_due(self, now: float) -> list[str]:

@@ -31,7 +31,7 @@ class _Entry:
     item: PendingItem
     score: float
     size: str
-    continuation: bool = False  # readmitted for another model turn
+    turn: int = 0  # readmitted for another model turn: that turn's number
 
 
 @dataclass(frozen=True)
@@ -248,14 +248,14 @@ class MemoryStore:
 
     # -- continuations -----------------------------------------------------------------------
     def readmit(self, job_id: str, fence: int, max_new_tokens: int, not_before: float,
-                now: float) -> bool:
+                now: float, *, prompt_tokens: int | None = None, turn: int = 1) -> bool:
         with self._lock:
             lease = self._leases.get(job_id)
             if lease is None or lease.fence != fence:
                 return False
             self._free_lease(job_id)
-            item = replace(lease.entry.item, max_new_tokens=max_new_tokens)
-            entry = replace(lease.entry, item=item, continuation=True)
+            entry = self._grown(lease.entry, prompt_tokens)
+            entry = replace(entry, item=replace(entry.item, max_new_tokens=max_new_tokens), turn=turn)
             if not_before > now:
                 self._deferred[job_id] = (not_before, entry)
                 heapq.heappush(self._not_before, (not_before, job_id))
@@ -263,6 +263,34 @@ class MemoryStore:
                 self._push(entry)
             self._signal()
             return True
+
+    def _grown(self, entry: _Entry, prompt_tokens: int | None) -> _Entry:
+        """``entry`` with its prompt grown to ``prompt_tokens`` (never shrunk), its uncached
+        tokens grown by as much, and the size that follows."""
+        item = entry.item
+        if prompt_tokens is None or prompt_tokens <= item.prompt_tokens:
+            return entry
+        uncached = item.prompt_tokens if item.uncached_tokens is None else item.uncached_tokens
+        item = replace(item, prompt_tokens=prompt_tokens,
+                       uncached_tokens=uncached + prompt_tokens - item.prompt_tokens)
+        size = "long" if prompt_tokens > self.config.limits.long_prompt_tokens else "short"
+        return replace(entry, item=item, size=size)
+
+    def grow(self, job_id: str, prompt_tokens: int) -> bool:
+        with self._lock:
+            waiting = self._deferred.get(job_id)
+            if waiting is None or prompt_tokens <= waiting[1].item.prompt_tokens:
+                return False
+            self._deferred[job_id] = (waiting[0], self._grown(waiting[1], prompt_tokens))
+            return True
+
+    def turn_of(self, job_id: str) -> int:
+        with self._lock:
+            lease = self._leases.get(job_id)
+            if lease is not None:
+                return lease.entry.turn
+            entry = self._pending.get(job_id) or self._deferred.get(job_id, (0.0, None))[1]
+            return 0 if entry is None else entry.turn
 
     def promote_due(self, now: float) -> list[str]:
         promoted: list[str] = []
@@ -297,7 +325,7 @@ class MemoryStore:
     def continuations(self) -> dict[str, dict[str, int]]:
         with self._lock:
             found: dict[str, dict[str, int]] = {}
-            waiting = [("pending", e) for e in self._pending.values() if e.continuation]
+            waiting = [("pending", e) for e in self._pending.values() if e.turn]
             waiting += [("deferred", e) for _due, e in self._deferred.values()]
             for state, entry in waiting:
                 counts = found.setdefault(entry.item.project, {})

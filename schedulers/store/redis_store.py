@@ -7,8 +7,10 @@ one serialisation point anyway, and a script may touch the shared counters and a
   D pending:<project>:<band>:<size>  zset  pending job ids; band interactive|batch, size
                                            short|long; score = fairshare.pending_score (ms)
   D items          hash    job id -> "project band size prompt max_new kv long enq score
-                           pending(1|0) deadline cont(1|0) deferred uncached" (space-separated,
-                           deadline and deferred '-' = none; cont 1 for a continuation, deferred
+                           pending(1|0) deadline cont deferred uncached" (space-separated,
+                           deadline and deferred '-' = none; cont 0, or for a continuation the
+                           number of the turn READMIT put in line (the saved turn that may run),
+                           deferred
                            its not-before time while it waits; uncached the prompt tokens
                            expected to miss the prefix cache); a field lives while the job is
                            pending, leased (a lease needs it to requeue) or waiting
@@ -34,7 +36,7 @@ one serialisation point anyway, and a script may touch the shared counters and a
                            item has pending 0, deferred <time>, no lease and no deadline entry
   D continuations  set     ids of jobs readmitted at least once (a hint list for ``fleet queues``;
                            RELEASE removes the id with the item, ``continuations`` drops ids whose
-                           item is gone or no continuation); their item has cont 1
+                           item is gone or no continuation); their item has cont > 0
 
 The scripts are files in schedulers/store/lua/ (``prelude.lua`` holds their shared helpers), each
 opening with the KEYS it touches and its ARGV; they are registered once per store. Every key a
@@ -91,7 +93,7 @@ from schedulers.store.base import AdmitResult, Grant, PendingItem, StoreConfig, 
 log = logging.getLogger(__name__)
 
 SCRIPTS = ("add", "admit", "claim", "renew", "release", "reap", "requeue", "cancel", "expire",
-           "readmit", "promote", "undefer")
+           "readmit", "promote", "undefer", "grow")
 _ROUNDS = 4  # ADMIT calls when the projects set keeps changing under us
 _BATCH = 200  # expired leases or due deadlines handled by one script call
 MAX_BLOCK_S = 4.0  # longest BLPOP; below redis-py 8's default 5 s socket timeout
@@ -274,17 +276,35 @@ class RedisStore:
 
     # -- continuations -----------------------------------------------------------------------
     def readmit(self, job_id: str, fence: int, max_new_tokens: int, not_before: float,
-                now: float) -> bool:
+                now: float, *, prompt_tokens: int | None = None, turn: int = 1) -> bool:
         item = self._client.hget(self._key("items"), job_id)
         if item is None:
             return False
-        project, band, size, prompt = _text(item).split(" ", 4)[:4]
-        kv = kv_tokens(int(prompt), max_new_tokens, self.config.limits.block_tokens)
+        fields = _text(item).split(" ")
+        project, band, prompt = fields[0], fields[1], int(fields[3])
+        uncached = int(fields[13]) if len(fields) > 13 and fields[13] else prompt
+        if prompt_tokens is not None and prompt_tokens > prompt:
+            uncached, prompt = uncached + prompt_tokens - prompt, prompt_tokens
+        limits = self.config.limits
+        size = "long" if prompt > limits.long_prompt_tokens else "short"
+        kv = kv_tokens(prompt, max_new_tokens, limits.block_tokens)
         keys = [self._key("lease"), self._key("leases"), self._key("state"), self._key("items"),
                 self._queue(project, band, size),
                 *map(self._key, ("projects", "deadlines", "wake", "deferred", "continuations"))]
-        args = [job_id, fence, project, band, size, max_new_tokens, kv, repr(not_before), repr(now)]
+        args = [job_id, fence, project, band, size, max_new_tokens, kv, repr(not_before), repr(now),
+                prompt, uncached, turn]
         return bool(self._run("readmit", keys, args))
+
+    def grow(self, job_id: str, prompt_tokens: int) -> bool:
+        limits = self.config.limits
+        keys = [self._key("deferred"), self._key("items")]
+        args = [job_id, prompt_tokens, limits.block_tokens, limits.long_prompt_tokens]
+        return bool(self._run("grow", keys, args))
+
+    def turn_of(self, job_id: str) -> int:
+        item = self._client.hget(self._key("items"), job_id)
+        fields = _text(item).split(" ") if item is not None else []
+        return int(fields[11]) if len(fields) > 11 else 0
 
     def promote_due(self, now: float) -> list[str]:
         due = [_text(i) for i in self._client.zrangebyscore(self._key("deferred"), "-inf", repr(now), 0, _BATCH)]
@@ -318,7 +338,7 @@ class RedisStore:
         gone = []
         for job_id, item in zip(ids, self._client.hmget(self._key("items"), ids) if ids else [], strict=True):
             fields = _text(item).split(" ") if item is not None else []
-            if not fields or fields[11] != "1":
+            if not fields or fields[11] == "0":
                 gone.append(job_id)
                 continue
             state = "deferred" if fields[12] != "-" else "pending" if fields[9] == "1" else ""

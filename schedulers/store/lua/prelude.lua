@@ -10,7 +10,7 @@
 -- queues of the projects the caller names, so ADMIT can pick and grant several jobs in one call.
 --   items[id] = "project band size prompt max_new kv long enq score pending deadline cont
 --               deferred uncached" (space-separated; project names are letters, digits, - and _;
---               deadline '-' = none; cont 1 once READMIT made the job a continuation; deferred =
+--               deadline '-' = none; cont 0, or the number of the turn READMIT last put in line; deferred =
 --               the not-before time READMIT gave it while it waits in `deferred` (the zset's score
 --               is the one that counts: ``hurry`` may lower it), '-' = not waiting; uncached = the
 --               prompt tokens prep expects to miss the prefix cache, absent in items written

@@ -2,24 +2,30 @@
 -- continuation: with its new plan's size, at its original place in line (it keeps its score, so
 -- it is ahead of its project's newer work and still inside fair share), and not before
 -- `not_before` (a backoff): until then it waits in `deferred`, and PROMOTE puts it in line.
+-- The next turn's prompt (grown by the conversation of its tool rounds) replaces the item's,
+-- its growth is added to the uncached tokens, and `cont` records the turn's number: the
+-- inference worker runs only the saved turn that carries it (fleet/worker/tasks.py).
 -- KEYS[1]  lease                            hash  job id -> lease (prelude)
 -- KEYS[2]  leases                           zset  in-flight job ids by lease expiry
 -- KEYS[3]  state                            hash  in_flight kv long claimed queued
 -- KEYS[4]  items                            hash  job id -> admission facts (prelude)
--- KEYS[5]  pending:<project>:<band>:<size>  zset  the job's queue, as the caller read the item
+-- KEYS[5]  pending:<project>:<band>:<size>  zset  the job's queue for its new prompt's size
 -- KEYS[6]  projects                         set
 -- KEYS[7]  deadlines                        zset
 -- KEYS[8]  wake                             list
 -- KEYS[9]  deferred                         zset  continuations waiting for their not-before time
 -- KEYS[10] continuations                    set   ids of jobs that were readmitted (a hint list)
--- ARGV: id, fence, project, band, size (of the item as read), max_new, kv, not_before, now
+-- ARGV: id, fence, project, band, size (of the new prompt), max_new, kv, not_before, now,
+--       prompt, uncached, turn
 -- Returns 1 when the job was readmitted, 0 for a stale fence or a job without its item.
 local id = ARGV[1]
 local lease = lease_get(KEYS[1], id)
 local f = item_get(KEYS[4], id)
 if not lease or lease.fence ~= ARGV[2] or not f then return 0 end
 free_lease(KEYS[3], KEYS[2], KEYS[1], id)
-f.max_new, f.kv, f.cont = ARGV[6], ARGV[7], '1'
+f.max_new, f.kv, f.cont = ARGV[6], ARGV[7], ARGV[12]
+f.size, f.prompt, f.uncached = ARGV[5], ARGV[10], ARGV[11]
+f.long = ARGV[5] == 'long' and '1' or '0'
 redis.call('SADD', KEYS[10], id)
 if tonumber(ARGV[8]) > tonumber(ARGV[9]) then
   f.deferred = ARGV[8]

@@ -1,0 +1,21 @@
+-- GROW: a continuation waiting for its tool round's results counts each result in its next
+-- turn's prompt as it comes in: the item's prompt becomes `prompt` (never smaller: two tool
+-- workers may report out of order), its uncached tokens grow by as much, its KV reservation
+-- and size follow. Only while the job waits in `deferred` (out of every queue): a result that
+-- comes in after its round's timeout, with the job already in line, is not counted.
+-- KEYS[1] deferred  zset  continuations waiting for their not-before time
+-- KEYS[2] items     hash  job id -> admission facts (prelude)
+-- ARGV: id, prompt, block_tokens, long_prompt_tokens
+-- Returns 1 when the item grew, 0 otherwise.
+local id, prompt = ARGV[1], tonumber(ARGV[2])
+if not redis.call('ZSCORE', KEYS[1], id) then return 0 end
+local f = item_get(KEYS[2], id)
+if not f or tonumber(f.prompt) >= prompt then return 0 end
+local block = tonumber(ARGV[3])
+f.uncached = fmt(tonumber(f.uncached) + prompt - tonumber(f.prompt))
+f.prompt = fmt(prompt)
+f.kv = fmt(math.max(1, math.ceil((prompt + tonumber(f.max_new)) / block)) * block)
+f.size = prompt > tonumber(ARGV[4]) and 'long' or 'short'
+f.long = f.size == 'long' and '1' or '0'
+item_put(KEYS[2], id, f)
+return 1
