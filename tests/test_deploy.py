@@ -32,7 +32,7 @@ def unit(path: Path) -> configparser.ConfigParser:
 
 def test_one_unit_per_role() -> None:
     assert {p.stem for p in UNITS} == {"fleet-dispatcher", "fleet-infer", "fleet-prep",
-                                       "fleet-collect", "fleet-gateway", "fleet-flower"}
+                                       "fleet-collect", "fleet-gateway", "fleet-flower", "fleet-tools"}
 
 
 @pytest.mark.parametrize("path", UNITS, ids=lambda p: p.stem)
