@@ -155,7 +155,9 @@ def test_only_a_worker_that_runs_tools_knows_the_tool_tasks(tmp_path: Path, role
                                                             known: bool) -> None:
     """Celery runs any task it knows, whatever queue the message came on, and a producer may push
     onto its own project queue: a prep worker that imported ``tool_imports`` would run a tool's
-    task for anyone who names it (before, every worker imported them). Checked in a fresh process:
+    task for anyone who names it (before, every worker imported them), and the fleet's own
+    ``fleet.tool`` on a prep worker ran a producer's pushed call of its own job as "task not
+    registered" (before, every worker registered it). Checked in a fresh process:
     Celery's shared tasks are registered process-wide."""
     config = make_config(tmp_path, tool_imports=["tests.tool_tasks"])
     code = ("from fleet.core.config import load_settings; from fleet.worker.app import worker_app; "
@@ -164,7 +166,7 @@ def test_only_a_worker_that_runs_tools_knows_the_tool_tasks(tmp_path: Path, role
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "FLEET_CONFIG": str(config)},
                           capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [str(known), "True"]  # the fleet's own fleet.tool checks the seal
+    assert done.stdout.split() == [str(known), str(known)]
 
 
 # -- a whole round in one process: the inference task, the tool task, the next turn --------------

@@ -267,7 +267,7 @@ def worker_app(settings: Settings | None = None, tools: bool = True) -> Celery:
     from fleet.worker.tasks import register_tasks  # tasks import the heavy modules
 
     app = create_app(settings or load_settings())
-    register_tasks(app)
+    register_tasks(app, tools=tools)
     if tools:
         for module in app.fleet_settings.tool_imports:  # type: ignore[attr-defined]
             importlib.import_module(module)  # registers the projects' tool tasks (shared_task)

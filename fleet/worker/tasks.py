@@ -81,7 +81,10 @@ log = logging.getLogger(__name__)
 
 
 
-def register_tasks(app: Celery) -> None:
+def register_tasks(app: Celery, tools: bool = True) -> None:
+    """Register the fleet's tasks on ``app``; ``fleet.tool`` only when this worker runs tools: a
+    prep worker that knew it would run it for a message a producer pushed onto its own project
+    queue (the call still had to be its own job's, but it ended as "task not registered")."""
     metrics = WorkerMetrics()
     runtime = Runtime(app.fleet_settings, on_publish=metrics.observe,  # type: ignore[attr-defined]
                       send_task=app.send_task)
@@ -104,6 +107,9 @@ def register_tasks(app: Celery) -> None:
     @app.task(name="fleet.infer", acks_late=True, throws=(JobEnded,), Request=ShownRequest)
     def infer(*, ref: str, project: str, fence: int) -> str:
         return task_outcome(infer_job(runtime, ref, project, fence), split_ref(ref)[1])
+
+    if not tools:
+        return
 
     @app.task(name="fleet.tool", acks_late=True)
     def tool(*, ref: str, round_number: int, call_id: str) -> str:
