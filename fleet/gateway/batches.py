@@ -296,7 +296,7 @@ class BatchRoutes:
                 if rows:
                     content = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
                     batch[field] = self.files.stage(pipe, project, f"file-{tag}-{kind}",
-                                                    f"{batch_id}_{kind}.jsonl", f"batch_{kind}",
+                                                    f"{batch_id}_{kind}.jsonl", "batch_output",
                                                     content.encode(), now)["id"]
             status = "expired" if expired and batch["status"] == "in_progress" else ACTIVE[batch["status"]]
             batch.update(status=status, request_counts=counts, finalizing_at=int(now),
