@@ -403,8 +403,8 @@ def test_chat_keeps_flowing_while_large_batches_are_created(
 ) -> None:
     """A chat request is answered while more large batches are being created than the gateway
     has threads for chat. Before, batch work ran on those same 32 threads: the creates held every
-    one, and the chat request waited until some batch was in. (Last in this module: the batch
-    threads stay busy for a while after it.)"""
+    one, and the chat request waited until some batch was in. The creates still waiting once the
+    chat is answered end at once: their input files are deleted."""
     harness, keys = fleet
     client = sdk(fleet, "research")
     creates, lines = 34, harness.settings.gateway.max_batch_lines
