@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 
@@ -21,6 +23,8 @@ def test_an_upload_is_capped_but_a_batch_output_over_the_cap_is_stored(
     big = b"x" * 5_000
     with pytest.raises(TooLarge):
         files.put("a", "upload.jsonl", "batch", big)
-    meta = files.put("a", "out.jsonl", "batch_output", big, file_id="file-out", counted=False)
+    with redis_client.pipeline(transaction=True) as pipe:
+        meta = files.stage(pipe, "a", "file-out", "out.jsonl", "batch_output", big, time.time())
+        pipe.execute()
     assert meta["bytes"] == 5_000
     assert files.content("a", "file-out") == big

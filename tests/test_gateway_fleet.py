@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import openai
@@ -22,6 +25,7 @@ from .gateway_support import config_with_keys
 pytestmark = pytest.mark.slow
 
 CAP = 3
+BATCH_THREADS = 2
 SYSTEM_PROMPT = "You are the assistant of the fleet's tests."
 SIM_ARGS = ["--think-min-tokens", "40", "--think-max-tokens", "120",
             "--answer-min-tokens", "10", "--answer-max-tokens", "30"]
@@ -34,7 +38,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Harness, d
         projects={"assistant": {"system_prompt": SYSTEM_PROMPT}},
         backend={"max_num_seqs": CAP},
         admission={"backend_gate": False},
-        gateway={"max_queue_wait_s": 120, "keepalive_s": 1},
+        gateway={"max_queue_wait_s": 120, "keepalive_s": 1, "batch_threads": BATCH_THREADS},
     )
     with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as harness:
         yield harness, keys
@@ -257,6 +261,10 @@ def test_gateway_metrics_count_requests_by_project_and_code(
     assert 'fleet_gateway_ttft_seconds_count{project="reports"}' in text
 
 
+def file_lines(client: openai.OpenAI, file_id: str) -> list[dict[str, Any]]:
+    return [json.loads(row) for row in client.files.content(file_id).text.splitlines()]
+
+
 def test_an_openai_batch_through_the_sdk_end_to_end(fleet: tuple[Harness, dict[str, str]]) -> None:
     """files.create -> batches.create -> batches.retrieve until done -> files.content: the output
     has one line per input line in input order, in the lines ``fleet batch`` writes."""
@@ -278,14 +286,15 @@ def test_an_openai_batch_through_the_sdk_end_to_end(fleet: tuple[Harness, dict[s
                       120, "the batch to complete", every_s=0.2)
     assert done.request_counts is not None
     assert (done.request_counts.completed, done.request_counts.failed) == (2, 1)
-    assert done.metadata == {"run": "test"} and done.output_file_id
-    out = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
-    assert [row["custom_id"] for row in out] == ["a", "bad", "c"]
-    assert [row["code"] for row in out] == ["OK", "E_INPUT_INVALID", "OK"]
+    assert done.metadata == {"run": "test"} and done.output_file_id and done.error_file_id
+    out = file_lines(client, done.output_file_id)
+    assert [(row["custom_id"], row["code"]) for row in out] == [("a", "OK"), ("c", "OK")]
     assert out[0]["response"]["body"]["choices"][0]["message"]["content"]
-    assert out[1]["response"] is None and "line 2" in out[1]["error"]["message"]
+    errors = file_lines(client, done.error_file_id)
+    assert [(row["custom_id"], row["code"]) for row in errors] == [("bad", "E_INPUT_INVALID")]
+    assert errors[0]["response"] is None and "line 2" in errors[0]["error"]["message"]
     assert batch.id in [b.id for b in client.batches.list()]
-    assert {uploaded.id, done.output_file_id} <= {f.id for f in client.files.list()}
+    assert {uploaded.id, done.output_file_id, done.error_file_id} <= {f.id for f in client.files.list()}
 
 
 def test_a_cancelled_batch_ends_cancelled_with_every_line_answered(
@@ -301,9 +310,9 @@ def test_a_cancelled_batch_ends_cancelled_with_every_line_answered(
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     done = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status == "cancelled" and b,
                       120, "the batch to be cancelled", every_s=0.2)
-    assert done.output_file_id
-    out = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
-    assert [(row["custom_id"], row["code"]) for row in out] == [("long", "E_CANCELLED")]
+    assert done.output_file_id is None and done.error_file_id
+    errors = file_lines(client, done.error_file_id)
+    assert [(row["custom_id"], row["code"]) for row in errors] == [("long", "E_CANCELLED")]
 
 
 def test_loop_retry_holds_the_reasoning_back_until_the_answer_with_keepalives_meanwhile(
@@ -326,3 +335,105 @@ def test_loop_retry_holds_the_reasoning_back_until_the_answer_with_keepalives_me
     assert len(with_reasoning) == 1 and with_content and with_reasoning[0] + 1 == with_content[0]
     first_reasoning = next(n for n, line in enumerate(lines) if '"reasoning"' in line)
     assert ": keep-alive" in lines[:first_reasoning]
+
+
+def create_batch(client: openai.OpenAI, lines: list[dict[str, Any]]) -> Any:
+    text = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = client.files.create(file=("in.jsonl", text), purpose="batch")
+    return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                 completion_window="24h")
+
+
+def answered(client: openai.OpenAI, batch_id: str) -> int:
+    counts = client.batches.retrieve(batch_id).request_counts
+    return counts.completed if counts else 0
+
+
+def test_a_cancel_racing_completions_ends_in_one_consistent_state(
+    fleet: tuple[Harness, dict[str, str]],
+) -> None:
+    """Readers finish the batch while a cancel lands and lines complete: every reader sees the
+    status only move forward (in_progress, cancelling, cancelled), the answered lines are in the
+    output file, the cancelled ones in the error file, and the counts add up. Before, a reader
+    finishing the batch and a cancel wrote its status over each other's, and every line, answered
+    or not, went to one file."""
+    client = sdk(fleet, "translate")
+    quick = [{"custom_id": f"q{n}", "messages": [
+        {"role": "user", "content": f"Quick {n}. [sim:think={10 + 10 * n}] [sim:answer=3]"}]} for n in range(6)]
+    slow = [{"custom_id": f"s{n}", "thinking_budget": 30000, "messages": [
+        {"role": "user", "content": f"Slow {n}. [sim:think=30000]"}]} for n in range(2)]
+    batch = create_batch(client, quick + slow)
+    stop = threading.Event()
+    seen: list[list[str]] = [[] for _ in range(3)]
+
+    def read(statuses: list[str]) -> None:
+        reader = sdk(fleet, "translate")
+        while not stop.is_set():
+            statuses.append(reader.batches.retrieve(batch.id).status)
+
+    readers = [threading.Thread(target=read, args=(statuses,)) for statuses in seen]
+    for thread in readers:
+        thread.start()
+    try:
+        wait_until(lambda: answered(client, batch.id) >= 1, 120, "a first line to be answered",
+                   every_s=0.05)
+        client.batches.cancel(batch.id)
+        done = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status == "cancelled" and b,
+                          120, "the batch to be cancelled", every_s=0.1)
+    finally:
+        stop.set()
+        for thread in readers:
+            thread.join()
+    order = {"in_progress": 0, "cancelling": 1, "cancelled": 2}
+    for statuses in seen:
+        ranks = [order[status] for status in statuses]  # "completed" would be a KeyError
+        assert ranks == sorted(ranks)
+    counts = done.request_counts
+    assert counts is not None and counts.total == 8 and counts.completed + counts.failed == 8
+    assert counts.completed >= 1 and done.output_file_id and done.error_file_id
+    out, errors = file_lines(client, done.output_file_id), file_lines(client, done.error_file_id)
+    assert len(out) == counts.completed and {row["code"] for row in out} == {"OK"}
+    assert len(errors) == counts.failed and {row["code"] for row in errors} == {"E_CANCELLED"}
+    assert sorted(row["custom_id"] for row in out + errors) == sorted(line["custom_id"] for line in quick + slow)
+    assert {"s0", "s1"} <= {row["custom_id"] for row in errors}
+
+
+def test_chat_keeps_flowing_while_large_batches_are_created(
+    fleet: tuple[Harness, dict[str, str]],
+) -> None:
+    """A chat request is answered while more large batches are being created than the gateway
+    has threads for chat. Before, batch work ran on those same 32 threads: the creates held every
+    one, and the chat request waited until some batch was in. The creates still waiting once the
+    chat is answered end at once: their input files are deleted."""
+    harness, keys = fleet
+    client = sdk(fleet, "research")
+    creates, lines = 34, harness.settings.gateway.max_batch_lines
+    files = []
+    for n in range(creates):  # a line costs a submit; the same idempotency key makes one job of all
+        text = "".join(json.dumps({"custom_id": f"r{i}", "idempotency_key": f"load-{n}", "messages": [
+            {"role": "user", "content": f"Load {n}. [sim:think=5] [sim:answer=2]"}]}) + "\n" for i in range(lines))
+        files.append(client.files.create(file=("load.jsonl", text.encode()), purpose="batch").id)
+    returned: list[str] = []
+
+    def create(file_id: str) -> None:
+        try:
+            sdk(fleet, "research").with_options(timeout=600).batches.create(
+                input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        except openai.NotFoundError:  # its input file was deleted before it started
+            pass
+        finally:
+            returned.append(file_id)
+
+    redis_client, fleet_keys = harness.client.redis, harness.client.keys
+    with ThreadPoolExecutor(max_workers=creates) as pool:
+        for file_id in files:
+            pool.submit(create, file_id)
+        wait_until(lambda: any(redis_client.exists(fleet_keys.idem("research", f"load-{n}"))
+                               for n in range(creates)), 120, "a batch create to start")
+        answer = sdk(fleet, "assistant").chat.completions.create(
+            model="local", messages=[{"role": "user", "content": "Still there? [sim:think=5] [sim:answer=3]"}])
+        returned_meanwhile = list(returned)
+        for file_id in files:  # the creates still waiting for a batch thread end at once
+            client.files.delete(file_id)
+    assert answer.choices[0].message.content
+    assert returned_meanwhile == []

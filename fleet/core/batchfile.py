@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,14 +63,22 @@ class BatchLine:
     custom_id: str
     job: Job | None = None
     error: str | None = None
+    code: Code = Code.E_INPUT_INVALID  # the code of ``error``
 
 
-def _job_from_openai(line: dict[str, Any], project: str, number: int) -> Job:
+def _refuse(fields: Iterable[str], refused: Collection[str]) -> None:
+    named = sorted(set(fields) & set(refused))
+    if named:
+        raise ValueError(f"{named[0]}: not allowed in this batch (the caller's key decides it)")
+
+
+def _job_from_openai(line: dict[str, Any], project: str, refused: Collection[str]) -> Job:
     if line.get("method", "POST") != "POST" or line.get("url", CHAT_URL) != CHAT_URL:
         raise ValueError(f"only POST {CHAT_URL} is supported")
     body = line.get("body")
     if not isinstance(body, dict):
         raise ValueError("'body' must be an object")
+    _refuse(body, refused)
     unknown = sorted(set(body) - _BODY_FIELDS)
     if unknown:
         raise ValueError(f"unsupported body fields: {', '.join(unknown)}")
@@ -102,7 +110,10 @@ def batch_tag(content: bytes) -> str:
     return hashlib.sha256(content).hexdigest()[:12]
 
 
-def parse_line(text: str, project: str, number: int, batch: str | None = None) -> BatchLine:
+def parse_line(text: str, project: str, number: int, batch: str | None = None,
+               refused: Collection[str] = ()) -> BatchLine:
+    """One input line as a Job, or as an error line. ``refused``: fields a line may not set (the
+    gateway's batches, whose key decides band and order): such a line is an error naming it."""
     custom_id = f"line-{number}"
     try:
         line = json.loads(text)
@@ -110,8 +121,9 @@ def parse_line(text: str, project: str, number: int, batch: str | None = None) -
             raise ValueError("a line must be a JSON object")
         custom_id = str(line.get("custom_id") or custom_id)
         if "body" in line or "url" in line or "method" in line:
-            job = _job_from_openai(line, project, number)
+            job = _job_from_openai(line, project, refused)
         else:
+            _refuse(line, refused)
             fields = {k: v for k, v in line.items() if k != "custom_id"}
             job = Job.model_validate({"project": project, **fields,
                                       "metadata": {**fields.get("metadata", {}),
@@ -132,8 +144,10 @@ def jsonl_lines(text: str) -> list[str]:
     return [line.removesuffix("\r") for line in text.split("\n")]
 
 
-def parse_lines(lines: Iterable[str], project: str, batch: str | None = None) -> list[BatchLine]:
-    return [parse_line(text, project, n, batch) for n, text in enumerate(lines, 1) if text.strip()]
+def parse_lines(lines: Iterable[str], project: str, batch: str | None = None,
+                refused: Collection[str] = ()) -> list[BatchLine]:
+    return [parse_line(text, project, n, batch, refused)
+            for n, text in enumerate(lines, 1) if text.strip()]
 
 
 def duplicate_custom_ids(lines: Iterable[BatchLine]) -> list[str]:
@@ -170,7 +184,7 @@ class ResultMatcher:
 
 def output_line(line: BatchLine, envelope: Envelope | None, model: str) -> dict[str, Any]:
     if envelope is None:
-        code = Code.E_INPUT_INVALID if line.error else Code.E_INTERNAL
+        code = line.code if line.error else Code.E_INTERNAL
         message = line.error or "no result"
         return {"id": f"batch_req_line{line.number}", "custom_id": line.custom_id,
                 "response": None, "error": {"code": code.value, "message": message},

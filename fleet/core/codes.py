@@ -97,11 +97,12 @@ CATALOGUE: dict[Code, CodeInfo] = {
     ),
     Code.E_NOT_FOUND: CodeInfo(
         104, False, "No such job in its project (never submitted, or its record expired after "
-        "result_ttl_s or was lost with the broker's data), or the gateway has no such task, file, "
-        "batch, model or route for this key's project."
+        "result_ttl_s or was lost with the broker's data; a gateway batch's line whose job is gone), "
+        "or the gateway has no such task, file, batch, model or route for this key's project."
     ),
     Code.E_TOO_LARGE: CodeInfo(
-        105, False, "A gateway file or batch is over the size, line or per-project count limit (413)."
+        105, False, "A gateway file or batch is over the size or line limit, or a project over its "
+        "count or byte quota of files or batches (413)."
     ),
     Code.E_THINK_LOOP: CodeInfo(
         200, True, "The reasoning looped or stalled on every attempt; no answer was produced."
@@ -147,7 +148,10 @@ CATALOGUE: dict[Code, CodeInfo] = {
         312, False, "The backend refused the request as invalid (HTTP 400/404/422)."
     ),
     Code.E_CANCELLED: CodeInfo(400, False, "The job was cancelled by a caller."),
-    Code.E_DEADLINE: CodeInfo(401, False, "The job's deadline passed before it could finish."),
+    Code.E_DEADLINE: CodeInfo(
+        401, False, "The job's deadline passed before it could finish (a gateway batch's line: "
+        "not done within the batch's completion window)."
+    ),
     Code.E_QUEUE_TIMEOUT: CodeInfo(
         402, True, "A gateway request waited past gateway.max_queue_wait_s for admission (429)."
     ),

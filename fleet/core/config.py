@@ -338,15 +338,26 @@ class GatewaySettings(_Section):
     """Count each chat prompt with the backend's ``/tokenize`` (cached by content) as prep does;
     false: the character estimate, one backend round trip less per new prompt (docs/gateway.md)."""
     files_ttl_s: int = Field(86_400, gt=0)
-    """Uploaded files (/v1/files), batches and their output files are kept this long in Redis."""
+    """Uploaded files (/v1/files) and batches' output and error files are kept this long in
+    Redis; a batch record for its completion window (``batch_window_s``) and this long after."""
     max_file_bytes: int = Field(20_000_000, gt=0)
     """Largest file a project may upload (413 ``E_TOO_LARGE`` above)."""
     max_files: int = Field(100, gt=0)
-    """Uploaded files a project may hold at once (within ``files_ttl_s``)."""
+    """Files (uploads and batch output) a project may hold at once (within ``files_ttl_s``); an
+    upload past it is 413 ``E_TOO_LARGE``."""
     max_batch_lines: int = Field(10_000, gt=0)
     """Most request lines in one batch's input file."""
     max_batches: int = Field(100, gt=0)
     """Batches a project may create within ``files_ttl_s``."""
+    max_project_bytes: int = Field(200_000_000, gt=0)
+    """Bytes of files (uploads and batch output) a project may hold at once: an upload that would
+    pass it is 413 ``E_TOO_LARGE``; deleting files frees it."""
+    batch_window_s: int = Field(86_400, gt=0)
+    """A batch's completion window (clients send ``"24h"``): lines not done by then are cancelled
+    and the batch ends ``expired``."""
+    batch_threads: int = Field(4, gt=0)
+    """Threads for /v1/batches work (creating, reading, cancelling), apart from the ones chat
+    requests use, so a large batch never holds up chat."""
 
 
 class RedisSettings(_Section):

@@ -67,8 +67,11 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
   {p}gwfile:{<project>/<file>} hash  an OpenAI file of the project (/v1/files): meta (the file
                                      object, JSON), content (the bytes); TTL gateway.files_ttl_s
   {p}gwfiles:<project>        zset   the project's file ids, score = created_at (listing, count cap)
+  {p}gwfilebytes:<project>    hash   file id -> its size in bytes, for the project's byte quota
+                                     (gateway.max_project_bytes); pruned with gwfiles
   {p}gwbatch:{<project>/<batch>} hash a batch of the project (/v1/batches): meta (the batch object),
-                                     lines (line number, custom id, error, job id); TTL files_ttl_s
+                                     lines (line number, custom id, error, code, job id); TTL
+                                     gateway.batch_window_s + files_ttl_s
   {p}gwbatches:<project>      zset   the project's batch ids, score = created_at
   {p}gwwake:<gateway>         stream one entry, added when a task-event follower joins, to wake the
                                      gateway's one XREAD over all followed events streams
@@ -196,6 +199,9 @@ class Keys:
 
     def gateway_files(self, project: str) -> str:
         return f"{self.prefix}gwfiles:{project}"
+
+    def gateway_file_bytes(self, project: str) -> str:
+        return f"{self.prefix}gwfilebytes:{project}"
 
     def gateway_batch(self, ref: str) -> str:
         return f"{self.prefix}gwbatch:{{{ref}}}"

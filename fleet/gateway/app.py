@@ -68,6 +68,9 @@ class Gateway:
         self.vllm = self.runtime.vllm
         self.aredis = async_redis_client(settings)
         self.executor = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="gateway-io")
+        # Batches on threads of their own: a large batch never holds up chat.
+        self.batch_executor = ThreadPoolExecutor(max_workers=settings.gateway.batch_threads,
+                                                 thread_name_prefix="gateway-batch")
         send = make_send(settings, self.runtime.redis, create_celery_app(settings))
         self.admission = Admission(self.runtime.store, self.runtime.results, self.aredis,
                                    self.runtime.keys, self.run, send)
@@ -81,8 +84,12 @@ class Gateway:
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A blocking call (Redis, /tokenize) off the event loop."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        return await _off_loop(self.executor, fn, *args, **kwargs)
+
+    async def run_batch(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """A blocking call of the batch routes, on their own threads
+        (``gateway.batch_threads``), so however much batch work waits, chat's threads stay free."""
+        return await _off_loop(self.batch_executor, fn, *args, **kwargs)
 
     def retry_budget(self, project: str) -> RetryBudget:
         if project not in self._budgets:
@@ -96,7 +103,8 @@ class Gateway:
     async def close(self) -> None:
         await self.events.close()
         await self.aredis.aclose()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        for executor in (self.executor, self.batch_executor):
+            executor.shutdown(wait=False, cancel_futures=True)
         self.vllm.close()
 
     def build_body(self, req: ChatRequest, caller: Caller, job_id: str) -> tuple[dict[str, Any], int, int]:
@@ -120,6 +128,11 @@ class Gateway:
         optional = {"seed": req.seed, "response_format": fmt, "tools": tools, "tool_choice": tool_choice}
         body.update({k: v for k, v in optional.items() if v is not None})
         return body, prepared.prompt_tokens, max_tokens
+
+
+async def _off_loop(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(executor, functools.partial(fn, *args, **kwargs))
 
 
 def _error(exc: FleetError) -> JSONResponse:

@@ -2,20 +2,28 @@
 
     {p}gwfile:{<project>/<file id>}  hash: meta (the OpenAI file object, JSON), content (bytes)
     {p}gwfiles:<project>             zset of the project's file ids, score = created_at
+    {p}gwfilebytes:<project>         hash file id -> bytes, for the project's byte quota
 
 Every key is named by the caller's project, so a key of project B can neither read, list nor
 delete a file of project A: another project's file id is simply not there (404 ``E_NOT_FOUND``,
-exactly as an unknown id, so ids cannot even be confirmed).
+exactly as an unknown id, so ids cannot even be confirmed; the same for a list's ``after``).
 
 Limits (``gateway.*``, 413 ``E_TOO_LARGE``):
 - a file holds at most ``max_file_bytes``: the upload is counted while it is received
   (``capped_receive``) and refused the moment it passes the cap, so nothing larger is ever
   spooled or stored;
-- a project holds at most ``max_files`` uploads at once: an upload is added to the index, counted,
-  and taken back when over, so concurrent uploads may be refused together but never exceed it;
-- everything expires after ``files_ttl_s``; index entries of expired files are pruned by score
-  (every file has the same TTL). A batch's output file is always stored (batches have their own
-  cap) and, like any file, counts against ``max_files`` for later uploads.
+- a project holds at most ``max_files`` files and ``max_project_bytes`` bytes at once: an upload
+  is added to the index and the byte table, both are counted, and it is taken back when over, so
+  concurrent uploads may be refused together but never exceed either; deleting a file frees its
+  share at once;
+- everything expires after ``files_ttl_s``; index and byte-table entries of expired files are
+  pruned by score (every file has the same TTL). A batch's output and error files are always
+  stored (``stage``: batches have their own caps, and a batch that could not store its results
+  could never finish) and, like any file, count against both limits for later uploads.
+
+Lists are newest first (``order=asc``: oldest first), ``limit`` at a time, with OpenAI's cursor:
+``after`` is the id of the previous page's last item and ``has_more`` says whether another page
+follows (``page``), which is what the SDK's auto-pagination follows.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import redis
 
@@ -34,6 +42,7 @@ from fleet.core.keys import Keys, job_ref
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 MULTIPART_SLACK = 64 * 1024  # multipart headers and boundaries around the file's bytes
+T = TypeVar("T")
 
 
 def capped_receive(receive: Receive, limit: int) -> Receive:
@@ -52,6 +61,34 @@ def capped_receive(receive: Receive, limit: int) -> Receive:
     return wrapped
 
 
+def page(client: redis.Redis, index: str, *, after: str | None, limit: int, newest_first: bool,
+         load: Callable[[str], T | None]) -> tuple[list[T], bool]:
+    """One page of a zset index of ids: up to ``limit`` items that ``load`` finds (None skips an
+    id: expired, or filtered out) after the id ``after``; and whether more follow. An ``after``
+    that is not in the index is NotFound, as an unknown id."""
+    start = 0
+    if after is not None:
+        rank = client.zrevrank(index, after) if newest_first else client.zrank(index, after)
+        if rank is None:
+            raise NotFound(f"after: no {after!r} in this project's list", param="after")
+        start = int(cast(int, rank)) + 1
+    found: list[T] = []
+    step = limit + 1
+    while len(found) <= limit:
+        read = client.zrevrange if newest_first else client.zrange
+        ids = cast(list[bytes], read(index, start, start + step - 1))
+        for raw in ids:
+            item = load(raw.decode())
+            if item is not None:
+                found.append(item)
+                if len(found) > limit:
+                    break
+        if len(ids) < step:
+            break
+        start += step
+    return found[:limit], len(found) > limit
+
+
 class FileStore:
     def __init__(self, client: redis.Redis, keys: Keys, settings: Callable[[], GatewaySettings]) -> None:
         self.redis = client
@@ -59,43 +96,75 @@ class FileStore:
         self._settings = settings  # the settings in force (reloaded with the keys)
 
     def _prune(self, project: str, now: float) -> None:
-        self.redis.zremrangebyscore(self.keys.gateway_files(project), "-inf",
-                                    now - self._settings().files_ttl_s)
+        index = self.keys.gateway_files(project)
+        expired = cast(list[bytes], self.redis.zrangebyscore(
+            index, "-inf", now - self._settings().files_ttl_s))
+        if expired:
+            with self.redis.pipeline(transaction=True) as pipe:
+                pipe.zrem(index, *expired)
+                pipe.hdel(self.keys.gateway_file_bytes(project), *expired)
+                pipe.execute()
 
-    def put(self, project: str, filename: str, purpose: str, content: bytes, *,
-            file_id: str | None = None, counted: bool = True) -> dict[str, Any]:
-        """Store one file; its OpenAI file object. ``counted``: a client's upload, held to
-        max_file_bytes and max_files; a batch's output file (the fleet's own, as large as its
-        results) is neither, or a large batch could never finish."""
+    def put(self, project: str, filename: str, purpose: str, content: bytes) -> dict[str, Any]:
+        """Store a client's upload, held to max_file_bytes, max_files and max_project_bytes; its
+        OpenAI file object."""
         settings = self._settings()
-        if counted and len(content) > settings.max_file_bytes:
+        if len(content) > settings.max_file_bytes:
             raise TooLarge(f"file: {len(content)} bytes, over gateway.max_file_bytes "
                            f"({settings.max_file_bytes})")
         now = time.time()
-        file_id = file_id or f"file-{uuid.uuid4().hex}"
-        index = self.keys.gateway_files(project)
+        file_id = f"file-{uuid.uuid4().hex}"
+        index, sizes = self.keys.gateway_files(project), self.keys.gateway_file_bytes(project)
         self._prune(project, now)
-        self.redis.zadd(index, {file_id: now})
-        if counted and self.redis.zcard(index) > settings.max_files:
-            self.redis.zrem(index, file_id)
-            raise TooLarge(f"files: the project already holds gateway.max_files "
-                           f"({settings.max_files}); delete some or wait for them to expire")
-        meta = {"id": file_id, "object": "file", "bytes": len(content), "created_at": int(now),
-                "expires_at": int(now + settings.files_ttl_s), "filename": filename,
-                "purpose": purpose, "status": "processed", "status_details": None}
-        key = self.keys.gateway_file(job_ref(project, file_id))
         with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={"meta": json.dumps(meta), "content": content})
-            pipe.expire(key, settings.files_ttl_s)
-            pipe.expire(index, settings.files_ttl_s)
+            pipe.zadd(index, {file_id: now})
+            pipe.hset(sizes, file_id, len(content))
+            pipe.zcard(index)
+            pipe.hvals(sizes)
+            *_, count, held = pipe.execute()
+        over = None
+        if count > settings.max_files:
+            over = f"the project already holds gateway.max_files ({settings.max_files})"
+        elif (total := sum(int(size) for size in held)) > settings.max_project_bytes:
+            over = (f"{len(content)} more bytes would make {total}, over gateway.max_project_bytes "
+                    f"({settings.max_project_bytes})")
+        if over:
+            with self.redis.pipeline(transaction=True) as pipe:
+                pipe.zrem(index, file_id)
+                pipe.hdel(sizes, file_id)
+                pipe.execute()
+            raise TooLarge(f"files: {over}; delete some or wait for them to expire")
+        with self.redis.pipeline(transaction=True) as pipe:
+            meta = self.stage(pipe, project, file_id, filename, purpose, content, now)
             pipe.execute()
         return meta
 
-    def meta(self, project: str, file_id: str) -> dict[str, Any]:
+    def stage(self, pipe: redis.client.Pipeline, project: str, file_id: str, filename: str,
+              purpose: str, content: bytes, now: float) -> dict[str, Any]:
+        """Queue the writes of one file on ``pipe`` (no limit applies: a batch's output is stored
+        in the same transaction as the batch's final state); its OpenAI file object."""
+        ttl = self._settings().files_ttl_s
+        meta = {"id": file_id, "object": "file", "bytes": len(content), "created_at": int(now),
+                "expires_at": int(now + ttl), "filename": filename,
+                "purpose": purpose, "status": "processed", "status_details": None}
+        key = self.keys.gateway_file(job_ref(project, file_id))
+        index, sizes = self.keys.gateway_files(project), self.keys.gateway_file_bytes(project)
+        pipe.hset(key, mapping={"meta": json.dumps(meta), "content": content})
+        pipe.expire(key, ttl)
+        pipe.zadd(index, {file_id: now})
+        pipe.hset(sizes, file_id, len(content))
+        for shared in (index, sizes):
+            pipe.expire(shared, ttl)
+        return meta
+
+    def _meta(self, project: str, file_id: str) -> dict[str, Any] | None:
         raw = self.redis.hget(self.keys.gateway_file(job_ref(project, file_id)), "meta")
-        if raw is None:
+        return json.loads(raw) if raw else None
+
+    def meta(self, project: str, file_id: str) -> dict[str, Any]:
+        meta = self._meta(project, file_id)
+        if meta is None:
             raise NotFound(f"no file {file_id!r} for this project")
-        meta: dict[str, Any] = json.loads(raw)
         return meta
 
     def content(self, project: str, file_id: str) -> bytes:
@@ -105,19 +174,21 @@ class FileStore:
         return raw if isinstance(raw, bytes) else str(raw).encode()
 
     def delete(self, project: str, file_id: str) -> bool:
-        self.redis.zrem(self.keys.gateway_files(project), file_id)
-        return bool(self.redis.delete(self.keys.gateway_file(job_ref(project, file_id))))
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zrem(self.keys.gateway_files(project), file_id)
+            pipe.hdel(self.keys.gateway_file_bytes(project), file_id)
+            pipe.delete(self.keys.gateway_file(job_ref(project, file_id)))
+            *_, deleted = pipe.execute()
+        return bool(deleted)
 
-    def list(self, project: str, purpose: str | None, limit: int) -> list[dict[str, Any]]:
-        """The project's files, newest first."""
+    def list(self, project: str, purpose: str | None, *, after: str | None, limit: int,
+             newest_first: bool = True) -> tuple[list[dict[str, Any]], bool]:
+        """One page of the project's files (``page``), and whether more follow."""
         self._prune(project, time.time())
-        found = []
-        for raw_id in cast(list[bytes], self.redis.zrevrange(self.keys.gateway_files(project), 0, -1)):
-            file_id = raw_id.decode()
-            raw = self.redis.hget(self.keys.gateway_file(job_ref(project, file_id)), "meta")
-            meta = json.loads(raw) if raw else None
-            if meta and (purpose is None or meta["purpose"] == purpose):
-                found.append(meta)
-                if len(found) >= limit:
-                    break
-        return found
+
+        def load(file_id: str) -> dict[str, Any] | None:
+            meta = self._meta(project, file_id)
+            return meta if meta and (purpose is None or meta["purpose"] == purpose) else None
+
+        return page(self.redis, self.keys.gateway_files(project), after=after, limit=limit,
+                    newest_first=newest_first, load=load)
