@@ -131,11 +131,12 @@ def test_a_batch_line_cannot_choose_band_order_or_sources(door: Door) -> None:
     plain = rows[0]["job"]
     assert plain and all(row["job"] is None for row in rows[1:])
     message = door.job_message("research", plain)
-    assert message["band"] == "batch"  # the key's band
+    assert message["band"] == "batch"
     assert message["deadline"] == batch.expires_at  # the completion window
-    interactive = create(door.sdk("reports"), [line("plain")])  # an interactive key's batch
-    job = door.rows("reports", interactive.id)[0]["job"]
-    assert door.job_message("reports", job)["band"] == "interactive"
+    # An interactive key's batch is offline work too: it never competes with that key's chat.
+    offline = create(door.sdk("reports"), [line("plain")])
+    job = door.rows("reports", offline.id)[0]["job"]
+    assert door.job_message("reports", job)["band"] == "batch"
 
     door.vanish("research", plain)  # let the batch finish, to read its error file
     done = client.batches.retrieve(batch.id)

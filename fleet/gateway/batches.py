@@ -13,8 +13,10 @@
 The input file is read with the same reader as ``fleet batch`` (fleet/core/batchfile.py): OpenAI
 request lines or fleet job lines, each a fleet Job of the key's project, submitted through
 ``fleet.Client`` signed with the project's secret, so a batch's jobs go through prep, admission
-and inference like any queued job. The key decides what a line may not: its jobs run in the key's
-band with the batch's completion window as deadline, and a line that sets a field of
+and inference like any queued job. The batch decides what a line may not: its jobs run in the
+``batch`` band whatever the key's band (a batch is offline work: an interactive key's 50,000
+lines must not crowd its own chat), with the batch's completion window as deadline, and a line
+that sets a field of
 ``REFUSED_LINE_FIELDS`` (band, priority, deadline, sources...) is an error line naming it, as is
 a malformed line (``E_INPUT_INVALID``, that line only).
 
@@ -61,7 +63,7 @@ from fleet.core.batchfile import CHAT_URL, BatchLine, jsonl_lines, output_line, 
 from fleet.core.codes import Code
 from fleet.core.errors import FleetError, InputInvalid, NotFound, TooLarge
 from fleet.core.keys import job_ref
-from fleet.core.models import Band, Envelope
+from fleet.core.models import Envelope
 from fleet.gateway.auth import Caller
 from fleet.gateway.files import MULTIPART_SLACK, FileStore, capped_receive, page
 from fleet.gateway.wire import json_object
@@ -72,7 +74,7 @@ if TYPE_CHECKING:
 # An active status and the final one it ends in once every line is answered.
 ACTIVE = {"in_progress": "completed", "cancelling": "cancelled"}
 LIST_LIMIT = 20
-# Job fields a batch line may not set: the key decides band and order (the window the
+# Job fields a batch line may not set: the batch decides band and order (the window the
 # deadline), and a line brings messages, not material for prep to collect (a source may name a
 # file or URL the workers can reach).
 REFUSED_LINE_FIELDS = ("band", "priority", "deadline", "sources", "kind", "on_source_error",
@@ -171,10 +173,10 @@ class BatchRoutes:
         if unknown:
             raise InputInvalid(f"unknown fields: {', '.join(unknown)}", param=unknown[0])
         file_id = str(data.get("input_file_id") or "")
-        return JSONResponse(await self.gw.run_batch(self._create, caller.project, caller.band,
+        return JSONResponse(await self.gw.run_batch(self._create, caller.project,
                                                     file_id, metadata))
 
-    def _create(self, project: str, band: Band, file_id: str, metadata: dict[str, Any] | None
+    def _create(self, project: str, file_id: str, metadata: dict[str, Any] | None
                 ) -> dict[str, Any]:
         if self.files.meta(project, file_id)["purpose"] != "batch":
             raise InputInvalid(f"input_file_id: {file_id!r} is not a batch input file",
@@ -200,7 +202,7 @@ class BatchRoutes:
             if line.job is not None:
                 try:
                     row["job"] = self.gw.client.submit(
-                        line.job.model_copy(update={"band": band, "deadline": expires_at}))
+                        line.job.model_copy(update={"band": "batch", "deadline": expires_at}))
                 except FleetError as exc:
                     row.update(error=f"line {line.number}: {exc.message}", code=exc.code.value)
             rows.append(row)
