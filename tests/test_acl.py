@@ -222,17 +222,19 @@ def test_a_bad_password_file_is_refused_naming_the_entry(tmp_path: Path, entry: 
     assert "p" * 20 not in done.stderr + done.stdout
 
 
-def test_passwords_in_a_file_others_can_read_are_a_warning_never_shown(tmp_path: Path) -> None:
-    """``acl.passwords`` inline in a fleet.toml that every user of the host reads (every unit that
-    reads the config learns them) and a password file readable by others: each command that loads
-    them says so in one WARNING that names the file, never the password."""
+@pytest.mark.parametrize("mode", [0o644, 0o640], ids=["everyone", "group"])
+def test_passwords_in_a_file_others_can_read_are_a_warning_never_shown(tmp_path: Path, mode: int) -> None:
+    """``acl.passwords`` inline in a fleet.toml that others read (everyone, or its group: the
+    fleet's group is how every unit reads the config, and each would learn them; before, only a
+    file everyone could read was a warning) and a password file readable by others: each command
+    that loads them says so in one WARNING that names the file, never the password."""
     inline_pw, file_pw = secrets.token_urlsafe(18), secrets.token_urlsafe(18)
     password_file = tmp_path / "acl-passwords"
     password_file.write_text(f"fleet-worker {file_pw}\n", encoding="utf-8")
     password_file.chmod(0o644)
     config = make_config(tmp_path, acl={"passwords": {"fleet-operator": inline_pw},
                                         "password_file": str(password_file)})
-    config.chmod(0o644)
+    config.chmod(mode)
     env = {**os.environ, "FLEET_CONFIG": str(config)}
     for command in (["acl"], ["config"]):
         done = subprocess.run([sys.executable, "-m", "fleet", *command], env=env,

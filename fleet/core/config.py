@@ -655,9 +655,10 @@ _warned_readable: set[Path] = set()
 
 def _warn_readable_passwords(file: Path, data: dict[str, Any]) -> None:
     """One WARNING per process and file when ``acl.passwords`` is written into a config file that
-    every user of the host may read: every unit and login that reads fleet.toml (workers,
-    dispatchers, producers on the same host) would learn the operator's and every user's Redis
-    password. ``acl.password_file`` (mode 600) or FLEET_ACL_PASSWORDS keep them apart."""
+    users other than its owner may read (its group, often the fleet's, or everyone): every unit
+    and login that reads fleet.toml (workers, dispatchers, producers on the same host) would learn
+    the operator's and every user's Redis password. ``acl.password_file`` (mode 600) or
+    FLEET_ACL_PASSWORDS keep them apart."""
     acl = data.get("acl")
     if not isinstance(acl, dict) or not acl.get("passwords") or file in _warned_readable:
         return
@@ -665,9 +666,9 @@ def _warn_readable_passwords(file: Path, data: dict[str, Any]) -> None:
         mode = file.stat().st_mode
     except OSError:
         return
-    if mode & stat.S_IROTH:
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
         _warned_readable.add(file)
-        log.warning("%s holds acl.passwords and every user of this host can read it (mode %s): "
+        log.warning("%s holds acl.passwords and users other than its owner can read it (mode %s): "
                     "move them to acl.password_file (chmod 600, the operator's only) or "
                     "FLEET_ACL_PASSWORDS for the fleet acl run", file, stat.filemode(mode))
 
