@@ -73,6 +73,7 @@ from fleet.core.errors import FleetError, ThinkLoop
 from fleet.core.events import EventSink
 from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Attempt, Envelope, Job, Timings, Usage
+from fleet.core.promptcache import leading_system, record_sent
 from fleet.core.request import build_request_messages, fence, new_fence_tag, tools_allowed
 from fleet.infer import carryover
 from fleet.infer import tools as tools_mod
@@ -199,6 +200,7 @@ class _Run:
         self.messages, self.warnings = build_request_messages(job, self.fence_tag)
         self.tools, self.tool_choice, tool_warnings = tools_allowed(job, ctx.project)
         self.warnings += tool_warnings
+        self.prepared_tools = self.tools  # as prep counted and looked the prompt up
         self.registry: dict[str, ToolSettings] = {}  # tools the fleet runs (mode "run")
         if self.tools and ctx.project.tools == "run":
             self.registry, unregistered = tools_mod.registered(
@@ -386,6 +388,7 @@ class _Run:
         ctx.events.emit("attempt", number=number, thinking_budget=self.plan.thinking_budget,
                         max_tokens=self.plan.max_tokens, seed=seed, temperature=temperature,
                         carried=len(carried))
+        self._record_sent()
         started = ctx.clock()
         outcome = self._stream(body)
         result = outcome.result
@@ -404,6 +407,14 @@ class _Run:
         log.info("attempt %d job=%s: %s %s", number, self.job.id, outcome.code.value,
                  outcome.cause)
         return outcome
+
+    def _record_sent(self) -> None:
+        """From now on the job's prompt as prep laid it out, and its stable prefix, count as
+        cached for the project's later prompts (fleet/core/promptcache.py)."""
+        record_sent(self.ctx.redis, self.ctx.keys, self.job.project, wire=self.messages,
+                    tools=self.prepared_tools, prompt_tokens=self.plan.prompt_tokens,
+                    prefix=leading_system(self.job), prefix_tokens=self.plan.prefix_tokens,
+                    remember_s=self.s.backend.prefix_cache_s)
 
     def _usage(self, result: StreamResult | None) -> Usage:
         if result is None:
