@@ -28,8 +28,10 @@ def estimate(client: redis.Redis, keys: Keys, wire: list[dict[str, Any]], prompt
 
 def send(client: redis.Redis, keys: Keys, wire: list[dict[str, Any]], prompt: int,
          project: str = "research", prefix_tokens: int = 2_500, remember_s: float = 600.0) -> None:
-    record_sent(client, keys, project, wire=wire, tools=None, prompt_tokens=prompt,
+    pipe = client.pipeline(transaction=False)
+    record_sent(pipe, keys, project, wire=wire, tools=None, prompt_tokens=prompt,
                 prefix=[SYSTEM], prefix_tokens=prefix_tokens, remember_s=remember_s)
+    pipe.execute()
 
 
 def user(text: str) -> dict[str, Any]:

@@ -81,3 +81,11 @@ def test_a_cancelled_job_never_counts_as_cached(rt: Runtime, redis_client: redis
     assert cancel_job(rt, project, job_id) == "cancelled"
     _, prompt2, uncached2 = prepare(rt, first)
     assert uncached2 == prompt2 == prompt
+
+
+def test_an_attempt_the_server_refused_does_not_count(rt: Runtime) -> None:
+    refused = [{"role": "user", "content": f"Read this: [sim:http500/1]\n{DOCUMENT}"}]
+    ref, prompt, _ = prepare(rt, refused)
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "continued"  # a 500, no token
+    _, _, uncached = prepare(rt, refused)
+    assert uncached == prompt

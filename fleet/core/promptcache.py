@@ -1,5 +1,5 @@
 """What a project sent to the backend recently, by digest: the facts behind the uncached-token
-estimate (fleet/prep/cachehint.py), written only when a prompt is actually sent.
+estimate (fleet/prep/cachehint.py), written only once the server has computed a prompt.
 
 Two kinds of ``{p}sent:{<project>}:<sha256>`` keys (value: token count; TTL
 ``backend.prefix_cache_s``, the time vLLM's prefix cache is assumed to keep a prompt's blocks):
@@ -10,17 +10,22 @@ Two kinds of ``{p}sent:{<project>}:<sha256>`` keys (value: token count; TTL
   it out for vLLM (tools first, then each message; untrusted parts fenced with the job's own tag),
   with ``Plan.prompt_tokens``.
 
-``record_sent`` writes both, in one pipelined round trip, when the inference worker starts a
-request (fleet/infer/attempts.py, every attempt: a resend renews the time). Nothing is written at
-prep: a prepared prompt may wait in line, be cancelled, or never run, and until it reaches the
-server none of its blocks is cached. Prep only reads (``chained_digests`` of the new prompt, one
-lookup per leading part).
+``record_sent`` writes both when the server computed the prompt: the inference attempt
+(fleet/infer/attempts.py) queues them with the attempt's history entry, in that one round trip,
+once the attempt produced at least one token (its prefill is done, its blocks are in the cache);
+every such attempt renews the time. Nothing is written at prep, nor for an attempt the server
+refused or never answered: a prepared prompt may wait in line, be cancelled or never run, and
+until the server has computed it none of its blocks is cached. So a prompt counts as cached from
+the end of the attempt that sent it (a job sharing it that is prepared while that attempt still
+runs counts it in full: on the safe side). Prep only reads (``chained_digests`` of the new prompt,
+one lookup per leading part).
 
-Failure cases: a Redis error while recording ends the attempt before anything is sent, like any
-Redis error of the inference task (the job goes back in line); a retry that adds a note to the
-system message sends a prompt whose digest differs from the recorded one (which the first attempt
-did send, so the record stays true); a gateway request (fleet/gateway) records nothing, so later
-prompts never count what a gateway client sent as cached (on the safe side).
+Failure cases: a Redis error while recording is a Redis error of the inference task (the job goes
+back in line, as for its history entry); a retry whose note changes the system message still
+records the prompt as prep laid it out (that is what later prompts are looked up by; the note's
+blocks are the retry's own, after the shared ones only when the note comes last); a gateway
+request (fleet/gateway) records nothing, so later prompts never count what a gateway client sent
+as cached (on the safe side).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ def leading_system(job: Job) -> list[Message]:
 
 
 def record_sent(
-    client: redis.Redis,
+    pipe: redis.client.Pipeline,
     keys: Keys,
     project: str,
     *,
@@ -76,15 +81,14 @@ def record_sent(
     prefix_tokens: int,
     remember_s: float,
 ) -> None:
-    """Remember that ``project`` sent this prompt (and its stable prefix) to the backend now."""
+    """Queue on ``pipe`` (the caller executes it) that ``project`` sent this prompt and its stable
+    prefix to the backend."""
     if remember_s <= 0:
         return
     ttl = max(1, round(remember_s))
-    pipe = client.pipeline(transaction=False)
     digests = chained_digests(wire, tools)
     if digests:
         pipe.set(keys.sent(project, digests[-1]), prompt_tokens, ex=ttl)
     stable = prefix_digest(prefix)
     if stable and prefix_tokens > 0:
         pipe.set(keys.sent(project, stable), prefix_tokens, ex=ttl)
-    pipe.execute()

@@ -260,10 +260,19 @@ class _Run:
         return {"plan": dict(self.plan.__dict__),
                 **{name: getattr(self, name) for name in self.TURN_FIELDS}}
 
-    def _record(self, attempt: Attempt, conclusions: list[str]) -> None:
+    def _record(self, attempt: Attempt, conclusions: list[str], prefilled: bool) -> None:
+        """The attempt's history entry and, when the server computed the prompt (it produced a
+        token), the prompt as sent (fleet/core/promptcache.py): one round trip."""
         entry = {**attempt.model_dump(mode="json"), "conclusions": conclusions}
-        carryover.record_attempt(self.ctx.redis, self.ctx.keys, job_ref(self.job.project, self.job.id), entry,
+        pipe = self.ctx.redis.pipeline(transaction=False)
+        carryover.record_attempt(pipe, self.ctx.keys, job_ref(self.job.project, self.job.id), entry,
                                  self.s.events_ttl_s)
+        if prefilled:
+            record_sent(pipe, self.ctx.keys, self.job.project, wire=self.messages,
+                        tools=self.prepared_tools, prompt_tokens=self.plan.prompt_tokens,
+                        prefix=leading_system(self.job), prefix_tokens=self.plan.prefix_tokens,
+                        remember_s=self.s.backend.prefix_cache_s)
+        pipe.execute()
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> Envelope | Continuation:
@@ -388,7 +397,6 @@ class _Run:
         ctx.events.emit("attempt", number=number, thinking_budget=self.plan.thinking_budget,
                         max_tokens=self.plan.max_tokens, seed=seed, temperature=temperature,
                         carried=len(carried))
-        self._record_sent()
         started = ctx.clock()
         outcome = self._stream(body)
         result = outcome.result
@@ -401,20 +409,13 @@ class _Run:
             started_at=started, duration_s=round(ctx.clock() - started, 3),
         )
         self.attempts.append(attempt)
-        self._record(attempt, self._conclusions_of(outcome))
+        self._record(attempt, self._conclusions_of(outcome),
+                     prefilled=result is not None and result.first_token_s is not None)
         if result is not None and result.first_token_s is not None:
             self.first_token_s = result.first_token_s
         log.info("attempt %d job=%s: %s %s", number, self.job.id, outcome.code.value,
                  outcome.cause)
         return outcome
-
-    def _record_sent(self) -> None:
-        """From now on the job's prompt as prep laid it out, and its stable prefix, count as
-        cached for the project's later prompts (fleet/core/promptcache.py)."""
-        record_sent(self.ctx.redis, self.ctx.keys, self.job.project, wire=self.messages,
-                    tools=self.prepared_tools, prompt_tokens=self.plan.prompt_tokens,
-                    prefix=leading_system(self.job), prefix_tokens=self.plan.prefix_tokens,
-                    remember_s=self.s.backend.prefix_cache_s)
 
     def _usage(self, result: StreamResult | None) -> Usage:
         if result is None:
