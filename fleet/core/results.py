@@ -148,26 +148,6 @@ class ResultStore:
         pipe.execute()
         log.warning("rejected job=%s claimed_project=%s reason=%s", job_id, claimed_project, reason)
 
-    def state_and_result(self, ref: str) -> tuple[str | None, Envelope | None]:
-        """The job record's state and the job's final envelope, in one round trip."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hget(self.keys.job(ref), "state")
-        pipe.get(self.keys.result(ref))
-        state, raw = pipe.execute()
-        return (state.decode() if state else None,
-                Envelope.model_validate_json(raw) if raw else None)
-
-    def claimed_view(self, ref: str) -> tuple[Envelope | None, dict[str, str], bytes | None]:
-        """What an inference worker reads about a job it just claimed, in one round trip: its
-        final envelope (if any), its job record and its cancel request (raw, unverified)."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.get(self.keys.result(ref))
-        pipe.hgetall(self.keys.job(ref))
-        pipe.get(self.keys.cancel(ref))
-        raw, record, cancel = pipe.execute()
-        envelope = Envelope.model_validate_json(raw) if raw else None
-        return envelope, {k.decode(): v.decode() for k, v in record.items()}, cancel
-
     def get(self, ref: str) -> Envelope | None:
         """The job's final envelope, if it has one (what the workers go by)."""
         raw = self.client.get(self.keys.result(ref))

@@ -160,11 +160,8 @@ def prep_job(rt: Runtime, project: str, job_id: str, signed: dict[str, Any],
     if not claim.acquire():
         return "duplicate"  # another delivery is preparing it right now
     try:
-        state, final = rt.results.state_and_result(ref)
-        if state in HANDED_OVER:
+        if rt.results.job_record(ref).get("state") in HANDED_OVER:
             return "duplicate"  # checked under the claim: an earlier delivery handed it over
-        if final is not None:
-            return "already-final"
         return _prep_claimed(rt, project, job_id, raw)
     finally:
         claim.release()
@@ -184,6 +181,8 @@ def _owner() -> str:
 
 
 def _prep_claimed(rt: Runtime, project: str, job_id: str, raw: dict[str, Any]) -> str:
+    if rt.results.get(job_ref(project, job_id)) is not None:
+        return "already-final"
     try:
         job = Job.model_validate(raw)
     except ValidationError as exc:
@@ -279,8 +278,7 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
         log.info("dropped duplicate delivery job=%s fence=%d", ref, fence)
         return "duplicate"
     owner, job_id = split_ref(ref)  # envelopes go to the ref's own job, whatever the task says
-    final, record, cancel_request = rt.results.claimed_view(ref)
-    if final is not None:
+    if rt.results.get(ref) is not None:
         store.release(ref, fence)  # ours: claimed above
         return "already-final"
     cancel_key = rt.keys.cancel(ref)
@@ -291,8 +289,7 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
     try:
         with keeper:
             rt.results.record(ref, state="running", running_at=time.time(), fence=fence)
-            envelope = _run(rt, ref, project, keeper, record,
-                            cancel_valid(rt.settings, owner, job_id, cancel_request))
+            envelope = _run(rt, ref, project, keeper)
     except BROKER_LOST as exc:
         # Not the job's fault: its lease expires (or is given back here) and it runs again.
         log.warning("redis lost while running job=%s (%r); the job goes back in line", ref, exc)
@@ -397,14 +394,12 @@ def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> 
     return job
 
 
-def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper, record: dict[str, str],
-         cancelled: bool) -> Envelope | Continuation:
-    """One model turn of the claimed job; ``record`` and ``cancelled`` as read right after the
-    claim (``ResultStore.claimed_view``)."""
+def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope | Continuation:
     from fleet.infer.attempts import InferenceContext, run_inference
     from fleet.infer.budget import Plan
 
     owner, job_id = split_ref(ref)
+    record = rt.results.job_record(ref)
     try:
         job = _sealed_job(rt, ref, project, record)
         plan = Plan(**json.loads(record["plan"]))
@@ -415,7 +410,7 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper, record: dict[
         return Envelope.failure(job_id, owner, Code.E_AUTH, exc.message)
     except (KeyError, ValueError) as exc:
         return Envelope.failure(job_id, owner, Code.E_INTERNAL, f"job record unreadable: {exc}")
-    if cancelled:  # asked between two turns (the keeper checks only from now on)
+    if cancel_requested(rt, ref):  # asked between two turns (the keeper checks only from now on)
         return Envelope.failure(job_id, owner, Code.E_CANCELLED, "cancelled between turns")
     admitted_at = time.time()
     events = _events(rt, ref)
