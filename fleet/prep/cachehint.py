@@ -8,15 +8,16 @@ throttled like a 60K-token prompt nobody sent before.
 vLLM's prefix cache reuses whole KV blocks of a prompt's leading tokens that an earlier request
 computed and that were not evicted since. The fleet cannot see the server's cache, but it knows
 what each project SENT (fleet/core/promptcache.py: the inference worker records a prompt and its
-stable prefix when it starts the request, kept for ``backend.prefix_cache_s``). A new prompt's
+stable prefix once an attempt that sent them got a token back, kept for
+``backend.prefix_cache_s``). A new prompt's
 cached part is the longest of: the stable prefix, when the project sent it within that time; an
 earlier sent prompt whose message list is a leading part of this one's (chained digests, one per
 message: one lookup each). That count is rounded down to whole KV blocks; the rest is
 ``uncached_tokens``. Projects are kept apart: a project's prompts only ever match its own.
 
-Only a prompt that reached the server counts, never one that was merely prepared: N jobs sharing
-a new long prompt, prepared one after another, all count it in full (none of them was sent yet),
-and a cancelled or never-run job counts for nothing. The estimate is made once, at prep, and the
+Only a prompt the server computed counts, never one that was merely prepared: N jobs sharing a
+new long prompt, prepared before the first one's attempt ended, all count it in full, and a
+cancelled, refused or never-run job counts for nothing. The estimate is made once, at prep, and the
 dispatcher admits later; it is not re-estimated at admission (that would cost a lookup per
 candidate in the admission script and the digests in every pending item). So it is conservative
 in one direction only: a prompt counted in full may find its prefix cached by the time it runs
