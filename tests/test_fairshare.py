@@ -206,3 +206,18 @@ def test_batch_is_not_starved_by_a_stream_of_interactive_jobs() -> None:
         assert sim.now < 120.0, "batch job starved"
     admitted_at = next(t for t, _, job, _ in sim.admitted if job == "b-0")
     assert admitted_at >= 60.0  # interactive went first until the batch job had aged
+
+
+def test_the_fluid_bound_of_the_fairness_bench() -> None:
+    """``fleet bench``'s reference for a small project's wait: exact weighted fair share gives a
+    project of equal weight half the backend while a big one stays backlogged."""
+    from fleet.bench.fleetbench import fluid_wait
+
+    small, big = [1.0] * 10, [1.0] * 100
+    with_big = fluid_wait({"small": small, "big": big}, {"small": 1, "big": 1}, "small", 0.5)
+    alone = fluid_wait({"small": small}, {"small": 1}, "small", 0.5)
+    assert (with_big, alone) == (10.0, 5.0)
+    weighted = {"heavy": [1.0] * 30, "small": small}
+    assert fluid_wait(weighted, {"heavy": 3, "small": 1}, "small", 0.5) == 15 + 5
+    drained = {"heavy": [1.0] * 6, "small": small}  # heavy is done after 6: small alone from then on
+    assert fluid_wait(drained, {"heavy": 3, "small": 1}, "small", 0.99) == 6 + 9

@@ -1,45 +1,91 @@
 """The prep task carries its uncached-token estimate into the pending item (the item's last
-field, schedulers/store/lua/prelude.lua): the next turn of a conversation is counted as mostly
-cached, a new prompt of the same size in full. Real pieces: the prep task, the Redis store,
-``fleet sim`` counting the tokens."""
+field, schedulers/store/lua/prelude.lua), and only what the inference worker actually sent counts
+as cached: the next turn of a conversation is counted as mostly cached once the earlier turn ran,
+a new prompt of the same size in full, and so is every job sharing a new prefix while none of
+them was sent yet, or one whose look-alike was cancelled before it ran. Real pieces: the prep
+task, the Redis store, the inference task, ``fleet sim`` counting the tokens."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
 import redis
 
 from fleet.core.keys import Keys, job_ref
+from fleet.core.seal import sign_cancel
 from fleet.core.signing import sign
 from fleet.worker.runtime import Runtime
-from fleet.worker.tasks import prep_job
+from fleet.worker.tasks import cancel_job, infer_job, prep_job
 
-from .test_continuations import rt, sim
+from .test_continuations import admit, rt, sim
 
 __all__ = ["rt", "sim"]
 
+DOCUMENT = " ".join(f"line {n} of the shared document." for n in range(1_200))
 
-def prepare(rt: Runtime, messages: list[dict[str, Any]]) -> tuple[int, int]:
-    """(prompt tokens, uncached tokens) of the job's pending item."""
+
+def prepare(rt: Runtime, messages: list[dict[str, Any]]) -> tuple[str, int, int]:
+    """(job ref, prompt tokens, uncached tokens) of the job's pending item."""
     job_id = uuid.uuid4().hex[:12]
     raw = {"id": job_id, "project": "reports", "messages": messages}
     assert prep_job(rt, "reports", job_id, sign(raw, "reports", rt.settings.projects["reports"].secret)) == "pending"
     client: redis.Redis = rt.redis
-    item = client.hget(Keys(rt.settings.key_prefix).dispatch + "items", job_ref("reports", job_id))
+    ref = job_ref("reports", job_id)
+    item = client.hget(Keys(rt.settings.key_prefix).dispatch + "items", ref)
     fields = (item.decode() if isinstance(item, bytes) else str(item)).split(" ")
-    return int(fields[3]), int(fields[13])
+    return ref, int(fields[3]), int(fields[13])
 
 
-def test_the_next_turn_is_mostly_cached_and_a_new_prompt_is_not(rt: Runtime) -> None:
+def run(rt: Runtime, ref: str) -> None:
+    """Admit the job and run it: its prompt goes to the backend."""
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "OK"
+
+
+def test_the_next_turn_is_mostly_cached_once_the_first_ran_and_a_new_prompt_is_not(rt: Runtime) -> None:
     block = rt.settings.backend.block_tokens
-    document = " ".join(f"line {n} of the shared document." for n in range(1_200))
-    first = [{"role": "user", "content": f"Read this:\n{document}"}]
-    prompt, uncached = prepare(rt, first)
+    first = [{"role": "user", "content": f"Read this:\n{DOCUMENT}"}]
+    ref, prompt, uncached = prepare(rt, first)
     assert prompt > 3 * block and uncached == prompt  # nothing of it was sent before
+    run(rt, ref)
     turn = [*first, {"role": "assistant", "content": "Read."}, {"role": "user", "content": "Summarise it."}]
-    prompt2, uncached2 = prepare(rt, turn)
+    _, prompt2, uncached2 = prepare(rt, turn)
     assert uncached2 == prompt2 - prompt // block * block < block
-    other = [{"role": "user", "content": f"Read this instead:\n{document.replace('line', 'row')}"}]
-    prompt3, uncached3 = prepare(rt, other)
+    other = [{"role": "user", "content": f"Read this instead:\n{DOCUMENT.replace('line', 'row')}"}]
+    _, prompt3, uncached3 = prepare(rt, other)
     assert uncached3 == prompt3 > 3 * block
+
+
+def test_jobs_sharing_a_new_prompt_count_in_full_until_one_of_them_is_sent(rt: Runtime) -> None:
+    """Prepared is not sent: before, the second job counted the first one's prompt as cached at
+    prep already, so a batch sharing a new long prompt all bypassed the long-prefill limit."""
+    block = rt.settings.backend.block_tokens
+    first = [{"role": "user", "content": f"Read this:\n{DOCUMENT}"}]
+    turn = [*first, {"role": "assistant", "content": "Read."}, {"role": "user", "content": "And?"}]
+    ref, prompt, _ = prepare(rt, first)
+    _, prompt2, uncached2 = prepare(rt, turn)
+    assert uncached2 == prompt2  # the first job's prompt is only prepared, not sent
+    _, _, uncached_again = prepare(rt, first)
+    assert uncached_again == prompt
+    run(rt, ref)
+    _, prompt4, uncached4 = prepare(rt, turn)
+    assert uncached4 == prompt4 - prompt // block * block
+
+
+def test_a_cancelled_job_never_counts_as_cached(rt: Runtime, redis_client: redis.Redis) -> None:
+    first = [{"role": "user", "content": f"Read this:\n{DOCUMENT}"}]
+    ref, prompt, _ = prepare(rt, first)
+    project, job_id = ref.split("/", 1)
+    redis_client.set(rt.keys.cancel(ref), sign_cancel(project, job_id, rt.settings.projects[project].secret))
+    assert cancel_job(rt, project, job_id) == "cancelled"
+    _, prompt2, uncached2 = prepare(rt, first)
+    assert uncached2 == prompt2 == prompt
+
+
+def test_an_attempt_the_server_refused_does_not_count(rt: Runtime) -> None:
+    refused = [{"role": "user", "content": f"Read this: [sim:http500/1]\n{DOCUMENT}"}]
+    ref, prompt, _ = prepare(rt, refused)
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "continued"  # a 500, no token
+    _, _, uncached = prepare(rt, refused)
+    assert uncached == prompt

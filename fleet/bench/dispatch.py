@@ -77,10 +77,13 @@ class _Backlog:
     def item(i: int) -> PendingItem:
         return PendingItem(f"j{i}", PROJECTS[i % 5], 500 + i % 4000, 1000, enqueued_at=1e9 + i)
 
-    def decide(self, decisions: int, per_call: int, pipelined: bool) -> float:
-        """Seconds for ``decisions`` admit+release pairs; admitted jobs come back, untimed."""
-        decide_s, done = 0.0, 0
+    def decide(self, decisions: int, per_call: int, pipelined: bool) -> tuple[float, float]:
+        """Seconds per admit+release pair, over ``decisions`` pairs, end to end (the client's
+        clock) and inside Redis (the scripts' own time, ``_script_s``); admitted jobs come back,
+        untimed."""
+        decide_s, server_s, done = 0.0, 0.0, 0
         while done < decisions:
+            server_before = _script_s(self.client)
             started = time.perf_counter()
             grants = [r.grant for r in self.store.admit_many(2e9 + self.next, per_call) if r.grant]
             if pipelined:
@@ -89,11 +92,18 @@ class _Backlog:
                 for grant in grants:
                     self.store.release(grant.job_id, grant.fence)
             decide_s += time.perf_counter() - started
+            server_s += _script_s(self.client) - server_before
             assert grants
             done += len(grants)
             self.store.add_pending_many(self.item(self.next + k) for k in range(len(grants)))
             self.next += len(grants)
-        return decide_s / done
+        return decide_s / done, server_s / done
+
+
+def _script_s(client: redis.Redis) -> float:
+    """Seconds Redis has spent running scripts (``INFO commandstats``, EVALSHA), ever: a figure
+    of the server alone, which round trips and the client's CPU do not move."""
+    return float(client.info("commandstats").get("cmdstat_evalsha", {}).get("usec", 0)) / 1e6
 
 
 def backlog_overhead(
@@ -109,7 +119,11 @@ def backlog_overhead(
     per grant (as workers do: one after the other from this one client, or the call's releases in
     one pipeline, as several workers finishing at once). Both backlogs stay in Redis and the
     measurements alternate between them, ``rounds`` times ``decisions`` pairs each; the median
-    round counts, so a machine busy with other work slows both sides alike."""
+    round counts, so a machine busy with other work slows both sides alike. Each way also gets
+    the scripts' own time inside Redis per pair (``INFO commandstats``): whether the decision
+    itself stays flat with the backlog, apart from round trips and the bench's one client, and
+    the pairs/s a single Redis allows when many clients call at once (its scripts run one at a
+    time)."""
     client = redis.Redis.from_url(redis_url)
     rss_before = _rss_mb()
     small, big = _Backlog(client, 1_000), _Backlog(client, jobs)
@@ -117,10 +131,14 @@ def backlog_overhead(
         out = []
         for per_call, pipelined in ways:
             times: dict[int, list[float]] = {1_000: [], jobs: []}
+            server: dict[int, list[float]] = {1_000: [], jobs: []}
             for _ in range(rounds):
                 for backlog in (small, big):
-                    times[backlog.jobs].append(backlog.decide(decisions, per_call, pipelined))
+                    pair_s, server_s = backlog.decide(decisions, per_call, pipelined)
+                    times[backlog.jobs].append(pair_s)
+                    server[backlog.jobs].append(server_s)
             base_s, big_s = statistics.median(times[1_000]), statistics.median(times[jobs])
+            server_base_s, server_big_s = statistics.median(server[1_000]), statistics.median(server[jobs])
             out.append({
                 "grants per ADMIT call (at most)": per_call,
                 "releases": "pipelined" if pipelined else "one by one",
@@ -128,6 +146,10 @@ def backlog_overhead(
                 f"admission decisions/s, {jobs:,} backlog": 1 / big_s,
                 "ratio to the baseline": base_s / big_s,
                 f"admit+release latency ms, {jobs:,} backlog": 1000 * big_s,
+                "Redis script time us per pair, 1,000 backlog": 1e6 * server_base_s,
+                f"Redis script time us per pair, {jobs:,} backlog": 1e6 * server_big_s,
+                "Redis script time, ratio to the baseline": server_base_s / server_big_s,
+                f"pairs/s Redis itself allows, {jobs:,} backlog (parallel clients)": 1 / server_big_s,
             })
         out.append({
             "backlog jobs": jobs,

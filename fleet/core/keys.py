@@ -55,7 +55,8 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
   {p}tokcache:<sha256>        string cached /tokenize count for a piece of content
   {p}sent:{<project>}:<sha256> string prompt tokens of a prompt (or stable prefix) the project sent
                                      recently, by the digest of its messages; TTL
-                                     backend.prefix_cache_s (fleet/prep/cachehint.py); tagged by
+                                     backend.prefix_cache_s, written once an attempt that sent
+                                     it got a token back (fleet/core/promptcache.py); tagged by
                                      project, so one MGET reads a job's lookups in one slot
   {p}stats:codes              hash   final results counted by "<project>|<code>" (for /metrics)
   {p}metrics:leader           string the dispatcher exporting the fleet-wide metrics (redis-py

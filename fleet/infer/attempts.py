@@ -75,6 +75,7 @@ from fleet.core.errors import FleetError, ThinkLoop
 from fleet.core.events import EventSink
 from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Attempt, Envelope, Job, Timings, Usage
+from fleet.core.promptcache import leading_system, record_sent
 from fleet.core.request import build_request_messages, fence, new_fence_tag, tools_allowed
 from fleet.infer import carryover
 from fleet.infer import tools as tools_mod
@@ -208,6 +209,7 @@ class _Run:
         self.messages, self.warnings = build_request_messages(job, self.fence_tag)
         self.tools, self.tool_choice, tool_warnings = tools_allowed(job, ctx.project)
         self.warnings += tool_warnings
+        self.prepared_tools = self.tools  # as prep counted and looked the prompt up
         self.registry: dict[str, ToolSettings] = {}  # tools the fleet runs (mode "run")
         if self.tools and ctx.project.tools == "run":
             self.registry, unregistered = tools_mod.registered(
@@ -271,10 +273,19 @@ class _Run:
         return {"number": self.number + 1, "plan": dict(self.plan.__dict__),
                 **{name: getattr(self, name) for name in self.TURN_FIELDS}}
 
-    def _record(self, attempt: Attempt, conclusions: list[str]) -> None:
+    def _record(self, attempt: Attempt, conclusions: list[str], prefilled: bool) -> None:
+        """The attempt's history entry and, when the server computed the prompt (it produced a
+        token), the prompt as sent (fleet/core/promptcache.py): one round trip."""
         entry = {**attempt.model_dump(mode="json"), "conclusions": conclusions}
-        carryover.record_attempt(self.ctx.redis, self.ctx.keys, job_ref(self.job.project, self.job.id), entry,
+        pipe = self.ctx.redis.pipeline(transaction=False)
+        carryover.record_attempt(pipe, self.ctx.keys, job_ref(self.job.project, self.job.id), entry,
                                  self.s.events_ttl_s)
+        if prefilled:
+            record_sent(pipe, self.ctx.keys, self.job.project, wire=self.messages,
+                        tools=self.prepared_tools, prompt_tokens=self.plan.prompt_tokens,
+                        prefix=leading_system(self.job), prefix_tokens=self.plan.prefix_tokens,
+                        remember_s=self.s.backend.prefix_cache_s)
+        pipe.execute()
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> Envelope | Continuation:
@@ -456,7 +467,8 @@ class _Run:
             started_at=started, duration_s=round(ctx.clock() - started, 3),
         )
         self.attempts.append(attempt)
-        self._record(attempt, self._conclusions_of(outcome))
+        self._record(attempt, self._conclusions_of(outcome),
+                     prefilled=result is not None and result.first_token_s is not None)
         if result is not None and result.first_token_s is not None:
             self.first_token_s = result.first_token_s
         log.info("attempt %d job=%s: %s %s", number, self.job.id, outcome.code.value,

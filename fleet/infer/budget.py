@@ -39,17 +39,21 @@ class Plan:
     room_tokens: int
     max_model_len: int
     prompt_budget_tokens: int | None = None
+    # of prompt_tokens, the stable prefix (fleet/core/promptcache.py records it when sent)
+    prefix_tokens: int = 0
 
 
 
-def plan(job: Job, project: ProjectSettings, settings: Settings, prompt_tokens: int) -> Plan:
+def plan(job: Job, project: ProjectSettings, settings: Settings, prompt_tokens: int,
+         prefix_tokens: int = 0) -> Plan:
     budget = job.thinking_budget if job.thinking_budget is not None else project.thinking_budget
     reserve = job.content_reserve if job.content_reserve is not None else project.content_reserve
     ceiling = settings.retry.thinking_budget_ceiling
-    return _build(
+    built = _build(
         budget, reserve, prompt_tokens, settings.backend.max_model_len,
         project.prompt_budget_tokens, ceiling,
     )
+    return replace(built, prefix_tokens=prefix_tokens)
 
 
 def _build(

@@ -187,13 +187,12 @@ def with_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]
 
 
 def record_attempt(
-    client: redis.Redis, keys: Keys, ref: str, attempt: dict[str, Any], ttl_s: int
+    pipe: redis.client.Pipeline, keys: Keys, ref: str, attempt: dict[str, Any], ttl_s: int
 ) -> None:
+    """Queue the attempt's entry on ``pipe`` (the caller executes it, with its other records)."""
     key = keys.attempts(ref)
-    pipe = client.pipeline(transaction=False)
     pipe.rpush(key, json.dumps(attempt, default=str))
     pipe.expire(key, ttl_s)
-    pipe.execute()
 
 
 def load_attempts(client: redis.Redis, keys: Keys, ref: str) -> list[dict[str, Any]]:

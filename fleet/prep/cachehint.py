@@ -7,28 +7,29 @@ throttled like a 60K-token prompt nobody sent before.
 
 vLLM's prefix cache reuses whole KV blocks of a prompt's leading tokens that an earlier request
 computed and that were not evicted since. The fleet cannot see the server's cache, but it knows
-what each project sent, so it remembers, per project and for ``backend.prefix_cache_s``:
+what each project SENT (fleet/core/promptcache.py: the inference worker records a prompt and its
+stable prefix once an attempt that sent them got a token back, kept for
+``backend.prefix_cache_s``). A new prompt's
+cached part is the longest of: the stable prefix, when the project sent it within that time; an
+earlier sent prompt whose message list is a leading part of this one's (chained digests, one per
+message: one lookup each). That count is rounded down to whole KV blocks; the rest is
+``uncached_tokens``. Projects are kept apart: a project's prompts only ever match its own.
 
-* the project's stable prefix (fleet/prep/prefix.py: system prompt and the job's leading system
-  messages), by the digest of those messages, with its token count;
-* every prepared prompt, by the digest of its whole message list as vLLM gets it (tools first,
-  then each message; untrusted parts fenced with the job's own tag, which no other prompt shares),
-  with its token count.
+Only a prompt the server computed counts, never one that was merely prepared: N jobs sharing a
+new long prompt, prepared before the first one's attempt ended, all count it in full, and a
+cancelled, refused or never-run job counts for nothing. The estimate is made once, at prep, and the
+dispatcher admits later; it is not re-estimated at admission (that would cost a lookup per
+candidate in the admission script and the digests in every pending item). So it is conservative
+in one direction only: a prompt counted in full may find its prefix cached by the time it runs
+(a batch sharing a new prompt: each of them is treated as a long prefill and waits for a quiet
+window of its own), while a prompt counted as cached is cached unless the server evicted the
+blocks meanwhile (a busy pool, a restart).
 
-A new prompt's cached part is the longest of: the stable prefix, when the project sent it within
-that time; an earlier prompt whose message list is a leading part of this one's (chained digests,
-one per message: one lookup each). That count is rounded down to whole KV blocks; the rest is
-``uncached_tokens``. An estimate, on the safe side of what the fleet saw: the server may have
-evicted blocks meanwhile (a busy pool, a restart), and then a prompt counted as cached prefills in
-full. Projects are kept apart: a project's prompts only ever match its own.
-
-One pipelined round trip per job: the lookups and the two records (which renew the time).
+One round trip per job (an MGET of the lookups); nothing is written here.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 import redis
@@ -36,27 +37,9 @@ import redis
 from fleet.core.config import ProjectSettings, Settings
 from fleet.core.keys import Keys
 from fleet.core.models import Job, Message
+from fleet.core.promptcache import chained_digests, leading_system, prefix_digest
 from fleet.core.request import build_request_messages, tools_allowed
-from fleet.prep.prefix import stable_prefix
 from fleet.prep.prepare import Prepared
-
-
-def _digest(previous: str, part: Any) -> str:
-    text = json.dumps(part, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(f"{previous}\n{text}".encode()).hexdigest()
-
-
-def chained_digests(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[str]:
-    """One digest per leading part of ``messages`` (after the tools): [:1], [:2], ..."""
-    digests, current = [], _digest("", tools or [])
-    for message in messages:
-        current = _digest(current, message)
-        digests.append(current)
-    return digests
-
-
-def prefix_digest(prefix: list[Message]) -> str | None:
-    return _digest("prefix", [m.to_openai() for m in prefix]) if prefix else None
 
 
 def estimate_uncached(
@@ -68,39 +51,32 @@ def estimate_uncached(
     tools: list[dict[str, Any]] | None,
     prompt_tokens: int,
     prefix: list[Message],
-    prefix_tokens: int,
     block_tokens: int,
     remember_s: float,
 ) -> int:
-    """The prompt tokens expected to miss the prefix cache; records this prompt and its prefix."""
+    """The prompt tokens expected to miss the prefix cache, by what the project sent."""
     if remember_s <= 0:
         return prompt_tokens
-    digests = chained_digests(wire, tools)
     stable = prefix_digest(prefix)
-    lookups = [keys.sent(project, d) for d in digests] + ([keys.sent(project, stable)] if stable else [])
-    ttl = max(1, round(remember_s))
-    pipe = client.pipeline(transaction=False)
-    pipe.mget(lookups)
-    if digests:
-        pipe.set(keys.sent(project, digests[-1]), prompt_tokens, ex=ttl)
-    if stable:
-        pipe.set(keys.sent(project, stable), prefix_tokens, ex=ttl)
-    found = pipe.execute()[0]
-    seen = [int(v) for v in found if v is not None]
+    lookups = [keys.sent(project, d) for d in chained_digests(wire, tools)]
+    lookups += [keys.sent(project, stable)] if stable else []
+    if not lookups:
+        return prompt_tokens
+    seen = [int(v) for v in client.mget(lookups) if v is not None]
     cached = min(max(seen, default=0), prompt_tokens)
     return prompt_tokens - cached // block_tokens * block_tokens
 
 
 def uncached_of(
-    client: redis.Redis, keys: Keys, settings: Settings, project: ProjectSettings, job: Job,
-    ready: Job, prepared: Prepared,
+    client: redis.Redis, keys: Keys, settings: Settings, project: ProjectSettings, ready: Job,
+    prepared: Prepared,
 ) -> int:
     """``estimate_uncached`` for a prepared job (``ready``: the job with its prepared messages),
     its messages as fleet/infer/attempts.py sends them (the fence tag prep drew)."""
     wire, _ = build_request_messages(ready, prepared.fence_tag)
     tools, _, _ = tools_allowed(ready, project)
     return estimate_uncached(
-        client, keys, job.project, wire=wire, tools=tools, prompt_tokens=prepared.prompt_tokens,
-        prefix=stable_prefix(project, job), prefix_tokens=prepared.prefix_tokens,
-        block_tokens=settings.backend.block_tokens, remember_s=settings.backend.prefix_cache_s,
+        client, keys, ready.project, wire=wire, tools=tools, prompt_tokens=prepared.prompt_tokens,
+        prefix=leading_system(ready), block_tokens=settings.backend.block_tokens,
+        remember_s=settings.backend.prefix_cache_s,
     )

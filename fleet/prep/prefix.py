@@ -26,6 +26,7 @@ from rich.table import Table
 from fleet.core.config import ProjectSettings, Settings, load_settings
 from fleet.core.keys import Keys
 from fleet.core.models import Job, Message
+from fleet.core.promptcache import leading_system
 from fleet.core.redisconn import redis_client
 from fleet.prep.tokens import TokenCounter
 
@@ -57,16 +58,6 @@ def stable_prefix(project: ProjectSettings | None, job: Job | None = None) -> li
             continue  # the producer already sent the project's prompt: keep one copy
         prefix.append(message)
     return prefix
-
-
-def leading_system(job: Job) -> list[Message]:
-    """The job's system messages before its first other message."""
-    count = 0
-    for message in job.messages:
-        if message.role != "system":
-            break
-        count += 1
-    return job.messages[:count]
 
 
 def prefix_warning(tokens: int, block_tokens: int, exact: bool = True) -> str | None:

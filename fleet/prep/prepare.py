@@ -54,10 +54,11 @@ from fleet.core.config import ProjectSettings, Settings
 from fleet.core.errors import Cancelled, CollectFailed, PromptTooLong
 from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Job, Message, TrimPolicy
+from fleet.core.promptcache import leading_system
 from fleet.core.request import build_request_messages, new_fence_tag, tools_allowed
 from fleet.core.seal import cancel_valid
 from fleet.prep.collect import Collected, Collector
-from fleet.prep.prefix import leading_system, prefix_warning, stable_prefix
+from fleet.prep.prefix import prefix_warning, stable_prefix
 from fleet.prep.tokens import TokenCounter
 from fleet.prep.trim import Fitted, allocate, drop_near_duplicates, fit_text, normalise_whitespace
 

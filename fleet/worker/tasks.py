@@ -236,14 +236,14 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
         )
         rt.results.publish(envelope)
         return envelope.code.value
-    plan = plan_budget(job, project, settings, prepared.prompt_tokens)
+    plan = plan_budget(job, project, settings, prepared.prompt_tokens, prepared.prefix_tokens)
     ready = job.model_copy(update={"messages": prepared.messages, "sources": []})
     job_json, plan_json = ready.model_dump_json(), json.dumps(plan.__dict__)
     rt.results.record(ref, **sealed(
         settings, ref, project=job.project, kind=job.kind, job=job_json, plan=plan_json,
         warnings=json.dumps(prepared.warnings), fence_tag=prepared.fence_tag,
     ))
-    uncached = uncached_of(rt.redis, rt.keys, settings, project, job, ready, prepared)
+    uncached = uncached_of(rt.redis, rt.keys, settings, project, ready, prepared)
     handed_over = time.time()  # the fleet's clock orders the queue, never the producer's
     rt.store.add_pending(PendingItem(
         job_id=ref, project=job.project, prompt_tokens=prepared.prompt_tokens,
