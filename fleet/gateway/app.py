@@ -74,9 +74,12 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.client = Client(settings, redis_client=self.runtime.redis)
         self._budgets: dict[str, RetryBudget] = {}
-        # An empty base URL makes an estimate-only counter (fleet/prep/tokens.py).
-        self.counter = self.runtime.counter if settings.gateway.exact_prompt_count else TokenCounter(
-            "", settings.backend.model, None, self.runtime.keys)
+        # Only the process's own count cache, not the shared Redis one: a chat prompt is new
+        # nearly every time (each turn adds to the conversation), so the Redis tier would cost a
+        # GET that misses and a SET, two round trips per request, for little reuse. An empty
+        # base URL makes an estimate-only counter (fleet/prep/tokens.py).
+        backend_url = settings.backend.url if settings.gateway.exact_prompt_count else ""
+        self.counter = TokenCounter(backend_url, settings.backend.model, None, self.runtime.keys)
         self.events = EventHub(settings.broker_url, self.runtime.keys, self.admission.gateway_id)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -98,6 +101,7 @@ class Gateway:
         await self.aredis.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.vllm.close()
+        self.counter.close()
 
     def build_body(self, req: ChatRequest, caller: Caller, job_id: str) -> tuple[dict[str, Any], int, int]:
         """(vLLM request body, prompt tokens, max tokens) of one chat request."""
