@@ -68,6 +68,8 @@ class Gateway:
         self.vllm = self.runtime.vllm
         self.aredis = async_redis_client(settings)
         self.executor = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="gateway-io")
+        self.streams = ThreadPoolExecutor(max_workers=2 * settings.backend.max_num_seqs,
+                                          thread_name_prefix="gateway-stream")  # fleet/gateway/upstream.py
         send = make_send(settings, self.runtime.redis, create_celery_app(settings))
         self.admission = Admission(self.runtime.store, self.runtime.results, self.aredis,
                                    self.runtime.keys, self.run, send)
@@ -100,6 +102,7 @@ class Gateway:
         await self.events.close()
         await self.aredis.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.streams.shutdown(wait=False, cancel_futures=True)
         self.vllm.close()
         self.counter.close()
 
