@@ -191,3 +191,26 @@ def test_the_gateway_round_admits_queued_jobs_while_an_inference_worker_is_live(
     redis_url: str, key_prefix: str,
 ) -> None:
     assert _queued_and_gateway_round(redis_url, key_prefix, live_worker=True) == set()
+
+
+def test_the_gateway_call_learns_unseen_projects_and_survives_a_script_flush(
+    redis_url: str, key_prefix: str,
+) -> None:
+    """A fresh store names only the request's project; ADMIT refuses to decide while another
+    project waits unnamed, so the call learns it and decides again (fair share sees both). A Redis
+    that lost its scripts (a restart) gets the script loaded again, and the record is still
+    written once before the script runs."""
+    settings = settings_for(key_prefix, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    make_store(settings, client).add_pending(PendingItem("b/q1", "b", 100, 500))
+    store = make_store(settings, client)  # another process: has seen no project yet
+    client.script_flush()
+    now = time.time()
+    results, fence = store.enter_gateway(
+        PendingItem("a/g1", "a", 100, 500, deadline=now + 30), "gateway-1", now, False, 8,
+        lambda pipe: pipe.hset(f"{key_prefix}probe", "recorded", "1"))
+    granted = {r.grant.job_id for r in results if r.grant is not None}
+    assert fence and granted == {"a/g1", "b/q1"}
+    assert client.hget(f"{key_prefix}probe", "recorded") == b"1"
+    assert store.snapshot().in_flight == 2
+    client.close()
