@@ -75,26 +75,28 @@ def admit_all(
     send: Callable[[Grant], None],
     now: float,
     metrics: DispatcherMetrics | None = None,
-    until: Callable[[Grant], bool] | None = None,
 ) -> AdmitResult:
     """Admit while the store grants, up to ``GRANTS_PER_CALL`` grants per store call; returns the
     round's final (holding) result, or ``AdmitResult(None, "send_failed")`` after a grant that
-    could not be sent (it and the grants of the same call not sent yet are requeued).
-    ``until``: stop after the store call whose grants it is true for (the gateway's round stops
-    at its own request's grant, the other grants of that call sent, and leaves the rest to the
-    dispatchers, which the submission woke)."""
+    could not be sent (it and the grants of the same call not sent yet are requeued)."""
     while True:
         results = store.admit_many(now, GRANTS_PER_CALL)
-        grants = [result.grant for result in results if result.grant is not None]
-        for index, grant in enumerate(grants):
-            if not _send(send, grant, metrics):
-                for unsent in grants[index:]:
-                    store.requeue(unsent.job_id, unsent.fence)
-                return AdmitResult(None, "send_failed")
+        if not send_grants(store, send, [r.grant for r in results if r.grant is not None], metrics):
+            return AdmitResult(None, "send_failed")
         if results[-1].grant is None:
             return results[-1]
-        if until is not None and any(until(grant) for grant in grants):
-            return results[-1]
+
+
+def send_grants(store: AdmissionStore, send: Callable[[Grant], None], grants: list[Grant],
+                metrics: DispatcherMetrics | None = None) -> bool:
+    """``send`` each grant in order; False after one that could not be sent (it and the ones
+    after it are requeued: back at their place in line). The gateway's round sends with it too."""
+    for index, grant in enumerate(grants):
+        if not _send(send, grant, metrics):
+            for unsent in grants[index:]:
+                store.requeue(unsent.job_id, unsent.fence)
+            return False
+    return True
 
 
 def _send(send: Callable[[Grant], None], grant: Grant, metrics: DispatcherMetrics | None) -> bool:

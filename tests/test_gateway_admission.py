@@ -19,6 +19,7 @@ from fleet.core.seal import sealed
 from fleet.gateway.admission import Admission
 from fleet.worker.app import create_app
 from fleet.worker.dispatch import hand_to_gateway, make_send
+from fleet.worker.heartbeat import beat, instance_id
 from schedulers.store import make_store
 from schedulers.store.base import PendingItem
 
@@ -149,4 +150,67 @@ def test_a_record_edited_to_claim_a_gateway_is_not_handed_to_it(redis_url: str, 
         assert grant is not None and grant.job_id == ref
         assert hand_to_gateway(client, settings, grant) is False
     assert list(client.scan_iter(match=f"{key_prefix}gwgrants:*")) == []
+    client.close()
+
+
+def _queued_and_gateway_round(redis_url: str, key_prefix: str, live_worker: bool) -> set[str]:
+    """A queued job waits first in line; then a gateway request runs its own admission round.
+    Returns the jobs still pending afterwards (the gateway request must have been admitted)."""
+    settings = settings_for(key_prefix, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    keys = Keys(key_prefix)
+    store = make_store(settings, client)
+    if live_worker:
+        beat(client, keys, instance_id("infer@host"))
+    ResultStore(client, keys, settings).record("a/q1", project="a", state="pending")
+    store.add_pending(PendingItem("a/q1", "a", 100, 500))
+    client.close()
+
+    async def body(admission: Admission, store: Any, client: redis.Redis, keys: Keys) -> set[str]:
+        enqueued_at = await admission.enqueue("a/g1", "a", "interactive", 100, 500, 30)
+        grant = await admission.next_grant("a/g1", 5)
+        assert grant is not None, "the gateway's own request goes on without inference workers"
+        ticket = await admission.claim("a/g1", "a", grant, enqueued_at)
+        pending = store.pending_ids()
+        await admission.release(ticket)
+        return pending
+
+    return run_gateway_side(redis_url, key_prefix, body, admits=True)
+
+
+def test_the_gateway_round_admits_no_queued_job_while_no_inference_worker_is_live(
+    redis_url: str, key_prefix: str,
+) -> None:
+    """The worker gate holds queued jobs in the gateway's round too (before, the round admitted
+    them and sent them to inference workers nobody ran; their leases expired, again and again);
+    the gateway's own request, which needs no inference worker, is admitted past them."""
+    assert _queued_and_gateway_round(redis_url, key_prefix, live_worker=False) == {"a/q1"}
+
+
+def test_the_gateway_round_admits_queued_jobs_while_an_inference_worker_is_live(
+    redis_url: str, key_prefix: str,
+) -> None:
+    assert _queued_and_gateway_round(redis_url, key_prefix, live_worker=True) == set()
+
+
+def test_the_gateway_call_learns_unseen_projects_and_survives_a_script_flush(
+    redis_url: str, key_prefix: str,
+) -> None:
+    """A fresh store names only the request's project; ADMIT refuses to decide while another
+    project waits unnamed, so the call learns it and decides again (fair share sees both). A Redis
+    that lost its scripts (a restart) gets the script loaded again, and the record is still
+    written once before the script runs."""
+    settings = settings_for(key_prefix, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    make_store(settings, client).add_pending(PendingItem("b/q1", "b", 100, 500))
+    store = make_store(settings, client)  # another process: has seen no project yet
+    client.script_flush()
+    now = time.time()
+    results, fence = store.enter_gateway(
+        PendingItem("a/g1", "a", 100, 500, deadline=now + 30), "gateway-1", now, False, 8,
+        lambda pipe: pipe.hset(f"{key_prefix}probe", "recorded", "1"))
+    granted = {r.grant.job_id for r in results if r.grant is not None}
+    assert fence and granted == {"a/g1", "b/q1"}
+    assert client.hget(f"{key_prefix}probe", "recorded") == b"1"
+    assert store.snapshot().in_flight == 2
     client.close()

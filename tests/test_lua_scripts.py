@@ -22,13 +22,14 @@ from redis.crc import key_slot
 from fleet.core.codes import Code
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
 from fleet.core.keys import Keys
+from fleet.core.lua import source
 from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
 from fleet.infer.retrying import RetryBudget
 from fleet.prep.watchdog import PrepClaim, watch_once
 from fleet.worker.heartbeat import beat, live_workers
 from schedulers.store.base import PendingItem, StoreConfig
-from schedulers.store.redis_store import RedisStore
+from schedulers.store.redis_store import COMPOSED, RedisStore
 
 LUA_FOLDERS = ("schedulers.store", "fleet.core", "fleet.prep", "fleet.infer", "fleet.worker")
 _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
@@ -94,6 +95,11 @@ def _workload(client: redis.Redis, prefix: str) -> None:
     assert store.promote_due(now[0]) != []
     grant = store.admit_next(now[0]).grant
     assert grant is not None and store.readmit(grant.job_id, grant.fence, 300, now[0], now[0])
+    # the gateway's way in (ADD + ADMIT + CLAIM), with no live inference worker: gateway only
+    store.record_backend(now[0], "", {})
+    results_, fence = store.enter_gateway(PendingItem("g1", "g", 100, 100, deadline=now[0] + 30),
+                                          "gateway-1", now[0], True, 8)
+    assert fence and any(r.grant is not None and r.grant.job_id == "g1" for r in results_)
 
     settings = load_settings(EXAMPLE_CONFIG, env={})
     keys = Keys(prefix)
@@ -119,14 +125,16 @@ def _workload(client: redis.Redis, prefix: str) -> None:
 
 
 def _all_shas() -> dict[str, str]:
-    """sha1 -> file of every script as the loader registers it (the store's behind its prelude)."""
+    """sha1 -> file of every script as the loader registers it (the store's behind its prelude
+    and the scripts it uses)."""
     shas = {}
     for package in LUA_FOLDERS:
         folder = resources.files(package) / "lua"
-        prelude = (folder / "prelude.lua").read_text() + "\n" if (folder / "prelude.lua").is_file() else ""
+        prelude = "prelude" if (folder / "prelude.lua").is_file() else None
         for path in folder.iterdir():
             if path.name.endswith(".lua") and path.name != "prelude.lua":
-                text = prelude + path.read_text()
+                name = path.name.removesuffix(".lua")
+                text = source(package, name, prelude, COMPOSED.get(name, ()) if package == "schedulers.store" else ())
                 shas[hashlib.sha1(text.encode()).hexdigest()] = f"{package}/lua/{path.name}"
     return shas
 

@@ -5,6 +5,9 @@ Each file opens with a comment block: the KEYS it touches (every key it reads or
 of them, as Redis Cluster requires), its ARGV and what it returns. A folder may hold a prelude of
 helper functions (``prelude.lua`` in schedulers/store/lua/): ``Scripts(..., prelude=...)`` puts
 it in front of each script's text, so the helpers are plain local functions of every script.
+A script may also call other scripts of its folder (``Scripts(..., uses={"gateway": ("add",
+...)})``): each named one comes before it as a local function of the upper-case name taking
+``(KEYS, ARGV)`` (``ADD(keys, argv)``), its text unchanged, so composing scripts copies no Lua.
 
 ``register_script`` only computes the SHA1; redis-py sends EVALSHA and loads the text on the
 first NOSCRIPT, so one ``Script`` object per client is all that is needed.
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from importlib import resources
 from typing import Any
 
@@ -22,23 +25,28 @@ import redis
 from redis.commands.core import Script
 
 
-def source(package: str, name: str, prelude: str | None = None) -> str:
-    """The text of ``<package>/lua/<name>.lua``, behind ``<prelude>.lua`` of the same folder."""
+def source(package: str, name: str, prelude: str | None = None, uses: Iterable[str] = ()) -> str:
+    """The text of ``<package>/lua/<name>.lua``, behind the scripts it ``uses`` (each as a local
+    function ``NAME(KEYS, ARGV)``) and, first, ``<prelude>.lua`` of the same folder."""
     folder = resources.files(package) / "lua"
-    text = (folder / f"{name}.lua").read_text(encoding="utf-8")
-    if prelude is not None:
-        text = (folder / f"{prelude}.lua").read_text(encoding="utf-8") + "\n" + text
-    return text
+
+    def read(file: str) -> str:
+        return (folder / f"{file}.lua").read_text(encoding="utf-8")
+
+    parts = [read(prelude)] if prelude is not None else []
+    parts += [f"local function {used.upper()}(KEYS, ARGV)\n{read(used)}\nend" for used in uses]
+    return "\n".join([*parts, read(name)])
 
 
 class Scripts:
     """The named scripts of one package's ``lua/`` folder, registered on one client."""
 
     def __init__(self, client: redis.Redis, package: str, names: Iterable[str],
-                 prelude: str | None = None) -> None:
+                 prelude: str | None = None, uses: Mapping[str, Iterable[str]] | None = None) -> None:
         self.package = package
         self._scripts: dict[str, Script] = {
-            name: client.register_script(source(package, name, prelude)) for name in names
+            name: client.register_script(source(package, name, prelude, (uses or {}).get(name, ())))
+            for name in names
         }
 
     def __getitem__(self, name: str) -> Script:

@@ -76,11 +76,15 @@ class ResultStore:
         return bool(self._create(keys=[self.keys.job(ref), self.keys.prepping(project)], args=args))
 
     def record(self, ref: str, **fields: Any) -> None:
-        values = {k: v if isinstance(v, str | int | float) else json.dumps(v) for k, v in fields.items()}
         pipe = self.client.pipeline(transaction=False)
+        self.queue_record(pipe, ref, **fields)
+        pipe.execute()
+
+    def queue_record(self, pipe: Any, ref: str, **fields: Any) -> None:
+        """``record``'s commands on the caller's pipeline, sent with its other commands."""
+        values = {k: v if isinstance(v, str | int | float) else json.dumps(v) for k, v in fields.items()}
         pipe.hset(self.keys.job(ref), mapping=values)
         pipe.expire(self.keys.job(ref), self.settings.result_ttl_s)
-        pipe.execute()
 
     def job_record(self, ref: str) -> dict[str, str]:
         raw = self.client.hgetall(self.keys.job(ref))

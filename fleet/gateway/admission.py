@@ -1,18 +1,19 @@
 """A gateway request goes through the same admission as a queued job, without a broker hop.
 
-Design: the dispatchers stay the only ones that admit. The gateway
+Design: one atomic decision for queue and gateway traffic. The gateway
 
   1. records the job hash with ``origin=gateway`` and ``gateway=<this process's id>`` under the
      workers' seal (fleet/core/seal.py: the gateway holds ``security.worker_secret``), then
-  2. ``add_pending`` with the request's prompt tokens and max tokens, band ``interactive`` unless
-     its key says ``batch``, and a ``deadline`` a little past ``gateway.max_queue_wait_s``;
-  3. runs one admission round itself, as a dispatcher would (``admit_all`` with the
-     dispatcher's own ``send``), so on a fleet with room the request is admitted without waiting
-     for a dispatcher process to wake. A grant of this process's own waiting requests does not
-     take the detour through Redis (job hash lookup, list push, the listener's pop): it goes
-     straight to its request's future, and the request that ran the round claims its own lease
-     in the same call (the grant comes marked ``claimed``), so on a fleet with room the whole
-     enqueue-admit-claim is one trip off the event loop; else
+  2. adds the pending item with the request's prompt tokens and max tokens, band ``interactive``
+     unless its key says ``batch``, and a ``deadline`` a little past ``gateway.max_queue_wait_s``;
+  3. runs one admission round itself, as a dispatcher would, so on a fleet with room the request
+     is admitted without waiting for a dispatcher process to wake; and claims its own lease when
+     the round granted it. Steps 1-3 are one store call (``RedisStore.enter_gateway``: the
+     record and the GATEWAY script, which is ADD + ADMIT + CLAIM, in one round trip, one hop
+     off the event loop). Grants of this process's other waiting requests go straight to their
+     futures; other grants go where a dispatcher's ``send`` sends them. While the worker gate is
+     on (``admission.worker_gate``) and no inference worker is live, the round grants gateway
+     requests only: a queued job keeps its place in line, as the dispatchers hold it; else
   4. waits for its grant on a future that this process's one listener resolves.
 
 The admission (the one atomic Lua script) picks it by fair share like any job, counts it against
@@ -39,7 +40,7 @@ Failure cases:
   into their own time limit meanwhile);
 - a grant whose lease the gateway cannot claim (already reaped): ``UpstreamUnavailable`` (503);
 - the gateway's own admission round fails to send a queued job's task (broker down): the grant
-  is given back at once (``admit_all``'s requeue) and a dispatcher admits it again later.
+  is given back at once (``send_grants``' requeue) and a dispatcher admits it again later.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ from fleet.core.keys import Keys
 from fleet.core.models import Band
 from fleet.core.results import ResultStore
 from fleet.core.seal import sealed
-from schedulers.dispatcher import admit_all
-from schedulers.store.base import AdmissionStore, Grant, PendingItem
+from schedulers.dispatcher import GRANTS_PER_CALL, send_grants
+from schedulers.store.base import Grant, PendingItem
+from schedulers.store.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +84,12 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, store: AdmissionStore, results: ResultStore, aredis: AsyncRedis, keys: Keys,
+    def __init__(self, store: RedisStore, results: ResultStore, aredis: AsyncRedis, keys: Keys,
                  run: Callable[..., Any], send: Callable[[Grant], None] | None = None) -> None:
         self.store = store
         self.send = send  # a dispatcher's send; None: only the dispatchers admit
         self.results = results
+        self.worker_gate = results.settings.admission.worker_gate
         self.aredis = aredis
         self.keys = keys
         self.run = run  # runs a blocking call off the event loop: ``await run(fn, *args)``
@@ -123,34 +126,43 @@ class Admission:
         now = time.time()
         loop = asyncio.get_running_loop()
         waiter = self._waiting[job_id] = loop.create_future()
+        item = PendingItem(job_id=job_id, project=project, prompt_tokens=prompt_tokens,
+                           max_new_tokens=max_tokens, band=band, enqueued_at=now,
+                           deadline=now + max_wait_s + DEADLINE_MARGIN_S)
+        fields = sealed(self.results.settings, job_id, project=project, kind="infer",
+                        origin="gateway", gateway=self.gateway_id)
+
+        def record(pipe: Any) -> None:
+            self.results.queue_record(pipe, job_id, state="pending", submitted_at=now, **fields)
 
         def send(grant: Grant) -> None:
-            """The round's send: this process's own requests get their grant directly."""
-            if grant.job_id not in self._waiting:
-                self.send(grant)  # type: ignore[misc]
-            elif grant.job_id != job_id:
+            """The round's send: this process's other waiting requests get their grant directly."""
+            if grant.job_id in self._waiting:
                 loop.call_soon_threadsafe(self._deliver_soon, _grant_dict(grant))
-            else:  # the request that runs the round: claim its lease right here
-                claimed = self.store.claim(job_id, grant.fence, self.owner, time.time())
-                own = {**_grant_dict(grant), "claimed": claimed}
-                loop.call_soon_threadsafe(_resolve, waiter, own)
+            else:
+                self.send(grant)  # type: ignore[misc]
 
-        def add() -> None:
-            self.results.record(job_id, state="pending", submitted_at=now, **sealed(
-                self.results.settings, job_id, project=project, kind="infer", origin="gateway",
-                gateway=self.gateway_id))
-            self.store.add_pending(PendingItem(
-                job_id=job_id, project=project, prompt_tokens=prompt_tokens,
-                max_new_tokens=max_tokens, band=band, enqueued_at=now,
-                deadline=now + max_wait_s + DEADLINE_MARGIN_S))
-            if self.send is not None:
-                admit_all(self.store, send, time.time(), until=lambda grant: grant.job_id == job_id)
+        def enter() -> Grant | None:
+            """Record, pending item, admission round and own claim: one store call while the
+            fleet has room; the round goes on (another call) only while it grants others."""
+            before: Callable[[Any], None] | None = record
+            while True:
+                results, fence = self.store.enter_gateway(
+                    item, self.owner, time.time(), self.worker_gate,
+                    GRANTS_PER_CALL if self.send is not None else 0, before)
+                before = None
+                grants = [result.grant for result in results if result.grant is not None]
+                sent = send_grants(self.store, send, [g for g in grants if g.job_id != job_id])
+                if fence or not sent or not results or results[-1].grant is None:
+                    return next((g for g in grants if g.job_id == job_id), None) if fence else None
 
         try:
-            await self.run(add)
+            own = await self.run(enter)
         except BaseException:
             self._waiting.pop(job_id, None)
             raise
+        if own is not None:
+            waiter.set_result({**_grant_dict(own), "claimed": True})
         return now
 
     def _deliver_soon(self, grant: dict[str, Any]) -> None:
@@ -213,6 +225,3 @@ def _grant_dict(grant: Grant) -> dict[str, Any]:
             "lease_expires_at": grant.lease_expires_at, "waited_s": grant.waited_s}
 
 
-def _resolve(waiter: asyncio.Future[dict[str, Any]], grant: dict[str, Any]) -> None:
-    if not waiter.done():
-        waiter.set_result(grant)

@@ -71,15 +71,20 @@ class Gateway:
         # Batches on threads of their own: a large batch never holds up chat.
         self.batch_executor = ThreadPoolExecutor(max_workers=settings.gateway.batch_threads,
                                                  thread_name_prefix="gateway-batch")
+        self.streams = ThreadPoolExecutor(max_workers=2 * settings.backend.max_num_seqs,
+                                          thread_name_prefix="gateway-stream")  # fleet/gateway/upstream.py
         send = make_send(settings, self.runtime.redis, create_celery_app(settings))
         self.admission = Admission(self.runtime.store, self.runtime.results, self.aredis,
                                    self.runtime.keys, self.run, send)
         self.metrics = GatewayMetrics()
         self.client = Client(settings, redis_client=self.runtime.redis)
         self._budgets: dict[str, RetryBudget] = {}
-        # An empty base URL makes an estimate-only counter (fleet/prep/tokens.py).
-        self.counter = self.runtime.counter if settings.gateway.exact_prompt_count else TokenCounter(
-            "", settings.backend.model, None, self.runtime.keys)
+        # Only the process's own count cache, not the shared Redis one: a chat prompt is new
+        # nearly every time (each turn adds to the conversation), so the Redis tier would cost a
+        # GET that misses and a SET, two round trips per request, for little reuse. An empty
+        # base URL makes an estimate-only counter (fleet/prep/tokens.py).
+        backend_url = settings.backend.url if settings.gateway.exact_prompt_count else ""
+        self.counter = TokenCounter(backend_url, settings.backend.model, None, self.runtime.keys)
         self.events = EventHub(settings.broker_url, self.runtime.keys, self.admission.gateway_id)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -103,9 +108,10 @@ class Gateway:
     async def close(self) -> None:
         await self.events.close()
         await self.aredis.aclose()
-        for executor in (self.executor, self.batch_executor):
+        for executor in (self.executor, self.batch_executor, self.streams):
             executor.shutdown(wait=False, cancel_futures=True)
         self.vllm.close()
+        self.counter.close()
 
     def build_body(self, req: ChatRequest, caller: Caller, job_id: str) -> tuple[dict[str, Any], int, int]:
         """(vLLM request body, prompt tokens, max tokens) of one chat request."""

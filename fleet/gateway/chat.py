@@ -183,6 +183,10 @@ class _Session:
         finally:
             watcher.cancel()
             self.gw.admission.forget(self.ref)
+            if self.keeper is not None:
+                # Ends the stream thread's read if this task was cancelled mid-stream (uvicorn's
+                # shutdown), so the pool thread is free and the exit does not wait for vLLM.
+                self.keeper.cancel.set()
             if self.keeper is not None and self.keeper_running:
                 await self.gw.run(self.keeper.__exit__, None, None, None)
             if ticket is not None:
@@ -244,7 +248,8 @@ class _Session:
             body = {**body, "request_id": f"{self.job_id}-{attempt}",
                     "seed": (body.get("seed", 0) + (attempt - 1) * SEED_STEP) % 2**31}
         upstream = UpstreamStream(self.gw.vllm, body, self.gw.live.settings.watcher,
-                                  self.keeper.cancel, asyncio.get_running_loop()).start()  # type: ignore[union-attr]
+                                  self.keeper.cancel, asyncio.get_running_loop(),  # type: ignore[union-attr]
+                                  self.gw.streams).start()
         if attempt == 1:  # the request is on its way to vLLM before anything else is done
             await self._started()
         outcome = await self._relay(upstream)

@@ -37,6 +37,9 @@ one serialisation point anyway, and a script may touch the shared counters and a
   D continuations  set     ids of jobs readmitted at least once (a hint list for ``fleet queues``;
                            RELEASE removes the id with the item, ``continuations`` drops ids whose
                            item is gone or no continuation); their item has cont > 0
+  D gateway        zset    gateway requests that may be pending, score = deadline (GATEWAY adds
+                           each and prunes those past it); with no live inference worker (D
+                           workers, fleet/worker/heartbeat.py) the gateway's round grants only these
 
 The scripts are files in schedulers/store/lua/ (``prelude.lua`` holds their shared helpers), each
 opening with the KEYS it touches and its ARGV; they are registered once per store. Every key a
@@ -61,6 +64,9 @@ fits: pop from pending, counters, bucket, virtual times, fence, lease; then agai
 of the granted project read anew, until a hold or ``max_grants``. Projects whose queues are all
 empty leave the set there. Because the script reads and decides in one atomic step, dispatchers
 racing each other can only change who goes first, never what is allowed.
+
+``GATEWAY`` (``enter_gateway``) is ADD, one ADMIT round and the request's own CLAIM in one call,
+composed from those scripts (fleet/core/lua.py ``uses``), for the gateway (fleet/gateway/admission.py).
 
 ``CLAIM`` (worker start), ``REQUEUE`` (a grant that could not be sent), ``REAP`` (expired
 leases) and ``EXPIRE`` (pending deadlines), at most 200 jobs a call, are single scripts too, and
@@ -93,7 +99,8 @@ from schedulers.store.base import AdmitResult, Grant, PendingItem, StoreConfig, 
 log = logging.getLogger(__name__)
 
 SCRIPTS = ("add", "admit", "claim", "renew", "release", "reap", "requeue", "cancel", "expire",
-           "readmit", "promote", "undefer", "grow")
+           "readmit", "promote", "undefer", "grow", "gateway")
+COMPOSED = {"gateway": ("add", "admit", "claim")}  # scripts that call others (fleet/core/lua.py)
 _ROUNDS = 4  # ADMIT calls when the projects set keeps changing under us
 _BATCH = 200  # expired leases or due deadlines handled by one script call
 MAX_BLOCK_S = 4.0  # longest BLPOP; below redis-py 8's default 5 s socket timeout
@@ -112,7 +119,7 @@ class RedisStore:
         self._d = keys.dispatch
         self._clock = clock
         self._max_block_s = max_block_s(client)
-        self._scripts = Scripts(client, "schedulers.store", SCRIPTS, prelude="prelude")
+        self._scripts = Scripts(client, "schedulers.store", SCRIPTS, prelude="prelude", uses=COMPOSED)
         self._projects: list[str] = []  # every project ADMIT has found in the projects set
 
     # -- keys (all under D, one hash tag) -------------------------------------------------------
@@ -195,6 +202,44 @@ class RedisStore:
     def admit_next(self, now: float) -> AdmitResult:
         return self.admit_many(now, 1)[0]
 
+    def enter_gateway(self, item: PendingItem, owner: str, now: float, worker_gate: bool,
+                      max_grants: int, before: Callable[[Any], None] | None = None
+                      ) -> tuple[list[AdmitResult], int]:
+        """A gateway request's way in, one GATEWAY call (usually one round trip): ``add_pending``,
+        one admission round of up to ``max_grants`` grants (0: none) and, when the round granted
+        the item itself, its ``claim`` by ``owner``. With ``worker_gate`` and no live inference
+        worker, the round grants gateway requests only (queued jobs keep their place). Returns
+        the round's results as ``admit_many``'s and the fence of the own claimed lease (0: not
+        granted in this call; the item is pending). ``before(pipeline)`` queues commands sent
+        in the same round trip ahead of the script (the gateway's job record, which must exist
+        before any dispatcher can admit the job). ``item.deadline`` is required."""
+        assert item.deadline is not None, "a gateway request always has a deadline"
+        if item.project not in self._projects:  # else the first call would only learn of it
+            self._projects = sorted({*self._projects, item.project})
+        add_keys, add_args = self._add_call(item)
+        keys = [*add_keys, *(self._key(k) for k in ("lease", "leases", "state", "workers", "gateway"))]
+        args = [owner, repr(now), "1" if worker_gate else "0", *add_args]
+        script = self._scripts["gateway"]
+        for _ in range(_ROUNDS):
+            admit_keys, admit_args = self._admit_call(now, max_grants)
+            # EVALSHA by hand: a pipeline running a Script object asks SCRIPT EXISTS first, a
+            # round trip more on every call.
+            pipe = self._client.pipeline(transaction=False)
+            if before is not None:
+                before(pipe)
+            pipe.evalsha(script.sha, len(keys) + len(admit_keys), *keys, *admit_keys, *args, *admit_args)
+            try:
+                fence, *reply = pipe.execute()[-1]
+            except redis.exceptions.NoScriptError:  # a restarted Redis: load it, send it all again
+                self._client.script_load(script.script)
+                continue
+            before = None
+            if _text(reply[0]) == "stale":
+                self._projects = sorted(set(self._projects) | {_text(p) for p in reply[1]})
+                continue
+            return _admit_results(reply), int(fence)
+        return [AdmitResult(None, "conflict", 0.0)], 0
+
     def admit_many(self, now: float, max_grants: int) -> list[AdmitResult]:
         """Up to ``max_grants`` grants in one ADMIT call, then the hold that stopped it (if any).
 
@@ -207,11 +252,7 @@ class RedisStore:
             if _text(reply[0]) == "stale":
                 self._projects = sorted(set(self._projects) | {_text(p) for p in reply[1]})
                 continue
-            results = [AdmitResult(_grant(reply[i : i + 8])) for i in range(3, len(reply), 8)]
-            reason, retry = _text(reply[1]), _text(reply[2])
-            if reason:
-                results.append(AdmitResult(None, reason, float(retry) if retry else None))
-            return results
+            return _admit_results(reply)
         return [AdmitResult(None, "conflict", 0.0)]
 
     def _admit_call(self, now: float, max_grants: int) -> tuple[list[str], list[Any]]:
@@ -463,6 +504,15 @@ def _text(value: Any) -> str:
 
 def _texts(mapping: Any) -> dict[str, str]:
     return {_text(k): _text(v) for k, v in mapping.items()}
+
+
+def _admit_results(reply: list[Any]) -> list[AdmitResult]:
+    """ADMIT's 'ok' reply: a result per grant, then the hold that stopped the round (if any)."""
+    results = [AdmitResult(_grant(reply[i : i + 8])) for i in range(3, len(reply), 8)]
+    reason, retry = _text(reply[1]), _text(reply[2])
+    if reason:
+        results.append(AdmitResult(None, reason, float(retry) if retry else None))
+    return results
 
 
 def _grant(fields: list[Any]) -> Grant:

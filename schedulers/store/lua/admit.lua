@@ -22,6 +22,8 @@
 --       aging, max_grants, prefill_rate (the server's; 0: no quiet long prefills), beside (short
 --       sequences in flight at most when a long prefill goes), long_prefills (long prefills one
 --       window may take), long_threshold, then (project, weight) per project, in the same order as the keys.
+-- A candidate the prelude's `admit_only` refuses (when a calling script set it) is passed over with
+-- the reason 'no_workers'.
 -- A long prefill is a head whose uncached tokens (the item's last field) are above the long
 -- threshold (`long_threshold`, ARGV[17]).
 -- Returns {'stale', members} when the projects set holds a project the caller did not name
@@ -154,7 +156,8 @@ local function decide(cands)
   local first_reason, soonest = nil, nil
   for i, c in ipairs(cands) do
     local why, retry = nil, nil
-    if prefill_rate > 0 and now < prefill_until and (not c.long_prefill or prefill_longs >= long_prefills) then
+    if admit_only and not admit_only(c) then why = 'no_workers'
+    elseif prefill_rate > 0 and now < prefill_until and (not c.long_prefill or prefill_longs >= long_prefills) then
       why, retry = 'prefill', prefill_until - now
     elseif kv_used + c.kv > kv_budget and in_flight > 0 then why = 'kv'
     elseif c.long and long_used >= max_long then why = 'long'

@@ -19,6 +19,10 @@
 --   lease[id] = "fence kv long expires admitted_at project owner" (owner '' until the first claim;
 --               it may hold spaces: it is the rest of the string)
 
+-- ADMIT grants only candidates this predicate accepts, when a script that calls ADMIT sets it
+-- (GATEWAY: only gateway requests while no inference worker is live); nil: every candidate.
+local admit_only = nil
+
 local function num(v, default) if v then return tonumber(v) end return default end
 local function fmt(x) return string.format('%.17g', x) end
 
