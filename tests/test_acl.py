@@ -116,6 +116,39 @@ def test_a_producer_reaches_nothing_of_another_project_nor_the_fleet(broker: Acl
     producer_b.close()
 
 
+# What a producer must not run: code of its own. The review's script wrote its job key and then
+# looped (``while true do end``); SCRIPT KILL cannot stop a script that has written, so every
+# client of the shared broker got BUSY until SHUTDOWN NOSAVE. These texts return at once.
+OWN_SCRIPT = "redis.call('SET', KEYS[1], 'x') return 1"
+OWN_LIBRARY = "#!lua name=own\nredis.register_function('own', function() return 1 end)"
+
+
+def test_a_producer_cannot_load_or_run_code_of_its_own(broker: AclBroker) -> None:
+    """Loading a script and running it by its SHA1 is EVAL in two steps: a producer may do
+    neither, nor run a text someone else loaded, nor define a function."""
+    keys = Keys(broker.settings.key_prefix)
+    own_key = keys.job(job_ref(B, "own-code"))
+    operator = broker.client("fleet-operator")
+    sha = operator.script_load(OWN_SCRIPT)  # as if any other user had loaded that text
+    producer = broker.client(f"fleet-producer-{B}")
+    attempts = {
+        "SCRIPT LOAD": lambda: producer.script_load(OWN_SCRIPT),
+        "EVAL": lambda: producer.eval(OWN_SCRIPT, 1, own_key),
+        "EVAL_RO": lambda: producer.eval_ro("return 1", 1, own_key),
+        "EVALSHA of a loaded text": lambda: producer.evalsha(sha, 1, own_key),
+        "EVALSHA_RO": lambda: producer.evalsha_ro(sha, 1, own_key),
+        "FUNCTION LOAD": lambda: producer.function_load(OWN_LIBRARY),
+        "FCALL": lambda: producer.fcall("own", 0),
+        "SCRIPT FLUSH": lambda: producer.script_flush(),
+        "SCRIPT KILL": lambda: producer.script_kill(),
+    }
+    allowed = [what for what, call in attempts.items() if not denied(call)]
+    operator.script_flush()
+    operator.close()
+    producer.close()
+    assert allowed == []
+
+
 def test_a_producer_cannot_send_tasks_to_other_queues(broker: AclBroker) -> None:
     app = create_app(broker.settings_for(f"fleet-producer-{B}", B))
     with pytest.raises(Exception, match="permission"):
