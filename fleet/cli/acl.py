@@ -6,11 +6,12 @@ Users (``<p>`` is ``key_prefix``, ``<q>`` is ``<p>q:``, kombu's global_keyprefix
       push onto the project's own queues (LPUSH ``<q>fleet.<project>`` and ``...collect``) and
       declare their bindings (kombu's ``_kombu.binding.*`` sets of those queues' exchanges),
       PUBLISH Celery's task-sent event (``<q>/<db>.celeryev/*``);
-      create its own job records (``<p>job:{<project>/*``) through the create script, add
+      create its own job records (``<p>job:{<project>/*``, a WATCH/MULTI transaction), add
       ``queued`` events and read them (``<p>events:{<project>/*``), claim idempotency keys
       (``<p>idem:<project>:*``), its own watchdog zset, write its own cancel requests;
       read its own results, rejections and results stream. Nothing of another project, no
-      dispatcher key, no ``fleet.infer``, no administrative or dangerous command.
+      dispatcher key, no ``fleet.infer``, no Lua (no script, no function: not even the fleet's
+      own), no administrative or dangerous command.
   fleet-worker      prep and inference workers: every fleet key and channel (they act for all
                     projects), no administrative or dangerous command but those Celery uses.
   fleet-dispatcher  the same reach as a worker: it sends ``fleet.infer``, resends prep messages,
@@ -51,12 +52,15 @@ from fleet.worker.app import collect_queue, project_queue
 
 log = logging.getLogger(__name__)
 
-# Read, write, streams, the fleet's Lua scripts (EVALSHA, and SCRIPT LOAD when Redis lost them;
-# the keys a script touches are checked too), MULTI and PUBLISH; never EVAL, FUNCTION, KEYS,
-# FLUSH*, CONFIG, DEBUG, ACL or any other administrative command.
-PRODUCER_COMMANDS = ["-@all", "+@connection", "+@read", "+@write", "+@stream", "+evalsha",
-                     "+script|load", "+@transaction", "+publish", "-@dangerous", "-@admin",
-                     "-function"]
+# Read, write, streams, MULTI/WATCH and PUBLISH; no way to run code: no EVAL, EVALSHA, SCRIPT or
+# FUNCTION of any kind (``-@scripting`` last, whatever a category above might hold). A script, once
+# loaded, runs by its SHA1 with nothing stopping it: one that writes and then loops makes Redis
+# answer BUSY to every client of every project, and SCRIPT KILL cannot end it (only SHUTDOWN
+# NOSAVE can). So the producer's path runs no Lua (fleet/core/results.py). No KEYS, FLUSH*,
+# CONFIG, DEBUG, SORT, ACL or any other dangerous or administrative command; what a producer can
+# still cost the broker on its own keys is in docs/security.md.
+PRODUCER_COMMANDS = ["-@all", "+@connection", "+@read", "+@write", "+@stream", "+@transaction",
+                     "+publish", "-@dangerous", "-@admin", "-@scripting"]
 SERVICE_COMMANDS = ["+@all", "-@dangerous", "-@admin", "+info", "+client"]
 FROM_SETTINGS = "(from settings)"
 
