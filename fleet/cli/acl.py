@@ -52,15 +52,23 @@ from fleet.worker.app import collect_queue, project_queue
 
 log = logging.getLogger(__name__)
 
-# Read, write, streams, MULTI/WATCH and PUBLISH; no way to run code: no EVAL, EVALSHA, SCRIPT or
-# FUNCTION of any kind (``-@scripting`` last, whatever a category above might hold). A script, once
-# loaded, runs by its SHA1 with nothing stopping it: one that writes and then loops makes Redis
-# answer BUSY to every client of every project, and SCRIPT KILL cannot end it (only SHUTDOWN
-# NOSAVE can). So the producer's path runs no Lua (fleet/core/results.py). No KEYS, FLUSH*,
-# CONFIG, DEBUG, SORT, ACL or any other dangerous or administrative command; what a producer can
-# still cost the broker on its own keys is in docs/security.md.
-PRODUCER_COMMANDS = ["-@all", "+@connection", "+@read", "+@write", "+@stream", "+@transaction",
-                     "+publish", "-@dangerous", "-@admin", "-@scripting"]
+# Only the commands the producer's path sends, by name (a category would bring in commands that
+# cost the broker dearly on a producer's own keys: LCS, BITOP, SUNIONSTORE, LRANGE, ...):
+# fleet.Client and ResultStore (idempotency keys and cancel requests: SET/GET/DEL; the job record,
+# a WATCH/MULTI transaction: EXISTS, HSET, EXPIRE, ZADD/ZREM of the watchdog; HGET/HGETALL; events
+# and results: XADD, XREAD, XREVRANGE), then kombu sending a task (SADD of the binding sets, SMEMBERS
+# of its routing lookup, EXISTS/LLEN of the queue, LPUSH) and Celery's sent event (PUBLISH).
+# No way to run code: no EVAL, EVALSHA, SCRIPT or FUNCTION of any kind (``-@scripting`` last, with
+# ``-@dangerous`` and ``-@admin``, whatever a category above might hold). A loaded script runs by
+# its SHA1 with nothing to stop it: one that writes and then loops makes Redis answer BUSY to
+# every client of every project, and SCRIPT KILL cannot end it (only SHUTDOWN NOSAVE can); so the
+# producer's path runs no Lua (fleet/core/results.py). What a producer can still cost the broker
+# with these commands is in docs/security.md.
+PRODUCER_COMMANDS = ["-@all", "+@connection", "+select", "+@transaction",
+                     "+get", "+set", "+del", "+exists", "+expire", "+hget", "+hgetall", "+hset",
+                     "+zadd", "+zrem", "+xadd", "+xread", "+xrevrange",
+                     "+sadd", "+smembers", "+llen", "+lpush", "+publish",
+                     "-@dangerous", "-@admin", "-@scripting"]
 SERVICE_COMMANDS = ["+@all", "-@dangerous", "-@admin", "+info", "+client"]
 FROM_SETTINGS = "(from settings)"
 
