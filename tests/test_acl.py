@@ -110,9 +110,6 @@ def test_a_producer_reaches_nothing_of_another_project_nor_the_fleet(broker: Acl
         "read the rejections": lambda: producer_b.xrange(keys.rejections),
         "list keys": lambda: producer_b.keys("*"),
         "flush": lambda: producer_b.flushdb(),
-        "run its own Lua": lambda: producer_b.eval("return 1", 0),
-        "load a function": lambda: producer_b.function_load(
-            "#!lua name=x\nredis.register_function('x', function() return 1 end)"),
         "change ACLs": lambda: producer_b.execute_command("ACL", "SETUSER", f"fleet-producer-{B}", "~*"),
     }
     allowed = [what for what, call in attempts.items() if not denied(call)]
