@@ -6,9 +6,12 @@ the same id in the same project never overwrites the first. It runs on the produ
 which may run no Lua at all (fleet/cli/acl.py), so it is a WATCH/MULTI transaction, not a
 script: WATCH the job hash, find it absent, then MULTI: HSET, EXPIRE and the prep watchdog's
 ZADD. A record created between the check and EXEC (the same id submitted twice at once) fails
-the EXEC; the retry then finds it and answers False. Redis Cluster: the watchdog zset is in the
-``{prep}`` slot, not the job's (a transaction, like a script, needs one slot), so a Cluster move
-writes it in a second step.
+the EXEC; the retry then finds it and answers False. It takes three round trips (WATCH, EXISTS,
+then MULTI...EXEC in one) where a script took one: alone, a create ran at a third to a half of
+the script's rate in the same run on one host; within a whole submit (idempotency key, event,
+task send) the difference stayed inside the noise of that loaded host. Redis Cluster: the
+watchdog zset is in the ``{prep}`` slot, not the job's (a transaction, like a script, needs one
+slot), so a Cluster move writes it in a second step.
 
 A job's life as the job hash records it (``{p}job:{<ref>}`` field ``state``):
     submitted (client) -> pending (prep handed it to the dispatcher) -> running (an inference
