@@ -4,6 +4,7 @@ user (producer, worker, dispatcher; the simulator stands in for vLLM)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import secrets
@@ -17,8 +18,10 @@ from pathlib import Path
 
 import pytest
 import redis
+from rich.console import Console
 
 from fleet.cli.acl import AclUser, acl_users, apply_users
+from fleet.cli.batch import run_batch
 from fleet.client import Client
 from fleet.core.codes import Code
 from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
@@ -73,10 +76,13 @@ def broker() -> Iterator[AclBroker]:
 
 
 def denied(call) -> bool:
+    """True when the ACL refused the call; any other error came from running it."""
     try:
         call()
     except redis.exceptions.NoPermissionError:
         return True
+    except redis.exceptions.ResponseError:
+        return False
     return False
 
 
@@ -104,9 +110,6 @@ def test_a_producer_reaches_nothing_of_another_project_nor_the_fleet(broker: Acl
         "read the rejections": lambda: producer_b.xrange(keys.rejections),
         "list keys": lambda: producer_b.keys("*"),
         "flush": lambda: producer_b.flushdb(),
-        "run its own Lua": lambda: producer_b.eval("return 1", 0),
-        "load a function": lambda: producer_b.function_load(
-            "#!lua name=x\nredis.register_function('x', function() return 1 end)"),
         "change ACLs": lambda: producer_b.execute_command("ACL", "SETUSER", f"fleet-producer-{B}", "~*"),
     }
     allowed = [what for what, call in attempts.items() if not denied(call)]
@@ -114,6 +117,65 @@ def test_a_producer_reaches_nothing_of_another_project_nor_the_fleet(broker: Acl
     # ... while its own keys answer
     assert producer_b.set(keys.idem(B, "k"), "mine") and producer_b.get(keys.idem(B, "k")) == b"mine"
     producer_b.close()
+
+
+# What a producer must not run: code of its own. The review's script wrote its job key and then
+# looped (``while true do end``); SCRIPT KILL cannot stop a script that has written, so every
+# client of the shared broker got BUSY until SHUTDOWN NOSAVE. These texts return at once.
+OWN_SCRIPT = "redis.call('SET', KEYS[1], 'x') return 1"
+OWN_LIBRARY = "#!lua name=own\nredis.register_function('own', function() return 1 end)"
+
+
+def test_a_producer_cannot_load_or_run_code_of_its_own(broker: AclBroker) -> None:
+    """Loading a script and running it by its SHA1 is EVAL in two steps: a producer may do
+    neither, nor run a text someone else loaded, nor define a function."""
+    keys = Keys(broker.settings.key_prefix)
+    own_key = keys.job(job_ref(B, "own-code"))
+    operator = broker.client("fleet-operator")
+    sha = operator.script_load(OWN_SCRIPT)  # as if any other user had loaded that text
+    producer = broker.client(f"fleet-producer-{B}")
+    attempts = {
+        "SCRIPT LOAD": lambda: producer.script_load(OWN_SCRIPT),
+        "EVAL": lambda: producer.eval(OWN_SCRIPT, 1, own_key),
+        "EVAL_RO": lambda: producer.eval_ro("return 1", 1, own_key),
+        "EVALSHA of a loaded text": lambda: producer.evalsha(sha, 1, own_key),
+        "EVALSHA_RO": lambda: producer.evalsha_ro(sha, 1, own_key),
+        "FUNCTION LOAD": lambda: producer.function_load(OWN_LIBRARY),
+        "FCALL": lambda: producer.fcall("own", 0),
+        "SCRIPT FLUSH": lambda: producer.script_flush(),
+        "SCRIPT KILL": lambda: producer.script_kill(),
+    }
+    allowed = [what for what, call in attempts.items() if not denied(call)]
+    operator.script_flush()
+    operator.close()
+    producer.close()
+    assert allowed == []
+
+
+def test_a_producer_has_no_costly_command_even_on_its_own_keys(broker: AclBroker) -> None:
+    """The producer's commands are named one by one (fleet/cli/acl.py): what would make the
+    shared broker work long or allocate much for one call is not among them, own keys or not."""
+    keys = Keys(broker.settings.key_prefix)
+    first, second = keys.idem(B, "costly-1"), keys.idem(B, "costly-2")
+    producer = broker.client(f"fleet-producer-{B}")
+    assert producer.set(first, "a" * 1000) and producer.set(second, "b" * 1000)
+    attempts = {
+        "LCS": lambda: producer.lcs(first, second),
+        "SORT": lambda: producer.sort(first),
+        "SUNIONSTORE": lambda: producer.sunionstore(first, [second]),
+        "ZUNIONSTORE": lambda: producer.zunionstore(first, [second]),
+        "BITOP": lambda: producer.bitop("AND", first, second),
+        "LRANGE": lambda: producer.lrange(first, 0, -1),
+        "COPY": lambda: producer.copy(first, second, replace=True),
+        "SCAN": lambda: producer.scan(0),
+        "OBJECT": lambda: producer.object("encoding", first),
+        "MEMORY USAGE": lambda: producer.memory_usage(first),
+        "CLIENT PAUSE": lambda: producer.client_pause(1),
+    }
+    allowed = [what for what, call in attempts.items() if not denied(call)]
+    producer.delete(first, second)
+    producer.close()
+    assert allowed == []
 
 
 def test_a_producer_cannot_send_tasks_to_other_queues(broker: AclBroker) -> None:
@@ -148,8 +210,35 @@ def test_the_fleet_works_with_every_process_on_its_own_user(broker: AclBroker, t
             assert client.cancel(queued)
             cancelled = client.result(queued, timeout=120)
             assert cancelled is not None and cancelled.code == Code.E_CANCELLED, cancelled
+            _idempotent_submit_and_a_batch(client, tmp_path)
     finally:
         fleet.close()
+
+
+def _idempotent_submit_and_a_batch(client: Client, folder: Path) -> None:
+    """The rest of a producer's path on its own user: an idempotent submit sent twice, a job id
+    of its own submitted twice, status and events, then ``fleet batch`` waiting for its results."""
+    once = {"project": A, "idempotency_key": f"acl-{uuid.uuid4().hex}", "messages": [
+        {"role": "user", "content": "Once. [sim:think=20] [sim:answer=10]"}]}
+    job_id = client.submit(once)
+    assert client.submit(once) == job_id
+    own = {"project": A, "id": f"own-{uuid.uuid4().hex[:8]}", "messages": [
+        {"role": "user", "content": "Mine. [sim:think=20] [sim:answer=10]"}]}
+    assert client.submit(own) == client.submit(own) == own["id"]
+    for submitted in (job_id, own["id"]):
+        envelope = client.result(submitted, timeout=120)
+        assert envelope is not None and envelope.code == Code.OK, envelope
+        assert client.status(submitted)["state"] == "final"
+        assert [event["type"] for event in client.events(submitted)][-1] == "final"
+    lines = [{"custom_id": f"line-{n}", "messages": [
+        {"role": "user", "content": f"Line {n}. [sim:think=20] [sim:answer=10]"}]} for n in range(3)]
+    batch, out = folder / "batch.jsonl", folder / "out.jsonl"
+    batch.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    assert run_batch(client, batch, A, wait=True, out=out, timeout_s=120,
+                     console=Console(file=io.StringIO())) == 0
+    rows = [json.loads(row) for row in out.read_text(encoding="utf-8").splitlines()]
+    assert sorted((row["custom_id"], row["code"]) for row in rows) == [
+        (f"line-{n}", "OK") for n in range(3)]
 
 
 def test_passwords_from_the_settings_survive_a_second_apply(tmp_path: Path) -> None:

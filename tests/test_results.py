@@ -134,3 +134,33 @@ def test_wait_reads_the_result_only_when_an_ending_event_arrives(redis_url, redi
     # the result read before waiting and after the final event (and after a quiet 2 s XREAD, should
     # this busy machine stall the writer that long); before: one read per progress event
     assert counting.sent["GET"] <= 4
+
+
+def test_create_records_a_job_once_even_when_submitted_twice_at_once(redis_client, key_prefix):
+    """``create`` is a WATCH/MULTI transaction (no script: producers may run none): of many
+    creations of one ref at the same moment exactly one writes, the record is the winner's
+    whole, and the prep watchdog holds the ref once."""
+    results, keys = store(redis_client, key_prefix), Keys(key_prefix)
+    clients = [redis.Redis(connection_pool=redis_client.connection_pool) for _ in range(8)]
+    stores = [ResultStore(client, keys, results.settings) for client in clients]
+    start = threading.Barrier(len(stores))
+    won: list[str] = []
+
+    def submit(number: int) -> None:
+        start.wait()
+        if stores[number].create("reports/j9", "reports", 50.0, state="submitted", digest=str(number),
+                                 plan={"n": number}):
+            won.append(str(number))
+
+    threads = [threading.Thread(target=submit, args=(number,)) for number in range(len(stores))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(won) == 1
+    record = results.job_record("reports/j9")
+    assert record == {"state": "submitted", "digest": won[0], "plan": f'{{"n": {won[0]}}}'}
+    assert redis_client.ttl(keys.job("reports/j9")) > 0
+    assert redis_client.zrange(keys.prepping("reports"), 0, -1, withscores=True) == [(b"reports/j9", 50.0)]
+    assert not results.create("reports/j9", "reports", 60.0, state="x")
+    assert results.job_record("reports/j9")["state"] == "submitted"

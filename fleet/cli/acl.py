@@ -6,11 +6,12 @@ Users (``<p>`` is ``key_prefix``, ``<q>`` is ``<p>q:``, kombu's global_keyprefix
       push onto the project's own queues (LPUSH ``<q>fleet.<project>`` and ``...collect``) and
       declare their bindings (kombu's ``_kombu.binding.*`` sets of those queues' exchanges),
       PUBLISH Celery's task-sent event (``<q>/<db>.celeryev/*``);
-      create its own job records (``<p>job:{<project>/*``) through the create script, add
+      create its own job records (``<p>job:{<project>/*``, a WATCH/MULTI transaction), add
       ``queued`` events and read them (``<p>events:{<project>/*``), claim idempotency keys
       (``<p>idem:<project>:*``), its own watchdog zset, write its own cancel requests;
       read its own results, rejections and results stream. Nothing of another project, no
-      dispatcher key, no ``fleet.infer``, no administrative or dangerous command.
+      dispatcher key, no ``fleet.infer``, no Lua (no script, no function: not even the fleet's
+      own), no administrative or dangerous command.
   fleet-worker      prep and inference workers: every fleet key and channel (they act for all
                     projects), no administrative or dangerous command but those Celery uses.
   fleet-dispatcher  the same reach as a worker: it sends ``fleet.infer``, resends prep messages,
@@ -51,12 +52,23 @@ from fleet.worker.app import collect_queue, project_queue
 
 log = logging.getLogger(__name__)
 
-# Read, write, streams, the fleet's Lua scripts (EVALSHA, and SCRIPT LOAD when Redis lost them;
-# the keys a script touches are checked too), MULTI and PUBLISH; never EVAL, FUNCTION, KEYS,
-# FLUSH*, CONFIG, DEBUG, ACL or any other administrative command.
-PRODUCER_COMMANDS = ["-@all", "+@connection", "+@read", "+@write", "+@stream", "+evalsha",
-                     "+script|load", "+@transaction", "+publish", "-@dangerous", "-@admin",
-                     "-function"]
+# Only the commands the producer's path sends, by name (a category would bring in commands that
+# cost the broker dearly on a producer's own keys: LCS, BITOP, SUNIONSTORE, LRANGE, ...):
+# fleet.Client and ResultStore (idempotency keys and cancel requests: SET/GET/DEL; the job record,
+# a WATCH/MULTI transaction: EXISTS, HSET, EXPIRE, ZADD/ZREM of the watchdog; HGET/HGETALL; events
+# and results: XADD, XREAD, XREVRANGE), then kombu sending a task (SADD of the binding sets, SMEMBERS
+# of its routing lookup, EXISTS/LLEN of the queue, LPUSH) and Celery's sent event (PUBLISH).
+# No way to run code: no EVAL, EVALSHA, SCRIPT or FUNCTION of any kind (``-@scripting`` last, with
+# ``-@dangerous`` and ``-@admin``, whatever a category above might hold). A loaded script runs by
+# its SHA1 with nothing to stop it: one that writes and then loops makes Redis answer BUSY to
+# every client of every project, and SCRIPT KILL cannot end it (only SHUTDOWN NOSAVE can); so the
+# producer's path runs no Lua (fleet/core/results.py). What a producer can still cost the broker
+# with these commands is in docs/security.md.
+PRODUCER_COMMANDS = ["-@all", "+@connection", "+select", "+@transaction",
+                     "+get", "+set", "+del", "+exists", "+expire", "+hget", "+hgetall", "+hset",
+                     "+zadd", "+zrem", "+xadd", "+xread", "+xrevrange",
+                     "+sadd", "+smembers", "+llen", "+lpush", "+publish",
+                     "-@dangerous", "-@admin", "-@scripting"]
 SERVICE_COMMANDS = ["+@all", "-@dangerous", "-@admin", "+info", "+client"]
 FROM_SETTINGS = "(from settings)"
 

@@ -24,7 +24,7 @@ broker's keys are kombu's and are left as kombu names them.
 Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id>
   {p}job:{<ref>}              hash   project, kind, state, submitted_at, signed (the message as
                                      submitted), digest (its sha256), created once by the producer
-                                     (fleet/core/lua/create.lua: never overwritten); the prep worker
+                                     (fleet/core/results.py: never overwritten); the prep worker
                                      adds job (prepared job JSON), plan (token plan JSON), seal (the
                                      workers' HMAC over both, fleet/core/seal.py); between two
                                      model turns also turn (the next turn's state JSON) and

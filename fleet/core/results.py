@@ -1,8 +1,17 @@
 """Job records and final results in Redis (keys in fleet/core/keys.py).
 
 Jobs are named by their ref, ``<project>/<id>`` (fleet/core/keys.py); an Envelope carries project and
-id, so ``publish`` finds the ref itself. ``create`` (fleet/core/lua/create.lua) writes a record once:
-a second submission of the same id in the same project never overwrites the first.
+id, so ``publish`` finds the ref itself. ``create`` writes a record once: a second submission of
+the same id in the same project never overwrites the first. It runs on the producers' Redis user,
+which may run no Lua at all (fleet/cli/acl.py), so it is a WATCH/MULTI transaction, not a
+script: WATCH the job hash, find it absent, then MULTI: HSET, EXPIRE and the prep watchdog's
+ZADD. A record created between the check and EXEC (the same id submitted twice at once) fails
+the EXEC; the retry then finds it and answers False. It takes three round trips (WATCH, EXISTS,
+then MULTI...EXEC in one) where a script took one: alone, a create ran at a third to a half of
+the script's rate in the same run on one host; within a whole submit (idempotency key, event,
+task send) the difference stayed inside the noise of that loaded host. Redis Cluster: the
+watchdog zset is in the ``{prep}`` slot, not the job's (a transaction, like a script, needs one
+slot), so a Cluster move writes it in a second step.
 
 A job's life as the job hash records it (``{p}job:{<ref>}`` field ``state``):
     submitted (client) -> pending (prep handed it to the dispatcher) -> running (an inference
@@ -57,6 +66,11 @@ def _ends_wait(fields: dict[Any, Any]) -> bool:
     return (kind.decode() if isinstance(kind, bytes) else kind) in ENDING_EVENTS
 
 
+def _field_values(fields: dict[str, Any]) -> dict[str, str | int | float]:
+    """Hash field values as Redis takes them: strings and numbers as they are, the rest as JSON."""
+    return {k: v if isinstance(v, str | int | float) else json.dumps(v) for k, v in fields.items()}
+
+
 class ResultStore:
     def __init__(self, client: redis.Redis, keys: Keys, settings: Settings,
                  on_publish: Callable[[Envelope], None] | None = None) -> None:
@@ -64,16 +78,25 @@ class ResultStore:
         self.keys = keys
         self.settings = settings
         self.on_publish = on_publish  # called once per envelope this store wrote (worker metrics)
-        scripts = Scripts(client, "fleet.core", ("publish", "create"))
-        self._publish, self._create = scripts["publish"], scripts["create"]
+        self._publish = Scripts(client, "fleet.core", ("publish",))["publish"]
 
     # -- job records ----------------------------------------------------------------------
     def create(self, ref: str, project: str, watch_at: float, /, **fields: Any) -> bool:
-        """Record a new job and put it under the prep watchdog; False when the ref exists."""
-        args: list[Any] = [self.settings.result_ttl_s, ref, watch_at]
-        for name, value in fields.items():
-            args += [name, value if isinstance(value, str | int | float) else json.dumps(value)]
-        return bool(self._create(keys=[self.keys.job(ref), self.keys.prepping(project)], args=args))
+        """Record a new job and put it under the prep watchdog; False when the ref exists
+        (module docstring: a transaction, no script)."""
+        job = self.keys.job(ref)
+        values = _field_values(fields)
+
+        def create_if_absent(pipe: Any) -> bool:
+            if pipe.exists(job):
+                return False
+            pipe.multi()
+            pipe.hset(job, mapping=values)
+            pipe.expire(job, self.settings.result_ttl_s)
+            pipe.zadd(self.keys.prepping(project), {ref: watch_at})
+            return True
+
+        return bool(self.client.transaction(create_if_absent, job, value_from_callable=True))
 
     def record(self, ref: str, **fields: Any) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -82,8 +105,7 @@ class ResultStore:
 
     def queue_record(self, pipe: Any, ref: str, **fields: Any) -> None:
         """``record``'s commands on the caller's pipeline, sent with its other commands."""
-        values = {k: v if isinstance(v, str | int | float) else json.dumps(v) for k, v in fields.items()}
-        pipe.hset(self.keys.job(ref), mapping=values)
+        pipe.hset(self.keys.job(ref), mapping=_field_values(fields))
         pipe.expire(self.keys.job(ref), self.settings.result_ttl_s)
 
     def job_record(self, ref: str) -> dict[str, str]:
