@@ -233,14 +233,23 @@ def test_a_result_past_max_model_len_ends_the_job_at_the_tool_worker(tool_rt: Ru
     could never be sent) only for its next turn to end E_PROMPT_TOO_LONG."""
     rt, sent = tool_rt, Sent()
     rt.send_task = sent
-    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1]")
+    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1] [sim:parallel=2]")
     assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "continued"
-    (task,) = sent.tasks
-    assert tool_job(rt, {"tests.search_docs": lambda **kw: BIG_RESULT}, ref, 1,
-                     task["call_id"]) == Code.E_PROMPT_TOO_LONG.value
+    first, second = sent.tasks
+    ran: list[str] = []
+
+    def search(**kw: Any) -> str:
+        ran.append(kw["query"])
+        return BIG_RESULT
+
+    assert tool_job(rt, {"tests.search_docs": search}, ref, 1,
+                     first["call_id"]) == Code.E_PROMPT_TOO_LONG.value
     final = envelope(rt, ref)
     assert final is not None and final.code == Code.E_PROMPT_TOO_LONG
     assert "max_model_len 4000" in final.message and final.tool_rounds[0]["number"] == 1
+    # the round's other call comes after the job ended: nothing runs
+    assert tool_job(rt, {"tests.search_docs": search}, ref, 1, second["call_id"]) == "stale"
+    assert len(ran) == 1
     assert ref not in rt.store.pending_ids() and rt.store.next_not_before() is None
     assert len(load_attempts(rt.redis, rt.keys, ref)) == 1  # never admitted again
 

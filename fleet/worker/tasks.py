@@ -391,6 +391,8 @@ def tool_job(rt: Runtime, tasks: Any, ref: str, round_number: int, call_id: str)
                  if c["id"] == call_id and c["error"] is None), None)
     if pending is None or call is None:
         return "stale"  # not a call of the job's open round (late, duplicate or forged)
+    if rt.results.get(ref) is not None:
+        return "stale"  # the job ended meanwhile (another call of its round ended it)
     tool = rt.settings.projects[split_ref(ref)[0]].tool_registry[call["name"]]
     task = tasks.get(tool.task)
     if task is None:
