@@ -352,3 +352,30 @@ def test_a_round_whose_tasks_were_never_sent_is_sent_again_not_timed_out(
     (round_,) = final.tool_rounds
     assert round_["sends"] == 2 and round_["calls"][0]["result"]["ok"]
     assert any("were not sent: sent again" in w for w in final.warnings)
+
+
+def test_a_round_whose_mark_failed_after_readmit_is_sent_again_at_once(
+        tool_rt: Runtime, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Redis fails marking the round sent, after ``readmit``: before, the worker logged "not
+    readmitted ... its lease will expire" although the job was readmitted and had no lease, and
+    the job waited the round's whole timeout for tools that were never sent."""
+    rt, sent = tool_rt, Sent()
+    rt.send_task = sent
+    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1] [sim:think=30]")
+
+    def blip(*_args: Any, **_kwargs: Any) -> None:
+        raise redis.ConnectionError("simulated blip")
+
+    monkeypatch.setattr(tools, "mark_sent", blip)
+    with caplog.at_level("WARNING", logger="fleet.worker.tasks"):
+        assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "tools-unsent"
+    monkeypatch.undo()
+    assert sent.tasks == [] and rt.store.lease_fences() == {}
+    assert "lease will expire" not in caplog.text and "readmitted" in caplog.text
+    assert rt.store.promote_due(time.time()) == [ref]  # in line now, not at the round's timeout
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "continued"
+    run_sent_tools(rt, sent, {"tests.search_docs": lambda **kw: "invoice-2024-03.pdf"})
+    assert rt.store.promote_due(time.time()) == [ref]
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "OK"
+    final = envelope(rt, ref)
+    assert final is not None and final.tool_rounds[0]["sends"] == 2

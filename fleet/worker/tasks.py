@@ -332,7 +332,9 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
 
 def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
     """Save the next turn, give the lease up, back in line (module docstring). A Redis error
-    here leaves the lease to expire: the reaped job resumes from what was saved."""
+    before ``readmit`` is done leaves the lease to expire: the reaped job resumes from what was
+    saved. One after it leaves the job readmitted (no lease): its next turn goes on from the
+    saved turn, and sends a tool round that was not marked sent again."""
     turn_json = json.dumps(cont.turn)
     try:
         rt.results.record(ref, state="pending", pending_at=time.time(), turn=turn_json,
@@ -340,28 +342,41 @@ def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
         if not rt.store.readmit(ref, fence, cont.max_tokens, cont.not_before, time.time(),
                                 prompt_tokens=cont.prompt_tokens, turn=cont.turn["number"]):
             return "lease-lost"  # reaped meanwhile: pending again, resuming from the saved turn
+    except redis.RedisError as exc:
+        log.warning("continuation of job=%s not readmitted (%r): its lease will expire", ref, exc)
+        return "readmit-failed"
+    try:
         _events(rt, ref).emit("continuation", how=cont.how, cause=cont.cause.value,
                               delay_s=round(cont.delay_s, 3), max_tokens=cont.max_tokens)
-        if cont.tool_calls:
-            _send_tools(rt, ref, cont)
+        if cont.tool_calls and not _send_tools(rt, ref, cont):
+            return "tools-unsent"
         if cancel_requested(rt, ref) and rt.store.cancel_pending(ref):
             owner, job_id = split_ref(ref)  # cancelled while this turn ran: never run another
             return _fail(rt, job_id, owner, Code.E_CANCELLED, "cancelled between turns")
     except redis.RedisError as exc:
-        log.warning("continuation of job=%s not readmitted (%r): its lease will expire", ref, exc)
-        return "readmit-failed"
+        log.warning("continuation of job=%s readmitted, then Redis failed (%r): its next turn goes "
+                    "on from the saved turn", ref, exc)
     return "continued"
 
 
-def _send_tools(rt: Runtime, ref: str, cont: Continuation) -> None:
+def _send_tools(rt: Runtime, ref: str, cont: Continuation) -> bool:
     """One ``fleet.tool`` task per call, all at once (they run in parallel on the tool workers),
     after the round is marked sent (fleet/infer/tools.py). A send that fails is that call's
-    result: a failure saying so (no tool ran, so it did not time out)."""
+    result: a failure saying so (no tool ran, so it did not time out). False when the round could
+    not be marked sent: nothing is sent, and the job (readmitted, waiting for the round) is put in
+    line at once, so its next turn sends the round again now rather than at its timeout."""
     from fleet.infer import tools as tools_mod
 
     assert rt.send_task is not None, "a worker runtime sends tasks"
     number = cont.turn["tool_rounds"][-1]["number"]
-    tools_mod.mark_sent(rt.redis, rt.keys, rt.settings, ref, number)
+    try:
+        tools_mod.mark_sent(rt.redis, rt.keys, rt.settings, ref, number)
+    except redis.RedisError as exc:
+        log.warning("tool round %d of job=%s not sent (%r): the job is readmitted, its next turn "
+                    "sends the round again", number, ref, exc)
+        with contextlib.suppress(redis.RedisError):
+            rt.store.hurry(ref, time.time())
+        return False
     for call in cont.tool_calls:
         try:
             rt.send_task("fleet.tool", kwargs={"ref": ref, "round_number": number,
@@ -374,6 +389,7 @@ def _send_tools(rt: Runtime, ref: str, cont: Continuation) -> None:
             with contextlib.suppress(redis.RedisError):
                 tools_mod.save_result(rt.redis, rt.keys, rt.settings, ref, number, call["id"], {
                     "ok": False, "error": f"the tool task could not be sent: {type(exc).__name__}"})
+    return True
 
 
 def tool_job(rt: Runtime, tasks: Any, ref: str, round_number: int, call_id: str) -> str:
