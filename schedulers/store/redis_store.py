@@ -10,8 +10,7 @@ one serialisation point anyway, and a script may touch the shared counters and a
                            pending(1|0) deadline cont deferred uncached" (space-separated,
                            deadline and deferred '-' = none; cont 0, or for a continuation the
                            number of the turn READMIT put in line (the saved turn that may run),
-                           deferred
-                           its not-before time while it waits; uncached the prompt tokens
+                           deferred its not-before time while it waits; uncached the prompt tokens
                            expected to miss the prefix cache); a field lives while the job is
                            pending, leased (a lease needs it to requeue) or waiting
   D deadlines      zset    pending job ids that have a deadline, score = deadline (unix
