@@ -379,3 +379,36 @@ def test_a_round_whose_mark_failed_after_readmit_is_sent_again_at_once(
     assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "OK"
     final = envelope(rt, ref)
     assert final is not None and final.tool_rounds[0]["sends"] == 2
+
+
+def _worker_start_lines(config: Path, role: str) -> list[str]:
+    """What ``fleet worker --role ROLE`` logs up to its "ready" line (then it is stopped)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleet.cli.main", "worker", "--role", role, "--concurrency", "1",
+         "--hostname", f"w-{os.getpid()}-{time.monotonic_ns()}@%h"],
+        env={**os.environ, "FLEET_CONFIG": str(config)}, cwd=Path(__file__).parent.parent,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if " ready." in line:
+                return lines
+        raise AssertionError(f"the worker ended before it was ready: {''.join(lines)}")
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(("role", "warned"), [("all", True), ("prep,tools", True),
+                                              ("infer,prep,collect", False), ("infer", False)])
+def test_a_worker_that_imports_tools_beside_project_queues_warns_at_start(
+        tmp_path: Path, role: str, warned: bool) -> None:
+    """``--role all`` (or tools with prep or collect) imports ``tool_imports`` on a worker that
+    consumes queues producers may push onto: fine for a local run, not for a deployment whose
+    projects do not trust each other (before, nothing said so, and docs/operations.md told to add
+    ``fleet worker`` processes, that is ``--role all``, on any host)."""
+    config = make_config(tmp_path, tool_imports=["tests.tool_tasks"])
+    text = "".join(_worker_start_lines(config, role))
+    assert ("tool_imports" in text and "--role tools" in text) == warned, text
