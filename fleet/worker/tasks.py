@@ -440,9 +440,10 @@ def _settle_result(rt: Runtime, ref: str, turn: dict[str, Any], round_: dict[str
     result["tokens"] = (_past_soft_limit(lambda: rt.counter.count_text(text))[0]
                         + tools_mod.RESULT_FRAMING_TOKENS)
     have = _past_soft_limit(save)
-    _events(rt, ref).emit("tool_result", number=number, call=call_id, name=call["name"],
-                          ok=result["ok"], duration_s=result.get("duration_s"))
-    results = tools_mod.load_results(rt.redis, rt.keys, rt.settings, ref, round_)
+    _past_soft_limit(lambda: _events(rt, ref).emit(
+        "tool_result", number=number, call=call_id, name=call["name"], ok=result["ok"],
+        duration_s=result.get("duration_s")))
+    results = _past_soft_limit(lambda: tools_mod.load_results(rt.redis, rt.keys, rt.settings, ref, round_))
     prompt = tools_mod.next_prompt_tokens(turn, results)
     why = tools_mod.never_sent(turn, results)
     if why is None and _past_soft_limit(lambda: rt.store.grow(ref, prompt)) == Growth.PAST_KV_BUDGET:
@@ -469,11 +470,12 @@ def _past_soft_limit(step: Callable[[], _T]) -> _T:
 def _end_waiting(rt: Runtime, ref: str, turn: dict[str, Any], code: Code, message: str) -> str:
     """End a job that waits between turns (no lease): out of the store, then its envelope. A job
     no longer waiting (in line or running already) is left to its turn, which ends it too."""
-    if not rt.store.cancel_pending(ref):
+    if not _past_soft_limit(lambda: rt.store.cancel_pending(ref)):
         return "not-waiting"
     project, job_id = split_ref(ref)
     log.info("job=%s ended between turns: %s", ref, message)
-    return _fail(rt, job_id, project, code, message, tool_rounds=turn["tool_rounds"])
+    return _past_soft_limit(lambda: _fail(rt, job_id, project, code, message,
+                                          tool_rounds=turn["tool_rounds"]))
 
 
 def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> Job:
