@@ -80,7 +80,8 @@ MAX_RESULT_CHARS = 20_000
 # Counted with each result's text: its message's framing in the chat template and the markers of
 # an untrusted tool's fence (an allowance: the text itself is counted by the backend's tokenizer).
 RESULT_FRAMING_TOKENS = 32
-# A tool task still running this long after its timeout is killed (Celery's hard time limit).
+# A tool still running this long after its timeout (the soft limit raised inside it) is killed:
+# Celery's hard time limit, at KILL_GRACE_S + SETTLE_S past the timeout.
 KILL_GRACE_S = 2.0
 # More time under the hard limit for what follows the tool: storing its result, counting it
 # (the backend's tokenizer, 5 s timeout; twice if the soft limit cut the first count), growing
