@@ -343,3 +343,30 @@ def test_metrics_counters_match_the_requests_sent() -> None:
     assert samples["vllm:request_queue_time_seconds_count"] == 6
     assert samples["vllm:request_queue_time_seconds_sum"] >= 0
     assert samples["vllm:time_to_first_token_seconds_sum"] >= 0
+
+
+def test_parallel_is_capped_so_a_huge_count_answers_at_once(client: openai.OpenAI) -> None:
+    """``[sim:parallel=100000]`` answers with ``MAX_PARALLEL`` calls (building 100,000 hung)."""
+    from fleet.sim.scenarios import MAX_PARALLEL
+
+    full = client.chat.completions.create(
+        model="local", messages=user("[sim:think=5] [sim:tool=weather] [sim:parallel=100000] w?"),
+        tools=TOOLS)
+    assert full.choices[0].finish_reason == "tool_calls"
+    assert len(full.choices[0].message.tool_calls) == MAX_PARALLEL == 64
+
+
+@pytest.mark.parametrize("marker", [
+    "parallel=inf", "parallel=-1", "parallel=nan", "think=1e400", "answer=-3", "prompt_pad=inf",
+    "slow_first_token=nan", "stall=-1", "dead=inf", "think=lots"])
+def test_a_bad_numeric_marker_is_a_plain_400(sim: SimProcess, client: openai.OpenAI,
+                                              marker: str) -> None:
+    """Non-finite, negative or non-numeric values are refused (``parallel=inf`` crashed the
+    request with an uncaught OverflowError); the engine stays alive for the next request."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="local", messages=user(f"[sim:{marker}] hi"),
+                                       tools=TOOLS)
+    assert f"[sim:{marker}]" in refused.value.body["message"]
+    assert refused.value.body["param"] == "messages"
+    ok = client.chat.completions.create(model="local", messages=user("[sim:think=5] fine"))
+    assert ok.choices[0].finish_reason == "stop"

@@ -11,6 +11,7 @@ import redis
 
 from fleet.core.keys import Keys
 from schedulers.policy.limits import kv_tokens
+from schedulers.store.base import Growth
 from schedulers.store.redis_store import RedisStore
 
 from .test_store import BASE, FakeClock, StoreFactory, admit_ids, job, limits, make_store
@@ -123,3 +124,19 @@ def test_the_next_turns_prompt_grows_the_item_and_the_store_names_the_turn(
     assert again is not None and again.prompt_tokens == 12_000 and again.long
     assert again.kv_tokens == kv_tokens(12_000, 400, BASE.limits.block_tokens)
     assert store.turn_of("j0") == 1 and store.snapshot().long_in_flight == 1
+
+
+def test_a_prompt_past_the_kv_budget_is_not_grown(make_store: StoreFactory) -> None:
+    """Before, ``grow`` had no cap: a waiting job grew past the whole KV budget and, in line, was
+    held for KV while anything ran and held every project's admissions at the head of the line."""
+    store = make_store(limits(max_num_seqs=4, kv_budget_tokens=20_000))
+    store.add_pending(job("j0"))
+    grant = store.admit_next(1_010.0).grant
+    assert grant is not None
+    assert store.readmit("j0", grant.fence, 400, 1_050.0, 1_011.0, prompt_tokens=2_500, turn=1)
+    assert store.grow("j0", 100_000) == Growth.PAST_KV_BUDGET
+    assert store.grow("j0", 12_000) == Growth.GROWN  # still waiting, as it was
+    assert store.grow("j0", 11_000) == Growth.UNCHANGED
+    assert store.promote_due(1_050.0) == ["j0"]
+    again = store.admit_next(1_051.0).grant
+    assert again is not None and again.prompt_tokens == 12_000

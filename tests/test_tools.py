@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery.exceptions import SoftTimeLimitExceeded
 
 from fleet.core.codes import Code
 from fleet.core.config import ToolSettings
@@ -126,7 +127,7 @@ def test_a_round_of_parallel_calls_is_put_in_line_when_its_last_result_is_in(rt:
                             turn=1)  # waits for the tools
     calls = [{"id": i, "name": "search_docs", "arguments": '{"query": "q"}', "error": None}
              for i in ("a", "b")]
-    turn = json.dumps({"number": 1, "plan": {"prompt_tokens": 100},
+    turn = json.dumps({"number": 1, "plan": {"prompt_tokens": 100, "max_tokens": 500, "max_model_len": 4000},
                        "tool_rounds": [{"number": 1, "calls": calls}]})
     rt.results.record(ref, turn=turn, turn_seal=seal_turn(rt.settings, ref, turn))
     tasks = {"tests.search_docs": lambda **kw: {"found": kw["query"]}}
@@ -171,6 +172,7 @@ def test_only_a_worker_that_runs_tools_knows_the_tool_tasks(tmp_path: Path, role
 
 # -- a whole round in one process: the inference task, the tool task, the next turn --------------
 BIG_RESULT = "invoice " * 2400  # below MAX_RESULT_CHARS
+LARGE_RESULT = "invoice " * 600
 
 
 @pytest.fixture
@@ -205,30 +207,122 @@ def run_sent_tools(rt: Runtime, sent: Sent, tasks: dict[str, Any]) -> None:
     sent.tasks.clear()
 
 
-def test_a_large_tool_result_is_admitted_as_prompt_and_one_too_large_ends_e_prompt_too_long(
-        tool_rt: Runtime) -> None:
+def test_a_large_tool_result_is_admitted_as_prompt(tool_rt: Runtime) -> None:
     """Before, readmit changed only max_new and KV: a tool result entered the next turn's
     prompt uncounted (admission reserved KV for the first prompt only, and an estimate of
     3 characters a token sized the conversation)."""
     rt, sent = tool_rt, Sent()
     rt.send_task = sent
-    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1]")
+    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1] [sim:think=20]")
     first = rt.store.admit_next(time.time()).grant
     assert first is not None
     assert infer_job(rt, ref, "reports", first.fence) == "continued"
     assert [t["soft_time_limit"] for t in sent.tasks] == [30]
     readmitted = json.loads(rt.results.job_record(ref)["turn"])["plan"]["prompt_tokens"]
     assert readmitted > first.prompt_tokens  # the conversation: the assistant's call
-    run_sent_tools(rt, sent, {"tests.search_docs": lambda **kw: BIG_RESULT})
-    grown = readmitted + rt.counter.count_text(BIG_RESULT)[0] + tools.RESULT_FRAMING_TOKENS
+    run_sent_tools(rt, sent, {"tests.search_docs": lambda **kw: LARGE_RESULT})
+    grown = readmitted + rt.counter.count_text(LARGE_RESULT)[0] + tools.RESULT_FRAMING_TOKENS
     assert rt.store.promote_due(time.time()) == [ref]  # the round is complete: in line now
     again = rt.store.admit_next(time.time()).grant
-    assert again is not None and again.prompt_tokens == grown > 3600
-    # Admitted (nothing else runs), the turn counts its whole prompt before it sends anything.
-    assert infer_job(rt, ref, "reports", again.fence) == "E_PROMPT_TOO_LONG"
+    assert again is not None and again.prompt_tokens == grown > 1000
+    assert infer_job(rt, ref, "reports", again.fence) == "OK"
+
+
+def test_a_result_past_max_model_len_ends_the_job_at_the_tool_worker(tool_rt: Runtime) -> None:
+    """Before, the job was admitted with the result's size (a slot, and KV for a prompt that
+    could never be sent) only for its next turn to end E_PROMPT_TOO_LONG."""
+    rt, sent = tool_rt, Sent()
+    rt.send_task = sent
+    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1] [sim:parallel=2]")
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "continued"
+    first, second = sent.tasks
+    ran: list[str] = []
+
+    def search(**kw: Any) -> str:
+        ran.append(kw["query"])
+        return BIG_RESULT
+
+    assert tool_job(rt, {"tests.search_docs": search}, ref, 1,
+                     first["call_id"]) == Code.E_PROMPT_TOO_LONG.value
     final = envelope(rt, ref)
-    assert final is not None and "max_model_len 4000" in final.message
-    assert len(load_attempts(rt.redis, rt.keys, ref)) == 1  # the second request was not sent
+    assert final is not None and final.code == Code.E_PROMPT_TOO_LONG
+    assert "max_model_len 4000" in final.message and final.tool_rounds[0]["number"] == 1
+    # the round's other call comes after the job ended: nothing runs
+    assert tool_job(rt, {"tests.search_docs": search}, ref, 1, second["call_id"]) == "stale"
+    assert len(ran) == 1
+    assert ref not in rt.store.pending_ids() and rt.store.next_not_before() is None
+    assert len(load_attempts(rt.redis, rt.keys, ref)) == 1  # never admitted again
+
+
+def test_a_time_limit_after_the_tool_returned_keeps_its_result(
+        tool_rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery's soft limit fires at the tool's timeout wherever the task is, the hard kill 2 s
+    later. Before, one landing after the tool returned, while its result was counted
+    (``/tokenize``, up to 5 s), escaped the task with nothing stored, or the kill did: the tool's
+    effects were done but the job recorded E_TOOL_TIMEOUT. Now the result is stored before it is
+    counted, a soft limit there is ridden out, and the hard limit leaves room for the count."""
+    rt, sent = tool_rt, Sent()
+    rt.send_task = sent
+    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1] [sim:think=20]")
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "continued"
+    (task,) = sent.tasks
+    assert task["time_limit"] == task["soft_time_limit"] + tools.KILL_GRACE_S + tools.SETTLE_S
+    round_ = json.loads(rt.results.job_record(ref)["turn"])["tool_rounds"][0]
+    count_text, cut = rt.counter.count_text, []
+
+    def soft_limit_lands_in_the_count(text: str) -> tuple[int, bool]:
+        stored = tools.load_results(rt.redis, rt.keys, rt.settings, ref, round_)
+        assert stored[task["call_id"]]["content"] == "invoice-2024-03.pdf"  # stored first
+        if not cut:
+            cut.append(text)
+            raise SoftTimeLimitExceeded()  # as Celery's soft limit does, wherever the task is
+        return count_text(text)
+
+    monkeypatch.setattr(rt.counter, "count_text", soft_limit_lands_in_the_count)
+    assert tool_job(rt, {"tests.search_docs": lambda **kw: "invoice-2024-03.pdf"}, ref, 1,
+                    task["call_id"]) == "ok"
+    assert cut and rt.store.promote_due(time.time()) == [ref]  # complete: in line at once
+    stored = tools.load_results(rt.redis, rt.keys, rt.settings, ref, round_)[task["call_id"]]
+    assert stored["tokens"] == count_text("invoice-2024-03.pdf")[0] + tools.RESULT_FRAMING_TOKENS
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "OK"
+    final = envelope(rt, ref)
+    assert final is not None and final.tool_rounds[0]["calls"][0]["result"]["ok"]
+
+
+@pytest.fixture
+def small_kv_rt(sim: str, key_prefix: str, redis_client: redis.Redis) -> Iterator[Runtime]:
+    """A KV budget of 4824 tokens (3216 x 1.5 overcommit: 4 blocks of 1072 fit) and a long
+    max_model_len: the budget is the limit. A head held for KV holds every admission at once
+    (no bypass wait)."""
+    small = {"thinking_budget": 200, "content_reserve": 200}
+    yield from runtime(sim, key_prefix, backend={"kv_pool_tokens": 3216, "block_tokens": 1072},
+                       admission={"hol_bypass_s": 0.0}, others={"b": small}, reports={
+        "tools": "run", "allowed_tools": ["search_docs"], **small, "tool_registry": {
+            "search_docs": {"task": "tests.search_docs", "parameters": QUERY,
+                            "untrusted": False, "timeout_s": 30}}})
+
+
+def test_a_result_past_the_kv_budget_ends_the_job_and_admissions_go_on(small_kv_rt: Runtime) -> None:
+    """Before, the waiting job grew past the KV budget: in line, it was held for KV as long as
+    anything ran and, at the head, held every project's admissions (head-of-line), then, admitted
+    alone, ended E_PROMPT_TOO_LONG at once."""
+    rt, sent = small_kv_rt, Sent()
+    rt.send_task = sent
+    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1]")
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "continued"
+    running = submit(rt, "Other work. [sim:think=20]", project="b")
+    admit(rt, running, time.time())  # project b holds KV meanwhile
+    (task,) = sent.tasks
+    assert tool_job(rt, {"tests.search_docs": lambda **kw: BIG_RESULT}, ref, 1,
+                     task["call_id"]) == Code.E_PROMPT_TOO_LONG.value
+    final = envelope(rt, ref)
+    assert final is not None and final.code == Code.E_PROMPT_TOO_LONG
+    assert "KV budget" in final.message
+    rt.store.promote_due(time.time())
+    waiting = [submit(rt, f"More work {i}. [sim:think=20]", project="b") for i in range(3)]
+    granted = [rt.store.admit_next(time.time()).grant for _ in waiting]
+    assert [g.job_id if g else None for g in granted] == waiting
+    assert len(load_attempts(rt.redis, rt.keys, ref)) == 1  # never admitted again
 
 
 def test_a_round_whose_tasks_were_never_sent_is_sent_again_not_timed_out(
@@ -258,3 +352,63 @@ def test_a_round_whose_tasks_were_never_sent_is_sent_again_not_timed_out(
     (round_,) = final.tool_rounds
     assert round_["sends"] == 2 and round_["calls"][0]["result"]["ok"]
     assert any("were not sent: sent again" in w for w in final.warnings)
+
+
+def test_a_round_whose_mark_failed_after_readmit_is_sent_again_at_once(
+        tool_rt: Runtime, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Redis fails marking the round sent, after ``readmit``: before, the worker logged "not
+    readmitted ... its lease will expire" although the job was readmitted and had no lease, and
+    the job waited the round's whole timeout for tools that were never sent."""
+    rt, sent = tool_rt, Sent()
+    rt.send_task = sent
+    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1] [sim:think=30]")
+
+    def blip(*_args: Any, **_kwargs: Any) -> None:
+        raise redis.ConnectionError("simulated blip")
+
+    monkeypatch.setattr(tools, "mark_sent", blip)
+    with caplog.at_level("WARNING", logger="fleet.worker.tasks"):
+        assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "tools-unsent"
+    monkeypatch.undo()
+    assert sent.tasks == [] and rt.store.lease_fences() == {}
+    assert "lease will expire" not in caplog.text and "readmitted" in caplog.text
+    assert rt.store.promote_due(time.time()) == [ref]  # in line now, not at the round's timeout
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "continued"
+    run_sent_tools(rt, sent, {"tests.search_docs": lambda **kw: "invoice-2024-03.pdf"})
+    assert rt.store.promote_due(time.time()) == [ref]
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "OK"
+    final = envelope(rt, ref)
+    assert final is not None and final.tool_rounds[0]["sends"] == 2
+
+
+def _worker_start_lines(config: Path, role: str) -> list[str]:
+    """What ``fleet worker --role ROLE`` logs up to its "ready" line (then it is stopped)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleet.cli.main", "worker", "--role", role, "--concurrency", "1",
+         "--hostname", f"w-{os.getpid()}-{time.monotonic_ns()}@%h"],
+        env={**os.environ, "FLEET_CONFIG": str(config)}, cwd=Path(__file__).parent.parent,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if " ready." in line:
+                return lines
+        raise AssertionError(f"the worker ended before it was ready: {''.join(lines)}")
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(("role", "warned"), [("all", True), ("prep,tools", True),
+                                              ("infer,prep,collect", False), ("infer", False)])
+def test_a_worker_that_imports_tools_beside_project_queues_warns_at_start(
+        tmp_path: Path, role: str, warned: bool) -> None:
+    """``--role all`` (or tools with prep or collect) imports ``tool_imports`` on a worker that
+    consumes queues producers may push onto: fine for a local run, not for a deployment whose
+    projects do not trust each other (before, nothing said so, and docs/operations.md told to add
+    ``fleet worker`` processes, that is ``--role all``, on any host)."""
+    config = make_config(tmp_path, tool_imports=["tests.tool_tasks"])
+    text = "".join(_worker_start_lines(config, role))
+    assert ("tool_imports" in text and "--role tools" in text) == warned, text

@@ -186,6 +186,13 @@ def worker(
     if not queues or not roles <= {"infer", "prep", "collect", "tools"}:
         raise typer.BadParameter("role must be all, prep, collect, infer or tools, or several "
                                  "joined by commas (tools: no project runs tools)")
+    if "tools" in roles and roles & {"prep", "collect"} and settings.tool_imports:
+        # Celery runs any task it knows whatever queue a message came on (docs/tools.md).
+        logging.getLogger("fleet").warning(
+            "worker --role %s imports tool_imports and consumes project queues producers may push "
+            "onto: a producer could run a registered tool task. Fine for a local run; in a "
+            "deployment run the tools apart (--role tools --pool prefork) and the others with "
+            "--role infer, prep or collect", role)
     preflight_or_exit(*sorted(roles))
     broker_or_exit("worker", settings)  # a refusal first: then it is the only line printed
     secrets_or_exit("worker", settings)

@@ -49,7 +49,8 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                                      watchdog looks at them (fleet/prep/watchdog.py)
   {p}attempts:{<ref>}         list   attempt history (JSON) kept for carry-over between attempts
   {p}tools:{<ref>}            hash   tool results of the job's tool rounds, field <round>:<call id>,
-                                     sealed by the tool worker (fleet/infer/tools.py); TTL
+                                     sealed by the tool worker (fleet/infer/tools.py), and
+                                     sent:<round> once the round's tasks are being sent; TTL
                                      result_ttl_s
   {p}retry_budget:<project>   hash   sliding counters of first attempts and retries (retry budget)
   {p}tokcache:<sha256>        string cached /tokenize count for a piece of content
@@ -92,9 +93,10 @@ D = ``{p}{d}:``, one hash tag for all)
                                      an expired lease puts the job back at its original place
   D items                     hash   job id -> admission facts of a pending, in-flight or waiting
                                      job, one string "project band size prompt max_new kv long enq
-                                     score pending(1|0) deadline cont(1|0) deferred"
-                                     (schedulers/store/lua/prelude.lua; '-' = no deadline, not
-                                     waiting)
+                                     score pending(1|0) deadline cont deferred uncached"
+                                     (schedulers/store/lua/prelude.lua; cont = 0, or the number
+                                     of the turn ``readmit`` last put in line; '-' = no deadline,
+                                     not waiting)
   D projects                  set    projects that may have pending work
   D vtime                     hash   per-project finish tag (token-weighted fair queuing)
   D leases                    zset   in-flight job ids, score = lease expiry (unix seconds)
@@ -111,12 +113,14 @@ D = ``{p}{d}:``, one hash tag for all)
                                      dispatchers BLPOP it (no polling)
   D backend                   hash   last /metrics + /health scrape: scraped_at, hold, figures
   D stats                     hash   admissions, hold:<reason>
-  D deferred                  zset   continuations waiting for their not-before time (a backoff),
+  D deferred                  zset   continuations waiting for their not-before time (a backoff,
+                                     a tool round's timeout, brought forward by its last result),
                                      score = that time (unix s); promoted into their queue by the
                                      dispatcher (schedulers/store/base.py, Continuations)
   D continuations             set    refs of jobs readmitted at least once (``fleet queues``); their
-                                     item has cont 1 (and deferred <time> while waiting); a
-                                     release removes the ref with the item
+                                     item's cont is the number of the turn ``readmit`` last put
+                                     in line (and deferred <time> while waiting); a release
+                                     removes the ref with the item
   D workers                   zset   inference worker instances (``<node name>#<pid>-<nonce>``),
                                      score = when the entry lapses by Redis's clock
                                      (fleet/worker/heartbeat.py); no live entry holds admissions

@@ -20,16 +20,21 @@ One round, across processes::
        the calls, counted by the worker's token counter); the round is marked sent
        (``sent:<round>`` in the results hash), then one ``fleet.tool`` task per valid call goes
        to the tool's queue (all at once: they run in parallel) under Celery's time limits, soft
-       at the tool's timeout, hard ``KILL_GRACE_S`` later (enforced by the prefork pool only).
+       at the tool's timeout, hard ``KILL_GRACE_S + SETTLE_S`` later (enforced by the prefork
+       pool only).
   tool worker (``fleet worker --role tools --pool prefork``, imports ``tool_imports``)
     ``fleet.tool`` checks that the sealed turn of the job names this very call, runs the
     registered Celery task in-process (``task(**arguments)``; the soft limit inside it is a
     timeout), and stores the result or the error, sealed, in ``{p}tools:{<ref>}`` (field
-    ``<round>:<call id>``) with its size in tokens (the backend's tokenizer and
-    ``RESULT_FRAMING_TOKENS``); the waiting job's admission size grows to the turn's prompt and
-    the results in so far (``store.grow``: never smaller, so two workers may report in any
-    order). The last result of a round moves the job's not-before time to now
-    (``store.hurry``): it is put in line at once.
+    ``<round>:<call id>``) at once, then again with its size in tokens (the backend's tokenizer
+    and ``RESULT_FRAMING_TOKENS``; a soft limit landing after the tool returned is ridden out);
+    the waiting job's admission size grows to the turn's prompt and the results in so far
+    (``store.grow``: never smaller, so two workers may report in any order). The last result of
+    a round moves the job's not-before time to now (``store.hurry``): it is put in line at once.
+    A job whose next turn can never be sent (``never_sent``: past max_model_len) or admitted
+    (``grow`` refuses a KV reservation past the KV budget) ends there E_PROMPT_TOO_LONG, taken
+    out of the store unadmitted: in line it would wait for nothing and, held for KV at the head
+    of the line, hold every project's admissions.
   inference worker (turn N+1, admitted like any continuation)
     reads the round's results; a missing one is a timeout: E_TOOL_TIMEOUT, a failed one
     E_TOOL_FAILED, or either goes back to the model as the tool's result (``on_error = "model"``).
@@ -75,8 +80,14 @@ MAX_RESULT_CHARS = 20_000
 # Counted with each result's text: its message's framing in the chat template and the markers of
 # an untrusted tool's fence (an allowance: the text itself is counted by the backend's tokenizer).
 RESULT_FRAMING_TOKENS = 32
-# A tool task still running this long after its timeout is killed (Celery's hard time limit).
+# A tool still running this long after its timeout (the soft limit raised inside it) is killed:
+# Celery's hard time limit, at KILL_GRACE_S + SETTLE_S past the timeout.
 KILL_GRACE_S = 2.0
+# More time under the hard limit for what follows the tool: storing its result, counting it
+# (the backend's tokenizer, 5 s timeout; twice if the soft limit cut the first count), growing
+# and hurrying the waiting job. The result is stored before it is counted, so a kill during the
+# count loses only its size.
+SETTLE_S = 12.0
 # Sends of a round whose tasks never left (the worker lost Redis between saving and sending).
 MAX_ROUND_SENDS = 3
 
@@ -149,7 +160,7 @@ def task_of(call: dict[str, Any], tool: ToolSettings, project: str) -> dict[str,
     """What the inference worker sends for one valid call: the task runs under Celery's time
     limits, soft at the tool's timeout, hard ``KILL_GRACE_S`` later (prefork pool only)."""
     return {"id": call["id"], "name": call["name"], "queue": tool.queue_for(project),
-            "timeout_s": tool.timeout_s, "time_limit_s": tool.timeout_s + KILL_GRACE_S}
+            "timeout_s": tool.timeout_s, "time_limit_s": tool.timeout_s + KILL_GRACE_S + SETTLE_S}
 
 
 # -- results (written by the tool worker, read by the next turn) -------------------------------
@@ -220,6 +231,19 @@ def next_prompt_tokens(turn: dict[str, Any], results: dict[str, dict[str, Any]])
     """The next turn's prompt once ``results`` are in: the prompt the round was readmitted with
     (the conversation and the calls) and each result's ``tokens``."""
     return int(turn["plan"]["prompt_tokens"]) + sum(int(r.get("tokens") or 0) for r in results.values())
+
+
+def never_sent(turn: dict[str, Any], results: dict[str, dict[str, Any]]) -> str | None:
+    """Why the next turn can never be sent, whatever else comes in (None: it may be): the least
+    its prompt will be (the prompt so far and each result's text, without the framing allowance)
+    next to the plan's max tokens passes max_model_len (the next turn's own check, done early)."""
+    plan = turn["plan"]
+    least = next_prompt_tokens(turn, results) - RESULT_FRAMING_TOKENS * len(results)
+    if least + int(plan["max_tokens"]) <= int(plan["max_model_len"]):
+        return None
+    return (f"with the results of tool round {turn['tool_rounds'][-1]['number']} so far the prompt "
+            f"is at least {least} tokens: with max_tokens {plan['max_tokens']} it passes "
+            f"max_model_len {plan['max_model_len']}")
 
 
 def timeout_error(timeout_s: float) -> str:

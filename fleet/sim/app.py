@@ -49,7 +49,7 @@ from fleet.sim.metrics import SimMetrics
 from fleet.sim.plan import LengthDistribution, RequestShape, build_plan
 from fleet.sim.profiles import SimProfile
 from fleet.sim.responses import Completion, FullWriter, StreamWriter
-from fleet.sim.scenarios import Scenario, ScenarioBook
+from fleet.sim.scenarios import MarkerError, Scenario, ScenarioBook
 from fleet.sim.template import message_text, render_chat
 from fleet.sim.tokenizer import Tokenizer
 from fleet.sim.validate import APIError, ChatRequest, error_body, parse_chat
@@ -169,7 +169,10 @@ class ChatHandler:
 
     def accept(self, req: ChatRequest, rid: str) -> Any:
         first, last = _user_texts(req.messages)
-        scenario = self.s.scenarios.resolve(last, first)
+        try:
+            scenario = self.s.scenarios.resolve(last, first)
+        except MarkerError as exc:
+            raise APIError(400, str(exc), "messages") from exc
         ids, prompt_len = self._prompt(req, scenario.integer("prompt_pad") or 0)
         self._refuse_by_scenario(scenario)
         room = self.s.profile.max_model_len - prompt_len

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleet.sim.jsongen import generate_json, generate_object
-from fleet.sim.scenarios import Scenario
+from fleet.sim.scenarios import MAX_PARALLEL, Scenario
 from fleet.sim.textgen import FixedPieces, LoopStream, PieceStream, ProseStream, UnicodeStream
 from fleet.sim.tokenizer import split_pieces
 
@@ -96,8 +96,8 @@ def _content_pieces(
         fn = shape.tool.get("function", shape.tool)
         calls: list[ToolCall] = []
         parts: list[tuple[str, list[str]]] = []
-        # parallel=N: N hermes <tool_call> blocks in one answer (one TOOL_START each)
-        for _ in range(max(1, scenario.integer("parallel") or 1)):
+        # parallel=N: N hermes <tool_call> blocks in one answer (one TOOL_START each), N capped
+        for _ in range(min(MAX_PARALLEL, max(1, scenario.integer("parallel") or 1))):
             # bad_args: arguments that fail any object schema (a JSON array), as a confused model's
             arguments = "[]" if scenario.has("bad_args") else generate_json(fn.get("parameters", {}), rng)
             call = ToolCall(str(fn.get("name", "tool")), arguments)

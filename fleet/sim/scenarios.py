@@ -32,13 +32,19 @@ Names (times are simulated seconds):
                      ``[sim:bad_args/1]``: only the first call's
 ``parallel=N``       a tool-call answer holds N calls of the tool (N hermes ``<tool_call>``
                      blocks, streamed as ``tool_calls`` deltas with indexes 0..N-1), each with
-                     its own id and arguments: parallel tool calls
+                     its own id and arguments: parallel tool calls; N is capped at
+                     ``MAX_PARALLEL`` (64), as building the answer takes time linear in N
 ``think=N``          exactly N reasoning tokens (before budget and max-token caps)
 ``answer=N``         exactly N answer tokens (prose answers)
 ``prompt_pad=N``     count the prompt as N tokens longer (unique tokens, never prefix-cached)
 ``dead`` / ``dead=S``  the engine dies: in-flight requests fail, ``/health`` answers 503, new
                      requests get 500; for S seconds, or until ``POST /sim/reset``
 ===================  ======================================================================
+
+Numeric values (``S`` and ``N`` above) must be finite numbers >= 0; anything else (``inf``,
+``nan``, ``-1``, ``lots``, a number too large for a float) is refused as a 400 answer naming the
+marker (``MarkerError``), so a prompt can neither crash the request nor hang the server. Counts
+larger than the request allows are cut by the usual caps (``max_tokens``, ``max_model_len``).
 
 ``--fault-rate P`` adds, to each request with probability P, one of ``http500``, ``http503``,
 ``drop``, ``error_event``, drawn from a generator seeded by ``--seed``.
@@ -47,6 +53,7 @@ Names (times are simulated seconds):
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 from collections import Counter
@@ -59,6 +66,25 @@ KNOWN = {
     "error_event", "bad_json", "empty", "tool", "bad_args", "parallel", "think", "answer", "prompt_pad",
     "dead", "unicode",
 }
+NUMERIC = {"slow_first_token", "stall", "parallel", "think", "answer", "prompt_pad", "dead"}
+MAX_PARALLEL = 64
+
+
+class MarkerError(ValueError):
+    """A marker with a value it cannot take; the app answers 400 with this message."""
+
+
+def _checked(marker: str, name: str, value: str) -> str:
+    """``value`` if ``name`` takes no number or it is a finite number >= 0; else MarkerError."""
+    if name not in NUMERIC or not value:
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number < 0:
+        raise MarkerError(f"{marker}: the value must be a finite number >= 0")
+    return value
 
 
 @dataclass
@@ -71,18 +97,12 @@ class Scenario:
         return name in self.active
 
     def number(self, name: str, default: float = 0.0) -> float:
-        try:
-            return float(self.active.get(name) or default)
-        except ValueError:
-            return default
+        return float(self.active.get(name) or default)
 
     def integer(self, name: str) -> int | None:
-        if name not in self.active:
-            return None
-        try:
-            return max(0, int(float(self.active[name])))
-        except ValueError:
-            return None
+        """The marker's value as a whole number; None when absent or given without a value."""
+        value = self.active.get(name)
+        return int(float(value)) if value else None
 
 
 class ScenarioBook:
@@ -99,12 +119,14 @@ class ScenarioBook:
         self._faults = random.Random(self._seed ^ 0x5EED)
 
     def resolve(self, last_user: str, first_user: str) -> Scenario:
+        """The active markers of a request; MarkerError for a numeric marker's bad value."""
         scenario = Scenario()
         digest = hashlib.sha256(first_user.encode()).hexdigest()
         for m in MARKER_RE.finditer(last_user):
             name, value, limit = m.group(1), m.group(2) or "", m.group(3)
             if name not in KNOWN:
                 continue
+            value = _checked(m.group(0), name, value)
             if limit is not None:
                 key = (m.group(0), digest)
                 self._counts[key] += 1

@@ -18,8 +18,9 @@ fleet.tool (queue of the tool, kwargs ref, round_number, call_id; sent by an inf
   with Celery time limits from the tool's timeout)
   runs one tool call of a job's tool round (fleet/infer/tools.py): only a call the job's sealed
   current turn names (the same check as fleet.infer's), with the arguments it names; stores the
-  result sealed with its size in tokens, grows the waiting job's admission size by it and, with
-  the round's last result, puts the job in line at once.
+  result sealed (first, then again with its size in tokens), grows the waiting job's admission
+  size by it and, with the round's last result, puts the job in line at once; a job whose next
+  turn can never be sent or admitted ends E_PROMPT_TOO_LONG there, unadmitted.
 fleet.infer (queue fleet.infer, kwargs ref, project, fence; sent by a dispatcher)
   stale fence (duplicate or late delivery) -> drop; already final (cancelled) -> release, drop;
   the ref, the task, the lease, the record and the sealed job must name one project, and the seal
@@ -51,10 +52,11 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
 
 from fleet.core.codes import Code
@@ -72,12 +74,13 @@ from fleet.worker.lease import LeaseKeeper
 from fleet.worker.metrics import WorkerMetrics, serve_when_started
 from fleet.worker.runtime import Runtime
 from schedulers.backoff import Backoff
-from schedulers.store.base import PendingItem
+from schedulers.store.base import Growth, PendingItem
 
 if TYPE_CHECKING:  # the inference modules are imported on first use, in the worker that runs one
     from fleet.infer.attempts import Continuation
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 
@@ -329,7 +332,9 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
 
 def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
     """Save the next turn, give the lease up, back in line (module docstring). A Redis error
-    here leaves the lease to expire: the reaped job resumes from what was saved."""
+    before ``readmit`` is done leaves the lease to expire: the reaped job resumes from what was
+    saved. One after it leaves the job readmitted (no lease): its next turn goes on from the
+    saved turn, and sends a tool round that was not marked sent again."""
     turn_json = json.dumps(cont.turn)
     try:
         rt.results.record(ref, state="pending", pending_at=time.time(), turn=turn_json,
@@ -337,28 +342,41 @@ def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
         if not rt.store.readmit(ref, fence, cont.max_tokens, cont.not_before, time.time(),
                                 prompt_tokens=cont.prompt_tokens, turn=cont.turn["number"]):
             return "lease-lost"  # reaped meanwhile: pending again, resuming from the saved turn
+    except redis.RedisError as exc:
+        log.warning("continuation of job=%s not readmitted (%r): its lease will expire", ref, exc)
+        return "readmit-failed"
+    try:
         _events(rt, ref).emit("continuation", how=cont.how, cause=cont.cause.value,
                               delay_s=round(cont.delay_s, 3), max_tokens=cont.max_tokens)
-        if cont.tool_calls:
-            _send_tools(rt, ref, cont)
+        if cont.tool_calls and not _send_tools(rt, ref, cont):
+            return "tools-unsent"
         if cancel_requested(rt, ref) and rt.store.cancel_pending(ref):
             owner, job_id = split_ref(ref)  # cancelled while this turn ran: never run another
             return _fail(rt, job_id, owner, Code.E_CANCELLED, "cancelled between turns")
     except redis.RedisError as exc:
-        log.warning("continuation of job=%s not readmitted (%r): its lease will expire", ref, exc)
-        return "readmit-failed"
+        log.warning("continuation of job=%s readmitted, then Redis failed (%r): its next turn goes "
+                    "on from the saved turn", ref, exc)
     return "continued"
 
 
-def _send_tools(rt: Runtime, ref: str, cont: Continuation) -> None:
+def _send_tools(rt: Runtime, ref: str, cont: Continuation) -> bool:
     """One ``fleet.tool`` task per call, all at once (they run in parallel on the tool workers),
     after the round is marked sent (fleet/infer/tools.py). A send that fails is that call's
-    result: a failure saying so (no tool ran, so it did not time out)."""
+    result: a failure saying so (no tool ran, so it did not time out). False when the round could
+    not be marked sent: nothing is sent, and the job (readmitted, waiting for the round) is put in
+    line at once, so its next turn sends the round again now rather than at its timeout."""
     from fleet.infer import tools as tools_mod
 
     assert rt.send_task is not None, "a worker runtime sends tasks"
     number = cont.turn["tool_rounds"][-1]["number"]
-    tools_mod.mark_sent(rt.redis, rt.keys, rt.settings, ref, number)
+    try:
+        tools_mod.mark_sent(rt.redis, rt.keys, rt.settings, ref, number)
+    except redis.RedisError as exc:
+        log.warning("tool round %d of job=%s not sent (%r): the job is readmitted, its next turn "
+                    "sends the round again", number, ref, exc)
+        with contextlib.suppress(redis.RedisError):
+            rt.store.hurry(ref, time.time())
+        return False
     for call in cont.tool_calls:
         try:
             rt.send_task("fleet.tool", kwargs={"ref": ref, "round_number": number,
@@ -371,6 +389,7 @@ def _send_tools(rt: Runtime, ref: str, cont: Continuation) -> None:
             with contextlib.suppress(redis.RedisError):
                 tools_mod.save_result(rt.redis, rt.keys, rt.settings, ref, number, call["id"], {
                     "ok": False, "error": f"the tool task could not be sent: {type(exc).__name__}"})
+    return True
 
 
 def tool_job(rt: Runtime, tasks: Any, ref: str, round_number: int, call_id: str) -> str:
@@ -388,23 +407,75 @@ def tool_job(rt: Runtime, tasks: Any, ref: str, round_number: int, call_id: str)
                  if c["id"] == call_id and c["error"] is None), None)
     if pending is None or call is None:
         return "stale"  # not a call of the job's open round (late, duplicate or forged)
+    if rt.results.get(ref) is not None:
+        return "stale"  # the job ended meanwhile (another call of its round ended it)
     tool = rt.settings.projects[split_ref(ref)[0]].tool_registry[call["name"]]
     task = tasks.get(tool.task)
     if task is None:
         result = {"ok": False, "error": f"the tool task {tool.task!r} is not registered on this worker"}
     else:
         result = tools_mod.run_tool(task, call["arguments"], tool.timeout_s)
-    # Counted here, where the text is: the next turn's admission must reserve for it.
-    result["tokens"] = (rt.counter.count_text(tools_mod.counted_text(result))[0]
+    return _settle_result(rt, ref, turn, pending, call, result)
+
+
+def _settle_result(rt: Runtime, ref: str, turn: dict[str, Any], round_: dict[str, Any],
+                   call: dict[str, Any], result: dict[str, Any]) -> str:
+    """After the tool returned: store its result FIRST (the tool has run and its effects are
+    done: a limit or a kill landing later must not turn them into a timeout), then count it
+    where the text is (the next turn's admission reserves for it), grow the waiting job by it
+    and, with the round's last result, put the job in line at once. Celery's soft time limit
+    (meant for the tool) may still fire here: each step runs again once (all are idempotent);
+    the hard limit leaves ``tools.SETTLE_S`` for these steps. A job whose next prompt can never
+    be admitted (past max_model_len next to its max tokens, or past the KV budget) ends here
+    E_PROMPT_TOO_LONG instead of waiting in line for nothing."""
+    from fleet.infer import tools as tools_mod
+
+    number, call_id = round_["number"], call["id"]
+
+    def save() -> int:
+        return tools_mod.save_result(rt.redis, rt.keys, rt.settings, ref, number, call_id, result)
+
+    _past_soft_limit(save)
+    text = tools_mod.counted_text(result)
+    result["tokens"] = (_past_soft_limit(lambda: rt.counter.count_text(text))[0]
                         + tools_mod.RESULT_FRAMING_TOKENS)
-    have = tools_mod.save_result(rt.redis, rt.keys, rt.settings, ref, round_number, call_id, result)
-    results = tools_mod.load_results(rt.redis, rt.keys, rt.settings, ref, pending)
-    rt.store.grow(ref, tools_mod.next_prompt_tokens(turn, results))
-    _events(rt, ref).emit("tool_result", number=round_number, call=call_id, name=call["name"],
-                          ok=result["ok"], duration_s=result.get("duration_s"))
-    if have >= sum(1 for c in pending["calls"] if c["error"] is None):
-        rt.store.hurry(ref, time.time())  # the round is complete: in line now, not at its timeout
+    have = _past_soft_limit(save)
+    _past_soft_limit(lambda: _events(rt, ref).emit(
+        "tool_result", number=number, call=call_id, name=call["name"], ok=result["ok"],
+        duration_s=result.get("duration_s")))
+    results = _past_soft_limit(lambda: tools_mod.load_results(rt.redis, rt.keys, rt.settings, ref, round_))
+    prompt = tools_mod.next_prompt_tokens(turn, results)
+    why = tools_mod.never_sent(turn, results)
+    if why is None and _past_soft_limit(lambda: rt.store.grow(ref, prompt)) == Growth.PAST_KV_BUDGET:
+        why = (f"with the results of tool round {number} so far the next turn's prompt is about "
+               f"{prompt} tokens: with max_tokens {turn['plan']['max_tokens']} its KV reservation "
+               f"passes the KV budget ({rt.store.config.limits.kv_budget_tokens} tokens)")
+    if why is not None:
+        return _end_waiting(rt, ref, turn, Code.E_PROMPT_TOO_LONG, why)
+    if have >= sum(1 for c in round_["calls"] if c["error"] is None):
+        # the round is complete: in line now, not at its timeout
+        _past_soft_limit(lambda: rt.store.hurry(ref, time.time()))
     return "ok" if result["ok"] else "failed"
+
+
+def _past_soft_limit(step: Callable[[], _T]) -> _T:
+    """``step()``, run again if Celery's soft time limit cut it: the limit is meant for the tool,
+    which has returned, and it fires once per task."""
+    try:
+        return step()
+    except SoftTimeLimitExceeded:
+        return step()
+
+
+def _end_waiting(rt: Runtime, ref: str, turn: dict[str, Any], code: Code, message: str) -> str:
+    """End a job that waits between turns (no lease): out of the store, then its envelope. A job
+    no longer waiting (in line or running already) is left to its turn, which ends it too."""
+    if not _past_soft_limit(lambda: rt.store.cancel_pending(ref)):
+        return "not-waiting"
+    project, job_id = split_ref(ref)
+    log.info("job=%s ended between turns: %s", ref, message)
+    return _past_soft_limit(lambda: _fail(rt, job_id, project, code, message,
+                                          tool_rounds=turn["tool_rounds"]))
 
 
 def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> Job:

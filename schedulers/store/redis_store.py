@@ -10,8 +10,7 @@ one serialisation point anyway, and a script may touch the shared counters and a
                            pending(1|0) deadline cont deferred uncached" (space-separated,
                            deadline and deferred '-' = none; cont 0, or for a continuation the
                            number of the turn READMIT put in line (the saved turn that may run),
-                           deferred
-                           its not-before time while it waits; uncached the prompt tokens
+                           deferred its not-before time while it waits; uncached the prompt tokens
                            expected to miss the prefix cache); a field lives while the job is
                            pending, leased (a lease needs it to requeue) or waiting
   D deadlines      zset    pending job ids that have a deadline, score = deadline (unix
@@ -94,7 +93,7 @@ from fleet.core.keys import Keys
 from fleet.core.lua import Scripts
 from schedulers.policy import fairshare
 from schedulers.policy.limits import kv_tokens
-from schedulers.store.base import AdmitResult, Grant, PendingItem, StoreConfig, StoreSnapshot
+from schedulers.store.base import AdmitResult, Grant, Growth, PendingItem, StoreConfig, StoreSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -336,11 +335,12 @@ class RedisStore:
                 prompt, uncached, turn]
         return bool(self._run("readmit", keys, args))
 
-    def grow(self, job_id: str, prompt_tokens: int) -> bool:
+    def grow(self, job_id: str, prompt_tokens: int) -> Growth:
         limits = self.config.limits
         keys = [self._key("deferred"), self._key("items")]
-        args = [job_id, prompt_tokens, limits.block_tokens, limits.long_prompt_tokens]
-        return bool(self._run("grow", keys, args))
+        args = [job_id, prompt_tokens, limits.block_tokens, limits.long_prompt_tokens,
+                limits.kv_budget_tokens]
+        return Growth(int(self._run("grow", keys, args)))
 
     def turn_of(self, job_id: str) -> int:
         item = self._client.hget(self._key("items"), job_id)
