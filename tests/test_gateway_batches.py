@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -351,6 +353,57 @@ def test_a_create_that_fails_half_way_leaves_a_visible_cancellable_batch(tmp_pat
     finally:
         admin.close()
         private.close()
+
+
+def test_a_create_cut_by_a_stopped_gateway_is_ended_by_the_next_retrieve(tmp_path: Path) -> None:
+    """Before, a gateway stopped half way through a create left the jobs it had sent running
+    with no batch at all. Now the batch is there from the start; once its create has made no
+    progress for gateway.batch_create_stall_s, a retrieve (on another gateway) ends it: the
+    lines sent go on, the others fail E_INTERNAL, and no job runs outside the batch."""
+    config, keys = start_door(tmp_path, max_file_bytes=400_000, max_project_bytes=1_000_000,
+                              batch_create_stall_s=1)
+    settings = load_settings(config, env={})
+    fleet_keys = Keys(settings.key_prefix)
+    client_redis = redis.Redis.from_url(TEST_REDIS_URL)
+    try:
+        with lone_gateway(config) as (url, process):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=keys["triage"], max_retries=0)
+            uploaded = client.files.create(
+                file=("in.jsonl", jsonl([line(str(i)) for i in range(3000)])), purpose="batch")
+            creating = threading.Thread(target=lambda: pytest.raises(
+                openai.APIConnectionError, client.batches.create, input_file_id=uploaded.id,
+                endpoint="/v1/chat/completions", completion_window="24h"))
+            creating.start()
+
+            def submitting() -> str | None:
+                ids = client_redis.zrange(fleet_keys.gateway_batches("triage"), 0, -1)
+                progress = ids and client_redis.hget(
+                    fleet_keys.gateway_batch(job_ref("triage", ids[0].decode())), "submitted")
+                return ids[0].decode() if progress and int(progress) >= 10 else None
+
+            batch_id = wait_until(submitting, 60, "the create to submit some lines")
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            creating.join(60)
+        with lone_gateway(config) as (url, _process):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=keys["triage"], max_retries=0)
+            assert [b.id for b in client.batches.list()] == [batch_id]
+            batch = wait_until(lambda: (b := client.batches.retrieve(batch_id)).status == "in_progress" and b,
+                               60, "the stopped create to be ended", every_s=0.2)
+            assert batch.request_counts is not None and batch.request_counts.total == 3000
+            door = Door(url, config, keys)
+            rows = door.rows("triage", batch_id)
+            sent = [row for row in rows if not row["error"]]
+            assert 10 <= len(sent) < 3000 and batch.request_counts.failed == 3000 - len(sent)
+            assert {row["code"] for row in rows if row["error"]} == {"E_INTERNAL"}
+            assert all(client_redis.exists(fleet_keys.job(job_ref("triage", row["job"]))) for row in sent)
+            unsent = [row["job"] for row in rows if row["error"]]
+            for job in unsent:  # never sent, or sent as the gateway stopped and cancelled since
+                ref = job_ref("triage", job)
+                assert not client_redis.exists(fleet_keys.job(ref)) or client_redis.exists(fleet_keys.cancel(ref))
+    finally:
+        delete_prefix(client_redis, settings.key_prefix)
+        client_redis.close()
 
 
 def test_one_projects_flood_of_batch_calls_does_not_hold_up_another(tmp_path: Path) -> None:

@@ -360,6 +360,9 @@ class GatewaySettings(_Section):
     batch_threads: int = Field(4, gt=0)
     """Threads for /v1/batches work (creating, reading, cancelling), apart from the ones chat
     requests use, so a large batch never holds up chat."""
+    batch_create_stall_s: float = Field(60.0, gt=0)
+    """A batch create that recorded no progress this long has died (the gateway was stopped half
+    way): the next retrieve ends it, its lines not sent fail ``E_INTERNAL``, the rest go on."""
     batch_calls_per_project: int = Field(2, gt=0)
     """Batch calls (create, retrieve, list, cancel, a result file's content) one project may have
     in flight on those threads; one more is 429 ``E_BUSY`` with ``Retry-After``, so one project

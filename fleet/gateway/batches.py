@@ -25,8 +25,9 @@ Records, all under the caller's project (another project's batch, file or cursor
 
     {p}gwbatch:{<project>/<id>}      hash: meta (the batch object), lines (per input line: number,
                                      custom id, error and code, job id), submitted (lines the
-                                     create has handled), touched (its last progress), e:<i>
-                                     (a line whose submit failed: error and code)
+                                     create has handled), touched (its last progress), ended
+                                     (the create ended: at which line), e:<i> (a line whose
+                                     submit failed or that was never sent: error and code)
     {p}gwbatchdone:{<project>/<id>}  hash: line index -> its settled outcome (code, size of its
                                      result line, whether that line is its job's result, usage)
     {p}gwbatches:<project>           zset of the project's batch ids, score = created_at
@@ -36,7 +37,7 @@ line, so a create that fails half way (Redis failing over, the gateway restartin
 batch that retrieve, list and cancel see, never invisible jobs: an error of one line's submit
 (a FleetError, a RedisError, a bug) fails that line only (its code: the error's,
 ``E_BROKER_UNAVAILABLE``, ``E_INTERNAL``); a create that stops (cancelled meanwhile, or no
-progress for ``CREATE_STALL_S``: it died) ends its remaining lines as errors (``E_CANCELLED``,
+progress for ``gateway.batch_create_stall_s``: it died) ends its remaining lines as errors (``E_CANCELLED``,
 ``E_INTERNAL``), cancels any job they may have started and leaves ``validating``. A create
 retried by the client is a second batch (OpenAI has no idempotency key for batches); the first
 is visible and can be cancelled.
@@ -104,7 +105,6 @@ log = logging.getLogger(__name__)
 ACTIVE = {"in_progress": "completed", "cancelling": "cancelled"}
 LIST_LIMIT = 20
 CHUNK_LINES = 200  # lines whose results are read (and a result file's lines sent) at a time
-CREATE_STALL_S = 60  # a create that recorded no progress this long has died
 ERRORS_SHOWN = 100  # line errors a failed batch's ``errors`` lists
 # Job fields a batch line may not set: the batch decides band and order (the window the
 # deadline), and a line brings messages, not material for prep to collect (a source may name a
@@ -141,7 +141,8 @@ class State:
 
     meta: dict[str, Any]
     rows: list[Row]
-    submitted: int
+    submitted: int  # lines the create handled; once it ended, where it ended
+    ended: bool  # the create ended (its remaining lines have their errors)
     touched: float
     settled: dict[int, Settled]
 
@@ -358,14 +359,18 @@ class BatchRoutes:
         if batch["status"] == "failed":
             return batch
         for i, line in enumerate(parsed):
-            if line.job is not None:
-                failure = self._submit(line, expires_at)
-                if failure is not None:
-                    self.redis.hset(key, f"e:{i}", json.dumps(failure))
+            failure = self._submit(line, expires_at) if line.job is not None else None
             with self.redis.pipeline(transaction=False) as pipe:
+                if failure is not None:
+                    pipe.hset(key, f"e:{i}", json.dumps(failure))
                 pipe.hset(key, mapping={"submitted": i + 1, "touched": time.time()})
-                pipe.hget(key, "meta")
-                _, raw = pipe.execute()
+                pipe.hmget(key, ["meta", "ended"])
+                raw, ended = pipe.execute()[-1]
+            if ended is not None:
+                # A reader took this create for dead and ended it at line ``ended``: what was
+                # sent since then is this create's to cancel (the reader may have missed it).
+                self._cancel_jobs(project, [row["job"] for row in rows[int(ended):i + 1] if row["job"]])
+                return self._load(project, batch_id).meta
             if json.loads(raw)["status"] != "validating":
                 break  # cancelled meanwhile: the remaining lines are not submitted
         return self._end_create(project, batch_id)
@@ -399,25 +404,28 @@ class BatchRoutes:
         errors, their jobs (if one started) are cancelled, and the batch leaves ``validating``
         with the failed lines counted. The batch's meta (no job's result is read: a create
         that got this far answers even if Redis fails it now)."""
+        key = self._key(project, batch_id)
         state = self._load(project, batch_id)
+        if not state.ended:  # the first to end it sets where it ended; a second uses that
+            self.redis.hsetnx(key, "ended", state.submitted)
+            state = self._load(project, batch_id)
         cancelled = state.meta["status"] == "cancelling"
         reason, code = (("the batch was cancelled while it was created", Code.E_CANCELLED)
                         if cancelled else
                         ("the batch's create stopped before this line", Code.E_INTERNAL))
-        key = self._key(project, batch_id)
         with self.redis.pipeline(transaction=True) as pipe:
             for i in range(state.submitted, len(state.rows)):
                 if state.rows[i]["job"]:
-                    pipe.hset(key, f"e:{i}", json.dumps(
+                    pipe.hsetnx(key, f"e:{i}", json.dumps(
                         (f"line {state.rows[i]['n']}: not submitted: {reason}", code.value)))
-            pipe.hset(key, "submitted", len(state.rows))
             pipe.execute()
         # An unsent line's job may have started all the same (the create died between its
         # submit and recording it): cancelled, as every waiting one of a cancelled batch.
         unsent_jobs = [row["job"] for row in state.rows[state.submitted:] if row["job"]]
-        waiting = [state.rows[i]["job"] for i in state.waiting()] if cancelled else []
+        waiting = [state.rows[i]["job"] for i in state.waiting() if i < state.submitted] if cancelled else []
         self._cancel_jobs(project, waiting + unsent_jobs)
-        failed = sum(1 for row in state.rows if row["error"]) + len(unsent_jobs)
+        failed = sum(1 for row in state.rows[:state.submitted] if row["error"]) + len(
+            state.rows) - state.submitted
 
         def started(batch: dict[str, Any], pipe: redis.client.Pipeline) -> bool:
             if batch["status"] not in ("validating", "cancelling") or batch["in_progress_at"]:
@@ -443,8 +451,10 @@ class BatchRoutes:
             if name.startswith(b"e:"):
                 error, code = json.loads(raw)
                 rows[int(name[2:])].update(error=error, code=code)
-        return State(json.loads(fields[b"meta"]), rows, int(fields.get(b"submitted", len(rows))),
-                     float(fields.get(b"touched", 0)),
+        ended = fields.get(b"ended")
+        return State(json.loads(fields[b"meta"]), rows,
+                     int(ended if ended is not None else fields.get(b"submitted", 0)),
+                     ended is not None, float(fields.get(b"touched", 0)),
                      {int(i): Settled.load(raw) for i, raw in settled.items()})
 
     def _settle(self, project: str, state: State) -> None:
@@ -505,8 +515,8 @@ class BatchRoutes:
         state = self._load(project, batch_id)
         if state.meta["status"] not in ("validating", *ACTIVE):
             return state.meta
-        if state.meta["status"] == "validating" or state.submitted < len(state.rows):
-            if time.time() - state.touched < CREATE_STALL_S:
+        if not state.ended:
+            if time.time() - state.touched < self.gw.live.settings.gateway.batch_create_stall_s:
                 return state.meta  # its create is still submitting lines
             self._end_create(project, batch_id)
             state = self._load(project, batch_id)
