@@ -355,6 +355,35 @@ def test_a_create_that_fails_half_way_leaves_a_visible_cancellable_batch(tmp_pat
         private.close()
 
 
+def test_a_batch_cancelled_while_it_is_created_sends_no_more_lines(tmp_path: Path) -> None:
+    """Before, a batch could not be seen, let alone cancelled, until its create had sent every
+    line. Now a cancel during the create stops it: the lines sent are cancelled, the others
+    fail E_CANCELLED without being sent."""
+    with own_door(tmp_path, max_file_bytes=400_000, max_project_bytes=1_000_000) as door:
+        client = door.sdk("triage")
+        uploaded = client.files.create(
+            file=("in.jsonl", jsonl([line(str(i)) for i in range(3000)])), purpose="batch")
+        answer: list[Any] = []
+        creating = threading.Thread(target=lambda: answer.append(client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")))
+        creating.start()
+        keys = Keys(door.settings.key_prefix)
+        batch_id = wait_until(lambda: (ids := door.redis.zrange(keys.gateway_batches("triage"), 0, -1))
+                              and door.redis.exists(keys.gateway_batch(job_ref("triage", ids[0].decode())))
+                              and ids[0].decode(), 60, "the create to start")
+        assert client.batches.retrieve(batch_id).status == "validating"
+        assert client.batches.cancel(batch_id).status == "cancelling"
+        creating.join(120)
+        assert answer and answer[0].status == "cancelling"
+        rows = door.rows("triage", batch_id)
+        sent = [row["job"] for row in rows if not row["error"]]
+        assert len(sent) < 3000
+        assert {row["code"] for row in rows if row["error"]} == {"E_CANCELLED"}
+        assert all(door.redis.exists(keys.cancel(job_ref("triage", job))) for job in sent)
+        unsent = [job_ref("triage", row["job"]) for row in rows if row["error"]]
+        assert not any(door.redis.exists(keys.job(ref)) for ref in unsent)
+
+
 def test_a_create_cut_by_a_stopped_gateway_is_ended_by_the_next_retrieve(tmp_path: Path) -> None:
     """Before, a gateway stopped half way through a create left the jobs it had sent running
     with no batch at all. Now the batch is there from the start; once its create has made no

@@ -320,6 +320,8 @@ class BatchRoutes:
         if self.files.meta(project, file_id)["purpose"] != "batch":
             raise InputInvalid(f"input_file_id: {file_id!r} is not a batch input file",
                                param="input_file_id")
+        parsed = parse_lines(jsonl_lines(self.files.content(project, file_id).decode("utf-8")),
+                             project, refused=REFUSED_LINE_FIELDS)
         settings = self.gw.live.settings.gateway
         now = time.time()
         kept_s = settings.batch_window_s + settings.files_ttl_s
@@ -333,8 +335,6 @@ class BatchRoutes:
                            f"({settings.max_batches}) within gateway.files_ttl_s")
         self.redis.expire(index, kept_s)
         expires_at = int(now + settings.batch_window_s)
-        parsed = parse_lines(jsonl_lines(self.files.content(project, file_id).decode("utf-8")),
-                             project, refused=REFUSED_LINE_FIELDS)
         rows: list[Row] = [{"n": line.number, "custom_id": line.custom_id, "error": line.error,
                             "code": line.code.value, "job": line.job.id if line.job else None}
                            for line in parsed]
@@ -452,6 +452,8 @@ class BatchRoutes:
                 error, code = json.loads(raw)
                 rows[int(name[2:])].update(error=error, code=code)
         ended = fields.get(b"ended")
+        if b"touched" not in fields:  # written by a gateway that wrote a batch once all was sent
+            ended = str(len(rows)).encode()
         return State(json.loads(fields[b"meta"]), rows,
                      int(ended if ended is not None else fields.get(b"submitted", 0)),
                      ended is not None, float(fields.get(b"touched", 0)),
