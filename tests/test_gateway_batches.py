@@ -335,9 +335,10 @@ def test_a_create_that_fails_half_way_leaves_a_visible_cancellable_batch(tmp_pat
                 return batch_id if progress and int(progress) >= 10 else None
 
             batch_id = wait_until(submitting, 60, "the create to submit some lines")
-            admin.acl_setuser("gateway", reset_keys=True, keys=[f"{door.settings.key_prefix}gw*"])
+            admin.acl_setuser("gateway", enabled=True, reset_keys=True,
+                              keys=[f"{door.settings.key_prefix}gw*"])
             creating.join(120)
-            admin.acl_setuser("gateway", keys=["*"])
+            admin.acl_setuser("gateway", enabled=True, keys=["*"])
             assert answer and answer[0].id == batch_id and answer[0].status == "in_progress"
             rows = door.rows("triage", batch_id)
             errors = {row["code"] for row in rows if row["error"]}
