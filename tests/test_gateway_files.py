@@ -3,6 +3,7 @@ a batch's result file is a record of where its lines come from, with no bytes an
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -10,7 +11,7 @@ import redis
 
 from fleet.core.config import GatewaySettings
 from fleet.core.errors import NotFound, TooLarge
-from fleet.core.keys import Keys
+from fleet.core.keys import Keys, job_ref
 from fleet.gateway.files import CHUNK_BYTES, FileStore
 
 
@@ -47,3 +48,17 @@ def test_an_upload_is_read_back_in_chunks(key_prefix: str, redis_client: redis.R
     assert files.delete("a", file_id)
     with pytest.raises(NotFound):
         files.source("a", file_id)
+
+
+def test_a_file_stored_whole_by_an_earlier_gateway_is_still_read(
+    key_prefix: str, redis_client: redis.Redis
+) -> None:
+    """Files an earlier gateway stored (bytes in the meta hash) stay readable until they expire."""
+    keys = Keys(key_prefix)
+    files = FileStore(redis_client, keys, lambda: GatewaySettings())
+    redis_client.hset(keys.gateway_file(job_ref("a", "file-old")),
+                      mapping={"meta": json.dumps({"id": "file-old"}), "content": b"old\n"})
+    assert files.source("a", "file-old") is None
+    assert files.content("a", "file-old") == b"old\n"
+    assert files.body_chunk("a", "file-old", 0) == b"old\n"
+    assert files.body_chunk("a", "file-old", 4) == b""

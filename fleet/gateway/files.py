@@ -196,15 +196,24 @@ class FileStore:
 
     def content(self, project: str, file_id: str) -> bytes:
         """An uploaded file's bytes, whole (a batch's input, read to be parsed)."""
-        raw = self.redis.get(self.keys.gateway_file_body(job_ref(project, file_id)))
+        ref = job_ref(project, file_id)
+        raw = self.redis.get(self.keys.gateway_file_body(ref)) or self._stored_whole(ref)
         if raw is None:
             raise NotFound(f"no file {file_id!r} for this project (or it holds no upload)")
         return cast(bytes, raw)
 
     def body_chunk(self, project: str, file_id: str, start: int) -> bytes:
         """``CHUNK_BYTES`` of an uploaded file from ``start`` (empty past its end)."""
-        return cast(bytes, self.redis.getrange(self.keys.gateway_file_body(job_ref(project, file_id)),
-                                               start, start + CHUNK_BYTES - 1))
+        ref = job_ref(project, file_id)
+        chunk = cast(bytes, self.redis.getrange(self.keys.gateway_file_body(ref), start,
+                                                start + CHUNK_BYTES - 1))
+        return chunk if chunk or start else self._stored_whole(ref) or b""
+
+    def _stored_whole(self, ref: str) -> bytes | None:
+        """The bytes of a file stored whole in its meta hash (field ``content``), as gateways
+        before the body key kept uploads and result files; such files are gone once
+        ``files_ttl_s`` has passed since the upgrade, and this read with them."""
+        return cast(bytes | None, self.redis.hget(self.keys.gateway_file(ref), "content"))
 
     def delete(self, project: str, file_id: str) -> bool:
         ref = job_ref(project, file_id)
