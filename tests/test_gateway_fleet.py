@@ -26,6 +26,9 @@ pytestmark = pytest.mark.slow
 
 CAP = 3
 BATCH_THREADS = 2
+# Above the concurrent batch calls of one project these tests make (readers racing a cancel,
+# creates flooding the batch threads); the per-project limit has its own test.
+BATCH_CALLS_PER_PROJECT = 64
 SYSTEM_PROMPT = "You are the assistant of the fleet's tests."
 SIM_ARGS = ["--think-min-tokens", "40", "--think-max-tokens", "120",
             "--answer-min-tokens", "10", "--answer-max-tokens", "30"]
@@ -38,7 +41,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Harness, d
         projects={"assistant": {"system_prompt": SYSTEM_PROMPT}},
         backend={"max_num_seqs": CAP},
         admission={"backend_gate": False},
-        gateway={"max_queue_wait_s": 120, "keepalive_s": 1, "batch_threads": BATCH_THREADS},
+        gateway={"max_queue_wait_s": 120, "keepalive_s": 1, "batch_threads": BATCH_THREADS,
+                 "batch_calls_per_project": BATCH_CALLS_PER_PROJECT},
     )
     with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as harness:
         yield harness, keys

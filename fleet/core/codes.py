@@ -43,6 +43,7 @@ class Code(StrEnum):
     E_CANCELLED = "E_CANCELLED"
     E_DEADLINE = "E_DEADLINE"
     E_QUEUE_TIMEOUT = "E_QUEUE_TIMEOUT"
+    E_BUSY = "E_BUSY"
     E_INTERNAL = "E_INTERNAL"
     E_BROKER_UNAVAILABLE = "E_BROKER_UNAVAILABLE"
     E_BROKER_UNSAFE = "E_BROKER_UNSAFE"
@@ -154,6 +155,10 @@ CATALOGUE: dict[Code, CodeInfo] = {
     ),
     Code.E_QUEUE_TIMEOUT: CodeInfo(
         402, True, "A gateway request waited past gateway.max_queue_wait_s for admission (429)."
+    ),
+    Code.E_BUSY: CodeInfo(
+        403, True, "A gateway project already has gateway.batch_calls_per_project batch calls "
+        "in flight (429 with Retry-After): its other batch calls wait for none of them."
     ),
     Code.E_INTERNAL: CodeInfo(
         500, True, "A fault inside the fleet; the job was closed so nothing is lost."

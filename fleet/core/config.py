@@ -339,7 +339,8 @@ class GatewaySettings(_Section):
     false: the character estimate, one backend round trip less per new prompt (docs/gateway.md)."""
     files_ttl_s: int = Field(86_400, gt=0)
     """Uploaded files (/v1/files) and batches' output and error files are kept this long in
-    Redis; a batch record for its completion window (``batch_window_s``) and this long after."""
+    Redis; a batch record (and its jobs' results) for its completion window
+    (``batch_window_s``) and this long after."""
     max_file_bytes: int = Field(20_000_000, gt=0)
     """Largest file a project may upload (413 ``E_TOO_LARGE`` above)."""
     max_files: int = Field(100, gt=0)
@@ -350,14 +351,22 @@ class GatewaySettings(_Section):
     max_batches: int = Field(100, gt=0)
     """Batches a project may create within ``files_ttl_s``."""
     max_project_bytes: int = Field(200_000_000, gt=0)
-    """Bytes of files (uploads and batch output) a project may hold at once: an upload that would
-    pass it is 413 ``E_TOO_LARGE``; deleting files frees it."""
+    """Bytes of uploaded files a project may hold at once: an upload that would pass it is 413
+    ``E_TOO_LARGE``; deleting files frees it. A batch's output and error files are read from its
+    jobs' results, not stored again, and take none of it."""
     batch_window_s: int = Field(86_400, gt=0)
     """A batch's completion window (clients send ``"24h"``): lines not done by then are cancelled
     and the batch ends ``expired``."""
     batch_threads: int = Field(4, gt=0)
     """Threads for /v1/batches work (creating, reading, cancelling), apart from the ones chat
     requests use, so a large batch never holds up chat."""
+    batch_create_stall_s: float = Field(60.0, gt=0)
+    """A batch create that recorded no progress this long has died (the gateway was stopped half
+    way): the next retrieve ends it, its lines not sent fail ``E_INTERNAL``, the rest go on."""
+    batch_calls_per_project: int = Field(2, gt=0)
+    """Batch calls (create, retrieve, list, cancel, a result file's content) one project may have
+    in flight on those threads; one more is 429 ``E_BUSY`` with ``Retry-After``, so one project
+    can never hold every thread or queue work without bound."""
 
 
 class RedisSettings(_Section):

@@ -96,6 +96,16 @@ class NotFound(JobError):
     code = Code.E_NOT_FOUND
 
 
+class Busy(FleetError):
+    """Too much of one caller's work in flight: try again after ``retry_after_s``."""
+
+    code = Code.E_BUSY
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class AnswerError(FleetError):
     pass
 

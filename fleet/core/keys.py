@@ -202,6 +202,9 @@ class Keys:
     def gateway_file(self, ref: str) -> str:
         return f"{self.prefix}gwfile:{{{ref}}}"
 
+    def gateway_file_body(self, ref: str) -> str:
+        return f"{self.prefix}gwfilebody:{{{ref}}}"
+
     def gateway_files(self, project: str) -> str:
         return f"{self.prefix}gwfiles:{project}"
 
@@ -210,6 +213,9 @@ class Keys:
 
     def gateway_batch(self, ref: str) -> str:
         return f"{self.prefix}gwbatch:{{{ref}}}"
+
+    def gateway_batch_settled(self, ref: str) -> str:
+        return f"{self.prefix}gwbatchdone:{{{ref}}}"
 
     def gateway_batches(self, project: str) -> str:
         return f"{self.prefix}gwbatches:{project}"

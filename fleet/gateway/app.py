@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -33,7 +33,7 @@ from starlette.routing import Mount, Route
 
 from fleet.client import Client
 from fleet.core.codes import Code
-from fleet.core.errors import FleetError
+from fleet.core.errors import Busy, FleetError
 from fleet.core.redisconn import async_redis_client
 from fleet.core.request import build_request_messages, tools_allowed
 from fleet.gateway.admission import Admission
@@ -57,6 +57,7 @@ from fleet.worker.runtime import Runtime
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IO_THREADS = 32
+BUSY_RETRY_AFTER_S = 1
 
 
 class Gateway:
@@ -73,6 +74,8 @@ class Gateway:
                                                  thread_name_prefix="gateway-batch")
         self.streams = ThreadPoolExecutor(max_workers=2 * settings.backend.max_num_seqs,
                                           thread_name_prefix="gateway-stream")  # fleet/gateway/upstream.py
+        self._batch_calls: dict[str, int] = {}  # project -> its batch calls running or queued
+        self._batch_lock = threading.Lock()
         send = make_send(settings, self.runtime.redis, create_celery_app(settings))
         self.admission = Admission(self.runtime.store, self.runtime.results, self.aredis,
                                    self.runtime.keys, self.run, send)
@@ -91,10 +94,37 @@ class Gateway:
         """A blocking call (Redis, /tokenize) off the event loop."""
         return await _off_loop(self.executor, fn, *args, **kwargs)
 
-    async def run_batch(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """A blocking call of the batch routes, on their own threads
-        (``gateway.batch_threads``), so however much batch work waits, chat's threads stay free."""
-        return await _off_loop(self.batch_executor, fn, *args, **kwargs)
+    async def run_batch(self, project: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """A blocking call of a project's batch routes, on their own threads
+        (``gateway.batch_threads``), so however much batch work waits, chat's threads stay free;
+        at most ``gateway.batch_calls_per_project`` of one project at a time (Busy, 429
+        ``E_BUSY``, past it), so no project can hold every thread or queue work without bound.
+        A call counts until its thread is done with it (or it is dropped unstarted), not until
+        its client goes: a client that disconnects frees nothing early."""
+        limit = self.live.settings.gateway.batch_calls_per_project
+        with self._batch_lock:
+            held = self._batch_calls.get(project, 0)
+            if held >= limit:
+                raise Busy(f"batches: {held} batch calls of this project are in flight, "
+                           f"gateway.batch_calls_per_project is {limit}; try again shortly",
+                           retry_after_s=BUSY_RETRY_AFTER_S)
+            self._batch_calls[project] = held + 1
+
+        def release(_: object) -> None:
+            with self._batch_lock:
+                left = self._batch_calls[project] - 1
+                if left:
+                    self._batch_calls[project] = left
+                else:
+                    del self._batch_calls[project]
+
+        try:
+            future = self.batch_executor.submit(fn, *args, **kwargs)
+        except BaseException:
+            release(None)
+            raise
+        future.add_done_callback(release)
+        return await asyncio.wrap_future(future)
 
     def retry_budget(self, project: str) -> RetryBudget:
         if project not in self._budgets:
@@ -137,12 +167,13 @@ class Gateway:
 
 
 async def _off_loop(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(executor, functools.partial(fn, *args, **kwargs))
+    return await asyncio.wrap_future(executor.submit(fn, *args, **kwargs))
 
 
 def _error(exc: FleetError) -> JSONResponse:
-    return JSONResponse(error_body(exc.code, exc.message, exc.param), status_code=status_of(exc.code))
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Busy) else None
+    return JSONResponse(error_body(exc.code, exc.message, exc.param), status_code=status_of(exc.code),
+                        headers=headers)
 
 
 def _authed(gw: Gateway, handler: Callable[[Request, Caller], Awaitable[Response]]

@@ -6,7 +6,7 @@
     GET    /v1/files/{id}/content     the bytes (an input file, or a batch's output or error file)
     DELETE /v1/files/{id}             {"id", "object": "file", "deleted"}
     POST   /v1/batches                {"input_file_id", "endpoint", "completion_window", "metadata"}
-    GET    /v1/batches[?after=&limit=]  the project's batches, newest first
+    GET    /v1/batches[?after=&limit=]  the project's batches, newest first, as last stored
     GET    /v1/batches/{id}           the batch object, with its status brought up to date
     POST   /v1/batches/{id}/cancel    cancel the jobs not finished yet
 
@@ -16,48 +16,76 @@ request lines or fleet job lines, each a fleet Job of the key's project, submitt
 and inference like any queued job. The batch decides what a line may not: its jobs run in the
 ``batch`` band whatever the key's band (a batch is offline work: an interactive key's 50,000
 lines must not crowd its own chat), with the batch's completion window as deadline, and a line
-that sets a field of
-``REFUSED_LINE_FIELDS`` (band, priority, deadline, sources...) is an error line naming it, as is
-a malformed line (``E_INPUT_INVALID``, that line only).
+that sets a field of ``REFUSED_LINE_FIELDS`` (band, priority, deadline, sources...) is an error
+line naming it, as is a malformed line (``E_INPUT_INVALID``, that line only). A file without a
+single valid line makes a ``failed`` batch (``errors`` lists the lines' errors), as OpenAI's.
 
-A batch is a Redis hash ``{p}gwbatch:{<project>/<id>}`` (meta: the batch object; lines: per line
-its number, custom id, error and code, job id) and an entry in ``{p}gwbatches:<project>``. No
-process watches it: reading it (retrieve, list) brings it up to date. The results of its jobs
-are read in one MGET; a line whose job has neither a result nor a record any more (expired,
-lost with the broker's data) has failed (``E_NOT_FOUND``) instead of waiting forever. While any
-line is unanswered the batch is ``in_progress`` (``cancelling``) with its request counts; past
-its completion window (``gateway.batch_window_s``) its unanswered jobs are cancelled and those
-lines fail with ``E_DEADLINE``. Once every line has its answer, the output file (the answered
-lines) and the error file (the failed ones), each in input order in the lines
-``fleet batch --out`` writes, are stored in the same transaction that gives the batch its final
-status (``completed``, ``cancelled`` or ``expired``, with ``request_counts`` completed + failed =
-total): the batch's meta is WATCHed, so of two readers finishing it at once, or a reader and a
-cancel, one wins and the other reads the winner's state; a final status never changes again.
+Records, all under the caller's project (another project's batch, file or cursor is 404
+``E_NOT_FOUND`` exactly as an unknown id):
 
-Batch work (create, retrieve, list, cancel) runs on its own threads (``gateway.batch_threads``,
-``Gateway.run_batch``): a batch of ten thousand lines is submitted line by line in its create
-request, and a refresh reads every line's result; chat requests must not wait behind either.
-File routes are a few Redis calls each and run with the other requests.
+    {p}gwbatch:{<project>/<id>}      hash: meta (the batch object), lines (per input line: number,
+                                     custom id, error and code, job id), submitted (lines the
+                                     create has handled), touched (its last progress), ended
+                                     (the create ended: at which line), e:<i> (a line whose
+                                     submit failed or that was never sent: error and code)
+    {p}gwbatchdone:{<project>/<id>}  hash: line index -> its settled outcome (code, size of its
+                                     result line, whether that line is its job's result, usage)
+    {p}gwbatches:<project>           zset of the project's batch ids, score = created_at
 
-Batches count per project within ``gateway.files_ttl_s`` (``gateway.max_batches``, 413
-``E_TOO_LARGE``), and a batch file holds at most ``gateway.max_batch_lines`` lines. Keys carry
-the caller's project: another project's batch, file or list cursor is 404 ``E_NOT_FOUND``,
-exactly as an unknown id.
+Create writes the batch first (``validating``, as OpenAI's) and records its progress line by
+line, so a create that fails half way (Redis failing over, the gateway restarting) leaves a
+batch that retrieve, list and cancel see, never invisible jobs: an error of one line's submit
+(a FleetError, a RedisError, a bug) fails that line only (its code: the error's,
+``E_BROKER_UNAVAILABLE``, ``E_INTERNAL``); a create that stops (cancelled meanwhile, or no
+progress for ``gateway.batch_create_stall_s``: it died) ends its remaining lines as errors (``E_CANCELLED``,
+``E_INTERNAL``), cancels any job they may have started and leaves ``validating``. A create
+retried by the client is a second batch (OpenAI has no idempotency key for batches); the first
+is visible and can be cancelled.
+
+No process watches a batch: retrieving it brings it up to date. Only lines not settled yet are
+read (their results in MGETs of ``CHUNK_LINES``), each settled line's outcome is kept, so every
+result is read once while the batch runs however often it is polled. A line whose job has
+neither a result nor a record any more (expired, lost with the broker's data) has failed
+(``E_NOT_FOUND``) instead of waiting forever. Past the completion window
+(``gateway.batch_window_s``) a still unanswered job is cancelled and given the result
+``E_DEADLINE`` (first result wins, so its line, its own result and the task API agree); the
+batch is ``expired`` when its window has passed and a line ended ``E_DEADLINE`` or
+``E_CANCELLED`` (a real fleet ends queued jobs at their deadline itself, before any refresh
+sees them waiting), else ``completed`` (``cancelled`` after a cancel). The final status is
+written in a transaction on the WATCHed meta: of two readers finishing a batch at once, or a
+reader and a cancel, one wins and the other reads the winner's state; a final status never
+changes again. The list shows each batch as last stored (no refresh: a list of 100 batches of
+10,000 lines must cost a hundred small reads, not a million).
+
+The output file (answered lines) and error file (failed ones) store no copy of the results:
+their meta names the batch, and their content is built from the batch's lines and its jobs'
+results when read (in input order, in the lines ``fleet batch --out`` writes, streamed
+``CHUNK_LINES`` at a time), so they take nothing of ``gateway.max_project_bytes``. The batch's
+record and its jobs' results are kept ``files_ttl_s`` past the batch's end, as its files.
+
+Batch work runs on its own threads (``gateway.batch_threads``, ``Gateway.run_batch``), at most
+``gateway.batch_calls_per_project`` calls of one project at a time (one more is 429 ``E_BUSY``
+with ``Retry-After``): chat never waits behind a batch, and one project's flood of batch calls
+never holds up another's. Batches count per project within ``gateway.files_ttl_s``
+(``gateway.max_batches``, 413 ``E_TOO_LARGE``), and a batch file holds at most
+``gateway.max_batch_lines`` lines.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from fleet.core.batchfile import CHAT_URL, BatchLine, jsonl_lines, output_line, parse_lines
 from fleet.core.codes import Code
@@ -65,15 +93,19 @@ from fleet.core.errors import FleetError, InputInvalid, NotFound, TooLarge
 from fleet.core.keys import job_ref
 from fleet.core.models import Envelope
 from fleet.gateway.auth import Caller
-from fleet.gateway.files import MULTIPART_SLACK, FileStore, capped_receive, page
+from fleet.gateway.files import CHUNK_BYTES, MULTIPART_SLACK, FileStore, capped_receive, page
 from fleet.gateway.wire import json_object
 
 if TYPE_CHECKING:
     from fleet.gateway.app import Gateway
 
+log = logging.getLogger(__name__)
+
 # An active status and the final one it ends in once every line is answered.
 ACTIVE = {"in_progress": "completed", "cancelling": "cancelled"}
 LIST_LIMIT = 20
+CHUNK_LINES = 200  # lines whose results are read (and a result file's lines sent) at a time
+ERRORS_SHOWN = 100  # line errors a failed batch's ``errors`` lists
 # Job fields a batch line may not set: the batch decides band and order (the window the
 # deadline), and a line brings messages, not material for prep to collect (a source may name a
 # file or URL the workers can reach).
@@ -81,6 +113,47 @@ REFUSED_LINE_FIELDS = ("band", "priority", "deadline", "sources", "kind", "on_so
                        "submitted_at")
 
 Row = dict[str, Any]  # one input line: n, custom_id, error, code, job (its job id or None)
+
+
+@dataclass
+class Settled:
+    """A line's outcome, kept once known: its code, the size of its result line, whether that
+    line is its job's result (else its own error, e.g. a vanished job) and its token usage."""
+
+    code: Code
+    size: int
+    from_result: bool
+    usage: tuple[int, int, int] = (0, 0, 0)  # prompt, completion, reasoning tokens
+
+    def dump(self) -> str:
+        return json.dumps([self.code.value, self.size, self.from_result, *self.usage])
+
+    @classmethod
+    def load(cls, raw: bytes) -> Settled:
+        code, size, from_result, *usage = json.loads(raw)
+        return cls(Code(code), size, from_result, (usage[0], usage[1], usage[2]))
+
+
+@dataclass
+class State:
+    """A batch as stored: meta, lines (with the errors of lines whose submit failed), how far
+    its create got and when it last progressed, and the lines settled so far (index -> outcome)."""
+
+    meta: dict[str, Any]
+    rows: list[Row]
+    submitted: int  # lines the create handled; once it ended, where it ended
+    ended: bool  # the create ended (its remaining lines have their errors)
+    touched: float
+    settled: dict[int, Settled]
+
+    def line(self, index: int) -> BatchLine:
+        row = self.rows[index]
+        return BatchLine(row["n"], row["custom_id"], error=row["error"], code=Code(row["code"]))
+
+    def waiting(self) -> list[int]:
+        """Lines with a job and no outcome yet."""
+        return [i for i, row in enumerate(self.rows)
+                if row["job"] and not row["error"] and i not in self.settled]
 
 
 def _list(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
@@ -101,6 +174,15 @@ def _paging(request: Request) -> tuple[str | None, int, bool]:
     if order not in ("asc", "desc"):
         raise InputInvalid('order: "asc" or "desc"', param="order")
     return query.get("after") or None, limit, order == "desc"
+
+
+def _line_bytes(row: dict[str, Any]) -> bytes:
+    return (json.dumps(row, ensure_ascii=False) + "\n").encode()
+
+
+def _chunks(items: list[int]) -> Iterator[list[int]]:
+    for start in range(0, len(items), CHUNK_LINES):
+        yield items[start:start + CHUNK_LINES]
 
 
 class BatchRoutes:
@@ -134,7 +216,7 @@ class BatchRoutes:
             raise TooLarge(f"file: {len(lines)} lines, over gateway.max_batch_lines "
                            f"({settings.max_batch_lines})")
         meta = await self.gw.run(self.files.put, caller.project, upload.filename or "batch.jsonl",
-                                       "batch", content)
+                                 "batch", content)
         return JSONResponse(meta)
 
     async def list_files(self, request: Request, caller: Caller) -> Response:
@@ -146,11 +228,62 @@ class BatchRoutes:
 
     async def file(self, request: Request, caller: Caller) -> Response:
         return JSONResponse(await self.gw.run(self.files.meta, caller.project,
-                                                    request.path_params["file_id"]))
+                                              request.path_params["file_id"]))
 
     async def content(self, request: Request, caller: Caller) -> Response:
-        data = await self.gw.run(self.files.content, caller.project, request.path_params["file_id"])
-        return Response(data, media_type="application/jsonl")
+        """A file's bytes, sent in chunks: an upload read ``CHUNK_BYTES`` at a time, a batch's
+        result file built ``CHUNK_LINES`` lines at a time (an error mid-way cuts the response)."""
+        project, file_id = caller.project, request.path_params["file_id"]
+        source = await self.gw.run(self.files.source, project, file_id)
+        if source is None:
+            return StreamingResponse(self._upload_chunks(project, file_id),
+                                     media_type="application/jsonl")
+        batch_id, part = source
+        state = await self.gw.run_batch(project, self._load, project, batch_id)
+        return StreamingResponse(self._result_chunks(project, state, part),
+                                 media_type="application/jsonl")
+
+    async def _upload_chunks(self, project: str, file_id: str) -> AsyncIterator[bytes]:
+        start = 0
+        while chunk := await self.gw.run(self.files.body_chunk, project, file_id, start):
+            yield chunk
+            start += len(chunk)
+            if len(chunk) < CHUNK_BYTES:
+                return
+
+    async def _result_chunks(self, project: str, state: State, part: str) -> AsyncIterator[bytes]:
+        wanted = [i for i in range(len(state.rows)) if self._part_of(state, i) == part]
+        for indexes in _chunks(wanted):
+            yield await self.gw.run(self._render, project, state, indexes)
+
+    def _part_of(self, state: State, index: int) -> str:
+        outcome = state.settled.get(index)
+        return "output" if outcome is not None and outcome.code.ok else "errors"
+
+    def _render(self, project: str, state: State, indexes: list[int]) -> bytes:
+        """The result lines of these lines, in their order (a result gone meanwhile: E_NOT_FOUND)."""
+        jobs = {i: state.rows[i]["job"] for i in indexes
+                if (outcome := state.settled.get(i)) is not None and outcome.from_result}
+        raws = self.redis.mget([self.keys.result(job_ref(project, job)) for job in jobs.values()]) if jobs else []
+        results = dict(zip(jobs, raws, strict=True))
+        out = []
+        for i in indexes:
+            line, envelope = state.line(i), None
+            if i in results:
+                raw = results[i]
+                if raw is None:
+                    line.error, line.code = (f"line {line.number}: its result has expired",
+                                             Code.E_NOT_FOUND)
+                else:
+                    envelope = Envelope.model_validate_json(raw)
+            elif i in state.settled and not line.error:
+                line.error, line.code = self._gone(line.number)
+            out.append(_line_bytes(output_line(line, envelope, self.gw.model)))
+        return b"".join(out)
+
+    @staticmethod
+    def _gone(number: int) -> tuple[str, Code]:
+        return f"line {number}: its job is gone (expired or lost) before it had a result", Code.E_NOT_FOUND
 
     async def delete_file(self, request: Request, caller: Caller) -> Response:
         file_id = request.path_params["file_id"]
@@ -173,14 +306,22 @@ class BatchRoutes:
         if unknown:
             raise InputInvalid(f"unknown fields: {', '.join(unknown)}", param=unknown[0])
         file_id = str(data.get("input_file_id") or "")
-        return JSONResponse(await self.gw.run_batch(self._create, caller.project,
+        return JSONResponse(await self.gw.run_batch(caller.project, self._create, caller.project,
                                                     file_id, metadata))
+
+    def _key(self, project: str, batch_id: str) -> str:
+        return self.keys.gateway_batch(job_ref(project, batch_id))
+
+    def _settled_key(self, project: str, batch_id: str) -> str:
+        return self.keys.gateway_batch_settled(job_ref(project, batch_id))
 
     def _create(self, project: str, file_id: str, metadata: dict[str, Any] | None
                 ) -> dict[str, Any]:
         if self.files.meta(project, file_id)["purpose"] != "batch":
             raise InputInvalid(f"input_file_id: {file_id!r} is not a batch input file",
                                param="input_file_id")
+        parsed = parse_lines(jsonl_lines(self.files.content(project, file_id).decode("utf-8")),
+                             project, refused=REFUSED_LINE_FIELDS)
         settings = self.gw.live.settings.gateway
         now = time.time()
         kept_s = settings.batch_window_s + settings.files_ttl_s
@@ -194,114 +335,250 @@ class BatchRoutes:
                            f"({settings.max_batches}) within gateway.files_ttl_s")
         self.redis.expire(index, kept_s)
         expires_at = int(now + settings.batch_window_s)
-        text = self.files.content(project, file_id).decode("utf-8")
-        rows: list[Row] = []
-        for line in parse_lines(jsonl_lines(text), project, refused=REFUSED_LINE_FIELDS):
-            row: Row = {"n": line.number, "custom_id": line.custom_id, "error": line.error,
-                        "code": line.code.value, "job": None}
-            if line.job is not None:
-                try:
-                    row["job"] = self.gw.client.submit(
-                        line.job.model_copy(update={"band": "batch", "deadline": expires_at}))
-                except FleetError as exc:
-                    row.update(error=f"line {line.number}: {exc.message}", code=exc.code.value)
-            rows.append(row)
-        batch = {
+        rows: list[Row] = [{"n": line.number, "custom_id": line.custom_id, "error": line.error,
+                            "code": line.code.value, "job": line.job.id if line.job else None}
+                           for line in parsed]
+        batch: dict[str, Any] = {
             "id": batch_id, "object": "batch", "endpoint": CHAT_URL, "errors": None,
-            "input_file_id": file_id, "completion_window": "24h", "status": "in_progress",
+            "input_file_id": file_id, "completion_window": "24h", "status": "validating",
             "output_file_id": None, "error_file_id": None, "created_at": int(now),
-            "in_progress_at": int(now), "expires_at": expires_at,
+            "in_progress_at": None, "expires_at": expires_at,
             "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
             "cancelling_at": None, "cancelled_at": None, "metadata": metadata,
-            "request_counts": {"total": len(rows), "completed": 0, "failed": 0},
+            "request_counts": {"total": len(rows), "completed": 0, "failed": 0}, "usage": None,
         }
-        key = self.keys.gateway_batch(job_ref(project, batch_id))
+        if not any(line.job for line in parsed):
+            batch.update(status="failed", failed_at=int(now), errors=self._input_errors(parsed),
+                         request_counts={"total": 0, "completed": 0, "failed": 0})
+        key = self._key(project, batch_id)
         with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={"meta": json.dumps(batch), "lines": json.dumps(rows)})
+            pipe.hset(key, mapping={"meta": json.dumps(batch), "lines": json.dumps(rows),
+                                    "submitted": 0, "touched": now})
             pipe.expire(key, kept_s)
             pipe.execute()
-        return self._refresh(project, batch_id)
+        if batch["status"] == "failed":
+            return batch
+        for i, line in enumerate(parsed):
+            failure = self._submit(line, expires_at) if line.job is not None else None
+            with self.redis.pipeline(transaction=False) as pipe:
+                if failure is not None:
+                    pipe.hset(key, f"e:{i}", json.dumps(failure))
+                pipe.hset(key, mapping={"submitted": i + 1, "touched": time.time()})
+                pipe.hmget(key, ["meta", "ended"])
+                raw, ended = pipe.execute()[-1]
+            if ended is not None:
+                # A reader took this create for dead and ended it at line ``ended``: what was
+                # sent since then is this create's to cancel (the reader may have missed it).
+                self._cancel_jobs(project, [row["job"] for row in rows[int(ended):i + 1] if row["job"]])
+                return self._load(project, batch_id).meta
+            if json.loads(raw)["status"] != "validating":
+                break  # cancelled meanwhile: the remaining lines are not submitted
+        return self._end_create(project, batch_id)
 
-    def _load(self, project: str, batch_id: str) -> tuple[dict[str, Any], list[Row]]:
-        meta, lines = self.redis.hmget(self.keys.gateway_batch(job_ref(project, batch_id)),
-                                       ["meta", "lines"])
-        if meta is None or lines is None:
-            raise NotFound(f"no batch {batch_id!r} for this project")
-        return json.loads(meta), json.loads(lines)
+    @staticmethod
+    def _input_errors(parsed: list[BatchLine]) -> dict[str, Any]:
+        """A failed batch's ``errors``, as OpenAI's: why the file has no line to run."""
+        data = [{"code": line.code.value, "message": line.error or "", "param": None,
+                 "line": line.number} for line in parsed[:ERRORS_SHOWN]]
+        if not parsed:
+            data = [{"code": Code.E_INPUT_INVALID.value, "message": "the file has no request line",
+                     "param": None, "line": None}]
+        return {"object": "list", "data": data}
 
-    def _answers(self, project: str, rows: list[Row]) -> tuple[dict[str, Envelope], set[str]]:
-        """The final envelopes of the batch's jobs, and the jobs that have vanished: neither a
-        result nor a record (expired, or lost with the broker's data), so never will have one."""
-        refs = {row["job"]: job_ref(project, row["job"]) for row in rows if row["job"]}
-        raws = self.redis.mget([self.keys.result(ref) for ref in refs.values()]) if refs else []
-        envelopes = {}
-        for raw in raws:
-            if raw is not None:
-                envelope = Envelope.model_validate_json(raw)
-                envelopes[envelope.job_id] = envelope
-        waiting = [job_id for job_id in refs if job_id not in envelopes]
+    def _submit(self, line: BatchLine, expires_at: int) -> tuple[str, str] | None:
+        """Submit one line's job; the line's error and code if that failed."""
+        assert line.job is not None
+        try:
+            self.gw.client.submit(line.job.model_copy(update={"band": "batch", "deadline": expires_at}))
+            return None
+        except FleetError as exc:
+            return f"line {line.number}: {exc.message}", exc.code.value
+        except redis.RedisError as exc:
+            return f"line {line.number}: the broker failed: {exc}", Code.E_BROKER_UNAVAILABLE.value
+        except Exception as exc:  # a bug: that line fails, the batch goes on
+            log.exception("batch line %d failed to submit", line.number)
+            return f"line {line.number}: internal error: {type(exc).__name__}", Code.E_INTERNAL.value
+
+    def _end_create(self, project: str, batch_id: str) -> dict[str, Any]:
+        """End a create (done, cancelled meanwhile, or died): lines it did not submit become
+        errors, their jobs (if one started) are cancelled, and the batch leaves ``validating``
+        with the failed lines counted. The batch's meta (no job's result is read: a create
+        that got this far answers even if Redis fails it now)."""
+        key = self._key(project, batch_id)
+        state = self._load(project, batch_id)
+        if not state.ended:  # the first to end it sets where it ended; a second uses that
+            self.redis.hsetnx(key, "ended", state.submitted)
+            state = self._load(project, batch_id)
+        cancelled = state.meta["status"] == "cancelling"
+        reason, code = (("the batch was cancelled while it was created", Code.E_CANCELLED)
+                        if cancelled else
+                        ("the batch's create stopped before this line", Code.E_INTERNAL))
+        with self.redis.pipeline(transaction=True) as pipe:
+            for i in range(state.submitted, len(state.rows)):
+                if state.rows[i]["job"]:
+                    pipe.hsetnx(key, f"e:{i}", json.dumps(
+                        (f"line {state.rows[i]['n']}: not submitted: {reason}", code.value)))
+            pipe.execute()
+        # An unsent line's job may have started all the same (the create died between its
+        # submit and recording it): cancelled, as every waiting one of a cancelled batch.
+        unsent_jobs = [row["job"] for row in state.rows[state.submitted:] if row["job"]]
+        waiting = [state.rows[i]["job"] for i in state.waiting() if i < state.submitted] if cancelled else []
+        self._cancel_jobs(project, waiting + unsent_jobs)
+        failed = sum(1 for row in state.rows[:state.submitted] if row["error"]) + len(
+            state.rows) - state.submitted
+
+        def started(batch: dict[str, Any], pipe: redis.client.Pipeline) -> bool:
+            if batch["status"] not in ("validating", "cancelling") or batch["in_progress_at"]:
+                return False
+            if batch["status"] == "validating":
+                batch["status"] = "in_progress"
+            batch.update(in_progress_at=int(time.time()),
+                         request_counts={"total": len(state.rows), "completed": 0, "failed": failed})
+            return True
+
+        return self._commit(project, batch_id, started)
+
+    def _load(self, project: str, batch_id: str) -> State:
+        key = self._key(project, batch_id)
         with self.redis.pipeline(transaction=False) as pipe:
-            for job_id in waiting:
-                pipe.exists(self.keys.job(refs[job_id]))
-            known = pipe.execute() if waiting else []
-        return envelopes, {job_id for job_id, exists in zip(waiting, known, strict=True) if not exists}
+            pipe.hgetall(key)
+            pipe.hgetall(self._settled_key(project, batch_id))
+            fields, settled = pipe.execute()
+        if b"meta" not in fields or b"lines" not in fields:
+            raise NotFound(f"no batch {batch_id!r} for this project")
+        rows: list[Row] = json.loads(fields[b"lines"])
+        for name, raw in fields.items():
+            if name.startswith(b"e:"):
+                error, code = json.loads(raw)
+                rows[int(name[2:])].update(error=error, code=code)
+        ended = fields.get(b"ended")
+        if b"touched" not in fields:  # written by a gateway that wrote a batch once all was sent
+            ended = str(len(rows)).encode()
+        return State(json.loads(fields[b"meta"]), rows,
+                     int(ended if ended is not None else fields.get(b"submitted", 0)),
+                     ended is not None, float(fields.get(b"touched", 0)),
+                     {int(i): Settled.load(raw) for i, raw in settled.items()})
+
+    def _settle(self, project: str, state: State) -> None:
+        """Find the outcome of the lines still waiting (their results, read once each, or their
+        vanished jobs) and keep it; past the window, end the rest ``E_DEADLINE``."""
+        waiting = state.waiting()
+        found: dict[int, Settled] = {}
+        for indexes in _chunks(waiting):
+            refs = [job_ref(project, state.rows[i]["job"]) for i in indexes]
+            raws = self.redis.mget([self.keys.result(ref) for ref in refs])
+            missing = [(i, ref) for i, ref, raw in zip(indexes, refs, raws, strict=True) if raw is None]
+            for i, raw in zip(indexes, raws, strict=True):
+                if raw is not None:
+                    found[i] = self._outcome(state.line(i), Envelope.model_validate_json(raw))
+            with self.redis.pipeline(transaction=False) as pipe:
+                for _, ref in missing:
+                    pipe.exists(self.keys.job(ref))
+                known = pipe.execute() if missing else []
+            for (i, _), exists in zip(missing, known, strict=True):
+                if not exists:
+                    line = state.line(i)
+                    line.error, line.code = self._gone(line.number)
+                    found[i] = Settled(Code.E_NOT_FOUND, len(_line_bytes(
+                        output_line(line, None, self.gw.model))), False)
+        if time.time() >= state.meta["expires_at"]:
+            for i in waiting:
+                if i not in found:
+                    found[i] = self._expire(project, state.line(i), state.rows[i]["job"])
+        if found:
+            key = self._settled_key(project, state.meta["id"])
+            with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hset(key, mapping={str(i): outcome.dump() for i, outcome in found.items()})
+                settings = self.gw.live.settings.gateway
+                pipe.expire(key, settings.batch_window_s + settings.files_ttl_s)
+                pipe.execute()
+            state.settled.update(found)
+
+    def _outcome(self, line: BatchLine, envelope: Envelope) -> Settled:
+        usage = envelope.usage
+        return Settled(envelope.code, len(_line_bytes(output_line(line, envelope, self.gw.model))),
+                       True, (usage.prompt_tokens, usage.completion_tokens, usage.reasoning_tokens))
+
+    def _expire(self, project: str, line: BatchLine, job_id: str) -> Settled:
+        """End a job not done within the window: cancel it (a running one stops) and give it the
+        result ``E_DEADLINE``; whichever result is first (a cancel or answer just before) is
+        the line's, so the line and the job's own result always agree."""
+        self._cancel_jobs(project, [job_id])
+        self.gw.runtime.results.publish(Envelope.failure(
+            job_id, project, Code.E_DEADLINE, "not done within the batch's completion window"))
+        envelope = self.gw.runtime.results.get(job_ref(project, job_id))
+        if envelope is None:  # gone at once (evicted): as a vanished job
+            line.error, line.code = self._gone(line.number)
+            return Settled(Code.E_NOT_FOUND, len(_line_bytes(output_line(line, None, self.gw.model))), False)
+        return self._outcome(line, envelope)
 
     def _refresh(self, project: str, batch_id: str) -> dict[str, Any]:
         """The batch object, its counts and status brought up to date (see module doc)."""
-        batch, rows = self._load(project, batch_id)
-        if batch["status"] not in ACTIVE:
-            return batch
-        envelopes, vanished = self._answers(project, rows)
-        expired = time.time() >= batch["expires_at"]
-        lines: list[tuple[BatchLine, Envelope | None]] = []
-        waiting = []
-        for row in rows:
-            line = BatchLine(row["n"], row["custom_id"], error=row["error"], code=Code(row["code"]))
-            job_id = row["job"]
-            if job_id in vanished:
-                line.error, line.code = (f"line {line.number}: its job is gone (expired or lost) "
-                                         "before it had a result"), Code.E_NOT_FOUND
-            elif job_id and job_id not in envelopes:
-                waiting.append(job_id)
-                if not expired:
-                    continue
-                line.error, line.code = (f"line {line.number}: not done within the batch's "
-                                         "completion window"), Code.E_DEADLINE
-            lines.append((line, envelopes.get(job_id) if job_id else None))
-        completed = sum(1 for _, envelope in lines if envelope is not None and envelope.ok)
-        batch["request_counts"] = {"total": len(rows), "completed": completed,
-                                   "failed": len(lines) - completed}
-        if len(lines) < len(rows):
-            return batch
-        batch = self._finish(project, batch_id, lines, batch["request_counts"], expired=bool(waiting))
-        if waiting:
-            self._cancel_jobs(project, waiting)
-        return batch
+        state = self._load(project, batch_id)
+        if state.meta["status"] not in ("validating", *ACTIVE):
+            return state.meta
+        if not state.ended:
+            if time.time() - state.touched < self.gw.live.settings.gateway.batch_create_stall_s:
+                return state.meta  # its create is still submitting lines
+            self._end_create(project, batch_id)
+            state = self._load(project, batch_id)
+        if state.meta["status"] not in ACTIVE:
+            return state.meta
+        self._settle(project, state)
+        counts = self._counts(state)
+        if len(state.waiting()) == 0:
+            return self._finish(project, state, counts)
 
-    def _finish(self, project: str, batch_id: str, lines: list[tuple[BatchLine, Envelope | None]],
-                counts: dict[str, int], *, expired: bool) -> dict[str, Any]:
-        """Store the output and error files and the final status in one transaction, unless
-        another reader finished the batch first (then its state is the answer)."""
-        model = self.gw.model
-        answered = [output_line(line, envelope, model) for line, envelope in lines
-                    if envelope is not None and envelope.ok]
-        failed = [output_line(line, envelope, model) for line, envelope in lines
-                  if envelope is None or not envelope.ok]
+        def progressed(batch: dict[str, Any], pipe: redis.client.Pipeline) -> bool:
+            if batch["status"] not in ACTIVE or batch["request_counts"] == counts:
+                return False
+            batch["request_counts"] = counts
+            return True
+
+        return self._commit(project, batch_id, progressed)
+
+    @staticmethod
+    def _counts(state: State) -> dict[str, int]:
+        completed = sum(1 for outcome in state.settled.values() if outcome.code.ok)
+        failed = sum(1 for row in state.rows if row["error"]) + len(state.settled) - completed
+        return {"total": len(state.rows), "completed": completed, "failed": failed}
+
+    def _finish(self, project: str, state: State, counts: dict[str, int]) -> dict[str, Any]:
+        """Give the batch its result files (meta only: their content is built when read) and
+        its final status in one transaction, unless another reader finished it first (then
+        its state is the answer). Its record and its jobs' results are kept as long as its files."""
+        batch_id = state.meta["id"]
+        sizes = {"output": 0, "errors": 0}
+        for i in range(len(state.rows)):
+            outcome = state.settled.get(i)
+            size = outcome.size if outcome is not None else len(_line_bytes(
+                output_line(state.line(i), None, self.gw.model)))
+            sizes[self._part_of(state, i)] += size
+        usage = [sum(outcome.usage[k] for outcome in state.settled.values()) for k in range(3)]
+        expired = time.time() >= state.meta["expires_at"] and any(
+            outcome.code in (Code.E_DEADLINE, Code.E_CANCELLED) for outcome in state.settled.values())
         tag = batch_id.removeprefix("batch_")
+        ttl = self.gw.live.settings.gateway.files_ttl_s
 
         def finish(batch: dict[str, Any], pipe: redis.client.Pipeline) -> bool:
             if batch["status"] not in ACTIVE:
                 return False
             now = time.time()
-            for kind, rows, field in (("output", answered, "output_file_id"),
-                                      ("errors", failed, "error_file_id")):
-                if rows:
-                    content = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-                    batch[field] = self.files.stage(pipe, project, f"file-{tag}-{kind}",
-                                                    f"{batch_id}_{kind}.jsonl", "batch_output",
-                                                    content.encode(), now)["id"]
+            for part, field in (("output", "output_file_id"), ("errors", "error_file_id")):
+                if sizes[part]:
+                    batch[field] = self.files.stage_result(
+                        pipe, project, f"file-{tag}-{part}", f"{batch_id}_{part}.jsonl",
+                        sizes[part], now, batch_id, part)["id"]
+            for key in (self._key(project, batch_id), self._settled_key(project, batch_id),
+                        *(self.keys.result(job_ref(project, row["job"])) for row in state.rows
+                          if row["job"])):
+                pipe.expire(key, ttl, gt=True)
             status = "expired" if expired and batch["status"] == "in_progress" else ACTIVE[batch["status"]]
             batch.update(status=status, request_counts=counts, finalizing_at=int(now),
+                         usage={"input_tokens": usage[0], "output_tokens": usage[1],
+                                "total_tokens": usage[0] + usage[1],
+                                "input_tokens_details": {"cached_tokens": 0},
+                                "output_tokens_details": {"reasoning_tokens": usage[2]}},
                          **{f"{status}_at": int(now)})
             return True
 
@@ -312,7 +589,7 @@ class BatchRoutes:
         """Change the batch's meta atomically: ``change`` updates the meta it is given and queues
         any other writes on the pipeline (False: nothing to do); retried when another request
         changed the batch meanwhile. The meta as stored afterwards."""
-        key = self.keys.gateway_batch(job_ref(project, batch_id))
+        key = self._key(project, batch_id)
         while True:
             with self.redis.pipeline(transaction=True) as pipe:
                 try:
@@ -333,45 +610,43 @@ class BatchRoutes:
         for job_id in job_ids:
             try:
                 self.gw.client.cancel(job_id, project=project)
-            except NotFound:  # vanished meanwhile: its line fails with E_NOT_FOUND
+            except NotFound:  # never submitted, or vanished: its line fails with its own error
                 continue
 
     async def get(self, request: Request, caller: Caller) -> Response:
-        return JSONResponse(await self.gw.run_batch(self._refresh, caller.project,
+        return JSONResponse(await self.gw.run_batch(caller.project, self._refresh, caller.project,
                                                     request.path_params["batch_id"]))
 
     async def list_batches(self, request: Request, caller: Caller) -> Response:
         after, limit, newest_first = _paging(request)
 
         def load(batch_id: str) -> dict[str, Any] | None:
-            try:
-                return self._refresh(caller.project, batch_id)
-            except NotFound:  # expired
-                return None
+            raw = self.redis.hget(self._key(caller.project, batch_id), "meta")
+            return json.loads(raw) if raw else None  # None: expired
 
-        found, more = await self.gw.run_batch(page, self.redis, self.keys.gateway_batches(caller.project),
-                                              after=after, limit=limit, newest_first=newest_first,
-                                              load=load)
+        found, more = await self.gw.run_batch(
+            caller.project, page, self.redis, self.keys.gateway_batches(caller.project),
+            after=after, limit=limit, newest_first=newest_first, load=load)
         return JSONResponse(_list(found, more))
 
     async def cancel(self, request: Request, caller: Caller) -> Response:
-        return JSONResponse(await self.gw.run_batch(self._cancel, caller.project,
+        return JSONResponse(await self.gw.run_batch(caller.project, self._cancel, caller.project,
                                                     request.path_params["batch_id"]))
 
     def _cancel(self, project: str, batch_id: str) -> dict[str, Any]:
         batch = self._refresh(project, batch_id)
-        if batch["status"] != "in_progress":
+        if batch["status"] not in ("validating", "in_progress"):
             return batch
 
         def cancelling(batch: dict[str, Any], pipe: redis.client.Pipeline) -> bool:
-            if batch["status"] != "in_progress":
+            if batch["status"] not in ("validating", "in_progress"):
                 return False
             batch.update(status="cancelling", cancelling_at=int(time.time()))
             return True
 
         if self._commit(project, batch_id, cancelling)["status"] == "cancelling":
-            _, rows = self._load(project, batch_id)
-            envelopes, _ = self._answers(project, rows)
-            self._cancel_jobs(project, [row["job"] for row in rows
-                                        if row["job"] and row["job"] not in envelopes])
+            state = self._load(project, batch_id)
+            # (a create still running stops at its next line and cancels what it sent since)
+            self._cancel_jobs(project, [state.rows[i]["job"] for i in state.waiting()
+                                        if i < state.submitted])
         return self._refresh(project, batch_id)

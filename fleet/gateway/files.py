@@ -1,8 +1,10 @@
 """OpenAI files of the gateway's projects (``/v1/files``), kept in Redis per project.
 
-    {p}gwfile:{<project>/<file id>}  hash: meta (the OpenAI file object, JSON), content (bytes)
-    {p}gwfiles:<project>             zset of the project's file ids, score = created_at
-    {p}gwfilebytes:<project>         hash file id -> bytes, for the project's byte quota
+    {p}gwfile:{<project>/<file id>}      hash: meta (the OpenAI file object, JSON); a batch's
+                                         result file also: batch, part (where its lines come from)
+    {p}gwfilebody:{<project>/<file id>}  an uploaded file's bytes
+    {p}gwfiles:<project>                 zset of the project's file ids, score = created_at
+    {p}gwfilebytes:<project>             hash uploaded file id -> bytes, for the byte quota
 
 Every key is named by the caller's project, so a key of project B can neither read, list nor
 delete a file of project A: another project's file id is simply not there (404 ``E_NOT_FOUND``,
@@ -17,9 +19,13 @@ Limits (``gateway.*``, 413 ``E_TOO_LARGE``):
   concurrent uploads may be refused together but never exceed either; deleting a file frees its
   share at once;
 - everything expires after ``files_ttl_s``; index and byte-table entries of expired files are
-  pruned by score (every file has the same TTL). A batch's output and error files are always
-  stored (``stage``: batches have their own caps, and a batch that could not store its results
-  could never finish) and, like any file, count against both limits for later uploads.
+  pruned by score (every file has the same TTL).
+
+A batch's output and error files (``stage_result``) store no bytes: their meta names the batch
+and part, and their content is built from the batch's lines and its jobs' results when read
+(fleet/gateway/batches.py), so a batch's results are never stored twice and take nothing of
+``max_project_bytes`` (they count as files for ``max_files``). Content is sent in chunks
+(``body_chunks``, ``CHUNK_BYTES`` a read), never loaded whole.
 
 Lists are newest first (``order=asc``: oldest first), ``limit`` at a time, with OpenAI's cursor:
 ``after`` is the id of the previous page's last item and ``has_more`` says whether another page
@@ -42,6 +48,7 @@ from fleet.core.keys import Keys, job_ref
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 MULTIPART_SLACK = 64 * 1024  # multipart headers and boundaries around the file's bytes
+CHUNK_BYTES = 1 << 20  # an uploaded file's content is read and sent this much at a time
 T = TypeVar("T")
 
 
@@ -134,27 +141,37 @@ class FileStore:
                 pipe.hdel(sizes, file_id)
                 pipe.execute()
             raise TooLarge(f"files: {over}; delete some or wait for them to expire")
+        ttl = settings.files_ttl_s
         with self.redis.pipeline(transaction=True) as pipe:
-            meta = self.stage(pipe, project, file_id, filename, purpose, content, now)
+            meta = self._stage(pipe, project, file_id, filename, purpose, len(content), now)
+            body = self.keys.gateway_file_body(job_ref(project, file_id))
+            pipe.set(body, content, ex=ttl)
+            pipe.hset(sizes, file_id, len(content))
+            pipe.expire(sizes, ttl)
             pipe.execute()
         return meta
 
-    def stage(self, pipe: redis.client.Pipeline, project: str, file_id: str, filename: str,
-              purpose: str, content: bytes, now: float) -> dict[str, Any]:
-        """Queue the writes of one file on ``pipe`` (no limit applies: a batch's output is stored
-        in the same transaction as the batch's final state); its OpenAI file object."""
+    def stage_result(self, pipe: redis.client.Pipeline, project: str, file_id: str, filename: str,
+                     size: int, now: float, batch_id: str, part: str) -> dict[str, Any]:
+        """Queue the writes of a batch's result file on ``pipe`` (in the transaction that gives the
+        batch its final state): meta only, its content is the batch's ``part``; its file object."""
+        meta = self._stage(pipe, project, file_id, filename, "batch_output", size, now)
+        pipe.hset(self.keys.gateway_file(job_ref(project, file_id)),
+                  mapping={"batch": batch_id, "part": part})
+        return meta
+
+    def _stage(self, pipe: redis.client.Pipeline, project: str, file_id: str, filename: str,
+               purpose: str, size: int, now: float) -> dict[str, Any]:
         ttl = self._settings().files_ttl_s
-        meta = {"id": file_id, "object": "file", "bytes": len(content), "created_at": int(now),
+        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(now),
                 "expires_at": int(now + ttl), "filename": filename,
                 "purpose": purpose, "status": "processed", "status_details": None}
         key = self.keys.gateway_file(job_ref(project, file_id))
-        index, sizes = self.keys.gateway_files(project), self.keys.gateway_file_bytes(project)
-        pipe.hset(key, mapping={"meta": json.dumps(meta), "content": content})
+        index = self.keys.gateway_files(project)
+        pipe.hset(key, "meta", json.dumps(meta))
         pipe.expire(key, ttl)
         pipe.zadd(index, {file_id: now})
-        pipe.hset(sizes, file_id, len(content))
-        for shared in (index, sizes):
-            pipe.expire(shared, ttl)
+        pipe.expire(index, ttl)
         return meta
 
     def _meta(self, project: str, file_id: str) -> dict[str, Any] | None:
@@ -167,17 +184,44 @@ class FileStore:
             raise NotFound(f"no file {file_id!r} for this project")
         return meta
 
-    def content(self, project: str, file_id: str) -> bytes:
-        raw = self.redis.hget(self.keys.gateway_file(job_ref(project, file_id)), "content")
-        if raw is None:
+    def source(self, project: str, file_id: str) -> tuple[str, str] | None:
+        """(batch id, part) of a batch's result file; None for an upload. NotFound if neither."""
+        meta, batch, part = self.redis.hmget(self.keys.gateway_file(job_ref(project, file_id)),
+                                             ["meta", "batch", "part"])
+        if meta is None:
             raise NotFound(f"no file {file_id!r} for this project")
-        return raw if isinstance(raw, bytes) else str(raw).encode()
+        if batch is None or part is None:
+            return None
+        return cast(bytes, batch).decode(), cast(bytes, part).decode()
+
+    def content(self, project: str, file_id: str) -> bytes:
+        """An uploaded file's bytes, whole (a batch's input, read to be parsed)."""
+        ref = job_ref(project, file_id)
+        raw = self.redis.get(self.keys.gateway_file_body(ref)) or self._stored_whole(ref)
+        if raw is None:
+            raise NotFound(f"no file {file_id!r} for this project (or it holds no upload)")
+        return cast(bytes, raw)
+
+    def body_chunk(self, project: str, file_id: str, start: int) -> bytes:
+        """``CHUNK_BYTES`` of an uploaded file from ``start`` (empty past its end)."""
+        ref = job_ref(project, file_id)
+        chunk = cast(bytes, self.redis.getrange(self.keys.gateway_file_body(ref), start,
+                                                start + CHUNK_BYTES - 1))
+        return chunk if chunk or start else self._stored_whole(ref) or b""
+
+    def _stored_whole(self, ref: str) -> bytes | None:
+        """The bytes of a file stored whole in its meta hash (field ``content``), as gateways
+        before the body key kept uploads and result files; such files are gone once
+        ``files_ttl_s`` has passed since the upgrade, and this read with them."""
+        return cast(bytes | None, self.redis.hget(self.keys.gateway_file(ref), "content"))
 
     def delete(self, project: str, file_id: str) -> bool:
+        ref = job_ref(project, file_id)
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.zrem(self.keys.gateway_files(project), file_id)
             pipe.hdel(self.keys.gateway_file_bytes(project), file_id)
-            pipe.delete(self.keys.gateway_file(job_ref(project, file_id)))
+            pipe.delete(self.keys.gateway_file_body(ref))
+            pipe.delete(self.keys.gateway_file(ref))
             *_, deleted = pipe.execute()
         return bool(deleted)
 

@@ -60,6 +60,7 @@ HTTP_STATUS: dict[Code, int] = {
     Code.E_NOT_FOUND: 404,
     Code.E_TOO_LARGE: 413,
     Code.E_QUEUE_TIMEOUT: 429,
+    Code.E_BUSY: 429,
     Code.E_CANCELLED: 499,
     Code.E_UPSTREAM_UNAVAILABLE: 503,
     Code.E_CONNECT_TIMEOUT: 504,
