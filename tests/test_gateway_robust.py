@@ -176,6 +176,8 @@ def test_a_wrong_method_is_405_with_a_code_and_a_trailing_slash_is_not_a_redirec
     assert wrong.headers["allow"] == "POST"
     assert wrong.json()["error"]["code"] == "E_INPUT_INVALID"
     assert wrong.json()["error"]["type"] == "MethodNotAllowedError"
+    put = httpx.put(f"{door.url}/v1/files", headers=door.headers(), timeout=30)
+    assert put.status_code == 405 and put.headers["allow"] == "GET, HEAD, POST"
     slash = httpx.get(f"{door.url}/v1/files/", headers=door.headers(), timeout=30)
     assert slash.status_code == 404
     assert slash.json()["error"]["code"] == "E_NOT_FOUND"

@@ -36,7 +36,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import Match, Mount, Route
 
 from fleet.client import Client
 from fleet.core.codes import Code
@@ -221,8 +221,19 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     code = {404: Code.E_NOT_FOUND, 405: Code.E_INPUT_INVALID}.get(status, Code.E_INTERNAL)
     body = error_body(code, f"{request.method} {request.url.path}: {getattr(exc, 'detail', 'error')}",
                       status=status)
-    headers = exc.headers if isinstance(exc, HTTPException) else None
+    headers = {"Allow": _allowed(request)} if status == 405 else None
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _allowed(request: Request) -> str:
+    """Every method of the path (Starlette's own ``Allow`` names only the first route's, and
+    ``/v1/files`` is two routes)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is Match.PARTIAL and isinstance(route, Route):
+            methods |= route.methods or set()
+    return ", ".join(sorted(methods))
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
