@@ -139,6 +139,7 @@ def test_while_redis_is_down_requests_get_503_with_a_code_and_health_says_why(do
                                    json={"messages": [{"role": "user", "content": "x"}]})
             assert answer.status_code == 503, (method, path, answer.text)
             assert answer.json()["error"]["code"] == "E_BROKER_UNAVAILABLE"
+            assert str(door.broker.port) not in answer.text  # where the broker is stays inside
             assert answer.headers["retry-after"]
         health = httpx.get(f"{door.url}/health", timeout=30)
         assert health.status_code == 503

@@ -40,7 +40,7 @@ from starlette.routing import Match, Mount, Route
 
 from fleet.client import Client
 from fleet.core.codes import Code
-from fleet.core.errors import FleetError
+from fleet.core.errors import BrokerUnavailable, FleetError
 from fleet.core.redisconn import async_redis_client
 from fleet.core.request import build_request_messages, tools_allowed
 from fleet.gateway.admission import Admission
@@ -50,7 +50,7 @@ from fleet.gateway.chat import ChatCompletions
 from fleet.gateway.events import EventHub
 from fleet.gateway.metrics import GatewayMetrics
 from fleet.gateway.tasks import TaskRoutes
-from fleet.gateway.wire import ChatRequest, error_body, error_headers, redis_failure, status_of
+from fleet.gateway.wire import ChatRequest, broker_down, error_body, error_headers, redis_failure, status_of
 from fleet.infer.attempts import DEFAULT_TEMPERATURE
 from fleet.infer.budget import plan as plan_budget
 from fleet.infer.retrying import RetryBudget
@@ -160,6 +160,9 @@ def _authed(gw: Gateway, handler: Callable[[Request, Caller], Awaitable[Response
         except redis.RedisError as exc:
             log.warning("%s %s: redis error %r", request.method, request.url.path, exc)
             return _error(redis_failure(exc))
+        except BrokerUnavailable as exc:  # fleet.Client's: its message names the broker's URL
+            log.warning("%s %s: %s", request.method, request.url.path, exc.message)
+            return _error(broker_down(exc.__cause__))
         except FleetError as exc:
             log.info("%s %s code=%s", request.method, request.url.path, exc.code.value)
             return _error(exc)

@@ -189,9 +189,15 @@ def redis_failure(exc: redis.RedisError) -> FleetError:
     when Redis cannot serve right now (fleet/core/redisconn.py ``UNAVAILABLE``: down, restarting,
     loading, a demoted master), 500 ``E_INTERNAL`` for anything else (a bug: a wrong command)."""
     if isinstance(exc, UNAVAILABLE):
-        return BrokerUnavailable(f"the fleet's Redis does not answer ({type(exc).__name__}); "
-                                 f"try again in a few seconds")
+        return broker_down(exc)
     return FleetError(f"the fleet's Redis failed: {type(exc).__name__}")
+
+
+def broker_down(cause: BaseException | None) -> BrokerUnavailable:
+    """503 ``E_BROKER_UNAVAILABLE`` as a client sees it: what failed, not where the broker is
+    (``fleet.Client``'s own message names the broker URL, for operators)."""
+    named = f" ({type(cause).__name__})" if cause is not None else ""
+    return BrokerUnavailable(f"the fleet's Redis does not answer{named}; try again in a few seconds")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
