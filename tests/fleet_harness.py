@@ -5,8 +5,12 @@ fleet.toml."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 import uuid
@@ -21,7 +25,7 @@ import tomli_w
 
 from fleet.client import Client
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
-from fleet.local.embedded import free_port
+from fleet.local.embedded import EmbeddedRedis, free_port, start_redis
 from fleet.local.processes import LocalFleet
 from schedulers.store import make_store
 from schedulers.store.base import StoreSnapshot
@@ -30,6 +34,36 @@ from schedulers.store.redis_store import RedisStore
 from .conftest import TEST_REDIS_URL
 
 TEST_BROKER = TEST_REDIS_URL
+
+
+class RestartableRedis:
+    """A redis-server of the test's own (AOF on) on a fixed port and folder that a test may stop
+    (cleanly, or ``kill -9``) and start again."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.folder = tempfile.mkdtemp(prefix="fleet-loss-")
+        self.server: EmbeddedRedis = self.start()
+        self.url = self.server.url
+
+    def start(self) -> EmbeddedRedis:
+        self.server = start_redis(port=self.port, folder=self.folder, appendonly=True)
+        return self.server
+
+    def stop(self) -> None:
+        """A clean stop (SIGTERM: the append-only file is flushed); ``start`` brings it back."""
+        self.server.close()
+
+    def crash_and_restart(self, down_s: float = 3.0) -> None:
+        assert self.server.process is not None
+        os.kill(self.server.process.pid, signal.SIGKILL)
+        self.server.process.wait(timeout=10)
+        time.sleep(down_s)
+        self.start()
+
+    def close(self) -> None:
+        self.server.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def write_config(path: Path, data: dict[str, Any]) -> None:

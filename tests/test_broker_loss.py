@@ -7,48 +7,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from fleet.local.embedded import EmbeddedRedis, free_port, start_redis
-from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
+from tests.fleet_harness import FleetProbe, Harness, RestartableRedis, make_config, wait_until
 
 pytestmark = pytest.mark.slow
 
 JOBS = 12
 SIM_ARGS = ["--think-min-tokens", "200", "--think-max-tokens", "400",
             "--answer-min-tokens", "10", "--answer-max-tokens", "40"]
-
-
-class RestartableRedis:
-    """A redis-server on a fixed port and folder that a test may kill -9 and start again."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.folder = tempfile.mkdtemp(prefix="fleet-loss-")
-        self.server: EmbeddedRedis = self.start()
-        self.url = self.server.url
-
-    def start(self) -> EmbeddedRedis:
-        return start_redis(port=self.port, folder=self.folder, appendonly=True)
-
-    def crash_and_restart(self, down_s: float = 3.0) -> None:
-        assert self.server.process is not None
-        os.kill(self.server.process.pid, signal.SIGKILL)
-        self.server.process.wait(timeout=10)
-        time.sleep(down_s)
-        self.server = self.start()
-
-    def close(self) -> None:
-        self.server.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -102,7 +102,7 @@ CATALOGUE: dict[Code, CodeInfo] = {
         "or the gateway has no such task, file, batch, model or route for this key's project."
     ),
     Code.E_TOO_LARGE: CodeInfo(
-        105, False, "A gateway file or batch is over the size or line limit, or a project over its "
+        105, False, "A gateway request body, file or batch is over the size or line limit, or a project over its "
         "count or byte quota of files or batches (413)."
     ),
     Code.E_THINK_LOOP: CodeInfo(
@@ -164,7 +164,8 @@ CATALOGUE: dict[Code, CodeInfo] = {
         500, True, "A fault inside the fleet; the job was closed so nothing is lost."
     ),
     Code.E_BROKER_UNAVAILABLE: CodeInfo(
-        501, True, "The broker (Redis at broker_url) does not answer; nothing was sent or read."
+        501, True, "The broker (Redis at broker_url) does not answer; nothing was sent or read "
+        "(the gateway: 503 with Retry-After)."
     ),
     Code.E_BROKER_UNSAFE: CodeInfo(
         502, False, "The broker's Redis keeps no append-only file or may evict keys, and "

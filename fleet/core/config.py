@@ -337,6 +337,13 @@ class GatewaySettings(_Section):
     exact_prompt_count: bool = True
     """Count each chat prompt with the backend's ``/tokenize`` (cached by content) as prep does;
     false: the character estimate, one backend round trip less per new prompt (docs/gateway.md)."""
+    max_body_bytes: int = Field(8_000_000, gt=0)
+    """Largest request body of /v1/chat/completions and /v1/tasks, checked against Content-Length
+    and counted while the body is read (413 ``E_TOO_LARGE`` above, before any parsing). The
+    default holds a full 128k-token prompt even when every character is JSON-escaped."""
+    broker_wait_s: float = Field(30.0, gt=0)
+    """How long a task-event stream waits for a Redis that does not answer before it ends with an
+    ``event: error`` carrying ``E_BROKER_UNAVAILABLE`` (a shorter outage is ridden out)."""
     files_ttl_s: int = Field(86_400, gt=0)
     """Uploaded files (/v1/files) and batches' output and error files are kept this long in
     Redis; a batch record (and its jobs' results) for its completion window

@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 SENTINEL_SCHEME = "sentinel"
 # What a Redis that does not answer raises (``broker_unavailable`` turns it into one clear line).
 UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
+# What a Redis that cannot serve right now raises: unreachable, still loading its data
+# (BusyLoadingError is a ConnectionError), or a demoted master that went read-only (Sentinel,
+# until the client finds the new one). A request that meets one can be sent again shortly.
+UNAVAILABLE = (*UNREACHABLE, redis.ReadOnlyError)
 DEFAULT_MASTER_NAME = "mymaster"  # Redis's own example name (sentinel.conf)
 DEFAULT_SENTINEL_PORT = 26379
 # Connections to the Sentinels themselves: a dead Sentinel must not hold up the next one.

@@ -1,9 +1,15 @@
 """The gateway's ASGI app and what one gateway process holds (``Gateway``).
 
 Routes: ``POST /v1/chat/completions`` (fleet/gateway/chat.py), ``GET /v1/models``, the task routes
-of fleet/gateway/tasks.py, the file and batch routes of fleet/gateway/batches.py, ``GET /health``
-and ``GET /metrics`` (no key needed for those two).
-Every other route and method answers vLLM's error body with a code, never Starlette's HTML page.
+of fleet/gateway/tasks.py, the file and batch routes of fleet/gateway/batches.py, ``GET /health``,
+``GET /livez`` and ``GET /metrics`` (no key needed for those three). ``/health`` is readiness: 200
+when the fleet's Redis answers a PING within a second, else 503 with a JSON body naming what is
+down; the backend is left out (every gateway shares it, and a request meeting a dead backend gets
+its own 503 ``E_UPSTREAM_UNAVAILABLE``). ``/livez`` is liveness: 200 while the process serves.
+Every other route and method answers vLLM's error body with a code, never Starlette's HTML page
+(a wrong method 405 with ``Allow``, a trailing slash 404, never a redirect).
+A Redis error of a route is 503 ``E_BROKER_UNAVAILABLE`` with Retry-After when Redis cannot
+serve right now, 500 ``E_INTERNAL`` otherwise (``wire.redis_failure``, the one mapping).
 
 ``Gateway.build_body`` turns a chat request into the body the fleet would send for the same job
 on the queue path: the project's system prompt first (fleet/prep/prepare.py lays it out and counts
@@ -25,15 +31,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import redis
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import Match, Mount, Route
 
 from fleet.client import Client
 from fleet.core.codes import Code
-from fleet.core.errors import Busy, FleetError
+from fleet.core.errors import BrokerUnavailable, Busy, FleetError
 from fleet.core.redisconn import async_redis_client
 from fleet.core.request import build_request_messages, tools_allowed
 from fleet.gateway.admission import Admission
@@ -43,7 +50,7 @@ from fleet.gateway.chat import ChatCompletions
 from fleet.gateway.events import EventHub
 from fleet.gateway.metrics import GatewayMetrics
 from fleet.gateway.tasks import TaskRoutes
-from fleet.gateway.wire import ChatRequest, error_body, status_of
+from fleet.gateway.wire import ChatRequest, broker_down, error_body, error_headers, redis_failure, status_of
 from fleet.infer.attempts import DEFAULT_TEMPERATURE
 from fleet.infer.budget import plan as plan_budget
 from fleet.infer.retrying import RetryBudget
@@ -58,6 +65,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 IO_THREADS = 32
 BUSY_RETRY_AFTER_S = 1
+HEALTH_TIMEOUT_S = 1.0  # a Redis slower than this to answer PING is not ready
+# A task submit rides out a Redis that does not answer this long (a blip), then answers 503
+# E_BROKER_UNAVAILABLE with Retry-After rather than hold its client (idempotency_key makes the
+# client's retry safe).
+SUBMIT_RETRY_S = 2.0
 
 
 class Gateway:
@@ -80,7 +92,7 @@ class Gateway:
         self.admission = Admission(self.runtime.store, self.runtime.results, self.aredis,
                                    self.runtime.keys, self.run, send)
         self.metrics = GatewayMetrics()
-        self.client = Client(settings, redis_client=self.runtime.redis)
+        self.client = Client(settings, redis_client=self.runtime.redis, retry_s=SUBMIT_RETRY_S)
         self._budgets: dict[str, RetryBudget] = {}
         # Only the process's own count cache, not the shared Redis one: a chat prompt is new
         # nearly every time (each turn adds to the conversation), so the Redis tier would cost a
@@ -88,7 +100,7 @@ class Gateway:
         # base URL makes an estimate-only counter (fleet/prep/tokens.py).
         backend_url = settings.backend.url if settings.gateway.exact_prompt_count else ""
         self.counter = TokenCounter(backend_url, settings.backend.model, None, self.runtime.keys)
-        self.events = EventHub(settings.broker_url, self.runtime.keys, self.admission.gateway_id)
+        self.events = EventHub(settings, self.runtime.keys, self.admission.gateway_id)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A blocking call (Redis, /tokenize) off the event loop."""
@@ -171,7 +183,9 @@ async def _off_loop(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: A
 
 
 def _error(exc: FleetError) -> JSONResponse:
-    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Busy) else None
+    headers = {k.decode(): v.decode() for k, v in error_headers(exc.code)}
+    if isinstance(exc, Busy):
+        headers["Retry-After"] = str(exc.retry_after_s)
     return JSONResponse(error_body(exc.code, exc.message, exc.param), status_code=status_of(exc.code),
                         headers=headers)
 
@@ -181,6 +195,12 @@ def _authed(gw: Gateway, handler: Callable[[Request, Caller], Awaitable[Response
     async def endpoint(request: Request) -> Response:
         try:
             return await handler(request, gw.caller(request.headers.get("authorization")))
+        except redis.RedisError as exc:
+            log.warning("%s %s: redis error %r", request.method, request.url.path, exc)
+            return _error(redis_failure(exc))
+        except BrokerUnavailable as exc:  # fleet.Client's: its message names the broker's URL
+            log.warning("%s %s: %s", request.method, request.url.path, exc.message)
+            return _error(broker_down(exc.__cause__))
         except FleetError as exc:
             log.info("%s %s code=%s", request.method, request.url.path, exc.code.value)
             return _error(exc)
@@ -198,7 +218,17 @@ def _routes(gw: Gateway) -> list[Route | Mount]:
             "parent": None, "max_model_len": backend.max_model_len, "permission": []}]})
 
     async def health(request: Request) -> Response:
-        return Response(status_code=200)
+        """Ready: this process serves and its Redis answers a PING within HEALTH_TIMEOUT_S."""
+        try:
+            await asyncio.wait_for(gw.aredis.ping(), HEALTH_TIMEOUT_S)
+        except (redis.RedisError, TimeoutError) as exc:
+            return JSONResponse({"status": "unavailable", "redis": f"no answer ({type(exc).__name__})"},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "redis": "ok"})
+
+    async def livez(request: Request) -> Response:
+        """Alive: the process answers HTTP, whatever Redis does (for a supervisor's restart check)."""
+        return JSONResponse({"status": "ok"})
 
     async def metrics(request: Request) -> Response:
         return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4")
@@ -220,20 +250,38 @@ def _routes(gw: Gateway) -> list[Route | Mount]:
         Route("/v1/batches/{batch_id}", _authed(gw, batches.get), methods=["GET"]),
         Route("/v1/batches/{batch_id}/cancel", _authed(gw, batches.cancel), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/livez", livez, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors: an unknown route is 404 ``E_NOT_FOUND``, a known route with another
+    method 405 ``E_INPUT_INVALID`` with ``Allow`` (the methods it takes)."""
     status = exc.status_code if isinstance(exc, HTTPException) else 500
-    code = Code.E_NOT_FOUND if status in (404, 405) else Code.E_INTERNAL
-    body = error_body(code, f"{request.method} {request.url.path}: {getattr(exc, 'detail', 'error')}")
-    return JSONResponse(body, status_code=status)
+    code = {404: Code.E_NOT_FOUND, 405: Code.E_INPUT_INVALID}.get(status, Code.E_INTERNAL)
+    body = error_body(code, f"{request.method} {request.url.path}: {getattr(exc, 'detail', 'error')}",
+                      status=status)
+    headers = {"Allow": _allowed(request)} if status == 405 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _allowed(request: Request) -> str:
+    """Every method of the path (Starlette's own ``Allow`` names only the first route's, and
+    ``/v1/files`` is two routes)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is Match.PARTIAL and isinstance(route, Route):
+            methods |= route.methods or set()
+    return ", ".join(sorted(methods))
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     """A bug or a Redis failure still answers the error body with a code, never a bare 500."""
     log.error("%s %s failed: %r", request.method, request.url.path, exc)
+    if isinstance(exc, redis.RedisError):
+        return _error(redis_failure(exc))
     return JSONResponse(error_body(Code.E_INTERNAL, f"internal error: {type(exc).__name__}"),
                         status_code=500)
 
@@ -250,5 +298,8 @@ def create_app(gw: Gateway) -> Starlette:
                 await task
         await gw.close()
 
-    return Starlette(routes=_routes(gw), lifespan=lifespan,
-                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})
+    app = Starlette(routes=_routes(gw), lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _unexpected})
+    # ``/v1/files/`` is 404 with a code like any unknown path, not a bare 307 to ``/v1/files``.
+    app.router.redirect_slashes = False
+    return app

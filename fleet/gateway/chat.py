@@ -12,8 +12,10 @@ or for vLLM, and its response status is only known once admission has answered. 
 client that waits past ``gateway.keepalive_s`` gets the 200 headers and ``: keep-alive`` comments;
 after that a failure can only be an error event. Before that, every failure is an HTTP status with
 the error body (fleet/gateway/wire.py): 401 ``E_AUTH``, 400 ``E_INPUT_INVALID`` /
-``E_PROMPT_TOO_LONG``, 404 ``E_NOT_FOUND`` (another model), 429 ``E_QUEUE_TIMEOUT`` with
-``Retry-After``, 503/504 upstream.
+``E_PROMPT_TOO_LONG``, 404 ``E_NOT_FOUND`` (another model), 413 ``E_TOO_LARGE`` (a body over
+``gateway.max_body_bytes``, refused while it is read), 429 ``E_QUEUE_TIMEOUT`` with
+``Retry-After``, 503 ``E_BROKER_UNAVAILABLE`` with ``Retry-After`` (the fleet's Redis away), 503/504
+upstream.
 
 A client that disconnects: while waiting, its pending item is withdrawn at once (a grant that came
 anyway is given back); while streaming, the lease keeper's ``Cancel`` is set, which shuts the
@@ -41,7 +43,19 @@ from fleet.core.models import Envelope, Timings, Usage
 from fleet.gateway.admission import Ticket
 from fleet.gateway.auth import Caller
 from fleet.gateway.upstream import Failed, Finished, UpstreamStream
-from fleet.gateway.wire import DONE, KEEPALIVE, ChatRequest, ChunkMaker, error_body, parse_chat, sse, status_of
+from fleet.gateway.wire import (
+    DONE,
+    KEEPALIVE,
+    ChatRequest,
+    ChunkMaker,
+    error_body,
+    error_headers,
+    parse_chat,
+    read_body,
+    redis_failure,
+    sse,
+    status_of,
+)
 from fleet.infer.vllm import Delta, StreamResult
 from fleet.worker.lease import LeaseKeeper
 
@@ -71,20 +85,18 @@ class ChatCompletions:
         caller: Caller | None = None
         try:
             caller = self.gw.caller(request.headers.get("authorization"))
-            req = parse_chat(await request.body())
+            req = parse_chat(await read_body(request, self.gw.live.settings.gateway.max_body_bytes))
             if req.model != self.gw.model:
                 raise NotFound(f"The model `{req.model}` does not exist.")
             body, prompt_tokens, max_tokens = await self.gw.run(self.gw.build_body, req, caller, job_id)
-        except redis.RedisError as exc:
-            log.warning("chat job=%s: redis error %r", job_id, exc)
-            await send_json(send, 500, _json(error_body(Code.E_INTERNAL, "the fleet's Redis failed")))
-            return
-        except FleetError as exc:
+        except (FleetError, redis.RedisError) as caught:
+            exc = redis_failure(caught) if isinstance(caught, redis.RedisError) else caught
             project = caller.project if caller is not None else "-"
             self.gw.metrics.finished(project, exc.code)
             log.info("chat job=%s project=%s code=%s status=%d", job_id, project, exc.code.value,
                      status_of(exc.code))
-            await send_json(send, status_of(exc.code), _json(error_body(exc.code, exc.message, exc.param)))
+            await send_json(send, status_of(exc.code), _json(error_body(exc.code, exc.message, exc.param)),
+                            error_headers(exc.code))
             return
         await _Session(self.gw, caller, req, job_id, body, prompt_tokens, max_tokens,
                        receive, send).run()
@@ -149,7 +161,7 @@ class _Session:
         if self.headers_sent:
             await self._write(sse(body) + DONE, more=False)
             return
-        headers = []
+        headers = error_headers(exc.code)
         if exc.code is Code.E_QUEUE_TIMEOUT:
             # The fleet stayed full for the whole wait; asking again sooner would likely meet
             # the same queue, so the hint is one more such wait.
@@ -178,8 +190,9 @@ class _Session:
             await self._fail(exc)
         except redis.RedisError as exc:
             log.warning("chat job=%s: redis error %r", self.job_id, exc)
-            code, message = Code.E_INTERNAL, f"the fleet's Redis failed: {type(exc).__name__}"
-            await self._fail(FleetError(message))
+            failure = redis_failure(exc)
+            code, message = failure.code, failure.message
+            await self._fail(failure)
         finally:
             watcher.cancel()
             self.gw.admission.forget(self.ref)

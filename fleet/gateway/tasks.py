@@ -3,7 +3,9 @@
     POST   /v1/tasks              a fleet Job (fleet/core/models.py) -> {"id", "object", "status"}
     GET    /v1/tasks/{id}         its state, and its Envelope once final
     GET    /v1/tasks/{id}/events  the job's events as SSE (``event: <type>``), ending with
-                                  ``event: final`` whose data is the Envelope
+                                  ``event: final`` whose data is the Envelope, or with
+                                  ``event: error`` (an error body with its code) when the
+                                  gateway cannot follow any more (Redis away)
     DELETE /v1/tasks/{id}         cancel -> {"id", "object", "cancelled"}
 
 The API key is the credential: the job goes through ``fleet.Client`` signed with the key's
@@ -16,29 +18,33 @@ unknown id does, so ids of other projects cannot even be confirmed.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import redis
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from fleet.core.errors import InputInvalid, NotFound
+from fleet.core.errors import FleetError, InputInvalid, NotFound
 from fleet.core.keys import job_ref
 from fleet.core.models import Job, describe_invalid
 from fleet.gateway.auth import Caller
-from fleet.gateway.wire import json_object
+from fleet.gateway.wire import error_body, json_object, read_body, redis_failure
 
 if TYPE_CHECKING:
     from fleet.gateway.app import Gateway
+
+log = logging.getLogger(__name__)
 
 
 def _task(job_id: str, **fields: Any) -> dict[str, Any]:
     return {"id": job_id, "object": "fleet.task", **fields}
 
 
-async def _job_from(request: Request, caller: Caller) -> Job:
-    data = json_object(await request.body(), "a JSON object (a fleet Job)")
+async def _job_from(request: Request, caller: Caller, max_body_bytes: int) -> Job:
+    data = json_object(await read_body(request, max_body_bytes), "a JSON object (a fleet Job)")
     if "id" in data:
         raise InputInvalid("id: the gateway assigns task ids; use idempotency_key to deduplicate")
     if data.setdefault("project", caller.project) != caller.project:
@@ -63,7 +69,7 @@ class TaskRoutes:
         return ref
 
     async def submit(self, request: Request, caller: Caller) -> Response:
-        job = await _job_from(request, caller)
+        job = await _job_from(request, caller, self.gw.live.settings.gateway.max_body_bytes)
         job_id = await self.gw.run(self.gw.client.submit, job)
         return JSONResponse(_task(job_id, status="queued"))
 
@@ -89,14 +95,25 @@ class TaskRoutes:
 
     async def _follow(self, project: str, job_id: str, ref: str) -> AsyncIterator[bytes]:
         """The job's events as they come, from the gateway's one shared reader
-        (fleet/gateway/events.py), until the final one (or a rejection of the job's own message)."""
-        async for event in self.gw.events.follow(self.gw.runtime.keys.events(ref)):
-            data = event.get("data")
-            final = event["type"] == "final"
-            if final:
-                envelope = await self.gw.run(self.gw.runtime.results.final, ref)
-                data = envelope.model_dump(mode="json") if envelope else data
-            yield f"event: {event['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-            if final or (event["type"] == "rejected"
-                         and await self.gw.run(self.gw.runtime.results.final, ref) is not None):
-                return
+        (fleet/gateway/events.py), until the final one (or a rejection of the job's own message).
+        The 200 is sent by then, so a failure (Redis away past ``gateway.broker_wait_s``) ends
+        the stream with ``event: error`` carrying the error body and its code."""
+        try:
+            async for event in self.gw.events.follow(self.gw.runtime.keys.events(ref)):
+                data = event.get("data")
+                final = event["type"] == "final"
+                if final:
+                    envelope = await self.gw.run(self.gw.runtime.results.final, ref)
+                    data = envelope.model_dump(mode="json") if envelope else data
+                yield _sse_event(event["type"], data)
+                if final or (event["type"] == "rejected"
+                             and await self.gw.run(self.gw.runtime.results.final, ref) is not None):
+                    return
+        except (FleetError, redis.RedisError) as caught:
+            exc = redis_failure(caught) if isinstance(caught, redis.RedisError) else caught
+            log.warning("task %s events: %s (%s)", ref, exc.code.value, exc.message)
+            yield _sse_event("error", error_body(exc.code, exc.message, exc.param))
+
+
+def _sse_event(kind: str, data: Any) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()

@@ -26,11 +26,14 @@ import json
 import time
 from typing import Any, Literal
 
+import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
 
 from fleet.core.codes import Code
-from fleet.core.errors import InputInvalid
+from fleet.core.errors import BrokerUnavailable, FleetError, InputInvalid, TooLarge
 from fleet.core.models import Band, Job, Message, describe_invalid
+from fleet.core.redisconn import UNAVAILABLE
 
 # Sampling fields sent on to vLLM unchanged when the client sets them.
 PASSTHROUGH = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -63,14 +66,17 @@ HTTP_STATUS: dict[Code, int] = {
     Code.E_BUSY: 429,
     Code.E_CANCELLED: 499,
     Code.E_UPSTREAM_UNAVAILABLE: 503,
+    Code.E_BROKER_UNAVAILABLE: 503,
     Code.E_CONNECT_TIMEOUT: 504,
     Code.E_FIRST_TOKEN_TIMEOUT: 504,
     Code.E_UPSTREAM_TIMEOUT: 504,
     Code.E_STREAM_STALLED: 504,
     Code.E_DEADLINE: 504,
 }
+# A Redis restart with its append-only file takes seconds: the hint for a request that met one.
+BROKER_RETRY_AFTER_S = 5
 ERROR_TYPE = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-              413: "RequestTooLargeError",
+              405: "MethodNotAllowedError", 413: "RequestTooLargeError",
               429: "RateLimitError", 499: "CancelledError", 503: "ServiceUnavailableError",
               504: "TimeoutError"}
 
@@ -164,10 +170,53 @@ def status_of(code: Code) -> int:
     return HTTP_STATUS.get(code, 500)
 
 
-def error_body(code: Code, message: str, param: str | None = None) -> dict[str, Any]:
-    status = status_of(code)
+def error_body(code: Code, message: str, param: str | None = None, status: int | None = None
+               ) -> dict[str, Any]:
+    """The error body of ``code`` (``status``: an HTTP status other than the code's own)."""
+    status = status or status_of(code)
     return {"error": {"message": message, "type": ERROR_TYPE.get(status, "InternalServerError"),
                       "param": param, "code": code.value}}
+
+
+def error_headers(code: Code) -> list[tuple[bytes, bytes]]:
+    """Headers an error answer carries beyond its body: ``Retry-After`` when Redis is away."""
+    if code is Code.E_BROKER_UNAVAILABLE:
+        return [(b"retry-after", str(BROKER_RETRY_AFTER_S).encode())]
+    return []
+
+
+def redis_failure(exc: redis.RedisError) -> FleetError:
+    """What a request that met a Redis error answers: 503 ``E_BROKER_UNAVAILABLE`` (Retry-After)
+    when Redis cannot serve right now (fleet/core/redisconn.py ``UNAVAILABLE``: down, restarting,
+    loading, a demoted master), 500 ``E_INTERNAL`` for anything else (a bug: a wrong command)."""
+    if isinstance(exc, UNAVAILABLE):
+        return broker_down(exc)
+    return FleetError(f"the fleet's Redis failed: {type(exc).__name__}")
+
+
+def broker_down(cause: BaseException | None) -> BrokerUnavailable:
+    """503 ``E_BROKER_UNAVAILABLE`` as a client sees it: what failed, not where the broker is
+    (``fleet.Client``'s own message names the broker URL, for operators)."""
+    named = f" ({type(cause).__name__})" if cause is not None else ""
+    return BrokerUnavailable(f"the fleet's Redis does not answer{named}; try again in a few seconds")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 ``E_TOO_LARGE`` past ``limit`` bytes
+    (``gateway.max_body_bytes``): at once when Content-Length says so, else the moment the bytes
+    received pass it, so an oversized body is never held whole, let alone parsed."""
+    over = TooLarge(f"the request body is larger than gateway.max_body_bytes ({limit} bytes)")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise over
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise over
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
