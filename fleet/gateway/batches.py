@@ -94,7 +94,7 @@ from fleet.core.keys import job_ref
 from fleet.core.models import Envelope
 from fleet.gateway.auth import Caller
 from fleet.gateway.files import CHUNK_BYTES, MULTIPART_SLACK, FileStore, capped_receive, page
-from fleet.gateway.wire import json_object
+from fleet.gateway.wire import json_object, read_body
 
 if TYPE_CHECKING:
     from fleet.gateway.app import Gateway
@@ -293,7 +293,7 @@ class BatchRoutes:
 
     # -- batches ------------------------------------------------------------------------------
     async def create(self, request: Request, caller: Caller) -> Response:
-        data = json_object(await request.body())
+        data = json_object(await read_body(request, self.gw.live.settings.gateway.max_body_bytes))
         if data.get("endpoint") != CHAT_URL:
             raise InputInvalid(f"endpoint: only {CHAT_URL} is served", param="endpoint")
         if data.get("completion_window") != "24h":
