@@ -214,3 +214,76 @@ def test_the_gateway_call_learns_unseen_projects_and_survives_a_script_flush(
     assert client.hget(f"{key_prefix}probe", "recorded") == b"1"
     assert store.snapshot().in_flight == 2
     client.close()
+
+
+def test_the_gateway_round_admits_its_request_queued_behind_its_own_projects_job_while_no_worker_is_live(
+    redis_url: str, key_prefix: str,
+) -> None:
+    """The request waits in the same queue (project, band, size) behind a queued job, so it is not
+    the head of its queue. Before, the gated round saw queue heads only: the queued job was passed
+    over and the request never became a candidate, so on an idle fleet it waited until 429."""
+    settings = settings_for(key_prefix, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    keys = Keys(key_prefix)
+    store = make_store(settings, client)
+    ResultStore(client, keys, settings).record("a/q1", project="a", state="pending")
+    store.add_pending(PendingItem("a/q1", "a", 100, 500, band="interactive"))
+    client.close()
+
+    async def body(admission: Admission, store: Any, client: redis.Redis, keys: Keys
+                   ) -> tuple[set[str], int]:
+        enqueued_at = await admission.enqueue("a/g1", "a", "interactive", 100, 500, 30)
+        grant = await admission.next_grant("a/g1", 5)
+        assert grant is not None, "the gateway request waited behind its own project's queued job"
+        ticket = await admission.claim("a/g1", "a", grant, enqueued_at)
+        pending, in_flight = store.pending_ids(), store.snapshot().in_flight
+        await admission.release(ticket)
+        return pending, in_flight
+
+    assert run_gateway_side(redis_url, key_prefix, body, admits=True) == ({"a/q1"}, 1)
+
+
+def test_the_gated_round_takes_gateway_requests_in_queue_order_under_the_cap(
+    redis_url: str, key_prefix: str,
+) -> None:
+    """Three gateway requests wait behind a queued job in one queue while no inference worker is
+    live: the round grants them in line order up to the sequence cap (2) and no further; the
+    queued job keeps its place."""
+    settings = settings_for(key_prefix, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    store = make_store(settings, client)
+    ResultStore(client, Keys(key_prefix), settings).record("a/q1", project="a", state="pending")
+    store.add_pending(PendingItem("a/q1", "a", 100, 500, band="interactive"))
+    now = time.time()
+    granted: list[str] = []
+    for ref in ("a/g1", "a/g2", "a/g3"):
+        item = PendingItem(ref, "a", 100, 500, band="interactive", deadline=now + 30)
+        results, _ = store.enter_gateway(item, "gateway-1", now, True, 0 if ref != "a/g3" else 8)
+        granted += [r.grant.job_id for r in results if r.grant is not None]
+    assert granted == ["a/g1", "a/g2"]
+    assert store.pending_ids() == {"a/q1", "a/g3"}
+    assert store.snapshot().in_flight == 2
+    client.close()
+
+
+def test_the_worker_gate_reads_heartbeats_by_redis_clock_not_the_gateway_hosts(
+    redis_url: str, key_prefix: str,
+) -> None:
+    """Heartbeats are stamped by Redis's clock. Before, the gateway compared them with its own
+    host's clock: a host 30 s behind counted a worker that lapsed 10 s ago as live and granted a
+    queued job into fleet.infer, which nobody reads."""
+    settings = settings_for(key_prefix, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    keys = Keys(key_prefix)
+    store = make_store(settings, client)
+    redis_now = float(client.time()[0])
+    client.zadd(keys.infer_workers, {instance_id("infer@gone"): redis_now - 10})
+    ResultStore(client, keys, settings).record("a/q1", project="a", state="pending")
+    store.add_pending(PendingItem("a/q1", "a", 100, 500))
+    host_now = redis_now - 30
+    results, fence = store.enter_gateway(
+        PendingItem("a/g1", "a", 100, 500, band="interactive", deadline=host_now + 30),
+        "gateway-1", host_now, True, 8)
+    assert fence and [r.grant.job_id for r in results if r.grant is not None] == ["a/g1"]
+    assert store.pending_ids() == {"a/q1"}
+    client.close()

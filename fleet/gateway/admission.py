@@ -12,8 +12,10 @@ Design: one atomic decision for queue and gateway traffic. The gateway
      record and the GATEWAY script, which is ADD + ADMIT + CLAIM, in one round trip, one hop
      off the event loop). Grants of this process's other waiting requests go straight to their
      futures; other grants go where a dispatcher's ``send`` sends them. While the worker gate is
-     on (``admission.worker_gate``) and no inference worker is live, the round grants gateway
-     requests only: a queued job keeps its place in line, as the dispatchers hold it; else
+     on (``admission.worker_gate``) and no inference worker is live (by Redis's clock, which
+     stamps the heartbeats), the round grants gateway requests only, past queued jobs (even
+     its own project's, in its own queue): a queued job keeps its place in line, as the
+     dispatchers hold it; else
   4. waits for its grant on a future that this process's one listener resolves.
 
 The admission (the one atomic Lua script) picks it by fair share like any job, counts it against

@@ -207,7 +207,8 @@ class RedisStore:
         """A gateway request's way in, one GATEWAY call (usually one round trip): ``add_pending``,
         one admission round of up to ``max_grants`` grants (0: none) and, when the round granted
         the item itself, its ``claim`` by ``owner``. With ``worker_gate`` and no live inference
-        worker, the round grants gateway requests only (queued jobs keep their place). Returns
+        worker (by Redis's clock, not ``now``), the round grants gateway requests only, each
+        queue's first gateway request standing in for its head (queued jobs keep their place). Returns
         the round's results as ``admit_many``'s and the fence of the own claimed lease (0: not
         granted in this call; the item is pending). ``before(pipeline)`` queues commands sent
         in the same round trip ahead of the script (the gateway's job record, which must exist

@@ -23,7 +23,8 @@
 --       sequences in flight at most when a long prefill goes), long_prefills (long prefills one
 --       window may take), long_threshold, then (project, weight) per project, in the same order as the keys.
 -- A candidate the prelude's `admit_only` refuses (when a calling script set it) is passed over with
--- the reason 'no_workers'.
+-- the reason 'no_workers'; a queue's head is the prelude's `admit_head` (when set) instead of its
+-- first member.
 -- A long prefill is a head whose uncached tokens (the item's last field) are above the long
 -- threshold (`long_threshold`, ARGV[17]).
 -- Returns {'stale', members} when the projects set holds a project the caller did not name
@@ -59,7 +60,9 @@ local function read_heads(pr)
     heads[band] = {}
     for z, size in ipairs(SIZES) do
       local queue = KEYS[pr.k + 2 * (b - 1) + (z - 1)]
-      local top = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')
+      local top
+      if admit_head then top = admit_head(queue, pr.name, band, size)
+      else top = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES') end
       if top[1] then
         local f = item_get(items, top[1])
         local uncached = tonumber(f.uncached)

@@ -22,6 +22,11 @@
 -- ADMIT grants only candidates this predicate accepts, when a script that calls ADMIT sets it
 -- (GATEWAY: only gateway requests while no inference worker is live); nil: every candidate.
 local admit_only = nil
+-- ADMIT reads the head of a queue with this function, when a script that calls ADMIT sets it:
+-- admit_head(queue, project, band, size) -> {id, score} or {} (GATEWAY, while no inference worker
+-- is live: the first gateway request in that queue, which may wait behind queued jobs); nil: the
+-- queue's first member.
+local admit_head = nil
 
 local function num(v, default) if v then return tonumber(v) end return default end
 local function fmt(x) return string.format('%.17g', x) end
