@@ -11,7 +11,6 @@ import redis
 
 from fleet.core.keys import Keys
 from schedulers.policy.limits import kv_tokens
-from schedulers.store.base import Growth
 from schedulers.store.redis_store import RedisStore
 
 from .test_store import BASE, FakeClock, StoreFactory, admit_ids, job, limits, make_store
@@ -126,17 +125,22 @@ def test_the_next_turns_prompt_grows_the_item_and_the_store_names_the_turn(
     assert store.turn_of("j0") == 1 and store.snapshot().long_in_flight == 1
 
 
-def test_a_prompt_past_the_kv_budget_is_not_grown(make_store: StoreFactory) -> None:
-    """Before, ``grow`` had no cap: a waiting job grew past the whole KV budget and, in line, was
-    held for KV while anything ran and held every project's admissions at the head of the line."""
+def test_a_prompt_past_the_kv_budget_grows_and_is_admitted_alone(make_store: StoreFactory) -> None:
+    """As a new job of that size would be (``test_job_bigger_than_the_budget_goes_alone``).
+    Before, ``grow`` refused it and the tool worker ended the job E_PROMPT_TOO_LONG."""
     store = make_store(limits(max_num_seqs=4, kv_budget_tokens=20_000))
     store.add_pending(job("j0"))
     grant = store.admit_next(1_010.0).grant
     assert grant is not None
     assert store.readmit("j0", grant.fence, 400, 1_050.0, 1_011.0, prompt_tokens=2_500, turn=1)
-    assert store.grow("j0", 100_000) == Growth.PAST_KV_BUDGET
-    assert store.grow("j0", 12_000) == Growth.GROWN  # still waiting, as it was
-    assert store.grow("j0", 11_000) == Growth.UNCHANGED
+    assert store.grow("j0", 30_000)
+    assert not store.grow("j0", 12_000)  # never smaller
+    store.add_pending(job("j1"))
+    other = store.admit_next(1_012.0).grant
+    assert other is not None and other.job_id == "j1"
     assert store.promote_due(1_050.0) == ["j0"]
-    again = store.admit_next(1_051.0).grant
-    assert again is not None and again.prompt_tokens == 12_000
+    assert store.admit_next(1_051.0).hold_reason == "kv"  # j1 is in flight
+    assert store.release("j1", other.fence)
+    again = store.admit_next(1_052.0).grant
+    assert again is not None and again.job_id == "j0" and again.prompt_tokens == 30_000
+    assert again.kv_tokens == kv_tokens(30_000, 400, BASE.limits.block_tokens) > 20_000

@@ -18,8 +18,9 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from fleet.core.codes import Code
 from fleet.core.config import ToolSettings
-from fleet.core.keys import Keys
-from fleet.core.seal import seal_turn
+from fleet.core.events import EventSink
+from fleet.core.keys import Keys, split_ref
+from fleet.core.seal import seal_turn, sign_cancel
 from fleet.infer import tools
 from fleet.infer.carryover import load_attempts
 from fleet.worker.runtime import Runtime
@@ -32,6 +33,8 @@ __all__ = ["rt", "sim"]
 
 QUERY = {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}
 REGISTRY = {"search_docs": ToolSettings(task="t.search", parameters=QUERY)}
+BIG_RESULT = "invoice " * 2400  # below MAX_RESULT_CHARS
+LARGE_RESULT = "invoice " * 600
 
 
 def call(name: str, arguments: str, call_id: str = "c1") -> dict[str, Any]:
@@ -112,29 +115,39 @@ def test_the_tool_task_runs_only_calls_of_the_jobs_sealed_open_round(rt: Runtime
     assert infer_job(rt, ref, "reports", admit(rt, ref, 2e9)) == "E_AUTH"
 
 
-def test_results_count_per_round(redis_client: redis.Redis, rt: Runtime) -> None:
-    for call_id in ("a", "b"):
-        have = tools.save_result(rt.redis, rt.keys, rt.settings, "reports/j3", 2, call_id, {"ok": True})
-    tools.save_result(rt.redis, rt.keys, rt.settings, "reports/j3", 1, "a", {"ok": True})
-    assert have == 2
+def test_a_round_is_complete_once_each_valid_call_has_a_counted_result() -> None:
+    round_ = {"number": 1, "calls": [{"id": "a", "error": None}, {"id": "b", "error": None},
+                                     {"id": "x", "error": "unknown tool 'x'"}]}
+    counted = {"ok": True, "content": "found", "tokens": 40}
+    assert not tools.round_complete(round_, {"a": counted})  # b is missing
+    assert not tools.round_complete(round_, {"a": counted, "b": {"ok": True, "content": "found"}})
+    assert tools.round_complete(round_, {"a": counted, "b": counted})  # x never ran
+
+
+def waiting_round(rt: Runtime, call_ids: tuple[str, ...],
+                  max_model_len: int = 4000) -> tuple[str, list[dict[str, Any]]]:
+    """A job readmitted after turn 1 with a round of ``search_docs`` calls (prompt so far 100
+    tokens, max_tokens 500): it waits for the tools, no slot; ``reports`` registers the tool."""
+    ref = submit(rt, "Sum the invoices. [sim:think=20]")
+    fence = admit(rt, ref, time.time())
+    assert rt.store.readmit(ref, fence, 500, time.time() + 100, time.time(), prompt_tokens=100,
+                            turn=1)
+    calls = [{"id": i, "name": "search_docs", "arguments": '{"query": "q"}', "error": None}
+             for i in call_ids]
+    turn = json.dumps({"number": 1, "plan": {"prompt_tokens": 100, "max_tokens": 500,
+                                             "max_model_len": max_model_len},
+                       "tool_rounds": [{"number": 1, "calls": calls}]})
+    rt.results.record(ref, turn=turn, turn_seal=seal_turn(rt.settings, ref, turn))
+    rt.settings = rt.settings.model_copy(update={"projects": {**rt.settings.projects, "reports":
+        rt.settings.projects["reports"].model_copy(update={"tool_registry": {
+            "search_docs": ToolSettings(task="tests.search_docs", parameters=QUERY)}})}})
+    return ref, calls
 
 
 def test_a_round_of_parallel_calls_is_put_in_line_when_its_last_result_is_in(rt: Runtime) -> None:
     """Two calls of one round run as two tasks; the job waits (no slot) until both are in."""
-    ref = submit(rt, "Sum the invoices. [sim:think=20]")
-    fence = admit(rt, ref, time.time())
-    assert rt.store.readmit(ref, fence, 500, time.time() + 100, time.time(), prompt_tokens=100,
-                            turn=1)  # waits for the tools
-    calls = [{"id": i, "name": "search_docs", "arguments": '{"query": "q"}', "error": None}
-             for i in ("a", "b")]
-    turn = json.dumps({"number": 1, "plan": {"prompt_tokens": 100, "max_tokens": 500, "max_model_len": 4000},
-                       "tool_rounds": [{"number": 1, "calls": calls}]})
-    rt.results.record(ref, turn=turn, turn_seal=seal_turn(rt.settings, ref, turn))
+    ref, calls = waiting_round(rt, ("a", "b"))
     tasks = {"tests.search_docs": lambda **kw: {"found": kw["query"]}}
-    settings = rt.settings.model_copy(update={"projects": {**rt.settings.projects, "reports":
-        rt.settings.projects["reports"].model_copy(update={"tool_registry": {
-            "search_docs": ToolSettings(task="tests.search_docs", parameters=QUERY)}})}})
-    rt.settings = settings
     waiting = rt.store.next_not_before()
     assert tool_job(rt, tasks, ref, 1, "a") == "ok"
     assert rt.store.next_not_before() == waiting  # one of two results: still waiting
@@ -149,6 +162,26 @@ def test_a_round_of_parallel_calls_is_put_in_line_when_its_last_result_is_in(rt:
     assert [r["tokens"] for r in found.values()] == [each, each]
     grant = rt.store.admit_next(time.time()).grant
     assert grant is not None and grant.prompt_tokens == 100 + 2 * each
+
+
+def test_a_result_stored_but_not_yet_counted_keeps_its_round_waiting(rt: Runtime) -> None:
+    """A tool worker stores its result before counting it. Before, storing already made the
+    round complete: a sibling finishing meanwhile put the job in line, its KV reservation short
+    of the uncounted result (a 4,800-token result admitted as a 133-token prompt), and the
+    first worker's grow came too late to change it. Now the worker whose count lands last puts
+    the job in line, grown by every result."""
+    ref, _calls = waiting_round(rt, ("a", "b"), max_model_len=40_000)
+    # worker a: its tool returned BIG_RESULT, stored at once, not counted yet
+    tools.save_result(rt.redis, rt.keys, rt.settings, ref, 1, "a", {"ok": True, "content": BIG_RESULT})
+    assert tool_job(rt, {"tests.search_docs": lambda **kw: "small"}, ref, 1, "b") == "ok"
+    assert rt.store.promote_due(time.time()) == []  # a's size is not in yet: still waiting
+    # worker a counts its result (the task runs the tool again: results are stored by call id)
+    assert tool_job(rt, {"tests.search_docs": lambda **kw: BIG_RESULT}, ref, 1, "a") == "ok"
+    assert rt.store.promote_due(time.time()) == [ref]
+    grant = rt.store.admit_next(time.time()).grant
+    big, small = (rt.counter.count_text(text)[0] + tools.RESULT_FRAMING_TOKENS
+                  for text in (BIG_RESULT, "small"))
+    assert grant is not None and grant.prompt_tokens == 100 + big + small
 
 
 @pytest.mark.parametrize(("role_runs_tools", "known"), [(False, False), (True, True)])
@@ -171,8 +204,6 @@ def test_only_a_worker_that_runs_tools_knows_the_tool_tasks(tmp_path: Path, role
 
 
 # -- a whole round in one process: the inference task, the tool task, the next turn --------------
-BIG_RESULT = "invoice " * 2400  # below MAX_RESULT_CHARS
-LARGE_RESULT = "invoice " * 600
 
 
 @pytest.fixture
@@ -302,27 +333,24 @@ def small_kv_rt(sim: str, key_prefix: str, redis_client: redis.Redis) -> Iterato
                             "untrusted": False, "timeout_s": 30}}})
 
 
-def test_a_result_past_the_kv_budget_ends_the_job_and_admissions_go_on(small_kv_rt: Runtime) -> None:
-    """Before, the waiting job grew past the KV budget: in line, it was held for KV as long as
-    anything ran and, at the head, held every project's admissions (head-of-line), then, admitted
-    alone, ended E_PROMPT_TOO_LONG at once."""
+def test_a_result_past_the_kv_budget_is_admitted_alone_like_a_new_job(small_kv_rt: Runtime) -> None:
+    """Admission takes an item past the whole KV budget alone, once nothing else is in flight.
+    Before, the tool worker ended such a job E_PROMPT_TOO_LONG (its grow refused), although a
+    new job of the same size would have been admitted."""
     rt, sent = small_kv_rt, Sent()
     rt.send_task = sent
-    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1]")
+    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1] [sim:think=20]")
     assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "continued"
     running = submit(rt, "Other work. [sim:think=20]", project="b")
-    admit(rt, running, time.time())  # project b holds KV meanwhile
-    (task,) = sent.tasks
-    assert tool_job(rt, {"tests.search_docs": lambda **kw: BIG_RESULT}, ref, 1,
-                     task["call_id"]) == Code.E_PROMPT_TOO_LONG.value
-    final = envelope(rt, ref)
-    assert final is not None and final.code == Code.E_PROMPT_TOO_LONG
-    assert "KV budget" in final.message
-    rt.store.promote_due(time.time())
-    waiting = [submit(rt, f"More work {i}. [sim:think=20]", project="b") for i in range(3)]
-    granted = [rt.store.admit_next(time.time()).grant for _ in waiting]
-    assert [g.job_id if g else None for g in granted] == waiting
-    assert len(load_attempts(rt.redis, rt.keys, ref)) == 1  # never admitted again
+    fence = admit(rt, running, time.time())  # project b holds KV meanwhile
+    run_sent_tools(rt, sent, {"tests.search_docs": lambda **kw: BIG_RESULT})
+    assert rt.store.promote_due(time.time()) == [ref]
+    assert rt.store.admit_next(time.time()).hold_reason == "kv"
+    assert rt.store.release(running, fence)
+    grant = rt.store.admit_next(time.time()).grant
+    assert grant is not None and grant.job_id == ref
+    assert grant.kv_tokens > rt.store.config.limits.kv_budget_tokens
+    assert infer_job(rt, ref, "reports", grant.fence) == "OK"
 
 
 def test_a_round_whose_tasks_were_never_sent_is_sent_again_not_timed_out(
@@ -379,6 +407,57 @@ def test_a_round_whose_mark_failed_after_readmit_is_sent_again_at_once(
     assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "OK"
     final = envelope(rt, ref)
     assert final is not None and final.tool_rounds[0]["sends"] == 2
+
+
+def test_a_failing_continuation_event_keeps_no_tool_back(
+        tool_rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the round's tools went out after the ``continuation`` event: an event that failed
+    kept them back, and the job waited its round's whole timeout for tools never sent."""
+    rt, sent = tool_rt, Sent()
+    rt.send_task = sent
+    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1] [sim:think=30]")
+    emit = EventSink.emit
+
+    def continuation_fails(sink: EventSink, kind: str, **data: Any) -> None:
+        if kind == "continuation":
+            raise redis.ConnectionError("simulated blip")
+        emit(sink, kind, **data)
+
+    monkeypatch.setattr(EventSink, "emit", continuation_fails)
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "continued"
+    monkeypatch.undo()
+    assert len(sent.tasks) == 1
+    run_sent_tools(rt, sent, {"tests.search_docs": lambda **kw: "invoice-2024-03.pdf"})
+    assert rt.store.promote_due(time.time()) == [ref]  # complete: in line at once
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "OK"
+
+
+def test_a_job_cancelled_during_its_tool_turn_ends_though_its_round_could_not_be_sent(
+        tool_rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, a round that could not be marked sent returned before the cancel check: the
+    cancelled job was put in line and ran another turn."""
+    rt, sent = tool_rt, Sent()
+    rt.send_task = sent
+    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1] [sim:think=30]")
+    project, job_id = split_ref(ref)
+    readmit = rt.store.readmit
+
+    def readmit_then_cancel(*args: Any, **kwargs: Any) -> bool:
+        done = readmit(*args, **kwargs)  # the cancel comes in as the turn gives its slot up
+        rt.redis.set(rt.keys.cancel(ref), sign_cancel(project, job_id, rt.settings.projects[project].secret))
+        return done
+
+    def blip(*_args: Any, **_kwargs: Any) -> None:
+        raise redis.ConnectionError("simulated blip")
+
+    monkeypatch.setattr(rt.store, "readmit", readmit_then_cancel)
+    monkeypatch.setattr(tools, "mark_sent", blip)
+    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == Code.E_CANCELLED.value
+    monkeypatch.undo()
+    final = envelope(rt, ref)
+    assert final is not None and final.code == Code.E_CANCELLED
+    assert sent.tasks == [] and rt.store.next_not_before() is None
+    assert ref not in rt.store.pending_ids()
 
 
 def _worker_start_lines(config: Path, role: str) -> list[str]:

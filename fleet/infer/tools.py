@@ -28,13 +28,16 @@ One round, across processes::
     timeout), and stores the result or the error, sealed, in ``{p}tools:{<ref>}`` (field
     ``<round>:<call id>``) at once, then again with its size in tokens (the backend's tokenizer
     and ``RESULT_FRAMING_TOKENS``; a soft limit landing after the tool returned is ridden out);
-    the waiting job's admission size grows to the turn's prompt and the results in so far
-    (``store.grow``: never smaller, so two workers may report in any order). The last result of
-    a round moves the job's not-before time to now (``store.hurry``): it is put in line at once.
-    A job whose next turn can never be sent (``never_sent``: past max_model_len) or admitted
-    (``grow`` refuses a KV reservation past the KV budget) ends there E_PROMPT_TOO_LONG, taken
-    out of the store unadmitted: in line it would wait for nothing and, held for KV at the head
-    of the line, hold every project's admissions.
+    it then reads the round's results and grows the waiting job's admission size to the turn's
+    prompt and the results counted so far (``store.grow``: never smaller, so two workers may
+    report in any order). The worker that finds every result of the round in AND counted
+    (``round_complete``; a result stored but not yet counted does not complete it) moves the
+    job's not-before time to now (``store.hurry``), after its grow: the job is put in line at
+    once, with every result's size in its admission. A job whose next turn can never be sent
+    (``never_sent``: past max_model_len) ends there E_PROMPT_TOO_LONG, taken out of the store
+    unadmitted: in line it would wait for nothing. A next prompt whose KV reservation passes the
+    KV budget is grown like any other: admission takes such an item alone, when nothing else is
+    in flight, exactly as it would a new job of that size.
   inference worker (turn N+1, admitted like any continuation)
     reads the round's results; a missing one is a timeout: E_TOOL_TIMEOUT, a failed one
     E_TOOL_FAILED, or either goes back to the model as the tool's result (``on_error = "model"``).
@@ -86,7 +89,8 @@ KILL_GRACE_S = 2.0
 # More time under the hard limit for what follows the tool: storing its result, counting it
 # (the backend's tokenizer, 5 s timeout; twice if the soft limit cut the first count), growing
 # and hurrying the waiting job. The result is stored before it is counted, so a kill during the
-# count loses only its size.
+# count loses only its size (the round is then not complete before its timeout; the next turn
+# reads the result and counts its whole prompt before sending).
 SETTLE_S = 12.0
 # Sends of a round whose tasks never left (the worker lost Redis between saving and sending).
 MAX_ROUND_SENDS = 3
@@ -169,18 +173,15 @@ def result_field(round_number: int, call_id: str) -> str:
 
 
 def save_result(client: redis.Redis, keys: Keys, settings: Settings, ref: str, round_number: int,
-                call_id: str, result: dict[str, Any]) -> int:
-    """Store one call's result, sealed; returns how many results the round has now."""
+                call_id: str, result: dict[str, Any]) -> None:
+    """Store one call's result, sealed (stored again once it carries its ``tokens``)."""
     text = json.dumps(result)
     field = result_field(round_number, call_id)
     sealed = json.dumps({"result": text, "seal": seal_turn(settings, f"{ref}#{field}", text)})
     pipe = client.pipeline()
     pipe.hset(keys.tools(ref), field, sealed)
     pipe.expire(keys.tools(ref), settings.result_ttl_s)
-    pipe.hkeys(keys.tools(ref))
-    fields = pipe.execute()[2]
-    prefix = f"{round_number}:".encode()
-    return sum(1 for f in fields if (f if isinstance(f, bytes) else f.encode()).startswith(prefix))
+    pipe.execute()
 
 
 def sent_field(round_number: int) -> str:
@@ -218,6 +219,14 @@ def load_results(client: redis.Redis, keys: Keys, settings: Settings, ref: str,
         except (ValueError, KeyError, TypeError):
             continue
     return found
+
+
+def round_complete(round_: dict[str, Any], results: dict[str, dict[str, Any]]) -> bool:
+    """Every valid call of the round has its result in AND counted (``tokens``). A result is
+    stored before it is counted (so a limit landing in the count never loses it): one without
+    its size is not complete yet, else the job would be put in line before its size grew (the
+    worker whose count lands last sees every size, grows the job by all of them, then hurries)."""
+    return all("tokens" in results.get(c["id"], {}) for c in round_["calls"] if c["error"] is None)
 
 
 def counted_text(result: dict[str, Any]) -> str:

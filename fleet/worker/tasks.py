@@ -19,8 +19,8 @@ fleet.tool (queue of the tool, kwargs ref, round_number, call_id; sent by an inf
   runs one tool call of a job's tool round (fleet/infer/tools.py): only a call the job's sealed
   current turn names (the same check as fleet.infer's), with the arguments it names; stores the
   result sealed (first, then again with its size in tokens), grows the waiting job's admission
-  size by it and, with the round's last result, puts the job in line at once; a job whose next
-  turn can never be sent or admitted ends E_PROMPT_TOO_LONG there, unadmitted.
+  size by it and, once every result of the round is in and counted, puts the job in line at
+  once; a job whose next turn can never be sent ends E_PROMPT_TOO_LONG there, unadmitted.
 fleet.infer (queue fleet.infer, kwargs ref, project, fence; sent by a dispatcher)
   stale fence (duplicate or late delivery) -> drop; already final (cancelled) -> release, drop;
   the ref, the task, the lease, the record and the sealed job must name one project, and the seal
@@ -31,7 +31,8 @@ fleet.infer (queue fleet.infer, kwargs ref, project, fence; sent by a dispatcher
   needs another turn: retry, re-ask, backend outage) is saved sealed in the job hash (``turn``,
   state "pending"), then ``readmit`` gives the lease up and puts the job back in line at its place
   with the next turn's plan and prompt, not before its backoff (schedulers/store/base.py,
-  Continuations), and records the turn's number. A
+  Continuations), and records the turn's number; then a job cancelled meanwhile ends, else a
+  tool round's tasks go out (before anything else: the job waits for them). A
   worker whose lease was lost publishes nothing: the job is already pending again.
   Between two turns nothing runs and nothing is held: a worker dying after saving the turn and
   before ``readmit`` leaves the lease to expire, and the reaped job resumes from the saved turn
@@ -74,7 +75,7 @@ from fleet.worker.lease import LeaseKeeper
 from fleet.worker.metrics import WorkerMetrics, serve_when_started
 from fleet.worker.runtime import Runtime
 from schedulers.backoff import Backoff
-from schedulers.store.base import Growth, PendingItem
+from schedulers.store.base import PendingItem
 
 if TYPE_CHECKING:  # the inference modules are imported on first use, in the worker that runs one
     from fleet.infer.attempts import Continuation
@@ -334,7 +335,9 @@ def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
     """Save the next turn, give the lease up, back in line (module docstring). A Redis error
     before ``readmit`` is done leaves the lease to expire: the reaped job resumes from what was
     saved. One after it leaves the job readmitted (no lease): its next turn goes on from the
-    saved turn, and sends a tool round that was not marked sent again."""
+    saved turn, and sends a tool round that was not marked sent again. Once readmitted: a job
+    cancelled meanwhile ends (checked first, whether or not its tools could go out), else the
+    round's tools are sent, then the ``continuation`` event is recorded."""
     turn_json = json.dumps(cont.turn)
     try:
         rt.results.record(ref, state="pending", pending_at=time.time(), turn=turn_json,
@@ -346,17 +349,21 @@ def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
         log.warning("continuation of job=%s not readmitted (%r): its lease will expire", ref, exc)
         return "readmit-failed"
     try:
-        _events(rt, ref).emit("continuation", how=cont.how, cause=cont.cause.value,
-                              delay_s=round(cont.delay_s, 3), max_tokens=cont.max_tokens)
-        if cont.tool_calls and not _send_tools(rt, ref, cont):
-            return "tools-unsent"
         if cancel_requested(rt, ref) and rt.store.cancel_pending(ref):
             owner, job_id = split_ref(ref)  # cancelled while this turn ran: never run another
             return _fail(rt, job_id, owner, Code.E_CANCELLED, "cancelled between turns")
     except redis.RedisError as exc:
         log.warning("continuation of job=%s readmitted, then Redis failed (%r): its next turn goes "
                     "on from the saved turn", ref, exc)
-    return "continued"
+    # The round's tools go out before the event: a record for watchers, it must never keep
+    # them from going out (the job would wait its round's whole timeout for them).
+    sent = not cont.tool_calls or _send_tools(rt, ref, cont)
+    try:
+        _events(rt, ref).emit("continuation", how=cont.how, cause=cont.cause.value,
+                              delay_s=round(cont.delay_s, 3), max_tokens=cont.max_tokens)
+    except Exception:  # the job is readmitted and its tools are out: the turn is done
+        log.exception("continuation event of job=%s not recorded", ref)
+    return "continued" if sent else "tools-unsent"
 
 
 def _send_tools(rt: Runtime, ref: str, cont: Continuation) -> bool:
@@ -386,10 +393,21 @@ def _send_tools(rt: Runtime, ref: str, cont: Continuation) -> bool:
                          kwargsrepr=f"job={ref} tool={call['name']} round={number}")
         except Exception as exc:  # the broker: the call fails as not sent, the job goes on
             log.warning("tool task of job=%s call=%s not sent: %r", ref, call["id"], exc)
+            failed = _counted(rt, {"ok": False, "error": f"the tool task could not be sent: "
+                                                         f"{type(exc).__name__}"})
             with contextlib.suppress(redis.RedisError):
-                tools_mod.save_result(rt.redis, rt.keys, rt.settings, ref, number, call["id"], {
-                    "ok": False, "error": f"the tool task could not be sent: {type(exc).__name__}"})
+                tools_mod.save_result(rt.redis, rt.keys, rt.settings, ref, number, call["id"], failed)
     return True
+
+
+def _counted(rt: Runtime, result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with its size in the next turn's prompt (``tokens``: what the model will read,
+    counted by the backend's tokenizer, and its message's framing); a round is complete only
+    once each of its results carries it (fleet/infer/tools.py ``round_complete``)."""
+    from fleet.infer import tools as tools_mod
+
+    text = tools_mod.counted_text(result)
+    return {**result, "tokens": rt.counter.count_text(text)[0] + tools_mod.RESULT_FRAMING_TOKENS}
 
 
 def tool_job(rt: Runtime, tasks: Any, ref: str, round_number: int, call_id: str) -> str:
@@ -423,37 +441,33 @@ def _settle_result(rt: Runtime, ref: str, turn: dict[str, Any], round_: dict[str
     """After the tool returned: store its result FIRST (the tool has run and its effects are
     done: a limit or a kill landing later must not turn them into a timeout), then count it
     where the text is (the next turn's admission reserves for it), grow the waiting job by it
-    and, with the round's last result, put the job in line at once. Celery's soft time limit
+    and, once the round is complete, put the job in line at once. Celery's soft time limit
     (meant for the tool) may still fire here: each step runs again once (all are idempotent);
-    the hard limit leaves ``tools.SETTLE_S`` for these steps. A job whose next prompt can never
-    be admitted (past max_model_len next to its max tokens, or past the KV budget) ends here
-    E_PROMPT_TOO_LONG instead of waiting in line for nothing."""
+    the hard limit leaves ``tools.SETTLE_S`` for these steps. The round is complete once every
+    result is in with its size, as read back after this one is stored counted: the worker whose
+    count lands last grows the job by all of them, then hurries it (a result stored but not yet
+    counted keeps the round open: the job is never put in line with a result's size missing
+    from its KV reservation). A job whose next prompt can never be sent (past max_model_len next
+    to its max tokens) ends here E_PROMPT_TOO_LONG instead of waiting in line for nothing."""
     from fleet.infer import tools as tools_mod
 
     number, call_id = round_["number"], call["id"]
 
-    def save() -> int:
-        return tools_mod.save_result(rt.redis, rt.keys, rt.settings, ref, number, call_id, result)
+    def save(stored: dict[str, Any]) -> None:
+        tools_mod.save_result(rt.redis, rt.keys, rt.settings, ref, number, call_id, stored)
 
-    _past_soft_limit(save)
-    text = tools_mod.counted_text(result)
-    result["tokens"] = (_past_soft_limit(lambda: rt.counter.count_text(text))[0]
-                        + tools_mod.RESULT_FRAMING_TOKENS)
-    have = _past_soft_limit(save)
+    _past_soft_limit(lambda: save(result))
+    counted = _past_soft_limit(lambda: _counted(rt, result))
+    _past_soft_limit(lambda: save(counted))
     _past_soft_limit(lambda: _events(rt, ref).emit(
         "tool_result", number=number, call=call_id, name=call["name"], ok=result["ok"],
         duration_s=result.get("duration_s")))
     results = _past_soft_limit(lambda: tools_mod.load_results(rt.redis, rt.keys, rt.settings, ref, round_))
-    prompt = tools_mod.next_prompt_tokens(turn, results)
     why = tools_mod.never_sent(turn, results)
-    if why is None and _past_soft_limit(lambda: rt.store.grow(ref, prompt)) == Growth.PAST_KV_BUDGET:
-        why = (f"with the results of tool round {number} so far the next turn's prompt is about "
-               f"{prompt} tokens: with max_tokens {turn['plan']['max_tokens']} its KV reservation "
-               f"passes the KV budget ({rt.store.config.limits.kv_budget_tokens} tokens)")
     if why is not None:
         return _end_waiting(rt, ref, turn, Code.E_PROMPT_TOO_LONG, why)
-    if have >= sum(1 for c in round_["calls"] if c["error"] is None):
-        # the round is complete: in line now, not at its timeout
+    _past_soft_limit(lambda: rt.store.grow(ref, tools_mod.next_prompt_tokens(turn, results)))
+    if tools_mod.round_complete(round_, results):  # in line now, not at the round's timeout
         _past_soft_limit(lambda: rt.store.hurry(ref, time.time()))
     return "ok" if result["ok"] else "failed"
 

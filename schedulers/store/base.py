@@ -44,7 +44,6 @@ schedules a not-before time at or past the deadline).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from schedulers.policy.limits import Limits
@@ -53,14 +52,6 @@ if TYPE_CHECKING:
     from fleet.core.config import Settings
 
 Band = Literal["interactive", "batch"]
-
-
-class Growth(IntEnum):
-    """What ``grow`` did (the Lua script returns the same numbers)."""
-
-    UNCHANGED = 0  # the job is not waiting, or its prompt is already that large
-    GROWN = 1
-    PAST_KV_BUDGET = -1  # not grown: its KV reservation would pass the whole KV budget
 
 
 @dataclass(frozen=True)
@@ -193,13 +184,12 @@ class AdmissionStore(Protocol):
         (``turn_of``). False for a stale fence."""
         ...
 
-    def grow(self, job_id: str, prompt_tokens: int) -> Growth:
+    def grow(self, job_id: str, prompt_tokens: int) -> bool:
         """A waiting continuation's next prompt grows to ``prompt_tokens`` (a tool result came
-        in; never smaller), its uncached tokens by as much, KV and size follow. UNCHANGED when
-        the job is not waiting or its prompt is already that large; PAST_KV_BUDGET (nothing
-        changed) when its KV reservation would pass the KV budget: such a job could never be
-        admitted beside anything else, and at the head of the line it would hold every
-        project's admissions (the caller ends it instead)."""
+        in; never smaller), its uncached tokens by as much, KV and size follow; False when the
+        job is not waiting or its prompt is already that large. No cap: an item whose KV
+        reservation passes the whole KV budget is admitted alone, when nothing else is in
+        flight, like a new job of that size (admission's rule, ``limits.check_job``)."""
         ...
 
     def turn_of(self, job_id: str) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from schedulers.policy import fairshare, limits
 from schedulers.policy.backend_gate import gate_reason
-from schedulers.store.base import AdmitResult, Grant, Growth, PendingItem, StoreConfig, StoreSnapshot
+from schedulers.store.base import AdmitResult, Grant, PendingItem, StoreConfig, StoreSnapshot
 
 QueueKey = tuple[str, str, str]  # project, band, size
 
@@ -276,17 +276,13 @@ class MemoryStore:
         size = "long" if prompt_tokens > self.config.limits.long_prompt_tokens else "short"
         return replace(entry, item=item, size=size)
 
-    def grow(self, job_id: str, prompt_tokens: int) -> Growth:
+    def grow(self, job_id: str, prompt_tokens: int) -> bool:
         with self._lock:
             waiting = self._deferred.get(job_id)
             if waiting is None or prompt_tokens <= waiting[1].item.prompt_tokens:
-                return Growth.UNCHANGED
-            config = self.config.limits
-            if limits.kv_tokens(prompt_tokens, waiting[1].item.max_new_tokens,
-                                config.block_tokens) > config.kv_budget_tokens:
-                return Growth.PAST_KV_BUDGET
+                return False
             self._deferred[job_id] = (waiting[0], self._grown(waiting[1], prompt_tokens))
-            return Growth.GROWN
+            return True
 
     def turn_of(self, job_id: str) -> int:
         with self._lock:

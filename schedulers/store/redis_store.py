@@ -93,7 +93,7 @@ from fleet.core.keys import Keys
 from fleet.core.lua import Scripts
 from schedulers.policy import fairshare
 from schedulers.policy.limits import kv_tokens
-from schedulers.store.base import AdmitResult, Grant, Growth, PendingItem, StoreConfig, StoreSnapshot
+from schedulers.store.base import AdmitResult, Grant, PendingItem, StoreConfig, StoreSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -336,12 +336,11 @@ class RedisStore:
                 prompt, uncached, turn]
         return bool(self._run("readmit", keys, args))
 
-    def grow(self, job_id: str, prompt_tokens: int) -> Growth:
+    def grow(self, job_id: str, prompt_tokens: int) -> bool:
         limits = self.config.limits
         keys = [self._key("deferred"), self._key("items")]
-        args = [job_id, prompt_tokens, limits.block_tokens, limits.long_prompt_tokens,
-                limits.kv_budget_tokens]
-        return Growth(int(self._run("grow", keys, args)))
+        args = [job_id, prompt_tokens, limits.block_tokens, limits.long_prompt_tokens]
+        return bool(self._run("grow", keys, args))
 
     def turn_of(self, job_id: str) -> int:
         item = self._client.hget(self._key("items"), job_id)

@@ -5,19 +5,16 @@
 -- comes in after its round's timeout, with the job already in line, is not counted.
 -- KEYS[1] deferred  zset  continuations waiting for their not-before time
 -- KEYS[2] items     hash  job id -> admission facts (prelude)
--- A prompt whose KV reservation would pass the whole KV budget is refused (nothing changes):
--- such an item could only be admitted with nothing else in flight, and at the head of the line
--- it would hold every project's admissions; the caller ends the job instead.
--- ARGV: id, prompt, block_tokens, long_prompt_tokens, kv_budget
--- Returns 1 when the item grew, -1 when refused for the KV budget, 0 otherwise
--- (schedulers/store/base.py ``Growth``).
+-- No cap: an item whose KV reservation passes the whole KV budget is admitted alone, when
+-- nothing else is in flight (admit.lua), exactly like a new job of that size.
+-- ARGV: id, prompt, block_tokens, long_prompt_tokens
+-- Returns 1 when the item grew, 0 otherwise.
 local id, prompt = ARGV[1], tonumber(ARGV[2])
 if not redis.call('ZSCORE', KEYS[1], id) then return 0 end
 local f = item_get(KEYS[2], id)
 if not f or tonumber(f.prompt) >= prompt then return 0 end
 local block = tonumber(ARGV[3])
 local kv = math.max(1, math.ceil((prompt + tonumber(f.max_new)) / block)) * block
-if kv > tonumber(ARGV[5]) then return -1 end
 f.uncached = fmt(tonumber(f.uncached) + prompt - tonumber(f.prompt))
 f.prompt = fmt(prompt)
 f.kv = fmt(kv)
