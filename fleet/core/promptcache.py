@@ -34,8 +34,9 @@ prepared while that attempt still runs counts it in full: on the safe side). Pre
 Failure cases: a Redis error while recording is a Redis error of the inference task (the job goes
 back in line, as for its history entry); a gateway request (fleet/gateway) records nothing, so
 later prompts never count what a gateway client sent as cached (on the safe side). A record's
-count includes the prompt's closing template tokens (the assistant header), which a longer prompt
-does not share: a few tokens, within the whole-block rounding of the estimate.
+count includes the closing template tokens of its last message (and, for a prompt, the assistant
+header), which a longer prompt does not share: a few tokens too many, so the estimate can count
+one block more than vLLM finds when they cross a block boundary.
 """
 
 from __future__ import annotations
