@@ -21,15 +21,17 @@ BLOCK = 1_000
 
 
 def estimate(client: redis.Redis, keys: Keys, wire: list[dict[str, Any]], prompt: int,
-             project: str = "research", remember_s: float = 600.0) -> int:
-    return estimate_uncached(client, keys, project, wire=wire, tools=None, prompt_tokens=prompt,
-                             prefix=[SYSTEM], block_tokens=BLOCK, remember_s=remember_s)
+             project: str = "research", remember_s: float = 600.0,
+             tools: list[dict[str, Any]] | None = None) -> int:
+    return estimate_uncached(client, keys, project, wire=wire, tools=tools, prompt_tokens=prompt,
+                             block_tokens=BLOCK, remember_s=remember_s)
 
 
 def send(client: redis.Redis, keys: Keys, wire: list[dict[str, Any]], prompt: int,
-         project: str = "research", prefix_tokens: int = 2_500, remember_s: float = 600.0) -> None:
+         project: str = "research", prefix_tokens: int = 2_500, remember_s: float = 600.0,
+         tools: list[dict[str, Any]] | None = None) -> None:
     pipe = client.pipeline(transaction=False)
-    record_sent(pipe, keys, project, wire=wire, tools=None, prompt_tokens=prompt,
+    record_sent(pipe, keys, project, wire=wire, tools=tools, prompt_tokens=prompt,
                 prefix=[SYSTEM], prefix_tokens=prefix_tokens, remember_s=remember_s)
     pipe.execute()
 
@@ -86,17 +88,40 @@ def test_nothing_is_counted_cached_when_the_fleet_remembers_nothing(redis_client
 
 
 def test_untrusted_material_never_matches_another_jobs(redis_client: redis.Redis, key_prefix: str) -> None:
-    """Each job fences untrusted text with its own tag, so vLLM cannot reuse it across jobs, and
-    neither does the estimate; the job's stable prefix still counts once it was sent."""
+    """Each job fences untrusted text with its own tag, and the data note naming the tag goes into
+    its first system message, so vLLM cannot reuse anything after it across jobs, and neither does
+    the estimate. Before, the stable prefix was recorded by the plain system messages and counted
+    for every later untrusted job, though on the wire it never matched."""
     settings = load_settings(EXAMPLE_CONFIG, env={})
-    project = settings.projects["research"]
     keys = Keys(key_prefix)
     messages = [SYSTEM, Message(role="user", content="material " * 9_000, untrusted=True)]
     job = Job(id="j1", project="research", messages=messages)
     found = []
     for tag in ("tag-one", "tag-two"):
         prepared = Prepared(messages, 40_000, True, [], prefix_tokens=4_000, fence_tag=tag)
-        found.append(uncached_of(redis_client, keys, settings, project, job, prepared))
+        found.append(uncached_of(redis_client, keys, settings, job, prepared, tools=None))
         send(redis_client, keys, build_request_messages(job, tag)[0], 40_000, prefix_tokens=4_000)
-    block = settings.backend.block_tokens
-    assert found == [40_000, 40_000 - 4_000 // block * block]
+    assert found == [40_000, 40_000]
+
+
+def test_a_prefix_counts_only_beside_the_same_tools(redis_client: redis.Redis, key_prefix: str) -> None:
+    """Tools are rendered with the system message: a prefix sent with tools is not the prefix of
+    a prompt without them, nor with others."""
+    keys = Keys(key_prefix)
+    search = [{"type": "function", "function": {"name": "search_docs"}}]
+    send(redis_client, keys, [SYSTEM.to_openai(), user("q")], 3_000, tools=search)
+    report = [SYSTEM.to_openai(), user("a report")]
+    assert estimate(redis_client, keys, report, 60_118) == 60_118
+    other = [{"type": "function", "function": {"name": "fetch_page"}}]
+    assert estimate(redis_client, keys, report, 60_118, tools=other) == 60_118
+    assert estimate(redis_client, keys, report, 60_118, tools=search) == 60_118 - 2_000
+
+
+def test_a_request_of_unknown_size_records_only_its_prefix(redis_client: redis.Redis, key_prefix: str) -> None:
+    keys = Keys(key_prefix)
+    wire = [SYSTEM.to_openai(), user("q")]
+    pipe = redis_client.pipeline(transaction=False)
+    record_sent(pipe, keys, "research", wire=wire, tools=None, prompt_tokens=None, prefix=[SYSTEM],
+                prefix_tokens=2_500, remember_s=600.0)
+    pipe.execute()
+    assert estimate(redis_client, keys, wire, 30_000) == 28_000

@@ -26,10 +26,11 @@ __all__ = ["rt", "sim"]
 DOCUMENT = " ".join(f"line {n} of the shared document." for n in range(1_200))
 
 
-def prepare(rt: Runtime, messages: list[dict[str, Any]]) -> tuple[str, int, int]:
-    """(job ref, prompt tokens, uncached tokens) of the job's pending item."""
+def prepare(rt: Runtime, messages: list[dict[str, Any]], **extra: Any) -> tuple[str, int, int]:
+    """(job ref, prompt tokens, uncached tokens) of the job's pending item; ``extra``: more job
+    fields."""
     job_id = uuid.uuid4().hex[:12]
-    raw = {"id": job_id, "project": "reports", "messages": messages}
+    raw = {"id": job_id, "project": "reports", "messages": messages, **extra}
     assert prep_job(rt, "reports", job_id, sign(raw, "reports", rt.settings.projects["reports"].secret)) == "pending"
     client: redis.Redis = rt.redis
     ref = job_ref("reports", job_id)
@@ -89,3 +90,30 @@ def test_an_attempt_the_server_refused_does_not_count(rt: Runtime) -> None:
     assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "continued"  # a 500, no token
     _, _, uncached = prepare(rt, refused)
     assert uncached == prompt
+
+
+def test_an_untrusted_jobs_leading_system_messages_never_count_as_another_jobs(rt: Runtime) -> None:
+    """On the wire the first system message carries the data note with the job's own fence tag,
+    so nothing after it is byte-identical to another job's prompt. Before, the stable prefix was
+    recorded by the plain system messages: a second untrusted job with the same two leading
+    system messages counted them as cached (a 12K-token prompt estimated at a few hundred)."""
+    block = rt.settings.backend.block_tokens
+    leading = [{"role": "system", "content": "Be brief."},
+               {"role": "system", "content": f"Reference:\n{DOCUMENT}"}]
+    ref, prompt, uncached = prepare(rt, [*leading, {"role": "user", "content": "first text",
+                                                    "untrusted": True}])
+    assert uncached == prompt > 3 * block
+    run(rt, ref)
+    _, prompt2, uncached2 = prepare(rt, [*leading, {"role": "user", "content": "another text",
+                                                    "untrusted": True}])
+    assert uncached2 == prompt2
+
+
+def test_a_trusted_jobs_stable_prefix_counts_once_it_was_sent(rt: Runtime) -> None:
+    block = rt.settings.backend.block_tokens
+    leading = [{"role": "system", "content": "Be brief."},
+               {"role": "system", "content": f"Reference:\n{DOCUMENT}"}]
+    ref, prompt, _ = prepare(rt, [*leading, {"role": "user", "content": "What is line 3?"}])
+    run(rt, ref)
+    _, prompt2, uncached2 = prepare(rt, [*leading, {"role": "user", "content": "And line 9?"}])
+    assert prompt2 - prompt // block * block <= uncached2 < prompt2 - 3 * block

@@ -28,6 +28,7 @@ from fleet.worker.tasks import infer_job, tool_job
 
 from .fleet_harness import make_config
 from .test_continuations import LEASE_TTL_S, admit, envelope, rt, runtime, sim, submit
+from .test_prep_uncached import DOCUMENT, prepare, run
 
 __all__ = ["rt", "sim"]
 
@@ -257,6 +258,48 @@ def test_a_large_tool_result_is_admitted_as_prompt(tool_rt: Runtime) -> None:
     again = rt.store.admit_next(time.time()).grant
     assert again is not None and again.prompt_tokens == grown > 1000
     assert infer_job(rt, ref, "reports", again.fence) == "OK"
+
+
+def test_each_turn_of_a_tool_job_records_the_prompt_it_sent_with_its_own_count(tool_rt: Runtime) -> None:
+    """Before, every attempt recorded the job's first prompt (without the conversation, with the
+    tools prep counted rather than those sent) with the turn's count: after a tool round a
+    171-token prompt was stored as the 1,400-token conversation, so a later job starting with it
+    counted up to that many tokens as cached."""
+    rt, sent = tool_rt, Sent()
+    rt.send_task = sent
+    ref = submit_asking(rt, "Find the March invoice. [sim:tool=search_docs/1] [sim:think=20]")
+    first = rt.store.admit_next(time.time()).grant
+    assert first is not None
+    assert infer_job(rt, ref, "reports", first.fence) == "continued"
+    run_sent_tools(rt, sent, {"tests.search_docs": lambda **kw: LARGE_RESULT})
+    rt.store.promote_due(time.time())
+    again = rt.store.admit_next(time.time()).grant
+    assert again is not None and again.prompt_tokens > 1000
+    assert infer_job(rt, ref, "reports", again.fence) == "OK"
+    done = envelope(rt, ref)
+    assert done is not None
+    counted = sorted(a.usage.prompt_tokens for a in done.attempts)  # the server's counts
+    assert counted[0] < 1000 < counted[1]
+    recorded = sorted(int(rt.redis.get(key) or 0)
+                      for key in rt.redis.scan_iter(match=f"{rt.settings.key_prefix}sent:*"))
+    assert recorded == counted  # one record per request sent, each with its own count
+
+
+def test_the_next_turn_of_a_tool_job_counts_what_was_sent_with_the_registrys_tools(
+        tool_rt: Runtime) -> None:
+    """A project that runs its tools sends the registry's definitions, not the job's: prep looks
+    the prompt up with the tools the turns send, so a prompt sent with them counts as cached."""
+    rt = tool_rt
+    block = rt.settings.backend.block_tokens
+    asking = {"tools": [{"type": "function", "function": {"name": "search_docs"}}],
+              "tool_choice": "auto"}
+    first = [{"role": "user", "content": f"[sim:think=20] Read this:\n{DOCUMENT[:9_000]}"}]
+    ref, prompt, uncached = prepare(rt, first, **asking)
+    assert uncached == prompt > 2 * block
+    run(rt, ref)
+    turn = [*first, {"role": "assistant", "content": "Read."}, {"role": "user", "content": "And?"}]
+    _, prompt2, uncached2 = prepare(rt, turn, **asking)
+    assert uncached2 == prompt2 - prompt // block * block < prompt2 - block
 
 
 def test_a_result_past_max_model_len_ends_the_job_at_the_tool_worker(tool_rt: Runtime) -> None:

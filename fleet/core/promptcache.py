@@ -1,31 +1,42 @@
 """What a project sent to the backend recently, by digest: the facts behind the uncached-token
 estimate (fleet/prep/cachehint.py), written only once the server has computed a prompt.
 
-Two kinds of ``{p}sent:{<project>}:<sha256>`` keys (value: token count; TTL
-``backend.prefix_cache_s``, the time vLLM's prefix cache is assumed to keep a prompt's blocks):
+Every key is ``{p}sent:{<project>}:<sha256>``, one of ``chained_digests`` of a request exactly as
+it went on the wire: the tools it carried, then its messages one by one (untrusted parts fenced
+with the job's own tag, the data note and any retry note in the leading system message, the tool
+rounds' conversation at the end). The value is a token count the server has computed at the start
+of every prompt with those leading parts; the TTL is ``backend.prefix_cache_s`` (the time vLLM's
+prefix cache is assumed to keep a prompt's blocks). ``record_sent`` writes, for one request:
 
-* the project's stable prefix (the prepared job's leading system messages: the project's system
-  prompt, then the job's own), by ``prefix_digest``, with ``Plan.prefix_tokens``;
-* the whole prepared prompt, by the last of ``chained_digests`` of its message list as prep laid
-  it out for vLLM (tools first, then each message; untrusted parts fenced with the job's own tag),
-  with ``Plan.prompt_tokens``.
+* at its last digest, its prompt tokens as the server counted them (the usage chunk's
+  ``prompt_tokens``); a stream cut before the usage chunk (the loop watcher) has that count only
+  when the request is exactly the prompt prep counted (``Plan.prompt_tokens``), else the whole
+  prompt is not recorded;
+* at the digest of its stable prefix (the job's leading system messages: the project's system
+  prompt, then the job's own), ``Plan.prefix_tokens`` (prep's count of those messages alone, at
+  most what they take on the wire beside the tools), only when the request starts with exactly
+  those messages: not for an untrusted job (the data note with the job's own fence tag goes into
+  the first system message), nor a retry with a note (it goes there too).
 
-``record_sent`` writes both when the server computed the prompt: the inference attempt
-(fleet/infer/attempts.py) queues them with the attempt's history entry, in that one round trip,
-once the attempt produced at least one token (its prefill is done, its blocks are in the cache);
-every such attempt renews the time. Nothing is written at prep, nor for an attempt the server
-refused or never answered: a prepared prompt may wait in line, be cancelled or never run, and
-until the server has computed it none of its blocks is cached. So a prompt counts as cached from
-the end of the attempt that sent it (a job sharing it that is prepared while that attempt still
-runs counts it in full: on the safe side). Prep only reads (``chained_digests`` of the new prompt,
-one lookup per leading part).
+Keyed by the wire, a record matches only a later prompt that is byte-identical up to that point,
+tools included (prep looks a prompt up with the tools its turns will send: for a project that
+runs its tools, the registry's definitions, fleet/infer/tools.py ``as_sent``).
+
+The inference attempt (fleet/infer/attempts.py) queues the records with the attempt's history
+entry, in that one round trip, once the attempt produced at least one token (its prefill is done,
+its blocks are in the cache); every such attempt renews the time. Nothing is written at prep, nor
+for an attempt the server refused or never answered: a prepared prompt may wait in line, be
+cancelled or never run, and until the server has computed it none of its blocks is cached. So a
+prompt counts as cached from the end of the attempt that sent it (a job sharing it that is
+prepared while that attempt still runs counts it in full: on the safe side). Prep only reads
+(``chained_digests`` of the new prompt, one lookup per leading part).
 
 Failure cases: a Redis error while recording is a Redis error of the inference task (the job goes
-back in line, as for its history entry); a retry whose note changes the system message still
-records the prompt as prep laid it out (that is what later prompts are looked up by; the note's
-blocks are the retry's own, after the shared ones only when the note comes last); a gateway
-request (fleet/gateway) records nothing, so later prompts never count what a gateway client sent
-as cached (on the safe side).
+back in line, as for its history entry); a gateway request (fleet/gateway) records nothing, so
+later prompts never count what a gateway client sent as cached (on the safe side). A record's
+count includes the closing template tokens of its last message (and, for a prompt, the assistant
+header), which a longer prompt does not share: a few tokens too many, so the estimate can count
+one block more than vLLM finds when they cross a block boundary.
 """
 
 from __future__ import annotations
@@ -54,10 +65,6 @@ def chained_digests(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
     return digests
 
 
-def prefix_digest(prefix: list[Message]) -> str | None:
-    return _digest("prefix", [m.to_openai() for m in prefix]) if prefix else None
-
-
 def leading_system(job: Job) -> list[Message]:
     """The job's system messages before its first other message (of a prepared job: its stable
     prefix, which prep lays out first)."""
@@ -76,19 +83,20 @@ def record_sent(
     *,
     wire: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
-    prompt_tokens: int,
+    prompt_tokens: int | None,
     prefix: list[Message],
     prefix_tokens: int,
     remember_s: float,
 ) -> None:
-    """Queue on ``pipe`` (the caller executes it) that ``project`` sent this prompt and its stable
-    prefix to the backend."""
+    """Queue on ``pipe`` (the caller executes it) that ``project`` sent the request ``wire`` with
+    ``tools`` (both as sent), of ``prompt_tokens`` (None: not known, not recorded), and its stable
+    ``prefix`` of ``prefix_tokens`` when the request starts with exactly those messages."""
     if remember_s <= 0:
         return
     ttl = max(1, round(remember_s))
     digests = chained_digests(wire, tools)
-    if digests:
+    leading = [m.to_openai() for m in prefix]
+    if leading and prefix_tokens > 0 and wire[: len(leading)] == leading:
+        pipe.set(keys.sent(project, digests[len(leading) - 1]), prefix_tokens, ex=ttl)
+    if digests and prompt_tokens:  # after the prefix: a prompt of only the prefix keeps its count
         pipe.set(keys.sent(project, digests[-1]), prompt_tokens, ex=ttl)
-    stable = prefix_digest(prefix)
-    if stable and prefix_tokens > 0:
-        pipe.set(keys.sent(project, stable), prefix_tokens, ex=ttl)

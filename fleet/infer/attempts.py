@@ -70,7 +70,7 @@ from typing import Any
 import redis
 
 from fleet.core.codes import Code
-from fleet.core.config import ProjectSettings, Settings, ToolSettings
+from fleet.core.config import ProjectSettings, Settings
 from fleet.core.errors import FleetError, ThinkLoop
 from fleet.core.events import EventSink
 from fleet.core.keys import Keys, job_ref
@@ -207,18 +207,14 @@ class _Run:
         self.started = ctx.clock()
         self.fence_tag = ctx.fence_tag or new_fence_tag()
         self.messages, self.warnings = build_request_messages(job, self.fence_tag)
-        self.tools, self.tool_choice, tool_warnings = tools_allowed(job, ctx.project)
-        self.warnings += tool_warnings
-        self.prepared_tools = self.tools  # as prep counted and looked the prompt up
-        self.registry: dict[str, ToolSettings] = {}  # tools the fleet runs (mode "run")
-        if self.tools and ctx.project.tools == "run":
-            self.registry, unregistered = tools_mod.registered(
-                ctx.project, [str((t.get("function") or {}).get("name")) for t in self.tools])
-            if unregistered:
-                self.warnings.append(f"tools the fleet does not run were removed: {', '.join(unregistered)}")
-            self.tools = tools_mod.definitions(self.registry) or None
-            if self.tools is None:
-                self.tool_choice = None
+        self.prepared_tools, self.tool_choice, tool_warnings = tools_allowed(job, ctx.project)
+        self.warnings += tool_warnings  # prepared_tools: as prep counted the prompt
+        # What the turns send; registry: the tools the fleet runs (mode "run").
+        self.tools, self.registry, unregistered = tools_mod.as_sent(ctx.project, self.prepared_tools)
+        if unregistered:
+            self.warnings.append(f"tools the fleet does not run were removed: {', '.join(unregistered)}")
+        if self.prepared_tools and self.tools is None:
+            self.tool_choice = None
         # The tool loop's state (fleet/infer/tools.py), carried from turn to turn:
         self.conversation: list[dict[str, Any]] = []  # messages after the job's own
         self.tool_rounds: list[dict[str, Any]] = []
@@ -273,19 +269,30 @@ class _Run:
         return {"number": self.number + 1, "plan": dict(self.plan.__dict__),
                 **{name: getattr(self, name) for name in self.TURN_FIELDS}}
 
-    def _record(self, attempt: Attempt, conclusions: list[str], prefilled: bool) -> None:
+    def _record(self, attempt: Attempt, conclusions: list[str], body: dict[str, Any],
+                result: StreamResult | None) -> None:
         """The attempt's history entry and, when the server computed the prompt (it produced a
-        token), the prompt as sent (fleet/core/promptcache.py): one round trip."""
+        token), the request as sent (fleet/core/promptcache.py): one round trip."""
         entry = {**attempt.model_dump(mode="json"), "conclusions": conclusions}
         pipe = self.ctx.redis.pipeline(transaction=False)
         carryover.record_attempt(pipe, self.ctx.keys, job_ref(self.job.project, self.job.id), entry,
                                  self.s.events_ttl_s)
-        if prefilled:
-            record_sent(pipe, self.ctx.keys, self.job.project, wire=self.messages,
-                        tools=self.prepared_tools, prompt_tokens=self.plan.prompt_tokens,
+        if result is not None and result.first_token_s is not None:
+            record_sent(pipe, self.ctx.keys, self.job.project, wire=body["messages"],
+                        tools=body.get("tools"), prompt_tokens=self._sent_tokens(body, result),
                         prefix=leading_system(self.job), prefix_tokens=self.plan.prefix_tokens,
                         remember_s=self.s.backend.prefix_cache_s)
         pipe.execute()
+
+    def _sent_tokens(self, body: dict[str, Any], result: StreamResult) -> int | None:
+        """The prompt tokens of the request ``body``: the server's count (its usage chunk); for a
+        stream cut before it, prep's count when the request is the prompt prep counted (no
+        conversation, no note, the tools prep counted: not the registry's), else None."""
+        if result.prompt_tokens is not None:
+            return result.prompt_tokens
+        if body["messages"] == self.messages and body.get("tools") == self.prepared_tools:
+            return self.plan.prompt_tokens
+        return None
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> Envelope | Continuation:
@@ -467,8 +474,7 @@ class _Run:
             started_at=started, duration_s=round(ctx.clock() - started, 3),
         )
         self.attempts.append(attempt)
-        self._record(attempt, self._conclusions_of(outcome),
-                     prefilled=result is not None and result.first_token_s is not None)
+        self._record(attempt, self._conclusions_of(outcome), body, result)
         if result is not None and result.first_token_s is not None:
             self.first_token_s = result.first_token_s
         log.info("attempt %d job=%s: %s %s", number, self.job.id, outcome.code.value,

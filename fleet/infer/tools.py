@@ -109,6 +109,19 @@ def definitions(tools: dict[str, ToolSettings]) -> list[dict[str, Any]]:
             for name, tool in tools.items()]
 
 
+def as_sent(project: ProjectSettings, allowed: list[dict[str, Any]] | None,
+            ) -> tuple[list[dict[str, Any]] | None, dict[str, ToolSettings], list[str]]:
+    """(the tools a turn sends, the registry entries the fleet runs, the names left out) of the
+    job's tools as ``tools_allowed`` left them: a project that runs its tools sends the registry's
+    definitions of the registered ones (None: none is), any other the tools as they are. Prep
+    looks the prompt up in what the project sent (fleet/prep/cachehint.py) with these tools."""
+    if not allowed or project.tools != "run":
+        return allowed, {}, []
+    registry, unregistered = registered(
+        project, [str((t.get("function") or {}).get("name")) for t in allowed])
+    return definitions(registry) or None, registry, unregistered
+
+
 @dataclass
 class Call:
     id: str

@@ -7,13 +7,13 @@ throttled like a 60K-token prompt nobody sent before.
 
 vLLM's prefix cache reuses whole KV blocks of a prompt's leading tokens that an earlier request
 computed and that were not evicted since. The fleet cannot see the server's cache, but it knows
-what each project SENT (fleet/core/promptcache.py: the inference worker records a prompt and its
-stable prefix once an attempt that sent them got a token back, kept for
-``backend.prefix_cache_s``). A new prompt's
-cached part is the longest of: the stable prefix, when the project sent it within that time; an
-earlier sent prompt whose message list is a leading part of this one's (chained digests, one per
-message: one lookup each). That count is rounded down to whole KV blocks; the rest is
-``uncached_tokens``. Projects are kept apart: a project's prompts only ever match its own.
+what each project SENT (fleet/core/promptcache.py: the inference worker records each request it
+sent, and its stable prefix, once an attempt that sent them got a token back, kept for
+``backend.prefix_cache_s``), keyed by the request as it went on the wire. A new prompt's cached
+part is the longest record among its leading parts (tools, then one chained digest per message:
+one lookup each, laid out as the inference worker will send it): an earlier prompt, or a stable
+prefix, byte-identical to the start of this one. That count is rounded down to whole KV blocks;
+the rest is ``uncached_tokens``. Projects are kept apart: a project's prompts only ever match its own.
 
 Only a prompt the server computed counts, never one that was merely prepared: N jobs sharing a
 new long prompt, prepared before the first one's attempt ended, all count it in full, and a
@@ -34,11 +34,11 @@ from typing import Any
 
 import redis
 
-from fleet.core.config import ProjectSettings, Settings
+from fleet.core.config import Settings
 from fleet.core.keys import Keys
-from fleet.core.models import Job, Message
-from fleet.core.promptcache import chained_digests, leading_system, prefix_digest
-from fleet.core.request import build_request_messages, tools_allowed
+from fleet.core.models import Job
+from fleet.core.promptcache import chained_digests
+from fleet.core.request import build_request_messages
 from fleet.prep.prepare import Prepared
 
 
@@ -50,16 +50,13 @@ def estimate_uncached(
     wire: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     prompt_tokens: int,
-    prefix: list[Message],
     block_tokens: int,
     remember_s: float,
 ) -> int:
     """The prompt tokens expected to miss the prefix cache, by what the project sent."""
     if remember_s <= 0:
         return prompt_tokens
-    stable = prefix_digest(prefix)
     lookups = [keys.sent(project, d) for d in chained_digests(wire, tools)]
-    lookups += [keys.sent(project, stable)] if stable else []
     if not lookups:
         return prompt_tokens
     seen = [int(v) for v in client.mget(lookups) if v is not None]
@@ -68,15 +65,15 @@ def estimate_uncached(
 
 
 def uncached_of(
-    client: redis.Redis, keys: Keys, settings: Settings, project: ProjectSettings, ready: Job,
-    prepared: Prepared,
+    client: redis.Redis, keys: Keys, settings: Settings, ready: Job, prepared: Prepared, *,
+    tools: list[dict[str, Any]] | None,
 ) -> int:
     """``estimate_uncached`` for a prepared job (``ready``: the job with its prepared messages),
-    its messages as fleet/infer/attempts.py sends them (the fence tag prep drew)."""
+    its messages as fleet/infer/attempts.py sends them (the fence tag prep drew) with ``tools``,
+    those its turns send (fleet/infer/tools.py ``as_sent``)."""
     wire, _ = build_request_messages(ready, prepared.fence_tag)
-    tools, _, _ = tools_allowed(ready, project)
     return estimate_uncached(
         client, keys, ready.project, wire=wire, tools=tools, prompt_tokens=prepared.prompt_tokens,
-        prefix=leading_system(ready), block_tokens=settings.backend.block_tokens,
+        block_tokens=settings.backend.block_tokens,
         remember_s=settings.backend.prefix_cache_s,
     )

@@ -66,6 +66,7 @@ from fleet.core.events import EventSink
 from fleet.core.keys import job_ref, split_ref
 from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, Timings, describe_invalid
+from fleet.core.request import tools_allowed
 from fleet.core.seal import cancel_valid, check_seal, check_turn, digest, seal_turn, sealed
 from fleet.core.signing import verify
 from fleet.prep.watchdog import HANDED_OVER, PrepClaim
@@ -216,6 +217,7 @@ def _prep_claimed(rt: Runtime, project: str, job_id: str, raw: dict[str, Any]) -
 
 
 def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
+    from fleet.infer import tools as tools_mod
     from fleet.infer.budget import plan as plan_budget
     from fleet.prep.cachehint import uncached_of
     from fleet.prep.prepare import prepare
@@ -247,7 +249,9 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
         settings, ref, project=job.project, kind=job.kind, job=job_json, plan=plan_json,
         warnings=json.dumps(prepared.warnings), fence_tag=prepared.fence_tag,
     ))
-    uncached = uncached_of(rt.redis, rt.keys, settings, project, ready, prepared)
+    allowed, _, _ = tools_allowed(ready, project)
+    uncached = uncached_of(rt.redis, rt.keys, settings, ready, prepared,
+                           tools=tools_mod.as_sent(project, allowed)[0])
     handed_over = time.time()  # the fleet's clock orders the queue, never the producer's
     rt.store.add_pending(PendingItem(
         job_id=ref, project=job.project, prompt_tokens=prepared.prompt_tokens,
