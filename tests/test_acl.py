@@ -178,6 +178,31 @@ def test_a_producer_has_no_costly_command_even_on_its_own_keys(broker: AclBroker
     assert allowed == []
 
 
+def test_a_producer_cannot_watch_other_projects_keys_through_client_tracking(broker: AclBroker) -> None:
+    """Key permissions do not filter the invalidations of CLIENT TRACKING ON BCAST: a producer
+    allowed it would be told every key any project writes (``job:{reports/<id>}`` the moment
+    the other project submits). Its connection commands are named one by one, and no CLIENT
+    subcommand that watches, lists or acts on other connections is among them."""
+    producer = broker.client(f"fleet-producer-{B}")
+    attempts = {
+        "CLIENT TRACKING ON BCAST": lambda: producer.execute_command("CLIENT", "TRACKING", "ON", "BCAST"),
+        "CLIENT TRACKING ON REDIRECT": lambda: producer.execute_command(
+            "CLIENT", "TRACKING", "ON", "REDIRECT", "1", "BCAST"),
+        "CLIENT CACHING": lambda: producer.execute_command("CLIENT", "CACHING", "YES"),
+        "CLIENT TRACKINGINFO": lambda: producer.execute_command("CLIENT", "TRACKINGINFO"),
+        "CLIENT GETREDIR": lambda: producer.execute_command("CLIENT", "GETREDIR"),
+        "CLIENT LIST": lambda: producer.client_list(),
+        "CLIENT INFO": lambda: producer.client_info(),
+        "CLIENT KILL": lambda: producer.execute_command("CLIENT", "KILL", "ID", "1"),
+        "CLIENT UNBLOCK": lambda: producer.execute_command("CLIENT", "UNBLOCK", "1"),
+        "CLIENT NO-EVICT": lambda: producer.execute_command("CLIENT", "NO-EVICT", "ON"),
+        "CLIENT REPLY": lambda: producer.execute_command("CLIENT", "REPLY", "ON"),
+    }
+    allowed = [what for what, call in attempts.items() if not denied(call)]
+    producer.close()
+    assert allowed == []
+
+
 def test_a_producer_cannot_send_tasks_to_other_queues(broker: AclBroker) -> None:
     app = create_app(broker.settings_for(f"fleet-producer-{B}", B))
     with pytest.raises(Exception, match="permission"):
@@ -190,6 +215,8 @@ def test_a_producer_cannot_send_tasks_to_other_queues(broker: AclBroker) -> None
 def test_the_fleet_works_with_every_process_on_its_own_user(broker: AclBroker, tmp_path) -> None:
     fleet = LocalFleet(broker.settings, workers=0, dispatchers=0, sim_speed=50.0)
     fleet.start()
+    operator = broker.client("fleet-operator")
+    operator.acl_log_reset()
     # the fixture's own project secrets reach the children the way an operator's would
     projects = json.dumps({name: p.model_dump(mode="json") for name, p in broker.settings.projects.items()})
     try:
@@ -211,7 +238,13 @@ def test_the_fleet_works_with_every_process_on_its_own_user(broker: AclBroker, t
             cancelled = client.result(queued, timeout=120)
             assert cancelled is not None and cancelled.code == Code.E_CANCELLED, cancelled
             _idempotent_submit_and_a_batch(client, tmp_path)
+        # the rules name every command the producer's path sends: the ACL refused it nothing
+        # (but redis-py's CLIENT SETINFO on Redis 7.2 and later, which it ignores: fleet/cli/acl.py)
+        refused = [(entry["username"], entry["object"]) for entry in operator.acl_log(count=100)
+                   if entry["object"] != "client|setinfo"]
+        assert refused == [], refused
     finally:
+        operator.close()
         fleet.close()
 
 

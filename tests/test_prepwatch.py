@@ -91,3 +91,26 @@ def test_a_lapsed_claim_cannot_release_its_successors(redis_client, key_prefix):
     assert redis_client.get(keys.prep("triage/job")) == b"worker-b"
     new.release()
     assert not redis_client.exists(keys.prep("triage/job"))
+
+
+def test_entries_that_are_not_the_projects_jobs_are_dropped_never_sent(redis_client, key_prefix):
+    """A project's producer may write its own watchdog zset and its own job records: a member
+    naming another project's job, or a record whose stored message names another job, must not
+    make the watchdog resend (and count against) someone else's job."""
+    _settings, keys, results = setup(redis_client, key_prefix)
+    theirs = "reports/theirs"
+    signed = {"project": "reports", "job": {"id": "theirs"}, "nonce": "n", "ts": "1", "sig": "x"}
+    results.record(theirs, state="submitted", project="reports", signed=json.dumps(signed),
+                   prep_claimed="1")
+    redis_client.zadd(keys.prepping("triage"), {theirs: 0, "no-ref-at-all": 0})
+    # triage's own record, carrying a message of reports' job (or none that parses)
+    results.record("triage/borrowed", state="submitted", project="triage", signed=json.dumps(signed))
+    results.record("triage/garbled", state="submitted", project="triage", signed="{not json")
+    redis_client.zadd(keys.prepping("triage"), {"triage/borrowed": 0, "triage/garbled": 0})
+    submitted(results, keys, "own")
+    sent = []
+    assert watch_once(results, sent.append, now=100.0, unclaimed_s=600) == ["triage/own"]
+    assert [s["job"]["id"] for s in sent] == ["own"]
+    assert redis_client.zrange(keys.prepping("triage"), 0, -1) == [b"triage/own"]
+    assert results.job_record(theirs).get("prep_resends") is None
+    assert results.job_record(theirs).get("prep_claimed") == "1"

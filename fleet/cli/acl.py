@@ -11,7 +11,8 @@ Users (``<p>`` is ``key_prefix``, ``<q>`` is ``<p>q:``, kombu's global_keyprefix
       (``<p>idem:<project>:*``), its own watchdog zset, write its own cancel requests;
       read its own results, rejections and results stream. Nothing of another project, no
       dispatcher key, no ``fleet.infer``, no Lua (no script, no function: not even the fleet's
-      own), no administrative or dangerous command.
+      own), no CLIENT subcommand (tracking would tell it every key any project writes), no
+      administrative or dangerous command.
   fleet-worker      prep and inference workers: every fleet key and channel (they act for all
                     projects), no administrative or dangerous command but those Celery uses.
   fleet-dispatcher  the same reach as a worker: it sends ``fleet.infer``, resends prep messages,
@@ -64,7 +65,15 @@ log = logging.getLogger(__name__)
 # every client of every project, and SCRIPT KILL cannot end it (only SHUTDOWN NOSAVE can); so the
 # producer's path runs no Lua (fleet/core/results.py). What a producer can still cost the broker
 # with these commands is in docs/security.md.
-PRODUCER_COMMANDS = ["-@all", "+@connection", "+select", "+@transaction",
+# The connection commands are named one by one too: ``@connection`` holds CLIENT whole, and
+# CLIENT TRACKING ON BCAST pushes the name of every key anyone writes, key permissions unchecked
+# (``job:{<other project>/<id>}`` the moment another project submits); CLIENT LIST, KILL and
+# UNBLOCK reach other users' connections. So only what redis-py and kombu send on connecting:
+# AUTH (or HELLO, for RESP3), SELECT and kombu's PING; no CLIENT subcommand at all. (redis-py's
+# CLIENT SETINFO, sent to Redis 7.2 and later, is refused and redis-py goes on; Redis 7.0 does
+# not know it, and its ACL SETUSER would refuse a user naming it.)
+PRODUCER_CONNECTION = ["+auth", "+hello", "+select", "+ping"]
+PRODUCER_COMMANDS = ["-@all", *PRODUCER_CONNECTION, "+@transaction",
                      "+get", "+set", "+del", "+exists", "+expire", "+hget", "+hgetall", "+hset",
                      "+zadd", "+zrem", "+xadd", "+xread", "+xrevrange",
                      "+sadd", "+smembers", "+llen", "+lpush", "+publish",

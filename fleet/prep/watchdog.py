@@ -10,7 +10,10 @@ Keys (fleet/core/keys.py; <ref> = <project>/<id>)
                          zset    the project's jobs (refs) not yet handed over, score = when the
                                  watchdog should look (submitted + prep_unclaimed_s, then claim
                                  expiry while preparing); one per project, so a producer that may
-                                 write its own project's zset cannot touch another's
+                                 write its own project's zset cannot touch another's. Its members
+                                 (and the job records) are the producer's to write too: a member
+                                 that is not a ref of the zset's project, or whose stored message
+                                 names another job, is dropped (and logged), never acted on
   {p}job:{<ref>}         hash    field ``signed``: the signed message as submitted, to send it again
 
 Flow
@@ -44,7 +47,7 @@ import redis
 
 from fleet.core.codes import Code
 from fleet.core.config import Settings
-from fleet.core.keys import Keys, split_ref
+from fleet.core.keys import Keys, job_ref, split_ref
 from fleet.core.lua import Scripts, shared
 from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
@@ -122,21 +125,29 @@ def watch_once(results: ResultStore, resend: Callable[[dict[str, Any]], None], n
     returns the refs sent again."""
     sent = []
     for project in results.settings.projects:
-        sent += _watch_project(results, results.keys.prepping(project), resend, now, unclaimed_s)
+        sent += _watch_project(results, project, resend, now, unclaimed_s)
     return sent
 
 
-def _watch_project(results: ResultStore, prepping: str, resend: Callable[[dict[str, Any]], None],
+def _watch_project(results: ResultStore, project: str, resend: Callable[[dict[str, Any]], None],
                    now: float, unclaimed_s: float) -> list[str]:
     client, keys = results.client, results.keys
+    prepping = keys.prepping(project)
     take = _scripts(client)["take_due"]
     due = [d.decode() for d in client.zrangebyscore(prepping, "-inf", now, start=0, num=100)]
     sent = []
     for job_id in due:
+        if split_ref(job_id)[0] != project:
+            _drop(client, prepping, job_id, "not a job of the project")
+            continue
         record = results.job_record(job_id)
         if (record.get("state") in HANDED_OVER or results.final(job_id) is not None
                 or "signed" not in record):
             client.zrem(prepping, job_id)
+            continue
+        signed = _own_message(record["signed"], job_id)
+        if signed is None:
+            _drop(client, prepping, job_id, "its stored message is not this job's")
             continue
         if client.exists(keys.prep(job_id)):
             continue  # a live claim: its keeper moves the entry on
@@ -148,17 +159,35 @@ def _watch_project(results: ResultStore, prepping: str, resend: Callable[[dict[s
             client.hdel(keys.job(job_id), "prep_claimed")
             if resends > MAX_RESENDS:
                 client.zrem(prepping, job_id)
-                project, plain_id = split_ref(job_id)
                 results.publish(Envelope.failure(
-                    plain_id, project, Code.E_INTERNAL,
+                    split_ref(job_id)[1], project, Code.E_INTERNAL,
                     f"preparation never completed ({MAX_RESENDS} workers lost it)"))
                 continue
         # never claimed: it may just wait in a deep queue; sending it again is harmless and
         # is not counted (prep refuses it as stale after security.max_age_s)
-        resend(json.loads(record["signed"]))
+        resend(signed)
         log.warning("prep of job=%s stalled before hand-over; sent again", job_id)
         sent.append(job_id)
     return sent
+
+
+def _own_message(stored: str, ref: str) -> dict[str, Any] | None:
+    """The signed message stored with job ``ref``, or None when it does not name that job: the
+    producer may write its own job records, and the watchdog would send the message on to the
+    queue of whatever project it names."""
+    try:
+        signed = json.loads(stored)
+        named = job_ref(signed["project"], signed["job"]["id"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    return signed if named == ref else None
+
+
+def _drop(client: Any, prepping: str, member: str, why: str) -> None:
+    """A project's producer may write its own zset (members included): an entry that is not one
+    of the project's jobs is removed, never acted on."""
+    client.zrem(prepping, member)
+    log.warning("prep watchdog: dropped %.80r from %s: %s", member, prepping, why)
 
 
 def run_prep_watchdog(settings: Settings, results: ResultStore,
