@@ -4,7 +4,8 @@ A daemon thread renews the lease every ``ttl / 3`` and checks the job's cancel f
 second. Either failure sets the shared ``cancel`` event, which the streaming code checks between
 reads, so the vLLM stream is closed (and the sequence freed) within about a second:
   - a cancel request of the job's project   -> ``cancelled`` is True (``cancel_requested`` checks
-    the request's signature: fleet/core/seal.py)
+    the request's signature: fleet/core/seal.py; the inference task's check also answers True
+    once the job has a final result, published by a worker that ended it while it was admitted)
   - renew refused (lease expired, fence stale) -> ``lost`` is True: the job was handed back to
     the dispatcher; this worker must not publish a result for it.
   - no successful renewal for 90% of the TTL (Redis unreachable) -> ``lost`` as well: the lease

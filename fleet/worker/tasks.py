@@ -12,8 +12,9 @@ fleet.prep (queue fleet.<project>, kwargs project, job_id, signed)
      and add it to the dispatcher's pending set, enqueued at this worker's clock (the
      producer's submitted_at is information only and never decides the order).
 fleet.cancel (queue fleet.<project>, kwargs project, job_id; sent by fleet.Client.cancel)
-  acts only on a cancel request signed by the project (``{p}cancel:{<ref>}``): removes a queued job
-  from the dispatcher and publishes E_CANCELLED; a running job is left to its lease keeper.
+  acts only on a cancel request signed by the project (``{p}cancel:{<ref>}``): publishes
+  E_CANCELLED for a job not running yet and removes it from the dispatcher; a running job is left
+  to its lease keeper.
 fleet.tool (queue of the tool, kwargs ref, round_number, call_id; sent by an inference worker
   with Celery time limits from the tool's timeout)
   runs one tool call of a job's tool round (fleet/infer/tools.py): only a call the job's sealed
@@ -22,12 +23,14 @@ fleet.tool (queue of the tool, kwargs ref, round_number, call_id; sent by an inf
   size by it and, once every result of the round is in and counted, puts the job in line at
   once; a job whose next turn can never be sent ends E_PROMPT_TOO_LONG there, unadmitted.
 fleet.infer (queue fleet.infer, kwargs ref, project, fence; sent by a dispatcher)
-  stale fence (duplicate or late delivery) -> drop; already final (cancelled) -> release, drop;
+  stale fence (duplicate or late delivery) -> drop; already final (ended while it waited: see
+  below) -> release, drop;
   the ref, the task, the lease, the record and the sealed job must name one project, and the seal
   must verify, and a saved turn must be the one the store names (its number, recorded by
   ``readmit``; the producer may write its job hash but not the store), else E_AUTH before
-  anything is sent; otherwise run ONE model turn under a
-  LeaseKeeper. A final envelope is published, then the lease released. A continuation (the job
+  anything is sent; otherwise run ONE model turn under a LeaseKeeper (it stops the turn on a
+  cancel request or on a final result published meanwhile). A final envelope is published (if
+  the job has none yet), then the lease released. A continuation (the job
   needs another turn: retry, re-ask, backend outage) is saved sealed in the job hash (``turn``,
   state "pending"), then ``readmit`` gives the lease up and puts the job back in line at its place
   with the next turn's plan and prompt, not before its backoff (schedulers/store/base.py,
@@ -38,6 +41,16 @@ fleet.infer (queue fleet.infer, kwargs ref, project, fence; sent by a dispatcher
   before ``readmit`` leaves the lease to expire, and the reaped job resumes from the saved turn
   (attempts are recorded as they end, fleet/infer/carryover.py); a cancel or a deadline between
   turns ends the job like any pending job's.
+
+Ending a job that holds no lease (in line, or waiting between turns: a cancel while prep hands it
+over, ``fleet.cancel``, a cancel between turns, a tool result its next turn can never be sent
+with): its final envelope is published FIRST, then its item is taken out of the dispatcher store
+(``_end_unleased``). A worker dying in between leaves an item whose job is final: the dispatcher
+admits it and ``fleet.infer`` finds the result, releases the slot and drops it. The other order
+would leave a job "pending" with no item and no envelope, which nothing ever ends (no lease to
+expire; the prep watchdog looks only at jobs not handed over). A job admitted just before it was
+ended finds its result at its claim, or, running already, its lease keeper sees the result (as it
+sees a cancel) and stops; publishing is first-wins, so the job keeps exactly one envelope.
 
 Failure cases: every exception inside either task becomes an Envelope (E_INTERNAL at worst), so
 a bad job never crashes a worker, poisons a queue or stays without a final result.
@@ -261,9 +274,9 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
     # Only now "pending": had this task died before add_pending, the job would still read
     # "submitted", and a redelivery or the prep watchdog would prepare it again.
     rt.results.record(ref, state="pending", pending_at=handed_over)
-    if cancel_requested(rt, ref) and rt.store.cancel_pending(ref):
+    if cancel_requested(rt, ref):
         # cancelled while this task prepared it: never let it take a slot
-        return _fail(rt, job.id, job.project, Code.E_CANCELLED, "cancelled while queued")
+        return _end_unleased(rt, ref, Code.E_CANCELLED, "cancelled while queued")
     _events(rt, ref).emit("prepared", prompt_tokens=prepared.prompt_tokens,
                              uncached_tokens=uncached, max_tokens=plan.max_tokens,
                              warnings=prepared.warnings)
@@ -279,10 +292,21 @@ def cancel_job(rt: Runtime, project: str, job_id: str) -> str:
     state = rt.results.job_record(ref).get("state", "")
     if state in ("running", "final"):
         return state  # a running job's lease keeper sees the request; a final one stays final
-    if rt.store.cancel_pending(ref) or state == "submitted":
+    if state in ("pending", "submitted"):
         # "submitted": not prepared yet; its prep task sees the request and stops anyway
-        _fail(rt, job_id, project, Code.E_CANCELLED, "cancelled while queued")
+        _end_unleased(rt, ref, Code.E_CANCELLED, "cancelled while queued")
     return "cancelled"
+
+
+def _end_unleased(rt: Runtime, ref: str, code: Code, message: str, **extra: Any) -> str:
+    """End a job that holds no lease (in line, waiting between turns, or not handed over yet):
+    its final envelope FIRST, then its item out of the dispatcher store (module docstring). A
+    worker dying in between leaves an item whose job is final, which the inference task releases
+    and drops; the other order would leave a job with neither, which nothing ever ends."""
+    project, job_id = split_ref(ref)
+    _fail(rt, job_id, project, code, message, **extra)
+    rt.store.cancel_pending(ref)
+    return code.value
 
 
 # -- infer ------------------------------------------------------------------------------------
@@ -300,10 +324,11 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
     if rt.results.get(ref) is not None:
         store.release(ref, fence)  # ours: claimed above
         return "already-final"
-    cancel_key = rt.keys.cancel(ref)
-    keeper = LeaseKeeper(
+    cancel_key, result_key = rt.keys.cancel(ref), rt.keys.result(ref)
+    keeper = LeaseKeeper(  # a cancel request, or a final result published meanwhile, stops it
         rt.lease_store,
-        lambda: cancel_valid(rt.settings, owner, job_id, rt.lease_redis.get(cancel_key)),
+        lambda: (cancel_valid(rt.settings, owner, job_id, rt.lease_redis.get(cancel_key))
+                 or bool(rt.lease_redis.exists(result_key))),
         ref, fence, rt.settings.admission.lease_ttl_s)
     try:
         with keeper:
@@ -330,9 +355,9 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
         return _continue(rt, ref, fence, envelope)
     # Publish first, then release: a crash or a Redis error in between leaves the lease to
     # expire and the job to run again (which finds its result and stops), never a lost job.
-    rt.results.publish(envelope)
+    published = rt.results.publish(envelope)
     store.release(ref, fence)
-    return envelope.code.value
+    return envelope.code.value if published else "already-final"
 
 
 def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
@@ -353,9 +378,8 @@ def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
         log.warning("continuation of job=%s not readmitted (%r): its lease will expire", ref, exc)
         return "readmit-failed"
     try:
-        if cancel_requested(rt, ref) and rt.store.cancel_pending(ref):
-            owner, job_id = split_ref(ref)  # cancelled while this turn ran: never run another
-            return _fail(rt, job_id, owner, Code.E_CANCELLED, "cancelled between turns")
+        if cancel_requested(rt, ref):  # cancelled while this turn ran: never run another
+            return _end_unleased(rt, ref, Code.E_CANCELLED, "cancelled between turns")
     except redis.RedisError as exc:
         log.warning("continuation of job=%s readmitted, then Redis failed (%r): its next turn goes "
                     "on from the saved turn", ref, exc)
@@ -486,14 +510,14 @@ def _past_soft_limit(step: Callable[[], _T]) -> _T:
 
 
 def _end_waiting(rt: Runtime, ref: str, turn: dict[str, Any], code: Code, message: str) -> str:
-    """End a job that waits between turns (no lease): out of the store, then its envelope. A job
-    no longer waiting (in line or running already) is left to its turn, which ends it too."""
-    if not _past_soft_limit(lambda: rt.store.cancel_pending(ref)):
+    """End a job that waits between turns (no lease): its envelope, then out of the store
+    (``_end_unleased``). A job no longer waiting (running already) is left to its turn, which
+    ends it too; one admitted between the two reads here finds its result and stops."""
+    if _past_soft_limit(lambda: rt.results.job_record(ref).get("state")) != "pending":
         return "not-waiting"
-    project, job_id = split_ref(ref)
     log.info("job=%s ended between turns: %s", ref, message)
-    return _past_soft_limit(lambda: _fail(rt, job_id, project, code, message,
-                                          tool_rounds=turn["tool_rounds"]))
+    return _past_soft_limit(lambda: _end_unleased(rt, ref, code, message,
+                                                  tool_rounds=turn["tool_rounds"]))
 
 
 def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> Job:
