@@ -40,7 +40,9 @@ Failure cases:
 - Redis unreachable or slow (ConnectionError, TimeoutError, any RedisError) in reap, expiry,
   admission or the wait: one log line, a back-off (0.5 s doubling to 5 s, reset after a good
   round) on the stop event, and the loop goes on. The dispatcher never exits on a Redis blip.
-- ``on_expired`` raises: logged; the job has already left the line (its E_DEADLINE is lost).
+- ``on_expired`` raises: logged; that job stays in line and the next round reports it
+  again (a job is reported before it leaves the line, so a dispatcher dying in between loses
+  no final result: the publish is first-wins).
 """
 
 from __future__ import annotations
@@ -141,16 +143,23 @@ def wait_timeout_s(store: AdmissionStore, result: AdmitResult, now: float, max_s
 def expire_deadlines(
     store: AdmissionStore, now: float, on_expired: Callable[[str], None] | None
 ) -> list[str]:
-    """Drop pending jobs past their deadline and report each to ``on_expired``."""
-    expired = store.expire_deadlines(now)
+    """Report each pending job past its deadline to ``on_expired`` (its final envelope), then
+    drop them from the line. Reported first: a dispatcher that dies in between leaves items whose
+    job already ended, which the next round drops (or an inference worker drops at once, should
+    one be admitted meanwhile); dropped first, the job would have no final result. A job whose
+    report fails stays in line, and the next round reports it again."""
+    reported: list[str] | None = None
+    if on_expired is not None:
+        reported = []
+        for job_id in store.due_deadlines(now):
+            try:
+                on_expired(job_id)
+                reported.append(job_id)
+            except Exception:  # one failed report must not stop the others or the loop
+                log.exception("reporting the expired deadline of %s failed; it stays in line", job_id)
+    expired = store.expire_deadlines(now, reported)
     for job_id in expired:
         log.info("deadline passed while pending: %s", job_id)
-        if on_expired is None:
-            continue
-        try:
-            on_expired(job_id)
-        except Exception:  # one failed report must not stop the others or the loop
-            log.exception("reporting the expired deadline of %s failed", job_id)
     return expired
 
 

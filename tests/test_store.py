@@ -27,6 +27,7 @@ from hypothesis.stateful import (
 )
 
 from fleet.core.keys import Keys
+from schedulers.dispatcher import expire_deadlines
 from schedulers.policy.limits import Limits, kv_tokens
 from schedulers.store.base import PendingItem, StoreConfig
 from schedulers.store.memory_store import MemoryStore
@@ -757,3 +758,37 @@ def test_long_prefills_per_window_follow_the_servers_flags(partial: int, long_pa
 
     settings = Settings(backend={"max_num_partial_prefills": partial, "max_long_partial_prefills": long_partial})
     assert Limits.from_settings(settings).long_prefills == expected
+
+
+def test_a_deadline_is_reported_before_its_job_leaves_the_line(make_store: StoreFactory) -> None:
+    """The dispatcher reports a due job (its E_DEADLINE envelope) before the store drops it.
+    Before, the job left the line first: a report that failed, or a dispatcher that died between
+    the two steps, left the job with no final result for good."""
+    store = make_store()
+    for job_id in ("j0", "j1"):
+        store.add_pending(job(job_id, deadline=1_020.0))
+    reported: list[str] = []
+    failures = {"j0"}
+
+    def on_expired(job_id: str) -> None:
+        if job_id in failures:
+            failures.discard(job_id)
+            raise RuntimeError("the report failed")
+        reported.append(job_id)
+
+    assert expire_deadlines(store, 1_030.0, on_expired) == ["j1"]
+    assert store.pending_ids() == {"j0"}  # kept in line: the next round reports it again
+    assert expire_deadlines(store, 1_031.0, on_expired) == ["j0"]
+    assert reported == ["j1", "j0"] and store.pending_ids() == set()
+
+    store.add_pending(job("j2", deadline=1_040.0))
+
+    def dies_after_reporting(job_id: str) -> None:
+        reported.append(job_id)
+        raise SystemExit  # the dispatcher dies right after the envelope went out
+
+    with pytest.raises(SystemExit):
+        expire_deadlines(store, 1_050.0, dies_after_reporting)
+    assert store.pending_ids() == {"j2"}  # still in line: the next dispatcher drops it
+    assert store.due_deadlines(1_050.0) == ["j2"]
+    assert expire_deadlines(store, 1_050.0, None) == ["j2"]

@@ -88,15 +88,28 @@ class MemoryStore:
         with self._lock:
             return (self._pending.pop(job_id, None) or self._deferred.pop(job_id, None)) is not None
 
-    def expire_deadlines(self, now: float) -> list[str]:
+    def due_deadlines(self, now: float) -> list[str]:
+        with self._lock:
+            return [job_id for deadline, job_id in sorted(self._deadlines)
+                    if deadline <= now and (entry := self._pending.get(job_id)) is not None
+                    and entry.item.deadline == deadline]
+
+    def expire_deadlines(self, now: float, only: list[str] | None = None) -> list[str]:
         expired: list[str] = []
+        kept: list[tuple[float, str]] = []
         with self._lock:
             while self._deadlines and self._deadlines[0][0] <= now:
                 deadline, job_id = heapq.heappop(self._deadlines)
                 entry = self._pending.get(job_id)
-                if entry is not None and entry.item.deadline == deadline:
-                    del self._pending[job_id]
-                    expired.append(job_id)
+                if entry is None or entry.item.deadline != deadline:
+                    continue
+                if only is not None and job_id not in only:
+                    kept.append((deadline, job_id))
+                    continue
+                del self._pending[job_id]
+                expired.append(job_id)
+            for entry_kept in kept:
+                heapq.heappush(self._deadlines, entry_kept)
         return expired
 
     def next_deadline(self) -> float | None:

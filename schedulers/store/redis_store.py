@@ -182,8 +182,13 @@ class RedisStore:
         keys = [self._key("deferred"), self._key("items"), self._key("lease")]
         return bool(self._run("undefer", keys, [job_id]))
 
-    def expire_deadlines(self, now: float) -> list[str]:
-        due = [_text(i) for i in self._client.zrangebyscore(self._key("deadlines"), "-inf", repr(now), 0, _BATCH)]
+    def due_deadlines(self, now: float) -> list[str]:
+        return [_text(i) for i in self._client.zrangebyscore(self._key("deadlines"), "-inf", repr(now), 0, _BATCH)]
+
+    def expire_deadlines(self, now: float, only: list[str] | None = None) -> list[str]:
+        due = self.due_deadlines(now)
+        if only is not None:
+            due = [job_id for job_id in due if job_id in only]
         if not due:
             return []
         keys = [self._key(k) for k in ("deadlines", "state", "items", "lease")]
