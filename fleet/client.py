@@ -176,6 +176,10 @@ class Client:
     # -- reading ----------------------------------------------------------------------------
     def result(self, job_id: str, timeout: float | None = None, *,
                project: str | None = None) -> Envelope | None:
+        """The job's Envelope, waiting up to ``timeout`` seconds (None: as long as it takes) for
+        it; **None** when the timeout passes first (the job runs on: ask again later). NotFound
+        (E_NOT_FOUND) for a job its project does not have, BrokerUnavailable when the broker
+        stays away past the timeout."""
         return self.results.wait(self.ref(job_id, project), 10**9 if timeout is None else timeout)
 
     def status(self, job_id: str, *, project: str | None = None) -> dict[str, Any]:
