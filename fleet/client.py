@@ -195,11 +195,12 @@ class Client:
         return record
 
     def events(self, job_id: str, *, follow: bool = True, block_ms: int = 1000,
-               idle_timeout_s: float | None = None,
-               project: str | None = None) -> Iterator[dict[str, Any]]:
-        """Yield the job's events from the start; with ``follow``, until its final event."""
+               idle_timeout_s: float | None = None, project: str | None = None,
+               after: str = "0-0") -> Iterator[dict[str, Any]]:
+        """Yield the job's events from the start (or those after the event id ``after``: where
+        a follower cut off by a broker outage resumes); with ``follow``, until its final event."""
         ref = self.ref(job_id, project)
-        key, cursor = self.keys.events(ref), "0-0"
+        key, cursor = self.keys.events(ref), after
         if not self.redis.exists(self.keys.job(ref), key):
             raise _not_found(ref)
         idle_since = time.monotonic()

@@ -459,18 +459,43 @@ def shown_time(value: Any) -> str:
 def tail(job_id: Annotated[str, typer.Argument(help=JOB_HELP)],
          follow: Annotated[bool, typer.Option()] = True, project: ProjectOption = None) -> None:
     """Follow a job's live events (queued, admitted, attempts, deltas, retries, continuations,
-    tool rounds, final)."""
-    from fleet.cli.tail import describe
+    tool rounds, final). A broker outage while following is ridden out: one line when it goes,
+    one when it is back, and the events resume after the last one shown."""
+    import time
+
+    from fleet.cli.outage import Outage
+    from fleet.core.redisconn import UNREACHABLE
 
     with client_or_exit() as client, broker_errors(client.settings):
-        for event in client.events(_job_ref(client, job_id, project), follow=follow):
-            data = event["data"]
-            text = data.get("text") if isinstance(data, dict) else None
-            if event["type"] in ("reasoning", "content") and text:
-                style = "dim" if event["type"] == "reasoning" else ""
-                console.print(text, style=style, end="", markup=False, highlight=False)
-            else:
-                console.print("\n" + describe(event["type"], data))
+        ref, after, outage = _job_ref(client, job_id, project), "0-0", Outage()
+        while True:
+            try:
+                if outage.since is not None:
+                    client.redis.ping()
+                    if outage.answered():
+                        err.print(outage.back_text(), markup=False, highlight=False)
+                for event in client.events(ref, follow=follow, after=after):
+                    after = event["id"]
+                    _print_event(event)
+                return
+            except UNREACHABLE:
+                if not follow:
+                    raise
+                if outage.failed():
+                    err.print(outage.down_text(), markup=False, highlight=False)
+                time.sleep(1.0)
+
+
+def _print_event(event: dict[str, Any]) -> None:
+    from fleet.cli.tail import describe
+
+    data = event["data"]
+    text = data.get("text") if isinstance(data, dict) else None
+    if event["type"] in ("reasoning", "content") and text:
+        style = "dim" if event["type"] == "reasoning" else ""
+        console.print(text, style=style, end="", markup=False, highlight=False)
+    else:
+        console.print("\n" + describe(event["type"], data))
 
 
 @app.command()
