@@ -75,6 +75,7 @@ from fleet.core.errors import FleetError, ThinkLoop
 from fleet.core.events import EventSink
 from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Attempt, Envelope, Job, Timings, Usage
+from fleet.core.outagelog import BROKER_LOST
 from fleet.core.promptcache import leading_system, record_sent
 from fleet.core.request import build_request_messages, fence, new_fence_tag, tools_allowed
 from fleet.infer import carryover
@@ -171,19 +172,26 @@ class _Coalescer:
 
 def run_inference(job: Job, plan: Plan, ctx: InferenceContext,
                   turn: dict[str, Any] | None = None) -> Envelope | Continuation:
-    """One model turn; ``turn`` is the ``Continuation.turn`` of the previous one (None: first)."""
+    """One model turn; ``turn`` is the ``Continuation.turn`` of the previous one (None: first).
+    An unexpected exception is an ERROR with its traceback; a broker connection error (Redis
+    restarting) is expected, so one WARNING line without one: the E_INTERNAL envelope is
+    published only if Redis is back in time, else the job's lease expires and it runs again."""
     run: _Run | None = None
     try:
         run = _Run(job, plan, ctx)
         if turn is not None:
             run.resume(turn)
         return run.run()
+    except BROKER_LOST as exc:
+        log.warning("inference of job=%s cut by a broker outage (%s)", job.id, type(exc).__name__)
+        error: Exception = exc
     except Exception as exc:  # the one place a bug must not lose the job
         log.exception("inference failed inside the fleet job=%s", job.id)
-        attempts = run.attempts if run is not None else []
-        return Envelope.failure(
-            job.id, job.project, Code.E_INTERNAL, f"internal error: {exc!r}", attempts=attempts
-        )
+        error = exc
+    attempts = run.attempts if run is not None else []
+    return Envelope.failure(
+        job.id, job.project, Code.E_INTERNAL, f"internal error: {error!r}", attempts=attempts
+    )
 
 
 def run_turns(job: Job, plan: Plan, ctx: InferenceContext,
