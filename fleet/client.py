@@ -176,6 +176,10 @@ class Client:
     # -- reading ----------------------------------------------------------------------------
     def result(self, job_id: str, timeout: float | None = None, *,
                project: str | None = None) -> Envelope | None:
+        """The job's Envelope, waiting up to ``timeout`` seconds (None: as long as it takes) for
+        it; **None** when the timeout passes first (the job runs on: ask again later). NotFound
+        (E_NOT_FOUND) for a job its project does not have, BrokerUnavailable when the broker
+        stays away past the timeout."""
         return self.results.wait(self.ref(job_id, project), 10**9 if timeout is None else timeout)
 
     def status(self, job_id: str, *, project: str | None = None) -> dict[str, Any]:
@@ -191,11 +195,12 @@ class Client:
         return record
 
     def events(self, job_id: str, *, follow: bool = True, block_ms: int = 1000,
-               idle_timeout_s: float | None = None,
-               project: str | None = None) -> Iterator[dict[str, Any]]:
-        """Yield the job's events from the start; with ``follow``, until its final event."""
+               idle_timeout_s: float | None = None, project: str | None = None,
+               after: str = "0-0") -> Iterator[dict[str, Any]]:
+        """Yield the job's events from the start (or those after the event id ``after``: where
+        a follower cut off by a broker outage resumes); with ``follow``, until its final event."""
         ref = self.ref(job_id, project)
-        key, cursor = self.keys.events(ref), "0-0"
+        key, cursor = self.keys.events(ref), after
         if not self.redis.exists(self.keys.job(ref), key):
             raise _not_found(ref)
         idle_since = time.monotonic()

@@ -25,7 +25,7 @@ from fleet.core.events import EventSink, decode_event
 from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Envelope, Job, Message
 from fleet.infer import carryover
-from fleet.infer.attempts import Continuation, InferenceContext, run_turns
+from fleet.infer.attempts import Continuation, InferenceContext, run_inference, run_turns
 from fleet.infer.budget import Plan
 from fleet.infer.budget import plan as make_plan
 from fleet.infer.retrying import RetryBudget, backoff_s, fits_deadline, should_retry
@@ -478,3 +478,18 @@ def test_retry_budget_is_credited_by_first_attempts(redis_client: redis.Redis,
     for _ in range(100):
         bucket.first_attempt()
     assert bucket.tokens() == 2.0  # capped
+
+
+def test_a_broker_lost_mid_turn_goes_up_to_the_task_not_into_an_e_internal_envelope(h: Harness) -> None:
+    """The inference task puts such a job back in line (fleet/worker/tasks.py ``infer_job``); an
+    E_INTERNAL envelope here would end a job that only met a Redis restart, with an ERROR."""
+    from fleet.local.embedded import free_port
+
+    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.5, socket_timeout=0.5)
+    job = h.job("plain")
+    project = h.cfg.projects[job.project]
+    ctx = InferenceContext(settings=h.cfg, project=project, redis=dead, keys=h.keys,
+                           events=EventSink(h.redis, h.keys, job_ref(job.project, job.id), 60),
+                           cancel=h.cancel, client=h.vllm, rand=lambda: 0.5)
+    with pytest.raises(redis.ConnectionError):
+        run_inference(job, make_plan(job, project, h.cfg, 200), ctx)

@@ -3,7 +3,7 @@
 Order of work: the project is checked before the file is read; a file whose ``custom_id``s are not
 unique is refused whole (results are matched by it); each line gets a job id of its own derived
 from the file and its custom_id (fleet/core/batchfile.py), so the same file always names the same
-jobs.
+jobs. A file that cannot be read or is not UTF-8 text is E_INPUT_INVALID naming it.
 
 ``--out`` is written as results arrive, one line each, flushed at once: a client that dies keeps
 everything it received. ``--resume`` appends to an existing ``--out``: lines already in it are
@@ -11,13 +11,16 @@ skipped, the others are submitted again (a job the fleet already has is not sent
 and collected. ``--collect`` submits nothing and collects the lines not yet in ``--out`` (a job the
 fleet does not know is an E_NOT_FOUND line). A broker that does not answer is ridden out by the
 client (``Client.retry_s``) and the results follower; if it stays away, the command stops with one
-E_BROKER_UNAVAILABLE line and ``--resume`` picks up from there. Lines still without a result when
+E_BROKER_UNAVAILABLE line and ``--resume`` picks up from there. A line refused (not a job, or
+refused by the fleet) is an error line in ``--out``; without ``--out`` its reason goes to stderr,
+one line each: ``line N (custom_id X): CODE message``. Lines still without a result when
 ``--timeout`` passes are counted, not written: collect them later with ``--collect``.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import IO, Any
@@ -54,8 +57,25 @@ def answered_ids(out: Path | None) -> set[str]:
     return {str(row.get("custom_id")) for row in rows}
 
 
+def read_input(path: Path) -> bytes:
+    """An input file's bytes; one that cannot be read (missing, a directory, no permission) is
+    E_INPUT_INVALID naming it, never an OSError a caller could take for the broker's."""
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise InputInvalid(f"cannot read {path}: {exc.strerror or type(exc).__name__}") from exc
+
+
+def input_text(path: Path, content: bytes) -> str:
+    try:
+        return content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputInvalid(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+
+
 class Output:
-    """Result lines to ``out`` (appended when resuming), each flushed as it is written."""
+    """Result lines to ``out`` (appended when resuming), each flushed as it is written. Without
+    ``out``, a refused line's reason goes to stderr: nobody would learn it otherwise."""
 
     def __init__(self, out: Path | None, append: bool) -> None:
         self.stream: IO[str] | None = (
@@ -68,6 +88,13 @@ class Output:
             self.stream.write(json.dumps(row, ensure_ascii=False) + "\n")
             self.stream.flush()
 
+    def refused(self, line: BatchLine, model: str) -> None:
+        self.write(output_line(line, None, model))
+        if self.stream is None:
+            reason = (line.error or "").removeprefix(f"line {line.number}: ")
+            print(f"line {line.number} (custom_id {line.custom_id}): {line.code.value} {reason}",
+                  file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
@@ -79,8 +106,8 @@ def run_batch(client: Client, file: Path, project: str, *, wait: bool, out: Path
         raise InputInvalid(f"unknown project {project!r} (not in this configuration)")
     if (resume or collect) and out is None:
         raise InputInvalid("--resume and --collect need --out (the results written so far)")
-    content = file.read_bytes()
-    lines = parse_lines(jsonl_lines(content.decode("utf-8")), project, batch_tag(content))
+    content = read_input(file)
+    lines = parse_lines(jsonl_lines(input_text(file, content)), project, batch_tag(content))
     duplicates = duplicate_custom_ids(lines)
     if duplicates:
         raise InputInvalid(f"custom_id must be unique in a batch file; repeated: "
@@ -135,7 +162,7 @@ def _submit(client: Client, todo: list[BatchLine], output: Output, model: str,
     job_of: dict[int, str] = {}
     for line in todo:
         if line.job is None:
-            output.write(output_line(line, None, model))
+            output.refused(line, model)
         elif collect:
             job_of[line.number] = line.job.id
         else:
@@ -144,8 +171,8 @@ def _submit(client: Client, todo: list[BatchLine], output: Output, model: str,
             except BrokerUnavailable:
                 raise
             except FleetError as exc:
-                line.error = f"line {line.number}: {exc.message}"
-                output.write(output_line(line, None, model))
+                line.error, line.code = f"line {line.number}: {exc.message}", exc.code
+                output.refused(line, model)
     return job_of
 
 

@@ -78,8 +78,10 @@ def _p(values: list[float], q: float) -> float:
 
 
 def summary_table(envelopes: list[Envelope]) -> Table:
-    table = Table("project", "jobs", "codes", "tries", "prompt tok", "output tok",
-                  "wait p50/p95 s", "latency p50/p95 s", title="fleet demo")
+    table = Table("project", "jobs", "codes", "attempts", "prompt tok", "output tok",
+                  "wait p50/p95 s", "latency p50/p95 s", title="fleet demo",
+                  caption="attempts: backend requests in all (first tries, retries and continuations "
+                          "after a cut reasoning loop); wait: queued until admitted")
     by_project: dict[str, list[Envelope]] = defaultdict(list)
     for envelope in envelopes:
         by_project[envelope.project].append(envelope)
@@ -112,8 +114,8 @@ def run_demo(settings: Settings, *, jobs: int, speed: float, console: Console,
         with fleet:
             run_settings = settings.model_copy(update={"broker_url": fleet.env["FLEET_BROKER_URL"]})
             console.print(f"logs {logs}\nbroker {mask_url(run_settings.broker_url)}  "
-                          f"backend {mask_url(fleet.env['FLEET_BACKEND_URL'])}  "
-                          f"projects {', '.join(settings.projects)}")
+                          f"backend {mask_url(fleet.env['FLEET_BACKEND_URL'])}", soft_wrap=True)
+            console.print(f"projects {', '.join(settings.projects)}", soft_wrap=True)
             envelopes = _push_supervised(fleet, run_settings, jobs, console)
     except ChildExited:
         console.print(f"process logs kept in {logs}")

@@ -162,7 +162,7 @@ def worker(
     hostname: Annotated[str, typer.Option(help="Celery node name")] = "fleet@%h",
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
-    """Run a Celery worker (threads pool) for project queues and/or the inference queue."""
+    """Run a Celery worker (--pool threads, or prefork) for project queues and/or the inference queue."""
     from fleet.worker.app import (
         INFER_QUEUE,
         collect_queues,
@@ -264,29 +264,40 @@ def flower(
 
 @app.command()
 def up(
-    speed: Annotated[float, typer.Option(help="simulator speed when no backend is set")] = 1.0,
+    speed: Annotated[float, typer.Option(help="simulator speed (when the simulator runs)")] = 1.0,
     workers: Annotated[int, typer.Option()] = 1,
     dispatchers: Annotated[int, typer.Option()] = 1,
+    sim: Annotated[bool | None, typer.Option(
+        "--sim/--no-sim", help="run on fleet sim / on backend.url (default: the simulator only "
+                               "while backend.url is the example's default address)")] = None,
 ) -> None:
-    """Bring the whole fleet up locally (broker, sim if needed, dispatcher, workers) until stopped.
+    """Bring the whole fleet up locally until stopped: broker (a private Redis when none is
+    configured and none answers), the backend simulator unless a backend is configured, the
+    dispatchers, the workers and the HTTP gateway (on gateway.port; 0 = none).
 
     SIGINT (Ctrl-C), SIGTERM or SIGHUP stops every child and exits 0; a child that exits on its
-    own stops the rest and exits 1, printing its name, exit code and last lines to stderr."""
-    from fleet.local.processes import LocalFleet
+    own stops the rest and exits 1, printing its name, exit code and last lines to stderr. A
+    configured broker that does not answer is one E_BROKER_UNAVAILABLE line (exit 2)."""
+    from fleet.local.processes import LocalFleet, backend_for_up
 
     settings = settings_or_exit()
+    backend = backend_for_up(settings, sim)
     fleet = LocalFleet(settings, sim_speed=speed, workers=workers, dispatchers=dispatchers,
-                       log_level="INFO", handle_signals=True, gateway_port=settings.gateway.port or None)
+                       log_level="INFO", handle_signals=True, backend_url=backend,
+                       gateway_port=settings.gateway.port or None)
     with stopped_cleanly(), fleet:
+        source = "backend.url" if backend else (
+            "fleet sim, --sim" if sim else "fleet sim: backend.url is the example's default; --no-sim uses it")
         console.print(f"broker  {mask_url(fleet.env['FLEET_BROKER_URL'])}\n"
-                      f"backend {mask_url(fleet.env.get('FLEET_BACKEND_URL', fleet.settings.backend.url))}\n"
-                      "Ctrl-C to stop.")
+                      f"backend {mask_url(fleet.env['FLEET_BACKEND_URL'])} ({source})\n"
+                      "Ctrl-C to stop.", markup=False, highlight=False)
         fleet.supervise()
 
 
 @contextmanager
 def stopped_cleanly() -> Iterator[None]:
-    """A stop signal ends the command with 0, a child that died with 1 and its report."""
+    """A stop signal ends the command with 0, a child that died with 1 and its report, a broker
+    that does not answer with 2 and its one line."""
     from fleet.local.processes import ChildExited, Stopped
 
     try:
@@ -296,6 +307,8 @@ def stopped_cleanly() -> Iterator[None]:
     except ChildExited as exc:
         typer.echo(f"{exc.code.value} {exc.message}", err=True)
         raise typer.Exit(1) from exc
+    except BrokerUnavailable as exc:
+        fail(exc, 2)
 
 
 @app.command()
@@ -340,8 +353,10 @@ def submit(
     """Submit one job (a prompt, or a job JSON file) and print its id or its result."""
     if (prompt is None) == (file is None):
         raise typer.BadParameter("give a PROMPT or --file, not both")
-    job: dict[str, Any] = (json.loads(file.read_text()) if file
-                           else {"messages": [{"role": "user", "content": prompt}]})
+    try:
+        job: dict[str, Any] = job_file(file) if file else {"messages": [{"role": "user", "content": prompt}]}
+    except InputInvalid as exc:
+        fail(exc, 2)
     job["project"] = job.get("project", project)
     with client_or_exit() as client, broker_errors(client.settings):
         try:
@@ -359,6 +374,20 @@ def submit(
             raise typer.Exit(1)
         console.print_json(envelope.model_dump_json())
         raise typer.Exit(0 if envelope.ok else 1)
+
+
+def job_file(path: Path) -> dict[str, Any]:
+    """A job JSON file as a dict; E_INPUT_INVALID naming the file when it cannot be read or is
+    not a JSON object."""
+    from fleet.cli.batch import input_text, read_input
+
+    try:
+        job = json.loads(input_text(path, read_input(path)))
+    except json.JSONDecodeError as exc:
+        raise InputInvalid(f"{path} is not JSON: {exc}") from exc
+    if not isinstance(job, dict):
+        raise InputInvalid(f"{path}: a job is a JSON object")
+    return job
 
 
 @app.command()
@@ -396,11 +425,16 @@ ProjectOption = Annotated[str | None, typer.Option("--project", "-p", help="the 
 
 
 def _job_ref(client: Client, job_id: str, project: str | None) -> str:
+    """``<project>/<id>`` of a job of a project this configuration has (else E_INPUT_INVALID,
+    exit 2, as ``fleet batch`` says it: the broker is not asked about a project it cannot have)."""
     try:
-        return client.ref(job_id, project)
+        ref = client.ref(job_id, project)
+        named = ref.split("/", 1)[0]
+        if client.settings.project(named) is None:
+            raise InputInvalid(f"unknown project {named!r} (not in this configuration)")
     except FleetError as exc:
-        err.print(f"[red]{exc.code.value}[/red] {exc.message}")
-        raise typer.Exit(2) from exc
+        fail(exc, 2)
+    return ref
 
 
 @app.command()
@@ -432,18 +466,43 @@ def shown_time(value: Any) -> str:
 def tail(job_id: Annotated[str, typer.Argument(help=JOB_HELP)],
          follow: Annotated[bool, typer.Option()] = True, project: ProjectOption = None) -> None:
     """Follow a job's live events (queued, admitted, attempts, deltas, retries, continuations,
-    tool rounds, final)."""
-    from fleet.cli.tail import describe
+    tool rounds, final). A broker outage while following is ridden out: one line when it goes,
+    one when it is back, and the events resume after the last one shown."""
+    import time
+
+    from fleet.cli.outage import Outage
+    from fleet.core.redisconn import UNREACHABLE
 
     with client_or_exit() as client, broker_errors(client.settings):
-        for event in client.events(_job_ref(client, job_id, project), follow=follow):
-            data = event["data"]
-            text = data.get("text") if isinstance(data, dict) else None
-            if event["type"] in ("reasoning", "content") and text:
-                style = "dim" if event["type"] == "reasoning" else ""
-                console.print(text, style=style, end="", markup=False, highlight=False)
-            else:
-                console.print("\n" + describe(event["type"], data))
+        ref, after, outage = _job_ref(client, job_id, project), "0-0", Outage()
+        while True:
+            try:
+                if outage.since is not None:
+                    client.redis.ping()
+                    if outage.answered():
+                        err.print(outage.back_text(), markup=False, highlight=False)
+                for event in client.events(ref, follow=follow, after=after):
+                    after = event["id"]
+                    _print_event(event)
+                return
+            except UNREACHABLE:
+                if not follow:
+                    raise
+                if outage.failed():
+                    err.print(outage.down_text(), markup=False, highlight=False)
+                time.sleep(1.0)
+
+
+def _print_event(event: dict[str, Any]) -> None:
+    from fleet.cli.tail import describe
+
+    data = event["data"]
+    text = data.get("text") if isinstance(data, dict) else None
+    if event["type"] in ("reasoning", "content") and text:
+        style = "dim" if event["type"] == "reasoning" else ""
+        console.print(text, style=style, end="", markup=False, highlight=False)
+    else:
+        console.print("\n" + describe(event["type"], data))
 
 
 @app.command()

@@ -26,8 +26,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from fleet.cli.outage import Outage
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
+from fleet.core.redisconn import UNREACHABLE
 from fleet.worker.heartbeat import live_worker_names, shown_workers
 from schedulers.store import make_store
 from schedulers.store.base import StoreSnapshot
@@ -130,15 +132,24 @@ def _percent(value: str | None) -> str:
 
 def run_top(settings: Settings, client: redis.Redis, console: Console, once: bool,
             every_s: float = 1.0, clock: Callable[[], float] = time.time) -> None:
-    """Print one frame (``once``) or refresh one every ``every_s`` until interrupted."""
-    frame = read_frame(settings, client, clock())
+    """Print one frame (``once``) or refresh one every ``every_s`` until interrupted. The live
+    view rides out a broker that stops answering (fleet/cli/outage.py): the last frame stays,
+    under a line saying since when the broker is away, until it is back."""
     if once:
-        console.print(render(frame, live=False))
+        console.print(render(read_frame(settings, client, clock()), live=False))
         return
+    outage = Outage()
+    frame: TopFrame | None = None
     # Ctrl-C is how a live view ends
     with contextlib.suppress(KeyboardInterrupt), \
-            Live(render(frame, live=True), console=console, refresh_per_second=4) as view:
+            Live(Text("reading the broker ..."), console=console, refresh_per_second=4) as view:
         while True:
+            try:
+                frame = read_frame(settings, client, clock(), frame)
+                outage.answered()
+                view.update(render(frame, live=True))
+            except UNREACHABLE:
+                outage.failed()
+                notice = Text(outage.down_text(), style="bold red")
+                view.update(Group(render(frame, live=True), notice) if frame else notice)
             time.sleep(every_s)
-            frame = read_frame(settings, client, clock(), frame)
-            view.update(render(frame, live=True))

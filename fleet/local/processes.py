@@ -2,7 +2,8 @@
 
 ``LocalFleet`` brings up, in order: the broker (a private redis-server when ``private_broker`` is
 set, else fleet/local/embedded.py decides: configured, answering or a private one), ``fleet sim``
-when no ``FLEET_BACKEND_URL`` is set, the dispatchers, the workers and (with ``gateway_port``)
+unless ``backend_url`` names the backend to use (``fleet up`` decides, ``backend_for_up``), the
+dispatchers, the workers and (with ``gateway_port``)
 ``fleet gateway``, each as a child process. When a project runs tools, the workers leave the tool
 queues to one more worker, ``tools``, on the prefork pool: only there do the tool tasks' Celery
 time limits hold (a hung tool is killed, docs/tools.md)
@@ -16,7 +17,8 @@ Environment: by default each child inherits this process's environment (``fleet 
 fleet its operator configured). With ``inherit_env=False`` (every ``fleet bench``) a child gets
 only the operating system's basics (``OS_ENV``: PATH, HOME, locale, TMPDIR, ...) plus what the
 caller sets: no ``FLEET_*`` variable of the operator's shell (a ``FLEET_BACKEND_URL`` would send
-the bench's load to a production vLLM, a ``FLEET_BROKER_URL`` or ``FLEET_PROJECTS`` would mix
+the bench's load to a production vLLM; without ``backend_url`` the children are pointed at the
+simulator whatever the shell says, a ``FLEET_BROKER_URL`` or ``FLEET_PROJECTS`` would mix
 in a deployment's) and ``FLEET_CONFIG`` always named (``config_path``, else the shipped example),
 so a ``./fleet.toml`` in the working directory is never read either.
 
@@ -63,7 +65,7 @@ from typing import IO, Any
 import httpx
 
 from fleet.core.codes import Code
-from fleet.core.config import EXAMPLE_CONFIG, Settings
+from fleet.core.config import EXAMPLE_CONFIG, BackendSettings, Settings
 from fleet.core.errors import FleetError
 from fleet.core.exposure import LOCAL_BROKER_ENV
 from fleet.core.redisconn import sentinel_target
@@ -117,6 +119,7 @@ class LocalFleet:
     local_broker: bool = False  # mark the broker local even when it was not started here
     handle_signals: bool = False  # turn SIGINT/SIGTERM/SIGHUP into Stopped (main thread only)
     gateway_port: int | None = None  # start ``fleet gateway`` on this port (None: no gateway)
+    backend_url: str | None = None  # the backend the children use (None: start ``fleet sim``)
     inherit_env: bool = True  # False: children get OS_ENV and what is set here only (benches)
     env: dict[str, str] = field(default_factory=dict)
     broker: EmbeddedRedis | None = None
@@ -147,7 +150,9 @@ class LocalFleet:
             self.env["FLEET_CONFIG"] = self.config_path or str(EXAMPLE_CONFIG)
         if self.broker.started or self.local_broker:
             self.env[LOCAL_BROKER_ENV] = self.broker.url
-        if not self.env.get("FLEET_BACKEND_URL"):
+        if self.backend_url:
+            self.env["FLEET_BACKEND_URL"] = self.backend_url
+        else:
             self._start_sim()
         for n in range(self.dispatchers):
             extra = {} if n == 0 else {"FLEET_ADMISSION_METRICS_PORT": "0"}
@@ -277,6 +282,16 @@ class LocalFleet:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def backend_for_up(settings: Settings, sim: bool | None) -> str | None:
+    """The backend ``fleet up`` runs on: ``--sim`` the simulator (None), ``--no-sim`` the
+    configured ``backend.url``; neither, the configured one unless it is still the example's
+    default address (nobody configured a backend: the simulator). The FLEET_BACKEND_URL variable
+    is part of the configuration (it overrides ``backend.url``)."""
+    if sim is None:
+        sim = settings.backend.url == BackendSettings().url
+    return None if sim else settings.backend.url
 
 
 def os_env() -> dict[str, str]:

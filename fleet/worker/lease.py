@@ -22,10 +22,12 @@ from collections.abc import Callable
 
 import redis
 
+from fleet.core.outagelog import BROKER_LOST, OutageLog
 from fleet.infer.vllm import Cancel
 from schedulers.store.base import AdmissionStore
 
 log = logging.getLogger(__name__)
+_OUTAGE = OutageLog(log, "lease keepers", "lease checks missed")
 
 CANCEL_CHECK_S = 0.5
 
@@ -74,13 +76,18 @@ class LeaseKeeper:
                         self._lose("renew refused")
                         return
                     last_ok = asked
+            except BROKER_LOST as exc:
+                # Keep streaming through a Redis blip: the lease TTL covers several misses. One
+                # line per outage for all keepers of the process, not one per keeper and check.
+                _OUTAGE.failed(exc)
             except redis.RedisError as exc:
-                # Keep streaming through a Redis blip: the lease TTL covers several misses.
                 log.warning("lease keeper for job=%s: redis error %s", self.job_id, exc)
             except Exception:  # a dead keeper would stream on unrenewed
                 log.exception("lease keeper for job=%s failed", self.job_id)
                 self._lose("keeper failed")
                 return
+            else:
+                _OUTAGE.answered()
             if time.monotonic() - last_ok > 0.9 * self.ttl_s:
                 self._lose("no renewal for 90% of the lease TTL")
                 return

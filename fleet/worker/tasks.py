@@ -79,6 +79,7 @@ from fleet.core.events import EventSink
 from fleet.core.keys import job_ref, split_ref
 from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, Timings, describe_invalid
+from fleet.core.outagelog import BROKER_LOST
 from fleet.core.request import tools_allowed
 from fleet.core.seal import cancel_valid, check_seal, check_turn, digest, seal_turn, sealed
 from fleet.core.signing import verify
@@ -147,9 +148,6 @@ def cancel_requested(rt: Runtime, ref: str) -> bool:
 def _fail(rt: Runtime, job_id: str, project: str, code: Code, message: str, **extra: Any) -> str:
     rt.results.publish(Envelope.failure(job_id, project, code, message, **extra))
     return code.value
-
-
-BROKER_LOST = (redis.ConnectionError, redis.TimeoutError)
 
 
 def riding_out_broker_loss(run: Callable[[], str], ref: str, patience_s: float) -> str:

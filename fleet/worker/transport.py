@@ -14,7 +14,9 @@ reconnect, on the channel it came from (``QoS.ack`` -> ``pipe_or_acquire``: ``At
 logged by kombu (CRITICAL, with a traceback).
 
 ``QoS.restore_unacked``, ``ack`` and ``reject`` here let those calls fail with one WARNING
-instead. Nothing is lost: the
+instead, which names the cause in words (``lost_cause``: "its connection was already detached"
+for kombu's AttributeError, the error's type for a connection error), never the raw
+AttributeError text, which reads like a bug of the fleet. Nothing is lost: the
 messages stay in kombu's unacked hash in Redis (``append`` wrote them there on delivery), and the
 tags a lost channel could not give back are remembered: the next channel (the reconnect) moves
 them back to their queues (``Channel._restore_lost``), instead of leaving them to the broker's
@@ -63,14 +65,22 @@ class QoS(kombu_redis.QoS):
         except RESTORE_ERRORS as exc:
             delivered: Any = self._delivered
             log.warning("broker lost: %d unacknowledged messages stay in the broker's unacked set "
-                        "(%r); given back once the broker answers again", len(delivered), exc)
+                        "(%s); given back once the broker answers again", len(delivered), lost_cause(exc))
             _UNRESTORED.update(delivered)
             delivered.clear()
 
 
+def lost_cause(exc: BaseException) -> str:
+    """Why a channel could not reach the broker, in words (module docstring)."""
+    if isinstance(exc, AttributeError):
+        return "its connection was already detached by the reconnect"
+    return type(exc).__name__
+
+
 def _unacked(what: str, exc: BaseException) -> None:
-    log.warning("broker lost: a finished task's message could not be %s (%r); it stays in the "
-                "broker's unacked set and a late redelivery is dropped as a duplicate", what, exc)
+    log.warning("broker lost: a finished task's message could not be %s (%s); it stays in the "
+                "broker's unacked set and a late redelivery is dropped as a duplicate", what,
+                lost_cause(exc))
 
 
 class Channel(kombu_redis.Channel):
@@ -93,8 +103,8 @@ class Channel(kombu_redis.Channel):
                     self.qos.restore_by_tag(tag, client=client)
                     _UNRESTORED.discard(tag)
         except RESTORE_ERRORS as exc:
-            log.warning("giving back messages of a lost channel failed (%r); the next channel tries "
-                        "again", exc)
+            log.warning("giving back messages of a lost channel failed (%s); the next channel tries "
+                        "again", lost_cause(exc))
             return
         log.info("gave back %d messages a lost broker connection held", len(tags))
 
