@@ -114,3 +114,20 @@ def test_entries_that_are_not_the_projects_jobs_are_dropped_never_sent(redis_cli
     assert redis_client.zrange(keys.prepping("triage"), 0, -1) == [b"triage/own"]
     assert results.job_record(theirs).get("prep_resends") is None
     assert results.job_record(theirs).get("prep_claimed") == "1"
+
+
+def test_entries_that_do_not_decode_never_stop_the_pass_for_other_projects(redis_client, key_prefix):
+    """A producer writes its own watchdog zset and job records as any bytes it likes: a member or
+    a record field that is not UTF-8 is dropped, and the projects after it are still watched
+    (before, the decode error ended the whole pass every round: a stalled prep of 'research',
+    after 'triage' in the settings, was never sent again)."""
+    _settings, keys, results = setup(redis_client, key_prefix)
+    redis_client.zadd(keys.prepping("triage"), {b"\xff\xfe": 0})
+    redis_client.hset(keys.job("triage/bytes"), mapping={"state": b"\xff", "signed": b"\xfe"})
+    redis_client.zadd(keys.prepping("triage"), {"triage/bytes": 0})
+    signed = {"project": "research", "job": {"id": "stalled"}, "nonce": "n", "ts": "1", "sig": "x"}
+    results.record("research/stalled", state="submitted", project="research", signed=json.dumps(signed))
+    redis_client.zadd(keys.prepping("research"), {"research/stalled": 0})
+    sent = []
+    assert watch_once(results, sent.append, now=100.0, unclaimed_s=600) == ["research/stalled"]
+    assert redis_client.zcard(keys.prepping("triage")) == 0

@@ -122,53 +122,75 @@ class PrepClaim:
 def watch_once(results: ResultStore, resend: Callable[[dict[str, Any]], None], now: float,
                unclaimed_s: float) -> list[str]:
     """One pass over every configured project: send again what stalled before hand-over;
-    returns the refs sent again."""
+    returns the refs sent again. A project whose entries cannot be read is logged and passed
+    over: its producer writes that zset and its job records, and must never stop the pass for
+    the projects after it (a Redis error still ends the pass: it concerns them all)."""
     sent = []
     for project in results.settings.projects:
-        sent += _watch_project(results, project, resend, now, unclaimed_s)
+        try:
+            sent += _watch_project(results, project, resend, now, unclaimed_s)
+        except redis.RedisError:
+            raise
+        except Exception:
+            log.exception("prep watchdog: project %s passed over this round", project)
     return sent
 
 
 def _watch_project(results: ResultStore, project: str, resend: Callable[[dict[str, Any]], None],
                    now: float, unclaimed_s: float) -> list[str]:
-    client, keys = results.client, results.keys
-    prepping = keys.prepping(project)
-    take = _scripts(client)["take_due"]
-    due = [d.decode() for d in client.zrangebyscore(prepping, "-inf", now, start=0, num=100)]
+    client, prepping = results.client, results.keys.prepping(project)
     sent = []
-    for job_id in due:
+    for member in client.zrangebyscore(prepping, "-inf", now, start=0, num=100):
+        try:
+            job_id = member.decode()
+        except UnicodeDecodeError:
+            _drop(client, prepping, member, "not a job id")
+            continue
         if split_ref(job_id)[0] != project:
             _drop(client, prepping, job_id, "not a job of the project")
             continue
-        record = results.job_record(job_id)
-        if (record.get("state") in HANDED_OVER or results.final(job_id) is not None
-                or "signed" not in record):
-            client.zrem(prepping, job_id)
-            continue
-        signed = _own_message(record["signed"], job_id)
-        if signed is None:
-            _drop(client, prepping, job_id, "its stored message is not this job's")
-            continue
-        if client.exists(keys.prep(job_id)):
-            continue  # a live claim: its keeper moves the entry on
-        if not take(keys=[prepping], args=[job_id, now, now + unclaimed_s]):
-            continue  # another dispatcher's watchdog took it
-        if record.get("prep_claimed"):
-            # a worker started preparing it and vanished: that counts against a poison message
-            resends = client.hincrby(keys.job(job_id), "prep_resends", 1)
-            client.hdel(keys.job(job_id), "prep_claimed")
-            if resends > MAX_RESENDS:
-                client.zrem(prepping, job_id)
-                results.publish(Envelope.failure(
-                    split_ref(job_id)[1], project, Code.E_INTERNAL,
-                    f"preparation never completed ({MAX_RESENDS} workers lost it)"))
-                continue
-        # never claimed: it may just wait in a deep queue; sending it again is harmless and
-        # is not counted (prep refuses it as stale after security.max_age_s)
-        resend(signed)
-        log.warning("prep of job=%s stalled before hand-over; sent again", job_id)
-        sent.append(job_id)
+        try:
+            if _watch_job(results, project, prepping, job_id, resend, now, unclaimed_s):
+                sent.append(job_id)
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # e.g. a record its producer wrote as bytes that do not decode
+            _drop(client, prepping, job_id, f"its record cannot be read ({type(exc).__name__})")
     return sent
+
+
+def _watch_job(results: ResultStore, project: str, prepping: str, job_id: str,
+               resend: Callable[[dict[str, Any]], None], now: float, unclaimed_s: float) -> bool:
+    """One due entry: True when its prep message was sent again."""
+    client, keys = results.client, results.keys
+    record = results.job_record(job_id)
+    if (record.get("state") in HANDED_OVER or results.final(job_id) is not None
+            or "signed" not in record):
+        client.zrem(prepping, job_id)
+        return False
+    signed = _own_message(record["signed"], job_id)
+    if signed is None:
+        _drop(client, prepping, job_id, "its stored message is not this job's")
+        return False
+    if client.exists(keys.prep(job_id)):
+        return False  # a live claim: its keeper moves the entry on
+    if not _scripts(client)["take_due"](keys=[prepping], args=[job_id, now, now + unclaimed_s]):
+        return False  # another dispatcher's watchdog took it
+    if record.get("prep_claimed"):
+        # a worker started preparing it and vanished: that counts against a poison message
+        resends = client.hincrby(keys.job(job_id), "prep_resends", 1)
+        client.hdel(keys.job(job_id), "prep_claimed")
+        if resends > MAX_RESENDS:
+            client.zrem(prepping, job_id)
+            results.publish(Envelope.failure(
+                split_ref(job_id)[1], project, Code.E_INTERNAL,
+                f"preparation never completed ({MAX_RESENDS} workers lost it)"))
+            return False
+    # never claimed: it may just wait in a deep queue; sending it again is harmless and
+    # is not counted (prep refuses it as stale after security.max_age_s)
+    resend(signed)
+    log.warning("prep of job=%s stalled before hand-over; sent again", job_id)
+    return True
 
 
 def _own_message(stored: str, ref: str) -> dict[str, Any] | None:
@@ -183,7 +205,7 @@ def _own_message(stored: str, ref: str) -> dict[str, Any] | None:
     return signed if named == ref else None
 
 
-def _drop(client: Any, prepping: str, member: str, why: str) -> None:
+def _drop(client: Any, prepping: str, member: str | bytes, why: str) -> None:
     """A project's producer may write its own zset (members included): an entry that is not one
     of the project's jobs is removed, never acted on."""
     client.zrem(prepping, member)
