@@ -287,3 +287,23 @@ def test_the_worker_gate_reads_heartbeats_by_redis_clock_not_the_gateway_hosts(
     assert fence and [r.grant.job_id for r in results if r.grant is not None] == ["a/g1"]
     assert store.pending_ids() == {"a/q1"}
     client.close()
+
+
+def test_a_gateway_host_whose_clock_runs_ahead_never_prunes_anothers_waiting_requests(
+    redis_url: str, key_prefix: str,
+) -> None:
+    """The gateway set's entries live by Redis's clock. Before, each call pruned them by its own
+    host's clock: a host 40 s ahead dropped another gateway's live request from the set, and while
+    no inference worker was live that request was never admitted again (429 on an idle fleet)."""
+    settings = settings_for(key_prefix, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    store = make_store(settings, client)
+    now_b = time.time()
+    store.enter_gateway(PendingItem("b/g1", "b", 100, 500, band="interactive", deadline=now_b + 30),
+                        "gateway-b", now_b, True, 0)  # in line, no round
+    now_a = now_b + 40
+    results, _fence = store.enter_gateway(
+        PendingItem("a/g1", "a", 100, 500, band="interactive", deadline=now_a + 30),
+        "gateway-a", now_a, True, 8)
+    assert {r.grant.job_id for r in results if r.grant is not None} == {"a/g1", "b/g1"}
+    client.close()

@@ -36,8 +36,8 @@ one serialisation point anyway, and a script may touch the shared counters and a
   D continuations  set     ids of jobs readmitted at least once (a hint list for ``fleet queues``;
                            RELEASE removes the id with the item, ``continuations`` drops ids whose
                            item is gone or no continuation); their item has cont > 0
-  D gateway        zset    gateway requests that may be pending, score = deadline (GATEWAY adds
-                           each and prunes those past it); with no live inference worker (D
+  D gateway        zset    gateway requests that may be pending, score = deadline by Redis's
+                           clock (GATEWAY adds each and prunes those past it); with no live inference worker (D
                            workers, fleet/worker/heartbeat.py) the gateway's round grants only these
 
 The scripts are files in schedulers/store/lua/ (``prelude.lua`` holds their shared helpers), each

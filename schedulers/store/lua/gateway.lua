@@ -12,9 +12,11 @@
 -- KEYS[9..11]  CLAIM's keys: lease, leases, state
 -- KEYS[12]     workers  zset  live inference workers, score = when the entry lapses (unix s by
 --                             Redis's clock)
--- KEYS[13]     gateway  zset  gateway requests that may be pending, score = their deadline (an
---                             entry is pruned once its deadline passed: the job can be pending
---                             no more)
+-- KEYS[13]     gateway  zset  gateway requests that may be pending, score = their deadline by
+--                             Redis's clock (the caller's deadline - now, added to Redis TIME:
+--                             gateways on hosts whose clocks differ never prune each other's
+--                             live entries); an entry is pruned once that passed: the job can
+--                             be pending no more
 -- KEYS[14..]   ADMIT's keys
 -- ARGV: owner, now, worker_gate (1|0), ADD's 12 arguments (the deadline is required), then
 --       ADMIT's arguments (max_grants 0: no round)
@@ -26,11 +28,17 @@ local function slice(t, from, to)
   return out
 end
 
+local function redis_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
 local owner, now, worker_gate = ARGV[1], ARGV[2], ARGV[3] == '1'
 local add_argv, admit_argv = slice(ARGV, 4, 15), slice(ARGV, 16)
 local id = add_argv[1]
-redis.call('ZREMRANGEBYSCORE', KEYS[13], '-inf', now)
-redis.call('ZADD', KEYS[13], add_argv[11], id)
+local rnow = redis_now()
+redis.call('ZREMRANGEBYSCORE', KEYS[13], '-inf', rnow)
+redis.call('ZADD', KEYS[13], rnow + (tonumber(add_argv[11]) - tonumber(now)), id)
 ADD(slice(KEYS, 1, 8), add_argv)
 if tonumber(admit_argv[13]) == 0 then return {0, 'ok', '', ''} end
 
@@ -49,8 +57,7 @@ local function gateway_requests_by_queue()
 end
 
 local function workers_live()
-  local t = redis.call('TIME')
-  return redis.call('ZCOUNT', KEYS[12], '(' .. (tonumber(t[1]) + tonumber(t[2]) / 1000000), '+inf') > 0
+  return redis.call('ZCOUNT', KEYS[12], '(' .. rnow, '+inf') > 0
 end
 
 if worker_gate and not workers_live() then
