@@ -338,7 +338,7 @@ class GatewaySettings(_Section):
     """Count each chat prompt with the backend's ``/tokenize`` (cached by content) as prep does;
     false: the character estimate, one backend round trip less per new prompt (docs/gateway.md)."""
     max_body_bytes: int = Field(8_000_000, gt=0)
-    """Largest request body of /v1/chat/completions and /v1/tasks, checked against Content-Length
+    """Largest request body of /v1/chat/completions, /v1/tasks and /v1/batches, checked against Content-Length
     and counted while the body is read (413 ``E_TOO_LARGE`` above, before any parsing). The
     default holds a full 128k-token prompt even when every character is JSON-escaped."""
     broker_wait_s: float = Field(30.0, gt=0)
