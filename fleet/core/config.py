@@ -351,8 +351,9 @@ class GatewaySettings(_Section):
     max_file_bytes: int = Field(20_000_000, gt=0)
     """Largest file a project may upload (413 ``E_TOO_LARGE`` above)."""
     max_files: int = Field(100, gt=0)
-    """Files (uploads and batch output) a project may hold at once (within ``files_ttl_s``); an
-    upload past it is 413 ``E_TOO_LARGE``."""
+    """Uploaded files a project may hold at once (within ``files_ttl_s``); an upload past it is
+    413 ``E_TOO_LARGE``. A batch's output and error files are not counted (``max_batches``
+    bounds them)."""
     max_batch_lines: int = Field(10_000, gt=0)
     """Most request lines in one batch's input file."""
     max_batches: int = Field(100, gt=0)
