@@ -25,9 +25,10 @@ Records, all under the caller's project (another project's batch, file or cursor
 
     {p}gwbatch:{<project>/<id>}      hash: meta (the batch object), lines (per input line: number,
                                      custom id, error and code, job id), submitted (lines the
-                                     create has handled), touched (its last progress), ended
-                                     (the create ended: at which line), e:<i> (a line whose
-                                     submit failed or that was never sent: error and code)
+                                     create has handled), touched (its last progress, Redis
+                                     TIME), ended (the create ended: at which line), e:<i> (a
+                                     line whose submit failed or that was never sent: error
+                                     and code)
     {p}gwbatchdone:{<project>/<id>}  hash: line index -> its settled outcome (code, size of its
                                      result line, whether that line is its job's result, usage)
     {p}gwbatches:<project>           zset of the project's batch ids, score = created_at
@@ -38,7 +39,11 @@ batch that retrieve, list and cancel see, never invisible jobs: an error of one 
 (a FleetError, a RedisError, a bug) fails that line only (its code: the error's,
 ``E_BROKER_UNAVAILABLE``, ``E_INTERNAL``); a create that stops (cancelled meanwhile, or no
 progress for ``gateway.batch_create_stall_s``: it died) ends its remaining lines as errors (``E_CANCELLED``,
-``E_INTERNAL``), cancels any job they may have started and leaves ``validating``. A create
+``E_INTERNAL``), cancels any job they may have started and leaves ``validating``. Progress is
+timed by Redis's clock (``TIME``), never a host's, so a gateway whose clock is ahead cannot end
+another's live create; and where the create ended is set in a transaction from the ``submitted``
+stored at that moment (the create writes ``submitted`` and only then checks ``ended``), so a
+line the create sent is never failed as not sent. A create
 retried by the client is a second batch (OpenAI has no idempotency key for batches); the first
 is visible and can be cancelled.
 
@@ -353,7 +358,7 @@ class BatchRoutes:
         key = self._key(project, batch_id)
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={"meta": json.dumps(batch), "lines": json.dumps(rows),
-                                    "submitted": 0, "touched": now})
+                                    "submitted": 0, "touched": self._clock()})
             pipe.expire(key, kept_s)
             pipe.execute()
         if batch["status"] == "failed":
@@ -363,7 +368,7 @@ class BatchRoutes:
             with self.redis.pipeline(transaction=False) as pipe:
                 if failure is not None:
                     pipe.hset(key, f"e:{i}", json.dumps(failure))
-                pipe.hset(key, mapping={"submitted": i + 1, "touched": time.time()})
+                pipe.hset(key, mapping={"submitted": i + 1, "touched": self._clock()})
                 pipe.hmget(key, ["meta", "ended"])
                 raw, ended = pipe.execute()[-1]
             if ended is not None:
@@ -406,8 +411,8 @@ class BatchRoutes:
         that got this far answers even if Redis fails it now)."""
         key = self._key(project, batch_id)
         state = self._load(project, batch_id)
-        if not state.ended:  # the first to end it sets where it ended; a second uses that
-            self.redis.hsetnx(key, "ended", state.submitted)
+        if not state.ended:
+            self._mark_ended(key)
             state = self._load(project, batch_id)
         cancelled = state.meta["status"] == "cancelling"
         reason, code = (("the batch was cancelled while it was created", Code.E_CANCELLED)
@@ -437,6 +442,33 @@ class BatchRoutes:
             return True
 
         return self._commit(project, batch_id, started)
+
+    def _mark_ended(self, key: str) -> None:
+        """End the create at the line it has got to as stored now: ``ended`` is set from
+        ``submitted`` in one transaction on the WATCHed record, so a create that records another
+        line meanwhile (its ``submitted``, then its check for ``ended``) makes this read again
+        rather than end it at a line it has sent. The first to end a create sets where it ended;
+        a second keeps that."""
+        with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    ended, submitted = pipe.hmget(key, ["ended", "submitted"])
+                    if ended is not None:
+                        return
+                    pipe.multi()
+                    pipe.hset(key, "ended", int(submitted or 0))
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue
+
+    def _clock(self) -> float:
+        """Redis's time, the one clock of every gateway: a create's ``touched`` is written with it
+        and compared with it on another host, so clock skew between hosts never ends a live
+        create (nor keeps a dead one)."""
+        seconds, micros = self.redis.time()
+        return seconds + micros / 1_000_000
 
     def _load(self, project: str, batch_id: str) -> State:
         key = self._key(project, batch_id)
@@ -518,7 +550,7 @@ class BatchRoutes:
         if state.meta["status"] not in ("validating", *ACTIVE):
             return state.meta
         if not state.ended:
-            if time.time() - state.touched < self.gw.live.settings.gateway.batch_create_stall_s:
+            if self._clock() - state.touched < self.gw.live.settings.gateway.batch_create_stall_s:
                 return state.meta  # its create is still submitting lines
             self._end_create(project, batch_id)
             state = self._load(project, batch_id)

@@ -1,0 +1,141 @@
+"""The steps of the gateway's batch routes in-process (a real ``Gateway`` on the test Redis, no
+server), so that a create, a reader ending it and the clocks they use can be interleaved exactly:
+where a stalled create is ended, and what decides that it stalled."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from fleet.core.batchfile import BatchLine
+from fleet.core.config import Settings
+from fleet.core.keys import Keys, job_ref
+from fleet.gateway.app import Gateway
+from fleet.gateway.auth import LiveSettings
+from fleet.gateway.batches import BatchRoutes, State
+
+WAIT_S = 30
+
+
+def batch_file(count: int) -> bytes:
+    return b"".join(json.dumps({
+        "custom_id": str(i), "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "local", "messages": [{"role": "user", "content": f"line {i}"}]},
+    }).encode() + b"\n" for i in range(count))
+
+
+@contextmanager
+def gateways(redis_url: str, key_prefix: str, count: int, **gateway: Any) -> Iterator[list[BatchRoutes]]:
+    """``count`` gateways' batch routes on one Redis (nothing answers their jobs)."""
+    settings = Settings(broker_url=redis_url, key_prefix=key_prefix,
+                        backend={"url": "http://127.0.0.1:9"}, gateway=gateway,
+                        projects={"a": {"secret": "secret-a-123", "api_keys": []}})
+    started = [Gateway(LiveSettings(settings, None, lambda _: settings)) for _ in range(count)]
+    try:
+        yield [BatchRoutes(gw) for gw in started]
+    finally:
+        for gw in started:
+            gw.vllm.close()
+            gw.executor.shutdown()
+            gw.batch_executor.shutdown()
+
+
+def paused_create(routes: BatchRoutes, lines: int, pause_at: int) -> tuple[Future[Any], threading.Event]:
+    """Start a create of ``lines`` lines on a thread and return once it is paused before
+    submitting line index ``pause_at`` (the line before recorded, no ``ended`` seen): the
+    create's future and the event that lets it go on."""
+    paused, resume = threading.Event(), threading.Event()
+    submit = routes._submit
+
+    def pausing(line: BatchLine, expires_at: int) -> tuple[str, str] | None:
+        if line.number == pause_at + 1:
+            paused.set()
+            assert resume.wait(WAIT_S)
+        return submit(line, expires_at)
+
+    routes._submit = pausing  # type: ignore[method-assign]
+    file_id = routes.files.put("a", "in.jsonl", "batch", batch_file(lines))["id"]
+    future: Future[Any] = Future()
+    threading.Thread(target=lambda: future.set_result(routes._create("a", file_id, None)),
+                     daemon=True).start()
+    assert paused.wait(WAIT_S)
+    return future, resume
+
+
+def only_batch(routes: BatchRoutes) -> State:
+    ids = routes.redis.zrange(routes.keys.gateway_batches("a"), 0, -1)
+    assert len(ids) == 1
+    return routes._load("a", ids[0].decode())
+
+
+def cancelled(routes: BatchRoutes, keys: Keys, job_id: str) -> bool:
+    return bool(routes.redis.exists(keys.cancel(job_ref("a", job_id))))
+
+
+def test_a_reader_ending_a_stalled_create_never_fails_a_line_the_create_sent(
+    redis_url: str, key_prefix: str
+) -> None:
+    """Before, a reader ending a create it took for dead set ``ended`` from the ``submitted`` it
+    had loaded: a create recording the next line between that load and the write (and seeing
+    no ``ended`` yet) went on, and the reader failed that sent line as "not submitted"
+    E_INTERNAL and cancelled its job. Now ``ended`` is set from ``submitted`` as stored at that
+    moment, in one transaction."""
+    with gateways(redis_url, key_prefix, 2, batch_create_stall_s=0.001) as (creating, reading):
+        keys = Keys(key_prefix)
+        future, resume = paused_create(creating, 4, pause_at=1)  # line index 0 recorded
+        # The reader loads the batch; then the create records line index 1, sees no ``ended``
+        # and pauses before line index 2 until the reader is done ending it.
+        paused_again, reader_done = threading.Event(), threading.Event()
+        submit, load = creating._submit, reading._load
+
+        def pause_again(line: BatchLine, expires_at: int) -> tuple[str, str] | None:
+            if line.number == 3:
+                paused_again.set()
+                assert reader_done.wait(WAIT_S)
+            return submit(line, expires_at)
+
+        def load_then_let_the_create_go_on(project: str, batch_id: str) -> State:
+            state = load(project, batch_id)
+            if not resume.is_set():
+                resume.set()
+                assert paused_again.wait(WAIT_S)
+            return state
+
+        creating._submit = pause_again  # type: ignore[method-assign]
+        reading._load = load_then_let_the_create_go_on  # type: ignore[method-assign]
+        state = only_batch(creating)
+        reading._end_create("a", state.meta["id"])
+        reader_done.set()
+        future.result(WAIT_S)
+        state = only_batch(creating)
+        assert [row["error"] is None for row in state.rows] == [True, True, False, False]
+        assert {row["code"] for row in state.rows[2:]} == {"E_INTERNAL"}
+        assert not cancelled(creating, keys, state.rows[1]["job"])
+        assert cancelled(creating, keys, state.rows[2]["job"])  # sent as the reader ended it
+        assert state.meta["status"] == "in_progress"
+
+
+def test_a_reader_whose_clock_is_ahead_does_not_end_a_live_create(
+    redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, a create's progress was stamped with its host's clock and compared with the
+    reader's: a reader host more than gateway.batch_create_stall_s ahead ended a live create.
+    Now both read Redis's clock."""
+    with gateways(redis_url, key_prefix, 2, batch_create_stall_s=60) as (creating, reading):
+        future, resume = paused_create(creating, 3, pause_at=1)
+        batch_id = only_batch(creating).meta["id"]
+        real_time = time.time
+        with monkeypatch.context() as patched:
+            patched.setattr(time, "time", lambda: real_time() + 3600)
+            assert reading._refresh("a", batch_id)["status"] == "validating"
+        assert not only_batch(reading).ended
+        resume.set()
+        assert future.result(WAIT_S)["status"] == "in_progress"
+        assert all(row["error"] is None for row in only_batch(reading).rows)
