@@ -1,9 +1,11 @@
 """The steps of the gateway's batch routes in-process (a real ``Gateway`` on the test Redis, no
-server), so that a create, a reader ending it and the clocks they use can be interleaved exactly:
-where a stalled create is ended, and what decides that it stalled."""
+server), so that a create, a reader ending it and the clocks they use can be interleaved exactly
+(where a stalled create is ended, and what decides that it stalled), and a result file's
+download can be held mid-way (what it holds, and on which threads it runs)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -13,12 +15,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from starlette.requests import Request
 
 from fleet.core.batchfile import BatchLine
 from fleet.core.config import Settings
+from fleet.core.errors import Busy
 from fleet.core.keys import Keys, job_ref
 from fleet.gateway.app import Gateway
-from fleet.gateway.auth import LiveSettings
+from fleet.gateway.auth import Caller, LiveSettings
 from fleet.gateway.batches import BatchRoutes, State
 
 WAIT_S = 30
@@ -139,3 +143,51 @@ def test_a_reader_whose_clock_is_ahead_does_not_end_a_live_create(
         resume.set()
         assert future.result(WAIT_S)["status"] == "in_progress"
         assert all(row["error"] is None for row in only_batch(reading).rows)
+
+
+def test_a_result_file_download_is_one_batch_call_on_the_batch_threads(
+    redis_url: str, key_prefix: str
+) -> None:
+    """Before, a result file's chunks were rendered on chat's threads and counted against no
+    limit: a project could download as many result files at once as it liked. Now a download
+    holds one of its project's gateway.batch_calls_per_project from its start to its end, and
+    renders on the batch threads."""
+    with gateways(redis_url, key_prefix, 1, batch_calls_per_project=1) as (routes,):
+        keys = Keys(key_prefix)
+        file_id = routes.files.put("a", "in.jsonl", "batch", batch_file(3))["id"]
+        batch = routes._create("a", file_id, None)
+        for row in routes._load("a", batch["id"]).rows:  # their jobs vanish: every line fails
+            routes.redis.delete(keys.job(job_ref("a", row["job"])))
+        errors = routes._refresh("a", batch["id"])["error_file_id"]
+        assert errors is not None
+        rendered_on: list[str] = []
+        render = routes._render
+
+        def recording(*args: Any) -> bytes:
+            rendered_on.append(threading.current_thread().name)
+            return render(*args)
+
+        routes._render = recording  # type: ignore[method-assign]
+        caller = Caller("a", "batch", routes.gw.live.settings.projects["a"], "test")
+        sent: list[bytes] = []
+
+        async def download() -> None:
+            request = Request({"type": "http", "method": "GET", "path_params": {"file_id": errors},
+                               "headers": [], "query_string": b""})
+            response = await routes.content(request, caller)
+            with pytest.raises(Busy):  # the download holds the project's one batch call
+                await routes.gw.run_batch("a", routes._refresh, "a", batch["id"])
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message.get("body", b""))
+
+            async def receive() -> dict[str, Any]:
+                await asyncio.sleep(WAIT_S)
+                return {"type": "http.disconnect"}
+
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+            assert (await routes.gw.run_batch("a", routes._refresh, "a", batch["id"]))["id"] == batch["id"]
+
+        asyncio.run(download())
+        assert len(b"".join(sent).splitlines()) == 3
+        assert rendered_on and all(name.startswith("gateway-batch") for name in rendered_on)

@@ -372,9 +372,11 @@ class GatewaySettings(_Section):
     """A batch create that recorded no progress this long has died (the gateway was stopped half
     way): the next retrieve ends it, its lines not sent fail ``E_INTERNAL``, the rest go on."""
     batch_calls_per_project: int = Field(2, gt=0)
-    """Batch calls (create, retrieve, list, cancel, a result file's content) one project may have
-    in flight on those threads; one more is 429 ``E_BUSY`` with ``Retry-After``, so one project
-    can never hold every thread or queue work without bound."""
+    """Batch calls (create, retrieve, list, cancel, a result file's download from its first
+    chunk to its last) one project may have in flight on those threads; one more is 429
+    ``E_BUSY`` with ``Retry-After``, so one project can never hold every thread or queue work
+    without bound. Counted per gateway process, not across the fleet: N gateway processes
+    admit up to N times this many of a project's calls."""
 
 
 class RedisSettings(_Section):

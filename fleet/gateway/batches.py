@@ -69,9 +69,11 @@ results when read (in input order, in the lines ``fleet batch --out`` writes, st
 record and its jobs' results are kept ``files_ttl_s`` past the batch's end, as its files.
 
 Batch work runs on its own threads (``gateway.batch_threads``, ``Gateway.run_batch``), at most
-``gateway.batch_calls_per_project`` calls of one project at a time (one more is 429 ``E_BUSY``
-with ``Retry-After``): chat never waits behind a batch, and one project's flood of batch calls
-never holds up another's. Batches count per project within ``gateway.files_ttl_s``
+``gateway.batch_calls_per_project`` calls of one project at a time in one gateway process (one
+more is 429 ``E_BUSY`` with ``Retry-After``): chat never waits behind a batch, and one project's
+flood of batch calls never holds up another's. A result file's download is one such call from
+its first chunk to its last (each chunk rendered on the batch threads), so downloads are held
+to the same limit. Batches count per project within ``gateway.files_ttl_s``
 (``gateway.max_batches``, 413 ``E_TOO_LARGE``), and a batch file holds at most
 ``gateway.max_batch_lines`` lines.
 """
@@ -190,6 +192,21 @@ def _chunks(items: list[int]) -> Iterator[list[int]]:
         yield items[start:start + CHUNK_LINES]
 
 
+class HeldStreamingResponse(StreamingResponse):
+    """A streamed response that holds one of its project's batch calls until it is sent, cut or
+    never started (``release`` runs once the ASGI call ends, however it ends)."""
+
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
 class BatchRoutes:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
@@ -244,9 +261,14 @@ class BatchRoutes:
             return StreamingResponse(self._upload_chunks(project, file_id),
                                      media_type="application/jsonl")
         batch_id, part = source
-        state = await self.gw.run_batch(project, self._load, project, batch_id)
-        return StreamingResponse(self._result_chunks(project, state, part),
-                                 media_type="application/jsonl")
+        release = self.gw.hold_batch_call(project)
+        try:
+            state = await self.gw.run_held(self._load, project, batch_id)
+        except BaseException:
+            release()
+            raise
+        return HeldStreamingResponse(self._result_chunks(project, state, part), release,
+                                     media_type="application/jsonl")
 
     async def _upload_chunks(self, project: str, file_id: str) -> AsyncIterator[bytes]:
         start = 0
@@ -259,7 +281,7 @@ class BatchRoutes:
     async def _result_chunks(self, project: str, state: State, part: str) -> AsyncIterator[bytes]:
         wanted = [i for i in range(len(state.rows)) if self._part_of(state, i) == part]
         for indexes in _chunks(wanted):
-            yield await self.gw.run(self._render, project, state, indexes)
+            yield await self.gw.run_held(self._render, project, state, indexes)
 
     def _part_of(self, state: State, index: int) -> str:
         outcome = state.settled.get(index)
