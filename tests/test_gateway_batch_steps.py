@@ -15,12 +15,15 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import redis
 from starlette.requests import Request
 
 from fleet.core.batchfile import BatchLine
+from fleet.core.codes import Code
 from fleet.core.config import Settings
 from fleet.core.errors import Busy
 from fleet.core.keys import Keys, job_ref
+from fleet.gateway import batches
 from fleet.gateway.app import Gateway
 from fleet.gateway.auth import Caller, LiveSettings
 from fleet.gateway.batches import BatchRoutes, State
@@ -191,3 +194,61 @@ def test_a_result_file_download_is_one_batch_call_on_the_batch_threads(
         asyncio.run(download())
         assert len(b"".join(sent).splitlines()) == 3
         assert rendered_on and all(name.startswith("gateway-batch") for name in rendered_on)
+
+
+def past_its_window(routes: BatchRoutes, batch_id: str) -> None:
+    key = routes._key("a", batch_id)
+    meta = json.loads(routes.redis.hget(key, "meta") or b"")
+    routes.redis.hset(key, "meta", json.dumps({**meta, "expires_at": int(time.time()) - 1}))
+
+
+def test_a_batch_past_its_window_is_ended_a_share_per_read_and_keeps_each_chunk(
+    redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the first read past the window expired every unanswered line in that one call
+    (cancel, publish, read back, a task sent for each) and kept the outcomes only at its end: a
+    10,000-line batch held a batch thread for minutes, its client's retries got E_BUSY and a
+    call cut half way lost everything it had done. Now a read ends at most ENDS_PER_CALL lines
+    and keeps them CHUNK_LINES at a time; the next read goes on."""
+    monkeypatch.setattr(batches, "CHUNK_LINES", 2)
+    monkeypatch.setattr(batches, "ENDS_PER_CALL", 4)
+    with gateways(redis_url, key_prefix, 1) as (routes,):
+        batch_id = routes._create("a", routes.files.put("a", "in.jsonl", "batch", batch_file(7))["id"],
+                                  None)["id"]
+        past_its_window(routes, batch_id)
+        expire, calls = routes._expire, []
+
+        def failing_third(*args: Any) -> Any:
+            calls.append(args)
+            if len(calls) == 3:
+                raise redis.ConnectionError("Redis went away")
+            return expire(*args)
+
+        routes._expire = failing_third  # type: ignore[method-assign]
+        with pytest.raises(redis.ConnectionError):
+            routes._refresh("a", batch_id)
+        assert len(routes._load("a", batch_id).settled) == 2  # the first chunk was kept
+        routes._expire = expire  # type: ignore[method-assign]
+        batch = routes._refresh("a", batch_id)
+        assert batch["status"] == "in_progress" and batch["request_counts"]["failed"] == 6
+        batch = routes._refresh("a", batch_id)
+        assert batch["status"] == "expired" and batch["request_counts"]["failed"] == 7
+        assert {outcome.code for outcome in routes._load("a", batch_id).settled.values()} == {
+            Code.E_DEADLINE}
+
+
+def test_a_cancelled_batch_cancels_a_share_of_its_jobs_per_call(
+    redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, cancelling a batch cancelled every waiting job in that one call. Now a call
+    cancels at most ENDS_PER_CALL of them and the next reads go on where it stopped."""
+    monkeypatch.setattr(batches, "ENDS_PER_CALL", 4)
+    with gateways(redis_url, key_prefix, 1) as (routes,):
+        keys = Keys(key_prefix)
+        batch_id = routes._create("a", routes.files.put("a", "in.jsonl", "batch", batch_file(7))["id"],
+                                  None)["id"]
+        jobs = [row["job"] for row in routes._load("a", batch_id).rows]
+        assert routes._cancel("a", batch_id)["status"] == "cancelling"
+        assert [cancelled(routes, keys, job) for job in jobs] == [True] * 4 + [False] * 3
+        assert routes._refresh("a", batch_id)["status"] == "cancelling"
+        assert all(cancelled(routes, keys, job) for job in jobs)

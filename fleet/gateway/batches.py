@@ -28,7 +28,7 @@ Records, all under the caller's project (another project's batch, file or cursor
                                      create has handled), touched (its last progress, Redis
                                      TIME), ended (the create ended: at which line), e:<i> (a
                                      line whose submit failed or that was never sent: error
-                                     and code)
+                                     and code), cancelled_to (a cancel: jobs cancelled so far)
     {p}gwbatchdone:{<project>/<id>}  hash: line index -> its settled outcome (code, size of its
                                      result line, whether that line is its job's result, usage)
     {p}gwbatches:<project>           zset of the project's batch ids, score = created_at
@@ -53,7 +53,12 @@ result is read once while the batch runs however often it is polled. A line whos
 neither a result nor a record any more (expired, lost with the broker's data) has failed
 (``E_NOT_FOUND``) instead of waiting forever. Past the completion window
 (``gateway.batch_window_s``) a still unanswered job is cancelled and given the result
-``E_DEADLINE`` (first result wins, so its line, its own result and the task API agree); the
+``E_DEADLINE`` (first result wins, so its line, its own result and the task API agree). Ending
+jobs is a share per call: one read expires at most ``ENDS_PER_CALL`` jobs and a cancel (and
+each read of a ``cancelling`` batch after it) cancels at most that many (``cancelled_to`` says
+how far it got), and outcomes are kept ``CHUNK_LINES`` at a time, so a 10,000-line batch is
+ended over a few reads, none of which holds its batch thread for minutes or loses what it did
+when cut; the batch stays ``in_progress`` (``cancelling``) until the reads have done it all. The
 batch is ``expired`` when its window has passed and a line ended ``E_DEADLINE`` or
 ``E_CANCELLED`` (a real fleet ends queued jobs at their deadline itself, before any refresh
 sees them waiting), else ``completed`` (``cancelled`` after a cancel). The final status is
@@ -112,6 +117,10 @@ log = logging.getLogger(__name__)
 ACTIVE = {"in_progress": "completed", "cancelling": "cancelled"}
 LIST_LIMIT = 20
 CHUNK_LINES = 200  # lines whose results are read (and a result file's lines sent) at a time
+# Jobs one call ends (expires past the window, or cancels for a cancelled batch): each costs a
+# few round trips and a task sent, so a 10,000-line batch is ended over several reads, never in
+# one call that outlasts its client.
+ENDS_PER_CALL = 5 * CHUNK_LINES
 ERRORS_SHOWN = 100  # line errors a failed batch's ``errors`` lists
 # Job fields a batch line may not set: the batch decides band and order (the window the
 # deadline), and a line brings messages, not material for prep to collect (a source may name a
@@ -152,6 +161,7 @@ class State:
     ended: bool  # the create ended (its remaining lines have their errors)
     touched: float
     settled: dict[int, Settled]
+    cancelled_to: int = 0  # a cancelling batch: lines below it had their waiting jobs cancelled
 
     def line(self, index: int) -> BatchLine:
         row = self.rows[index]
@@ -447,10 +457,10 @@ class BatchRoutes:
                         (f"line {state.rows[i]['n']}: not submitted: {reason}", code.value)))
             pipe.execute()
         # An unsent line's job may have started all the same (the create died between its
-        # submit and recording it): cancelled, as every waiting one of a cancelled batch.
-        unsent_jobs = [row["job"] for row in state.rows[state.submitted:] if row["job"]]
-        waiting = [state.rows[i]["job"] for i in state.waiting() if i < state.submitted] if cancelled else []
-        self._cancel_jobs(project, waiting + unsent_jobs)
+        # submit and recording it): cancelled; so are the waiting ones of a cancelled batch
+        # (``ENDS_PER_CALL`` of them now, the rest by the next reads).
+        self._cancel_jobs(project, [row["job"] for row in state.rows[state.submitted:] if row["job"]])
+        self._cancel_waiting(project, state)
         failed = sum(1 for row in state.rows[:state.submitted] if row["error"]) + len(
             state.rows) - state.submitted
 
@@ -511,16 +521,19 @@ class BatchRoutes:
         return State(json.loads(fields[b"meta"]), rows,
                      int(ended if ended is not None else fields.get(b"submitted", 0)),
                      ended is not None, float(fields.get(b"touched", 0)),
-                     {int(i): Settled.load(raw) for i, raw in settled.items()})
+                     {int(i): Settled.load(raw) for i, raw in settled.items()},
+                     int(fields.get(b"cancelled_to", 0)))
 
     def _settle(self, project: str, state: State) -> None:
         """Find the outcome of the lines still waiting (their results, read once each, or their
-        vanished jobs) and keep it; past the window, end the rest ``E_DEADLINE``."""
+        vanished jobs) and keep it; past the window, end the rest ``E_DEADLINE``, at most
+        ``ENDS_PER_CALL`` of them (the next read goes on). Outcomes are kept ``CHUNK_LINES`` at
+        a time, so a call cut half way (its client gone, the gateway stopped) loses little."""
         waiting = state.waiting()
-        found: dict[int, Settled] = {}
         for indexes in _chunks(waiting):
             refs = [job_ref(project, state.rows[i]["job"]) for i in indexes]
             raws = self.redis.mget([self.keys.result(ref) for ref in refs])
+            found: dict[int, Settled] = {}
             missing = [(i, ref) for i, ref, raw in zip(indexes, refs, raws, strict=True) if raw is None]
             for i, raw in zip(indexes, raws, strict=True):
                 if raw is not None:
@@ -535,18 +548,25 @@ class BatchRoutes:
                     line.error, line.code = self._gone(line.number)
                     found[i] = Settled(Code.E_NOT_FOUND, len(_line_bytes(
                         output_line(line, None, self.gw.model))), False)
-        if time.time() >= state.meta["expires_at"]:
-            for i in waiting:
-                if i not in found:
-                    found[i] = self._expire(project, state.line(i), state.rows[i]["job"])
-        if found:
-            key = self._settled_key(project, state.meta["id"])
-            with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(key, mapping={str(i): outcome.dump() for i, outcome in found.items()})
-                settings = self.gw.live.settings.gateway
-                pipe.expire(key, settings.batch_window_s + settings.files_ttl_s)
-                pipe.execute()
-            state.settled.update(found)
+            self._keep(project, state, found)
+        if time.time() < state.meta["expires_at"]:
+            return
+        due = [i for i in waiting if i not in state.settled][:ENDS_PER_CALL]
+        for indexes in _chunks(due):
+            self._keep(project, state, {i: self._expire(project, state.line(i), state.rows[i]["job"])
+                                        for i in indexes})
+
+    def _keep(self, project: str, state: State, found: dict[int, Settled]) -> None:
+        """Store these lines' outcomes (and note them in ``state``)."""
+        if not found:
+            return
+        key = self._settled_key(project, state.meta["id"])
+        settings = self.gw.live.settings.gateway
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping={str(i): outcome.dump() for i, outcome in found.items()})
+            pipe.expire(key, settings.batch_window_s + settings.files_ttl_s)
+            pipe.execute()
+        state.settled.update(found)
 
     def _outcome(self, line: BatchLine, envelope: Envelope) -> Settled:
         usage = envelope.usage
@@ -578,6 +598,7 @@ class BatchRoutes:
             state = self._load(project, batch_id)
         if state.meta["status"] not in ACTIVE:
             return state.meta
+        self._cancel_waiting(project, state)
         self._settle(project, state)
         counts = self._counts(state)
         if len(state.waiting()) == 0:
@@ -660,6 +681,24 @@ class BatchRoutes:
                 except redis.WatchError:
                     continue
 
+    def _cancel_waiting(self, project: str, state: State) -> None:
+        """A cancelling batch: cancel the waiting jobs of the next submitted lines, at most
+        ``ENDS_PER_CALL`` (``cancelled_to`` says how far it got; the next read goes on). Two
+        readers at once may cancel some jobs twice, which changes nothing."""
+        if state.meta["status"] != "cancelling":
+            return
+        waiting, end = set(state.waiting()), state.cancelled_to
+        jobs: list[str] = []
+        while end < state.submitted and len(jobs) < ENDS_PER_CALL:
+            if end in waiting:
+                jobs.append(state.rows[end]["job"])
+            end += 1
+        if end == state.cancelled_to:
+            return
+        self._cancel_jobs(project, jobs)
+        self.redis.hset(self._key(project, state.meta["id"]), "cancelled_to", end)
+        state.cancelled_to = end
+
     def _cancel_jobs(self, project: str, job_ids: list[str]) -> None:
         for job_id in job_ids:
             try:
@@ -698,9 +737,7 @@ class BatchRoutes:
             batch.update(status="cancelling", cancelling_at=int(time.time()))
             return True
 
-        if self._commit(project, batch_id, cancelling)["status"] == "cancelling":
-            state = self._load(project, batch_id)
-            # (a create still running stops at its next line and cancels what it sent since)
-            self._cancel_jobs(project, [state.rows[i]["job"] for i in state.waiting()
-                                        if i < state.submitted])
+        # The refresh cancels the first waiting jobs (a create still running stops at its next
+        # line and starts cancelling once it ended).
+        self._commit(project, batch_id, cancelling)
         return self._refresh(project, batch_id)
