@@ -380,7 +380,9 @@ def test_a_batch_cancelled_while_it_is_created_sends_no_more_lines(tmp_path: Pat
         sent = [row["job"] for row in rows if not row["error"]]
         assert len(sent) < 3000
         assert {row["code"] for row in rows if row["error"]} == {"E_CANCELLED"}
-        assert all(door.redis.exists(keys.cancel(job_ref("triage", job))) for job in sent)
+        wait_until(lambda: client.batches.retrieve(batch_id) and all(  # a share per call
+            door.redis.exists(keys.cancel(job_ref("triage", job))) for job in sent), 60,
+            "the sent lines to be cancelled", every_s=0.2)
         unsent = [job_ref("triage", row["job"]) for row in rows if row["error"]]
         assert not any(door.redis.exists(keys.job(ref)) for ref in unsent)
 

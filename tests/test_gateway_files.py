@@ -62,3 +62,22 @@ def test_a_file_stored_whole_by_an_earlier_gateway_is_still_read(
     assert files.content("a", "file-old") == b"old\n"
     assert files.body_chunk("a", "file-old", 0) == b"old\n"
     assert files.body_chunk("a", "file-old", 4) == b""
+
+
+def test_a_batchs_result_files_do_not_count_against_max_files(
+    key_prefix: str, redis_client: redis.Redis
+) -> None:
+    """Before, a batch's output and error files were counted with the uploads for
+    gateway.max_files: a project whose finished batches held that many result files could not
+    upload the next batch's input. Now only uploads count."""
+    files = FileStore(redis_client, Keys(key_prefix), lambda: GatewaySettings(max_files=2))
+    with redis_client.pipeline(transaction=True) as pipe:
+        for n in range(3):
+            files.stage_result(pipe, "a", f"file-out-{n}", "out.jsonl", 10, time.time(),
+                               f"batch_{n}", "output")
+        pipe.execute()
+    files.put("a", "in-1.jsonl", "batch", b"{}\n")
+    files.put("a", "in-2.jsonl", "batch", b"{}\n")
+    with pytest.raises(TooLarge):
+        files.put("a", "in-3.jsonl", "batch", b"{}\n")
+    assert len(files.list("a", None, after=None, limit=100)[0]) == 5

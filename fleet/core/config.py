@@ -351,8 +351,9 @@ class GatewaySettings(_Section):
     max_file_bytes: int = Field(20_000_000, gt=0)
     """Largest file a project may upload (413 ``E_TOO_LARGE`` above)."""
     max_files: int = Field(100, gt=0)
-    """Files (uploads and batch output) a project may hold at once (within ``files_ttl_s``); an
-    upload past it is 413 ``E_TOO_LARGE``."""
+    """Uploaded files a project may hold at once (within ``files_ttl_s``); an upload past it is
+    413 ``E_TOO_LARGE``. A batch's output and error files are not counted (``max_batches``
+    bounds them)."""
     max_batch_lines: int = Field(10_000, gt=0)
     """Most request lines in one batch's input file."""
     max_batches: int = Field(100, gt=0)
@@ -371,9 +372,11 @@ class GatewaySettings(_Section):
     """A batch create that recorded no progress this long has died (the gateway was stopped half
     way): the next retrieve ends it, its lines not sent fail ``E_INTERNAL``, the rest go on."""
     batch_calls_per_project: int = Field(2, gt=0)
-    """Batch calls (create, retrieve, list, cancel, a result file's content) one project may have
-    in flight on those threads; one more is 429 ``E_BUSY`` with ``Retry-After``, so one project
-    can never hold every thread or queue work without bound."""
+    """Batch calls (create, retrieve, list, cancel, a result file's download from its first
+    chunk to its last) one project may have in flight on those threads; one more is 429
+    ``E_BUSY`` with ``Retry-After``, so one project can never hold every thread or queue work
+    without bound. Counted per gateway process, not across the fleet: N gateway processes
+    admit up to N times this many of a project's calls."""
 
 
 class RedisSettings(_Section):

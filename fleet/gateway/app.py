@@ -109,10 +109,23 @@ class Gateway:
     async def run_batch(self, project: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A blocking call of a project's batch routes, on their own threads
         (``gateway.batch_threads``), so however much batch work waits, chat's threads stay free;
-        at most ``gateway.batch_calls_per_project`` of one project at a time (Busy, 429
-        ``E_BUSY``, past it), so no project can hold every thread or queue work without bound.
-        A call counts until its thread is done with it (or it is dropped unstarted), not until
-        its client goes: a client that disconnects frees nothing early."""
+        one of the project's batch calls (``hold_batch_call``) until its thread is done with it
+        (or it is dropped unstarted), not until its client goes: a client that disconnects
+        frees nothing early."""
+        release = self.hold_batch_call(project)
+        try:
+            future = self.batch_executor.submit(fn, *args, **kwargs)
+        except BaseException:
+            release()
+            raise
+        future.add_done_callback(lambda _: release())
+        return await asyncio.wrap_future(future)
+
+    def hold_batch_call(self, project: str) -> Callable[[], None]:
+        """Take one of the project's batch calls: at most ``gateway.batch_calls_per_project`` at
+        a time in this gateway process (Busy, 429 ``E_BUSY``, past it), so no project can hold
+        every batch thread or queue work without bound. The count is the process's own: each
+        gateway process admits that many. Returns the call that gives it back (once)."""
         limit = self.live.settings.gateway.batch_calls_per_project
         with self._batch_lock:
             held = self._batch_calls.get(project, 0)
@@ -122,7 +135,7 @@ class Gateway:
                            retry_after_s=BUSY_RETRY_AFTER_S)
             self._batch_calls[project] = held + 1
 
-        def release(_: object) -> None:
+        def release() -> None:
             with self._batch_lock:
                 left = self._batch_calls[project] - 1
                 if left:
@@ -130,13 +143,12 @@ class Gateway:
                 else:
                     del self._batch_calls[project]
 
-        try:
-            future = self.batch_executor.submit(fn, *args, **kwargs)
-        except BaseException:
-            release(None)
-            raise
-        future.add_done_callback(release)
-        return await asyncio.wrap_future(future)
+        return release
+
+    async def run_held(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """A blocking step of a batch call already held (``hold_batch_call``), on the batch
+        threads: a result file's download is one batch call over all its chunks."""
+        return await _off_loop(self.batch_executor, fn, *args, **kwargs)
 
     def retry_budget(self, project: str) -> RetryBudget:
         if project not in self._budgets:

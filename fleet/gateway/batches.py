@@ -25,9 +25,10 @@ Records, all under the caller's project (another project's batch, file or cursor
 
     {p}gwbatch:{<project>/<id>}      hash: meta (the batch object), lines (per input line: number,
                                      custom id, error and code, job id), submitted (lines the
-                                     create has handled), touched (its last progress), ended
-                                     (the create ended: at which line), e:<i> (a line whose
-                                     submit failed or that was never sent: error and code)
+                                     create has handled), touched (its last progress, Redis
+                                     TIME), ended (the create ended: at which line), e:<i> (a
+                                     line whose submit failed or that was never sent: error
+                                     and code), cancelled_to (a cancel: jobs cancelled so far)
     {p}gwbatchdone:{<project>/<id>}  hash: line index -> its settled outcome (code, size of its
                                      result line, whether that line is its job's result, usage)
     {p}gwbatches:<project>           zset of the project's batch ids, score = created_at
@@ -38,7 +39,11 @@ batch that retrieve, list and cancel see, never invisible jobs: an error of one 
 (a FleetError, a RedisError, a bug) fails that line only (its code: the error's,
 ``E_BROKER_UNAVAILABLE``, ``E_INTERNAL``); a create that stops (cancelled meanwhile, or no
 progress for ``gateway.batch_create_stall_s``: it died) ends its remaining lines as errors (``E_CANCELLED``,
-``E_INTERNAL``), cancels any job they may have started and leaves ``validating``. A create
+``E_INTERNAL``), cancels any job they may have started and leaves ``validating``. Progress is
+timed by Redis's clock (``TIME``), never a host's, so a gateway whose clock is ahead cannot end
+another's live create; and where the create ended is set in a transaction from the ``submitted``
+stored at that moment (the create writes ``submitted`` and only then checks ``ended``), so a
+line the create sent is never failed as not sent. A create
 retried by the client is a second batch (OpenAI has no idempotency key for batches); the first
 is visible and can be cancelled.
 
@@ -48,7 +53,12 @@ result is read once while the batch runs however often it is polled. A line whos
 neither a result nor a record any more (expired, lost with the broker's data) has failed
 (``E_NOT_FOUND``) instead of waiting forever. Past the completion window
 (``gateway.batch_window_s``) a still unanswered job is cancelled and given the result
-``E_DEADLINE`` (first result wins, so its line, its own result and the task API agree); the
+``E_DEADLINE`` (first result wins, so its line, its own result and the task API agree). Ending
+jobs is a share per call: one read expires at most ``ENDS_PER_CALL`` jobs and a cancel (and
+each read of a ``cancelling`` batch after it) cancels at most that many (``cancelled_to`` says
+how far it got), and outcomes are kept ``CHUNK_LINES`` at a time, so a 10,000-line batch is
+ended over a few reads, none of which holds its batch thread for minutes or loses what it did
+when cut; the batch stays ``in_progress`` (``cancelling``) until the reads have done it all. The
 batch is ``expired`` when its window has passed and a line ended ``E_DEADLINE`` or
 ``E_CANCELLED`` (a real fleet ends queued jobs at their deadline itself, before any refresh
 sees them waiting), else ``completed`` (``cancelled`` after a cancel). The final status is
@@ -64,9 +74,11 @@ results when read (in input order, in the lines ``fleet batch --out`` writes, st
 record and its jobs' results are kept ``files_ttl_s`` past the batch's end, as its files.
 
 Batch work runs on its own threads (``gateway.batch_threads``, ``Gateway.run_batch``), at most
-``gateway.batch_calls_per_project`` calls of one project at a time (one more is 429 ``E_BUSY``
-with ``Retry-After``): chat never waits behind a batch, and one project's flood of batch calls
-never holds up another's. Batches count per project within ``gateway.files_ttl_s``
+``gateway.batch_calls_per_project`` calls of one project at a time in one gateway process (one
+more is 429 ``E_BUSY`` with ``Retry-After``): chat never waits behind a batch, and one project's
+flood of batch calls never holds up another's. A result file's download is one such call from
+its first chunk to its last (each chunk rendered on the batch threads), so downloads are held
+to the same limit. Batches count per project within ``gateway.files_ttl_s``
 (``gateway.max_batches``, 413 ``E_TOO_LARGE``), and a batch file holds at most
 ``gateway.max_batch_lines`` lines.
 """
@@ -105,6 +117,10 @@ log = logging.getLogger(__name__)
 ACTIVE = {"in_progress": "completed", "cancelling": "cancelled"}
 LIST_LIMIT = 20
 CHUNK_LINES = 200  # lines whose results are read (and a result file's lines sent) at a time
+# Jobs one call ends (expires past the window, or cancels for a cancelled batch): each costs a
+# few round trips and a task sent, so a 10,000-line batch is ended over several reads, never in
+# one call that outlasts its client.
+ENDS_PER_CALL = 5 * CHUNK_LINES
 ERRORS_SHOWN = 100  # line errors a failed batch's ``errors`` lists
 # Job fields a batch line may not set: the batch decides band and order (the window the
 # deadline), and a line brings messages, not material for prep to collect (a source may name a
@@ -145,6 +161,7 @@ class State:
     ended: bool  # the create ended (its remaining lines have their errors)
     touched: float
     settled: dict[int, Settled]
+    cancelled_to: int = 0  # a cancelling batch: lines below it had their waiting jobs cancelled
 
     def line(self, index: int) -> BatchLine:
         row = self.rows[index]
@@ -183,6 +200,21 @@ def _line_bytes(row: dict[str, Any]) -> bytes:
 def _chunks(items: list[int]) -> Iterator[list[int]]:
     for start in range(0, len(items), CHUNK_LINES):
         yield items[start:start + CHUNK_LINES]
+
+
+class HeldStreamingResponse(StreamingResponse):
+    """A streamed response that holds one of its project's batch calls until it is sent, cut or
+    never started (``release`` runs once the ASGI call ends, however it ends)."""
+
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 class BatchRoutes:
@@ -239,9 +271,14 @@ class BatchRoutes:
             return StreamingResponse(self._upload_chunks(project, file_id),
                                      media_type="application/jsonl")
         batch_id, part = source
-        state = await self.gw.run_batch(project, self._load, project, batch_id)
-        return StreamingResponse(self._result_chunks(project, state, part),
-                                 media_type="application/jsonl")
+        release = self.gw.hold_batch_call(project)
+        try:
+            state = await self.gw.run_held(self._load, project, batch_id)
+        except BaseException:
+            release()
+            raise
+        return HeldStreamingResponse(self._result_chunks(project, state, part), release,
+                                     media_type="application/jsonl")
 
     async def _upload_chunks(self, project: str, file_id: str) -> AsyncIterator[bytes]:
         start = 0
@@ -254,7 +291,7 @@ class BatchRoutes:
     async def _result_chunks(self, project: str, state: State, part: str) -> AsyncIterator[bytes]:
         wanted = [i for i in range(len(state.rows)) if self._part_of(state, i) == part]
         for indexes in _chunks(wanted):
-            yield await self.gw.run(self._render, project, state, indexes)
+            yield await self.gw.run_held(self._render, project, state, indexes)
 
     def _part_of(self, state: State, index: int) -> str:
         outcome = state.settled.get(index)
@@ -353,7 +390,7 @@ class BatchRoutes:
         key = self._key(project, batch_id)
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={"meta": json.dumps(batch), "lines": json.dumps(rows),
-                                    "submitted": 0, "touched": now})
+                                    "submitted": 0, "touched": self._clock()})
             pipe.expire(key, kept_s)
             pipe.execute()
         if batch["status"] == "failed":
@@ -363,7 +400,7 @@ class BatchRoutes:
             with self.redis.pipeline(transaction=False) as pipe:
                 if failure is not None:
                     pipe.hset(key, f"e:{i}", json.dumps(failure))
-                pipe.hset(key, mapping={"submitted": i + 1, "touched": time.time()})
+                pipe.hset(key, mapping={"submitted": i + 1, "touched": self._clock()})
                 pipe.hmget(key, ["meta", "ended"])
                 raw, ended = pipe.execute()[-1]
             if ended is not None:
@@ -406,8 +443,8 @@ class BatchRoutes:
         that got this far answers even if Redis fails it now)."""
         key = self._key(project, batch_id)
         state = self._load(project, batch_id)
-        if not state.ended:  # the first to end it sets where it ended; a second uses that
-            self.redis.hsetnx(key, "ended", state.submitted)
+        if not state.ended:
+            self._mark_ended(key)
             state = self._load(project, batch_id)
         cancelled = state.meta["status"] == "cancelling"
         reason, code = (("the batch was cancelled while it was created", Code.E_CANCELLED)
@@ -420,10 +457,10 @@ class BatchRoutes:
                         (f"line {state.rows[i]['n']}: not submitted: {reason}", code.value)))
             pipe.execute()
         # An unsent line's job may have started all the same (the create died between its
-        # submit and recording it): cancelled, as every waiting one of a cancelled batch.
-        unsent_jobs = [row["job"] for row in state.rows[state.submitted:] if row["job"]]
-        waiting = [state.rows[i]["job"] for i in state.waiting() if i < state.submitted] if cancelled else []
-        self._cancel_jobs(project, waiting + unsent_jobs)
+        # submit and recording it): cancelled; so are the waiting ones of a cancelled batch
+        # (``ENDS_PER_CALL`` of them now, the rest by the next reads).
+        self._cancel_jobs(project, [row["job"] for row in state.rows[state.submitted:] if row["job"]])
+        self._cancel_waiting(project, state)
         failed = sum(1 for row in state.rows[:state.submitted] if row["error"]) + len(
             state.rows) - state.submitted
 
@@ -437,6 +474,33 @@ class BatchRoutes:
             return True
 
         return self._commit(project, batch_id, started)
+
+    def _mark_ended(self, key: str) -> None:
+        """End the create at the line it has got to as stored now: ``ended`` is set from
+        ``submitted`` in one transaction on the WATCHed record, so a create that records another
+        line meanwhile (its ``submitted``, then its check for ``ended``) makes this read again
+        rather than end it at a line it has sent. The first to end a create sets where it ended;
+        a second keeps that."""
+        with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    ended, submitted = pipe.hmget(key, ["ended", "submitted"])
+                    if ended is not None:
+                        return
+                    pipe.multi()
+                    pipe.hset(key, "ended", int(submitted or 0))
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue
+
+    def _clock(self) -> float:
+        """Redis's time, the one clock of every gateway: a create's ``touched`` is written with it
+        and compared with it on another host, so clock skew between hosts never ends a live
+        create (nor keeps a dead one)."""
+        seconds, micros = self.redis.time()
+        return seconds + micros / 1_000_000
 
     def _load(self, project: str, batch_id: str) -> State:
         key = self._key(project, batch_id)
@@ -457,16 +521,19 @@ class BatchRoutes:
         return State(json.loads(fields[b"meta"]), rows,
                      int(ended if ended is not None else fields.get(b"submitted", 0)),
                      ended is not None, float(fields.get(b"touched", 0)),
-                     {int(i): Settled.load(raw) for i, raw in settled.items()})
+                     {int(i): Settled.load(raw) for i, raw in settled.items()},
+                     int(fields.get(b"cancelled_to", 0)))
 
     def _settle(self, project: str, state: State) -> None:
         """Find the outcome of the lines still waiting (their results, read once each, or their
-        vanished jobs) and keep it; past the window, end the rest ``E_DEADLINE``."""
+        vanished jobs) and keep it; past the window, end the rest ``E_DEADLINE``, at most
+        ``ENDS_PER_CALL`` of them (the next read goes on). Outcomes are kept ``CHUNK_LINES`` at
+        a time, so a call cut half way (its client gone, the gateway stopped) loses little."""
         waiting = state.waiting()
-        found: dict[int, Settled] = {}
         for indexes in _chunks(waiting):
             refs = [job_ref(project, state.rows[i]["job"]) for i in indexes]
             raws = self.redis.mget([self.keys.result(ref) for ref in refs])
+            found: dict[int, Settled] = {}
             missing = [(i, ref) for i, ref, raw in zip(indexes, refs, raws, strict=True) if raw is None]
             for i, raw in zip(indexes, raws, strict=True):
                 if raw is not None:
@@ -481,18 +548,25 @@ class BatchRoutes:
                     line.error, line.code = self._gone(line.number)
                     found[i] = Settled(Code.E_NOT_FOUND, len(_line_bytes(
                         output_line(line, None, self.gw.model))), False)
-        if time.time() >= state.meta["expires_at"]:
-            for i in waiting:
-                if i not in found:
-                    found[i] = self._expire(project, state.line(i), state.rows[i]["job"])
-        if found:
-            key = self._settled_key(project, state.meta["id"])
-            with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(key, mapping={str(i): outcome.dump() for i, outcome in found.items()})
-                settings = self.gw.live.settings.gateway
-                pipe.expire(key, settings.batch_window_s + settings.files_ttl_s)
-                pipe.execute()
-            state.settled.update(found)
+            self._keep(project, state, found)
+        if time.time() < state.meta["expires_at"]:
+            return
+        due = [i for i in waiting if i not in state.settled][:ENDS_PER_CALL]
+        for indexes in _chunks(due):
+            self._keep(project, state, {i: self._expire(project, state.line(i), state.rows[i]["job"])
+                                        for i in indexes})
+
+    def _keep(self, project: str, state: State, found: dict[int, Settled]) -> None:
+        """Store these lines' outcomes (and note them in ``state``)."""
+        if not found:
+            return
+        key = self._settled_key(project, state.meta["id"])
+        settings = self.gw.live.settings.gateway
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping={str(i): outcome.dump() for i, outcome in found.items()})
+            pipe.expire(key, settings.batch_window_s + settings.files_ttl_s)
+            pipe.execute()
+        state.settled.update(found)
 
     def _outcome(self, line: BatchLine, envelope: Envelope) -> Settled:
         usage = envelope.usage
@@ -518,12 +592,13 @@ class BatchRoutes:
         if state.meta["status"] not in ("validating", *ACTIVE):
             return state.meta
         if not state.ended:
-            if time.time() - state.touched < self.gw.live.settings.gateway.batch_create_stall_s:
+            if self._clock() - state.touched < self.gw.live.settings.gateway.batch_create_stall_s:
                 return state.meta  # its create is still submitting lines
             self._end_create(project, batch_id)
             state = self._load(project, batch_id)
         if state.meta["status"] not in ACTIVE:
             return state.meta
+        self._cancel_waiting(project, state)
         self._settle(project, state)
         counts = self._counts(state)
         if len(state.waiting()) == 0:
@@ -606,6 +681,24 @@ class BatchRoutes:
                 except redis.WatchError:
                     continue
 
+    def _cancel_waiting(self, project: str, state: State) -> None:
+        """A cancelling batch: cancel the waiting jobs of the next submitted lines, at most
+        ``ENDS_PER_CALL`` (``cancelled_to`` says how far it got; the next read goes on). Two
+        readers at once may cancel some jobs twice, which changes nothing."""
+        if state.meta["status"] != "cancelling":
+            return
+        waiting, end = set(state.waiting()), state.cancelled_to
+        jobs: list[str] = []
+        while end < state.submitted and len(jobs) < ENDS_PER_CALL:
+            if end in waiting:
+                jobs.append(state.rows[end]["job"])
+            end += 1
+        if end == state.cancelled_to:
+            return
+        self._cancel_jobs(project, jobs)
+        self.redis.hset(self._key(project, state.meta["id"]), "cancelled_to", end)
+        state.cancelled_to = end
+
     def _cancel_jobs(self, project: str, job_ids: list[str]) -> None:
         for job_id in job_ids:
             try:
@@ -644,9 +737,7 @@ class BatchRoutes:
             batch.update(status="cancelling", cancelling_at=int(time.time()))
             return True
 
-        if self._commit(project, batch_id, cancelling)["status"] == "cancelling":
-            state = self._load(project, batch_id)
-            # (a create still running stops at its next line and cancels what it sent since)
-            self._cancel_jobs(project, [state.rows[i]["job"] for i in state.waiting()
-                                        if i < state.submitted])
+        # The refresh cancels the first waiting jobs (a create still running stops at its next
+        # line and starts cancelling once it ended).
+        self._commit(project, batch_id, cancelling)
         return self._refresh(project, batch_id)

@@ -14,8 +14,9 @@ Limits (``gateway.*``, 413 ``E_TOO_LARGE``):
 - a file holds at most ``max_file_bytes``: the upload is counted while it is received
   (``capped_receive``) and refused the moment it passes the cap, so nothing larger is ever
   spooled or stored;
-- a project holds at most ``max_files`` files and ``max_project_bytes`` bytes at once: an upload
-  is added to the index and the byte table, both are counted, and it is taken back when over, so
+- a project holds at most ``max_files`` uploaded files and ``max_project_bytes`` bytes at once:
+  an upload is added to the index and the byte table, the byte table (uploads only) is counted,
+  and the upload is taken back when over, so
   concurrent uploads may be refused together but never exceed either; deleting a file frees its
   share at once;
 - everything expires after ``files_ttl_s``; index and byte-table entries of expired files are
@@ -24,7 +25,8 @@ Limits (``gateway.*``, 413 ``E_TOO_LARGE``):
 A batch's output and error files (``stage_result``) store no bytes: their meta names the batch
 and part, and their content is built from the batch's lines and its jobs' results when read
 (fleet/gateway/batches.py), so a batch's results are never stored twice and take nothing of
-``max_project_bytes`` (they count as files for ``max_files``). Content is sent in chunks
+``max_project_bytes`` nor of ``max_files`` (a project's finished batches never stop it from
+uploading the next batch's input; ``max_batches`` bounds them). Content is sent in chunks
 (``body_chunks``, ``CHUNK_BYTES`` a read), never loaded whole.
 
 Lists are newest first (``order=asc``: oldest first), ``limit`` at a time, with OpenAI's cursor:
@@ -126,7 +128,7 @@ class FileStore:
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.zadd(index, {file_id: now})
             pipe.hset(sizes, file_id, len(content))
-            pipe.zcard(index)
+            pipe.hlen(sizes)  # uploads only: a batch's result files are not in the byte table
             pipe.hvals(sizes)
             *_, count, held = pipe.execute()
         over = None
