@@ -8,8 +8,11 @@ Loop (``run_dispatcher``):
   3. ``admit_many`` while it grants (up to ``GRANTS_PER_CALL`` grants per call: one Lua script
      call on Redis), calling ``send(grant)`` for each (the caller enqueues the inference task
      with the job id and the fence);
-  (0. with a ``gate`` (fleet/worker/dispatch.py: no live inference worker), the round stops after
-     step 2 and holds with the gate's reason;)
+  (0. with a ``gate`` (fleet/worker/dispatch.py: no live inference worker) that holds, step 3
+     admits gateway requests only (``store.admit_gateway_only``: they stream in the gateway and
+     need no inference worker), so a slot a release frees goes to a gateway request waiting for
+     one; queued jobs stay in line, and the round ends with the gate's reason (the store counts
+     the rounds that passed a queued job over as held by 'no_workers');)
   4. block on the wake list (BLPOP) until a submit, a release, a readmit, an expiry or a lifted
      backend hold pushes to it, or until the next time-based event: lease expiry, pending
      deadline, bucket refill, spacing, a continuation's not-before time, or
@@ -77,12 +80,15 @@ def admit_all(
     send: Callable[[Grant], None],
     now: float,
     metrics: DispatcherMetrics | None = None,
+    gateway_only: bool = False,
 ) -> AdmitResult:
     """Admit while the store grants, up to ``GRANTS_PER_CALL`` grants per store call; returns the
     round's final (holding) result, or ``AdmitResult(None, "send_failed")`` after a grant that
-    could not be sent (it and the grants of the same call not sent yet are requeued)."""
+    could not be sent (it and the grants of the same call not sent yet are requeued). With
+    ``gateway_only`` (the worker gate holds) each call is ``admit_gateway_only``."""
+    admit = store.admit_gateway_only if gateway_only else store.admit_many
     while True:
-        results = store.admit_many(now, GRANTS_PER_CALL)
+        results = admit(now, GRANTS_PER_CALL)
         if not send_grants(store, send, [r.grant for r in results if r.grant is not None], metrics):
             return AdmitResult(None, "send_failed")
         if results[-1].grant is None:
@@ -184,11 +190,13 @@ def dispatch_round(
     metrics: DispatcherMetrics | None = None,
     on_expired: Callable[[str], None] | None = None,
     reap: bool = True,
+    gateway_only: bool = False,
 ) -> AdmitResult:
     """One pass of the loop before its wait: reap and promote (unless ``reap`` is False: no
-    lease can have expired yet, no continuation come due), expire deadlines, admit."""
+    lease can have expired yet, no continuation come due), expire deadlines, admit (gateway
+    requests only with ``gateway_only``)."""
     housekeeping(store, clock, on_expired, reap)
-    return admit_all(store, send, clock(), metrics)
+    return admit_all(store, send, clock(), metrics, gateway_only)
 
 
 def run_dispatcher(
@@ -207,9 +215,9 @@ def run_dispatcher(
     ``on_expired(job_id)`` is called for each pending job dropped because its deadline passed;
     ``backoff`` paces the retries after a Redis error or a failed send (module docstring);
     ``shared_metrics`` are more fleet-wide collectors, exported by the metrics leader only;
-    ``gate()`` is asked before each round: a non-empty answer is a hold reason, and the round only
-    reaps leases, promotes due continuations and expires deadlines (fleet/worker/heartbeat.py's
-    ``no_workers``).
+    ``gate()`` is asked before each round: a non-empty answer is a hold reason (fleet/worker/
+    heartbeat.py's ``no_workers``), and the round reaps leases, promotes due continuations,
+    expires deadlines and admits gateway requests only; it ends with that reason.
     """
     stop = stop or threading.Event()
     backoff = backoff or Backoff()
@@ -238,12 +246,10 @@ def run_dispatcher(
                     leader.renew()
                 hold = gate() if gate is not None else ""
                 reap = clock() >= reap_at
-                if hold:
-                    store.count_hold(hold)
-                    housekeeping(store, clock, on_expired, reap)
-                    result = AdmitResult(None, hold)
-                else:
-                    result = dispatch_round(store, counted_send, clock, metrics, on_expired, reap)
+                result = dispatch_round(store, counted_send, clock, metrics, on_expired, reap,
+                                        gateway_only=bool(hold))
+                if hold and result.hold_reason not in ("send_failed", "conflict"):
+                    result = AdmitResult(None, hold, result.retry_in_s)
                 activity.round_ended(result.hold_reason)
                 if result.hold_reason == "send_failed":
                     stop.wait(backoff.next_s())

@@ -5,6 +5,7 @@ more is released at once instead of holding a slot until its lease expires."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,8 @@ from fleet.core.seal import sealed
 from fleet.gateway.admission import Admission
 from fleet.worker.app import create_app
 from fleet.worker.dispatch import hand_to_gateway, make_send
-from fleet.worker.heartbeat import beat, instance_id
+from fleet.worker.heartbeat import WorkerGate, beat, instance_id
+from schedulers.dispatcher import run_dispatcher
 from schedulers.store import make_store
 from schedulers.store.base import PendingItem
 
@@ -307,3 +309,53 @@ def test_a_gateway_host_whose_clock_runs_ahead_never_prunes_anothers_waiting_req
         "gateway-a", now_a, True, 8)
     assert {r.grant.job_id for r in results if r.grant is not None} == {"a/g1", "b/g1"}
     client.close()
+
+
+def test_a_freed_slot_goes_to_a_waiting_gateway_request_while_no_inference_worker_is_live(
+    redis_url: str, key_prefix: str,
+) -> None:
+    """The cap (2) is full of gateway leases, a third gateway request waits behind a queued job and
+    no inference worker is live. One lease is released: a running dispatcher admits the waiting
+    request (only gateway requests: the queued job stays in line). Before, the worker gate made
+    the dispatchers hold every round, so the request was admitted only by the next gateway
+    request's round, or waited until its 429."""
+    settings = settings_for(key_prefix, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    keys = Keys(key_prefix)
+    ResultStore(client, keys, settings).record("a/q1", project="a", state="pending")
+    make_store(settings, client).add_pending(PendingItem("a/q1", "a", 100, 500, band="interactive"))
+
+    async def body(admission: Admission, store: Any, _client: redis.Redis, _keys: Keys) -> None:
+        tickets = []
+        for ref in ("a/g1", "a/g2"):
+            enqueued_at = await admission.enqueue(ref, "a", "interactive", 100, 500, 30)
+            grant = await admission.next_grant(ref, 5)
+            assert grant is not None
+            tickets.append(await admission.claim(ref, "a", grant, enqueued_at))
+        enqueued_at = await admission.enqueue("a/g3", "a", "interactive", 100, 500, 30)
+        assert store.pending_ids() == {"a/q1", "a/g3"}  # the fleet is full
+        stop = threading.Event()
+        dispatcher = threading.Thread(
+            target=run_dispatcher,
+            args=(settings, client, make_send(settings, client, create_app(settings)), stop),
+            kwargs={"gate": WorkerGate(client, keys)})
+        dispatcher.start()
+        try:
+            await admission.release(tickets[0])
+            grant = await admission.next_grant("a/g3", 20)
+            assert grant is not None, "the freed slot was not given to the waiting gateway request"
+            tickets.append(await admission.claim("a/g3", "a", grant, enqueued_at))
+            assert store.pending_ids() == {"a/q1"}
+            assert store.snapshot().in_flight == 2
+        finally:
+            stop.set()
+            store.wake()
+            await asyncio.to_thread(dispatcher.join, 10)
+        assert not dispatcher.is_alive()
+        for ticket in tickets[1:]:
+            await admission.release(ticket)
+
+    try:
+        run_gateway_side(redis_url, key_prefix, body, admits=True)
+    finally:
+        client.close()

@@ -100,6 +100,10 @@ def _workload(client: redis.Redis, prefix: str) -> None:
     results_, fence = store.enter_gateway(PendingItem("g1", "g", 100, 100, deadline=now[0] + 30),
                                           "gateway-1", now[0], True, 8)
     assert fence and any(r.grant is not None and r.grant.job_id == "g1" for r in results_)
+    # a dispatcher's round while its worker gate holds (GWADMIT alone): gateway requests only
+    store.enter_gateway(PendingItem("g2", "g", 100, 100, deadline=now[0] + 30), "gateway-1", now[0],
+                        True, 0)
+    assert "g2" in [r.grant.job_id for r in store.admit_gateway_only(now[0], 8) if r.grant is not None]
 
     settings = load_settings(EXAMPLE_CONFIG, env={})
     keys = Keys(prefix)

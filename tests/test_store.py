@@ -104,6 +104,18 @@ def test_sequence_cap(make_store: StoreFactory) -> None:
     assert store.snapshot().in_flight == 4
 
 
+
+def test_a_gateway_only_round_passes_queued_jobs_over_while_no_worker_is_live(
+    make_store: StoreFactory,
+) -> None:
+    """The round a dispatcher runs while its worker gate holds grants no queued job (only gateway
+    requests, which the memory store never holds): a 'no_workers' hold, counted, the job kept."""
+    store = make_store()
+    store.add_pending(job("j1"))
+    assert [r.hold_reason for r in store.admit_gateway_only(1_010.0, 8)] == ["no_workers"]
+    assert store.snapshot().holds == {"no_workers": 1}
+    assert store.snapshot().pending == {"a": {"batch": 1}}
+
 def test_kv_budget_counts_whole_blocks(make_store: StoreFactory) -> None:
     store = make_store(limits(kv_budget_tokens=5_000))
     store.add_pending(job("j0", prompt=2_001, new=0))  # 3 blocks = 3,000 tokens

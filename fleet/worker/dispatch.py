@@ -14,8 +14,9 @@ the outside world.
   E_DEADLINE envelope here, without ever taking a slot.
 - the prep watchdog (fleet/prep/watchdog.py) runs beside the loop, sending again the prep messages
   of jobs whose prep worker died before handing them over.
-- ``gate``: admissions hold ("no_workers") while no inference worker's heartbeat is live
-  (fleet/worker/heartbeat.py; ``admission.worker_gate``).
+- ``gate``: queued jobs are held ("no_workers") while no inference worker's heartbeat is live
+  (fleet/worker/heartbeat.py; ``admission.worker_gate``); gateway requests are still admitted
+  (they stream in the gateway), their grants pushed to the gateway by ``send``.
 - ``stop`` ends both; ``fleet dispatcher`` sets it on SIGINT, SIGTERM and SIGHUP, so a supervisor
   (systemd, honcho, ``fleet up``) stops a dispatcher cleanly within ``admission.max_wait_s``.
 """

@@ -23,9 +23,10 @@ lapses ``HEARTBEAT_TTL_S`` after its last beat, and admissions go on until then.
 (Redis down) is logged once per change; the next one after Redis is back writes the entry
 again, so a Redis restarted without persistence learns its workers within ``HEARTBEAT_S``.
 
-The dispatcher side (``WorkerGate``, wired in fleet/worker/dispatch.py): a round starts only when
-at least one entry is live, else the round ends with the hold reason ``no_workers`` (one WARNING
-when the state changes, one INFO when it lifts). ``admission.worker_gate = false`` turns it off
+The dispatcher side (``WorkerGate``, wired in fleet/worker/dispatch.py): a full round runs only
+when at least one entry is live, else the round admits gateway requests only (they need no
+inference worker; schedulers/dispatcher.py) and ends with the hold reason ``no_workers`` (one
+WARNING when the state changes, one INFO when it lifts). ``admission.worker_gate = false`` turns it off
 for a fleet whose only door is the gateway (its requests stream in the gateway process).
 """
 
@@ -167,7 +168,8 @@ class WorkerGate:
         held = live_workers(self.client, self.keys) == 0
         if held != self._held:
             if held:
-                log.warning("no live inference worker consumes fleet.infer: admissions held")
+                log.warning("no live inference worker consumes fleet.infer: queued jobs held "
+                            "(gateway requests are still admitted)")
             elif self._held is not None:
                 log.info("an inference worker is live again: admissions resume")
             self._held = held

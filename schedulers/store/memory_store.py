@@ -139,6 +139,13 @@ class MemoryStore:
                 results.append(result)
         return results
 
+    def admit_gateway_only(self, now: float, max_grants: int) -> list[AdmitResult]:
+        """No grant: this store never holds a gateway request (the gateway admits through the
+        Redis store only, ``RedisStore.enter_gateway``), so under the worker gate every job it
+        holds is passed over, and the round is counted as held by 'no_workers'."""
+        self.count_hold("no_workers")
+        return [AdmitResult(None, "no_workers")]
+
     def _admit(self, now: float) -> AdmitResult:
         heads = self._heads(now)
         if not heads:

@@ -38,7 +38,7 @@ one serialisation point anyway, and a script may touch the shared counters and a
                            item is gone or no continuation); their item has cont > 0
   D gateway        zset    gateway requests that may be pending, score = deadline by Redis's
                            clock (GATEWAY adds each and prunes those past it); with no live inference worker (D
-                           workers, fleet/worker/heartbeat.py) the gateway's round grants only these
+                           workers, fleet/worker/heartbeat.py) GWADMIT grants only these
 
 The scripts are files in schedulers/store/lua/ (``prelude.lua`` holds their shared helpers), each
 opening with the KEYS it touches and its ARGV; they are registered once per store. Every key a
@@ -64,8 +64,12 @@ of the granted project read anew, until a hold or ``max_grants``. Projects whose
 empty leave the set there. Because the script reads and decides in one atomic step, dispatchers
 racing each other can only change who goes first, never what is allowed.
 
-``GATEWAY`` (``enter_gateway``) is ADD, one ADMIT round and the request's own CLAIM in one call,
-composed from those scripts (fleet/core/lua.py ``uses``), for the gateway (fleet/gateway/admission.py).
+``GWADMIT`` is one ADMIT round under the worker gate: while no inference worker is live it grants
+gateway requests only (each queue's first gateway request standing in for its head). ``GATEWAY``
+(``enter_gateway``) is ADD, one GWADMIT round and the request's own CLAIM in one call, for the
+gateway (fleet/gateway/admission.py); a dispatcher whose worker gate holds runs GWADMIT alone
+(``admit_gateway_only``), so a freed slot goes to a waiting gateway request at once. Both are
+composed from the other scripts (fleet/core/lua.py ``uses``).
 
 ``CLAIM`` (worker start), ``REQUEUE`` (a grant that could not be sent), ``REAP`` (expired
 leases) and ``EXPIRE`` (pending deadlines), at most 200 jobs a call, are single scripts too, and
@@ -98,8 +102,9 @@ from schedulers.store.base import AdmitResult, Grant, PendingItem, StoreConfig, 
 log = logging.getLogger(__name__)
 
 SCRIPTS = ("add", "admit", "claim", "renew", "release", "reap", "requeue", "cancel", "expire",
-           "readmit", "promote", "undefer", "grow", "gateway")
-COMPOSED = {"gateway": ("add", "admit", "claim")}  # scripts that call others (fleet/core/lua.py)
+           "readmit", "promote", "undefer", "grow", "gwadmit", "gateway")
+COMPOSED = {"gwadmit": ("admit",),  # scripts that call others (fleet/core/lua.py)
+            "gateway": ("add", "admit", "gwadmit", "claim")}  # scripts that call others (fleet/core/lua.py)
 _ROUNDS = 4  # ADMIT calls when the projects set keeps changing under us
 _BATCH = 200  # expired leases or due deadlines handled by one script call
 MAX_BLOCK_S = 4.0  # longest BLPOP; below redis-py 8's default 5 s socket timeout
@@ -252,8 +257,23 @@ class RedisStore:
         from the configuration: a short list); when the set holds another one, ADMIT decides
         nothing and returns the set, and the call is made again with it. A project that drained
         stays named, so its next job costs no extra call."""
+        return self._admit_rounds(lambda keys, args: self._run("admit", keys, args), now, max_grants)
+
+    def admit_gateway_only(self, now: float, max_grants: int) -> list[AdmitResult]:
+        """``admit_many`` for a dispatcher whose worker gate holds: one GWADMIT call, which grants
+        gateway requests only while no inference worker is live by Redis's clock (queued jobs are
+        passed over with the hold 'no_workers' and keep their place), and is ADMIT's round when
+        one became live meanwhile."""
+        gate_keys = [self._key("workers"), self._key("gateway")]
+        return self._admit_rounds(
+            lambda keys, args: self._run("gwadmit", [*gate_keys, *keys], ["1", *args]), now, max_grants)
+
+    def _admit_rounds(self, call: Callable[[list[str], list[Any]], Any], now: float,
+                      max_grants: int) -> list[AdmitResult]:
+        """``call(keys, args)`` an admission script with ADMIT's keys and arguments, again with the
+        projects it found unnamed (at most ``_ROUNDS`` times)."""
         for _ in range(_ROUNDS):
-            reply = self._run("admit", *self._admit_call(now, max_grants))
+            reply = call(*self._admit_call(now, max_grants))
             if _text(reply[0]) == "stale":
                 self._projects = sorted(set(self._projects) | {_text(p) for p in reply[1]})
                 continue

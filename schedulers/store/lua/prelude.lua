@@ -20,13 +20,26 @@
 --               it may hold spaces: it is the rest of the string)
 
 -- ADMIT grants only candidates this predicate accepts, when a script that calls ADMIT sets it
--- (GATEWAY: only gateway requests while no inference worker is live); nil: every candidate.
+-- (GWADMIT: only gateway requests while no inference worker is live); nil: every candidate.
 local admit_only = nil
 -- ADMIT reads the head of a queue with this function, when a script that calls ADMIT sets it:
--- admit_head(queue, project, band, size) -> {id, score} or {} (GATEWAY, while no inference worker
+-- admit_head(queue, project, band, size) -> {id, score} or {} (GWADMIT, while no inference worker
 -- is live: the first gateway request in that queue, which may wait behind queued jobs); nil: the
 -- queue's first member.
 local admit_head = nil
+
+-- t[from .. to] (to: the end) as a new table: a composing script's share of its KEYS or ARGV.
+local function slice(t, from, to)
+  local out = {}
+  for i = from, to or #t do out[#out + 1] = t[i] end
+  return out
+end
+
+-- Redis's clock (unix seconds): what heartbeats and the gateway zset are stamped with.
+local function redis_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
 
 local function num(v, default) if v then return tonumber(v) end return default end
 local function fmt(x) return string.format('%.17g', x) end
