@@ -61,7 +61,7 @@ from fleet.core.codes import Code
 from fleet.core.config import Settings, load_settings
 from fleet.core.errors import ConfigError
 from fleet.core.redisconn import celery_transport_options
-from fleet.worker.transport import SENTINEL_TRANSPORT, TRANSPORT
+from fleet.worker.transport import QUEUE_STAMP, SENTINEL_TRANSPORT, TRANSPORT
 
 PREP_TASK = "fleet.prep"
 INFER_TASK = "fleet.infer"
@@ -90,6 +90,14 @@ def project_queue(project: str) -> str:
 
 def collect_queue(project: str) -> str:
     return f"fleet.{project}.collect"
+
+
+def home_queues(settings: Settings, project: Any) -> frozenset[str]:
+    """The queues a prep or cancel task naming ``project`` may arrive on: the project's queue and
+    its collect queue; for a project this fleet does not know, the unrouted queue only."""
+    if isinstance(project, str) and project in settings.projects:
+        return frozenset({project_queue(project), collect_queue(project)})
+    return frozenset({UNROUTED_QUEUE})
 
 
 def prep_queues(settings: Settings) -> list[str]:
@@ -130,7 +138,25 @@ def task_shown(kwargs: Any) -> str:
     return shown(short(project), short(job_id))["kwargsrepr"]
 
 
-class ShownRequest(Request):
+class QueuedRequest(Request):
+    """A Request that keeps the queue the transport stamped into the message
+    (fleet/worker/transport.py): Celery copies only a few named keys of a message's delivery_info
+    into ``task.request.delivery_info``, and would drop it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the same dict as _request_dict["delivery_info"], which reaches a pool process
+        self._delivery_info[QUEUE_STAMP] = (self._message.delivery_info or {}).get(QUEUE_STAMP)
+
+
+def arrived_on(request: Any) -> str | None:
+    """The queue a running task's message was taken from, as the transport stamped it (None: a
+    message that did not come through the fleet's transport)."""
+    queue = (getattr(request, "delivery_info", None) or {}).get(QUEUE_STAMP)
+    return queue if isinstance(queue, str) else None
+
+
+class ShownRequest(QueuedRequest):
     """A fleet task as its worker shows it: ``task_shown`` instead of the arguments everywhere
     (events, logs, ``inspect`` answers), whatever the sender put into argsrepr/kwargsrepr."""
 

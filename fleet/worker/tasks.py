@@ -42,6 +42,17 @@ fleet.infer (queue fleet.infer, kwargs ref, project, fence; sent by a dispatcher
   (attempts are recorded as they end, fleet/infer/carryover.py); a cancel or a deadline between
   turns ends the job like any pending job's.
 
+Each task runs only for a message taken from a queue it belongs on, as the fleet's transport
+stamped it on delivery (fleet/worker/transport.py; ``off_its_queue``): fleet.infer from
+fleet.infer, fleet.prep and fleet.cancel from the queues of the project they name (its queue or
+its collect queue; the unrouted queue for a project the fleet does not know), fleet.tool from a
+tool queue. Celery runs any task it has registered whatever queue the message came from, and a
+producer may push raw messages onto its own project queue (routing key and delivery_info
+included, which is why they are never trusted): without this, a fleet.infer message naming
+another project's job and a guessed fence ran that job's turn, and a fleet.prep message naming
+another project wrote a ``rejected`` event into that project's job. A message off its queue runs
+nothing, is acknowledged (never redelivered) and logs one WARNING.
+
 Ending a job that holds no lease (in line, or waiting between turns: a cancel while prep hands it
 over, ``fleet.cancel``, a cancel between turns, a tool result its next turn can never be sent
 with): its final envelope is published FIRST, then its item is taken out of the dispatcher store
@@ -65,11 +76,11 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
-from celery import Celery
+from celery import Celery, Task
 from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
 
@@ -84,7 +95,16 @@ from fleet.core.request import tools_allowed
 from fleet.core.seal import cancel_valid, check_seal, check_turn, digest, seal_turn, sealed
 from fleet.core.signing import verify
 from fleet.prep.watchdog import HANDED_OVER, PrepClaim
-from fleet.worker.app import INFER_QUEUE, JobEnded, ShownRequest, task_outcome
+from fleet.worker.app import (
+    INFER_QUEUE,
+    JobEnded,
+    QueuedRequest,
+    ShownRequest,
+    arrived_on,
+    home_queues,
+    task_outcome,
+    tool_queues,
+)
 from fleet.worker.heartbeat import beat_when_ready
 from fleet.worker.lease import LeaseKeeper
 from fleet.worker.metrics import WorkerMetrics, serve_when_started
@@ -111,28 +131,53 @@ def register_tasks(app: Celery, tools: bool = True) -> None:
     beat_when_ready(app, runtime.redis, runtime.keys, INFER_QUEUE)
 
     # A non-OK final code raises JobEnded (fleet/worker/app.py): FAILURE in Flower, no redelivery.
-    @app.task(name="fleet.prep", acks_late=True, throws=(JobEnded,), Request=ShownRequest)
-    def prep(*, project: str, job_id: str, signed: dict[str, Any]) -> str:
+    @app.task(name="fleet.prep", bind=True, acks_late=True, throws=(JobEnded,), Request=ShownRequest)
+    def prep(task: Task, *, project: str, job_id: str, signed: dict[str, Any]) -> str:
+        if off_its_queue(task, home_queues(runtime.settings, project), job_ref(project, job_id)):
+            return WRONG_QUEUE
         owner = _owner()  # one owner across retries: the claim of an attempt cut short is ours
         outcome = riding_out_broker_loss(
             lambda: prep_job(runtime, project, job_id, signed, owner), job_ref(project, job_id),
             runtime.settings.prep_lease_s)
         return task_outcome(outcome, job_id)
 
-    @app.task(name="fleet.cancel", acks_late=True, Request=ShownRequest)
-    def cancel(*, project: str, job_id: str) -> str:
+    @app.task(name="fleet.cancel", bind=True, acks_late=True, Request=ShownRequest)
+    def cancel(task: Task, *, project: str, job_id: str) -> str:
+        if off_its_queue(task, home_queues(runtime.settings, project), job_ref(project, job_id)):
+            return WRONG_QUEUE
         return cancel_job(runtime, project, job_id)
 
-    @app.task(name="fleet.infer", acks_late=True, throws=(JobEnded,), Request=ShownRequest)
-    def infer(*, ref: str, project: str, fence: int) -> str:
+    @app.task(name="fleet.infer", bind=True, acks_late=True, throws=(JobEnded,), Request=ShownRequest)
+    def infer(task: Task, *, ref: str, project: str, fence: int) -> str:
+        if off_its_queue(task, {INFER_QUEUE}, ref):
+            return WRONG_QUEUE
         return task_outcome(infer_job(runtime, ref, project, fence), split_ref(ref)[1])
 
     if not tools:
         return
 
-    @app.task(name="fleet.tool", acks_late=True)
-    def tool(*, ref: str, round_number: int, call_id: str) -> str:
+    @app.task(name="fleet.tool", bind=True, acks_late=True, Request=QueuedRequest)
+    def tool(task: Task, *, ref: str, round_number: int, call_id: str) -> str:
+        if off_its_queue(task, set(tool_queues(runtime.settings)), ref):
+            return WRONG_QUEUE
         return f"{tool_job(runtime, app.tasks, ref, round_number, call_id)} job={split_ref(ref)[1]}"
+
+
+WRONG_QUEUE = "wrong-queue"  # the outcome of a task refused by ``off_its_queue``
+
+
+def off_its_queue(task: Task, allowed: Collection[str], ref: str) -> bool:
+    """True (and one WARNING) when the task's message was not taken from one of the ``allowed``
+    queues, as the transport stamped it: the task then runs nothing and its message is
+    acknowledged. A producer may push raw messages onto its own project queue, and Celery runs
+    any registered task whatever queue it came from; the queue the message names itself is
+    the sender's word (module docstring)."""
+    queue = arrived_on(task.request)
+    if queue in allowed:
+        return False
+    log.warning("%s task for job=%.80s taken from queue %.80s, where it never belongs: not run",
+                task.name, ref, queue)
+    return True
 
 
 def _events(rt: Runtime, ref: str) -> EventSink:

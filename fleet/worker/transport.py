@@ -25,8 +25,22 @@ wait for the prep watchdog's ``prep_unclaimed_s``. A copy of a task still runnin
 job already went on: an inference job's lease expired and it was admitted again) is dropped by
 its prep claim or its fence.
 
+The queue a message was taken from is stamped into it on delivery, as
+``delivery_info['fleet_queue']`` (``Channel.basic_consume``): the list BRPOP popped it from,
+overwriting whatever the sender wrote there. Everything else in a message (its routing key and
+the rest of ``delivery_info``) is written by its sender, and a producer may push raw messages
+onto its own project queue; the tasks check the stamp (fleet/worker/tasks.py, ``arrived_on``).
+The exchange and routing key are overwritten with the queue's own too: kombu keeps them
+with the message in its unacked hash, and a lost channel gives the message back by them, so it
+goes back to the list it was popped from (not to a queue its sender named) and is stamped
+again when it is popped from there.
+
 Used for ``redis://``, ``rediss://`` and ``sentinel://`` broker URLs (``broker_transport``,
-fleet/worker/app.py).
+fleet/worker/app.py), and registered as kombu's transport for those schemes in every process
+that imports this module (``TRANSPORT_ALIASES``): on a broker loss kombu's failover switches the
+connection to the next URL of the broker list and takes the transport named by that URL's
+scheme, which would otherwise be kombu's own - without the stamp (every task then refused) and
+without the fixes above.
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
 
 log = logging.getLogger(__name__)
@@ -41,6 +56,9 @@ log = logging.getLogger(__name__)
 RESTORE_ERRORS = (AttributeError, *kombu_redis.get_redis_error_classes()[0],
                   *kombu_redis.get_redis_error_classes()[1])
 
+
+# The key of a message's delivery_info the transport writes on delivery (module docstring).
+QUEUE_STAMP = "fleet_queue"
 
 # Delivery tags whose messages a lost channel could not give back (restore_unacked failed).
 _UNRESTORED: set[str] = set()
@@ -90,6 +108,19 @@ class Channel(kombu_redis.Channel):
         super().__init__(*args, **kwargs)
         self._restore_lost()
 
+    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        """kombu's, with each message stamped with ``queue`` (the list it was popped from) before
+        kombu makes it a Message and keeps it in its unacked hash (module docstring)."""
+        consumer_tag = super().basic_consume(queue, *args, **kwargs)
+        deliver = self.connection._callbacks[queue]
+
+        def stamped(raw_message: Any) -> Any:
+            stamp_queue(raw_message, queue)
+            return deliver(raw_message)
+
+        self.connection._callbacks[queue] = stamped
+        return consumer_tag
+
     def _restore_lost(self) -> None:
         """Give back the messages a lost channel could not (module docstring): the new channel of
         a reconnect moves them from the unacked set to their queues; a tag already gone is a
@@ -109,6 +140,21 @@ class Channel(kombu_redis.Channel):
         log.info("gave back %d messages a lost broker connection held", len(tags))
 
 
+def stamp_queue(raw_message: Any, queue: str) -> None:
+    """Write ``queue`` into the message's delivery_info, over anything the sender put there, and
+    make its exchange and routing key the queue's own (the way back after a lost channel). A
+    message without a properties mapping is left as it is: kombu cannot make a Message of it."""
+    properties = raw_message.get("properties") if isinstance(raw_message, dict) else None
+    if not isinstance(properties, dict):
+        return
+    info = properties.get("delivery_info")
+    if not isinstance(info, dict):
+        info = properties["delivery_info"] = {}
+    # Each fleet queue has an exchange of its own, bound by its name (fleet/worker/app.py): the
+    # unacked hash keeps these two, and a lost channel gives the message back by them.
+    info.update({QUEUE_STAMP: queue, "exchange": queue, "routing_key": queue})
+
+
 class Transport(kombu_redis.Transport):
     Channel = Channel
 
@@ -123,3 +169,7 @@ class SentinelTransport(kombu_redis.SentinelTransport):
 
 TRANSPORT = f"{__name__}:Transport"
 SENTINEL_TRANSPORT = f"{__name__}:SentinelTransport"
+
+# kombu resolves a scheme when a connection first uses it (then keeps the class): the modules that
+# make connections import this one first (module docstring).
+TRANSPORT_ALIASES.update({"redis": TRANSPORT, "rediss": TRANSPORT, "sentinel": SENTINEL_TRANSPORT})
