@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -21,6 +22,9 @@ import redis
 from fleet.core.keys import Keys
 from fleet.local.embedded import start_redis
 from fleet.prep.tokens import TokenCounter
+
+if TYPE_CHECKING:
+    from tests.fleet_harness import RestartableRedis
 
 
 def _test_redis_url() -> str:
@@ -85,3 +89,14 @@ def counter(redis_client: redis.Redis, key_prefix: str) -> Iterator[TokenCounter
     with TokenCounter("http://backend", "local", redis_client, Keys(key_prefix),
                       transport=httpx.MockTransport(fake_tokenize)) as made:
         yield made
+
+
+@pytest.fixture
+def broker() -> Iterator[RestartableRedis]:
+    """A private redis-server with an append-only file that a test may stop, kill and start again
+    on the same port (tests/fleet_harness.py); a module may define its own ``broker``."""
+    from tests.fleet_harness import RestartableRedis as Server  # the harness loads the fleet
+
+    server = Server()
+    yield server
+    server.close()

@@ -23,8 +23,7 @@ from fleet.core.errors import BrokerUnavailable, BrokerUnsafe, NotFound
 from fleet.core.persistence import broker_risks, check_broker
 from fleet.local.embedded import free_port
 from fleet.worker.app import project_queue
-from tests.fleet_harness import make_config
-from tests.test_broker_loss import RestartableRedis
+from tests.fleet_harness import RestartableRedis, make_config
 
 JOB = {"project": "assistant", "messages": [{"role": "user", "content": "hello"}]}
 

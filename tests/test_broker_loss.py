@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -21,13 +20,6 @@ pytestmark = pytest.mark.slow
 JOBS = 12
 SIM_ARGS = ["--think-min-tokens", "200", "--think-max-tokens", "400",
             "--answer-min-tokens", "10", "--answer-max-tokens", "40"]
-
-
-@pytest.fixture
-def broker() -> Iterator[RestartableRedis]:
-    server = RestartableRedis()
-    yield server
-    server.close()
 
 
 def test_workers_ride_out_a_redis_restart_and_every_job_ends_once(

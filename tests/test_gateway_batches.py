@@ -135,6 +135,17 @@ def file_lines(client: openai.OpenAI, file_id: str) -> list[dict[str, Any]]:
     return [json.loads(row) for row in client.files.content(file_id).text.splitlines()]
 
 
+def create_in_background(client: openai.OpenAI, lines: int) -> tuple[threading.Thread, list[Any]]:
+    """Upload ``lines`` lines and create their batch on a thread of its own (started); the batch
+    object lands in the list once the create answers."""
+    uploaded = client.files.create(
+        file=("in.jsonl", jsonl([line(str(i)) for i in range(lines)])), purpose="batch")
+    answer: list[Any] = []
+    creating = threading.Thread(target=lambda: answer.append(client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")))
+    creating.start()
+    return creating, answer
+
 def test_a_hostile_project_fills_its_byte_quota_and_the_others_are_unaffected(door: Door) -> None:
     """Before, a key could store max_files x max_file_bytes (about 2 GB by default) in the
     broker's Redis: nothing counted a project's bytes."""
@@ -318,12 +329,7 @@ def test_a_create_that_fails_half_way_leaves_a_visible_cancellable_batch(tmp_pat
         with own_door(tmp_path, broker_url=private.url.replace("//", "//gateway:pw@"),
                       max_file_bytes=400_000, max_project_bytes=1_000_000) as door:
             client = door.sdk("triage")
-            uploaded = client.files.create(
-                file=("in.jsonl", jsonl([line(str(i)) for i in range(3000)])), purpose="batch")
-            answer: list[Any] = []
-            creating = threading.Thread(target=lambda: answer.append(client.batches.create(
-                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")))
-            creating.start()
+            creating, answer = create_in_background(client, 3000)
             keys = Keys(door.settings.key_prefix)
 
             def submitting() -> str | None:
@@ -362,12 +368,7 @@ def test_a_batch_cancelled_while_it_is_created_sends_no_more_lines(tmp_path: Pat
     fail E_CANCELLED without being sent."""
     with own_door(tmp_path, max_file_bytes=400_000, max_project_bytes=1_000_000) as door:
         client = door.sdk("triage")
-        uploaded = client.files.create(
-            file=("in.jsonl", jsonl([line(str(i)) for i in range(3000)])), purpose="batch")
-        answer: list[Any] = []
-        creating = threading.Thread(target=lambda: answer.append(client.batches.create(
-            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")))
-        creating.start()
+        creating, answer = create_in_background(client, 3000)
         keys = Keys(door.settings.key_prefix)
         batch_id = wait_until(lambda: (ids := door.redis.zrange(keys.gateway_batches("triage"), 0, -1))
                               and door.redis.exists(keys.gateway_batch(job_ref("triage", ids[0].decode())))

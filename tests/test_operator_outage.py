@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,18 +16,10 @@ import redis
 from fleet.core.config import load_settings
 from fleet.core.events import EventSink
 from fleet.core.keys import Keys, job_ref
-from tests.fleet_harness import make_config, wait_until
-from tests.test_broker_loss import RestartableRedis
+from tests.fleet_harness import RestartableRedis, make_config, wait_until
 from tests.test_local_processes import kill_tree
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def broker() -> Iterator[RestartableRedis]:
-    server = RestartableRedis()
-    yield server
-    server.close()
 
 
 def fleet_env(config: Path, **extra: str) -> dict[str, str]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -15,17 +14,9 @@ import redis
 from fleet.core.events import EventSink
 from fleet.core.keys import Keys, job_ref
 from fleet.worker.lease import LeaseKeeper
-from tests.fleet_harness import wait_until
-from tests.test_broker_loss import RestartableRedis
+from tests.fleet_harness import RestartableRedis, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def broker() -> Iterator[RestartableRedis]:
-    server = RestartableRedis()
-    yield server
-    server.close()
 
 
 def kill(broker: RestartableRedis) -> None:
