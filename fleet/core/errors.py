@@ -38,6 +38,7 @@ from fleet.core.codes import Code
 
 class FleetError(Exception):
     code: Code = Code.E_INTERNAL
+    retry_after_s: int | None = None  # when asking again makes sense (an HTTP Retry-After)
 
     def __init__(self, message: str, *, code: Code | None = None, param: str | None = None) -> None:
         super().__init__(message)

@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -218,7 +219,11 @@ class Admission:
 
     @staticmethod
     def timeout_error(max_wait_s: float) -> QueueTimeout:
-        return QueueTimeout(f"not admitted within {max_wait_s:g} s: the fleet is busy; try again")
+        """The fleet stayed full for the whole wait; asking again sooner would likely meet the
+        same queue, so the Retry-After hint is one more such wait."""
+        exc = QueueTimeout(f"not admitted within {max_wait_s:g} s: the fleet is busy; try again")
+        exc.retry_after_s = math.ceil(max_wait_s)
+        return exc
 
 
 def _grant_dict(grant: Grant) -> dict[str, Any]:

@@ -195,9 +195,7 @@ async def _off_loop(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: A
 
 
 def _error(exc: FleetError) -> JSONResponse:
-    headers = {k.decode(): v.decode() for k, v in error_headers(exc.code)}
-    if isinstance(exc, Busy):
-        headers["Retry-After"] = str(exc.retry_after_s)
+    headers = {k.decode(): v.decode() for k, v in error_headers(exc)}
     return JSONResponse(error_body(exc.code, exc.message, exc.param), status_code=status_of(exc.code),
                         headers=headers)
 

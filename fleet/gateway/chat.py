@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -96,7 +95,7 @@ class ChatCompletions:
             log.info("chat job=%s project=%s code=%s status=%d", job_id, project, exc.code.value,
                      status_of(exc.code))
             await send_json(send, status_of(exc.code), _json(error_body(exc.code, exc.message, exc.param)),
-                            error_headers(exc.code))
+                            error_headers(exc))
             return
         await _Session(self.gw, caller, req, job_id, body, prompt_tokens, max_tokens,
                        receive, send).run()
@@ -161,15 +160,9 @@ class _Session:
         if self.headers_sent:
             await self._write(sse(body) + DONE, more=False)
             return
-        headers = error_headers(exc.code)
-        if exc.code is Code.E_QUEUE_TIMEOUT:
-            # The fleet stayed full for the whole wait; asking again sooner would likely meet
-            # the same queue, so the hint is one more such wait.
-            retry_after = math.ceil(self.gw.live.settings.gateway.max_queue_wait_s)
-            headers.append((b"retry-after", str(retry_after).encode()))
         self.headers_sent = True
         try:
-            await send_json(self._send, status_of(exc.code), _json(body), headers)
+            await send_json(self._send, status_of(exc.code), _json(body), error_headers(exc))
         except OSError:
             self._gone()
 

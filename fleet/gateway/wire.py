@@ -178,11 +178,14 @@ def error_body(code: Code, message: str, param: str | None = None, status: int |
                       "param": param, "code": code.value}}
 
 
-def error_headers(code: Code) -> list[tuple[bytes, bytes]]:
-    """Headers an error answer carries beyond its body: ``Retry-After`` when Redis is away."""
-    if code is Code.E_BROKER_UNAVAILABLE:
-        return [(b"retry-after", str(BROKER_RETRY_AFTER_S).encode())]
-    return []
+def error_headers(exc: FleetError) -> list[tuple[bytes, bytes]]:
+    """Headers an error answer carries beyond its body: ``Retry-After`` when asking again makes
+    sense, the error's own hint (a queue wait, a busy project) or, when Redis is away, a few
+    seconds."""
+    seconds = exc.retry_after_s
+    if seconds is None and exc.code is Code.E_BROKER_UNAVAILABLE:
+        seconds = BROKER_RETRY_AFTER_S
+    return [] if seconds is None else [(b"retry-after", str(seconds).encode())]
 
 
 def redis_failure(exc: redis.RedisError) -> FleetError:
