@@ -98,6 +98,7 @@ from fleet.core.lua import Scripts
 from schedulers.policy import fairshare
 from schedulers.policy.limits import kv_tokens
 from schedulers.store.base import AdmitResult, Grant, PendingItem, StoreConfig, StoreSnapshot
+from schedulers.store.records import Item, Lease
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class RedisStore:
         if not job_ids:
             return []
         found = self._client.hmget(self._key("items"), job_ids)
-        return [tuple(_text(f).split(" ", 3)[:3]) if f else ("", "", "") for f in found]  # type: ignore[misc]
+        return [Item.unpack(_text(f)).queue if f else ("", "", "") for f in found]
 
     # -- submit / cancel ---------------------------------------------------------------------
     def add_pending(self, item: PendingItem) -> None:
@@ -336,19 +337,18 @@ class RedisStore:
                 self._queue(*where), *map(self._key, ("projects", "deadlines", "wake"))]
         return bool(self._run("requeue", keys, [job_id, fence, *where]))
 
-    def _lease_fields(self, job_id: str) -> list[str] | None:
+    def _lease(self, job_id: str) -> Lease | None:
         value = self._client.hget(self._key("lease"), job_id)
-        return None if value is None else _text(value).split(" ", 6)
+        return None if value is None else Lease.unpack(_text(value))
 
     # -- continuations -----------------------------------------------------------------------
     def readmit(self, job_id: str, fence: int, max_new_tokens: int, not_before: float,
                 now: float, *, prompt_tokens: int | None = None, turn: int = 1) -> bool:
-        item = self._client.hget(self._key("items"), job_id)
-        if item is None:
+        raw = self._client.hget(self._key("items"), job_id)
+        if raw is None:
             return False
-        fields = _text(item).split(" ")
-        project, band, prompt = fields[0], fields[1], int(fields[3])
-        uncached = int(fields[13]) if len(fields) > 13 and fields[13] else prompt
+        item = Item.unpack(_text(raw))
+        project, band, prompt, uncached = item.project, item.band, int(item.prompt), int(item.uncached)
         if prompt_tokens is not None and prompt_tokens > prompt:
             uncached, prompt = uncached + prompt_tokens - prompt, prompt_tokens
         limits = self.config.limits
@@ -368,9 +368,8 @@ class RedisStore:
         return bool(self._run("grow", keys, args))
 
     def turn_of(self, job_id: str) -> int:
-        item = self._client.hget(self._key("items"), job_id)
-        fields = _text(item).split(" ") if item is not None else []
-        return int(fields[11]) if len(fields) > 11 else 0
+        raw = self._client.hget(self._key("items"), job_id)
+        return 0 if raw is None else int(Item.unpack(_text(raw)).cont)
 
     def promote_due(self, now: float) -> list[str]:
         due = [_text(i) for i in self._client.zrangebyscore(self._key("deferred"), "-inf", repr(now), 0, _BATCH)]
@@ -402,26 +401,26 @@ class RedisStore:
         ids = [_text(i) for i in self._client.smembers(self._key("continuations"))]
         found: dict[str, dict[str, int]] = {}
         gone = []
-        for job_id, item in zip(ids, self._client.hmget(self._key("items"), ids) if ids else [], strict=True):
-            fields = _text(item).split(" ") if item is not None else []
-            if not fields or fields[11] == "0":
+        for job_id, raw in zip(ids, self._client.hmget(self._key("items"), ids) if ids else [], strict=True):
+            item = None if raw is None else Item.unpack(_text(raw))
+            if item is None or item.cont == "0":
                 gone.append(job_id)
                 continue
-            state = "deferred" if fields[12] != "-" else "pending" if fields[9] == "1" else ""
+            state = "deferred" if item.deferred is not None else "pending" if item.pending == "1" else ""
             if state:
-                counts = found.setdefault(fields[0], {})
+                counts = found.setdefault(item.project, {})
                 counts[state] = counts.get(state, 0) + 1
         if gone:
             self._client.srem(self._key("continuations"), *gone)
         return found
 
     def lease_valid(self, job_id: str, fence: int) -> bool:
-        fields = self._lease_fields(job_id)
-        return fields is not None and int(fields[0]) == fence
+        lease = self._lease(job_id)
+        return lease is not None and int(lease.fence) == fence
 
     def lease_project(self, job_id: str) -> str | None:
-        fields = self._lease_fields(job_id)
-        return None if fields is None else fields[5]
+        lease = self._lease(job_id)
+        return None if lease is None else lease.project
 
     def reap_expired(self, now: float) -> list[str]:
         due = [_text(i) for i in self._client.zrangebyscore(self._key("leases"), "-inf", f"({now!r}", 0, _BATCH)]
@@ -494,7 +493,7 @@ class RedisStore:
     def lease_fences(self) -> dict[str, int]:
         """Live leases (job id -> fence), for invariant checks and ``fleet queues``."""
         leases = self._client.hgetall(self._key("lease"))
-        return {_text(job_id): int(_text(v).split(" ", 1)[0]) for job_id, v in leases.items()}
+        return {_text(job_id): int(Lease.unpack(_text(v)).fence) for job_id, v in leases.items()}
 
     def pending_ids(self) -> set[str]:
         ids: set[str] = set()
