@@ -38,8 +38,12 @@ class Item(NamedTuple):
     pending: str  # 1 | 0
     deadline: str | None  # unix s
     cont: str  # 0, or the number of the turn READMIT last put in line
-    deferred: str | None  # the not-before time READMIT gave it while it waits in `deferred`
-    uncached: str  # the prompt tokens expected to miss the prefix cache
+    # the not-before time READMIT gave it while it waits in `deferred` (the zset's score is the
+    # one that counts: ``hurry`` may lower it)
+    deferred: str | None
+    # the prompt tokens prep expects to miss the prefix cache (absent in items written before it
+    # existed: the whole prompt)
+    uncached: str
 
     @classmethod
     def unpack(cls, raw: str) -> Item:

@@ -1,44 +1,8 @@
 """The admission store on Redis: every decision is one atomic Lua script, so any number of
 dispatcher processes on any number of hosts can admit at once and never pass a limit.
 
-Key schema (D = ``Keys(prefix).dispatch`` = ``{p}{d}:``; the same list is in fleet/core/keys.py).
-Every key carries the hash tag ``{d}``, so all of them share one Redis Cluster slot: admission is
-one serialisation point anyway, and a script may touch the shared counters and any job's keys.
-  D pending:<project>:<band>:<size>  zset  pending job ids; band interactive|batch, size
-                                           short|long; score = fairshare.pending_score (ms)
-  D items          hash    job id -> "project band size prompt max_new kv long enq score
-                           pending(1|0) deadline cont deferred uncached" (space-separated,
-                           deadline and deferred '-' = none; cont 0, or for a continuation the
-                           number of the turn READMIT put in line (the saved turn that may run),
-                           deferred its not-before time while it waits; uncached the prompt tokens
-                           expected to miss the prefix cache); a field lives while the job is
-                           pending, leased (a lease needs it to requeue) or waiting
-  D deadlines      zset    pending job ids that have a deadline, score = deadline (unix
-                           seconds); an entry leaves at admission, cancel or expiry and comes
-                           back when an expired lease requeues the job
-  D projects       set     projects that may have pending work (pruned when found empty)
-  D vtime          hash    project -> finish tag F_p (start-time fair queuing, tokens/weight)
-  D leases         zset    in-flight job ids, score = lease expiry (unix seconds)
-  D lease          hash    job id -> "fence kv long expires admitted_at project owner" (owner
-                           empty until the first ``claim``; a delivery of another owner is refused)
-  D state          hash    in_flight kv long claimed (counters of live leases), queued (pending jobs),
-                           bucket bucket_at (prefill token bucket), prefill_until prefill_longs
-                           (quiet long prefills: the window's end, long prefills in it),
-                           last_admit, blocked_job
-                           blocked_since (head-of-line reservation), vtime (V)
-  D fence          string  fencing token counter (INCR; every grant gets a new, larger one)
-  D wake           list    LPUSHed on submit/release/readmit/promotion/expiry, capped at 100;
-                           dispatchers BLPOP it
-  D backend        hash    scraped_at hold (gate verdict) + raw figures (schedulers/scrape.py)
-  D stats          hash    admissions, hold:<reason>
-  D deferred       zset    continuations waiting for their not-before time (score, unix s); their
-                           item has pending 0, deferred <time>, no lease and no deadline entry
-  D continuations  set     ids of jobs readmitted at least once (a hint list for ``fleet queues``;
-                           RELEASE removes the id with the item, ``continuations`` drops ids whose
-                           item is gone or no continuation); their item has cont > 0
-  D gateway        zset    gateway requests that may be pending, score = deadline by Redis's
-                           clock (GATEWAY adds each and prunes those past it); with no live inference worker (D
-                           workers, fleet/worker/heartbeat.py) GWADMIT grants only these
+Key layout: fleet/core/keys.py (the dispatcher's keys, all under ``{p}{d}:``, one Redis Cluster
+slot); the packed item and lease records are read by name (schedulers/store/records.py).
 
 The scripts are files in schedulers/store/lua/ (``prelude.lua`` holds their shared helpers), each
 opening with the KEYS it touches and its ARGV; they are registered once per store. Every key a
