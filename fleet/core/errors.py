@@ -8,11 +8,15 @@
      +-- BrokerUnavailable           E_BROKER_UNAVAILABLE: Redis does not answer (producers, CLI)
      +-- JobError                    the job itself
      |    +-- InputInvalid           E_INPUT_INVALID
+     |    +-- TooLarge               E_TOO_LARGE (a gateway body, file or batch over its limit,
+     |    |                          a project over its quota of files or batches)
      |    +-- AuthError              E_AUTH
      |    +-- PromptTooLong          E_PROMPT_TOO_LONG
      |    +-- CollectFailed          E_COLLECT_FAILED
      |    +-- NotFound               E_NOT_FOUND (no such job in its project; the gateway: no
      |                               such task for this project)
+     +-- Busy                        E_BUSY (too much of one caller's work in flight; carries
+     |                               retry_after_s)
      +-- AnswerError                 the model's answer
      |    +-- ThinkLoop              E_THINK_LOOP
      +-- UpstreamError               the backend (translated at the vLLM client boundary)

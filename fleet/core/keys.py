@@ -82,45 +82,57 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
 Broker (kombu, fleet/worker/app.py)
   {p}q:*                      Celery's queues, unacked sets and bindings (kombu global_keyprefix)
 
-Dispatcher (schedulers/store/redis_store.py; its docstring repeats this part with the scripts;
-D = ``{p}{d}:``, one hash tag for all)
+Dispatcher (schedulers/store/redis_store.py, its scripts in schedulers/store/lua/; D =
+``{p}{d}:``, one hash tag for all, so a script may touch the shared counters and any job's keys)
   (the dispatcher knows a job by its ref, ``<project>/<id>``, written <id> below)
   D pending:<project>:<band>:<size>
                               zset   pending job refs; band interactive|batch, size short|long
                                      (prompt over backend.long_prompt_tokens); score =
-                                     enqueued_at - priority * aging_s, in ms; enqueued_at is the prep
+                                     enqueued_at - priority * aging_s, in ms
+                                     (fairshare.pending_score); enqueued_at is the prep
                                      worker's clock at hand-over (never the producer's submitted_at);
                                      an expired lease puts the job back at its original place
   D items                     hash   job id -> admission facts of a pending, in-flight or waiting
-                                     job, one string "project band size prompt max_new kv long enq
-                                     score pending(1|0) deadline cont deferred uncached"
-                                     (schedulers/store/lua/prelude.lua; cont = 0, or the number
-                                     of the turn ``readmit`` last put in line; '-' = no deadline,
-                                     not waiting)
-  D projects                  set    projects that may have pending work
-  D vtime                     hash   per-project finish tag (token-weighted fair queuing)
+                                     job, one packed string "project band size prompt ..."
+                                     (schedulers/store/records.py ``Item``: its fields in order,
+                                     read by name in Python and Lua); a field lives while the job
+                                     is pending, leased (a lease needs it to requeue) or waiting
+  D projects                  set    projects that may have pending work (pruned when found empty)
+  D vtime                     hash   project -> finish tag F_p (start-time fair queuing,
+                                     tokens/weight)
   D leases                    zset   in-flight job ids, score = lease expiry (unix seconds)
-  D lease                     hash   job id -> its lease, one string "fence kv long expires
-                                     admitted_at project owner" (owner set by the first claim;
-                                     another owner is refused)
+  D lease                     hash   job id -> its lease, one packed string "fence kv long ..."
+                                     (schedulers/store/records.py ``Lease``); owner set by the
+                                     first claim, another owner's delivery is refused
   D deadlines                 zset   pending job ids with a deadline, score = deadline (unix s);
-                                     removed at admission, cancel or expiry
+                                     removed at admission, cancel or expiry, back when an expired
+                                     lease requeues the job
   D state                     hash   in_flight, kv, long, claimed (sums over live leases), queued
-                                     (pending jobs), bucket, bucket_at, prefill_until, last_admit,
-                                     blocked_job, blocked_since, vtime
-  D fence                     string monotonically increasing fencing token counter
-  D wake                      list   pushed on submit/release/readmit/expiry (capped at 100);
-                                     dispatchers BLPOP it (no polling)
-  D backend                   hash   last /metrics + /health scrape: scraped_at, hold, figures
+                                     (pending jobs, so a script can tell "nothing pending" without
+                                     reading queues it did not declare), bucket, bucket_at (prefill
+                                     token bucket), prefill_until, prefill_longs (quiet long
+                                     prefills: the window's end, long prefills in it), last_admit,
+                                     blocked_job, blocked_since (head-of-line reservation), vtime (V)
+  D fence                     string fencing token counter (INCR; every grant gets a new, larger one)
+  D wake                      list   pushed on submit/release/readmit/promotion/expiry (capped at
+                                     100); dispatchers BLPOP it (no polling)
+  D backend                   hash   last /metrics + /health scrape: scraped_at, hold (the gate's
+                                     verdict), raw figures (schedulers/scrape.py)
   D stats                     hash   admissions, hold:<reason>
   D deferred                  zset   continuations waiting for their not-before time (a backoff,
                                      a tool round's timeout, brought forward by its last result),
                                      score = that time (unix s); promoted into their queue by the
-                                     dispatcher (schedulers/store/base.py, Continuations)
+                                     dispatcher (schedulers/store/base.py, Continuations); their
+                                     item has pending 0, deferred <time>, no lease and no deadline
+                                     entry
   D continuations             set    refs of jobs readmitted at least once (``fleet queues``); their
                                      item's cont is the number of the turn ``readmit`` last put
                                      in line (and deferred <time> while waiting); a release
-                                     removes the ref with the item
+                                     removes the ref with the item, ``continuations`` drops refs
+                                     whose item is gone or no continuation
+  D gateway                   zset   gateway requests that may be pending, score = deadline by
+                                     Redis's clock (GATEWAY adds each and prunes those past it);
+                                     with no live inference worker GWADMIT grants only these
   D workers                   zset   inference worker instances (``<node name>#<pid>-<nonce>``),
                                      score = when the entry lapses by Redis's clock
                                      (fleet/worker/heartbeat.py); no live entry holds admissions

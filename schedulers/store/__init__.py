@@ -3,6 +3,7 @@
 - ``base``: the interface (``AdmissionStore``) and its value types;
 - ``memory_store``: the in-memory twin, calling the pure policy directly (tests, simulations);
 - ``redis_store``: the fleet's store, the same rules in Lua scripts (``lua/``).
+- ``records``: the Redis store's packed item and lease records, read by name.
 
 ``make_store`` is all a producer needs: it imports redis and the store, nothing of the dispatcher's
 loop, metrics or CLI.

@@ -1,44 +1,8 @@
 """The admission store on Redis: every decision is one atomic Lua script, so any number of
 dispatcher processes on any number of hosts can admit at once and never pass a limit.
 
-Key schema (D = ``Keys(prefix).dispatch`` = ``{p}{d}:``; the same list is in fleet/core/keys.py).
-Every key carries the hash tag ``{d}``, so all of them share one Redis Cluster slot: admission is
-one serialisation point anyway, and a script may touch the shared counters and any job's keys.
-  D pending:<project>:<band>:<size>  zset  pending job ids; band interactive|batch, size
-                                           short|long; score = fairshare.pending_score (ms)
-  D items          hash    job id -> "project band size prompt max_new kv long enq score
-                           pending(1|0) deadline cont deferred uncached" (space-separated,
-                           deadline and deferred '-' = none; cont 0, or for a continuation the
-                           number of the turn READMIT put in line (the saved turn that may run),
-                           deferred its not-before time while it waits; uncached the prompt tokens
-                           expected to miss the prefix cache); a field lives while the job is
-                           pending, leased (a lease needs it to requeue) or waiting
-  D deadlines      zset    pending job ids that have a deadline, score = deadline (unix
-                           seconds); an entry leaves at admission, cancel or expiry and comes
-                           back when an expired lease requeues the job
-  D projects       set     projects that may have pending work (pruned when found empty)
-  D vtime          hash    project -> finish tag F_p (start-time fair queuing, tokens/weight)
-  D leases         zset    in-flight job ids, score = lease expiry (unix seconds)
-  D lease          hash    job id -> "fence kv long expires admitted_at project owner" (owner
-                           empty until the first ``claim``; a delivery of another owner is refused)
-  D state          hash    in_flight kv long claimed (counters of live leases), queued (pending jobs),
-                           bucket bucket_at (prefill token bucket), prefill_until prefill_longs
-                           (quiet long prefills: the window's end, long prefills in it),
-                           last_admit, blocked_job
-                           blocked_since (head-of-line reservation), vtime (V)
-  D fence          string  fencing token counter (INCR; every grant gets a new, larger one)
-  D wake           list    LPUSHed on submit/release/readmit/promotion/expiry, capped at 100;
-                           dispatchers BLPOP it
-  D backend        hash    scraped_at hold (gate verdict) + raw figures (schedulers/scrape.py)
-  D stats          hash    admissions, hold:<reason>
-  D deferred       zset    continuations waiting for their not-before time (score, unix s); their
-                           item has pending 0, deferred <time>, no lease and no deadline entry
-  D continuations  set     ids of jobs readmitted at least once (a hint list for ``fleet queues``;
-                           RELEASE removes the id with the item, ``continuations`` drops ids whose
-                           item is gone or no continuation); their item has cont > 0
-  D gateway        zset    gateway requests that may be pending, score = deadline by Redis's
-                           clock (GATEWAY adds each and prunes those past it); with no live inference worker (D
-                           workers, fleet/worker/heartbeat.py) GWADMIT grants only these
+Key layout: fleet/core/keys.py (the dispatcher's keys, all under ``{p}{d}:``, one Redis Cluster
+slot); the packed item and lease records are read by name (schedulers/store/records.py).
 
 The scripts are files in schedulers/store/lua/ (``prelude.lua`` holds their shared helpers), each
 opening with the KEYS it touches and its ARGV; they are registered once per store. Every key a
@@ -98,6 +62,7 @@ from fleet.core.lua import Scripts
 from schedulers.policy import fairshare
 from schedulers.policy.limits import kv_tokens
 from schedulers.store.base import AdmitResult, Grant, PendingItem, StoreConfig, StoreSnapshot
+from schedulers.store.records import Item, Lease
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +106,7 @@ class RedisStore:
         if not job_ids:
             return []
         found = self._client.hmget(self._key("items"), job_ids)
-        return [tuple(_text(f).split(" ", 3)[:3]) if f else ("", "", "") for f in found]  # type: ignore[misc]
+        return [Item.unpack(_text(f)).queue if f else ("", "", "") for f in found]
 
     # -- submit / cancel ---------------------------------------------------------------------
     def add_pending(self, item: PendingItem) -> None:
@@ -336,19 +301,18 @@ class RedisStore:
                 self._queue(*where), *map(self._key, ("projects", "deadlines", "wake"))]
         return bool(self._run("requeue", keys, [job_id, fence, *where]))
 
-    def _lease_fields(self, job_id: str) -> list[str] | None:
+    def _lease(self, job_id: str) -> Lease | None:
         value = self._client.hget(self._key("lease"), job_id)
-        return None if value is None else _text(value).split(" ", 6)
+        return None if value is None else Lease.unpack(_text(value))
 
     # -- continuations -----------------------------------------------------------------------
     def readmit(self, job_id: str, fence: int, max_new_tokens: int, not_before: float,
                 now: float, *, prompt_tokens: int | None = None, turn: int = 1) -> bool:
-        item = self._client.hget(self._key("items"), job_id)
-        if item is None:
+        raw = self._client.hget(self._key("items"), job_id)
+        if raw is None:
             return False
-        fields = _text(item).split(" ")
-        project, band, prompt = fields[0], fields[1], int(fields[3])
-        uncached = int(fields[13]) if len(fields) > 13 and fields[13] else prompt
+        item = Item.unpack(_text(raw))
+        project, band, prompt, uncached = item.project, item.band, int(item.prompt), int(item.uncached)
         if prompt_tokens is not None and prompt_tokens > prompt:
             uncached, prompt = uncached + prompt_tokens - prompt, prompt_tokens
         limits = self.config.limits
@@ -368,9 +332,8 @@ class RedisStore:
         return bool(self._run("grow", keys, args))
 
     def turn_of(self, job_id: str) -> int:
-        item = self._client.hget(self._key("items"), job_id)
-        fields = _text(item).split(" ") if item is not None else []
-        return int(fields[11]) if len(fields) > 11 else 0
+        raw = self._client.hget(self._key("items"), job_id)
+        return 0 if raw is None else int(Item.unpack(_text(raw)).cont)
 
     def promote_due(self, now: float) -> list[str]:
         due = [_text(i) for i in self._client.zrangebyscore(self._key("deferred"), "-inf", repr(now), 0, _BATCH)]
@@ -402,26 +365,26 @@ class RedisStore:
         ids = [_text(i) for i in self._client.smembers(self._key("continuations"))]
         found: dict[str, dict[str, int]] = {}
         gone = []
-        for job_id, item in zip(ids, self._client.hmget(self._key("items"), ids) if ids else [], strict=True):
-            fields = _text(item).split(" ") if item is not None else []
-            if not fields or fields[11] == "0":
+        for job_id, raw in zip(ids, self._client.hmget(self._key("items"), ids) if ids else [], strict=True):
+            item = None if raw is None else Item.unpack(_text(raw))
+            if item is None or item.cont == "0":
                 gone.append(job_id)
                 continue
-            state = "deferred" if fields[12] != "-" else "pending" if fields[9] == "1" else ""
+            state = "deferred" if item.deferred is not None else "pending" if item.pending == "1" else ""
             if state:
-                counts = found.setdefault(fields[0], {})
+                counts = found.setdefault(item.project, {})
                 counts[state] = counts.get(state, 0) + 1
         if gone:
             self._client.srem(self._key("continuations"), *gone)
         return found
 
     def lease_valid(self, job_id: str, fence: int) -> bool:
-        fields = self._lease_fields(job_id)
-        return fields is not None and int(fields[0]) == fence
+        lease = self._lease(job_id)
+        return lease is not None and int(lease.fence) == fence
 
     def lease_project(self, job_id: str) -> str | None:
-        fields = self._lease_fields(job_id)
-        return None if fields is None else fields[5]
+        lease = self._lease(job_id)
+        return None if lease is None else lease.project
 
     def reap_expired(self, now: float) -> list[str]:
         due = [_text(i) for i in self._client.zrangebyscore(self._key("leases"), "-inf", f"({now!r}", 0, _BATCH)]
@@ -494,7 +457,7 @@ class RedisStore:
     def lease_fences(self) -> dict[str, int]:
         """Live leases (job id -> fence), for invariant checks and ``fleet queues``."""
         leases = self._client.hgetall(self._key("lease"))
-        return {_text(job_id): int(_text(v).split(" ", 1)[0]) for job_id, v in leases.items()}
+        return {_text(job_id): int(Lease.unpack(_text(v)).fence) for job_id, v in leases.items()}
 
     def pending_ids(self) -> set[str]:
         ids: set[str] = set()

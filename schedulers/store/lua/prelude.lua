@@ -2,22 +2,13 @@
 -- front of every script of schedulers/store/lua/ (so line numbers in Redis errors count from
 -- here). The helpers touch only keys their caller passes in, each of them one of the caller's KEYS.
 --
--- Field `queued` of the state hash counts pending jobs (every pending zset together), so a
--- script can tell "nothing pending" without reading queues it did not declare.
---
--- A job's admission facts are one field of the `items` hash and its lease one field of the
--- `lease` hash (not a hash per job): every script then touches a fixed set of keys plus the
--- queues of the projects the caller names, so ADMIT can pick and grant several jobs in one call.
---   items[id] = "project band size prompt max_new kv long enq score pending deadline cont
---               deferred uncached" (space-separated; project names are letters, digits, - and _;
---               deadline '-' = none; cont 0, or the number of the turn READMIT last put in line; deferred =
---               the not-before time READMIT gave it while it waits in `deferred` (the zset's score
---               is the one that counts: ``hurry`` may lower it), '-' = not waiting; uncached = the
---               prompt tokens prep expects to miss the prefix cache, absent in items written
---               before it existed: the whole prompt). A field added later goes at the end
---               (readers outside Lua take the first ones by position).
---   lease[id] = "fence kv long expires admitted_at project owner" (owner '' until the first claim;
---               it may hold spaces: it is the rest of the string)
+-- Key layout: fleet/core/keys.py. A job's admission facts are one packed string in the `items`
+-- hash and its lease one in the `lease` hash, not a hash per job: every script then touches a fixed
+-- set of keys plus the queues of the projects the caller names, so ADMIT can pick and grant several
+-- jobs in one call. item_get/item_put and lease_get/lease_put below are the only Lua that knows
+-- their field order, the same as schedulers/store/records.py (what each field means is there;
+-- tests/test_store_records.py runs these accessors against it). A field added later goes at the
+-- end, on both sides.
 
 -- ADMIT grants only candidates this predicate accepts, when a script that calls ADMIT sets it
 -- (GWADMIT: only gateway requests while no inference worker is live); nil: every candidate.

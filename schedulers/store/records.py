@@ -1,0 +1,108 @@
+"""The Redis store's packed records, read by name: a job's admission facts (``Item``, one field of
+the ``items`` hash) and its lease (``Lease``, one field of the ``lease`` hash), each one
+space-separated string per job (key layout: fleet/core/keys.py).
+
+The Lua scripts write and read these strings with the accessors of ``lua/prelude.lua``
+(``item_put``/``item_get``, ``lease_put``/``lease_get``); Python only reads them, here. The field
+order is declared once on each side: by the fields of the two classes below and by those
+accessors; tests/test_store_records.py packs on one side and unpacks on the other to prove they
+agree. A field added later goes at the end, on both sides.
+
+Values are the strings as stored, decoded the way prelude.lua's accessors decode them: the
+markers for "none" become ``None`` (an item's deadline and deferred ``-``, a lease's owner empty)
+and an item written before ``uncached`` existed counts its whole prompt as uncached. Readers
+convert the few numbers they need themselves, so a decode costs one ``split``.
+
+Failure cases: ``unpack`` raises ValueError for a string that has too few fields to be a record
+of its kind (what no script writes); a missing record is the caller's ``None`` (HGET's nil), never
+passed here. Extra trailing item fields (written by a newer version) are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class Item(NamedTuple):
+    """``items[id]``: a pending, in-flight or waiting job's admission facts."""
+
+    project: str
+    band: str  # interactive | batch
+    size: str  # short | long
+    prompt: str  # prompt tokens
+    max_new: str
+    kv: str  # KV tokens reserved while it runs
+    long: str  # 1 | 0
+    enq: str  # enqueued at (unix s)
+    score: str  # its place in line (fairshare.pending_score, ms)
+    pending: str  # 1 | 0
+    deadline: str | None  # unix s
+    cont: str  # 0, or the number of the turn READMIT last put in line
+    # the not-before time READMIT gave it while it waits in `deferred` (the zset's score is the
+    # one that counts: ``hurry`` may lower it)
+    deferred: str | None
+    # the prompt tokens prep expects to miss the prefix cache (absent in items written before it
+    # existed: the whole prompt)
+    uncached: str
+
+    @classmethod
+    def unpack(cls, raw: str) -> Item:
+        fields: list[Any] = raw.split(" ", _ITEM_LEN)
+        if len(fields) > _ITEM_LEN:  # fields of a newer version
+            del fields[_ITEM_LEN:]
+        elif len(fields) == _ITEM_LEN - 1:  # written before `uncached` existed
+            fields.append("")
+        elif len(fields) != _ITEM_LEN:
+            raise ValueError(f"not a packed item: {raw!r}")
+        if fields[_DEADLINE] == "-":
+            fields[_DEADLINE] = None
+        if fields[_DEFERRED] == "-":
+            fields[_DEFERRED] = None
+        if not fields[_UNCACHED]:  # what the scripts count then: the whole prompt
+            fields[_UNCACHED] = fields[_PROMPT]
+        return cls._make(fields)
+
+    def pack(self) -> str:
+        """The stored string, as ``item_put`` writes it (for tests and tools: only Lua writes)."""
+        return " ".join("-" if value is None else value for value in self)
+
+    @property
+    def queue(self) -> tuple[str, str, str]:
+        """(project, band, size): which pending queue the job is (or goes back) in."""
+        return self.project, self.band, self.size
+
+
+class Lease(NamedTuple):
+    """``lease[id]``: an in-flight job's lease."""
+
+    fence: str
+    kv: str  # KV tokens it holds
+    long: str  # 1 | 0
+    expires: str  # unix s
+    admitted_at: str  # unix s
+    project: str
+    owner: str | None = None  # set by the first claim; the rest of the string (it may hold spaces)
+
+    @classmethod
+    def unpack(cls, raw: str) -> Lease:
+        fields: list[Any] = raw.split(" ", _LEASE_LEN - 1)
+        if len(fields) == _LEASE_LEN - 1:  # no owner and no space before it
+            fields.append(None)
+        elif len(fields) != _LEASE_LEN:
+            raise ValueError(f"not a packed lease: {raw!r}")
+        if not fields[-1]:
+            fields[-1] = None
+        return cls._make(fields)
+
+    def pack(self) -> str:
+        """The stored string, as ``lease_put`` writes it (for tests and tools: only Lua writes)."""
+        return " ".join("" if value is None else value for value in self)
+
+
+# Positions, derived from the declarations above (never written twice).
+_ITEM_LEN = len(Item._fields)
+_DEADLINE = Item._fields.index("deadline")
+_DEFERRED = Item._fields.index("deferred")
+_PROMPT = Item._fields.index("prompt")
+_UNCACHED = Item._fields.index("uncached")
+_LEASE_LEN = len(Lease._fields)
