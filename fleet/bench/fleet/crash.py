@@ -23,22 +23,7 @@ def crash(fb: FleetBench, n: int, think: int, answer: int, kills: int = 5) -> li
     notes: list[str] = []
 
     def killer(start: float) -> None:
-        try:
-            for _ in range(kills):
-                sampler = samplers[-1]
-                time.sleep(1.0)
-                _first_after(sampler, time.time(), cap, full=True, timeout_s=60)
-                victim = next(name for name, _p in fb.fleet.children if name.startswith("worker"))
-                t_kill = time.time()
-                fb.stop(victim, signal.SIGKILL)
-                fb.start_worker()
-                dropped = _first_after(sampler, t_kill, cap, full=False, timeout_s=10)
-                back = _first_after(sampler, dropped, cap, full=True, timeout_s=60)
-                low = min(s["running"] for s in sampler.samples if t_kill < s["t"] < back)
-                recoveries.append(back - t_kill)
-                notes.append(f"{victim}: running fell to {low}, back at {cap} after {back - t_kill:.2f} s")
-        except TimeoutError as exc:
-            notes.append(f"killer stopped: {exc}")
+        _kill_workers(fb, samplers, kills, recoveries, notes)
 
     specs = short_mix(n, think, answer)
     run, ids = fb.run_fleet(specs, None, samplers, during=killer)
@@ -75,6 +60,30 @@ def crash(fb: FleetBench, n: int, think: int, answer: int, kills: int = 5) -> li
         ),
         *[(sc, "detail", note, "", "") for note in notes],
     ]
+
+
+
+def _kill_workers(fb: FleetBench, samplers: list[Sampler], kills: int, recoveries: list[float],
+                  notes: list[str]) -> None:
+    """``kills`` times: wait for the backend at cap, ``kill -9`` a worker, start a replacement,
+    and record the time until the backend is back at cap (in ``recoveries``, a line in ``notes``)."""
+    cap = fb.cap
+    try:
+        for _ in range(kills):
+            sampler = samplers[-1]
+            time.sleep(1.0)
+            _first_after(sampler, time.time(), cap, full=True, timeout_s=60)
+            victim = next(name for name, _p in fb.fleet.children if name.startswith("worker"))
+            t_kill = time.time()
+            fb.stop(victim, signal.SIGKILL)
+            fb.start_worker()
+            dropped = _first_after(sampler, t_kill, cap, full=False, timeout_s=10)
+            back = _first_after(sampler, dropped, cap, full=True, timeout_s=60)
+            low = min(s["running"] for s in sampler.samples if t_kill < s["t"] < back)
+            recoveries.append(back - t_kill)
+            notes.append(f"{victim}: running fell to {low}, back at {cap} after {back - t_kill:.2f} s")
+    except TimeoutError as exc:
+        notes.append(f"killer stopped: {exc}")
 
 
 def _first_after(

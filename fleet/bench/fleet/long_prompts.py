@@ -53,7 +53,8 @@ def long_prompts(
     for label, env in long_runs(fb, paced, paced_label):
         run, ids = fb.run_fleet(specs, long_text, samplers, dispatcher_env=env)
         rows += _fleet_rows(fb, f"{sc}, fleet, {label}", n, samplers[-1], (run, ids), (run0, lat0))
-    return rows + _direct_rows(fb, sc, specs, long_text, samplers, pct(lat0["service"], 95))
+    rows += _fifo_rows(fb, sc, specs, long_text, samplers, pct(lat0["service"], 95))
+    return rows + _baseline_rows(fb, sc, specs, long_text, samplers)
 
 
 def _fleet_rows(fb: FleetBench, name: str, n: int, sampler: Sampler, fleet: tuple[FleetRun, dict[str, Spec]],
@@ -61,13 +62,8 @@ def _fleet_rows(fb: FleetBench, name: str, n: int, sampler: Sampler, fleet: tupl
     """One fleet run with the long jobs, against the run without them (``without``: that run and
     its short-job latencies)."""
     cap, max_long = fb.cap, fb.settings.backend.max_long
-    (run, ids), (run0, lat0) = fleet, without
-    p95_0 = pct(lat0["service"], 95)
+    run = fleet[0]
     mx = stats_max(sampler)
-    w = sampler.window(run.first_admit, run.last_admit, cap)
-    lat = fleet_latencies(run, ids, long=False)
-    lat_long = fleet_latencies(run, ids, long=True)
-    p95, e95 = pct(lat["service"], 95), pct(lat["e2e"], 95)
     return [
         (
             name,
@@ -90,6 +86,20 @@ def _fleet_rows(fb: FleetBench, name: str, n: int, sampler: Sampler, fleet: tupl
             f"<= {cap} / <= 1",
             verdict(mx["max_running_seen"] <= cap and mx["max_waiting_seen"] <= 1),
         ),
+    ] + _latency_rows(name, cap, sampler, fleet, without)
+
+
+def _latency_rows(name: str, cap: int, sampler: Sampler, fleet: tuple[FleetRun, dict[str, Spec]],
+                  without: tuple[FleetRun, dict[str, list[float]]]) -> list[Row]:
+    """Latencies, occupancy, makespan and CPU of one fleet run with the long jobs, against the
+    run without them."""
+    (run, ids), (run0, lat0) = fleet, without
+    p95_0 = pct(lat0["service"], 95)
+    w = sampler.window(run.first_admit, run.last_admit, cap)
+    lat = fleet_latencies(run, ids, long=False)
+    lat_long = fleet_latencies(run, ids, long=True)
+    p95, e95 = pct(lat["service"], 95), pct(lat["e2e"], 95)
+    return [
         (
             name,
             "short-job service p95 (admitted -> final) with / without long jobs",
@@ -130,21 +140,16 @@ def _fleet_rows(fb: FleetBench, name: str, n: int, sampler: Sampler, fleet: tupl
     ]
 
 
-def _direct_rows(fb: FleetBench, sc: str, specs: list[Spec], long_text: LongText, samplers: list[Sampler],
-                 p95_0: float) -> list[Row]:
-    """The same jobs from a 32-thread FIFO, then from five clients x 16, straight at the sim."""
+def _fifo_rows(fb: FleetBench, sc: str, specs: list[Spec], long_text: LongText, samplers: list[Sampler],
+               p95_0: float) -> list[Row]:
+    """The same jobs from 32 threads popping one FIFO, straight at the sim."""
     cap, max_long = fb.cap, fb.settings.backend.max_long
     f_rec, f_start, f_last, f_end, cpu_f = fb.run_direct({"fifo": (32, specs)}, long_text, samplers)
     f_max = stats_max(samplers[-1])
     f_w = samplers[-1].window(f_start, f_last, cap)
     f_lat = direct_latencies(f_rec, f_start, long=False)
     f95 = pct(f_lat["service"], 95)
-    groups = {p: (16, [s for s in specs if s.project == p]) for p in PROJECTS}
-    b_rec, b_start, b_last, b_end, _cpu_b = fb.run_direct(groups, long_text, samplers)
-    b_max = stats_max(samplers[-1])
-    b_w = samplers[-1].window(b_start, b_end, cap)
     fifo = f"{sc}, FIFO: 32 threads popping one queue, straight to the sim"
-    base = f"baseline: {sc}, 5 clients x 16 straight to the sim"
     return [
         (
             fifo,
@@ -170,6 +175,18 @@ def _direct_rows(fb: FleetBench, sc: str, specs: list[Spec], long_text: LongText
         ),
         (fifo, "makespan, failed requests", f"{fmt(f_end - f_start)} s, {sum(not r.ok for r in f_rec)}", "", ""),
         (fifo, "CPU", cpu_cell(cpu_f), "", ""),
+    ]
+
+
+def _baseline_rows(fb: FleetBench, sc: str, specs: list[Spec], long_text: LongText,
+                   samplers: list[Sampler]) -> list[Row]:
+    """The same jobs from five independent clients x 16, straight at the sim."""
+    groups = {p: (16, [s for s in specs if s.project == p]) for p in PROJECTS}
+    b_rec, b_start, b_last, b_end, _cpu_b = fb.run_direct(groups, long_text, samplers)
+    b_max = stats_max(samplers[-1])
+    b_w = samplers[-1].window(b_start, b_end, fb.cap)
+    base = f"baseline: {sc}, 5 clients x 16 straight to the sim"
+    return [
         (
             base,
             "sim max_running / max_waiting / max_long_running",
