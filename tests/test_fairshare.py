@@ -211,7 +211,7 @@ def test_batch_is_not_starved_by_a_stream_of_interactive_jobs() -> None:
 def test_the_fluid_bound_of_the_fairness_bench() -> None:
     """``fleet bench``'s reference for a small project's wait: exact weighted fair share gives a
     project of equal weight half the backend while a big one stays backlogged."""
-    from fleet.bench.fleetbench import fluid_wait
+    from fleet.bench.fleet.fairness import fluid_wait
 
     small, big = [1.0] * 10, [1.0] * 100
     with_big = fluid_wait({"small": small, "big": big}, {"small": 1, "big": 1}, "small", 0.5)

@@ -139,7 +139,8 @@ def dispatch(
 
     with _redis_url(redis_url, force) as broker:
         if fleet:
-            from fleet.bench.fleetbench import fleet_bench, rows_markdown, rows_table
+            from fleet.bench.fleet.render import rows_markdown, rows_table
+            from fleet.bench.fleet.suite import fleet_bench
 
             rows = fleet_bench(
                 broker.url, speed=fleet_speed, jobs=fleet_jobs, think=think, answer=answer,
@@ -174,7 +175,7 @@ def continuations(
     """Continuations: retries and tool rounds give the slot up and re-enter admission
     (busy-backend ratio with 503s, idle slot-seconds, fair share with 3 attempts, tool loop)."""
     from fleet.bench.continuations import continuation_bench
-    from fleet.bench.fleetbench import rows_markdown, rows_table
+    from fleet.bench.fleet.render import rows_markdown, rows_table
 
     with _redis_url(redis_url, force) as broker:
         rows = continuation_bench(broker.url, speed=speed, jobs=jobs, think=think, answer=answer,

@@ -68,7 +68,8 @@ import httpx
 import redis
 import tomli_w
 
-from fleet.bench.fleetbench import PROJECTS, Sampler, Spec, job_of, short_mix
+from fleet.bench.fleet.sampler import Sampler
+from fleet.bench.fleet.workload import PROJECTS, Spec, job_of, short_mix
 from fleet.client import Client
 from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
 from fleet.core.models import Envelope

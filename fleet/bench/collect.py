@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import random
-import statistics
 import tempfile
 import threading
 import time
@@ -37,6 +36,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
+from fleet.bench.measure import percentile
 from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
 from fleet.core.keys import Keys
 from fleet.core.models import Job, JobKind, Message, Source
@@ -219,8 +219,6 @@ def render(runs: list[Run], tokenizer: str, workers: int) -> Table:
     ):
         table.add_column(column, justify="left" if column == "kind" else "right")
     for run in runs:
-        ordered = sorted(run.latencies_s)
-        p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
         table.add_row(
             run.kind,
             str(run.jobs),
@@ -230,8 +228,8 @@ def render(runs: list[Run], tokenizer: str, workers: int) -> Table:
             f"{run.text_mb_per_s:.2f}",
             f"{run.jobs_per_s:.1f}",
             f"{run.tokenize_calls / run.jobs:.1f}",
-            f"{statistics.median(ordered) * 1000:.0f}",
-            f"{p95 * 1000:.0f}",
+            f"{percentile(run.latencies_s, 50) * 1000:.0f}",
+            f"{percentile(run.latencies_s, 95) * 1000:.0f}",
         )
     return table
 

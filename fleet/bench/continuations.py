@@ -1,6 +1,6 @@
 """``fleet bench continuations``: what re-entering admission between model turns buys, every
 figure next to its baseline measured in the same run (one fleet: ``fleet sim``, Celery workers, a
-dispatcher per phase; fleet/bench/fleetbench.py's FleetBench).
+dispatcher per phase; fleet/bench/fleet/harness.py's FleetBench).
 
 Scenarios:
   retries  N short jobs, a backlog at cap; 20% of them fail twice with 503 before succeeding
@@ -28,17 +28,10 @@ import random
 from collections import defaultdict
 from typing import Any
 
-from fleet.bench.fleetbench import (
-    PROJECTS,
-    FleetBench,
-    Row,
-    Sampler,
-    Spec,
-    _f,
-    _verdict,
-    codes,
-    short_mix,
-)
+from fleet.bench.fleet.harness import FleetBench, codes
+from fleet.bench.fleet.render import Row, fmt, verdict
+from fleet.bench.fleet.sampler import Sampler
+from fleet.bench.fleet.workload import PROJECTS, Spec, short_mix
 from fleet.local.processes import TOOL_PROCESSES
 
 SCENARIOS = ("retries", "fair3", "tools")
@@ -93,19 +86,19 @@ def retries(fb: FleetBench, n: int, think: int, answer: int) -> list[Row]:
     ratio = w["mean in-flight / cap"] / w0["mean in-flight / cap"]
     return [
         (sc, "jobs finished / codes", f"{len(run.envelopes)} / {codes(run.envelopes)}", f"{n} OK",
-         _verdict(run.missing == 0 and all(e.ok for e in run.envelopes))),
+         verdict(run.missing == 0 and all(e.ok for e in run.envelopes))),
         (sc, "failed attempts / time between a job's attempts (s, summed)",
-         f"{failed} / {_f(backoff, 1)}", f"{2 * len(faulty)} / -", ""),
+         f"{failed} / {fmt(backoff, 1)}", f"{2 * len(faulty)} / -", ""),
         (sc, "backlog (first admission .. last sample with jobs pending), s: faults / baseline",
-         f"{_f(end - run.first_admit)} / {_f(end0 - run0.first_admit)}", "", ""),
+         f"{fmt(end - run.first_admit)} / {fmt(end0 - run0.first_admit)}", "", ""),
         (sc, "mean in-flight / cap under the backlog: with faults / baseline without",
-         f"{_f(w['mean in-flight / cap'], 3)} / {_f(w0['mean in-flight / cap'], 3)} = {_f(ratio, 3)}",
-         ">= 0.97", _verdict(w["mean in-flight / cap"] >= 0.97, _f(w["mean in-flight / cap"], 3))),
+         f"{fmt(w['mean in-flight / cap'], 3)} / {fmt(w0['mean in-flight / cap'], 3)} = {fmt(ratio, 3)}",
+         ">= 0.97", verdict(w["mean in-flight / cap"] >= 0.97, fmt(w["mean in-flight / cap"], 3))),
         (sc, "slot-seconds held with no sequence running, whole run: with faults / baseline",
-         f"{_f(idle, 1)} / {_f(idle0, 1)}; retries in the lease would add the {_f(backoff, 1)} s "
+         f"{fmt(idle, 1)} / {fmt(idle0, 1)}; retries in the lease would add the {fmt(backoff, 1)} s "
          "of backoff", "extra << the backoff (it waits outside)",
-         _verdict(idle - idle0 <= 0.2 * backoff,
-                  f"{_f(idle - idle0, 1)} s more = {_f((idle - idle0) / max(failed, 1), 3)} s per failed attempt")),
+         verdict(idle - idle0 <= 0.2 * backoff,
+                  f"{fmt(idle - idle0, 1)} s more = {fmt((idle - idle0) / max(failed, 1), 3)} s per failed attempt")),
     ]
 
 
@@ -133,16 +126,16 @@ def fair3(fb: FleetBench, n: int, heavy: str = "reports") -> list[Row]:
     sc = f"fair3 (five projects x {n}; every {heavy} job needs 3 attempts)"
     rows: list[Row] = [
         (sc, "jobs finished / codes", f"{len(run.envelopes)} / {codes(run.envelopes)}",
-         f"{len(specs)} OK", _verdict(run.missing == 0 and all(e.ok for e in run.envelopes))),
-        (sc, "window with all five backlogged (s)", _f(end - run.first_admit), "", ""),
+         f"{len(specs)} OK", verdict(run.missing == 0 and all(e.ok for e in run.envelopes))),
+        (sc, "window with all five backlogged (s)", fmt(end - run.first_admit), "", ""),
     ]
     for p in PROJECTS:
         share, want = cost[p] / total, weights[p] / total_w
         target = "within 5% of weight" if p == heavy else ""
-        verdict = _verdict(abs(share / want - 1) <= 0.05, f"{_f(100 * (share / want - 1), 1)}%")
+        outcome = verdict(abs(share / want - 1) <= 0.05, f"{fmt(100 * (share / want - 1), 1)}%")
         rows.append((sc, f"token share {p} (weight {weights[p]:g}), {attempts[p]} admissions",
-                     f"{_f(100 * share, 1)}% vs {_f(100 * want, 1)}% -> {_f(share / want, 3)}",
-                     target, verdict if p == heavy else ""))
+                     f"{fmt(100 * share, 1)}% vs {fmt(100 * want, 1)}% -> {fmt(share / want, 3)}",
+                     target, outcome if p == heavy else ""))
     return rows
 
 
@@ -168,20 +161,20 @@ def tools(fb: FleetBench, k: int) -> list[Row]:
         tool = sum(c["result"]["duration_s"] for r in e.tool_rounds for c in r["calls"] if c.get("result"))
         # from its first admission (the bench starts the dispatcher once every job is prepared)
         ratios.append(((e.timings.total_s or 0.0) - (e.timings.queued_s or 0.0)) / (model + tool))
-    sc = f"tools ({k} jobs x 3 rounds, a {_f(max(tool_s, default=0), 1)} s tool)"
+    sc = f"tools ({k} jobs x 3 rounds, a {fmt(max(tool_s, default=0), 1)} s tool)"
     return [
         (sc, "jobs finished / codes / rounds", f"{len(run.envelopes)} / {codes(run.envelopes)} / "
-         f"{len(rounds)}", f"{k} OK / {3 * k}", _verdict(run.missing == 0 and len(rounds) == 3 * k
+         f"{len(rounds)}", f"{k} OK / {3 * k}", verdict(run.missing == 0 and len(rounds) == 3 * k
                                                        and all(e.ok for e in run.envelopes))),
         (sc, "samples (every 50 ms) during the tool runs with a slot held",
-         f"{held} of {len(inside)} ({_f(sum(tool_s), 1)} s of tool runs)",
-         "0: slot-seconds in tool execution = 0", _verdict(held == 0 and len(inside) > 0, str(held))),
+         f"{held} of {len(inside)} ({fmt(sum(tool_s), 1)} s of tool runs)",
+         "0: slot-seconds in tool execution = 0", verdict(held == 0 and len(inside) > 0, str(held))),
         (sc, "slot-seconds held with no sequence running / all slot-seconds, whole run",
-         f"{_f(idle, 2)} / {_f(leased, 2)}", "admission overhead of the 4 turns only", ""),
+         f"{fmt(idle, 2)} / {fmt(leased, 2)}", "admission overhead of the 4 turns only", ""),
         (sc, "tool runs that saw the simulator idle (jobs at once: k)",
          "all" if seen == [1] else "not all", "all when k = 1", ""),
         (sc, "job latency from first admission / (model time + tool time), mean and max",
-         f"{_f(sum(ratios) / len(ratios), 2)} / {_f(max(ratios), 2)}", "~1 (admission overhead only)",
+         f"{fmt(sum(ratios) / len(ratios), 2)} / {fmt(max(ratios), 2)}", "~1 (admission overhead only)",
          ""),
     ]
 

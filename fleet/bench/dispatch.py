@@ -1,6 +1,6 @@
 """``fleet bench dispatch``: the dispatcher benchmarks that need only the dispatcher (and,
 for saturation, ``fleet sim``); the whole-fleet runs (Celery workers, crash, long prompts,
-fairness, the five-client baseline) are in fleet/bench/fleetbench.py, and ``fleet bench dispatch``
+fairness, the five-client baseline) are in fleet/bench/fleet/, and ``fleet bench dispatch``
 runs both (docs/performance.md has the figures and the command).
 
 ``backlog_overhead``  no backend at all: a steady backlog (1,000 as the baseline, then
@@ -20,8 +20,8 @@ runs both (docs/performance.md has the figures and the command).
 from __future__ import annotations
 
 import bisect
+import math
 import resource
-import statistics
 import threading
 import time
 import uuid
@@ -32,6 +32,7 @@ import httpx
 import redis
 from rich.table import Table
 
+from fleet.bench.measure import percentile
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
 from fleet.infer.sse import iter_events
@@ -41,13 +42,6 @@ from schedulers.store.base import Grant, PendingItem, StoreConfig
 from schedulers.store.redis_store import RedisStore
 
 PROJECTS = ("assistant", "reports", "translate", "triage", "research")
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _delete(client: redis.Redis, prefix: str) -> None:
@@ -137,8 +131,8 @@ def backlog_overhead(
                     pair_s, server_s = backlog.decide(decisions, per_call, pipelined)
                     times[backlog.jobs].append(pair_s)
                     server[backlog.jobs].append(server_s)
-            base_s, big_s = statistics.median(times[1_000]), statistics.median(times[jobs])
-            server_base_s, server_big_s = statistics.median(server[1_000]), statistics.median(server[jobs])
+            base_s, big_s = percentile(times[1_000], 50), percentile(times[jobs], 50)
+            server_base_s, server_big_s = percentile(server[1_000], 50), percentile(server[jobs], 50)
             out.append({
                 "grants per ADMIT call (at most)": per_call,
                 "releases": "pipelined" if pipelined else "one by one",
@@ -309,10 +303,10 @@ def _saturation_figures(
         "mean in-flight / cap (busy period, leases)": mean_in_flight / cap,
         "sim max_running_seen": stats.get("max_running_seen"),
         "sim max_waiting_seen": stats.get("max_waiting_seen"),
-        "release -> next admission p50 ms": 1000 * _percentile(to_grant, 0.5),
-        "release -> next admission p99 ms": 1000 * _percentile(to_grant, 0.99),
-        "release -> next request at backend p50 ms": 1000 * _percentile(to_backend, 0.5),
-        "release -> next request at backend p99 ms": 1000 * _percentile(to_backend, 0.99),
+        "release -> next admission p50 ms": 1000 * percentile(to_grant, 50, default=math.nan),
+        "release -> next admission p99 ms": 1000 * percentile(to_grant, 99, default=math.nan),
+        "release -> next request at backend p50 ms": 1000 * percentile(to_backend, 50, default=math.nan),
+        "release -> next request at backend p99 ms": 1000 * percentile(to_backend, 99, default=math.nan),
         "sim output tok/s (wall)": stats.get("generation_tokens", 0) / elapsed_s,
         "holds by reason": ", ".join(f"{k}={v}" for k, v in sorted(holds.items())),
     }

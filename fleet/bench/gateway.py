@@ -31,7 +31,6 @@ import secrets
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import tempfile
 import time
@@ -45,6 +44,7 @@ import httpx
 import tomli_w
 from rich.table import Table
 
+from fleet.bench.measure import cpu_seconds, percentile
 from fleet.core.apikeys import mint
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
 from fleet.core.redisconn import redis_client
@@ -94,16 +94,6 @@ def _has_text(data: str | None) -> bool:
     choices = json.loads(data).get("choices") or [{}]
     delta = choices[0].get("delta") or {}
     return bool(delta.get("reasoning") or delta.get("content"))
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class GatewayBench:
@@ -216,13 +206,13 @@ class GatewayBench:
         httpx.post(f"{self.sim_url}/sim/reset", timeout=10).raise_for_status()
         auth = {"Authorization": f"Bearer {self.key}"}
         url = f"{self.gateway_url}/v1/chat/completions"
-        cpu0 = _cpu_s(self.gateway_pid)
+        cpu0 = cpu_seconds(self.gateway_pid)
         limits = httpx.Limits(max_connections=clients + 4)
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
             results = await asyncio.gather(
                 *(_stream(client, url, auth, self.body(n, think, answer)) for n in range(clients)),
                 return_exceptions=True)
-        cpu = _cpu_s(self.gateway_pid) - cpu0
+        cpu = cpu_seconds(self.gateway_pid) - cpu0
         stats = httpx.get(f"{self.sim_url}/sim/stats", timeout=10).json()
         tokens = stats["generation_tokens"]
         return {"clients": clients, "ok": sum(1 for r in results if not isinstance(r, BaseException)),
@@ -240,12 +230,12 @@ def latency_table(found: dict[str, list[Timing]]) -> Table:
             sim = [getattr(t, attr) * 1000 for t in found["sim"]]
             path = [getattr(t, attr) * 1000 for t in found[name]]
             row = [name, label]
-            for q in (0.5, 0.99):
-                a, b = _percentile(sim, q), _percentile(path, q)
+            for q in (50, 99):
+                a, b = percentile(sim, q), percentile(path, q)
                 row += [f"{a:.1f}", f"{b:.1f}", f"{b - a:+.1f}"]
             table.add_row(*row)
         pairs = zip(found["sim"], found[name], strict=True)
-        medians.append(f"{name} {statistics.median(b.total_s - a.total_s for a, b in pairs) * 1000:+.1f} ms")
+        medians.append(f"{name} {percentile([b.total_s - a.total_s for a, b in pairs], 50) * 1000:+.1f} ms")
     table.caption = (f"{len(found['sim'])} requests per path, alternating; median of the per-pair "
                      f"end-to-end differences: {', '.join(medians)}")
     return table
@@ -259,6 +249,6 @@ def bench_gateway(redis_url: str, requests: int, clients: int, cap: int, speed: 
         freed = bench.disconnects(disconnects) if disconnects else []
         crowd = asyncio.run(bench.crowd(clients, think, answer))
     if freed:
-        crowd.update(disconnects=len(freed), freed_ms_p50=1000 * _percentile(freed, 0.5),
+        crowd.update(disconnects=len(freed), freed_ms_p50=1000 * percentile(freed, 50),
                      freed_ms_max=1000 * max(freed))
     return latency_table(found), crowd

@@ -33,6 +33,7 @@ import redis
 from rich.table import Table
 
 from fleet.bench.collect import Site, make_jobs, material_server
+from fleet.bench.measure import percentile
 from fleet.client import Client
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
 from fleet.core.models import Envelope
@@ -45,11 +46,6 @@ LIGHT_PROJECTS = ("assistant", "reports", "translate", "triage")
 def _light_job(n: int) -> dict[str, Any]:
     return {"project": LIGHT_PROJECTS[n % len(LIGHT_PROJECTS)], "thinking_budget": 2000,
             "messages": [{"role": "user", "content": f"Question {n} [sim:think=600] [sim:answer=100]"}]}
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 def _phase(fleet: LocalFleet, client: Client, light: int, heavy: list[Any]) -> dict[str, float]:
@@ -69,8 +65,8 @@ def _phase(fleet: LocalFleet, client: Client, light: int, heavy: list[Any]) -> d
         "busy_s": busy_s,
         "light_ok": sum(e.ok for e in light_env),
         "heavy_ok": sum(e.ok for e in envelopes if e.job_id in heavy_ids),
-        "p50": _pct([e.timings.total_s or 0.0 for e in light_env], 0.5),
-        "p95": _pct([e.timings.total_s or 0.0 for e in light_env], 0.95),
+        "p50": percentile([e.timings.total_s or 0.0 for e in light_env], 50, default=0.0),
+        "p95": percentile([e.timings.total_s or 0.0 for e in light_env], 95, default=0.0),
     }
 
 

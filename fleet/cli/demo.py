@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from fleet.bench.measure import percentile
 from fleet.client import Client
 from fleet.core.config import Settings, mask_url
 from fleet.core.models import Envelope
@@ -70,13 +71,6 @@ def demo_job(n: int, project: str, tools: list[str]) -> dict[str, Any]:
     return job
 
 
-def _p(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def summary_table(envelopes: list[Envelope]) -> Table:
     table = Table("project", "jobs", "codes", "attempts", "prompt tok", "output tok",
                   "wait p50/p95 s", "latency p50/p95 s", title="fleet demo",
@@ -94,8 +88,8 @@ def summary_table(envelopes: list[Envelope]) -> Table:
             str(sum(len(e.attempts) for e in items)),
             str(sum(e.usage.prompt_tokens for e in items)),
             str(sum(e.usage.completion_tokens for e in items)),
-            f"{_p(waits, 0.5):.2f} / {_p(waits, 0.95):.2f}",
-            f"{_p(totals, 0.5):.2f} / {_p(totals, 0.95):.2f}",
+            f"{percentile(waits, 50, default=0.0):.2f} / {percentile(waits, 95, default=0.0):.2f}",
+            f"{percentile(totals, 50, default=0.0):.2f} / {percentile(totals, 95, default=0.0):.2f}",
         )
     return table
 
