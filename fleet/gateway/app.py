@@ -1,11 +1,12 @@
 """The gateway's ASGI app and what one gateway process holds (``Gateway``).
 
 Routes: ``POST /v1/chat/completions`` (fleet/gateway/chat.py), ``GET /v1/models``, the task routes
-of fleet/gateway/tasks.py, the file and batch routes of fleet/gateway/batches.py, ``GET /health``,
-``GET /livez`` and ``GET /metrics`` (no key needed for those three). ``/health`` is readiness: 200
-when the fleet's Redis answers a PING within a second, else 503 with a JSON body naming what is
-down; the backend is left out (every gateway shares it, and a request meeting a dead backend gets
-its own 503 ``E_UPSTREAM_UNAVAILABLE``). ``/livez`` is liveness: 200 while the process serves.
+of fleet/gateway/tasks.py, the file routes of fleet/gateway/fileroutes.py, the batch routes (and
+a file's content) of fleet/gateway/batches.py, ``GET /health``, ``GET /livez`` and ``GET /metrics``
+(no key needed for those three). ``/health`` is readiness: 200 when the fleet's Redis answers a
+PING within a second, else 503 with a JSON body naming what is down; the backend is left out
+(every gateway shares it, and a request meeting a dead backend gets its own 503
+``E_UPSTREAM_UNAVAILABLE``). ``/livez`` is liveness: 200 while the process serves.
 Every other route and method answers vLLM's error body with a code, never Starlette's HTML page
 (a wrong method 405 with ``Allow``, a trailing slash 404, never a redirect).
 A Redis error of a route is 503 ``E_BROKER_UNAVAILABLE`` with Retry-After when Redis cannot
@@ -48,6 +49,7 @@ from fleet.gateway.auth import Caller, LiveSettings
 from fleet.gateway.batches import BatchRoutes
 from fleet.gateway.chat import ChatCompletions
 from fleet.gateway.events import EventHub
+from fleet.gateway.fileroutes import FileRoutes
 from fleet.gateway.metrics import GatewayMetrics
 from fleet.gateway.tasks import TaskRoutes
 from fleet.gateway.wire import ChatRequest, broker_down, error_body, error_headers, redis_failure, status_of
@@ -215,6 +217,7 @@ def _authed(gw: Gateway, handler: Callable[[Request, Caller], Awaitable[Response
 
 def _routes(gw: Gateway) -> list[Route | Mount]:
     tasks = TaskRoutes(gw)
+    files = FileRoutes(gw)
     batches = BatchRoutes(gw)
 
     async def models(request: Request, caller: Caller) -> Response:
@@ -246,10 +249,10 @@ def _routes(gw: Gateway) -> list[Route | Mount]:
         Route("/v1/tasks/{task_id}", _authed(gw, tasks.get), methods=["GET"]),
         Route("/v1/tasks/{task_id}", _authed(gw, tasks.cancel), methods=["DELETE"]),
         Route("/v1/tasks/{task_id}/events", _authed(gw, tasks.events), methods=["GET"]),
-        Route("/v1/files", _authed(gw, batches.upload), methods=["POST"]),
-        Route("/v1/files", _authed(gw, batches.list_files), methods=["GET"]),
-        Route("/v1/files/{file_id}", _authed(gw, batches.file), methods=["GET"]),
-        Route("/v1/files/{file_id}", _authed(gw, batches.delete_file), methods=["DELETE"]),
+        Route("/v1/files", _authed(gw, files.upload), methods=["POST"]),
+        Route("/v1/files", _authed(gw, files.list_files), methods=["GET"]),
+        Route("/v1/files/{file_id}", _authed(gw, files.file), methods=["GET"]),
+        Route("/v1/files/{file_id}", _authed(gw, files.delete_file), methods=["DELETE"]),
         Route("/v1/files/{file_id}/content", _authed(gw, batches.content), methods=["GET"]),
         Route("/v1/batches", _authed(gw, batches.create), methods=["POST"]),
         Route("/v1/batches", _authed(gw, batches.list_batches), methods=["GET"]),
