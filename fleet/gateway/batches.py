@@ -540,8 +540,9 @@ class BatchRoutes(BatchLifecycle):
                                                     request.path_params["batch_id"]))
 
     async def content(self, request: Request, caller: Caller) -> Response:
-        """A file's bytes, sent in chunks: an upload read ``CHUNK_BYTES`` at a time, a batch's
-        result file built ``CHUNK_LINES`` lines at a time (an error mid-way cuts the response)."""
+        """``GET /v1/files/{id}/content``, sent in chunks: an upload's bytes as stored
+        (fleet/gateway/fileroutes.py), a batch's result file built ``CHUNK_LINES`` lines at a
+        time as one of its project's batch calls (an error mid-way cuts the response)."""
         project, file_id = caller.project, request.path_params["file_id"]
         source = await self.gw.run(self.files.source, project, file_id)
         if source is None:
