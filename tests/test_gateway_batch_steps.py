@@ -26,7 +26,8 @@ from fleet.core.keys import Keys, job_ref
 from fleet.gateway import batches
 from fleet.gateway.app import Gateway
 from fleet.gateway.auth import Caller, LiveSettings
-from fleet.gateway.batches import BatchRoutes, State
+from fleet.gateway.batches import BatchRoutes
+from fleet.gateway.batchrecord import State
 
 WAIT_S = 30
 

@@ -25,8 +25,9 @@ import pytest
 import redis
 
 from fleet.client import Client
-from fleet.core.config import EXAMPLE_CONFIG, load_settings, mask_url
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
 from fleet.core.exposure import LOCAL_BROKER_ENV, public_secret_projects
+from fleet.core.redisconn import mask_url
 from fleet.local.embedded import EmbeddedRedis, free_port, redis_answers, redis_server_binary
 from fleet.local.processes import LocalFleet, wait_http
 

@@ -25,9 +25,9 @@ import pytest
 import redis
 
 from fleet.core.codes import Code
-from fleet.core.config import load_settings, mask_url
+from fleet.core.config import load_settings
 from fleet.core.errors import ConfigError
-from fleet.core.redisconn import celery_transport_options, parse_sentinel_url, redis_client
+from fleet.core.redisconn import celery_transport_options, mask_url, parse_sentinel_url, redis_client
 from fleet.local.topology import MASTER_NAME, RedisNode, SentinelGroup
 from fleet.worker.app import create_app
 from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until

@@ -54,7 +54,7 @@ def _signals() -> None:
 def _redis_url(url: str, force: bool):  # type: ignore[no-untyped-def]
     """The bench's Redis: ``url`` when given (it must answer, and hold nothing unless ``force``),
     else a private redis-server."""
-    from fleet.core.config import mask_url
+    from fleet.core.redisconn import mask_url
     from fleet.local.embedded import EmbeddedRedis, database_contents, redis_answers, start_redis
 
     if not url:

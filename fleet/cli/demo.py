@@ -26,9 +26,9 @@ from rich.table import Table
 
 from fleet.bench.measure import percentile
 from fleet.client import Client
-from fleet.core.config import Settings, mask_url
+from fleet.core.config import Settings
 from fleet.core.models import Envelope
-from fleet.core.redisconn import redis_client
+from fleet.core.redisconn import mask_url, redis_client
 from fleet.core.results import ResultFollower
 from fleet.local.processes import ChildExited, LocalFleet
 

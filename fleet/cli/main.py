@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet.core.codes import Code
-from fleet.core.config import Settings, load_settings, mask_url
+from fleet.core.config import Settings, load_settings
 from fleet.core.errors import (
     BrokerUnavailable,
     BrokerUnsafe,
@@ -29,7 +29,7 @@ from fleet.core.errors import (
     NotFound,
     PublicSecrets,
 )
-from fleet.core.redisconn import redis_client
+from fleet.core.redisconn import mask_url, redis_client
 
 if TYPE_CHECKING:
     from fleet.client import Client

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -610,23 +609,6 @@ def reference_markdown() -> str:
 
     add("", Settings)
     return "\n".join(rows)
-
-
-def mask_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``: the one form of a URL that is printed or logged.
-    A Sentinel URL (``sentinel://...;sentinel://...``) is masked part by part."""
-    if ";" in url:
-        return ";".join(mask_url(part) for part in url.split(";"))
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:  # not a URL at all: print nothing of it
-        return "<unparsable URL>"
-    if password is None:
-        return url
-    userinfo, _, host = parts.netloc.rpartition("@")
-    user = userinfo.partition(":")[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def config_path(env: dict[str, str] | None = None) -> Path:

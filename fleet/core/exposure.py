@@ -37,8 +37,9 @@ from collections.abc import Mapping
 
 import redis
 
-from fleet.core.config import EXAMPLE_CONFIG, Settings, mask_url
+from fleet.core.config import EXAMPLE_CONFIG, Settings
 from fleet.core.errors import PublicSecrets
+from fleet.core.redisconn import mask_url
 
 log = logging.getLogger(__name__)
 

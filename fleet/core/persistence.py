@@ -24,8 +24,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fleet.core.config import Settings, mask_url
+from fleet.core.config import Settings
 from fleet.core.errors import BrokerUnsafe
+from fleet.core.redisconn import mask_url
 
 log = logging.getLogger(__name__)
 

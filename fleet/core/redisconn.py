@@ -16,13 +16,16 @@ does this; kombu uses the same pool through its ``sentinel`` transport
 (``broker_transport_options`` from ``celery_transport_options``). Lua scripts need nothing
 more: ``Script`` objects send EVALSHA and load the text on NOSCRIPT, which is what a promoted
 replica answers for a script it never saw (fleet/core/lua.py).
+
+A broker URL is printed or logged only as ``mask_url`` leaves it (its password ``***``), and a
+Redis that does not answer is ``broker_unavailable``: one line naming it, masked.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
@@ -145,7 +148,22 @@ def celery_transport_options(settings: Settings) -> dict[str, Any]:
 def broker_unavailable(url: str, exc: BaseException) -> BrokerUnavailable:
     """E_BROKER_UNAVAILABLE in one line naming the broker (password masked): what producers and
     every CLI command show instead of a traceback."""
-    from fleet.core.config import mask_url
-
     return BrokerUnavailable(f"the broker at {mask_url(url)} does not answer ({type(exc).__name__}); "
                              "is Redis running, and is broker_url (FLEET_BROKER_URL) right?")
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``: the one form of a URL that is printed or logged.
+    A Sentinel URL (``sentinel://...;sentinel://...``) is masked part by part."""
+    if ";" in url:
+        return ";".join(mask_url(part) for part in url.split(";"))
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # not a URL at all: print nothing of it
+        return "<unparsable URL>"
+    if password is None:
+        return url
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

@@ -7,6 +7,8 @@ without a Celery client (docs/gateway.md).
     upstream.py    one stream from vLLM on its own thread, with the loop watcher
     chat.py        POST /v1/chat/completions from key to released lease
     tasks.py       fleet jobs over HTTP (/v1/tasks); events.py one shared reader for their events
-    batches.py     OpenAI batches (/v1/files, /v1/batches) onto fleet jobs; files.py their storage
+    files.py       OpenAI files (/v1/files) kept in Redis; fileroutes.py their routes
+    batchrecord.py an OpenAI batch's record in Redis: state, load, commit, the Redis clock
+    batches.py     OpenAI batches (/v1/batches) onto fleet jobs: lifecycle, routes, result files
     metrics.py     Prometheus figures; app.py the ASGI app; server.py ``fleet gateway``
 """

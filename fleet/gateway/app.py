@@ -1,24 +1,25 @@
 """The gateway's ASGI app and what one gateway process holds (``Gateway``).
 
 Routes: ``POST /v1/chat/completions`` (fleet/gateway/chat.py), ``GET /v1/models``, the task routes
-of fleet/gateway/tasks.py, the file and batch routes of fleet/gateway/batches.py, ``GET /health``,
-``GET /livez`` and ``GET /metrics`` (no key needed for those three). ``/health`` is readiness: 200
-when the fleet's Redis answers a PING within a second, else 503 with a JSON body naming what is
-down; the backend is left out (every gateway shares it, and a request meeting a dead backend gets
-its own 503 ``E_UPSTREAM_UNAVAILABLE``). ``/livez`` is liveness: 200 while the process serves.
+of fleet/gateway/tasks.py, the file routes of fleet/gateway/fileroutes.py, the batch routes (and
+a file's content) of fleet/gateway/batches.py, ``GET /health``, ``GET /livez`` and ``GET /metrics``
+(no key needed for those three). ``/health`` is readiness: 200 when the fleet's Redis answers a
+PING within a second, else 503 with a JSON body naming what is down; the backend is left out
+(every gateway shares it, and a request meeting a dead backend gets its own 503
+``E_UPSTREAM_UNAVAILABLE``). ``/livez`` is liveness: 200 while the process serves.
 Every other route and method answers vLLM's error body with a code, never Starlette's HTML page
 (a wrong method 405 with ``Allow``, a trailing slash 404, never a redirect).
 A Redis error of a route is 503 ``E_BROKER_UNAVAILABLE`` with Retry-After when Redis cannot
 serve right now, 500 ``E_INTERNAL`` otherwise (``wire.redis_failure``, the one mapping).
 
 ``Gateway.build_body`` turns a chat request into the body the fleet would send for the same job
-on the queue path: the project's system prompt first (fleet/prep/prepare.py lays it out and counts
-the prompt exactly, as prep does; a conversation is never trimmed, a prompt that does not fit is
-400 ``E_PROMPT_TOO_LONG``), untrusted messages fenced and their requests stripped of tools
-(fleet/core/request.py), tools the project does not allow removed, the project's thinking budget
-and content reserve as ``thinking_token_budget`` and ``max_completion_tokens`` (a client's own
-``max_tokens`` can only lower the latter), the project's response schema unless the request
-brings its own ``response_format``.
+on the queue path (fleet/infer/requestbody.py builds both): the project's system prompt first
+(fleet/prep/prepare.py lays it out and counts the prompt exactly, as prep does; a conversation is
+never trimmed, a prompt that does not fit is 400 ``E_PROMPT_TOO_LONG``), untrusted messages
+fenced and their requests stripped of tools (fleet/core/request.py), tools the project does not
+allow removed, the project's thinking budget and content reserve as ``thinking_token_budget`` and
+``max_completion_tokens`` (a client's own ``max_tokens`` can only lower the latter), the
+project's response schema unless the request brings its own ``response_format``.
 """
 
 from __future__ import annotations
@@ -48,11 +49,12 @@ from fleet.gateway.auth import Caller, LiveSettings
 from fleet.gateway.batches import BatchRoutes
 from fleet.gateway.chat import ChatCompletions
 from fleet.gateway.events import EventHub
+from fleet.gateway.fileroutes import FileRoutes
 from fleet.gateway.metrics import GatewayMetrics
 from fleet.gateway.tasks import TaskRoutes
 from fleet.gateway.wire import ChatRequest, broker_down, error_body, error_headers, redis_failure, status_of
-from fleet.infer.attempts import DEFAULT_TEMPERATURE
 from fleet.infer.budget import plan as plan_budget
+from fleet.infer.requestbody import base_temperature, request_body
 from fleet.infer.retrying import RetryBudget
 from fleet.infer.validate import response_format
 from fleet.prep.prepare import prepare
@@ -178,15 +180,11 @@ class Gateway:
         messages, _ = build_request_messages(ready, prepared.fence_tag)
         tools, tool_choice, _ = tools_allowed(ready, project)
         max_tokens = min(plan.max_tokens, req.max_total_tokens or plan.max_tokens)
-        body: dict[str, Any] = {
-            "messages": messages, "max_completion_tokens": max_tokens,
-            "thinking_token_budget": plan.thinking_budget, "request_id": f"{job_id}-1",
-            "temperature": req.temperature if req.temperature is not None else DEFAULT_TEMPERATURE,
-            **req.passthrough(),
-        }
-        fmt = response_format(job, project) or req.response_format
-        optional = {"seed": req.seed, "response_format": fmt, "tools": tools, "tool_choice": tool_choice}
-        body.update({k: v for k, v in optional.items() if v is not None})
+        body = request_body(job_id, 1, messages, max_tokens=max_tokens,
+                            thinking_budget=plan.thinking_budget, seed=req.seed,
+                            temperature=base_temperature(req.temperature), sampling=req.passthrough(),
+                            response_format=response_format(job, project) or req.response_format,
+                            tools=tools, tool_choice=tool_choice)
         return body, prepared.prompt_tokens, max_tokens
 
 
@@ -219,6 +217,7 @@ def _authed(gw: Gateway, handler: Callable[[Request, Caller], Awaitable[Response
 
 def _routes(gw: Gateway) -> list[Route | Mount]:
     tasks = TaskRoutes(gw)
+    files = FileRoutes(gw)
     batches = BatchRoutes(gw)
 
     async def models(request: Request, caller: Caller) -> Response:
@@ -250,10 +249,10 @@ def _routes(gw: Gateway) -> list[Route | Mount]:
         Route("/v1/tasks/{task_id}", _authed(gw, tasks.get), methods=["GET"]),
         Route("/v1/tasks/{task_id}", _authed(gw, tasks.cancel), methods=["DELETE"]),
         Route("/v1/tasks/{task_id}/events", _authed(gw, tasks.events), methods=["GET"]),
-        Route("/v1/files", _authed(gw, batches.upload), methods=["POST"]),
-        Route("/v1/files", _authed(gw, batches.list_files), methods=["GET"]),
-        Route("/v1/files/{file_id}", _authed(gw, batches.file), methods=["GET"]),
-        Route("/v1/files/{file_id}", _authed(gw, batches.delete_file), methods=["DELETE"]),
+        Route("/v1/files", _authed(gw, files.upload), methods=["POST"]),
+        Route("/v1/files", _authed(gw, files.list_files), methods=["GET"]),
+        Route("/v1/files/{file_id}", _authed(gw, files.file), methods=["GET"]),
+        Route("/v1/files/{file_id}", _authed(gw, files.delete_file), methods=["DELETE"]),
         Route("/v1/files/{file_id}/content", _authed(gw, batches.content), methods=["GET"]),
         Route("/v1/batches", _authed(gw, batches.create), methods=["POST"]),
         Route("/v1/batches", _authed(gw, batches.list_batches), methods=["GET"]),

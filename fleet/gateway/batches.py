@@ -1,14 +1,14 @@
-"""OpenAI batches over the gateway (``/v1/files``, ``/v1/batches``), mapped onto fleet batches.
+"""OpenAI batches over the gateway (``/v1/batches``), mapped onto fleet batches: their lifecycle
+(``BatchLifecycle``) and their routes (``BatchRoutes``). A batch's record in Redis is
+fleet/gateway/batchrecord.py's; input and result files are kept by fleet/gateway/files.py and
+served by fleet/gateway/fileroutes.py, but for their content:
 
-    POST   /v1/files                  multipart ``file`` + ``purpose=batch`` -> file object
-    GET    /v1/files[?purpose=&after=&limit=&order=]  the project's files, newest first
-    GET    /v1/files/{id}             the file object
-    GET    /v1/files/{id}/content     the bytes (an input file, or a batch's output or error file)
-    DELETE /v1/files/{id}             {"id", "object": "file", "deleted"}
     POST   /v1/batches                {"input_file_id", "endpoint", "completion_window", "metadata"}
     GET    /v1/batches[?after=&limit=]  the project's batches, newest first, as last stored
     GET    /v1/batches/{id}           the batch object, with its status brought up to date
     POST   /v1/batches/{id}/cancel    cancel the jobs not finished yet
+    GET    /v1/files/{id}/content     a file's bytes: a batch's result file is built here from
+                                      its batch when read, an upload's bytes are sent as stored
 
 The input file is read with the same reader as ``fleet batch`` (fleet/core/batchfile.py): OpenAI
 request lines or fleet job lines, each a fleet Job of the key's project, submitted through
@@ -20,18 +20,8 @@ that sets a field of ``REFUSED_LINE_FIELDS`` (band, priority, deadline, sources.
 line naming it, as is a malformed line (``E_INPUT_INVALID``, that line only). A file without a
 single valid line makes a ``failed`` batch (``errors`` lists the lines' errors), as OpenAI's.
 
-Records, all under the caller's project (another project's batch, file or cursor is 404
-``E_NOT_FOUND`` exactly as an unknown id):
-
-    {p}gwbatch:{<project>/<id>}      hash: meta (the batch object), lines (per input line: number,
-                                     custom id, error and code, job id), submitted (lines the
-                                     create has handled), touched (its last progress, Redis
-                                     TIME), ended (the create ended: at which line), e:<i> (a
-                                     line whose submit failed or that was never sent: error
-                                     and code), cancelled_to (a cancel: jobs cancelled so far)
-    {p}gwbatchdone:{<project>/<id>}  hash: line index -> its settled outcome (code, size of its
-                                     result line, whether that line is its job's result, usage)
-    {p}gwbatches:<project>           zset of the project's batch ids, score = created_at
+Everything is kept under the caller's project (fleet/gateway/batchrecord.py): another project's
+batch, file or cursor is 404 ``E_NOT_FOUND`` exactly as an unknown id.
 
 Create writes the batch first (``validating``, as OpenAI's) and records its progress line by
 line, so a create that fails half way (Redis failing over, the gateway restarting) leaves a
@@ -90,23 +80,23 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
-from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from fleet.core.batchfile import CHAT_URL, BatchLine, jsonl_lines, output_line, parse_lines
 from fleet.core.codes import Code
+from fleet.core.config import GatewaySettings
 from fleet.core.errors import FleetError, InputInvalid, NotFound, TooLarge
 from fleet.core.keys import job_ref
 from fleet.core.models import Envelope
 from fleet.gateway.auth import Caller
-from fleet.gateway.files import CHUNK_BYTES, MULTIPART_SLACK, FileStore, capped_receive, page
-from fleet.gateway.wire import json_object, read_body
+from fleet.gateway.batchrecord import BatchRecords, Row, Settled, State
+from fleet.gateway.fileroutes import upload_content
+from fleet.gateway.files import FileStore, page
+from fleet.gateway.wire import json_object, list_body, paging, read_body
 
 if TYPE_CHECKING:
     from fleet.gateway.app import Gateway
@@ -115,7 +105,6 @@ log = logging.getLogger(__name__)
 
 # An active status and the final one it ends in once every line is answered.
 ACTIVE = {"in_progress": "completed", "cancelling": "cancelled"}
-LIST_LIMIT = 20
 CHUNK_LINES = 200  # lines whose results are read (and a result file's lines sent) at a time
 # Jobs one call ends (expires past the window, or cancels for a cancelled batch): each costs a
 # few round trips and a task sent, so a 10,000-line batch is ended over several reads, never in
@@ -127,70 +116,6 @@ ERRORS_SHOWN = 100  # line errors a failed batch's ``errors`` lists
 # file or URL the workers can reach).
 REFUSED_LINE_FIELDS = ("band", "priority", "deadline", "sources", "kind", "on_source_error",
                        "submitted_at")
-
-Row = dict[str, Any]  # one input line: n, custom_id, error, code, job (its job id or None)
-
-
-@dataclass
-class Settled:
-    """A line's outcome, kept once known: its code, the size of its result line, whether that
-    line is its job's result (else its own error, e.g. a vanished job) and its token usage."""
-
-    code: Code
-    size: int
-    from_result: bool
-    usage: tuple[int, int, int] = (0, 0, 0)  # prompt, completion, reasoning tokens
-
-    def dump(self) -> str:
-        return json.dumps([self.code.value, self.size, self.from_result, *self.usage])
-
-    @classmethod
-    def load(cls, raw: bytes) -> Settled:
-        code, size, from_result, *usage = json.loads(raw)
-        return cls(Code(code), size, from_result, (usage[0], usage[1], usage[2]))
-
-
-@dataclass
-class State:
-    """A batch as stored: meta, lines (with the errors of lines whose submit failed), how far
-    its create got and when it last progressed, and the lines settled so far (index -> outcome)."""
-
-    meta: dict[str, Any]
-    rows: list[Row]
-    submitted: int  # lines the create handled; once it ended, where it ended
-    ended: bool  # the create ended (its remaining lines have their errors)
-    touched: float
-    settled: dict[int, Settled]
-    cancelled_to: int = 0  # a cancelling batch: lines below it had their waiting jobs cancelled
-
-    def line(self, index: int) -> BatchLine:
-        row = self.rows[index]
-        return BatchLine(row["n"], row["custom_id"], error=row["error"], code=Code(row["code"]))
-
-    def waiting(self) -> list[int]:
-        """Lines with a job and no outcome yet."""
-        return [i for i, row in enumerate(self.rows)
-                if row["job"] and not row["error"] and i not in self.settled]
-
-
-def _list(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    return {"object": "list", "data": data, "has_more": has_more,
-            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
-
-
-def _paging(request: Request) -> tuple[str | None, int, bool]:
-    """A list request's ``after``, ``limit`` (1 to 100) and order (newest first unless asc)."""
-    query = request.query_params
-    try:
-        limit = int(query.get("limit", LIST_LIMIT))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise InputInvalid("limit: an integer from 1 to 100", param="limit")
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise InputInvalid('order: "asc" or "desc"', param="order")
-    return query.get("after") or None, limit, order == "desc"
 
 
 def _line_bytes(row: dict[str, Any]) -> bytes:
@@ -217,143 +142,23 @@ class HeldStreamingResponse(StreamingResponse):
             self._release()
 
 
-class BatchRoutes:
+class BatchLifecycle(BatchRecords):
+    """A batch from its create to its final status (every method blocks on Redis: they run on
+    the batch threads): create it and submit its lines, end a create that stopped, bring it up to
+    date (settle its lines, expire them past the window, finish it), cancel it; and the lines of
+    its result files. Methods of one object call each other through ``self``, so a test can hold
+    one step (a submit, a load) of a create or a read between two others."""
+
     def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
         rt = gateway.runtime
-        self.redis = rt.redis
-        self.keys = rt.keys
+        super().__init__(rt.redis, rt.keys, lambda: gateway.live.settings.gateway)
+        self.gw = gateway
         self.files = FileStore(rt.redis, rt.keys, lambda: gateway.live.settings.gateway)
-
-    # -- files --------------------------------------------------------------------------------
-    async def upload(self, request: Request, caller: Caller) -> Response:
-        settings = self.gw.live.settings.gateway
-        capped = Request(request.scope, capped_receive(request.receive, settings.max_file_bytes + MULTIPART_SLACK))
-        try:
-            form = await capped.form(max_files=1, max_fields=8)
-        except MultiPartException as exc:
-            raise InputInvalid(f"the body must be multipart/form-data with file and purpose: {exc}") from exc
-        upload, purpose = form.get("file"), form.get("purpose")
-        if purpose != "batch":
-            raise InputInvalid("purpose: the fleet keeps batch input files only; send purpose=batch",
-                               param="purpose")
-        if not isinstance(upload, UploadFile):
-            raise InputInvalid("file: a file part is required", param="file")
-        content = await upload.read()
-        try:
-            lines = [line for line in jsonl_lines(content.decode("utf-8")) if line.strip()]
-        except UnicodeDecodeError as exc:
-            raise InputInvalid("file: not UTF-8 text (a batch file is JSONL)", param="file") from exc
-        if len(lines) > settings.max_batch_lines:
-            raise TooLarge(f"file: {len(lines)} lines, over gateway.max_batch_lines "
-                           f"({settings.max_batch_lines})")
-        meta = await self.gw.run(self.files.put, caller.project, upload.filename or "batch.jsonl",
-                                 "batch", content)
-        return JSONResponse(meta)
-
-    async def list_files(self, request: Request, caller: Caller) -> Response:
-        after, limit, newest_first = _paging(request)
-        found, more = await self.gw.run(self.files.list, caller.project,
-                                        request.query_params.get("purpose"), after=after,
-                                        limit=limit, newest_first=newest_first)
-        return JSONResponse(_list(found, more))
-
-    async def file(self, request: Request, caller: Caller) -> Response:
-        return JSONResponse(await self.gw.run(self.files.meta, caller.project,
-                                              request.path_params["file_id"]))
-
-    async def content(self, request: Request, caller: Caller) -> Response:
-        """A file's bytes, sent in chunks: an upload read ``CHUNK_BYTES`` at a time, a batch's
-        result file built ``CHUNK_LINES`` lines at a time (an error mid-way cuts the response)."""
-        project, file_id = caller.project, request.path_params["file_id"]
-        source = await self.gw.run(self.files.source, project, file_id)
-        if source is None:
-            return StreamingResponse(self._upload_chunks(project, file_id),
-                                     media_type="application/jsonl")
-        batch_id, part = source
-        release = self.gw.hold_batch_call(project)
-        try:
-            state = await self.gw.run_held(self._load, project, batch_id)
-        except BaseException:
-            release()
-            raise
-        return HeldStreamingResponse(self._result_chunks(project, state, part), release,
-                                     media_type="application/jsonl")
-
-    async def _upload_chunks(self, project: str, file_id: str) -> AsyncIterator[bytes]:
-        start = 0
-        while chunk := await self.gw.run(self.files.body_chunk, project, file_id, start):
-            yield chunk
-            start += len(chunk)
-            if len(chunk) < CHUNK_BYTES:
-                return
-
-    async def _result_chunks(self, project: str, state: State, part: str) -> AsyncIterator[bytes]:
-        wanted = [i for i in range(len(state.rows)) if self._part_of(state, i) == part]
-        for indexes in _chunks(wanted):
-            yield await self.gw.run_held(self._render, project, state, indexes)
-
-    def _part_of(self, state: State, index: int) -> str:
-        outcome = state.settled.get(index)
-        return "output" if outcome is not None and outcome.code.ok else "errors"
-
-    def _render(self, project: str, state: State, indexes: list[int]) -> bytes:
-        """The result lines of these lines, in their order (a result gone meanwhile: E_NOT_FOUND)."""
-        jobs = {i: state.rows[i]["job"] for i in indexes
-                if (outcome := state.settled.get(i)) is not None and outcome.from_result}
-        raws = self.redis.mget([self.keys.result(job_ref(project, job)) for job in jobs.values()]) if jobs else []
-        results = dict(zip(jobs, raws, strict=True))
-        out = []
-        for i in indexes:
-            line, envelope = state.line(i), None
-            if i in results:
-                raw = results[i]
-                if raw is None:
-                    line.error, line.code = (f"line {line.number}: its result has expired",
-                                             Code.E_NOT_FOUND)
-                else:
-                    envelope = Envelope.model_validate_json(raw)
-            elif i in state.settled and not line.error:
-                line.error, line.code = self._gone(line.number)
-            out.append(_line_bytes(output_line(line, envelope, self.gw.model)))
-        return b"".join(out)
-
-    @staticmethod
-    def _gone(number: int) -> tuple[str, Code]:
-        return f"line {number}: its job is gone (expired or lost) before it had a result", Code.E_NOT_FOUND
-
-    async def delete_file(self, request: Request, caller: Caller) -> Response:
-        file_id = request.path_params["file_id"]
-        if not await self.gw.run(self.files.delete, caller.project, file_id):
-            raise NotFound(f"no file {file_id!r} for this project")
-        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
-
-    # -- batches ------------------------------------------------------------------------------
-    async def create(self, request: Request, caller: Caller) -> Response:
-        data = json_object(await read_body(request, self.gw.live.settings.gateway.max_body_bytes))
-        if data.get("endpoint") != CHAT_URL:
-            raise InputInvalid(f"endpoint: only {CHAT_URL} is served", param="endpoint")
-        if data.get("completion_window") != "24h":
-            raise InputInvalid('completion_window: only "24h" is supported', param="completion_window")
-        metadata = data.get("metadata")
-        if metadata is not None and not isinstance(metadata, dict):
-            raise InputInvalid("metadata: an object of strings", param="metadata")
-        unknown = sorted(set(data) - {"endpoint", "completion_window", "metadata", "input_file_id",
-                                      "output_expires_after"})
-        if unknown:
-            raise InputInvalid(f"unknown fields: {', '.join(unknown)}", param=unknown[0])
-        file_id = str(data.get("input_file_id") or "")
-        return JSONResponse(await self.gw.run_batch(caller.project, self._create, caller.project,
-                                                    file_id, metadata))
-
-    def _key(self, project: str, batch_id: str) -> str:
-        return self.keys.gateway_batch(job_ref(project, batch_id))
-
-    def _settled_key(self, project: str, batch_id: str) -> str:
-        return self.keys.gateway_batch_settled(job_ref(project, batch_id))
 
     def _create(self, project: str, file_id: str, metadata: dict[str, Any] | None
                 ) -> dict[str, Any]:
+        """Create a batch of the input file ``file_id``: its record first, then its lines
+        submitted one by one (none when no line is valid: the batch is ``failed``)."""
         if self.files.meta(project, file_id)["purpose"] != "batch":
             raise InputInvalid(f"input_file_id: {file_id!r} is not a batch input file",
                                param="input_file_id")
@@ -363,6 +168,21 @@ class BatchRoutes:
         now = time.time()
         kept_s = settings.batch_window_s + settings.files_ttl_s
         batch_id = f"batch_{uuid.uuid4().hex}"
+        self._count_batch(project, batch_id, now, settings)
+        expires_at = int(now + settings.batch_window_s)
+        rows: list[Row] = [{"n": line.number, "custom_id": line.custom_id, "error": line.error,
+                            "code": line.code.value, "job": line.job.id if line.job else None}
+                           for line in parsed]
+        batch = self._new_batch(batch_id, file_id, metadata, parsed, now, expires_at)
+        self._store_new(project, batch, rows, kept_s)
+        if batch["status"] == "failed":
+            return batch
+        return self._submit_lines(project, batch_id, parsed, rows, expires_at)
+
+    def _count_batch(self, project: str, batch_id: str, now: float, settings: GatewaySettings) -> None:
+        """Put the batch in its project's index, held to ``gateway.max_batches`` created within
+        ``gateway.files_ttl_s`` (TooLarge past it); entries older than a batch is kept are pruned."""
+        kept_s = settings.batch_window_s + settings.files_ttl_s
         index = self.keys.gateway_batches(project)
         self.redis.zremrangebyscore(index, "-inf", now - kept_s)
         self.redis.zadd(index, {batch_id: now})
@@ -371,10 +191,10 @@ class BatchRoutes:
             raise TooLarge(f"batches: the project already created gateway.max_batches "
                            f"({settings.max_batches}) within gateway.files_ttl_s")
         self.redis.expire(index, kept_s)
-        expires_at = int(now + settings.batch_window_s)
-        rows: list[Row] = [{"n": line.number, "custom_id": line.custom_id, "error": line.error,
-                            "code": line.code.value, "job": line.job.id if line.job else None}
-                           for line in parsed]
+
+    def _new_batch(self, batch_id: str, file_id: str, metadata: dict[str, Any] | None,
+                   parsed: list[BatchLine], now: float, expires_at: int) -> dict[str, Any]:
+        """The batch object as created: ``validating``, or ``failed`` when no line is valid."""
         batch: dict[str, Any] = {
             "id": batch_id, "object": "batch", "endpoint": CHAT_URL, "errors": None,
             "input_file_id": file_id, "completion_window": "24h", "status": "validating",
@@ -382,19 +202,18 @@ class BatchRoutes:
             "in_progress_at": None, "expires_at": expires_at,
             "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
             "cancelling_at": None, "cancelled_at": None, "metadata": metadata,
-            "request_counts": {"total": len(rows), "completed": 0, "failed": 0}, "usage": None,
+            "request_counts": {"total": len(parsed), "completed": 0, "failed": 0}, "usage": None,
         }
         if not any(line.job for line in parsed):
             batch.update(status="failed", failed_at=int(now), errors=self._input_errors(parsed),
                          request_counts={"total": 0, "completed": 0, "failed": 0})
+        return batch
+
+    def _submit_lines(self, project: str, batch_id: str, parsed: list[BatchLine], rows: list[Row],
+                      expires_at: int) -> dict[str, Any]:
+        """Submit the lines in order, recording each (its failure, ``submitted``, ``touched``)
+        before reading whether a reader ended the create or a cancel came; then end the create."""
         key = self._key(project, batch_id)
-        with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={"meta": json.dumps(batch), "lines": json.dumps(rows),
-                                    "submitted": 0, "touched": self._clock()})
-            pipe.expire(key, kept_s)
-            pipe.execute()
-        if batch["status"] == "failed":
-            return batch
         for i, line in enumerate(parsed):
             failure = self._submit(line, expires_at) if line.job is not None else None
             with self.redis.pipeline(transaction=False) as pipe:
@@ -446,16 +265,7 @@ class BatchRoutes:
         if not state.ended:
             self._mark_ended(key)
             state = self._load(project, batch_id)
-        cancelled = state.meta["status"] == "cancelling"
-        reason, code = (("the batch was cancelled while it was created", Code.E_CANCELLED)
-                        if cancelled else
-                        ("the batch's create stopped before this line", Code.E_INTERNAL))
-        with self.redis.pipeline(transaction=True) as pipe:
-            for i in range(state.submitted, len(state.rows)):
-                if state.rows[i]["job"]:
-                    pipe.hsetnx(key, f"e:{i}", json.dumps(
-                        (f"line {state.rows[i]['n']}: not submitted: {reason}", code.value)))
-            pipe.execute()
+        self._fail_unsent(key, state)
         # An unsent line's job may have started all the same (the create died between its
         # submit and recording it): cancelled; so are the waiting ones of a cancelled batch
         # (``ENDS_PER_CALL`` of them now, the rest by the next reads).
@@ -475,116 +285,19 @@ class BatchRoutes:
 
         return self._commit(project, batch_id, started)
 
-    def _mark_ended(self, key: str) -> None:
-        """End the create at the line it has got to as stored now: ``ended`` is set from
-        ``submitted`` in one transaction on the WATCHed record, so a create that records another
-        line meanwhile (its ``submitted``, then its check for ``ended``) makes this read again
-        rather than end it at a line it has sent. The first to end a create sets where it ended;
-        a second keeps that."""
+    def _fail_unsent(self, key: str, state: State) -> None:
+        """The lines an ended create did not submit become errors (a line's error already
+        written stays)."""
+        cancelled = state.meta["status"] == "cancelling"
+        reason, code = (("the batch was cancelled while it was created", Code.E_CANCELLED)
+                        if cancelled else
+                        ("the batch's create stopped before this line", Code.E_INTERNAL))
         with self.redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(key)
-                    ended, submitted = pipe.hmget(key, ["ended", "submitted"])
-                    if ended is not None:
-                        return
-                    pipe.multi()
-                    pipe.hset(key, "ended", int(submitted or 0))
-                    pipe.execute()
-                    return
-                except redis.WatchError:
-                    continue
-
-    def _clock(self) -> float:
-        """Redis's time, the one clock of every gateway: a create's ``touched`` is written with it
-        and compared with it on another host, so clock skew between hosts never ends a live
-        create (nor keeps a dead one)."""
-        seconds, micros = self.redis.time()
-        return seconds + micros / 1_000_000
-
-    def _load(self, project: str, batch_id: str) -> State:
-        key = self._key(project, batch_id)
-        with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(key)
-            pipe.hgetall(self._settled_key(project, batch_id))
-            fields, settled = pipe.execute()
-        if b"meta" not in fields or b"lines" not in fields:
-            raise NotFound(f"no batch {batch_id!r} for this project")
-        rows: list[Row] = json.loads(fields[b"lines"])
-        for name, raw in fields.items():
-            if name.startswith(b"e:"):
-                error, code = json.loads(raw)
-                rows[int(name[2:])].update(error=error, code=code)
-        ended = fields.get(b"ended")
-        if b"touched" not in fields:  # written by a gateway that wrote a batch once all was sent
-            ended = str(len(rows)).encode()
-        return State(json.loads(fields[b"meta"]), rows,
-                     int(ended if ended is not None else fields.get(b"submitted", 0)),
-                     ended is not None, float(fields.get(b"touched", 0)),
-                     {int(i): Settled.load(raw) for i, raw in settled.items()},
-                     int(fields.get(b"cancelled_to", 0)))
-
-    def _settle(self, project: str, state: State) -> None:
-        """Find the outcome of the lines still waiting (their results, read once each, or their
-        vanished jobs) and keep it; past the window, end the rest ``E_DEADLINE``, at most
-        ``ENDS_PER_CALL`` of them (the next read goes on). Outcomes are kept ``CHUNK_LINES`` at
-        a time, so a call cut half way (its client gone, the gateway stopped) loses little."""
-        waiting = state.waiting()
-        for indexes in _chunks(waiting):
-            refs = [job_ref(project, state.rows[i]["job"]) for i in indexes]
-            raws = self.redis.mget([self.keys.result(ref) for ref in refs])
-            found: dict[int, Settled] = {}
-            missing = [(i, ref) for i, ref, raw in zip(indexes, refs, raws, strict=True) if raw is None]
-            for i, raw in zip(indexes, raws, strict=True):
-                if raw is not None:
-                    found[i] = self._outcome(state.line(i), Envelope.model_validate_json(raw))
-            with self.redis.pipeline(transaction=False) as pipe:
-                for _, ref in missing:
-                    pipe.exists(self.keys.job(ref))
-                known = pipe.execute() if missing else []
-            for (i, _), exists in zip(missing, known, strict=True):
-                if not exists:
-                    line = state.line(i)
-                    line.error, line.code = self._gone(line.number)
-                    found[i] = Settled(Code.E_NOT_FOUND, len(_line_bytes(
-                        output_line(line, None, self.gw.model))), False)
-            self._keep(project, state, found)
-        if time.time() < state.meta["expires_at"]:
-            return
-        due = [i for i in waiting if i not in state.settled][:ENDS_PER_CALL]
-        for indexes in _chunks(due):
-            self._keep(project, state, {i: self._expire(project, state.line(i), state.rows[i]["job"])
-                                        for i in indexes})
-
-    def _keep(self, project: str, state: State, found: dict[int, Settled]) -> None:
-        """Store these lines' outcomes (and note them in ``state``)."""
-        if not found:
-            return
-        key = self._settled_key(project, state.meta["id"])
-        settings = self.gw.live.settings.gateway
-        with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={str(i): outcome.dump() for i, outcome in found.items()})
-            pipe.expire(key, settings.batch_window_s + settings.files_ttl_s)
+            for i in range(state.submitted, len(state.rows)):
+                if state.rows[i]["job"]:
+                    pipe.hsetnx(key, f"e:{i}", json.dumps(
+                        (f"line {state.rows[i]['n']}: not submitted: {reason}", code.value)))
             pipe.execute()
-        state.settled.update(found)
-
-    def _outcome(self, line: BatchLine, envelope: Envelope) -> Settled:
-        usage = envelope.usage
-        return Settled(envelope.code, len(_line_bytes(output_line(line, envelope, self.gw.model))),
-                       True, (usage.prompt_tokens, usage.completion_tokens, usage.reasoning_tokens))
-
-    def _expire(self, project: str, line: BatchLine, job_id: str) -> Settled:
-        """End a job not done within the window: cancel it (a running one stops) and give it the
-        result ``E_DEADLINE``; whichever result is first (a cancel or answer just before) is
-        the line's, so the line and the job's own result always agree."""
-        self._cancel_jobs(project, [job_id])
-        self.gw.runtime.results.publish(Envelope.failure(
-            job_id, project, Code.E_DEADLINE, "not done within the batch's completion window"))
-        envelope = self.gw.runtime.results.get(job_ref(project, job_id))
-        if envelope is None:  # gone at once (evicted): as a vanished job
-            line.error, line.code = self._gone(line.number)
-            return Settled(Code.E_NOT_FOUND, len(_line_bytes(output_line(line, None, self.gw.model))), False)
-        return self._outcome(line, envelope)
 
     def _refresh(self, project: str, batch_id: str) -> dict[str, Any]:
         """The batch object, its counts and status brought up to date (see module doc)."""
@@ -618,17 +331,62 @@ class BatchRoutes:
         failed = sum(1 for row in state.rows if row["error"]) + len(state.settled) - completed
         return {"total": len(state.rows), "completed": completed, "failed": failed}
 
+    def _settle(self, project: str, state: State) -> None:
+        """Find the outcome of the lines still waiting (their results, read once each, or their
+        vanished jobs) and keep it; past the window, end the rest ``E_DEADLINE``, at most
+        ``ENDS_PER_CALL`` of them (the next read goes on). Outcomes are kept ``CHUNK_LINES`` at
+        a time, so a call cut half way (its client gone, the gateway stopped) loses little."""
+        waiting = state.waiting()
+        for indexes in _chunks(waiting):
+            refs = [job_ref(project, state.rows[i]["job"]) for i in indexes]
+            raws = self.redis.mget([self.keys.result(ref) for ref in refs])
+            found: dict[int, Settled] = {}
+            missing = [(i, ref) for i, ref, raw in zip(indexes, refs, raws, strict=True) if raw is None]
+            for i, raw in zip(indexes, raws, strict=True):
+                if raw is not None:
+                    found[i] = self._outcome(state.line(i), Envelope.model_validate_json(raw))
+            with self.redis.pipeline(transaction=False) as pipe:
+                for _, ref in missing:
+                    pipe.exists(self.keys.job(ref))
+                known = pipe.execute() if missing else []
+            for (i, _), exists in zip(missing, known, strict=True):
+                if not exists:
+                    line = state.line(i)
+                    line.error, line.code = self._gone(line.number)
+                    found[i] = Settled(Code.E_NOT_FOUND, len(_line_bytes(
+                        output_line(line, None, self.gw.model))), False)
+            self._keep(project, state, found)
+        if time.time() < state.meta["expires_at"]:
+            return
+        due = [i for i in waiting if i not in state.settled][:ENDS_PER_CALL]
+        for indexes in _chunks(due):
+            self._keep(project, state, {i: self._expire(project, state.line(i), state.rows[i]["job"])
+                                        for i in indexes})
+
+    def _outcome(self, line: BatchLine, envelope: Envelope) -> Settled:
+        usage = envelope.usage
+        return Settled(envelope.code, len(_line_bytes(output_line(line, envelope, self.gw.model))),
+                       True, (usage.prompt_tokens, usage.completion_tokens, usage.reasoning_tokens))
+
+    def _expire(self, project: str, line: BatchLine, job_id: str) -> Settled:
+        """End a job not done within the window: cancel it (a running one stops) and give it the
+        result ``E_DEADLINE``; whichever result is first (a cancel or answer just before) is
+        the line's, so the line and the job's own result always agree."""
+        self._cancel_jobs(project, [job_id])
+        self.gw.runtime.results.publish(Envelope.failure(
+            job_id, project, Code.E_DEADLINE, "not done within the batch's completion window"))
+        envelope = self.gw.runtime.results.get(job_ref(project, job_id))
+        if envelope is None:  # gone at once (evicted): as a vanished job
+            line.error, line.code = self._gone(line.number)
+            return Settled(Code.E_NOT_FOUND, len(_line_bytes(output_line(line, None, self.gw.model))), False)
+        return self._outcome(line, envelope)
+
     def _finish(self, project: str, state: State, counts: dict[str, int]) -> dict[str, Any]:
         """Give the batch its result files (meta only: their content is built when read) and
         its final status in one transaction, unless another reader finished it first (then
         its state is the answer). Its record and its jobs' results are kept as long as its files."""
         batch_id = state.meta["id"]
-        sizes = {"output": 0, "errors": 0}
-        for i in range(len(state.rows)):
-            outcome = state.settled.get(i)
-            size = outcome.size if outcome is not None else len(_line_bytes(
-                output_line(state.line(i), None, self.gw.model)))
-            sizes[self._part_of(state, i)] += size
+        sizes = self._file_sizes(state)
         usage = [sum(outcome.usage[k] for outcome in state.settled.values()) for k in range(3)]
         expired = time.time() >= state.meta["expires_at"] and any(
             outcome.code in (Code.E_DEADLINE, Code.E_CANCELLED) for outcome in state.settled.values())
@@ -659,27 +417,31 @@ class BatchRoutes:
 
         return self._commit(project, batch_id, finish)
 
-    def _commit(self, project: str, batch_id: str,
-                change: Callable[[dict[str, Any], redis.client.Pipeline], bool]) -> dict[str, Any]:
-        """Change the batch's meta atomically: ``change`` updates the meta it is given and queues
-        any other writes on the pipeline (False: nothing to do); retried when another request
-        changed the batch meanwhile. The meta as stored afterwards."""
-        key = self._key(project, batch_id)
-        while True:
-            with self.redis.pipeline(transaction=True) as pipe:
-                try:
-                    pipe.watch(key)
-                    raw = pipe.hget(key, "meta")
-                    if raw is None:
-                        raise NotFound(f"no batch {batch_id!r} for this project")
-                    batch: dict[str, Any] = json.loads(raw)
-                    pipe.multi()
-                    if change(batch, pipe):
-                        pipe.hset(key, "meta", json.dumps(batch))
-                        pipe.execute()
-                    return batch
-                except redis.WatchError:
-                    continue
+    def _file_sizes(self, state: State) -> dict[str, int]:
+        """The bytes of the batch's result files, by part (``output``, ``errors``)."""
+        sizes = {"output": 0, "errors": 0}
+        for i in range(len(state.rows)):
+            outcome = state.settled.get(i)
+            size = outcome.size if outcome is not None else len(_line_bytes(
+                output_line(state.line(i), None, self.gw.model)))
+            sizes[self._part_of(state, i)] += size
+        return sizes
+
+    def _cancel(self, project: str, batch_id: str) -> dict[str, Any]:
+        batch = self._refresh(project, batch_id)
+        if batch["status"] not in ("validating", "in_progress"):
+            return batch
+
+        def cancelling(batch: dict[str, Any], pipe: redis.client.Pipeline) -> bool:
+            if batch["status"] not in ("validating", "in_progress"):
+                return False
+            batch.update(status="cancelling", cancelling_at=int(time.time()))
+            return True
+
+        # The refresh cancels the first waiting jobs (a create still running stops at its next
+        # line and starts cancelling once it ended).
+        self._commit(project, batch_id, cancelling)
+        return self._refresh(project, batch_id)
 
     def _cancel_waiting(self, project: str, state: State) -> None:
         """A cancelling batch: cancel the waiting jobs of the next submitted lines, at most
@@ -706,12 +468,63 @@ class BatchRoutes:
             except NotFound:  # never submitted, or vanished: its line fails with its own error
                 continue
 
+    def _part_of(self, state: State, index: int) -> str:
+        outcome = state.settled.get(index)
+        return "output" if outcome is not None and outcome.code.ok else "errors"
+
+    def _render(self, project: str, state: State, indexes: list[int]) -> bytes:
+        """The result lines of these lines, in their order (a result gone meanwhile: E_NOT_FOUND)."""
+        jobs = {i: state.rows[i]["job"] for i in indexes
+                if (outcome := state.settled.get(i)) is not None and outcome.from_result}
+        raws = self.redis.mget([self.keys.result(job_ref(project, job)) for job in jobs.values()]) if jobs else []
+        results = dict(zip(jobs, raws, strict=True))
+        out = []
+        for i in indexes:
+            line, envelope = state.line(i), None
+            if i in results:
+                raw = results[i]
+                if raw is None:
+                    line.error, line.code = (f"line {line.number}: its result has expired",
+                                             Code.E_NOT_FOUND)
+                else:
+                    envelope = Envelope.model_validate_json(raw)
+            elif i in state.settled and not line.error:
+                line.error, line.code = self._gone(line.number)
+            out.append(_line_bytes(output_line(line, envelope, self.gw.model)))
+        return b"".join(out)
+
+    @staticmethod
+    def _gone(number: int) -> tuple[str, Code]:
+        return f"line {number}: its job is gone (expired or lost) before it had a result", Code.E_NOT_FOUND
+
+
+class BatchRoutes(BatchLifecycle):
+    """The batch routes (and a file's content, see the module doc): each reads its request and
+    runs the lifecycle on its project's batch threads (``Gateway.run_batch``)."""
+
+    async def create(self, request: Request, caller: Caller) -> Response:
+        data = json_object(await read_body(request, self.gw.live.settings.gateway.max_body_bytes))
+        if data.get("endpoint") != CHAT_URL:
+            raise InputInvalid(f"endpoint: only {CHAT_URL} is served", param="endpoint")
+        if data.get("completion_window") != "24h":
+            raise InputInvalid('completion_window: only "24h" is supported', param="completion_window")
+        metadata = data.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise InputInvalid("metadata: an object of strings", param="metadata")
+        unknown = sorted(set(data) - {"endpoint", "completion_window", "metadata", "input_file_id",
+                                      "output_expires_after"})
+        if unknown:
+            raise InputInvalid(f"unknown fields: {', '.join(unknown)}", param=unknown[0])
+        file_id = str(data.get("input_file_id") or "")
+        return JSONResponse(await self.gw.run_batch(caller.project, self._create, caller.project,
+                                                    file_id, metadata))
+
     async def get(self, request: Request, caller: Caller) -> Response:
         return JSONResponse(await self.gw.run_batch(caller.project, self._refresh, caller.project,
                                                     request.path_params["batch_id"]))
 
     async def list_batches(self, request: Request, caller: Caller) -> Response:
-        after, limit, newest_first = _paging(request)
+        after, limit, newest_first = paging(request)
 
         def load(batch_id: str) -> dict[str, Any] | None:
             raw = self.redis.hget(self._key(caller.project, batch_id), "meta")
@@ -720,24 +533,31 @@ class BatchRoutes:
         found, more = await self.gw.run_batch(
             caller.project, page, self.redis, self.keys.gateway_batches(caller.project),
             after=after, limit=limit, newest_first=newest_first, load=load)
-        return JSONResponse(_list(found, more))
+        return JSONResponse(list_body(found, more))
 
     async def cancel(self, request: Request, caller: Caller) -> Response:
         return JSONResponse(await self.gw.run_batch(caller.project, self._cancel, caller.project,
                                                     request.path_params["batch_id"]))
 
-    def _cancel(self, project: str, batch_id: str) -> dict[str, Any]:
-        batch = self._refresh(project, batch_id)
-        if batch["status"] not in ("validating", "in_progress"):
-            return batch
+    async def content(self, request: Request, caller: Caller) -> Response:
+        """``GET /v1/files/{id}/content``, sent in chunks: an upload's bytes as stored
+        (fleet/gateway/fileroutes.py), a batch's result file built ``CHUNK_LINES`` lines at a
+        time as one of its project's batch calls (an error mid-way cuts the response)."""
+        project, file_id = caller.project, request.path_params["file_id"]
+        source = await self.gw.run(self.files.source, project, file_id)
+        if source is None:
+            return upload_content(self.gw, self.files, project, file_id)
+        batch_id, part = source
+        release = self.gw.hold_batch_call(project)
+        try:
+            state = await self.gw.run_held(self._load, project, batch_id)
+        except BaseException:
+            release()
+            raise
+        return HeldStreamingResponse(self._result_chunks(project, state, part), release,
+                                     media_type="application/jsonl")
 
-        def cancelling(batch: dict[str, Any], pipe: redis.client.Pipeline) -> bool:
-            if batch["status"] not in ("validating", "in_progress"):
-                return False
-            batch.update(status="cancelling", cancelling_at=int(time.time()))
-            return True
-
-        # The refresh cancels the first waiting jobs (a create still running stops at its next
-        # line and starts cancelling once it ended).
-        self._commit(project, batch_id, cancelling)
-        return self._refresh(project, batch_id)
+    async def _result_chunks(self, project: str, state: State, part: str) -> AsyncIterator[bytes]:
+        wanted = [i for i in range(len(state.rows)) if self._part_of(state, i) == part]
+        for indexes in _chunks(wanted):
+            yield await self.gw.run_held(self._render, project, state, indexes)

@@ -55,6 +55,7 @@ from fleet.gateway.wire import (
     sse,
     status_of,
 )
+from fleet.infer.requestbody import retry_body
 from fleet.infer.vllm import Delta, StreamResult
 from fleet.worker.lease import LeaseKeeper
 
@@ -63,7 +64,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Send = Any
-SEED_STEP = 1_000_003  # between the seeds of two attempts, as fleet/infer/attempts.py steps them
 
 
 async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
@@ -250,9 +250,8 @@ class _Session:
 
     async def _attempt(self, attempt: int) -> Finished | Failed:
         body = self.body
-        if attempt > 1:  # a new seed, as a worker's retry has (fleet/infer/attempts.py)
-            body = {**body, "request_id": f"{self.job_id}-{attempt}",
-                    "seed": (body.get("seed", 0) + (attempt - 1) * SEED_STEP) % 2**31}
+        if attempt > 1:  # a new seed, as a worker's retry has
+            body = retry_body(body, self.job_id, attempt)
         upstream = UpstreamStream(self.gw.vllm, body, self.gw.live.settings.watcher,
                                   self.keeper.cancel, asyncio.get_running_loop(),  # type: ignore[union-attr]
                                   self.gw.streams).start()

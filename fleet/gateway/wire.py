@@ -18,6 +18,9 @@ effect on the answer are dropped (``IGNORED``), sampling fields vLLM honours go 
 gateway does not know at all (a typo such as ``temprature``), ``n`` other than 1, or messages the
 fleet's ``Message`` refuses are 400 ``E_INPUT_INVALID`` too; the ``untrusted`` flag on a message is
 the fleet's, as on the queue path. ``loop_retry`` is the gateway's own option (docs/gateway.md).
+
+A list (files, batches) is read a page at a time with OpenAI's cursor: ``paging`` reads a list
+request's ``after``, ``limit`` and ``order``, ``list_body`` answers one page.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from fleet.core.errors import BrokerUnavailable, FleetError, InputInvalid, TooLa
 from fleet.core.models import Band, Job, Message, describe_invalid
 from fleet.core.redisconn import UNAVAILABLE
 
+LIST_LIMIT = 20  # a list's page when the request sets no limit
 # Sampling fields sent on to vLLM unchanged when the client sets them.
 PASSTHROUGH = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                "repetition_penalty", "stop", "parallel_tool_calls", "chat_template_kwargs",
@@ -220,6 +224,27 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise over
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def paging(request: Request) -> tuple[str | None, int, bool]:
+    """A list request's ``after``, ``limit`` (1 to 100) and order (newest first unless asc)."""
+    query = request.query_params
+    try:
+        limit = int(query.get("limit", LIST_LIMIT))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise InputInvalid("limit: an integer from 1 to 100", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InputInvalid('order: "asc" or "desc"', param="order")
+    return query.get("after") or None, limit, order == "desc"
+
+
+def list_body(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """One page of an OpenAI list (files, batches), with its cursor ids."""
+    return {"object": "list", "data": data, "has_more": has_more,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

@@ -14,19 +14,10 @@ the next turn's plan is admitted like any job's. ``run_inference`` raises only a
 connection error (the task puts the job back in line: a Redis restart is not the job's fault);
 any other unexpected exception becomes ``E_INTERNAL`` with an ERROR and its traceback.
 
-Each attempt sends (fleet/core/request.py decides messages and tools)::
-
-    messages               untrusted parts neutralised and fenced; retry notes (carry-over,
-                           re-ask) appended to the leading system message
-    max_completion_tokens  plan.max_tokens = thinking budget + content reserve. Only this field:
-                           vLLM lets it win over the deprecated max_tokens, and sending one
-                           number keeps the two from ever disagreeing
-    thinking_token_budget  TOP LEVEL (anywhere else vLLM silently drops it); -1 = unlimited
-    response_format        json_schema of the job or project (fleet/infer/validate.py)
-    stream, stream_options {"include_usage": true}: the usage chunk gives reasoning_tokens
-    request_id             f"{job.id}-{attempt}" (also X-Request-Id)
-    seed, temperature      a new seed every attempt; +0.1 temperature after an answer-level
-                           failure (loop, empty, invalid), at most max(1.0, the job's own)
+Each attempt sends the body fleet/infer/requestbody.py builds (the gateway's too): the plan's
+token fields, the messages with the retry notes and the tool rounds' conversation, a new seed
+every attempt, +0.1 temperature after an answer-level failure (loop, empty, invalid), at most
+max(1.0, the job's own).
 
 How an attempt ends and what follows:
     loop/stall verdict of the watcher  stream closed at once -> E_THINK_LOOP, retry with a
@@ -58,7 +49,6 @@ redelivered job continues the numbering and the carry-over from that history.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import random
@@ -83,13 +73,13 @@ from fleet.infer import carryover
 from fleet.infer import tools as tools_mod
 from fleet.infer.budget import Plan, grow_budget, grow_reserve
 from fleet.infer.loopwatch import LoopWatcher, Verdict
+from fleet.infer.requestbody import base_temperature, job_seed, request_body
 from fleet.infer.retrying import RetryBudget, backoff_s, fits_deadline, should_retry
 from fleet.infer.validate import check_answer, reask_message, response_format, schema_for
 from fleet.infer.vllm import Delta, StreamResult, VllmClient
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TEMPERATURE = 0.6  # Qwen3 thinking models' recommended sampling
 TEMPERATURE_STEP = 0.1
 EMIT_INTERVAL_S = 0.3
 MAX_REASKED_ANSWER_CHARS = 600
@@ -421,14 +411,8 @@ class _Run:
         return None
 
     def _temperature(self) -> float:
-        base = self.job.temperature if self.job.temperature is not None else DEFAULT_TEMPERATURE
+        base = base_temperature(self.job.temperature)
         return round(min(max(base, 1.0), base + TEMPERATURE_STEP * self.heat), 3)
-
-    def _seed(self, number: int) -> int:
-        base = self.job.seed
-        if base is None:
-            base = int(hashlib.sha256(self.job.id.encode()).hexdigest()[:8], 16)
-        return (base + (number - 1) * 1_000_003) % (2**31)
 
     def _messages(self) -> list[dict[str, Any]]:
         """The request's messages: the job's, the retry notes, the tool rounds' conversation."""
@@ -439,31 +423,15 @@ class _Run:
         return messages + self.conversation
 
     def _body(self, number: int, seed: int, temperature: float) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "messages": self._messages(),
-            "max_completion_tokens": self.plan.max_tokens,
-            "thinking_token_budget": self.plan.thinking_budget,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "request_id": f"{self.job.id}-{number}",
-            "seed": seed,
-            "temperature": temperature,
-        }
-        if self.response_format is not None:
-            body["response_format"] = self.response_format
-        if self.tools_off:
-            body["tool_choice"] = "none"
-            return body
-        if self.tools:
-            body["tools"] = self.tools
-        if self.tool_choice is not None:
-            body["tool_choice"] = self.tool_choice
-        return body
+        return request_body(self.job.id, number, self._messages(), max_tokens=self.plan.max_tokens,
+                            thinking_budget=self.plan.thinking_budget, seed=seed,
+                            temperature=temperature, response_format=self.response_format,
+                            tools=self.tools, tool_choice=self.tool_choice, tools_off=self.tools_off)
 
     # -- one attempt ----------------------------------------------------------------------------
     def _attempt(self, number: int) -> _Outcome:
         ctx = self.ctx
-        seed, temperature = self._seed(number), self._temperature()
+        seed, temperature = job_seed(self.job, number), self._temperature()
         carried = self.conclusions or ([self.carry_note] if self.carry_note else [])
         body = self._body(number, seed, temperature)
         ctx.events.emit("attempt", number=number, thinking_budget=self.plan.thinking_budget,

@@ -33,8 +33,7 @@ from urllib.parse import urlparse
 
 import redis
 
-from fleet.core.config import mask_url
-from fleet.core.redisconn import DEFAULT_MASTER_NAME, broker_unavailable, redis_from_url
+from fleet.core.redisconn import DEFAULT_MASTER_NAME, broker_unavailable, mask_url, redis_from_url
 
 log = logging.getLogger(__name__)
 
