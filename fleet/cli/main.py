@@ -163,13 +163,8 @@ def worker(
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Run a Celery worker (--pool threads, or prefork) for project queues and/or the inference queue."""
-    from fleet.worker.app import (
-        INFER_QUEUE,
-        collect_queues,
-        prep_queues,
-        tool_queues,
-        worker_app,
-    )
+    from fleet.worker.app import worker_app
+    from fleet.worker.queues import INFER_QUEUE, collect_queues, prep_queues, tool_queues
 
     settings = settings_or_exit()
     setup_logging(log_level)
