@@ -246,7 +246,7 @@ def flower(
         help="user:password (several comma separated) Flower asks every visitor for")] = None,
 ) -> None:
     """Run Flower on the fleet's broker (tasks, workers, queues). Task arguments show as
-    "project=... job=..." only: job texts never reach Flower (fleet/worker/app.py)."""
+    "project=... job=..." only: job texts never reach Flower (fleet/worker/queues.py)."""
     from fleet.worker.app import flower_argv, worker_app
 
     try:

@@ -1,12 +1,13 @@
 """One inference job, from the planned prompt to its Envelope: the attempt loop.
 
-The inference task (fleet/worker/tasks.py) holds the lease and calls
+The inference task (fleet/worker/jobs/infer.py) holds the lease and calls
 ``run_inference(job, plan, ctx, turn)`` for ONE model turn (one attempt) while the lease keeper
 renews the lease and sets ``ctx.cancel`` when the job is cancelled or the lease is lost. The turn
 ends with a final ``Envelope`` or a ``Continuation``: the job needs another turn (a retry, a
-re-ask, a backend outage), and the continuation carries everything that turn needs (``turn``:
-its number, the grown plan, the carry-over and re-ask notes, the retry and tool counters, the
-warnings), its admission size (``max_tokens`` and ``prompt_tokens``: the plan's prompt grown by
+re-ask, a backend outage), and the continuation carries everything that turn needs (``turn``, a
+``Turn``'s record, fleet/infer/turns.py: its number, the grown plan, the carry-over and re-ask
+notes, the retry and tool counters, the warnings), how it goes on (``how``, a ``RetryKind``), its
+admission size (``max_tokens`` and ``prompt_tokens``: the plan's prompt grown by
 the tool rounds' conversation, counted with ``ctx.count_prompt``) and when it may start
 (``not_before``: the backoff). The task saves the turn, gives its lease up and the job
 re-enters admission (schedulers/store/base.py, Continuations): no backoff ever holds a slot, and
@@ -176,7 +177,7 @@ def run_inference(job: Job, plan: Plan, ctx: InferenceContext,
                   turn: TurnRecord | None = None) -> Envelope | Continuation:
     """One model turn; ``turn`` is the ``Continuation.turn`` of the previous one (None: first).
     A broker connection error (Redis restarting) goes up to the inference task, which puts the
-    job back in line with one WARNING (fleet/worker/tasks.py ``infer_job``): the job did nothing
+    job back in line with one WARNING (fleet/worker/jobs/infer.py ``infer_job``): the job did nothing
     wrong. Any other exception is an ERROR with its traceback and ends the job E_INTERNAL."""
     run: _Run | None = None
     try:
