@@ -94,30 +94,34 @@ class QueueCheckedTask(Task):
         raise NotImplementedError
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The worker's tracer calls a task with its own __call__ like this, its request (with
-        # the stamped delivery_info) already pushed; ``run`` is what it calls otherwise.
+        # Celery's tracer calls a task that has its own __call__ instead of its ``run``, after it
+        # pushed the request (with the stamped delivery_info): nothing else to do but run it.
         queue = arrived_on(self.request)
         if queue in self.belongs_on(kwargs):
             return self.run(*args, **kwargs)
-        ref = kwargs["ref"] if "ref" in kwargs else job_ref(str(kwargs.get("project")), str(kwargs.get("job_id")))
+        ref = kwargs.get("ref") or job_ref(str(kwargs.get("project")), str(kwargs.get("job_id")))
         log.warning("%s task for job=%.80s taken from queue %.80s, where it never belongs: not run",
                     self.name, ref, queue)
         return WRONG_QUEUE
 
 
-class ProjectTask(QueueCheckedTask):
+class OnProjectQueues(QueueCheckedTask):
     """fleet.prep, fleet.cancel: the queues of the project the task names."""
 
     def belongs_on(self, kwargs: dict[str, Any]) -> Collection[str]:
         return home_queues(self.app.fleet_settings, kwargs.get("project"))
 
 
-class InferTask(QueueCheckedTask):
+class OnInferQueue(QueueCheckedTask):
+    """fleet.infer: fleet.infer only."""
+
     def belongs_on(self, kwargs: dict[str, Any]) -> Collection[str]:
         return {INFER_QUEUE}
 
 
-class ToolTask(QueueCheckedTask):
+class OnToolQueues(QueueCheckedTask):
+    """fleet.tool: the tool queues of the projects that run their tools."""
+
     def belongs_on(self, kwargs: dict[str, Any]) -> Collection[str]:
         return set(tool_queues(self.app.fleet_settings))
 
@@ -133,7 +137,7 @@ def register_tasks(app: Celery, tools: bool = True) -> None:
     beat_when_ready(app, runtime.redis, runtime.keys, INFER_QUEUE)
 
     # A non-OK final code raises JobEnded: FAILURE in Flower, no redelivery.
-    @app.task(name=PREP_TASK, base=ProjectTask, bind=True, acks_late=True, throws=(JobEnded,),
+    @app.task(name=PREP_TASK, base=OnProjectQueues, bind=True, acks_late=True, throws=(JobEnded,),
               Request=ShownRequest)
     def prep(task: Task, *, project: str, job_id: str, signed: dict[str, Any]) -> str:
         owner = new_owner()  # one owner across retries: the claim of an attempt cut short is ours
@@ -142,11 +146,11 @@ def register_tasks(app: Celery, tools: bool = True) -> None:
             runtime.settings.prep_lease_s)
         return task_outcome(outcome, job_id)
 
-    @app.task(name=CANCEL_TASK, base=ProjectTask, bind=True, acks_late=True, Request=ShownRequest)
+    @app.task(name=CANCEL_TASK, base=OnProjectQueues, bind=True, acks_late=True, Request=ShownRequest)
     def cancel(task: Task, *, project: str, job_id: str) -> str:
         return cancel_job(runtime, project, job_id)
 
-    @app.task(name=INFER_TASK, base=InferTask, bind=True, acks_late=True, throws=(JobEnded,),
+    @app.task(name=INFER_TASK, base=OnInferQueue, bind=True, acks_late=True, throws=(JobEnded,),
               Request=ShownRequest)
     def infer(task: Task, *, ref: str, project: str, fence: int) -> str:
         return task_outcome(infer_job(runtime, ref, project, fence), split_ref(ref)[1])
@@ -154,6 +158,6 @@ def register_tasks(app: Celery, tools: bool = True) -> None:
     if not tools:
         return
 
-    @app.task(name="fleet.tool", base=ToolTask, bind=True, acks_late=True, Request=QueuedRequest)
+    @app.task(name="fleet.tool", base=OnToolQueues, bind=True, acks_late=True, Request=QueuedRequest)
     def tool(task: Task, *, ref: str, round_number: int, call_id: str) -> str:
         return f"{tool_job(runtime, app.tasks, ref, round_number, call_id)} job={split_ref(ref)[1]}"
