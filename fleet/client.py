@@ -52,7 +52,8 @@ from fleet.core.redisconn import redis_client as connect
 from fleet.core.results import ResultStore
 from fleet.core.seal import digest, sign_cancel
 from fleet.core.signing import sign
-from fleet.worker.app import CANCEL_TASK, PREP_TASK, create_app, shown
+from fleet.worker.app import create_app
+from fleet.worker.queues import CANCEL_TASK, PREP_TASK, shown
 
 # What ``status`` shows of a job record: never the signed message, the prepared job or its seal.
 STATUS_FIELDS = ("project", "kind", "state", "submitted_at", "pending_at", "running_at",

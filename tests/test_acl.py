@@ -29,7 +29,8 @@ from fleet.core.exposure import unrestricted_default_user, warn_shared_broker
 from fleet.core.keys import Keys, job_ref
 from fleet.local.embedded import EmbeddedRedis, start_redis
 from fleet.local.processes import LocalFleet
-from fleet.worker.app import INFER_TASK, PREP_TASK, create_app, project_queue
+from fleet.worker.app import create_app
+from fleet.worker.queues import INFER_TASK, PREP_TASK, project_queue
 
 from .fleet_harness import make_config, wait_until
 from .test_local_processes import kill_tree

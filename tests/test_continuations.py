@@ -27,8 +27,9 @@ from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
 from fleet.core.keys import job_ref
 from fleet.core.models import Envelope
 from fleet.core.signing import sign
+from fleet.worker.jobs.infer import infer_job
+from fleet.worker.jobs.prep import prep_job
 from fleet.worker.runtime import Runtime
-from fleet.worker.tasks import infer_job, prep_job
 
 from .conftest import TEST_REDIS_URL
 from .test_inference import sim

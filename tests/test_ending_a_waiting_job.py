@@ -25,8 +25,10 @@ import pytest
 from fleet.core.codes import Code
 from fleet.core.models import Envelope
 from fleet.core.seal import sign_cancel
+from fleet.worker.jobs.cancel import cancel_job
+from fleet.worker.jobs.infer import infer_job
+from fleet.worker.jobs.tool import tool_job
 from fleet.worker.runtime import Runtime
-from fleet.worker.tasks import cancel_job, infer_job, tool_job
 
 from .test_continuations import admit, envelope, rt, sim, submit
 from .test_tools import BIG_RESULT, Sent, submit_asking, tool_rt

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from fleet.core.codes import Code
-from fleet.worker.app import INFER_TASK
+from fleet.worker.queues import INFER_TASK
 from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
 
 pytestmark = pytest.mark.slow

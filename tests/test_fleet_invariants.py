@@ -31,7 +31,7 @@ import pytest
 
 from fleet.core.codes import Code
 from fleet.local.embedded import free_port
-from fleet.worker.app import INFER_TASK
+from fleet.worker.queues import INFER_TASK
 from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
 
 pytestmark = pytest.mark.slow

@@ -31,7 +31,7 @@ from fleet.core.codes import Code
 from fleet.core.errors import InputInvalid
 from fleet.core.models import Job
 from fleet.core.signing import sign
-from fleet.worker.app import PREP_TASK
+from fleet.worker.queues import PREP_TASK
 from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
 
 pytestmark = pytest.mark.slow

@@ -22,8 +22,9 @@ from fleet.core.config import Settings
 from fleet.core.errors import NotFound
 from fleet.core.keys import job_ref
 from fleet.core.signing import sign
-from fleet.worker.app import CANCEL_TASK, PREP_TASK, create_app, project_queue
+from fleet.worker.app import create_app
 from fleet.worker.dispatch import make_send
+from fleet.worker.queues import CANCEL_TASK, PREP_TASK, project_queue
 from schedulers.dispatcher import admit_all
 from schedulers.store.base import PendingItem
 from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until, write_config

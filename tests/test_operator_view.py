@@ -239,8 +239,9 @@ def test_prep_backlog_shows_in_fleet_queues_and_metrics(
     from rich.console import Console
 
     from fleet.cli.queues import queues_table
-    from fleet.worker.app import PREP_TASK, create_app
+    from fleet.worker.app import create_app
     from fleet.worker.dispatch import PrepBacklogCollector
+    from fleet.worker.queues import PREP_TASK
 
     settings = load_settings(make_config(tmp_path), env={}).model_copy(update={"key_prefix": key_prefix})
     app = create_app(settings)

@@ -16,8 +16,10 @@ import redis
 from fleet.core.keys import Keys, job_ref
 from fleet.core.seal import sign_cancel
 from fleet.core.signing import sign
+from fleet.worker.jobs.cancel import cancel_job
+from fleet.worker.jobs.infer import infer_job
+from fleet.worker.jobs.prep import prep_job
 from fleet.worker.runtime import Runtime
-from fleet.worker.tasks import cancel_job, infer_job, prep_job
 
 from .test_continuations import admit, rt, sim
 

@@ -26,7 +26,8 @@ from fleet.core.codes import Code
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
 from fleet.core.keys import Keys, job_ref
 from fleet.local.processes import LocalFleet
-from fleet.worker.app import INFER_QUEUE, INFER_TASK, PREP_TASK, create_app, project_queue, shown
+from fleet.worker.app import create_app
+from fleet.worker.queues import INFER_QUEUE, INFER_TASK, PREP_TASK, project_queue, shown
 from fleet.worker.transport import QUEUE_STAMP, stamp_queue
 from schedulers.store import make_store
 

@@ -1,5 +1,5 @@
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
-from fleet.worker.app import INFER_TASK, PREP_TASK, UNROUTED_QUEUE, make_router
+from fleet.worker.queues import INFER_TASK, PREP_TASK, UNROUTED_QUEUE, make_router
 
 
 def route(name, **kwargs):

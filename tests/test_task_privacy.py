@@ -19,7 +19,8 @@ import pytest
 
 from fleet.client import Client
 from fleet.core.config import load_settings
-from fleet.worker.app import collect_queue, create_app
+from fleet.worker.app import create_app
+from fleet.worker.queues import collect_queue
 
 from .conftest import delete_prefix
 from .fleet_harness import make_config, wait_until

@@ -23,8 +23,9 @@ from fleet.core.keys import Keys, split_ref
 from fleet.core.seal import seal_turn, sign_cancel
 from fleet.infer import tools
 from fleet.infer.carryover import load_attempts
+from fleet.worker.jobs.infer import infer_job
+from fleet.worker.jobs.tool import tool_job
 from fleet.worker.runtime import Runtime
-from fleet.worker.tasks import infer_job, tool_job
 
 from .fleet_harness import make_config
 from .test_continuations import LEASE_TTL_S, admit, envelope, rt, runtime, sim, submit

@@ -49,7 +49,7 @@ import redis
 from fleet.core.config import Settings, password_problem
 from fleet.core.errors import ConfigError
 from fleet.core.redisconn import is_sentinel, parse_sentinel_url
-from fleet.worker.app import collect_queue, project_queue
+from fleet.worker.queues import collect_queue, project_queue
 
 log = logging.getLogger(__name__)
 

@@ -163,13 +163,8 @@ def worker(
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Run a Celery worker (--pool threads, or prefork) for project queues and/or the inference queue."""
-    from fleet.worker.app import (
-        INFER_QUEUE,
-        collect_queues,
-        prep_queues,
-        tool_queues,
-        worker_app,
-    )
+    from fleet.worker.app import worker_app
+    from fleet.worker.queues import INFER_QUEUE, collect_queues, prep_queues, tool_queues
 
     settings = settings_or_exit()
     setup_logging(log_level)
@@ -251,7 +246,7 @@ def flower(
         help="user:password (several comma separated) Flower asks every visitor for")] = None,
 ) -> None:
     """Run Flower on the fleet's broker (tasks, workers, queues). Task arguments show as
-    "project=... job=..." only: job texts never reach Flower (fleet/worker/app.py)."""
+    "project=... job=..." only: job texts never reach Flower (fleet/worker/queues.py)."""
     from fleet.worker.app import flower_argv, worker_app
 
     try:

@@ -13,8 +13,8 @@ from rich.table import Table
 
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
-from fleet.worker.app import prep_backlog
 from fleet.worker.heartbeat import live_worker_names, shown_workers
+from fleet.worker.queues import prep_backlog
 from schedulers.store import make_store
 
 

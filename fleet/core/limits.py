@@ -1,6 +1,6 @@
 """Size caps on a job, so that what a producer sends costs a bounded amount of work.
 
-Two checks, both at submit (``fleet.Client``) and in prep (fleet/worker/tasks.py):
+Two checks, both at submit (``fleet.Client``) and in prep (fleet/worker/jobs/prep.py):
 
 ``check_message``: the signed message as it arrived, measured before it is verified or parsed.
 The measure walks the decoded message and stops as soon as it passes the cap, so a 50 MB message

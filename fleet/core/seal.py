@@ -27,7 +27,7 @@ state of its next turn in the job hash (``turn``) with ``turn_seal`` = HMAC-SHA2
 under the same key; a turn that does not verify runs nothing (E_AUTH), like a bad seal. The seal
 binds a turn to its job, not to its position: the producer may write its own job hash, so the
 turn carries its number and the inference worker also checks it against the number the
-dispatcher store keeps (fleet/worker/tasks.py ``_current_turn``), which only the fleet writes.
+dispatcher store keeps (fleet/worker/jobs/common.py ``current_turn``), which only the fleet writes.
 
 Cancel requests: ``{p}cancel:{<ref>}`` holds a request signed with the project's own secret
 (fleet/core/signing.py, job ``{"cancel": <id>, "project": <project>}``); the workers that act on it

@@ -1,12 +1,13 @@
 """One inference job, from the planned prompt to its Envelope: the attempt loop.
 
-The inference task (fleet/worker/tasks.py) holds the lease and calls
+The inference task (fleet/worker/jobs/infer.py) holds the lease and calls
 ``run_inference(job, plan, ctx, turn)`` for ONE model turn (one attempt) while the lease keeper
 renews the lease and sets ``ctx.cancel`` when the job is cancelled or the lease is lost. The turn
 ends with a final ``Envelope`` or a ``Continuation``: the job needs another turn (a retry, a
-re-ask, a backend outage), and the continuation carries everything that turn needs (``turn``:
-its number, the grown plan, the carry-over and re-ask notes, the retry and tool counters, the
-warnings), its admission size (``max_tokens`` and ``prompt_tokens``: the plan's prompt grown by
+re-ask, a backend outage), and the continuation carries everything that turn needs (``turn``, a
+``Turn``'s record, fleet/infer/turns.py: its number, the grown plan, the carry-over and re-ask
+notes, the retry and tool counters, the warnings), how it goes on (``how``, a ``RetryKind``), its
+admission size (``max_tokens`` and ``prompt_tokens``: the plan's prompt grown by
 the tool rounds' conversation, counted with ``ctx.count_prompt``) and when it may start
 (``not_before``: the backoff). The task saves the turn, gives its lease up and the job
 re-enters admission (schedulers/store/base.py, Continuations): no backoff ever holds a slot, and
@@ -75,6 +76,7 @@ from fleet.infer.budget import Plan, grow_budget, grow_reserve
 from fleet.infer.loopwatch import LoopWatcher, Verdict
 from fleet.infer.requestbody import base_temperature, job_seed, request_body
 from fleet.infer.retrying import RetryBudget, backoff_s, fits_deadline, should_retry
+from fleet.infer.turns import CARRIED, RetryKind, ToolRound, ToolTask, Turn, TurnRecord
 from fleet.infer.validate import check_answer, reask_message, response_format, schema_for
 from fleet.infer.vllm import Delta, StreamResult, VllmClient
 
@@ -114,14 +116,14 @@ OUTAGE_CODES = frozenset({Code.E_UPSTREAM_UNAVAILABLE, Code.E_CONNECT_TIMEOUT})
 class Continuation:
     """The job needs another model turn: what that turn starts from, and not before when."""
 
-    turn: dict[str, Any]  # JSON-able; the task saves it sealed in the job record
+    turn: TurnRecord  # JSON-able; the task saves it sealed in the job record
     not_before: float  # unix seconds
     delay_s: float
     max_tokens: int  # of the next turn's plan: its admission size, with prompt_tokens
     prompt_tokens: int  # of the next turn: the plan's prompt and the conversation so far
-    how: str  # "carry" | "budget" | "reserve" | "reask" | "backoff" | "outage" | "tool"
+    how: RetryKind
     cause: Code
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # "tool": the calls to run
+    tool_calls: list[ToolTask] = field(default_factory=list)  # RetryKind.TOOL: the calls to run
 
 
 class _LoopDetected(ThinkLoop):
@@ -135,7 +137,7 @@ class _Outcome:
     code: Code
     cause: str
     result: StreamResult | None = None
-    retry: str | None = None  # "carry" | "budget" | "reserve" | "reask" | "backoff" | "outage" | "tool"
+    retry: RetryKind | None = None  # None: the outcome is final
     parsed: Any = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
@@ -162,16 +164,16 @@ class _Coalescer:
 
 
 def run_inference(job: Job, plan: Plan, ctx: InferenceContext,
-                  turn: dict[str, Any] | None = None) -> Envelope | Continuation:
+                  turn: TurnRecord | None = None) -> Envelope | Continuation:
     """One model turn; ``turn`` is the ``Continuation.turn`` of the previous one (None: first).
     A broker connection error (Redis restarting) goes up to the inference task, which puts the
-    job back in line with one WARNING (fleet/worker/tasks.py ``infer_job``): the job did nothing
+    job back in line with one WARNING (fleet/worker/jobs/infer.py ``infer_job``): the job did nothing
     wrong. Any other exception is an ERROR with its traceback and ends the job E_INTERNAL."""
     run: _Run | None = None
     try:
         run = _Run(job, plan, ctx)
         if turn is not None:
-            run.resume(turn)
+            run.resume(Turn.from_record(turn))
         return run.run()
     except BROKER_LOST:
         raise
@@ -187,7 +189,7 @@ def run_turns(job: Job, plan: Plan, ctx: InferenceContext,
               on_continuation: Callable[[Continuation], object] | None = None) -> Envelope:
     """Every turn in this process, back to back, without admission or backoff waits (the loop
     benchmark's in-process mode); ``on_continuation`` sees each continuation."""
-    turn: dict[str, Any] | None = None
+    turn: TurnRecord | None = None
     while True:
         out = run_inference(job, plan, ctx, turn)
         if isinstance(out, Envelope):
@@ -214,7 +216,7 @@ class _Run:
             self.tool_choice = None
         # The tool loop's state (fleet/infer/tools.py), carried from turn to turn:
         self.conversation: list[dict[str, Any]] = []  # messages after the job's own
-        self.tool_rounds: list[dict[str, Any]] = []
+        self.tool_rounds: list[ToolRound] = []
         self.invalid_rounds = 0
         self.tools_off = False  # an untrusted tool result came in: no tools any more
         self.response_format = response_format(job, ctx.project)
@@ -250,21 +252,17 @@ class _Run:
             self.carry_note = carryover.retry_note(self.conclusions, "an earlier delivery")
         return len(history)
 
-    TURN_FIELDS = ("carry_note", "reask_note", "conclusions", "retries", "reasks", "outages",
-                   "heat", "warnings", "conversation", "tool_rounds", "invalid_rounds", "tools_off")
-
-    def resume(self, turn: dict[str, Any]) -> None:
+    def resume(self, turn: Turn) -> None:
         """Continue from the state the previous turn handed over (``Continuation.turn``)."""
-        self.number = turn["number"]
-        self.plan = Plan(**turn["plan"])
-        for name in self.TURN_FIELDS:
-            setattr(self, name, turn[name])
+        self.number, self.plan = turn.number, turn.plan
+        for name in CARRIED:
+            setattr(self, name, getattr(turn, name))
 
-    def turn(self) -> dict[str, Any]:
+    def turn(self) -> Turn:
         """The next turn's state; ``number`` counts the turns (this one's + 1): the store keeps
         the number of the turn it put in line, so an earlier turn cannot be run again."""
-        return {"number": self.number + 1, "plan": dict(self.plan.__dict__),
-                **{name: getattr(self, name) for name in self.TURN_FIELDS}}
+        return Turn(number=self.number + 1, plan=self.plan,
+                    **{name: getattr(self, name) for name in CARRIED})
 
     def _record(self, attempt: Attempt, conclusions: list[str], body: dict[str, Any],
                 result: StreamResult | None) -> None:
@@ -306,7 +304,7 @@ class _Run:
         outcome = self._attempt(self.previous + 1)
         if outcome.retry is None:
             return self._envelope(outcome)
-        if outcome.retry == "tool":
+        if outcome.retry == RetryKind.TOOL:
             return self._tool_round(outcome)
         delay_s = self._prepare_retry(outcome)
         if delay_s is None:
@@ -314,9 +312,9 @@ class _Run:
         assert outcome.retry is not None
         return self._continuation(delay_s, outcome.retry, outcome.code)
 
-    def _continuation(self, delay_s: float, how: str, cause: Code,
-                      calls: list[dict[str, Any]] | None = None) -> Continuation:
-        return Continuation(turn=self.turn(), not_before=self.ctx.clock() + delay_s,
+    def _continuation(self, delay_s: float, how: RetryKind, cause: Code,
+                      calls: list[ToolTask] | None = None) -> Continuation:
+        return Continuation(turn=self.turn().record(), not_before=self.ctx.clock() + delay_s,
                             delay_s=delay_s, max_tokens=self.plan.max_tokens,
                             prompt_tokens=self.plan.prompt_tokens, how=how, cause=cause,
                             tool_calls=calls or [])
@@ -351,9 +349,9 @@ class _Run:
         # Admission sizes the next turn by its prompt: this one's and the calls (each result is
         # added by its tool worker as it comes in, ``store.grow``).
         self.plan = replace(self.plan, prompt_tokens=self._count_prompt([tools_mod.call_message(round_)]))
-        return self._continuation(round_["timeout_s"], "tool", Code.OK, self._tasks(round_))
+        return self._continuation(round_["timeout_s"], RetryKind.TOOL, Code.OK, self._tasks(round_))
 
-    def _tasks(self, round_: dict[str, Any]) -> list[dict[str, Any]]:
+    def _tasks(self, round_: ToolRound) -> list[ToolTask]:
         """The ``fleet.tool`` tasks of a round's valid calls: where each goes, its time limits."""
         return [tools_mod.task_of(c, self.registry[c["name"]], self.job.project)
                 for c in round_["calls"] if c["error"] is None]
@@ -374,9 +372,9 @@ class _Run:
         if sends >= tools_mod.MAX_ROUND_SENDS:
             return self._envelope(_Outcome(Code.E_BROKER_UNAVAILABLE, f"the tool tasks of round "
                                            f"{pending['number']} could not be sent ({sends} tries)"))
-        pending.update(sends=sends + 1, started_at=self.ctx.clock())
+        pending.update({"sends": sends + 1, "started_at": self.ctx.clock()})
         self.warnings.append(f"the tool tasks of round {pending['number']} were not sent: sent again")
-        return self._continuation(pending["timeout_s"], "tool", Code.OK, self._tasks(pending))
+        return self._continuation(pending["timeout_s"], RetryKind.TOOL, Code.OK, self._tasks(pending))
 
     def _finish_tool_round(self) -> _Outcome | None:
         """At the start of the turn after a tool round: its results become the tool messages."""
@@ -505,7 +503,7 @@ class _Run:
             result = ctx.client.stream_chat(body, on_delta, ctx.cancel, self.job.deadline)
         except _LoopDetected as exc:
             return _Outcome(Code.E_THINK_LOOP, f"loop watcher: {exc.message}",
-                            getattr(exc, "partial", None), retry="carry")
+                            getattr(exc, "partial", None), retry=RetryKind.CARRY)
         except FleetError as exc:
             return _Outcome(exc.code, exc.message, getattr(exc, "partial", None),
                             retry=self._retry_kind(exc.code))
@@ -513,28 +511,28 @@ class _Run:
             coalescer.flush()
         return self._classify(result)
 
-    def _retry_kind(self, code: Code) -> str | None:
+    def _retry_kind(self, code: Code) -> RetryKind | None:
         """An unreachable backend, or any retryable failure while its /health says it is down
         (a dead engine answers 500 and fails its streams), is an outage; else a plain retry."""
         if code in OUTAGE_CODES:
-            return "outage"
+            return RetryKind.OUTAGE
         if not should_retry(code):
             return None
-        return "backoff" if self.ctx.client.health() else "outage"
+        return RetryKind.BACKOFF if self.ctx.client.health() else RetryKind.OUTAGE
 
     def _classify(self, r: StreamResult) -> _Outcome:
         budget = self.plan.thinking_budget
         if r.finish_reason == "repetition":
-            return _Outcome(Code.E_THINK_LOOP, "vLLM stopped a repetition", r, retry="carry")
+            return _Outcome(Code.E_THINK_LOOP, "vLLM stopped a repetition", r, retry=RetryKind.CARRY)
         if r.finish_reason in ("abort", "error"):
             return _Outcome(Code.E_UPSTREAM_ERROR, f"finish_reason {r.finish_reason}", r,
                             retry=self._retry_kind(Code.E_UPSTREAM_ERROR))
         if self.registry and not self.tools_off and r.tool_calls:
-            return _Outcome(Code.OK, "tool call", r, retry="tool", tool_calls=r.tool_calls)
+            return _Outcome(Code.OK, "tool call", r, retry=RetryKind.TOOL, tool_calls=r.tool_calls)
         calls = self._allowed_calls(r)
         if calls:
             return _Outcome(Code.OK, "tool call", r, tool_calls=calls)
-        grow = "budget" if r.thinking_forced else "reserve"
+        grow = RetryKind.BUDGET if r.thinking_forced else RetryKind.RESERVE
         forced = f"thinking budget {budget} spent, " if r.thinking_forced else ""
         if not r.content.strip():
             return _Outcome(Code.E_EMPTY_ANSWER, f"{forced}empty answer "
@@ -546,7 +544,7 @@ class _Run:
             return _Outcome(Code.OK_TRUNCATED, "answer cut by max_tokens", r, parsed=checked.parsed)
         if not checked.ok:
             return _Outcome(Code.E_OUTPUT_INVALID, f"{forced}{checked.error}", r,
-                            retry="budget" if r.thinking_forced else "reask",
+                            retry=RetryKind.BUDGET if r.thinking_forced else RetryKind.REASK,
                             parsed=checked.parsed)
         code = Code.OK_THINKING_FORCED if r.thinking_forced else Code.OK
         return _Outcome(code, forced.rstrip(", "), r, parsed=checked.parsed)
@@ -566,11 +564,11 @@ class _Run:
         """Set up the next turn; its backoff in seconds, or None when no retry may happen (the
         outcome is final)."""
         kind, r = outcome.retry, self.s.retry
-        if kind == "outage":
+        if kind == RetryKind.OUTAGE:
             if self.outages >= r.max_outage_returns:
                 self.warnings.append(f"no retry: the backend was unavailable {self.outages + 1} times")
                 return None
-        elif kind == "reask":
+        elif kind == RetryKind.REASK:
             if self.reasks >= r.reask_invalid:
                 return None
         elif self.retries >= r.max_attempts - 1:
@@ -579,12 +577,12 @@ class _Run:
         if delay_s is None:
             return None
         # An outage return waits behind the backend gate and adds no load: no budget token.
-        if kind != "outage" and not self.budget.try_spend():
+        if kind != RetryKind.OUTAGE and not self.budget.try_spend():
             self.warnings.append("no retry: the project's retry budget is used up")
             return None
-        if kind == "reask":
+        if kind == RetryKind.REASK:
             self.reasks += 1
-        elif kind == "outage":
+        elif kind == RetryKind.OUTAGE:
             self.outages += 1
         else:
             self.retries += 1
@@ -595,11 +593,11 @@ class _Run:
                              max_tokens=self.plan.max_tokens, carried=len(self.conclusions))
         return delay_s
 
-    def _delay(self, kind: str | None) -> float | None:
-        if kind not in ("backoff", "outage"):
+    def _delay(self, kind: RetryKind | None) -> float | None:
+        if kind not in (RetryKind.BACKOFF, RetryKind.OUTAGE):
             return 0.0
         r = self.s.retry
-        count = self.outages if kind == "outage" else self.retries
+        count = self.outages if kind == RetryKind.OUTAGE else self.retries
         delay_s = backoff_s(count + 1, r.backoff_base_s, r.backoff_max_s, self.ctx.rand)
         if not fits_deadline(delay_s, self.ctx.clock(), self.job.deadline):
             self.warnings.append(f"no retry: a {delay_s:.1f} s backoff would pass the deadline")
@@ -608,20 +606,20 @@ class _Run:
 
     def _adapt(self, outcome: _Outcome) -> None:
         kind, result = outcome.retry, outcome.result
-        if kind not in ("backoff", "outage"):
+        if kind not in (RetryKind.BACKOFF, RetryKind.OUTAGE):
             self.heat += 1
-        if kind == "budget":
+        if kind == RetryKind.BUDGET:
             self.plan = grow_budget(self.plan, self.s.retry.thinking_budget_ceiling)
-        elif kind == "reserve":
+        elif kind == RetryKind.RESERVE:
             self.plan = grow_reserve(self.plan)
-        if kind in ("carry", "backoff", "outage") and result is not None and result.reasoning:
+        if kind in (RetryKind.CARRY, RetryKind.BACKOFF, RetryKind.OUTAGE) and result is not None and result.reasoning:
             found = carryover.extract_conclusions(result.reasoning)
             self.conclusions = carryover.merge_conclusions(self.conclusions, found)
             self.carry_note = carryover.retry_note(self.conclusions, outcome.cause,
                                                    carryover.extract_dead_ends(result.reasoning))
-        elif kind == "carry":
+        elif kind == RetryKind.CARRY:
             self.carry_note = carryover.retry_note(self.conclusions, outcome.cause)
-        if kind == "reask" and result is not None:
+        if kind == RetryKind.REASK and result is not None:
             has_schema = schema_for(self.job, self.ctx.project) is not None
             answer = result.content.strip()[:MAX_REASKED_ANSWER_CHARS]
             # Both quote model output, which may echo untrusted material: fenced like it.

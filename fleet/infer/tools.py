@@ -77,6 +77,7 @@ from fleet.core.keys import Keys
 from fleet.core.request import fence
 from fleet.core.schema import answer_validator
 from fleet.core.seal import seal_turn
+from fleet.infer.turns import ToolCall, ToolResult, ToolRound, ToolTask, TurnRecord
 
 TOOL_TASK = "fleet.tool"
 MAX_RESULT_CHARS = 20_000
@@ -167,13 +168,13 @@ def _arguments_error(arguments: str, tool: ToolSettings) -> str | None:
     return f"arguments fail the tool's schema at {where}: {failure.message}"
 
 
-def new_round(number: int, calls: list[Call], tools: dict[str, ToolSettings], now: float) -> dict[str, Any]:
+def new_round(number: int, calls: list[Call], tools: dict[str, ToolSettings], now: float) -> ToolRound:
     run = [c for c in calls if c.error is None]
-    return {"number": number, "calls": [asdict(c) for c in calls], "started_at": now,
-            "timeout_s": max((tools[c.name].timeout_s for c in run), default=0.0)}
+    return {"number": number, "calls": [ToolCall(**asdict(c)) for c in calls],  # type: ignore[typeddict-item]
+            "started_at": now, "timeout_s": max((tools[c.name].timeout_s for c in run), default=0.0)}
 
 
-def task_of(call: dict[str, Any], tool: ToolSettings, project: str) -> dict[str, Any]:
+def task_of(call: ToolCall, tool: ToolSettings, project: str) -> ToolTask:
     """What the inference worker sends for one valid call: the task runs under Celery's time
     limits, soft at the tool's timeout, hard ``KILL_GRACE_S`` later (prefork pool only)."""
     return {"id": call["id"], "name": call["name"], "queue": tool.queue_for(project),
@@ -186,7 +187,7 @@ def result_field(round_number: int, call_id: str) -> str:
 
 
 def save_result(client: redis.Redis, keys: Keys, settings: Settings, ref: str, round_number: int,
-                call_id: str, result: dict[str, Any]) -> None:
+                call_id: str, result: ToolResult) -> None:
     """Store one call's result, sealed (stored again once it carries its ``tokens``)."""
     text = json.dumps(result)
     field = result_field(round_number, call_id)
@@ -215,13 +216,13 @@ def was_sent(client: redis.Redis, keys: Keys, ref: str, round_number: int) -> bo
 
 
 def load_results(client: redis.Redis, keys: Keys, settings: Settings, ref: str,
-                 round_: dict[str, Any]) -> dict[str, dict[str, Any]]:
+                 round_: ToolRound) -> dict[str, ToolResult]:
     """The round's results by call id; one without the workers' seal counts as missing."""
     ids = [c["id"] for c in round_["calls"] if c["error"] is None]
     if not ids:
         return {}
     fields = [result_field(round_["number"], i) for i in ids]
-    found: dict[str, dict[str, Any]] = {}
+    found: dict[str, ToolResult] = {}
     for call_id, field, raw in zip(ids, fields, client.hmget(keys.tools(ref), fields), strict=True):
         if raw is None:
             continue
@@ -234,28 +235,28 @@ def load_results(client: redis.Redis, keys: Keys, settings: Settings, ref: str,
     return found
 
 
-def round_complete(round_: dict[str, Any], results: dict[str, dict[str, Any]]) -> bool:
+def round_complete(round_: ToolRound, results: dict[str, ToolResult]) -> bool:
     """Every valid call of the round has its result in AND counted (``tokens``). A result is
     stored before it is counted (so a limit landing in the count never loses it): one without
     its size is not complete yet, else the job would be put in line before its size grew (the
     worker whose count lands last sees every size, grows the job by all of them, then hurries)."""
-    return all("tokens" in results.get(c["id"], {}) for c in round_["calls"] if c["error"] is None)
+    return all("tokens" in results.get(c["id"], ToolResult()) for c in round_["calls"] if c["error"] is None)
 
 
-def counted_text(result: dict[str, Any]) -> str:
+def counted_text(result: ToolResult) -> str:
     """What the model will read of a result (before an untrusted tool's fence)."""
     if result.get("ok"):
         return result_text(result.get("content"))
     return f"The tool failed: {result.get('error')}"
 
 
-def next_prompt_tokens(turn: dict[str, Any], results: dict[str, dict[str, Any]]) -> int:
+def next_prompt_tokens(turn: TurnRecord, results: dict[str, ToolResult]) -> int:
     """The next turn's prompt once ``results`` are in: the prompt the round was readmitted with
     (the conversation and the calls) and each result's ``tokens``."""
     return int(turn["plan"]["prompt_tokens"]) + sum(int(r.get("tokens") or 0) for r in results.values())
 
 
-def never_sent(turn: dict[str, Any], results: dict[str, dict[str, Any]]) -> str | None:
+def never_sent(turn: TurnRecord, results: dict[str, ToolResult]) -> str | None:
     """Why the next turn can never be sent, whatever else comes in (None: it may be): the least
     its prompt will be (the prompt so far and each result's text, without the framing allowance)
     next to the plan's max tokens passes max_model_len (the next turn's own check, done early)."""
@@ -286,14 +287,14 @@ class Outcome:
     failure: tuple[str, str] | None = None  # (code name, cause)
 
 
-def call_message(round_: dict[str, Any]) -> dict[str, Any]:
+def call_message(round_: ToolRound) -> dict[str, Any]:
     """The assistant message of a round: its calls, as the model made them."""
     return {"role": "assistant", "content": "", "tool_calls": [
         {"id": c["id"], "type": "function",
          "function": {"name": c["name"], "arguments": c["arguments"]}} for c in round_["calls"]]}
 
 
-def finish_round(round_: dict[str, Any], results: dict[str, dict[str, Any]],
+def finish_round(round_: ToolRound, results: dict[str, ToolResult],
                  tools: dict[str, ToolSettings], fence_tag: str, now: float) -> Outcome:
     """The tool messages of a round whose results are in (or whose time is up); records each
     call's result in ``round_`` (for the envelope)."""
@@ -324,7 +325,7 @@ def finish_round(round_: dict[str, Any], results: dict[str, dict[str, Any]],
     return Outcome(messages, untrusted, failure)
 
 
-def run_tool(task: Any, arguments: str, timeout_s: float) -> dict[str, Any]:
+def run_tool(task: Any, arguments: str, timeout_s: float) -> ToolResult:
     """Run a registered tool task in this process; its result or error as stored. Celery's
     soft time limit (at ``timeout_s``) raises inside the tool: a timeout, not a failure."""
     started_at, started = time.time(), time.monotonic()

@@ -178,7 +178,7 @@ class LocalFleet:
                 raise self._exited("gateway", process)
 
     def _runs_tools(self) -> bool:
-        from fleet.worker.app import tool_queues
+        from fleet.worker.queues import tool_queues
 
         return bool(tool_queues(self.settings))
 

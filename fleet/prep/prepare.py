@@ -1,7 +1,7 @@
 """The preparation pipeline: collect a job's sources, lay out its prompt, trim it to fit.
 
 This is everything that happens before inference, on prep workers, without holding an inference
-slot (the Celery prep task in fleet/worker/tasks.py calls ``prepare`` and hands the result on).
+slot (the Celery prep task in fleet/worker/jobs/prep.py calls ``prepare`` and hands the result on).
 
 Layout (prefix-cache friendly, see fleet/prep/prefix.py)::
 

@@ -43,8 +43,9 @@ from fleet.core.redisconn import redis_client
 from fleet.core.results import ResultStore
 from fleet.core.seal import SEALED_FIELDS, seal_valid
 from fleet.prep.watchdog import run_prep_watchdog
-from fleet.worker.app import INFER_TASK, PREP_TASK, create_app, prep_backlog, shown
+from fleet.worker.app import create_app
 from fleet.worker.heartbeat import WorkerGate
+from fleet.worker.queues import INFER_TASK, PREP_TASK, prep_backlog, shown
 from schedulers.dispatcher import run_dispatcher
 from schedulers.store.base import Grant
 

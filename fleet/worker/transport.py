@@ -29,7 +29,8 @@ The queue a message was taken from is stamped into it on delivery, as
 ``delivery_info['fleet_queue']`` (``Channel.basic_consume``): the list BRPOP popped it from,
 overwriting whatever the sender wrote there. Everything else in a message (its routing key and
 the rest of ``delivery_info``) is written by its sender, and a producer may push raw messages
-onto its own project queue; the tasks check the stamp (fleet/worker/tasks.py, ``arrived_on``).
+onto its own project queue; the tasks check the stamp (fleet/worker/tasks.py, ``arrived_on`` in
+fleet/worker/queues.py).
 The exchange and routing key are overwritten with the queue's own too: kombu keeps them
 with the message in its unacked hash, and a lost channel gives the message back by them, so it
 goes back to the list it was popped from (not to a queue its sender named) and is stamped

@@ -4,7 +4,7 @@
 -- `not_before` (a backoff): until then it waits in `deferred`, and PROMOTE puts it in line.
 -- The next turn's prompt (grown by the conversation of its tool rounds) replaces the item's,
 -- its growth is added to the uncached tokens, and `cont` records the turn's number: the
--- inference worker runs only the saved turn that carries it (fleet/worker/tasks.py).
+-- inference worker runs only the saved turn that carries it (fleet/worker/jobs/common.py).
 -- KEYS[1]  lease                            hash  job id -> lease (prelude)
 -- KEYS[2]  leases                           zset  in-flight job ids by lease expiry
 -- KEYS[3]  state                            hash  in_flight kv long claimed queued

@@ -1,0 +1,186 @@
+"""The inference task's work (``fleet.infer``, queue fleet.infer, kwargs ref, project, fence; sent
+by a dispatcher): ONE model turn of a job, under its lease.
+
+stale fence (duplicate or late delivery) -> drop; already final (ended while it waited:
+fleet/worker/jobs/common.py) -> release, drop;
+the ref, the task, the lease, the record and the sealed job must name one project, and the seal
+must verify, and a saved turn must be the one the store names (its number, recorded by
+``readmit``; the producer may write its job hash but not the store), else E_AUTH before anything
+is sent; otherwise run ONE model turn (fleet/infer/attempts.py) under a LeaseKeeper (it stops the
+turn on a cancel request or on a final result published meanwhile). A final envelope is
+published (if the job has none yet), then the lease released. A continuation (the job needs
+another turn: retry, re-ask, backend outage, tool round) is saved sealed in the job hash
+(``turn``, a ``TurnRecord``: fleet/infer/turns.py; state "pending"), then ``readmit`` gives the
+lease up and puts the job back in line at its place with the next turn's plan and prompt, not
+before its backoff (schedulers/store/base.py, Continuations), and records the turn's number; then
+a job cancelled meanwhile ends, else a tool round's tasks go out (``send_round``,
+fleet/worker/jobs/tool.py; before anything else: the job waits for them). A worker whose lease
+was lost publishes nothing: the job is already pending again.
+Between two turns nothing runs and nothing is held: a worker dying after saving the turn and
+before ``readmit`` leaves the lease to expire, and the reaped job resumes from the saved turn
+(attempts are recorded as they end, fleet/infer/carryover.py); a cancel or a deadline between
+turns ends the job like any pending job's.
+
+Failure cases: a Redis outage puts the job back in line ("broker-lost"); any other exception
+ends the job E_INTERNAL with an ERROR and its traceback. A worker shutting down mid-stream leaves
+the lease to expire: the job is admitted again at its place in line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+
+import redis
+
+from fleet.core.codes import Code
+from fleet.core.errors import AuthError
+from fleet.core.keys import job_ref, split_ref
+from fleet.core.models import Envelope, Job, Timings
+from fleet.core.outagelog import BROKER_LOST
+from fleet.core.seal import cancel_valid, check_seal, seal_turn
+from fleet.infer.attempts import Continuation, InferenceContext, run_inference
+from fleet.infer.budget import Plan
+from fleet.worker.jobs.common import cancel_requested, current_turn, end_unleased, event_sink, new_owner
+from fleet.worker.jobs.tool import send_round
+from fleet.worker.lease import LeaseKeeper
+from fleet.worker.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
+    store = rt.store
+    # Claim first (it checks the fence itself: one round trip on the way to the backend); only a
+    # refused claim reads the lease, to tell a stale delivery from a duplicate one.
+    if not store.claim(ref, fence, new_owner(), time.time()):
+        if not store.lease_valid(ref, fence):
+            log.info("dropped stale delivery job=%s fence=%d", ref, fence)
+            return "stale"
+        log.info("dropped duplicate delivery job=%s fence=%d", ref, fence)
+        return "duplicate"
+    owner, job_id = split_ref(ref)  # envelopes go to the ref's own job, whatever the task says
+    if rt.results.get(ref) is not None:
+        store.release(ref, fence)  # ours: claimed above
+        return "already-final"
+    cancel_key, result_key = rt.keys.cancel(ref), rt.keys.result(ref)
+    keeper = LeaseKeeper(  # a cancel request, or a final result published meanwhile, stops it
+        rt.lease_store,
+        lambda: (cancel_valid(rt.settings, owner, job_id, rt.lease_redis.get(cancel_key))
+                 or bool(rt.lease_redis.exists(result_key))),
+        ref, fence, rt.settings.admission.lease_ttl_s)
+    try:
+        with keeper:
+            rt.results.record(ref, state="running", running_at=time.time(), fence=fence)
+            envelope = _run(rt, ref, project, keeper)
+    except BROKER_LOST as exc:
+        # Not the job's fault: its lease expires (or is given back here) and it runs again.
+        log.warning("redis lost while running job=%s (%r); the job goes back in line", ref, exc)
+        with contextlib.suppress(redis.RedisError):
+            store.requeue(ref, fence)
+        return "broker-lost"
+    except Exception as exc:  # a bug or Redis failure: end the job, keep the worker
+        log.exception("infer failed job=%s", ref)
+        envelope = Envelope.failure(job_id, owner, Code.E_INTERNAL,
+                                    f"inference task failed: {type(exc).__name__}")
+    # (A worker shutting down mid-stream raises BaseException: the lease is left to expire and
+    # the job is admitted again at its place in line.)
+    if keeper.lost and not keeper.cancelled:
+        # Put it back in line (fence-checked: if the lease was already reaped this is a no-op,
+        # the job is pending again anyway); its next attempt will publish.
+        store.requeue(ref, fence)
+        return "lease-lost"
+    if not isinstance(envelope, Envelope):
+        return _continue(rt, ref, fence, envelope)
+    # Publish first, then release: a crash or a Redis error in between leaves the lease to
+    # expire and the job to run again (which finds its result and stops), never a lost job.
+    published = rt.results.publish(envelope)
+    store.release(ref, fence)
+    return envelope.code.value if published else "already-final"
+
+
+def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
+    """Save the next turn, give the lease up, back in line (module docstring). A Redis error
+    before ``readmit`` is done leaves the lease to expire: the reaped job resumes from what was
+    saved. One after it leaves the job readmitted (no lease): its next turn goes on from the
+    saved turn, and sends a tool round that was not marked sent again. Once readmitted: a job
+    cancelled meanwhile ends (checked first, whether or not its tools could go out), else the
+    round's tools are sent, then the ``continuation`` event is recorded."""
+    turn_json = json.dumps(cont.turn)
+    try:
+        rt.results.record(ref, state="pending", pending_at=time.time(), turn=turn_json,
+                          turn_seal=seal_turn(rt.settings, ref, turn_json))
+        if not rt.store.readmit(ref, fence, cont.max_tokens, cont.not_before, time.time(),
+                                prompt_tokens=cont.prompt_tokens, turn=cont.turn["number"]):
+            return "lease-lost"  # reaped meanwhile: pending again, resuming from the saved turn
+    except redis.RedisError as exc:
+        log.warning("continuation of job=%s not readmitted (%r): its lease will expire", ref, exc)
+        return "readmit-failed"
+    try:
+        if cancel_requested(rt, ref):  # cancelled while this turn ran: never run another
+            return end_unleased(rt, ref, Code.E_CANCELLED, "cancelled between turns")
+    except redis.RedisError as exc:
+        log.warning("continuation of job=%s readmitted, then Redis failed (%r): its next turn goes "
+                    "on from the saved turn", ref, exc)
+    # The round's tools go out before the event: a record for watchers, it must never keep
+    # them from going out (the job would wait its round's whole timeout for them).
+    sent = not cont.tool_calls or send_round(rt, ref, cont)
+    try:
+        event_sink(rt, ref).emit("continuation", how=cont.how, cause=cont.cause.value,
+                              delay_s=round(cont.delay_s, 3), max_tokens=cont.max_tokens)
+    except Exception:  # the job is readmitted and its tools are out: the turn is done
+        log.exception("continuation event of job=%s not recorded", ref)
+    return "continued" if sent else "tools-unsent"
+
+
+def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> Job:
+    """The prepared job, once the seal verifies and everything names the same project."""
+    check_seal(rt.settings, ref, record)
+    job = Job.model_validate_json(record["job"])
+    named = {split_ref(ref)[0], project, record.get("project"), job.project,
+             rt.store.lease_project(ref)}
+    if len(named) != 1 or job_ref(job.project, job.id) != ref:
+        raise AuthError("the task, the lease, the record and the job name different projects or ids")
+    return job
+
+
+def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope | Continuation:
+    owner, job_id = split_ref(ref)
+    record = rt.results.job_record(ref)
+    try:
+        job = _sealed_job(rt, ref, project, record)
+        plan = Plan(**json.loads(record["plan"]))
+        turn = current_turn(rt, ref, record)
+    except AuthError as exc:
+        log.warning("refused to run job=%s: %s", ref, exc.message)
+        return Envelope.failure(job_id, owner, Code.E_AUTH, exc.message)
+    except (KeyError, ValueError) as exc:
+        return Envelope.failure(job_id, owner, Code.E_INTERNAL, f"job record unreadable: {exc}")
+    if cancel_requested(rt, ref):  # asked between two turns (the keeper checks only from now on)
+        return Envelope.failure(job_id, owner, Code.E_CANCELLED, "cancelled between turns")
+    admitted_at = time.time()
+    events = event_sink(rt, ref)
+    events.emit("admitted", queued_s=round(admitted_at - job.submitted_at, 3))
+    ctx = InferenceContext(
+        settings=rt.settings, project=rt.settings.projects[job.project], redis=rt.redis,
+        keys=rt.keys, events=events, cancel=keeper.cancel, client=rt.vllm,
+        fence_tag=record.get("fence_tag") or None, count_prompt=rt.counter.count_messages,
+    )
+    envelope = run_inference(job, plan, ctx, turn)
+    if not isinstance(envelope, Envelope):
+        return envelope  # a Continuation
+    warnings = json.loads(record.get("warnings", "[]"))
+    # Queued until the job's FIRST admission: its first attempt (a later turn's admission
+    # would count the earlier turns as queueing).
+    first_admitted = envelope.attempts[0].started_at if envelope.attempts else admitted_at
+    return envelope.model_copy(update={
+        "warnings": warnings + envelope.warnings,
+        "metadata": job.metadata,
+        "timings": Timings(
+            queued_s=round(min(first_admitted, admitted_at) - job.submitted_at, 4),
+            first_token_s=envelope.timings.first_token_s,
+            total_s=round(time.time() - job.submitted_at, 4),
+        ),
+    })

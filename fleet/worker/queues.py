@@ -1,0 +1,180 @@
+"""Queue names, routing and how a worker reads a fleet task's message: the names every sender and
+worker share, kept apart from the Celery app (fleet/worker/app.py) and the tasks
+(fleet/worker/tasks.py), which both import them.
+
+Queues
+  fleet.<project>  one per project: producers' jobs land here; prep workers verify, count,
+                   trim and plan, then hand the job to the dispatcher store (never to vLLM)
+  fleet.<project>.collect
+                   the same for jobs that carry sources to collect: slow, I/O- and CPU-heavy
+                   work on its own queues (``fleet worker --role collect``), so a backlog of
+                   collection never delays the preparation of ready jobs
+                   and ``fleet.cancel`` tasks: a project's signed request to cancel one of its jobs
+  fleet.unrouted   prep tasks claiming a project this fleet does not know (rejected E_AUTH)
+  fleet.infer      inference tasks, sent only by a dispatcher after it admitted the job and
+                   issued a lease; consumed by inference workers (threads pool, one thread per
+                   streaming request)
+  tool queues      one per registered tool of each project that runs its tools
+                   (``tool_queues``, fleet/infer/tools.py)
+
+``make_router`` is the only place that knows which task goes to which queue; ``home_queues``
+names the queues a prep or cancel task may arrive on (the tasks check it, fleet/worker/tasks.py).
+
+How a task is shown and where it came from
+  Every sender passes ``shown(project, job_id)``: Celery puts that short ``kwargsrepr``
+  ("project=A job=X") into the sent event instead of the keyword arguments, which carry the
+  signed job and its messages. On the worker every fleet task runs as a ``ShownRequest``, which
+  puts the same line, made by the worker from the task's routing arguments (never the sender's
+  own repr), wherever the worker shows a task: received/started events, logs, and its answers to
+  ``celery inspect active / reserved / scheduled / query_task`` (Flower's page of one worker).
+  ``QueuedRequest`` keeps the queue the fleet's transport stamped into the message
+  (fleet/worker/transport.py), which ``arrived_on`` reads: a message whose stamp is missing (it
+  did not come through the fleet's transport) arrived on no queue at all.
+  ``prep_backlog`` counts the prep messages waiting in the broker, which Flower's broker page
+  shows and the dispatcher store does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.worker.request import Request
+from kombu.transport.redis import PRIORITY_STEPS, Channel
+
+from fleet.core.config import Settings
+from fleet.worker.transport import QUEUE_STAMP
+
+PREP_TASK = "fleet.prep"
+INFER_TASK = "fleet.infer"
+CANCEL_TASK = "fleet.cancel"
+INFER_QUEUE = "fleet.infer"
+# Prep tasks that claim a project this fleet does not know land here, so a prep worker still
+# rejects them (E_AUTH) instead of leaving them in a queue nobody consumes.
+UNROUTED_QUEUE = "fleet.unrouted"
+
+
+def project_queue(project: str) -> str:
+    return f"fleet.{project}"
+
+
+def collect_queue(project: str) -> str:
+    return f"fleet.{project}.collect"
+
+
+def home_queues(settings: Settings, project: Any) -> frozenset[str]:
+    """The queues a prep or cancel task naming ``project`` may arrive on: the project's queue and
+    its collect queue; for a project this fleet does not know, the unrouted queue only."""
+    if isinstance(project, str) and project in settings.projects:
+        return frozenset({project_queue(project), collect_queue(project)})
+    return frozenset({UNROUTED_QUEUE})
+
+
+def prep_queues(settings: Settings) -> list[str]:
+    return [project_queue(p) for p in settings.projects] + [UNROUTED_QUEUE]
+
+
+def collect_queues(settings: Settings) -> list[str]:
+    return [collect_queue(p) for p in settings.projects]
+
+
+def tool_queues(settings: Settings) -> list[str]:
+    """Every queue a tool worker consumes: each registered tool's, of each project that runs
+    its tools (fleet/infer/tools.py)."""
+    return sorted({tool.queue_for(name) for name, p in settings.projects.items()
+                   if p.tools == "run" for tool in p.tool_registry.values()})
+
+
+def shown(project: str, job_id: str) -> dict[str, str]:
+    """send_task options that stand in for a task's arguments wherever Celery shows them."""
+    return {"argsrepr": "()", "kwargsrepr": f"project={project} job={job_id}"}
+
+
+SHOWN_CHARS = 80  # of a project or job id as shown: a hostile sender's value is cut there
+
+
+def task_shown(kwargs: Any) -> str:
+    """``project=A job=X`` for a fleet task's keyword arguments (prep/cancel: project, job_id;
+    infer: ref), whatever else they carry; made by the worker, so the sender cannot choose it."""
+    values = kwargs if isinstance(kwargs, dict) else {}
+    project, job_id = values.get("project"), values.get("job_id")
+    ref = values.get("ref")
+    if isinstance(ref, str) and "/" in ref:
+        project, job_id = ref.split("/", 1)
+
+    def short(value: Any) -> str:
+        return value[:SHOWN_CHARS] if isinstance(value, str) else "?"
+
+    return shown(short(project), short(job_id))["kwargsrepr"]
+
+
+class QueuedRequest(Request):
+    """A Request that keeps the queue the transport stamped into the message
+    (fleet/worker/transport.py): Celery copies only a few named keys of a message's delivery_info
+    into ``task.request.delivery_info``, and would drop it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the same dict as _request_dict["delivery_info"], which reaches a pool process
+        self._delivery_info[QUEUE_STAMP] = (self._message.delivery_info or {}).get(QUEUE_STAMP)
+
+
+def arrived_on(request: Any) -> str | None:
+    """The queue a running task's message was taken from, as the transport stamped it (None: a
+    message that did not come through the fleet's transport)."""
+    queue = (getattr(request, "delivery_info", None) or {}).get(QUEUE_STAMP)
+    return queue if isinstance(queue, str) else None
+
+
+class ShownRequest(QueuedRequest):
+    """A fleet task as its worker shows it: ``task_shown`` instead of the arguments everywhere
+    (events, logs, ``inspect`` answers), whatever the sender put into argsrepr/kwargsrepr."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._argsrepr = "()"
+        self._kwargsrepr = task_shown(self._kwargs)
+        self._request_dict["argsrepr"] = self._argsrepr  # what the task's own log lines use
+        self._request_dict["kwargsrepr"] = self._kwargsrepr
+
+    def info(self, safe: bool = False) -> dict[str, Any]:
+        return super().info(safe=True)  # inspect active/reserved/...: never the arguments
+
+
+def prep_backlog(settings: Settings, client: Any) -> dict[str, int]:
+    """Prep messages waiting in the broker per project (its queue and its collect queue, every
+    priority level kombu keeps apart): work Flower's broker page shows and the dispatcher store
+    does not, since a job reaches the store only once prepared."""
+    prefix = f"{settings.key_prefix}q:"
+    steps = [""] + [f"{Channel.sep}{step}" for step in PRIORITY_STEPS if step]
+    pipe = client.pipeline(transaction=False)
+    for project in settings.projects:
+        for queue in (project_queue(project), collect_queue(project)):
+            for step in steps:
+                pipe.llen(f"{prefix}{queue}{step}")
+    counts = iter(pipe.execute())
+    per_queue = 2 * len(steps)
+    return {project: sum(next(counts) for _ in range(per_queue)) for project in settings.projects}
+
+
+def make_router(settings: Settings):  # type: ignore[no-untyped-def]
+    """Celery router: the only place that knows which task goes to which queue."""
+    known = set(settings.projects)
+
+    def route_task(name: str, args: Any, kwargs: dict[str, Any], options: Any, task: Any = None,
+                   **_: Any) -> dict[str, str] | None:
+        if name == PREP_TASK:
+            project = kwargs.get("project")
+            if project not in known:
+                return {"queue": UNROUTED_QUEUE}
+            signed = kwargs.get("signed")
+            job = signed.get("job") if isinstance(signed, dict) else None
+            collects = isinstance(job, dict) and bool(job.get("sources"))
+            return {"queue": collect_queue(project) if collects else project_queue(project)}
+        if name == CANCEL_TASK:
+            project = kwargs.get("project")
+            return {"queue": project_queue(project) if project in known else UNROUTED_QUEUE}
+        if name == INFER_TASK:
+            return {"queue": INFER_QUEUE}
+        return None
+
+    return route_task
