@@ -12,67 +12,27 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
 from rich.console import Console
 
-from fleet.cli.acl import AclUser, acl_users, apply_users
 from fleet.cli.batch import run_batch
 from fleet.client import Client
 from fleet.core.codes import Code
-from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
+from fleet.core.config import load_settings
 from fleet.core.exposure import unrestricted_default_user, warn_shared_broker
 from fleet.core.keys import Keys, job_ref
-from fleet.local.embedded import EmbeddedRedis, start_redis
+from fleet.local.embedded import start_redis
 from fleet.local.processes import LocalFleet
 from fleet.worker.app import INFER_TASK, PREP_TASK, create_app, project_queue
+from tests.support.acl_broker import A, AclBroker, B, broker
+from tests.support.fleet_harness import make_config
+from tests.support.processes import kill_tree
+from tests.support.waiting import wait_until
 
-from .fleet_harness import make_config, wait_until
-from .test_local_processes import kill_tree
-
-A, B = "reports", "triage"
-
-
-@dataclass
-class AclBroker:
-    server: EmbeddedRedis
-    settings: Settings  # operator's URL
-    users: dict[str, AclUser]
-
-    def url(self, user: str) -> str:
-        return self.users[user].url(self.server.url)
-
-    def client(self, user: str) -> redis.Redis:
-        return redis.Redis.from_url(self.url(user))
-
-    def settings_for(self, user: str, project: str | None = None) -> Settings:
-        update: dict = {"broker_url": self.url(user)}
-        if project is not None:
-            update["projects"] = {project: self.settings.projects[project]}
-        return self.settings.model_copy(update=update)
-
-
-@pytest.fixture(scope="module")
-def broker() -> Iterator[AclBroker]:
-    server = start_redis()
-    example = load_settings(EXAMPLE_CONFIG, env={})
-    # secrets of its own: workers refuse the example's public ones on a broker fleet up did not start
-    projects = {name: project.model_copy(update={"secret": uuid.uuid4().hex})
-                for name, project in example.projects.items()}
-    settings = example.model_copy(update={"broker_url": server.url, "projects": projects,
-                                          "key_prefix": f"t-{uuid.uuid4().hex[:8]}:"})
-    users = {user.name: user for user in acl_users(settings)}
-    default = redis.Redis.from_url(server.url)
-    apply_users(default, list(users.values()))
-    default.execute_command("ACL", "SETUSER", "default", "off")  # only the fleet's users remain
-    default.close()
-    yield AclBroker(server, settings.model_copy(
-        update={"broker_url": users["fleet-operator"].url(server.url)}), users)
-    server.close()
+__all__ = ["broker"]  # the ACL broker fixture, in place of the root conftest's
 
 
 def denied(call) -> bool:

@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from fleet.local.embedded import free_port, start_redis
-
-from .fleet_harness import make_config, wait_until
-from .test_local_processes import descendants, kill_tree
+from tests.support.fleet_harness import make_config
+from tests.support.processes import descendants, kill_tree
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

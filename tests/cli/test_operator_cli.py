@@ -20,9 +20,9 @@ import pytest
 
 from fleet.core.codes import Code
 from fleet.local.embedded import free_port
-
-from .fleet_harness import make_config, wait_until
-from .test_local_processes import kill_tree
+from tests.support.fleet_harness import make_config
+from tests.support.processes import kill_tree
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

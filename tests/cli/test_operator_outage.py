@@ -16,8 +16,9 @@ import redis
 from fleet.core.config import load_settings
 from fleet.core.events import EventSink
 from fleet.core.keys import Keys, job_ref
-from tests.fleet_harness import RestartableRedis, make_config, wait_until
-from tests.test_local_processes import kill_tree
+from tests.support.fleet_harness import RestartableRedis, make_config
+from tests.support.processes import kill_tree
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -29,10 +29,10 @@ from fleet.core.config import EXAMPLE_CONFIG, load_settings, mask_url
 from fleet.core.exposure import LOCAL_BROKER_ENV, public_secret_projects
 from fleet.local.embedded import EmbeddedRedis, free_port, redis_answers, redis_server_binary
 from fleet.local.processes import LocalFleet, wait_http
-
-from .conftest import TEST_REDIS_URL, delete_prefix
-from .fleet_harness import make_config, wait_until
-from .test_local_processes import kill_tree
+from tests.support.fleet_harness import make_config
+from tests.support.processes import kill_tree
+from tests.support.testenv import TEST_REDIS_URL, delete_prefix
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

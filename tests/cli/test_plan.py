@@ -26,6 +26,7 @@ from schedulers.dispatcher import run_dispatcher
 from schedulers.serverinfo import HOLD, ServerCheck, disagreements, read_server, server_info_from
 from schedulers.store import make_store
 from schedulers.store.base import PendingItem
+from tests.support.waiting import wait_until
 
 CONFIG_PATH = Path(__file__).parent / "fixtures" / "qwen3-next-config.json"
 CONFIG = json.loads(CONFIG_PATH.read_text(encoding="utf-8"))
@@ -181,16 +182,6 @@ def test_unreachable_server_is_an_upstream_error() -> None:
     assert result.exit_code == 2 and "E_UPSTREAM_UNAVAILABLE" in result.output
 
 
-def wait_for(predicate, timeout_s: float = 20.0) -> bool:
-    """Wait for what another thread brings about (a generous bound, not a timing claim)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def dispatcher_settings(prefix: str, url: str, mode: str, **admission) -> Settings:
     return Settings(
         key_prefix=prefix,
@@ -212,14 +203,14 @@ def test_misconfigured_pool_is_caught_at_dispatcher_start(
     thread = threading.Thread(target=run_dispatcher, args=(settings, client, sent.append, stop))
     thread.start()
     try:
-        assert wait_for(lambda: any("disagrees" in r.getMessage() for r in caplog.records))
-        assert wait_for(lambda: store.backend().get("scraped_at") is not None)
+        assert wait_until(lambda: any("disagrees" in r.getMessage() for r in caplog.records))
+        assert wait_until(lambda: store.backend().get("scraped_at") is not None)
         store.add_pending(PendingItem("j1", "a", 100, 100))
         if mode == "refuse":
-            assert wait_for(lambda: store.backend().get("hold") == HOLD)
+            assert wait_until(lambda: store.backend().get("hold") == HOLD)
             assert store.admit_next(time.time()).hold_reason == f"backend_{HOLD}" and not sent
         else:
-            assert wait_for(lambda: len(sent) == 1)
+            assert wait_until(lambda: len(sent) == 1)
     finally:
         stop.set()
         store.wake()

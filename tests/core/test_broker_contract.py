@@ -23,7 +23,7 @@ from fleet.core.errors import BrokerUnavailable, BrokerUnsafe, NotFound
 from fleet.core.persistence import broker_risks, check_broker
 from fleet.local.embedded import free_port
 from fleet.worker.app import project_queue
-from tests.fleet_harness import RestartableRedis, make_config
+from tests.support.fleet_harness import RestartableRedis, make_config
 
 JOB = {"project": "assistant", "messages": [{"role": "user", "content": "hello"}]}
 

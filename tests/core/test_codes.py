@@ -22,5 +22,5 @@ def test_ok_codes_are_the_success_family():
 
 
 def test_docs_table_is_generated_from_the_catalogue():
-    page = (Path(__file__).parent.parent / "docs" / "codes.md").read_text(encoding="utf-8")
+    page = (Path(__file__).parents[2] / "docs" / "codes.md").read_text(encoding="utf-8")
     assert markdown_table() in page, "docs/codes.md is stale: paste the output of fleet codes"

@@ -73,7 +73,7 @@ def test_broken_toml_is_a_config_error(tmp_path: Path):
 def test_docs_configuration_reference_is_generated_from_the_models():
     from fleet.core.config import reference_markdown
 
-    page = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text(encoding="utf-8")
+    page = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert reference_markdown() in page, "docs/configuration.md is stale: fleet config --reference"
 
 

@@ -14,7 +14,8 @@ import redis
 from fleet.core.events import EventSink
 from fleet.core.keys import Keys, job_ref
 from fleet.worker.lease import LeaseKeeper
-from tests.fleet_harness import RestartableRedis, wait_until
+from tests.support.fleet_harness import RestartableRedis
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from fleet.core.request import (
     new_fence_tag,
     tools_allowed,
 )
-from tests.conftest import SHARED, corpus_file
+from tests.support.testenv import SHARED, corpus_file
 
 INJECTION = os.path.join(SHARED, "corpora", "injection")
 RAW_TAGS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>",

@@ -19,7 +19,7 @@ from fleet.client import Client
 from fleet.core.codes import Code
 from fleet.core.config import LimitsSettings
 from fleet.core.keys import job_ref
-from tests.fleet_harness import FleetProbe, Harness, make_config
+from tests.support.fleet_harness import FleetProbe, Harness, make_config
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from tests.fleet_harness import FleetProbe, Harness, RestartableRedis, make_config, wait_until
+from tests.support.fleet_harness import FleetProbe, Harness, RestartableRedis, make_config
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

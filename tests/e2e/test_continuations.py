@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from fleet.core.codes import Code
-from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
+from tests.support.fleet_harness import FleetProbe, Harness, make_config
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

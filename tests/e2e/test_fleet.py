@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from fleet.core.codes import Code
-from tests.fleet_harness import Harness, make_config
+from tests.support.fleet_harness import Harness, make_config
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,9 @@ import openai
 import pytest
 
 from fleet.core.codes import Code
-
-from .fleet_harness import FleetProbe, Harness, wait_until
-from .gateway_support import config_with_keys
+from tests.support.fleet_harness import FleetProbe, Harness
+from tests.support.gateway_support import config_with_keys
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

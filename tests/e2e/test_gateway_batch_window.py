@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from fleet.core.keys import job_ref
-
-from .fleet_harness import Harness, wait_until
-from .gateway_support import config_with_keys
+from tests.support.fleet_harness import Harness
+from tests.support.gateway_support import config_with_keys
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

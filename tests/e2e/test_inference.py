@@ -27,7 +27,8 @@ import pytest
 
 from fleet.core.codes import Code
 from fleet.worker.app import INFER_TASK
-from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
+from tests.support.fleet_harness import FleetProbe, Harness, make_config
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

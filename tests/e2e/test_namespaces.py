@@ -26,7 +26,8 @@ from fleet.worker.app import CANCEL_TASK, PREP_TASK, create_app, project_queue
 from fleet.worker.dispatch import make_send
 from schedulers.dispatcher import admit_all
 from schedulers.store.base import PendingItem
-from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until, write_config
+from tests.support.fleet_harness import FleetProbe, Harness, make_config, write_config
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -29,11 +29,12 @@ from fleet.core.results import ResultStore
 from fleet.local.embedded import free_port
 from schedulers.store import make_store
 from schedulers.store.base import PendingItem
-from tests.fleet_harness import TEST_BROKER, FleetProbe, Harness, make_config, wait_until
+from tests.support.fleet_harness import TEST_BROKER, FleetProbe, Harness, make_config
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "fleet.json"
 
 

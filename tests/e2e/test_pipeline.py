@@ -32,7 +32,8 @@ from fleet.core.errors import InputInvalid
 from fleet.core.models import Job
 from fleet.core.signing import sign
 from fleet.worker.app import PREP_TASK
-from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
+from tests.support.fleet_harness import FleetProbe, Harness, make_config
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

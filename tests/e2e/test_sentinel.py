@@ -30,7 +30,8 @@ from fleet.core.errors import ConfigError
 from fleet.core.redisconn import celery_transport_options, parse_sentinel_url, redis_client
 from fleet.local.topology import MASTER_NAME, RedisNode, SentinelGroup
 from fleet.worker.app import create_app
-from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
+from tests.support.fleet_harness import FleetProbe, Harness, make_config
+from tests.support.waiting import wait_until
 
 CAP = 4
 

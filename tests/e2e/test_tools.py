@@ -21,8 +21,9 @@ import pytest
 import tomli_w
 
 from fleet.core.codes import Code
-from tests.fleet_harness import FleetProbe, Harness, make_config, wait_until
-from tests.tool_tasks import hang_pid_file
+from tests.support.fleet_harness import FleetProbe, Harness, make_config
+from tests.support.tool_tasks import hang_pid_file
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,7 @@ QUERY = {"type": "object", "properties": {"query": {"type": "string"}}, "require
 
 def tools_config(tmp: Path) -> Path:
     path = make_config(tmp, backend={"max_num_seqs": 2}, admission={"lease_ttl_s": 4},
-                       tool_imports=["tests.tool_tasks"])
+                       tool_imports=["tests.support.tool_tasks"])
     data = tomllib.loads(path.read_text(encoding="utf-8"))
     data["projects"]["assistant"].update(tools="run", max_tool_rounds=4, tool_invalid_max=1,
                                          tool_registry={

@@ -29,10 +29,9 @@ from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Envelope, Usage
 from fleet.core.results import ResultStore
 from fleet.local.embedded import start_redis
-
-from .conftest import TEST_REDIS_URL, delete_prefix
-from .fleet_harness import wait_until
-from .gateway_support import config_with_keys, lone_gateway, set_keys
+from tests.support.gateway_support import config_with_keys, lone_gateway, set_keys
+from tests.support.testenv import TEST_REDIS_URL, delete_prefix
+from tests.support.waiting import wait_until
 
 MAX_PROJECT_BYTES = 10_000
 

@@ -27,10 +27,9 @@ from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
 from schedulers.store import make_store
 from schedulers.store.base import PendingItem
-
-from .conftest import TEST_REDIS_URL, delete_prefix
-from .fleet_harness import wait_until
-from .gateway_support import config_with_keys, lone_gateway, set_keys
+from tests.support.gateway_support import config_with_keys, lone_gateway, set_keys
+from tests.support.testenv import TEST_REDIS_URL, delete_prefix
+from tests.support.waiting import wait_until
 
 MAX_WAIT_S = 1.0
 

@@ -13,8 +13,7 @@ from fleet.core.apikeys import digest, mint, parse_entry
 from fleet.core.config import load_settings
 from fleet.core.errors import AuthError, ConfigError
 from fleet.gateway.auth import KeyRing, LiveSettings
-
-from .fleet_harness import make_config, write_config
+from tests.support.fleet_harness import make_config, write_config
 
 
 def with_keys(path: Path, project: str, entries: list[str]) -> None:

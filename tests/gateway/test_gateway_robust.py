@@ -27,9 +27,9 @@ from fleet.core.config import Settings, load_settings
 from fleet.core.keys import Keys
 from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
-
-from .fleet_harness import RestartableRedis, wait_until
-from .gateway_support import config_with_keys, lone_gateway
+from tests.support.fleet_harness import RestartableRedis
+from tests.support.gateway_support import config_with_keys, lone_gateway
+from tests.support.waiting import wait_until
 
 MAX_BODY_BYTES = 64_000
 BROKER_WAIT_S = 1.0

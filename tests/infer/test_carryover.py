@@ -11,7 +11,7 @@ import pytest
 
 from fleet.bench.loopgen import generate_loops
 from fleet.infer import carryover
-from tests.conftest import SHARED
+from tests.support.testenv import SHARED
 
 LOOP_TRACES = os.path.join(SHARED, "corpora", "reasoning", "loop_traces.jsonl")
 STEER = "If the question lacks information needed to answer it, say so plainly"

@@ -11,7 +11,6 @@ import random
 import re
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +29,7 @@ from fleet.infer.budget import Plan
 from fleet.infer.budget import plan as make_plan
 from fleet.infer.retrying import RetryBudget, backoff_s, fits_deadline, should_retry
 from fleet.infer.vllm import VllmClient
-from tests.conftest import corpus_file
-
-SPEED = 40.0
+from tests.support.testenv import corpus_file
 
 
 def _sim_parses(marker: str) -> bool:
@@ -47,18 +44,6 @@ HTTP_MARKERS_BROKEN = pytest.mark.xfail(
     not _sim_parses("[sim:http503]"), strict=False,
     reason="fleet/sim/scenarios.py MARKER_RE ([a-z_]+) does not match names with digits "
            "(http500, http503): the simulator ignores those markers")
-
-
-@pytest.fixture(scope="module")
-def sim() -> Iterator[str]:
-    server = pytest.importorskip("fleet.sim.server")
-    proc = server.start_sim_process(speed=SPEED, seed=7, think_min_tokens=150,
-                                    think_max_tokens=300, answer_min_tokens=10,
-                                    answer_max_tokens=30)
-    try:
-        yield proc.base_url
-    finally:
-        proc.stop()
 
 
 def settings(**overrides: Any) -> Settings:

@@ -11,7 +11,7 @@ import pytest
 
 from fleet.core.config import WatcherSettings
 from fleet.infer.loopwatch import LoopWatcher
-from tests.conftest import SHARED, corpus_file
+from tests.support.testenv import SHARED, corpus_file
 
 TRACES = os.path.join(SHARED, "corpora", "reasoning", "normal_traces.jsonl")
 SETTINGS = WatcherSettings()

@@ -25,16 +25,23 @@ from fleet.infer import tools
 from fleet.infer.carryover import load_attempts
 from fleet.worker.runtime import Runtime
 from fleet.worker.tasks import infer_job, tool_job
+from tests.support.fleet_harness import make_config
+from tests.support.worker_runtime import (
+    BIG_RESULT,
+    DOCUMENT,
+    LEASE_TTL_S,
+    QUERY,
+    Sent,
+    admit,
+    envelope,
+    prepare,
+    run,
+    runtime,
+    submit,
+    submit_asking,
+)
 
-from .fleet_harness import make_config
-from .test_continuations import LEASE_TTL_S, admit, envelope, rt, runtime, sim, submit
-from .test_prep_uncached import DOCUMENT, prepare, run
-
-__all__ = ["rt", "sim"]
-
-QUERY = {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}
 REGISTRY = {"search_docs": ToolSettings(task="t.search", parameters=QUERY)}
-BIG_RESULT = "invoice " * 2400  # below MAX_RESULT_CHARS
 LARGE_RESULT = "invoice " * 600
 
 
@@ -194,43 +201,17 @@ def test_only_a_worker_that_runs_tools_knows_the_tool_tasks(tmp_path: Path, role
     ``fleet.tool`` on a prep worker ran a producer's pushed call of its own job as "task not
     registered" (before, every worker registered it). Checked in a fresh process:
     Celery's shared tasks are registered process-wide."""
-    config = make_config(tmp_path, tool_imports=["tests.tool_tasks"])
+    config = make_config(tmp_path, tool_imports=["tests.support.tool_tasks"])
     code = ("from fleet.core.config import load_settings; from fleet.worker.app import worker_app; "
             f"app = worker_app(load_settings(), tools={role_runs_tools}); "
             "print('tests.search_docs' in app.tasks, 'fleet.tool' in app.tasks)")
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "FLEET_CONFIG": str(config)},
-                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(known), str(known)]
 
 
 # -- a whole round in one process: the inference task, the tool task, the next turn --------------
-
-
-@pytest.fixture
-def tool_rt(sim: str, key_prefix: str, redis_client: redis.Redis) -> Iterator[Runtime]:
-    """Project ``reports`` runs ``search_docs`` (trusted); the backend's max_model_len leaves a
-    prompt of at most 3600 tokens next to max_tokens 400."""
-    yield from runtime(sim, key_prefix, backend={"max_model_len": 4000}, reports={
-        "tools": "run", "allowed_tools": ["search_docs"], "thinking_budget": 200,
-        "content_reserve": 200, "tool_registry": {"search_docs": {
-            "task": "tests.search_docs", "parameters": QUERY, "untrusted": False,
-            "timeout_s": 30}}})
-
-
-class Sent:
-    """The inference worker's send_task: records the tool tasks it sends."""
-
-    def __init__(self) -> None:
-        self.tasks: list[dict[str, Any]] = []
-
-    def __call__(self, name: str, kwargs: dict[str, Any], **options: Any) -> None:
-        self.tasks.append({"name": name, **kwargs, **options})
-
-
-def submit_asking(rt: Runtime, text: str) -> str:
-    return submit(rt, text, tools=[{"type": "function", "function": {"name": "search_docs"}}],
-                  tool_choice="auto")
 
 
 def run_sent_tools(rt: Runtime, sent: Sent, tasks: dict[str, Any]) -> None:
@@ -508,7 +489,7 @@ def _worker_start_lines(config: Path, role: str) -> list[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "fleet.cli.main", "worker", "--role", role, "--concurrency", "1",
          "--hostname", f"w-{os.getpid()}-{time.monotonic_ns()}@%h"],
-        env={**os.environ, "FLEET_CONFIG": str(config)}, cwd=Path(__file__).parent.parent,
+        env={**os.environ, "FLEET_CONFIG": str(config)}, cwd=Path(__file__).parents[2],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     try:
@@ -531,6 +512,6 @@ def test_a_worker_that_imports_tools_beside_project_queues_warns_at_start(
     consumes queues producers may push onto: fine for a local run, not for a deployment whose
     projects do not trust each other (before, nothing said so, and docs/operations.md told to add
     ``fleet worker`` processes, that is ``--role all``, on any host)."""
-    config = make_config(tmp_path, tool_imports=["tests.tool_tasks"])
+    config = make_config(tmp_path, tool_imports=["tests.support.tool_tasks"])
     text = "".join(_worker_start_lines(config, role))
     assert ("tool_imports" in text and "--role tools" in text) == warned, text

@@ -17,42 +17,14 @@ import redis
 from fleet.core.config import load_settings
 from fleet.local.embedded import start_redis
 from fleet.local.processes import ChildExited, LocalFleet
-
-from .conftest import TEST_REDIS_URL, delete_prefix
-from .fleet_harness import make_config, wait_until
+from tests.support.fleet_harness import make_config
+from tests.support.processes import alive, descendants, kill_tree
+from tests.support.testenv import TEST_REDIS_URL, delete_prefix
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 STOP_BOUND_S = 60  # LocalFleet.close: 10 s grace, then SIGKILL; a generous safety net on top
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of a process, None once it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return fields[0], int(fields[1])
-
-
-def descendants(root: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _proc_stat(int(entry))
-            if stat is not None:
-                parents[int(entry)] = stat[1]
-    found, frontier = set(), {root}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pid: int) -> bool:
-    stat = _proc_stat(pid)
-    return stat is not None and stat[0] != "Z"
 
 
 @pytest.fixture
@@ -62,18 +34,6 @@ def config(tmp_path: Path) -> Iterator[Path]:
     client = redis.Redis.from_url(TEST_REDIS_URL)
     delete_prefix(client, load_settings(path, env={}).key_prefix)
     client.close()
-
-
-def kill_tree(process: subprocess.Popen) -> None:
-    """A failed test's clean-up: the process and everything under it, by pid."""
-    if process.poll() is not None:
-        return
-    left = descendants(process.pid)
-    process.kill()
-    process.wait()
-    for pid in left:
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 def start_up(tmp_path: Path, config: Path) -> tuple[subprocess.Popen, Path, Path]:

@@ -17,7 +17,7 @@ from fleet.core.keys import Keys
 from fleet.core.models import Job, Message
 from fleet.prep.prefix import check_prefix, prefix_command, prefix_warning, stable_prefix
 from fleet.prep.tokens import TokenCounter
-from tests.test_tokens import fake_tokenize  # one token per 4 characters, +3 per message
+from tests.support.tokenize_stub import fake_tokenize  # one token per 4 characters, +3 per message
 
 
 def counter_for(client: redis.Redis, prefix: str) -> TokenCounter:

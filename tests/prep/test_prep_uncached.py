@@ -8,40 +8,13 @@ task, the Redis store, the inference task, ``fleet sim`` counting the tokens."""
 from __future__ import annotations
 
 import time
-import uuid
-from typing import Any
 
 import redis
 
-from fleet.core.keys import Keys, job_ref
 from fleet.core.seal import sign_cancel
-from fleet.core.signing import sign
 from fleet.worker.runtime import Runtime
-from fleet.worker.tasks import cancel_job, infer_job, prep_job
-
-from .test_continuations import admit, rt, sim
-
-__all__ = ["rt", "sim"]
-
-DOCUMENT = " ".join(f"line {n} of the shared document." for n in range(1_200))
-
-
-def prepare(rt: Runtime, messages: list[dict[str, Any]], **extra: Any) -> tuple[str, int, int]:
-    """(job ref, prompt tokens, uncached tokens) of the job's pending item; ``extra``: more job
-    fields."""
-    job_id = uuid.uuid4().hex[:12]
-    raw = {"id": job_id, "project": "reports", "messages": messages, **extra}
-    assert prep_job(rt, "reports", job_id, sign(raw, "reports", rt.settings.projects["reports"].secret)) == "pending"
-    client: redis.Redis = rt.redis
-    ref = job_ref("reports", job_id)
-    item = client.hget(Keys(rt.settings.key_prefix).dispatch + "items", ref)
-    fields = (item.decode() if isinstance(item, bytes) else str(item)).split(" ")
-    return ref, int(fields[3]), int(fields[13])
-
-
-def run(rt: Runtime, ref: str) -> None:
-    """Admit the job and run it: its prompt goes to the backend."""
-    assert infer_job(rt, ref, "reports", admit(rt, ref, time.time())) == "OK"
+from fleet.worker.tasks import cancel_job, infer_job
+from tests.support.worker_runtime import DOCUMENT, admit, prepare, run
 
 
 def test_the_next_turn_is_mostly_cached_once_the_first_ran_and_a_new_prompt_is_not(rt: Runtime) -> None:

@@ -14,20 +14,7 @@ from redis.retry import Retry
 
 from fleet.core.keys import Keys
 from fleet.prep.tokens import TokenCounter, estimate_text
-
-
-def fake_tokenize(request: httpx.Request) -> httpx.Response:
-    """A /tokenize that counts one token per 4 characters (+3 per message)."""
-    assert request.url.path == "/tokenize"
-    body = json.loads(request.content)
-    if "prompt" in body:
-        assert body["add_special_tokens"] is False
-        count = (len(body["prompt"]) + 3) // 4
-    else:
-        assert body["add_generation_prompt"] is True
-        count = sum(3 + (len(m.get("content") or "") + 3) // 4 for m in body["messages"])
-        count += len(json.dumps(body.get("tools", []))) // 4
-    return httpx.Response(200, json={"count": count, "max_model_len": 4096, "tokens": []})
+from tests.support.tokenize_stub import fake_tokenize
 
 
 class Calls:

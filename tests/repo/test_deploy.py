@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from fleet.cli.main import app
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 UNITS = sorted((ROOT / "deploy" / "systemd").glob("*.service"))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FILE_NAME = re.compile(r"`([\w./-]+\.(?:py|toml|lua|md))`")
 LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)")

@@ -20,7 +20,7 @@ from packaging.requirements import Requirement
 
 from tests import conftest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
 FIRST_PARTY = {"fleet", "schedulers", "tests"}
 

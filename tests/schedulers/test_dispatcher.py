@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 
 import httpx
@@ -24,6 +24,7 @@ from schedulers.backoff import Backoff
 from schedulers.dispatcher import run_dispatcher, wait_timeout_s
 from schedulers.store import make_store
 from schedulers.store.base import AdmitResult, Grant, PendingItem
+from tests.support.waiting import wait_until
 
 
 def free_port() -> int:
@@ -39,17 +40,6 @@ def settings_for(prefix: str, **admission) -> Settings:
         admission={"backend_gate": False, "metrics_port": 0, **admission},
         projects={"a": {"weight": 2, "secret": "secret-a-123"}, "b": {"secret": "secret-b-123"}},
     )
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
-    """Wait for a condition another thread brings about (a generous bound, not a timing claim)."""
-    event = threading.Event()
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        event.wait(0.01)
-    return True
 
 
 class Recorder:

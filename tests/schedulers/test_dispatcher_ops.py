@@ -26,9 +26,9 @@ from fleet.local.processes import wait_http
 from schedulers.dispatcher import run_dispatcher
 from schedulers.store import make_store
 from schedulers.store.base import PendingItem
-
-from .conftest import TEST_REDIS_URL, delete_prefix
-from .fleet_harness import make_config, wait_until
+from tests.support.fleet_harness import make_config
+from tests.support.testenv import TEST_REDIS_URL, delete_prefix
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

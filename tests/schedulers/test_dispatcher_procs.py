@@ -19,10 +19,9 @@ import redis
 from fleet.core.config import Settings
 from schedulers.store import make_store
 from schedulers.store.base import PendingItem
+from tests.support.testenv import TEST_REDIS_URL
 
-from .conftest import TEST_REDIS_URL
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CAP = 4
 JOBS = 150
 DISPATCHERS = 3

@@ -32,65 +32,10 @@ from schedulers.policy.limits import Limits, kv_tokens
 from schedulers.store.base import PendingItem, StoreConfig
 from schedulers.store.memory_store import MemoryStore
 from schedulers.store.redis_store import RedisStore, max_block_s
+from tests.support.store_cases import BASE, FakeClock, StoreFactory, admit_ids, job, limits, make_store
+from tests.support.testenv import TEST_REDIS_URL, delete_prefix
 
-from .conftest import TEST_REDIS_URL, delete_prefix
-
-
-class FakeClock:
-    def __init__(self, now: float = 1_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-StoreFactory = Callable[..., "MemoryStore | RedisStore"]
-
-BASE = StoreConfig(
-    limits=Limits(
-        max_num_seqs=4,
-        kv_budget_tokens=20 * 1000,
-        block_tokens=1000,
-        long_prompt_tokens=10_000,
-        max_long=1,
-        prefill_tokens_per_s=1e9,
-        prefill_burst_tokens=10**9,
-        hol_bypass_s=5.0,
-    ),
-    lease_ttl_s=30.0,
-    aging_s=60.0,
-    gate=False,
-)
-
-
-@pytest.fixture(params=["memory", "redis"])
-def make_store(
-    request: pytest.FixtureRequest, key_prefix: str, redis_client: redis.Redis
-) -> StoreFactory:
-    def factory(config: StoreConfig = BASE, clock: FakeClock | None = None):
-        clock = clock or FakeClock()
-        if request.param == "memory":
-            return MemoryStore(config, clock=clock)
-        return RedisStore(redis_client, Keys(key_prefix), config, clock=clock)
-
-    return factory
-
-
-def job(job_id: str, project: str = "a", prompt: int = 500, new: int = 400, **kw) -> PendingItem:
-    kw.setdefault("enqueued_at", 1_000.0 + int(job_id.strip("abcdefghijklmnopqrstuvwxyz_") or 0))
-    return PendingItem(job_id, project, prompt, new, **kw)
-
-
-def limits(**changes) -> StoreConfig:
-    values = {**BASE.limits.__dict__, **changes}
-    return StoreConfig(limits=Limits(**values), lease_ttl_s=30.0, aging_s=60.0, gate=False)
-
-
-def admit_ids(store, now: float) -> list[str]:
-    ids = []
-    while (result := store.admit_next(now)).grant:
-        ids.append(result.grant.job_id)
-    return ids
+__all__ = ["make_store"]  # the parametrised fixture, memory and Redis
 
 
 # -- limits ----------------------------------------------------------------------------------
@@ -102,7 +47,6 @@ def test_sequence_cap(make_store: StoreFactory) -> None:
     result = store.admit_next(1_010.0)
     assert result.grant is None and result.hold_reason == "seqs"
     assert store.snapshot().in_flight == 4
-
 
 
 def test_a_gateway_only_round_passes_queued_jobs_over_while_no_worker_is_live(

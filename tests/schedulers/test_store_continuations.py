@@ -12,8 +12,7 @@ import redis
 from fleet.core.keys import Keys
 from schedulers.policy.limits import kv_tokens
 from schedulers.store.redis_store import RedisStore
-
-from .test_store import BASE, FakeClock, StoreFactory, admit_ids, job, limits, make_store
+from tests.support.store_cases import BASE, FakeClock, StoreFactory, admit_ids, job, limits, make_store
 
 __all__ = ["make_store"]  # the parametrised fixture, memory and Redis
 

@@ -41,9 +41,8 @@ from schedulers.policy.limits import Limits
 from schedulers.store.base import PendingItem, StoreConfig
 from schedulers.store.memory_store import MemoryStore
 from schedulers.store.redis_store import RedisStore
-
-from .conftest import TEST_REDIS_URL, delete_prefix
-from .test_store import FakeClock
+from tests.support.store_cases import FakeClock
+from tests.support.testenv import TEST_REDIS_URL, delete_prefix
 
 PROJECTS = ("a", "b", "c")
 LONG_PROMPT_TOKENS = 10_000

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from fleet.sim.server import SimProcess, start_sim_process
+from tests.support.sim_client import metric, stats, user, wait_for
 
 SPEED = 200.0
 
@@ -29,34 +30,6 @@ def client(sim: SimProcess) -> Iterator[openai.OpenAI]:
     c = openai.OpenAI(base_url=sim.base_url + "/v1", api_key="x", max_retries=0)
     yield c
     c.close()
-
-
-def user(text: str) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": text}]
-
-
-def stats(sim: SimProcess) -> dict[str, Any]:
-    return httpx.get(sim.base_url + "/sim/stats", timeout=5).json()
-
-
-def metric(sim: SimProcess, name: str) -> float:
-    for line in httpx.get(sim.base_url + "/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
-
-
-def wait_for(sim: SimProcess, predicate: Any, timeout_s: float = 20.0) -> dict[str, Any]:
-    """Poll /sim/stats until ``predicate(stats)``; the deadline only guards against hangs."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        st = stats(sim)
-        if predicate(st):
-            return st
-        assert time.monotonic() < deadline, st
-        time.sleep(0.02)
 
 
 def test_streaming_reasoning_then_content_with_usage(client: openai.OpenAI) -> None:

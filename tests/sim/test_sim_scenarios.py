@@ -13,7 +13,7 @@ import pytest
 
 from fleet.sim.scenarios import FAULTS, ScenarioBook
 from fleet.sim.server import SimProcess, start_sim_process
-from tests.test_sim_api import metric, stats, user, wait_for
+from tests.support.sim_client import metric, stats, user, wait_for
 
 
 @pytest.fixture(scope="module")

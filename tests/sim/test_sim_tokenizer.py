@@ -10,7 +10,7 @@ from fleet.sim.jsongen import generate_json
 from fleet.sim.template import render_chat
 from fleet.sim.textgen import ProseStream
 from fleet.sim.tokenizer import SPECIAL_BASE_ID, SPECIAL_TOKENS, Tokenizer, split_pieces
-from tests.sim_samples import ENGLISH, JAPANESE
+from tests.support.sim_samples import ENGLISH, JAPANESE
 
 
 @pytest.mark.parametrize("text", [ENGLISH, JAPANESE], ids=["english", "japanese"])

@@ -15,7 +15,6 @@ import time
 import tomllib
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,8 @@ from fleet.local.processes import LocalFleet
 from schedulers.store import make_store
 from schedulers.store.base import StoreSnapshot
 from schedulers.store.redis_store import RedisStore
-
-from .conftest import TEST_REDIS_URL
+from tests.support.testenv import TEST_REDIS_URL
+from tests.support.waiting import wait_until
 
 TEST_BROKER = TEST_REDIS_URL
 
@@ -120,20 +119,6 @@ class Harness:
 
 
 # -- helpers for integration tests (what reached the simulator, what the fleet published) -------
-def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str,
-               every_s: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` after
-    ``timeout_s`` (a generous safety net, never an assertion about speed)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what} after {timeout_s:.0f} s")
-        time.sleep(every_s)
-
-
 class FleetProbe:
     """Read-only views of a running Harness: the simulator's request log and counters, the
     results streams and the dispatcher store."""

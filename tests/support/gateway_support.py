@@ -15,8 +15,7 @@ from typing import Any
 from fleet.core.apikeys import mint
 from fleet.local.embedded import free_port
 from fleet.local.processes import wait_http
-
-from .fleet_harness import make_config, write_config
+from tests.support.fleet_harness import make_config, write_config
 
 
 def config_with_keys(tmp: Path, projects: dict[str, dict[str, Any]] | None = None, **sections: Any

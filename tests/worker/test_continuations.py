@@ -15,75 +15,15 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
 from fleet.core.codes import Code
-from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
-from fleet.core.keys import job_ref
-from fleet.core.models import Envelope
-from fleet.core.signing import sign
 from fleet.worker.runtime import Runtime
-from fleet.worker.tasks import infer_job, prep_job
-
-from .conftest import TEST_REDIS_URL
-from .test_inference import sim
-
-__all__ = ["sim"]
-
-LEASE_TTL_S = 5.0
-
-
-def runtime(sim: str, key_prefix: str, reports: dict[str, Any] | None = None,
-            backend: dict[str, Any] | None = None, admission: dict[str, Any] | None = None,
-            others: dict[str, dict[str, Any]] | None = None) -> Iterator[Runtime]:
-    """A worker's runtime on the test Redis and ``sim``; ``reports``: more project settings;
-    ``others``: more projects, by name, with their settings."""
-    cfg: Settings = load_settings(
-        EXAMPLE_CONFIG, env={}, broker_url=TEST_REDIS_URL, key_prefix=key_prefix,
-        backend={"url": sim, **(backend or {})},
-        admission={"backend_gate": False, "lease_ttl_s": LEASE_TTL_S, **(admission or {})},
-        security={"worker_secret": f"test-worker-{uuid.uuid4().hex}"},
-        retry={"backoff_base_s": 0.0, "backoff_max_s": 0.0},
-        timeouts={"first_token_s": 5, "idle_s": 5, "attempt_s": 60},
-        projects={"reports": {"secret": f"test-reports-{uuid.uuid4().hex}", **(reports or {})},
-                  **{name: {"secret": f"test-{name}-{uuid.uuid4().hex}", **more}
-                     for name, more in (others or {}).items()}},
-    )
-    made = Runtime(cfg)
-    yield made
-    made.vllm.close()
-    made.redis.close()
-
-
-@pytest.fixture
-def rt(sim: str, key_prefix: str, redis_client: redis.Redis) -> Iterator[Runtime]:
-    yield from runtime(sim, key_prefix)
-
-
-def submit(rt: Runtime, text: str, project: str = "reports", **extra: Any) -> str:
-    """What the client and the prep task do: the job ends pending in the store."""
-    job_id = uuid.uuid4().hex[:12]
-    content = f"Task {job_id}: {text}"  # the simulator counts /K markers per first message
-    raw = {"id": job_id, "project": project, "messages": [{"role": "user", "content": content}],
-           **extra}
-    signed = sign(raw, project, rt.settings.projects[project].secret)
-    assert prep_job(rt, project, job_id, signed) == "pending"
-    return job_ref(project, job_id)
-
-
-def admit(rt: Runtime, ref: str, now: float) -> int:
-    grant = rt.store.admit_next(now).grant
-    assert grant is not None and grant.job_id == ref
-    return grant.fence
-
-
-def envelope(rt: Runtime, ref: str) -> Envelope | None:
-    return rt.results.get(ref)
+from fleet.worker.tasks import infer_job
+from tests.support.worker_runtime import LEASE_TTL_S, admit, envelope, submit
 
 
 def test_a_retry_gives_the_slot_up_and_the_next_turn_runs_from_the_saved_turn(rt: Runtime) -> None:

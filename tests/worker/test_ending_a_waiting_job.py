@@ -27,11 +27,7 @@ from fleet.core.models import Envelope
 from fleet.core.seal import sign_cancel
 from fleet.worker.runtime import Runtime
 from fleet.worker.tasks import cancel_job, infer_job, tool_job
-
-from .test_continuations import admit, envelope, rt, sim, submit
-from .test_tools import BIG_RESULT, Sent, submit_asking, tool_rt
-
-__all__ = ["rt", "sim", "tool_rt"]
+from tests.support.worker_runtime import BIG_RESULT, Sent, admit, envelope, submit, submit_asking
 
 LATER = 3600.0  # past every backoff and tool round timeout
 

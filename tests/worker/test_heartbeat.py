@@ -21,8 +21,8 @@ from fleet.core.config import load_settings
 from fleet.core.keys import Keys
 from fleet.local.processes import LocalFleet
 from fleet.worker.heartbeat import WorkerGate, live_worker_names, live_workers
-
-from .fleet_harness import make_config, wait_until
+from tests.support.fleet_harness import make_config
+from tests.support.waiting import wait_until
 
 SKEW_S = 3600.0  # far more than the lapse: a host whose clock is an hour off
 

@@ -29,9 +29,8 @@ from fleet.local.processes import LocalFleet
 from fleet.worker.app import INFER_QUEUE, INFER_TASK, PREP_TASK, create_app, project_queue, shown
 from fleet.worker.transport import QUEUE_STAMP, stamp_queue
 from schedulers.store import make_store
-
-from .fleet_harness import wait_until
-from .test_acl import A, AclBroker, B, broker
+from tests.support.acl_broker import A, AclBroker, B, broker
+from tests.support.waiting import wait_until
 
 __all__ = ["broker"]
 

@@ -20,10 +20,10 @@ import pytest
 from fleet.client import Client
 from fleet.core.config import load_settings
 from fleet.worker.app import collect_queue, create_app
-
-from .conftest import delete_prefix
-from .fleet_harness import make_config, wait_until
-from .test_local_processes import kill_tree
+from tests.support.fleet_harness import make_config
+from tests.support.processes import kill_tree
+from tests.support.testenv import delete_prefix
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
