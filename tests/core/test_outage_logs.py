@@ -6,7 +6,6 @@ keeper's every check wrote a WARNING of its own (thousands per outage on a busy 
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 import redis
@@ -77,7 +76,8 @@ def test_lease_keepers_riding_out_an_outage_write_two_lines_in_all(
         wait_until(lambda: checks["n"] - failed_from >= 20, 30, "keepers to check during the outage")
         broker.server = broker.start()
         wait_until(lambda: len(outage_lines(caplog, "fleet.worker.lease")) >= 2, 30, "the back line")
-        time.sleep(1.0)  # a few more checks: nothing more to log
+        back_at = checks["n"]  # a few more checks (two a keeper): nothing more to log
+        wait_until(lambda: checks["n"] - back_at >= 10, 30, "keepers to check with the broker back")
     finally:
         for keeper in keepers:
             keeper.__exit__(None, None, None)

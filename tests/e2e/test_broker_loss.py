@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -53,7 +52,9 @@ def test_the_dispatcher_holds_while_no_inference_worker_is_live(tmp_path) -> Non
         job_id = fleet.client.submit({"project": "assistant", "id": "held",
                                       "messages": [{"role": "user", "content": "anyone there?"}]})
         wait_until(lambda: probe.state(job_id) == "pending", 60, "the job prepared")
-        time.sleep(3)  # several dispatcher rounds (admission.max_wait_s is 1 s)
+        # several dispatcher rounds passed the job over (admission.max_wait_s is 1 s)
+        wait_until(lambda: probe.snapshot().holds.get("no_workers", 0) >= 3, 60,
+                   "three dispatcher rounds to pass the job over (hold no_workers)")
         assert probe.snapshot().in_flight == 0
         assert probe.sim_requests(job_id) == []
         held = [line for line in fleet.fleet._tails["dispatcher-0"] if "no live inference worker" in line]

@@ -27,6 +27,7 @@ from fleet.core.models import Envelope
 from fleet.core.seal import sign_cancel
 from fleet.worker.runtime import Runtime
 from fleet.worker.tasks import cancel_job, infer_job, tool_job
+from tests.support.waiting import wait_until
 from tests.support.worker_runtime import BIG_RESULT, Sent, admit, envelope, submit, submit_asking
 
 LATER = 3600.0  # past every backoff and tool round timeout
@@ -154,8 +155,8 @@ def test_a_job_admitted_while_it_was_ended_stops_and_gives_its_slot_up(rt: Runti
     outcome: list[str] = []
     turn = threading.Thread(target=lambda: outcome.append(infer_job(rt, ref, "reports", fence)))
     turn.start()
-    while rt.results.job_record(ref).get("state") != "running":
-        time.sleep(0.05)
+    wait_until(lambda: rt.results.job_record(ref).get("state") == "running", 60,
+               "the admitted turn to start running")
     project, job_id = ref.split("/", 1)
     ended = Envelope.failure(job_id, project, Code.E_PROMPT_TOO_LONG, "ended while waiting")
     assert rt.results.publish(ended)
