@@ -1,5 +1,5 @@
 """Sizing: the KV arithmetic against the deployment's own figures (docs/deployment.md, docs/sizing.md,
-its config.json in tests/fixtures), ``fleet plan`` as a command, and the server check against a real
+its config.json in tests/cli/fixtures), ``fleet plan`` as a command, and the server check against a real
 ``fleet sim`` process, at ``fleet plan --server`` and at dispatcher start."""
 
 from __future__ import annotations

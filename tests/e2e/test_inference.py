@@ -1,5 +1,5 @@
 """Issue 5 through the REAL fleet (Celery worker and dispatcher processes, ``fleet sim``, Redis):
-what tests/test_inference.py checks on ``run_inference`` in-process, here end to end, asserting the
+what tests/infer/test_inference.py checks on ``run_inference`` in-process, here end to end, asserting the
 envelope's code and attempts and the request bodies that reached the simulator.
 
 The fleet's cap is 1 (``backend.max_num_seqs``), so a job that stalls for good occupies the

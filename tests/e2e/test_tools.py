@@ -1,5 +1,5 @@
 """The tool-call loop through the REAL fleet (Celery worker and dispatcher processes, the tool
-tasks of tests/tool_tasks.py on the fleet's tool queues, ``fleet sim``, Redis).
+tasks of tests/support/tool_tasks.py on the fleet's tool queues, ``fleet sim``, Redis).
 
 Project ``assistant`` runs ``search_docs`` (trusted, fast; it reports the simulator's running
 count while it runs), ``run_query`` (untrusted, outlasts its 1 s timeout) and ``hang`` (never

@@ -197,7 +197,7 @@ def test_a_project_sees_only_its_own_tasks(door: Door) -> None:
                    json={"project": "translate", "messages": [{"role": "user", "content": "x"}]})
     assert foreign.status_code == 400 and foreign.json()["error"]["code"] == "E_INPUT_INVALID"
     # Cancel is a signed request a prep worker acts on; this gateway runs without workers, so the
-    # request is accepted and the task has not ended (tests/test_namespaces.py runs cancels through workers).
+    # request is accepted and the task has not ended (tests/e2e/test_namespaces.py runs cancels through workers).
     cancelled = call("DELETE", f"/v1/tasks/{task_id}", "reports")
     assert cancelled.json()["cancelled"] is True
     after = call("GET", f"/v1/tasks/{task_id}", "reports").json()

@@ -1,4 +1,4 @@
-"""Tool tasks for the tool-loop tests (tests/test_fleet_tools.py): the fleet's tool workers import
+"""Tool tasks for the tool-loop tests (tests/e2e/test_tools.py): the fleet's tool workers import
 this module (``tool_imports``), which registers them as Celery tasks.
 
 ``search_docs`` sleeps ``SEARCH_SLEEP_S`` and reports how many sequences the simulator runs right
