@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from tests import conftest
+from tests.support import testenv
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
@@ -176,12 +176,12 @@ def test_the_wheel_carries_the_package_data(tmp_path: Path) -> None:
 
 
 def test_a_missing_corpus_fails_in_ci(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(conftest, "SHARED", str(tmp_path))
+    monkeypatch.setattr(testenv, "SHARED", str(tmp_path))
     monkeypatch.delenv("CI", raising=False)
-    assert conftest.corpus_file("reasoning", "normal_traces.jsonl") is None
+    assert testenv.corpus_file("reasoning", "normal_traces.jsonl") is None
     monkeypatch.setenv("CI", "1")
     with pytest.raises(pytest.fail.Exception, match="corpus absent in CI"):
-        conftest.corpus_file("reasoning", "normal_traces.jsonl")
+        testenv.corpus_file("reasoning", "normal_traces.jsonl")
 
 
 @pytest.mark.parametrize(("role", "blocked"), [("collect", "trafilatura"), ("prep", "lxml_html_clean")])

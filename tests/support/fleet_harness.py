@@ -1,5 +1,5 @@
 """A real fleet for integration tests: simulator, dispatcher and worker as separate processes
-on the test Redis (tests/conftest.py) under a private key prefix, configured by a generated
+on the test Redis (tests/support/testenv.py) under a private key prefix, configured by a generated
 fleet.toml."""
 
 from __future__ import annotations
