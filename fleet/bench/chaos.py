@@ -42,7 +42,7 @@ Verdict: ``ok`` when nothing is missing or doubled, the cap held and no process 
 when only jobs of a Redis without persistence are missing (what that configuration promises);
 ``FAIL`` naming what broke otherwise; ``error`` when the round itself could not run.
 
-Nothing is asserted on timings (tests/test_bench_chaos.py runs a tiny round and checks the
+Nothing is asserted on timings (tests/bench/test_bench_chaos.py runs a tiny round and checks the
 invariants). Every process and Redis the bench starts is stopped at the end of its round; a round
 cut short by a stop signal (fleet/bench/__init__.py) keeps no logs.
 """

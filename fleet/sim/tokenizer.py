@@ -13,7 +13,7 @@ per token on average, docs/deployment.md) without shipping a 150K-entry vocabula
    " simulator" two), CJK runs 5.75, punctuation runs 3, whitespace runs 4. Special tokens, digit
    runs and other characters are one token each.
 
-Measured on the prose samples in ``tests/sim_samples.py``: English 4.02 characters per token,
+Measured on the prose samples in ``tests/support/sim_samples.py``: English 4.02 characters per token,
 Japanese 3.95, a JSON tool schema 3.44 (BPE merges JSON punctuation less well than prose, as here).
 
 Token ids: a piece's id is a 31-bit BLAKE2 digest of its text, so the same piece has the same id in

@@ -1,0 +1,69 @@
+"""``fleet demo`` writes only into a Redis it started itself unless a broker is named: a Redis
+answering where the configuration points (the usual 127.0.0.1:6379) is never touched."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from fleet.local.embedded import free_port, start_redis
+from tests.support.fleet_harness import make_config
+from tests.support.processes import descendants, kill_tree
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def demo(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env |= {"FLEET_CONFIG": str(config), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "fleet", "demo", *args], env=env,
+                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+
+
+def test_demo_leaves_the_configured_redis_alone(tmp_path: Path) -> None:
+    with start_redis() as default:  # stands for whatever answers where fleet.toml points
+        config = make_config(tmp_path, broker_url=default.url)
+        watcher = redis.Redis.from_url(default.url)
+        connections = watcher.info("stats")["total_connections_received"]
+        result = demo(config, "--jobs", "2", "--speed", "100")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "2 results, 0 not OK, 0 missing" in result.stdout
+        assert f"broker {default.url}" not in result.stdout
+        assert watcher.dbsize() == 0
+        assert watcher.info("stats")["total_connections_received"] == connections  # nobody else came
+        watcher.close()
+
+
+def test_demo_refuses_a_named_broker_that_does_not_answer(tmp_path: Path) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    result = demo(make_config(tmp_path), "--broker", url)
+    assert result.returncode == 2
+    assert f"E_INPUT_INVALID no Redis answers at {url}" in result.stderr
+
+
+def test_demo_ends_at_once_when_a_process_of_the_fleet_dies(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env |= {"FLEET_CONFIG": str(make_config(tmp_path)), "COLUMNS": "200"}
+    out = tmp_path / "demo.out"
+    with out.open("wb") as output:
+        process = subprocess.Popen([sys.executable, "-m", "fleet", "demo", "--jobs", "50", "--speed", "1"],
+                                   env=env, stdout=output, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: "broker redis://" in out.read_text() or process.poll() is not None, 120,
+                   "the demo to start its fleet")
+        dispatcher = next(pid for pid in descendants(process.pid)
+                          if b"dispatcher" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        os.kill(dispatcher, signal.SIGKILL)
+        _out, errors = process.communicate(timeout=120)  # a safety net: the demo waited 300 s before
+    finally:
+        kill_tree(process)
+    assert process.returncode == 1
+    assert "E_INTERNAL dispatcher-0 exited with code -9" in errors.decode()
+    assert "process logs kept in" in out.read_text()

@@ -1,0 +1,1 @@
+"""Tests of fleet/local: local process groups (``fleet up``) and their signals."""

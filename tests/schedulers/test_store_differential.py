@@ -1,0 +1,244 @@
+"""The in-memory twin and the Redis store (Lua) agree: one random operation sequence, both stores.
+
+A hypothesis state machine draws a small configuration (few sequences, a small KV budget, one or
+two long prompts at a time, one or two long prefills per quiet window, a tight prefill bucket,
+spacing, project weights, the backend gate on or off) and jobs with and without prep's
+uncached-token estimate, then feeds the same submits, resubmits, admissions (one at a time and several per call),
+claims, renewals, releases, requeues, readmits (continuations, with and without a not-before
+time), promotions, hurries, cancels, deadline expiries, backend verdicts and clock steps (which
+reap unrenewed leases) to a ``MemoryStore`` and a ``RedisStore`` sharing one fake clock. Every
+answer must be equal - grants (job, fence, project, sizes, expiry, wait), hold reasons and their
+retry times, booleans, reaped, expired and promoted ids - and after every step so must the
+snapshots (pending per project and band, in flight, reserved KV, long in flight, claimed leases,
+admissions, holds), the live leases, the pending ids, the next deadline, expiry and not-before
+time, and the continuations waiting per project.
+
+The order of ``reap_expired``'s ids is not part of the contract (the caller only logs them), so
+they are compared as sorted lists. Resubmissions happen at any time, in flight too.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+from typing import Any
+
+import redis
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+    run_state_machine_as_test,
+)
+
+from fleet.core.keys import Keys
+from schedulers.policy.limits import Limits
+from schedulers.store.base import PendingItem, StoreConfig
+from schedulers.store.memory_store import MemoryStore
+from schedulers.store.redis_store import RedisStore
+from tests.support.store_cases import FakeClock
+from tests.support.testenv import TEST_REDIS_URL, delete_prefix
+
+PROJECTS = ("a", "b", "c")
+LONG_PROMPT_TOKENS = 10_000
+# Around the long threshold, and one prompt bigger than some drawn KV budgets and buckets.
+PROMPTS = (300, 2_500, 9_000, LONG_PROMPT_TOKENS, LONG_PROMPT_TOKENS + 1, 12_000, 25_000)
+
+small_limits = st.builds(
+    Limits,
+    max_num_seqs=st.integers(1, 4),
+    kv_budget_tokens=st.sampled_from([8_000, 20_000, 40_000]),
+    block_tokens=st.just(1000),
+    long_prompt_tokens=st.just(LONG_PROMPT_TOKENS),
+    max_long=st.integers(1, 2),
+    prefill_tokens_per_s=st.sampled_from([4_000.0, 30_000.0, 1e9]),
+    prefill_burst_tokens=st.sampled_from([12_000, 40_000, 10**9]),
+    min_spacing_s=st.sampled_from([0.0, 0.0, 0.7]),
+    hol_bypass_s=st.sampled_from([0.0, 3.0, 10.0]),
+    long_prefill_tokens_per_s=st.sampled_from([0.0, 0.0, 5_000.0]),
+    short_beside_long=st.integers(0, 1),
+    long_prefills=st.integers(1, 2),
+)
+configs = st.builds(
+    StoreConfig,
+    limits=small_limits,
+    lease_ttl_s=st.just(30.0),
+    aging_s=st.sampled_from([10.0, 60.0]),
+    weights=st.dictionaries(st.sampled_from(PROJECTS), st.sampled_from([0.5, 1.0, 3.0])),
+    gate=st.sampled_from([False, False, True]),
+    scrape_stale_s=st.just(5.0),
+)
+jobs = st.fixed_dictionaries(
+    {
+        "project": st.sampled_from(PROJECTS),
+        "band": st.sampled_from(["interactive", "batch"]),
+        "prompt_tokens": st.sampled_from(PROMPTS),
+        "max_new_tokens": st.integers(0, 6_000),
+        "priority": st.integers(0, 2),
+        "age_s": st.sampled_from([None, 0.0, 15.0, 90.0]),
+        "deadline_in_s": st.sampled_from([None, None, None, 0.0, 1.0, 20.0, 60.0]),
+        # prep's prefix-cache estimate: none (the whole prompt), mostly cached, around the long
+        # threshold, more than the prompt (clamped)
+        "uncached_tokens": st.sampled_from([None, 0, 800, LONG_PROMPT_TOKENS + 1, 30_000]),
+    }
+)
+
+lease_ops = st.one_of(
+    st.tuples(st.just("claim"), st.sampled_from(["w1", "w2"])),
+    st.tuples(st.just("renew")),
+    st.tuples(st.just("release")),
+    st.tuples(st.just("requeue")),
+    st.tuples(st.just("readmit"), st.sampled_from([400, 3_000]), st.sampled_from([0.0, 0.0, 4.0, 20.0])),
+)
+other_ops = st.one_of(
+    st.tuples(st.just("resubmit"), st.sampled_from([None, 5.0])),
+    st.tuples(st.just("cancel")),
+    st.tuples(st.just("expire")),
+    st.tuples(st.just("promote")),
+    st.tuples(st.just("hurry")),
+    st.tuples(st.just("verdict"), st.sampled_from([0.0, 0.0, 6.0]), st.sampled_from(["", "", "waiting", "kv_usage"]),
+              st.sampled_from(["0.0", "1.0", "3.0"])),
+)
+
+
+class Differential(RuleBasedStateMachine):
+    """Both stores are the system under test; each is the other's model."""
+
+    client: redis.Redis
+    prefix: str
+    leases = Bundle("leases")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock()
+        self.submitted: list[PendingItem] = []
+        self.memory: MemoryStore
+        self.redis: RedisStore
+        self.keys: Keys
+
+    @initialize(config=configs)
+    def start(self, config: StoreConfig) -> None:
+        # Not a drawn value: hypothesis replays drawn uuids, and every run needs fresh keys.
+        self.keys = Keys(f"{self.prefix}{uuid.uuid4().hex[:12]}:")
+        self.memory = MemoryStore(config, clock=self.clock)
+        self.redis = RedisStore(self.client, self.keys, config, clock=self.clock)
+        self.both("record_backend", self.clock.now, "", {})
+
+    def teardown(self) -> None:
+        if hasattr(self, "keys"):
+            delete_prefix(self.client, self.keys.prefix)
+
+    def both(self, call: str, *args: Any) -> Any:
+        mine, theirs = (getattr(store, call)(*args) for store in (self.memory, self.redis))
+        assert mine == theirs, f"{call}{args}: memory {mine!r} != redis {theirs!r}"
+        return mine
+
+    # -- submit / cancel ---------------------------------------------------------------------
+    @rule(jobs=st.lists(jobs, min_size=1, max_size=3))
+    def submit(self, jobs: list[dict[str, Any]]) -> None:
+        """New jobs; ``age_s`` None leaves ``enqueued_at`` to the store (its clock)."""
+        now = self.clock.now
+        for spec in jobs:
+            fields = dict(spec)
+            age_s, deadline_in_s = fields.pop("age_s"), fields.pop("deadline_in_s")
+            item = PendingItem(
+                f"j{len(self.submitted)}", **fields,
+                enqueued_at=0.0 if age_s is None else now - age_s,
+                deadline=None if deadline_in_s is None else now + deadline_in_s,
+            )
+            self.submitted.append(item)
+            self.both("add_pending", item)
+
+    @rule(target=leases, rounds=st.integers(1, 3))
+    def admit(self, rounds: int) -> Any:
+        """Admission rounds at one instant, as a dispatcher loops until it is told to hold."""
+        grants = []
+        for _ in range(rounds):
+            result = self.both("admit_next", self.clock.now)
+            event(f"admit: {result.hold_reason or 'grant'}")
+            if result.grant is None:
+                break
+            grants.append((result.grant.job_id, result.grant.fence))
+        return multiple(*grants)
+
+    @rule(target=leases, max_grants=st.integers(1, 5))
+    def admit_many(self, max_grants: int) -> Any:
+        """Several grants decided by one call (one ADMIT script on Redis), as the dispatcher asks."""
+        results = self.both("admit_many", self.clock.now, max_grants)
+        assert len(results) <= max_grants + 1
+        event(f"admit_many: {len(results)} results")
+        return multiple(*[(r.grant.job_id, r.grant.fence) for r in results if r.grant is not None])
+
+    @rule(lease=leases, op=lease_ops)
+    def worker(self, lease: tuple[str, int], op: tuple[Any, ...]) -> None:
+        """What a worker does with a grant; leases stay in the bundle, so a later call may
+        carry a dead fence (a late or duplicate worker)."""
+        name, *extra = op
+        now = self.clock.now
+        args = {"claim": (*extra, now), "renew": (now,)}.get(name, ())
+        if name == "readmit":  # max_new_tokens, a not-before time (now: straight back in line)
+            args = (extra[0], now + extra[1], now)
+        self.both(name, *lease, *args)
+
+    @rule(op=other_ops, index=st.integers(0, 30))
+    def other(self, op: tuple[Any, ...], index: int) -> None:
+        """Producers and the dispatcher's housekeeping: resubmit a job (ignored while pending or
+        in flight, queued again after it left), cancel one (index past the end: a job the
+        stores never saw), expire deadlines, record a backend verdict."""
+        name, *extra = op
+        if name == "resubmit" and self.submitted:
+            item = self.submitted[index % len(self.submitted)]
+            deadline = None if extra[0] is None else self.clock.now + extra[0]
+            self.both("add_pending", replace(item, deadline=deadline))
+        elif name == "cancel":
+            self.both("cancel_pending", f"j{index % (len(self.submitted) + 1)}")
+        elif name == "expire":
+            self.both("expire_deadlines", self.clock.now)
+        elif name == "promote":
+            mine, theirs = self.memory.promote_due(self.clock.now), self.redis.promote_due(self.clock.now)
+            assert sorted(mine) == sorted(theirs), f"promoted: memory {mine} != redis {theirs}"
+        elif name == "hurry":
+            self.both("hurry", f"j{index % (len(self.submitted) + 1)}", self.clock.now)
+        elif name == "verdict":
+            figures = {"waiting": "0", "outside": extra[2]}  # outside clients hold sequences
+            self.both("record_backend", self.clock.now - extra[0], extra[1], figures)
+            assert self.memory.backend() == self.redis.backend()
+
+    @rule(seconds=st.sampled_from([0.3, 0.7, 5.0, 12.0, 31.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.clock.now += seconds
+        now = self.clock.now
+        mine, theirs = self.memory.reap_expired(now), self.redis.reap_expired(now)
+        assert sorted(mine) == sorted(theirs), f"reaped: memory {mine} != redis {theirs}"
+
+    # -- after every step --------------------------------------------------------------------
+    @invariant()
+    def same_state(self) -> None:
+        if not hasattr(self, "keys"):
+            return
+        for call in ("snapshot", "lease_fences", "pending_ids", "next_deadline", "next_expiry",
+                     "next_not_before", "continuations"):
+            self.both(call)
+
+
+def test_memory_and_redis_stores_agree(key_prefix: str) -> None:
+    client = redis.Redis.from_url(TEST_REDIS_URL)
+    machine = type("Machine", (Differential,), {"client": client, "prefix": key_prefix})
+    try:
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=40,
+                stateful_step_count=40,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow],
+            ),
+        )
+    finally:
+        delete_prefix(client, key_prefix)
+        client.close()

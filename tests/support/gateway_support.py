@@ -1,0 +1,66 @@
+"""Helpers for the gateway tests: configs with minted API keys, and a lone ``fleet gateway`` process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from fleet.core.apikeys import mint
+from fleet.local.embedded import free_port
+from fleet.local.processes import wait_http
+from tests.support.fleet_harness import make_config, write_config
+
+
+def config_with_keys(tmp: Path, projects: dict[str, dict[str, Any]] | None = None, **sections: Any
+                     ) -> tuple[Path, dict[str, str]]:
+    """The test config plus one fresh gateway key for each project (project -> key); a
+    ``projects`` entry updates that project's settings."""
+    path = make_config(tmp, **sections)
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    keys = {}
+    for name, project in data["projects"].items():
+        key, entry = mint()
+        project["api_keys"] = [entry]
+        project.update((projects or {}).get(name, {}))
+        keys[name] = key
+    write_config(path, data)
+    return path, keys
+
+
+def set_keys(path: Path, project: str, entries: list[str]) -> None:
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    data["projects"][project]["api_keys"] = entries
+    write_config(path, data)
+
+
+@contextmanager
+def lone_gateway(config: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``fleet gateway`` on its own (no dispatcher, no backend): nothing is ever admitted."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env["FLEET_CONFIG"] = str(config)
+    log = config.with_name("gateway.log")
+    with log.open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "fleet", "gateway", "--port", str(port)],
+                                   env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/health", timeout_s=60, alive=lambda: process.poll() is None)
+        assert process.poll() is None, log.read_text()
+        yield url, process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
