@@ -128,35 +128,39 @@ class Check:
             return set(self.labels_of(node))
         if isinstance(node, promql.MatrixSelector):
             return self.result_labels(node.vector_selector)
-        if isinstance(node, promql.ParenExpr | promql.UnaryExpr):
-            return self.result_labels(node.expr)
-        if isinstance(node, promql.SubqueryExpr):
+        if isinstance(node, promql.ParenExpr | promql.UnaryExpr | promql.SubqueryExpr):
             return self.result_labels(node.expr)
         if isinstance(node, promql.AggregateExpr):
-            if node.modifier is None:
-                return set()
-            labels = set(node.modifier.labels)
-            if node.modifier.type == promql.AggModifierType.By:
-                return labels
-            return self.result_labels(node.expr) - labels
+            return self.aggregate_labels(node)
         if isinstance(node, promql.Call):
-            name = node.func.name
-            if name == "absent":
-                return set()
-            vectors = [a for a in node.args if not isinstance(a, promql.NumberLiteral | promql.StringLiteral)]
-            labels = self.result_labels(vectors[0]) if vectors else set()
-            return labels - {"le"} if name == "histogram_quantile" else labels
+            return self.call_labels(node)
         if isinstance(node, promql.BinaryExpr):
-            lhs, rhs = self.result_labels(node.lhs), self.result_labels(node.rhs)
-            if isinstance(node.lhs, promql.NumberLiteral):
-                return rhs
-            if isinstance(node.rhs, promql.NumberLiteral):
-                return lhs
-            matching = node.modifier.matching if node.modifier is not None else None
-            if matching is not None and "Include" in str(matching.type) and str(node.op) not in ("and", "or", "unless"):
-                return set(matching.labels) | set(node.modifier.group_labels or [])
-            return lhs
-        return set()
+            return self.binary_labels(node)
+        return set()  # a number or a string
+
+    def aggregate_labels(self, node: Any) -> set[str]:
+        if node.modifier is None:
+            return set()
+        labels = set(node.modifier.labels)
+        if node.modifier.type == promql.AggModifierType.By:
+            return labels
+        return self.result_labels(node.expr) - labels
+
+    def call_labels(self, node: Any) -> set[str]:
+        name = node.func.name
+        if name == "absent":
+            return set()
+        vectors = [a for a in node.args if not isinstance(a, promql.NumberLiteral | promql.StringLiteral)]
+        labels = self.result_labels(vectors[0]) if vectors else set()
+        return labels - {"le"} if name == "histogram_quantile" else labels
+
+    def binary_labels(self, node: Any) -> set[str]:
+        if isinstance(node.lhs, promql.NumberLiteral):
+            return self.result_labels(node.rhs)
+        matching = node.modifier.matching if node.modifier is not None else None
+        if matching is not None and "Include" in str(matching.type) and str(node.op) not in ("and", "or", "unless"):
+            return set(matching.labels) | set(node.modifier.group_labels or [])
+        return self.result_labels(node.lhs)
 
 
 def metric_name(selector: Any) -> str:
@@ -311,3 +315,51 @@ def test_promtool_accepts_the_rules() -> None:
                          timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"SUCCESS: {len(alert_rules())} rules found" in out.stdout
+
+
+# -- the figures the alerts read, read right ------------------------------------------------------------
+def families_of(collector: Any) -> dict[str, Any]:
+    return {f.name: f for f in collector.collect()}
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_the_alert_figures_say_what_they_mean(kind: str, redis_client: Any, key_prefix: str) -> None:
+    """The oldest pending job per project (the head of its queues, across bands and sizes), the
+    backend's state and the broker's settings, as the dispatcher's collectors export them."""
+    import time
+
+    from fleet.core.config import Settings
+    from schedulers.metrics import BrokerPersistenceCollector, StoreCollector
+    from schedulers.store import make_store
+    from schedulers.store.base import PendingItem, StoreConfig
+    from schedulers.store.memory_store import MemoryStore
+
+    settings = Settings(key_prefix=key_prefix)
+    store = MemoryStore(StoreConfig.from_settings(settings)) if kind == "memory" else make_store(settings, redis_client)
+    now = time.time()
+    for job_id, project, band, age in (("a", "triage", "batch", 50), ("b", "triage", "interactive", 300),
+                                       ("c", "triage", "batch", 10), ("d", "reports", "batch", 20)):
+        store.add_pending(PendingItem(job_id=job_id, project=project, prompt_tokens=100, max_new_tokens=100,
+                                      band=band, priority=0, enqueued_at=now - age, deadline=None))
+    store.record_backend(now, "kv", {"healthy": "1"})
+    found = families_of(StoreCollector(store))
+    oldest = {s.labels["project"]: s.value for s in found["fleet_dispatch_oldest_pending_seconds"].samples}
+    assert oldest["triage"] == pytest.approx(300, abs=60) and oldest["reports"] == pytest.approx(20, abs=60)
+    assert oldest["triage"] > oldest["reports"]
+    assert [found[n].samples[0].value for n in ("fleet_backend_up", "fleet_backend_held")] == [1, 1]
+    store.record_backend(now - 3600, "", {"healthy": "0"})  # a scraper that stopped an hour ago
+    found = families_of(StoreCollector(store))
+    assert [found[n].samples[0].value for n in ("fleet_backend_up", "fleet_backend_held")] == [0, 1]
+    assert found["fleet_backend_scrape_age_seconds"].samples[0].value >= 3600
+
+    class Info:
+        def __init__(self, aof: int, policy: str) -> None:
+            self.sections = {"persistence": {"aof_enabled": aof}, "memory": {"maxmemory_policy": policy}}
+
+        def info(self, section: str) -> dict[str, Any]:
+            return self.sections[section]
+
+    for aof, policy, unsafe in ((1, "noeviction", {}), (0, "allkeys-lru", {"appendonly": 1, "maxmemory-policy": 1})):
+        broker = families_of(BrokerPersistenceCollector(Info(aof, policy)))  # type: ignore[arg-type]
+        values = {s.labels["setting"]: s.value for s in broker["fleet_broker_unsafe"].samples}
+        assert values == {"appendonly": 0, "maxmemory-policy": 0, **unsafe}
