@@ -63,7 +63,13 @@ from fleet.core.config import Settings
 from fleet.core.keys import Keys
 from schedulers.activity import Activity
 from schedulers.backoff import Backoff
-from schedulers.metrics import DispatcherMetrics, MetricsLeader, ResultCodeCollector, serve_metrics
+from schedulers.metrics import (
+    BrokerPersistenceCollector,
+    DispatcherMetrics,
+    MetricsLeader,
+    ResultCodeCollector,
+    serve_metrics,
+)
 from schedulers.scrape import make_http, run_scraper
 from schedulers.serverinfo import ServerCheck
 from schedulers.store import make_store
@@ -224,7 +230,8 @@ def run_dispatcher(
     store = make_store(settings, client)
     keys = Keys(settings.key_prefix)
     leader = MetricsLeader(client, keys.metrics_leader)
-    metrics = DispatcherMetrics(store, ResultCodeCollector(client, keys), leader, shared_metrics)
+    metrics = DispatcherMetrics(store, ResultCodeCollector(client, keys), leader,
+                                [BrokerPersistenceCollector(client), *shared_metrics])
     admission = settings.admission
     server = serve_metrics(metrics, admission.metrics_port)
     scraper_stop = threading.Event()

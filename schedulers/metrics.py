@@ -27,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from fleet.core.keys import Keys
+from fleet.core.persistence import unsafe_settings
 from schedulers.store.base import AdmissionStore, Grant
 
 log = logging.getLogger(__name__)
@@ -130,19 +131,45 @@ class StoreCollector(Collector):
         yield CounterMetricFamily(
             "fleet_dispatch_admissions", "Jobs admitted", value=snap.admissions
         )
-        outside = self._store.backend().get("outside")
-        if outside is not None:
-            yield GaugeMetricFamily(
-                "fleet_backend_outside_sequences",
-                "Sequences running at the backend that are not the fleet's (last scrape)",
-                value=float(outside),
-            )
+        yield from self._backend()
+        oldest = GaugeMetricFamily(
+            "fleet_dispatch_oldest_pending_seconds",
+            "Age of the longest-waiting job at the head of a project's queues (since it was queued)",
+            labels=["project"],
+        )
+        now = time.time()
+        for project, enqueued_at in sorted(self._store.oldest_pending().items()):
+            oldest.add_metric([project], max(0.0, now - enqueued_at))
+        yield oldest
         holds = CounterMetricFamily(
             "fleet_dispatch_holds", "Admission rounds that admitted nothing", labels=["reason"]
         )
         for reason, count in sorted(snap.holds.items()):
             holds.add_metric([reason], count)
         yield holds
+
+    def _backend(self) -> Iterable[Metric]:
+        """The backend as the dispatchers' scrapers last saw it (schedulers/scrape.py): no family
+        before the first scrape was recorded."""
+        backend = self._store.backend()
+        if "scraped_at" in backend:
+            age = max(0.0, time.time() - float(backend["scraped_at"]))
+            yield GaugeMetricFamily("fleet_backend_up",
+                                    "1 if the backend's /health answered 200 at the last scrape",
+                                    value=1 if backend.get("healthy") == "1" else 0)
+            yield GaugeMetricFamily("fleet_backend_scrape_age_seconds",
+                                    "Seconds since a dispatcher last scraped the backend", value=age)
+            stale = age > self._store.config.scrape_stale_s
+            yield GaugeMetricFamily("fleet_backend_held",
+                                    "1 while the backend gate holds admissions (a hold or a stale scrape)",
+                                    value=1 if backend.get("hold") or stale else 0)
+        outside = backend.get("outside")
+        if outside is not None:
+            yield GaugeMetricFamily(
+                "fleet_backend_outside_sequences",
+                "Sequences running at the backend that are not the fleet's (last scrape)",
+                value=float(outside),
+            )
 
 
 class ResultCodeCollector(Collector):
@@ -161,6 +188,26 @@ class ResultCodeCollector(Collector):
             text = field.decode() if isinstance(field, bytes) else str(field)
             project, _, code = text.partition("|")
             family.add_metric([project, code], int(count))
+        yield family
+
+
+class BrokerPersistenceCollector(Collector):
+    """``fleet_broker_unsafe{setting}``: 1 while the broker's ``appendonly`` or
+    ``maxmemory-policy`` is one that loses jobs (fleet/core/persistence.py), read through INFO on
+    each scrape; both series are always there (0 = safe)."""
+
+    SETTINGS = ("appendonly", "maxmemory-policy")
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+
+    def collect(self) -> Iterable[Metric]:
+        unsafe = unsafe_settings(self._client)
+        family = GaugeMetricFamily("fleet_broker_unsafe",
+                                   "1 if this broker setting can lose jobs (appendonly off, an evicting policy)",
+                                   labels=["setting"])
+        for setting in self.SETTINGS:
+            family.add_metric([setting], 1 if setting in unsafe else 0)
         yield family
 
 

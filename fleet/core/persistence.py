@@ -31,13 +31,27 @@ from fleet.core.redisconn import mask_url
 log = logging.getLogger(__name__)
 
 
+def unsafe_settings(client: Any) -> dict[str, str]:
+    """{setting: its value} for each of the two settings that is unsafe (``appendonly``,
+    ``maxmemory-policy``); {} when Redis keeps an append-only file and never evicts. Read through
+    INFO, so ``fleet_broker_unsafe`` (schedulers/metrics.py) sees what ``check_broker`` sees."""
+    unsafe = {}
+    if not int(client.info("persistence").get("aof_enabled", 0)):
+        unsafe["appendonly"] = "no"
+    policy = str(client.info("memory").get("maxmemory_policy", "noeviction"))
+    if policy != "noeviction":
+        unsafe["maxmemory-policy"] = policy
+    return unsafe
+
+
 def broker_risks(client: Any) -> list[str]:
     """What this Redis may lose, in words; [] when it keeps an append-only file and never evicts."""
     risks = []
-    if not int(client.info("persistence").get("aof_enabled", 0)):
+    unsafe = unsafe_settings(client)
+    if "appendonly" in unsafe:
         risks.append("appendonly is off (a restart loses queued jobs and results)")
-    policy = str(client.info("memory").get("maxmemory_policy", "noeviction"))
-    if policy != "noeviction":
+    if "maxmemory-policy" in unsafe:
+        policy = unsafe["maxmemory-policy"]
         risks.append(f"maxmemory-policy is {policy} (keys are evicted: jobs vanish silently); "
                      "set noeviction")
     return risks

@@ -44,7 +44,7 @@ from fleet.core.results import ResultStore
 from fleet.core.seal import SEALED_FIELDS, seal_valid
 from fleet.prep.watchdog import run_prep_watchdog
 from fleet.worker.app import create_app
-from fleet.worker.heartbeat import WorkerGate
+from fleet.worker.heartbeat import WorkerGate, live_workers
 from fleet.worker.queues import INFER_TASK, PREP_TASK, prep_backlog, shown
 from schedulers.dispatcher import run_dispatcher
 from schedulers.store.base import Grant
@@ -74,7 +74,8 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
                      args=(settings, results, resend_prep, stop)).start()
     gate = WorkerGate(client, Keys(settings.key_prefix)) if settings.admission.worker_gate else None
     run_dispatcher(settings, client, send, stop=stop, on_expired=on_expired,
-                   shared_metrics=[PrepBacklogCollector(settings, client)], gate=gate)
+                   shared_metrics=[PrepBacklogCollector(settings, client), LiveWorkersCollector(client, settings)],
+                   gate=gate)
 
 
 class PrepBacklogCollector(Collector):
@@ -91,6 +92,20 @@ class PrepBacklogCollector(Collector):
         for project, count in sorted(prep_backlog(self._settings, self._client).items()):
             family.add_metric([project], count)
         yield family
+
+
+class LiveWorkersCollector(Collector):
+    """``fleet_inference_workers``: inference worker processes whose heartbeat is live
+    (fleet/worker/heartbeat.py), the count the ``no_workers`` gate reads; read on each scrape."""
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self._client = client
+        self._keys = Keys(settings.key_prefix)
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily("fleet_inference_workers",
+                                "Inference worker processes with a live heartbeat",
+                                value=live_workers(self._client, self._keys))
 
 
 def make_send(settings: Settings, client: redis.Redis, celery: Celery) -> Callable[[Grant], None]:

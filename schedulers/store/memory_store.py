@@ -402,6 +402,16 @@ class MemoryStore:
         with self._lock:
             return dict(self._figures)
 
+    def oldest_pending(self) -> dict[str, float]:
+        with self._lock:
+            found: dict[str, float] = {}
+            for (project, _band, _size), queue in self._queues.items():
+                live = [(score, job_id) for score, job_id in queue if job_id in self._pending]
+                if live:
+                    enqueued_at = self._pending[min(live)[1]].item.enqueued_at
+                    found[project] = min(found.get(project, float("inf")), enqueued_at)
+            return found
+
     def wake(self) -> None:
         with self._lock:
             self._signal()

@@ -412,6 +412,21 @@ class RedisStore:
     def backend(self) -> dict[str, str]:
         return _texts(self._client.hgetall(self._d + "backend"))
 
+    def oldest_pending(self) -> dict[str, float]:
+        projects = sorted(_text(p) for p in self._client.smembers(self._d + "projects"))
+        pipe = self._client.pipeline(transaction=False)
+        for project in projects:
+            for band in fairshare.BANDS:
+                for size in fairshare.SIZES:
+                    pipe.zrange(self._queue(project, band, size), 0, 0)
+        heads = [_text(ids[0]) for ids in pipe.execute() if ids]
+        found: dict[str, float] = {}
+        for raw in self._client.hmget(self._key("items"), heads) if heads else []:
+            if raw is not None:  # admitted between the two reads
+                item = Item.unpack(_text(raw))
+                found[item.project] = min(found.get(item.project, float("inf")), float(item.enq))
+        return found
+
     def wake(self) -> None:
         pipe = self._client.pipeline()
         pipe.lpush(self._d + "wake", "1")
