@@ -450,6 +450,10 @@ class ProjectSettings(_Section):
     """Stable system prompt put first in every job (prefix-cache friendly)."""
     api_keys: list[str] = Field(default_factory=list)
     """Gateway keys of this project as digests, "sha256:<hex>[:batch]" (``fleet keys mint``)."""
+    cache_group: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """vLLM prefix-cache sharing: projects naming the same group share one cache salt and so
+    hit each other's cached prompts (a shared glossary); unset, the project's prompts are
+    cached for itself alone. A member can confirm what another member sent (docs/security.md)."""
     tools: Literal["passthrough", "run"] = "passthrough"
     """Tool calls of the model: hand them back in the envelope (passthrough), or run the
     registered tools and continue the job (run; fleet/infer/tools.py)."""

@@ -44,6 +44,7 @@ from fleet.core.codes import Code
 from fleet.core.errors import BrokerUnavailable, Busy, FleetError
 from fleet.core.redisconn import async_redis_client
 from fleet.core.request import build_request_messages, tools_allowed
+from fleet.core.seal import cache_salt
 from fleet.gateway.admission import Admission
 from fleet.gateway.auth import Caller, LiveSettings
 from fleet.gateway.batches import BatchRoutes
@@ -182,7 +183,8 @@ class Gateway:
         max_tokens = min(plan.max_tokens, req.max_total_tokens or plan.max_tokens)
         body = request_body(job_id, 1, messages, max_tokens=max_tokens,
                             thinking_budget=plan.thinking_budget, seed=req.seed,
-                            temperature=base_temperature(req.temperature), sampling=req.passthrough(),
+                            temperature=base_temperature(req.temperature),
+                            cache_salt=cache_salt(settings, caller.project), sampling=req.passthrough(),
                             response_format=response_format(job, project) or req.response_format,
                             tools=tools, tool_choice=tool_choice)
         return body, prepared.prompt_tokens, max_tokens
