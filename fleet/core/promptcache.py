@@ -21,8 +21,9 @@ prefix cache is assumed to keep a prompt's blocks). ``record_sent`` writes, for 
 Keyed by the wire, a record matches only a later prompt that is byte-identical up to that point,
 under the same ``cache_salt`` (the chain starts from it: vLLM never serves a prompt blocks cached
 under another salt, so neither does the estimate, and a project whose salt changed, a new
-``cache_group`` or worker key, counts nothing of what it sent before), tools included (prep looks a prompt up with the tools its turns will send: for a project that
-runs its tools, the registry's definitions, fleet/infer/tools.py ``as_sent``).
+``cache_group`` or worker key, counts nothing of what it sent before), tools included (prep
+looks a prompt up with the tools its turns will send: for a project that runs its tools, the
+registry's definitions, fleet/infer/tools.py ``as_sent``).
 
 The inference attempt (fleet/infer/attempts.py) queues the records with the attempt's history
 entry, in that one round trip, once the attempt produced at least one token (its prefill is done,
