@@ -333,6 +333,10 @@ class GatewaySettings(_Section):
     """Also send reasoning as ``reasoning_content``, for clients that expect vLLM's old name."""
     reload_check_s: float = Field(1.0, gt=0)
     """How often the config file's mtime is checked for new API keys (SIGHUP reloads at once)."""
+    chat_template_kwargs: list[str] = Field(default_factory=lambda: ["enable_thinking", "thinking"])
+    """Keys a chat request's ``chat_template_kwargs`` may carry, each only as true or false (a
+    switch of the template, never content or tools); any other key or value, or any key at all
+    on a request with untrusted content, is 400 ``E_INPUT_INVALID`` (docs/gateway.md)."""
     exact_prompt_count: bool = True
     """Count each chat prompt with the backend's ``/tokenize`` (cached by content) as prep does;
     false: the character estimate, one backend round trip less per new prompt (docs/gateway.md)."""
@@ -450,6 +454,10 @@ class ProjectSettings(_Section):
     """Stable system prompt put first in every job (prefix-cache friendly)."""
     api_keys: list[str] = Field(default_factory=list)
     """Gateway keys of this project as digests, "sha256:<hex>[:batch]" (``fleet keys mint``)."""
+    cache_group: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """vLLM prefix-cache sharing: projects naming the same group share one cache salt and so
+    hit each other's cached prompts (a shared glossary); unset, the project's prompts are
+    cached for itself alone. A member can confirm what another member sent (docs/security.md)."""
     tools: Literal["passthrough", "run"] = "passthrough"
     """Tool calls of the model: hand them back in the envelope (passthrough), or run the
     registered tools and continue the job (run; fleet/infer/tools.py)."""

@@ -19,8 +19,11 @@ prefix cache is assumed to keep a prompt's blocks). ``record_sent`` writes, for 
   the first system message), nor a retry with a note (it goes there too).
 
 Keyed by the wire, a record matches only a later prompt that is byte-identical up to that point,
-tools included (prep looks a prompt up with the tools its turns will send: for a project that
-runs its tools, the registry's definitions, fleet/infer/tools.py ``as_sent``).
+under the same ``cache_salt`` (the chain starts from it: vLLM never serves a prompt blocks cached
+under another salt, so neither does the estimate, and a project whose salt changed, a new
+``cache_group`` or worker key, counts nothing of what it sent before), tools included (prep
+looks a prompt up with the tools its turns will send: for a project that runs its tools, the
+registry's definitions, fleet/infer/tools.py ``as_sent``).
 
 The inference attempt (fleet/infer/attempts.py) queues the records with the attempt's history
 entry, in that one round trip, once the attempt produced at least one token (its prefill is done,
@@ -56,9 +59,10 @@ def _digest(previous: str, part: Any) -> str:
     return hashlib.sha256(f"{previous}\n{text}".encode()).hexdigest()
 
 
-def chained_digests(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[str]:
-    """One digest per leading part of ``messages`` (after the tools): [:1], [:2], ..."""
-    digests, current = [], _digest("", tools or [])
+def chained_digests(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    salt: str) -> list[str]:
+    """One digest per leading part of ``messages`` (after the salt and the tools): [:1], [:2], ..."""
+    digests, current = [], _digest(salt, tools or [])
     for message in messages:
         current = _digest(current, message)
         digests.append(current)
@@ -83,18 +87,19 @@ def record_sent(
     *,
     wire: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
+    salt: str,
     prompt_tokens: int | None,
     prefix: list[Message],
     prefix_tokens: int,
     remember_s: float,
 ) -> None:
     """Queue on ``pipe`` (the caller executes it) that ``project`` sent the request ``wire`` with
-    ``tools`` (both as sent), of ``prompt_tokens`` (None: not known, not recorded), and its stable
+    ``tools`` under ``salt`` (all as sent), of ``prompt_tokens`` (None: not known, not recorded), and its stable
     ``prefix`` of ``prefix_tokens`` when the request starts with exactly those messages."""
     if remember_s <= 0:
         return
     ttl = max(1, round(remember_s))
-    digests = chained_digests(wire, tools)
+    digests = chained_digests(wire, tools, salt)
     leading = [m.to_openai() for m in prefix]
     if leading and prefix_tokens > 0 and wire[: len(leading)] == leading:
         pipe.set(keys.sent(project, digests[len(leading) - 1]), prefix_tokens, ex=ttl)

@@ -35,11 +35,20 @@ Cancel requests: ``{p}cancel:{<ref>}`` holds a request signed with the project's
 project can cancel it. A request is kept for result_ttl_s and is not one-shot, so its age is not
 checked; it binds project and job id, so it cannot be moved to another job.
 
+Cache salt: every request the fleet sends to vLLM carries ``cache_salt`` (``cache_salt``), the
+base64url HMAC-SHA256 under the same key of ``"fleet-cache-salt-v1\n" + scope``, the scope being
+``project:<name>``, or ``group:<name>`` for the projects naming that ``cache_group``: 43
+characters (256 bits), the same in every worker and gateway that holds the key, and unknowable to
+a producer. vLLM mixes it into the hash of a prompt's first KV block, so a prompt cached under one
+salt never hits under another (docs/security.md, prompt caches). A changed key (or group) starts
+every project's cache cold once.
+
 Digest: the sha256 of a whole signed message as received, which names its rejection (results.py).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -53,6 +62,7 @@ from fleet.core.signing import canonical, sign, signature_valid
 SEAL_VERSION = "fleet-seal-v2"
 SEALED_FIELDS = ("project", "kind", "origin", "gateway", "job", "plan", "fence_tag", "warnings")
 TURN_VERSION = "fleet-turn-v1"
+CACHE_SALT_VERSION = "fleet-cache-salt-v1"
 
 
 def _worker_key(settings: Settings) -> bytes:
@@ -60,6 +70,16 @@ def _worker_key(settings: Settings) -> bytes:
     if not secret:
         raise ConfigError("security.worker_secret is not set: workers cannot seal or run jobs")
     return secret.encode()
+
+
+def cache_salt(settings: Settings, project: str) -> str:
+    """The ``cache_salt`` of ``project``'s requests: its own, or its ``cache_group``'s.
+    ConfigError without ``security.worker_secret``; a project not configured gets its own."""
+    found = settings.project(project)
+    group = found.cache_group if found is not None else None
+    scope = f"group:{group}" if group else f"project:{project}"
+    mac = hmac.new(_worker_key(settings), f"{CACHE_SALT_VERSION}\n{scope}".encode(), hashlib.sha256)
+    return base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
 
 
 def seal(settings: Settings, ref: str, fields: Mapping[str, str]) -> str:

@@ -17,7 +17,9 @@ on the queue path (fleet/infer/requestbody.py builds both): the project's system
 (fleet/prep/prepare.py lays it out and counts the prompt exactly, as prep does; a conversation is
 never trimmed, a prompt that does not fit is 400 ``E_PROMPT_TOO_LONG``), untrusted messages
 fenced and their requests stripped of tools (fleet/core/request.py), tools the project does not
-allow removed, the project's thinking budget and content reserve as ``thinking_token_budget`` and
+allow removed, ``chat_template_kwargs`` only as allowed switches and never on an untrusted
+request (fleet/core/request.py ``template_kwargs``: 400 ``E_INPUT_INVALID`` before anything is
+counted), the project's thinking budget and content reserve as ``thinking_token_budget`` and
 ``max_completion_tokens`` (a client's own ``max_tokens`` can only lower the latter), the
 project's response schema unless the request brings its own ``response_format``.
 """
@@ -43,7 +45,8 @@ from fleet.client import Client
 from fleet.core.codes import Code
 from fleet.core.errors import BrokerUnavailable, Busy, FleetError
 from fleet.core.redisconn import async_redis_client
-from fleet.core.request import build_request_messages, tools_allowed
+from fleet.core.request import build_request_messages, template_kwargs, tools_allowed
+from fleet.core.seal import cache_salt
 from fleet.gateway.admission import Admission
 from fleet.gateway.auth import Caller, LiveSettings
 from fleet.gateway.batches import BatchRoutes
@@ -173,6 +176,11 @@ class Gateway:
         """(vLLM request body, prompt tokens, max tokens) of one chat request."""
         settings, project, rt = self.live.settings, caller.settings, self.runtime
         job = req.to_job(job_id, caller.project, caller.band).model_copy(update={"allow_trim": False})
+        sampling = req.passthrough()
+        switches = template_kwargs(sampling.pop("chat_template_kwargs", None),
+                                   settings.gateway.chat_template_kwargs, job.untrusted)
+        if switches:  # true/false switches only: they render no text worth counting
+            sampling["chat_template_kwargs"] = switches
         first = plan_budget(job, project, settings, 0)
         prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, self.counter)
         plan = plan_budget(job, project, settings, prepared.prompt_tokens)
@@ -182,7 +190,8 @@ class Gateway:
         max_tokens = min(plan.max_tokens, req.max_total_tokens or plan.max_tokens)
         body = request_body(job_id, 1, messages, max_tokens=max_tokens,
                             thinking_budget=plan.thinking_budget, seed=req.seed,
-                            temperature=base_temperature(req.temperature), sampling=req.passthrough(),
+                            temperature=base_temperature(req.temperature),
+                            cache_salt=cache_salt(settings, caller.project), sampling=sampling,
                             response_format=response_format(job, project) or req.response_format,
                             tools=tools, tool_choice=tool_choice)
         return body, prepared.prompt_tokens, max_tokens

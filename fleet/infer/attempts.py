@@ -70,6 +70,7 @@ from fleet.core.models import Attempt, Envelope, Job, Timings, Usage
 from fleet.core.outagelog import BROKER_LOST
 from fleet.core.promptcache import leading_system, record_sent
 from fleet.core.request import build_request_messages, fence, new_fence_tag, tools_allowed
+from fleet.core.seal import cache_salt
 from fleet.infer import carryover
 from fleet.infer import tools as tools_mod
 from fleet.infer.budget import Plan, grow_budget, grow_reserve
@@ -220,6 +221,7 @@ class _Run:
         self.invalid_rounds = 0
         self.tools_off = False  # an untrusted tool result came in: no tools any more
         self.response_format = response_format(job, ctx.project)
+        self.cache_salt = cache_salt(self.s, job.project)  # its prompts hit its own cache only
         self.attempts: list[Attempt] = []
         self.usage = Usage()
         self.conclusions: list[str] = []
@@ -274,7 +276,7 @@ class _Run:
                                  self.s.events_ttl_s)
         if result is not None and result.first_token_s is not None:
             record_sent(pipe, self.ctx.keys, self.job.project, wire=body["messages"],
-                        tools=body.get("tools"), prompt_tokens=self._sent_tokens(body, result),
+                        tools=body.get("tools"), salt=body["cache_salt"], prompt_tokens=self._sent_tokens(body, result),
                         prefix=leading_system(self.job), prefix_tokens=self.plan.prefix_tokens,
                         remember_s=self.s.backend.prefix_cache_s)
         pipe.execute()
@@ -423,7 +425,8 @@ class _Run:
     def _body(self, number: int, seed: int, temperature: float) -> dict[str, Any]:
         return request_body(self.job.id, number, self._messages(), max_tokens=self.plan.max_tokens,
                             thinking_budget=self.plan.thinking_budget, seed=seed,
-                            temperature=temperature, response_format=self.response_format,
+                            temperature=temperature, cache_salt=self.cache_salt,
+                            response_format=self.response_format,
                             tools=self.tools, tool_choice=self.tool_choice, tools_off=self.tools_off)
 
     # -- one attempt ----------------------------------------------------------------------------

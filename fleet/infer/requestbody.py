@@ -19,6 +19,9 @@ tools)::
     temperature            the job's, else DEFAULT_TEMPERATURE (``base_temperature``; the queue
                            path raises it after an answer-level failure)
     (sampling)             the gateway's passthrough fields (fleet/gateway/wire.py PASSTHROUGH)
+    cache_salt             the project's (fleet/core/seal.py ``cache_salt``: its own, or its
+                           cache group's), so vLLM's prefix cache never serves one project's
+                           blocks to another's prompt; set after the passthrough, never a client's
     response_format        json_schema of the job or project (fleet/infer/validate.py)
     tools, tool_choice     as allowed; once tools are off only ``tool_choice: "none"``
 
@@ -62,7 +65,7 @@ def request_id(job_id: str, number: int) -> str:
 
 
 def request_body(job_id: str, number: int, messages: list[dict[str, Any]], *, max_tokens: int,
-                 thinking_budget: int, seed: int | None, temperature: float,
+                 thinking_budget: int, seed: int | None, temperature: float, cache_salt: str,
                  sampling: Mapping[str, Any] | None = None,
                  response_format: dict[str, Any] | None = None,
                  tools: list[dict[str, Any]] | None = None,
@@ -81,6 +84,7 @@ def request_body(job_id: str, number: int, messages: list[dict[str, Any]], *, ma
         body["seed"] = seed
     body["temperature"] = temperature
     body.update(sampling or {})
+    body["cache_salt"] = cache_salt  # after the passthrough: a client never picks its own
     if response_format is not None:
         body["response_format"] = response_format
     if tools_off:

@@ -13,7 +13,10 @@ sent, and its stable prefix, once an attempt that sent them got a token back, ke
 part is the longest record among its leading parts (tools, then one chained digest per message:
 one lookup each, laid out as the inference worker will send it): an earlier prompt, or a stable
 prefix, byte-identical to the start of this one. That count is rounded down to whole KV blocks;
-the rest is ``uncached_tokens``. Projects are kept apart: a project's prompts only ever match its own.
+the rest is ``uncached_tokens``. Projects are kept apart: a project's prompts only ever match its own,
+sent under its own ``cache_salt`` (fleet/core/seal.py). Projects sharing a ``cache_group`` share
+the server's cache but not these records: a prompt another member sent counts in full (on the
+safe side). There is one backend and no routing by prefix, so nothing else follows the salt.
 
 Only a prompt the server computed counts, never one that was merely prepared: N jobs sharing a
 new long prompt, prepared before the first one's attempt ended, all count it in full, and a
@@ -39,6 +42,7 @@ from fleet.core.keys import Keys
 from fleet.core.models import Job
 from fleet.core.promptcache import chained_digests
 from fleet.core.request import build_request_messages
+from fleet.core.seal import cache_salt
 from fleet.prep.prepare import Prepared
 
 
@@ -49,14 +53,16 @@ def estimate_uncached(
     *,
     wire: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
+    salt: str,
     prompt_tokens: int,
     block_tokens: int,
     remember_s: float,
 ) -> int:
-    """The prompt tokens expected to miss the prefix cache, by what the project sent."""
+    """The prompt tokens expected to miss the prefix cache, by what the project sent under
+    ``salt`` (its requests' ``cache_salt``)."""
     if remember_s <= 0:
         return prompt_tokens
-    lookups = [keys.sent(project, d) for d in chained_digests(wire, tools)]
+    lookups = [keys.sent(project, d) for d in chained_digests(wire, tools, salt)]
     if not lookups:
         return prompt_tokens
     seen = [int(v) for v in client.mget(lookups) if v is not None]
@@ -73,7 +79,8 @@ def uncached_of(
     those its turns send (fleet/infer/tools.py ``as_sent``)."""
     wire, _ = build_request_messages(ready, prepared.fence_tag)
     return estimate_uncached(
-        client, keys, ready.project, wire=wire, tools=tools, prompt_tokens=prepared.prompt_tokens,
+        client, keys, ready.project, wire=wire, tools=tools,
+        salt=cache_salt(settings, ready.project), prompt_tokens=prepared.prompt_tokens,
         block_tokens=settings.backend.block_tokens,
         remember_s=settings.backend.prefix_cache_s,
     )

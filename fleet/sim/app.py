@@ -182,7 +182,7 @@ class ChatHandler:
         plan = build_plan(shape, scenario, _rng(self.s.config.seed, req), self.s.config.lengths)
         seq = Sequence(
             request_id=rid, prompt_len=prompt_len,
-            hashes=block_hashes(ids, self.s.profile.block_tokens), total=plan.total,
+            hashes=block_hashes(ids, self.s.profile.block_tokens, req.cache_salt), total=plan.total,
             finish_reason=plan.finish_reason, long=prompt_len > self.s.config.long_threshold,
             slow_first_s=scenario.number("slow_first_token"), stall_at=plan.stall_at,
             stall_s=scenario.number("stall"))

@@ -8,7 +8,10 @@ them); with the 32-sequence ceiling binding long before the pool, this only matt
 simulated long-prompt pile-ups, where it errs on the side of preempting a little early.
 
 Prefix cache: a prompt's token ids are hashed per whole block, each hash chained on the previous
-one, so a block hash names the block *and* everything before it. A lookup counts the leading
+one, so a block hash names the block *and* everything before it. A request's ``cache_salt`` is
+mixed into the first block's hash only (vLLM's extra keys of the block at token 0), so the whole
+chain differs from the unsalted one and from every other salt's: a prompt cached under one salt
+never hits under another, and requests without a salt share the unsalted chain. A lookup counts the leading
 blocks whose hashes are cached, limited to ``(prompt_len - 1) // block_tokens`` blocks (vLLM never
 serves the last prompt token from cache, and with 1,072-token blocks a prefix shorter than one
 block never hits). Hashes enter the cache when a prompt's prefill completes and are evicted least
@@ -22,12 +25,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
-def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: int = 0) -> list[int]:
-    """Chained hash of every whole block of ``token_ids``."""
+def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str | None = None) -> list[int]:
+    """Chained hash of every whole block of ``token_ids``; ``salt`` (a request's ``cache_salt``)
+    is mixed into the first block's only, as vLLM adds it to that block's extra keys."""
     out: list[int] = []
-    prev = salt
+    prev: int | None = None
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        prev = hash((prev, tuple(token_ids[start : start + block_tokens])))
+        extra = (salt,) if start == 0 and salt else None
+        prev = hash((prev, tuple(token_ids[start : start + block_tokens]), extra))
         out.append(prev)
     return out
 

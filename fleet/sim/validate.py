@@ -4,7 +4,8 @@ Every refusal is an ``APIError`` rendered as ``{"error": {"message", "type", "pa
 
 - 400 ``BadRequestError``: body not JSON, no messages, ``stream_options`` without ``stream``,
   ``thinking_token_budget`` not an integer >= -1 (floats and booleans too), ``max_tokens`` /
-  ``max_completion_tokens`` below 1, ``tool_choice`` without tools, ``n`` other than 1, a malformed
+  ``max_completion_tokens`` below 1, ``tool_choice`` without tools, ``n`` other than 1, a
+  ``cache_salt`` that is not a non-empty string, a malformed
   ``response_format``; prompt too long (``param: "input_tokens"``, checked by the app once the
   prompt is tokenized).
 - 404 ``NotFoundError``: a ``model`` other than the served model name.
@@ -50,6 +51,7 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None
     tool_choice: Any
     response_format: dict[str, Any] | None
+    cache_salt: str | None = None
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -108,6 +110,13 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     return None if rf["type"] == "text" else rf
 
 
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise _bad("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    return salt
+
+
 def parse_chat(body: Any, served_model: str) -> ChatRequest:
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
@@ -138,4 +147,5 @@ def parse_chat(body: Any, served_model: str) -> ChatRequest:
         tools=tools,
         tool_choice=choice,
         response_format=_response_format(body),
+        cache_salt=_cache_salt(body),
     )

@@ -69,3 +69,24 @@ def test_other_projects_secret_does_not_verify(settings, redis_client, key_prefi
     signed = sign(JOB, "reports", secret(settings, "triage"))
     with pytest.raises(AuthError, match="bad signature"):
         verify(signed, settings, redis_client, Keys(key_prefix))
+
+
+def test_cache_salts_are_per_project_or_group_and_need_the_workers_key():
+    """Every path derives the same salt from the workers' key; a producer, lacking it, cannot."""
+    from fleet.core.errors import ConfigError
+    from fleet.core.seal import cache_salt
+
+    def salts(key, groups):
+        settings = load_settings(EXAMPLE_CONFIG, env={}, security={"worker_secret": key},
+                                 projects={name: {"cache_group": group} for name, group in groups.items()})
+        return {name: cache_salt(settings, name) for name in settings.projects}
+
+    own = salts("k" * 16, {})
+    assert len(set(own.values())) == len(own) and all(len(s) == 43 for s in own.values())
+    assert salts("k" * 16, {}) == own  # the gateway and every worker derive the same
+    grouped = salts("k" * 16, {"reports": "glossary", "translate": "glossary"})
+    assert grouped["reports"] == grouped["translate"] != own["reports"]
+    assert grouped["assistant"] == own["assistant"]
+    assert salts("m" * 16, {})["reports"] != own["reports"]
+    with pytest.raises(ConfigError):
+        cache_salt(load_settings(EXAMPLE_CONFIG, env={}, security={"worker_secret": None}), "reports")

@@ -16,6 +16,7 @@ import pytest
 from fleet.core.config import Settings
 from fleet.core.events import EventSink
 from fleet.core.keys import job_ref
+from fleet.core.seal import cache_salt
 from fleet.gateway.app import Gateway
 from fleet.gateway.auth import Caller, LiveSettings
 from fleet.gateway.wire import ChatRequest, parse_chat
@@ -68,6 +69,7 @@ def gateway(redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr("fleet.prep.prepare.new_fence_tag", lambda: "fence0123")
     settings = Settings(broker_url=redis_url, key_prefix=key_prefix,
                         backend={"url": "http://127.0.0.1:9"}, gateway={"exact_prompt_count": False},
+                        security={"worker_secret": "the-workers-own-key-0123"},
                         projects={"a": {"secret": "secret-a-123", "api_keys": [],
                                         "system_prompt": "You are the fleet's test assistant.",
                                         "allowed_tools": ["weather"]}})
@@ -112,6 +114,7 @@ def test_the_queue_path_and_the_gateway_send_the_same_first_body(gateway: Gatewa
     queued, = queue_bodies(gateway, req, f"job-{chat}", ANSWER)
     assert json.dumps(sent) == json.dumps(queued)  # the same fields, values and order
     assert sent["seed"] == CHATS[chat]["seed"] and sent["request_id"] == f"job-{chat}-1"
+    assert sent["cache_salt"] == cache_salt(gateway.live.settings, "a")  # both paths, one salt
 
 
 def test_a_retry_gets_the_same_new_seed_on_both_paths(gateway: Gateway) -> None:

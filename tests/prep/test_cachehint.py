@@ -20,18 +20,21 @@ SYSTEM = Message(role="system", content="You are the research assistant. " * 40)
 BLOCK = 1_000
 
 
+SALT = "salt-of-research"
+
+
 def estimate(client: redis.Redis, keys: Keys, wire: list[dict[str, Any]], prompt: int,
              project: str = "research", remember_s: float = 600.0,
-             tools: list[dict[str, Any]] | None = None) -> int:
-    return estimate_uncached(client, keys, project, wire=wire, tools=tools, prompt_tokens=prompt,
-                             block_tokens=BLOCK, remember_s=remember_s)
+             tools: list[dict[str, Any]] | None = None, salt: str = SALT) -> int:
+    return estimate_uncached(client, keys, project, wire=wire, tools=tools, salt=salt,
+                             prompt_tokens=prompt, block_tokens=BLOCK, remember_s=remember_s)
 
 
 def send(client: redis.Redis, keys: Keys, wire: list[dict[str, Any]], prompt: int,
          project: str = "research", prefix_tokens: int = 2_500, remember_s: float = 600.0,
          tools: list[dict[str, Any]] | None = None) -> None:
     pipe = client.pipeline(transaction=False)
-    record_sent(pipe, keys, project, wire=wire, tools=tools, prompt_tokens=prompt,
+    record_sent(pipe, keys, project, wire=wire, tools=tools, salt=SALT, prompt_tokens=prompt,
                 prefix=[SYSTEM], prefix_tokens=prefix_tokens, remember_s=remember_s)
     pipe.execute()
 
@@ -75,6 +78,16 @@ def test_projects_never_match_each_others_prompts(redis_client: redis.Redis, key
     wire = [SYSTEM.to_openai(), user("shared text")]
     send(redis_client, keys, wire, 30_000, project="research")
     assert estimate(redis_client, keys, [*wire, user("more")], 30_500, project="legal") == 30_500
+
+
+def test_a_prompt_sent_under_another_salt_is_not_cached(redis_client: redis.Redis, key_prefix: str) -> None:
+    """vLLM serves no block cached under another ``cache_salt``: neither does the estimate (a
+    project whose cache group or worker key changed starts cold)."""
+    keys = Keys(key_prefix)
+    report = [SYSTEM.to_openai(), user("a 60K-token report ...")]
+    send(redis_client, keys, report, 60_118)
+    assert estimate(redis_client, keys, report, 60_118) == 118
+    assert estimate(redis_client, keys, report, 60_118, salt="salt-of-a-new-group") == 60_118
 
 
 def test_nothing_is_counted_cached_when_the_fleet_remembers_nothing(redis_client: redis.Redis, key_prefix: str) -> None:
@@ -121,7 +134,7 @@ def test_a_request_of_unknown_size_records_only_its_prefix(redis_client: redis.R
     keys = Keys(key_prefix)
     wire = [SYSTEM.to_openai(), user("q")]
     pipe = redis_client.pipeline(transaction=False)
-    record_sent(pipe, keys, "research", wire=wire, tools=None, prompt_tokens=None, prefix=[SYSTEM],
+    record_sent(pipe, keys, "research", wire=wire, tools=None, salt=SALT, prompt_tokens=None, prefix=[SYSTEM],
                 prefix_tokens=2_500, remember_s=600.0)
     pipe.execute()
     assert estimate(redis_client, keys, wire, 30_000) == 28_000

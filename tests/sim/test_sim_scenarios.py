@@ -195,3 +195,32 @@ def test_dead_engine_fails_inflight_and_health(sim: SimProcess, client: openai.O
             pass
     httpx.post(sim.base_url + "/sim/reset")
     assert httpx.get(sim.base_url + "/health").status_code == 200
+
+
+def _cached(client: openai.OpenAI, messages: list[dict[str, Any]], salt: str | None) -> int:
+    extra = {"cache_salt": salt} if salt is not None else {}
+    answer = client.chat.completions.create(model="local", max_tokens=3, messages=messages,
+                                            extra_body=extra)
+    assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+    return answer.usage.prompt_tokens_details.cached_tokens or 0
+
+
+def test_a_prompt_cached_under_one_salt_never_hits_under_another(client: openai.OpenAI) -> None:
+    """As vLLM: the salt goes into the first block's hash, so the whole chain differs; requests
+    without a salt share the unsalted chain. Before, the simulator ignored ``cache_salt``."""
+    document = " ".join(f"clause {i} of the salted contract." for i in range(600))
+    doc = [{"role": "user", "content": document}]
+    assert _cached(client, doc, "salt-of-beta") == 0
+    hit = _cached(client, doc, "salt-of-beta")
+    assert hit > 0 and hit % 1072 == 0  # the same salt: whole blocks
+    assert _cached(client, doc, "salt-of-alpha") == 0
+    assert _cached(client, doc, None) == 0
+    assert _cached(client, doc, None) == hit
+
+
+def test_a_cache_salt_must_be_a_non_empty_string(client: openai.OpenAI) -> None:
+    for bad in ("", 7, ["x"]):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="local", messages=user("hi"),
+                                           extra_body={"cache_salt": bad})
+        assert refused.value.body["param"] == "cache_salt"
