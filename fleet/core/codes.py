@@ -26,6 +26,7 @@ class Code(StrEnum):
     E_COLLECT_FAILED = "E_COLLECT_FAILED"
     E_NOT_FOUND = "E_NOT_FOUND"
     E_TOO_LARGE = "E_TOO_LARGE"
+    E_MESSAGE_REFUSED = "E_MESSAGE_REFUSED"
     E_THINK_LOOP = "E_THINK_LOOP"
     E_EMPTY_ANSWER = "E_EMPTY_ANSWER"
     E_OUTPUT_INVALID = "E_OUTPUT_INVALID"
@@ -104,6 +105,11 @@ CATALOGUE: dict[Code, CodeInfo] = {
     Code.E_TOO_LARGE: CodeInfo(
         105, False, "A gateway request body, file or batch is over the size or line limit, or a project over its "
         "count or byte quota of files or batches (413)."
+    ),
+    Code.E_MESSAGE_REFUSED: CodeInfo(
+        106, False, "A worker refused a broker message before running anything: not one of the "
+        "fleet's tasks (Celery's built-ins included), or carrying callbacks, errbacks, a chain, "
+        "chord, group, eta or headers the fleet never sends (the rejections stream names it)."
     ),
     Code.E_THINK_LOOP: CodeInfo(
         200, True, "The reasoning looped or stalled on every attempt; no answer was produced."

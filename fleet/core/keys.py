@@ -113,7 +113,8 @@ Dispatcher (schedulers/store/redis_store.py, its scripts in schedulers/store/lua
                                      token bucket), prefill_until, prefill_longs (quiet long
                                      prefills: the window's end, long prefills in it), last_admit,
                                      blocked_job, blocked_since (head-of-line reservation), vtime (V)
-  D fence                     string fencing token counter (INCR; every grant gets a new, larger one)
+  D fences                    hash   project -> fencing token counter (HINCRBY; every grant gets a new,
+                                     larger one of its project's own sequence)
   D wake                      list   pushed on submit/release/readmit/promotion/expiry (capped at
                                      100); dispatchers BLPOP it (no polling)
   D backend                   hash   last /metrics + /health scrape: scraped_at, hold (the gate's

@@ -3,7 +3,8 @@ place; the worker's app (the fleet's tasks registered) and Flower's command line
 
 Queue names and routing are in fleet/worker/queues.py, the tasks in fleet/worker/tasks.py.
 ``create_app`` is what producers, the gateway and the dispatcher send with: it loads no task
-module. ``worker_app`` is a worker's: ``create_app`` with the tasks registered.
+module. ``worker_app`` is a worker's: ``create_app`` with the tasks registered, Celery's built-in tasks
+unregistered and every message screened before Celery acts on it (fleet/worker/screen.py).
 
 Reliability
   acks_late + reject_on_worker_lost: a message is acknowledged only after its task returned, so a
@@ -131,6 +132,7 @@ def worker_app(settings: Settings | None = None, tools: bool = True) -> Celery:
     prep worker that knew a tool's task would run it for anyone who names it."""
     # Imported here, not at the top: the tasks load the worker's own modules (its metrics, the
     # inference and prep code), which a producer sending with ``create_app`` must not load.
+    from fleet.worker.screen import CONSUMER, drop_builtins
     from fleet.worker.tasks import register_tasks
 
     app = create_app(settings or load_settings())
@@ -138,6 +140,11 @@ def worker_app(settings: Settings | None = None, tools: bool = True) -> Celery:
     if tools:
         for module in app.fleet_settings.tool_imports:  # type: ignore[attr-defined]
             importlib.import_module(module)  # registers the projects' tool tasks (shared_task)
+    # Celery's built-in tasks (celery.chord_unlock, celery.group, ...) run nothing the fleet
+    # needs and would run for anyone who names them; the screening consumer refuses every
+    # message that is not a fleet task anyway (fleet/worker/screen.py)
+    drop_builtins(app)
+    app.conf.worker_consumer = CONSUMER
     return app
 
 

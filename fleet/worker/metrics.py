@@ -8,6 +8,8 @@ Observed once per final envelope this process publishes (the ``on_publish`` hook
   fleet_worker_ttft_seconds{project}                first token of the last attempt, from its start
   fleet_worker_latency_seconds{project}             submission to final envelope
   fleet_worker_attempts{project}                    attempts per inference job
+  fleet_worker_refused_messages_total{queue,reason} broker messages refused before anything ran
+                                                    (fleet/worker/screen.py), per queue taken from
 
 Served by prometheus_client on ``worker_metrics_port`` (0 = off; a busy port is a WARNING and the
 worker runs on without /metrics, as a dispatcher does). One registry per process: this covers the
@@ -51,6 +53,12 @@ class WorkerMetrics:
                                  ["project"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.attempts = Histogram("fleet_worker_attempts", "Attempts per inference job",
                                   ["project"], buckets=ATTEMPT_BUCKETS, registry=r)
+        self.refused = Counter("fleet_worker_refused_messages",
+                               "Broker messages refused before anything ran (E_MESSAGE_REFUSED)",
+                               ["queue", "reason"], registry=r)
+
+    def observe_refused(self, queue: str, reason: str) -> None:
+        self.refused.labels(queue, reason).inc()
 
     def observe(self, envelope: Envelope) -> None:
         project, usage, timings = envelope.project, envelope.usage, envelope.timings

@@ -15,6 +15,10 @@ fleet.tool    (queue of the tool, kwargs ref, round_number, call_id; sent by an 
               one call of a job's tool round (jobs/tool.py); registered only on a worker that
               runs tools
 
+Before any of this, a worker screens every message (fleet/worker/screen.py): a task that is not
+one of these (Celery's built-ins included), or a message carrying callbacks, errbacks, a chain,
+chord, group, eta or headers Celery's send_task does not write, is refused before anything runs.
+
 Each task runs only for a message taken from a queue it belongs on, as the fleet's transport
 stamped it on delivery (fleet/worker/transport.py; ``QueueCheckedTask``, the tasks' base class):
 fleet.infer from fleet.infer, fleet.prep and fleet.cancel from the queues of the project they name
@@ -64,6 +68,7 @@ from fleet.worker.queues import (
     tool_queues,
 )
 from fleet.worker.runtime import Runtime
+from fleet.worker.screen import MessageScreen
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +85,7 @@ def task_outcome(outcome: str, job_id: str) -> str:
     return f"{outcome} job={job_id}"
 
 
+TOOL_TASK = "fleet.tool"
 WRONG_QUEUE = "wrong-queue"  # the outcome of a task refused by ``QueueCheckedTask``
 
 
@@ -155,9 +161,13 @@ def register_tasks(app: Celery, tools: bool = True) -> None:
     def infer(task: Task, *, ref: str, project: str, fence: int) -> str:
         return task_outcome(infer_job(runtime, ref, project, fence), split_ref(ref)[1])
 
+    names = [PREP_TASK, CANCEL_TASK, INFER_TASK] + ([TOOL_TASK] if tools else [])
+    # every message is screened before Celery acts on it: only these names, no canvas
+    app.fleet_screen = MessageScreen(runtime.settings, runtime.redis, names,  # type: ignore[attr-defined]
+                                     on_refused=metrics.observe_refused)
     if not tools:
         return
 
-    @app.task(name="fleet.tool", base=OnToolQueues, bind=True, acks_late=True, Request=QueuedRequest)
+    @app.task(name=TOOL_TASK, base=OnToolQueues, bind=True, acks_late=True, Request=QueuedRequest)
     def tool(task: Task, *, ref: str, round_number: int, call_id: str) -> str:
         return f"{tool_job(runtime, app.tasks, ref, round_number, call_id)} job={split_ref(ref)[1]}"

@@ -32,9 +32,18 @@ the rest of ``delivery_info``) is written by its sender, and a producer may push
 onto its own project queue; the tasks check the stamp (fleet/worker/tasks.py, ``arrived_on`` in
 fleet/worker/queues.py).
 The exchange and routing key are overwritten with the queue's own too: kombu keeps them
-with the message in its unacked hash, and a lost channel gives the message back by them, so it
-goes back to the list it was popped from (not to a queue its sender named) and is stamped
-again when it is popped from there.
+with the message in its unacked hash, and a lost channel (or the visibility timeout) gives the
+message back by them, so it goes back to the list it was popped from (not to a queue its sender
+named) and is stamped again when it is popped from there.
+
+Binding sets are never read (``Channel._lookup``): kombu routes a published or given-back
+message through the set ``_kombu.binding.<exchange>``, and a project's producer may write the
+sets of its own queues' exchanges (it declares its queues when it sends). Every fleet queue has
+an exchange of its own named like it (fleet/worker/app.py), so a message for exchange X with
+routing key X goes to the list X and nowhere else, whatever members that set holds. Before, a
+producer that added members naming ``fleet.infer`` and another project's queue to its own set
+had each of its messages a worker gave back copied onto those queues (and a prep message the
+dispatcher's watchdog resent as well).
 
 Used for ``redis://``, ``rediss://`` and ``sentinel://`` broker URLs (``broker_transport``,
 fleet/worker/app.py), and registered as kombu's transport for those schemes in every process
@@ -121,6 +130,20 @@ class Channel(kombu_redis.Channel):
 
         self.connection._callbacks[queue] = stamped
         return consumer_tag
+
+    def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
+        """The list a message for ``exchange`` goes to: a fleet queue's exchange routes to that
+        queue only, never through its binding set (module docstring); any other exchange (Celery's
+        own: the control reply exchange, events) as kombu routes it."""
+        if exchange and exchange == routing_key:
+            return [exchange]
+        return list(super()._lookup(exchange, routing_key, default))
+
+    def _get(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        """kombu's (``basic_get``), stamped like a consumed message (module docstring)."""
+        message = super()._get(queue, *args, **kwargs)
+        stamp_queue(message, queue)
+        return message
 
     def _restore_lost(self) -> None:
         """Give back the messages a lost channel could not (module docstring): the new channel of

@@ -13,6 +13,8 @@ Life of a job in the store:
                  \\-> expire_deadlines (its ``deadline`` passed while pending: removed)
   a lease not renewed before its expiry is reaped by ``reap_expired``: the job goes back to
   pending at its original place in line, and the old fence is dead (renew/release with it fail).
+  Fences are a sequence per project (each grant's is its project's next): a job's fence tells
+  its project nothing of how many jobs other projects ran; a job admitted again gets a larger one.
   ``requeue`` does the same at once, for a grant the dispatcher could not hand to a worker.
 
 Claims: the broker may deliver one inference task twice (redelivery after a worker loss, a

@@ -60,7 +60,7 @@ class MemoryStore:
         self._state = limits.LimitState()
         self._vtime = 0.0
         self._finish: dict[str, float] = {}
-        self._fence = 0
+        self._fences: dict[str, int] = {}  # per project (base.py: fencing tokens)
         self._admissions = 0
         self._holds: dict[str, int] = {}
         self._backend: tuple[float, str] | None = None
@@ -208,15 +208,15 @@ class MemoryStore:
             self.config.weight(head.project),
             head.cost,
         )
-        self._fence += 1
+        fence = self._fences[head.project] = self._fences.get(head.project, 0) + 1
         expires_at = now + self.config.lease_ttl_s
         self._leases[head.job_id] = _Lease(
-            entry, self._fence, cost.kv_tokens, cost.long, expires_at
+            entry, fence, cost.kv_tokens, cost.long, expires_at
         )
         return Grant(
             job_id=head.job_id,
             project=head.project,
-            fence=self._fence,
+            fence=fence,
             prompt_tokens=head.prompt_tokens,
             kv_tokens=cost.kv_tokens,
             long=cost.long,

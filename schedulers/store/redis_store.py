@@ -247,7 +247,7 @@ class RedisStore:
 
     def _admit_call(self, now: float, max_grants: int) -> tuple[list[str], list[Any]]:
         limits, config = self.config.limits, self.config
-        keys = [self._key(k) for k in ("state", "stats", "backend", "vtime", "fence", "leases",
+        keys = [self._key(k) for k in ("state", "stats", "backend", "vtime", "fences", "leases",
                                        "deadlines", "projects", "items", "lease")]
         args: list[Any] = [
             repr(now),

@@ -229,6 +229,28 @@ def test_kv_blocked_head_is_passed_only_for_a_while(make_store: StoreFactory) ->
 
 
 # -- leases ----------------------------------------------------------------------------------
+def test_fences_are_a_sequence_of_each_project(make_store: StoreFactory) -> None:
+    """A grant's fence counts its own project's admissions only: a job's record tells its project
+    nothing of how many jobs others ran in between. A job admitted again still gets a new, larger
+    fence, so the stale holder is refused."""
+    store = make_store()
+    for n, project in enumerate(["a", "b", "b", "b", "a"]):
+        store.add_pending(job(f"{project}{n}", project=project))
+    fences = {}
+    while (grant := store.admit_next(1_010.0).grant) is not None:
+        fences[grant.job_id] = grant.fence
+        assert store.release(grant.job_id, grant.fence)
+    assert sorted(f for j, f in fences.items() if j.startswith("a")) == [1, 2]
+    assert sorted(f for j, f in fences.items() if j.startswith("b")) == [1, 2, 3]
+    store.add_pending(job("a9", project="a"))
+    stale = store.admit_next(1_020.0).grant
+    assert stale is not None and store.requeue("a9", stale.fence)  # back in line, admitted again
+    fresh = store.admit_next(1_021.0).grant
+    assert fresh is not None and fresh.job_id == "a9" and fresh.fence == stale.fence + 1
+    assert not store.renew("a9", stale.fence, 1_022.0) and not store.release("a9", stale.fence)
+    assert store.release("a9", fresh.fence)
+
+
 def test_release_and_renew_check_the_fence(make_store: StoreFactory) -> None:
     store = make_store()
     store.add_pending(job("j0"))

@@ -9,7 +9,8 @@
 -- KEYS[3]  backend    hash    scraped_at, hold (the gate's verdict), outside (sequences outside
 --                             clients hold at the server, schedulers/scrape.py)
 -- KEYS[4]  vtime      hash    project -> finish tag
--- KEYS[5]  fence      string  fencing token counter
+-- KEYS[5]  fences     hash    project -> its fencing token counter (a project's own sequence:
+--                             its grants' numbers say nothing of other projects' admissions)
 -- KEYS[6]  leases     zset    in-flight job ids by lease expiry
 -- KEYS[7]  deadlines  zset    pending jobs with a deadline
 -- KEYS[8]  projects   set     projects that may have pending work (pruned here when empty)
@@ -207,7 +208,7 @@ local function grant(c, top, level, prefill_until, prefill_longs)
   tags[c.project] = start + (c.prompt + c.max_new) / c.weight
   redis.call('HSET', vtime, c.project, fmt(tags[c.project]))
   redis.call('HSET', st, 'vtime', fmt(V))
-  local fence = redis.call('INCR', KEYS[5])
+  local fence = redis.call('HINCRBY', KEYS[5], c.project, 1)
   local expires = now + ttl
   lease_put(lease_info, c.id, {fence = fence, kv = c.kv, long = c.long and '1' or '0',
     expires = fmt(expires), admitted_at = fmt(now), project = c.project})
