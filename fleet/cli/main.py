@@ -182,10 +182,11 @@ def worker(
         raise typer.BadParameter("role must be all, prep, collect, infer or tools, or several "
                                  "joined by commas (tools: no project runs tools)")
     if "tools" in roles and roles & {"prep", "collect"} and settings.tool_imports:
-        # Celery runs any task it knows whatever queue a message came on (docs/tools.md).
+        # A tool's time limits hold only in a prefork pool, and a slow tool beside prep or
+        # collect takes the threads those need (docs/tools.md).
         logging.getLogger("fleet").warning(
-            "worker --role %s imports tool_imports and consumes project queues producers may push "
-            "onto: a producer could run a registered tool task. Fine for a local run; in a "
+            "worker --role %s imports tool_imports beside project queues: tools share this pool "
+            "and their time limits hold only in a prefork pool. Fine for a local run; in a "
             "deployment run the tools apart (--role tools --pool prefork) and the others with "
             "--role infer, prep or collect", role)
     preflight_or_exit(*sorted(roles))
