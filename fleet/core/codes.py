@@ -26,6 +26,7 @@ class Code(StrEnum):
     E_COLLECT_FAILED = "E_COLLECT_FAILED"
     E_NOT_FOUND = "E_NOT_FOUND"
     E_TOO_LARGE = "E_TOO_LARGE"
+    E_TOOL_REJECTED = "E_TOOL_REJECTED"
     E_THINK_LOOP = "E_THINK_LOOP"
     E_EMPTY_ANSWER = "E_EMPTY_ANSWER"
     E_OUTPUT_INVALID = "E_OUTPUT_INVALID"
@@ -104,6 +105,10 @@ CATALOGUE: dict[Code, CodeInfo] = {
     Code.E_TOO_LARGE: CodeInfo(
         105, False, "A gateway request body, file or batch is over the size or line limit, or a project over its "
         "count or byte quota of files or batches (413)."
+    ),
+    Code.E_TOOL_REJECTED: CodeInfo(
+        106, False, "The request brought a tool its project's allowed_tools does not name, and the project "
+        "refuses such requests (disallowed_tools = \"refuse\"; the gateway: 400 naming the tool)."
     ),
     Code.E_THINK_LOOP: CodeInfo(
         200, True, "The reasoning looped or stalled on every attempt; no answer was produced."

@@ -85,6 +85,10 @@ class TooLarge(JobError):
     code = Code.E_TOO_LARGE
 
 
+class ToolRejected(JobError):
+    code = Code.E_TOOL_REJECTED
+
+
 class AuthError(JobError):
     code = Code.E_AUTH
 

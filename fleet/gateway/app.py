@@ -30,7 +30,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import redis
 from starlette.applications import Starlette
@@ -169,8 +169,9 @@ class Gateway:
         self.vllm.close()
         self.counter.close()
 
-    def build_body(self, req: ChatRequest, caller: Caller, job_id: str) -> tuple[dict[str, Any], int, int]:
-        """(vLLM request body, prompt tokens, max tokens) of one chat request."""
+    def build_body(self, req: ChatRequest, caller: Caller, job_id: str) -> Built:
+        """The vLLM request body of one chat request, its prompt and max tokens, and its
+        warnings (tools removed)."""
         settings, project, rt = self.live.settings, caller.settings, self.runtime
         job = req.to_job(job_id, caller.project, caller.band).model_copy(update={"allow_trim": False})
         first = plan_budget(job, project, settings, 0)
@@ -178,14 +179,23 @@ class Gateway:
         plan = plan_budget(job, project, settings, prepared.prompt_tokens)
         ready = job.model_copy(update={"messages": prepared.messages})
         messages, _ = build_request_messages(ready, prepared.fence_tag)
-        tools, tool_choice, _ = tools_allowed(ready, project)
+        tools, tool_choice, warnings = tools_allowed(ready, project)
         max_tokens = min(plan.max_tokens, req.max_total_tokens or plan.max_tokens)
         body = request_body(job_id, 1, messages, max_tokens=max_tokens,
                             thinking_budget=plan.thinking_budget, seed=req.seed,
                             temperature=base_temperature(req.temperature), sampling=req.passthrough(),
                             response_format=response_format(job, project) or req.response_format,
                             tools=tools, tool_choice=tool_choice)
-        return body, prepared.prompt_tokens, max_tokens
+        return Built(body, prepared.prompt_tokens, max_tokens, warnings)
+
+
+class Built(NamedTuple):
+    """What ``Gateway.build_body`` makes of a chat request."""
+
+    body: dict[str, Any]
+    prompt_tokens: int
+    max_tokens: int
+    warnings: list[str]
 
 
 async def _off_loop(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

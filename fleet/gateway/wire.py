@@ -63,6 +63,7 @@ HTTP_STATUS: dict[Code, int] = {
     Code.E_INPUT_INVALID: 400,
     Code.E_PROMPT_TOO_LONG: 400,
     Code.E_UPSTREAM_REJECTED: 400,
+    Code.E_TOOL_REJECTED: 400,
     Code.E_AUTH: 401,
     Code.E_NOT_FOUND: 404,
     Code.E_TOO_LARGE: 413,
@@ -190,6 +191,17 @@ def error_headers(exc: FleetError) -> list[tuple[bytes, bytes]]:
     if seconds is None and exc.code is Code.E_BROKER_UNAVAILABLE:
         seconds = BROKER_RETRY_AFTER_S
     return [] if seconds is None else [(b"retry-after", str(seconds).encode())]
+
+
+WARNINGS_HEADER = b"x-fleet-warnings"
+
+
+def warning_headers(warnings: list[str]) -> list[tuple[bytes, bytes]]:
+    """``X-Fleet-Warnings``: what the gateway changed in a request (tools removed), one header
+    joined by "; " (ASCII: a name outside it shows as "?"); none when it changed nothing."""
+    if not warnings:
+        return []
+    return [(WARNINGS_HEADER, "; ".join(warnings).encode("ascii", "replace"))]
 
 
 def redis_failure(exc: redis.RedisError) -> FleetError:
