@@ -326,7 +326,10 @@ class GatewaySettings(_Section):
     port: int = Field(8300, ge=0, le=65535)
     """Port of the gateway (also serves /metrics); 0 = ``fleet up`` does not start one."""
     max_queue_wait_s: float = Field(30.0, gt=0)
-    """A request not admitted within this long is answered 429 with Retry-After."""
+    """A request not admitted within this long is answered 429 with Retry-After, which SDKs
+    retry. 30 s: nothing is sent while a request waits, and common proxies cut a connection idle
+    for 60 s; at the deployment's cap of 32 (a ~2,200-token answer at ~20 tokens/s per sequence
+    holds its slot ~110 s) a slot frees every ~3.5 s, so a wait covers about eight releases."""
     keepalive_s: float = Field(5.0, gt=0)
     """How often an SSE ``: keep-alive`` comment goes out while nothing else does: while a
     ``loop_retry`` stream holds its reasoning back, and (with ``wait_keepalive``) while a
