@@ -41,7 +41,7 @@ from starlette.routing import Match, Mount, Route
 
 from fleet.client import Client
 from fleet.core.codes import Code
-from fleet.core.errors import BrokerUnavailable, Busy, FleetError
+from fleet.core.errors import BrokerUnavailable, Busy, FleetError, PromptTooLong
 from fleet.core.redisconn import async_redis_client
 from fleet.core.request import build_request_messages, tools_allowed
 from fleet.gateway.admission import Admission
@@ -175,7 +175,10 @@ class Gateway:
         settings, project, rt = self.live.settings, caller.settings, self.runtime
         job = req.to_job(job_id, caller.project, caller.band).model_copy(update={"allow_trim": False})
         first = plan_budget(job, project, settings, 0)
-        prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, self.counter)
+        try:
+            prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, self.counter)
+        except PromptTooLong as exc:
+            raise chat_too_long(exc, settings.backend.max_model_len, first.max_tokens) from exc
         plan = plan_budget(job, project, settings, prepared.prompt_tokens)
         ready = job.model_copy(update={"messages": prepared.messages})
         messages, _ = build_request_messages(ready, prepared.fence_tag)
@@ -187,6 +190,18 @@ class Gateway:
                             response_format=response_format(job, project) or req.response_format,
                             tools=tools, tool_choice=tool_choice)
         return Built(body, prepared.prompt_tokens, max_tokens, warnings)
+
+
+def chat_too_long(exc: PromptTooLong, max_model_len: int, max_tokens: int) -> PromptTooLong:
+    """Prep's refusal (written for jobs, which can allow trimming) as a chat client reads it: a
+    conversation is never trimmed, so what is too long and what to send instead."""
+    if exc.prompt_tokens is None or exc.room_tokens is None:
+        return exc
+    return PromptTooLong(
+        f"the conversation is {exc.prompt_tokens} tokens (messages, tools and the project's system "
+        f"prompt) but at most {exc.room_tokens} fit: the model's context is {max_model_len} tokens, "
+        f"{max_tokens} of them kept for the reasoning and the answer. Shorten the conversation or "
+        f"send fewer tools", param="messages")
 
 
 class Built(NamedTuple):

@@ -88,7 +88,7 @@ class ChatCompletions:
             caller = self.gw.caller(request.headers.get("authorization"))
             req = parse_chat(await read_body(request, self.gw.live.settings.gateway.max_body_bytes))
             if req.model != self.gw.model:
-                raise NotFound(f"The model `{req.model}` does not exist.")
+                raise NotFound(f"The model `{req.model}` does not exist.", param="model")
             built = await self.gw.run(self.gw.build_body, req, caller, job_id)
         except (FleetError, redis.RedisError) as caught:
             exc = redis_failure(caught) if isinstance(caught, redis.RedisError) else caught

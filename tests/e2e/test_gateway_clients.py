@@ -181,3 +181,30 @@ def test_forty_streams_at_cap_four_end_answered_or_with_a_retryable_429(
         thread.join()
     assert [o for o in outcomes if o not in ("answered", "429")] == []
     assert outcomes.count("answered") >= CAP
+
+
+# -- validation ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"max_tokens": True}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": 5}]}, "messages.1.content"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"model": "gpt-4o"}, "model"),
+])
+def test_a_refused_field_is_named_in_param(fleet: tuple[Harness, dict[str, str]], fields: dict[str, Any],
+                                            param: str) -> None:
+    request: dict[str, Any] = {"model": "local", "messages": [{"role": "user", "content": "hi"}], **fields}
+    with pytest.raises(openai.APIStatusError) as caught:
+        sdk(fleet, "reports", max_retries=0).chat.completions.create(**request)
+    assert caught.value.status_code in (400, 404)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == param, error
+
+
+def test_a_prompt_too_long_is_explained_to_a_chat_client(fleet: tuple[Harness, dict[str, str]]) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(fleet, "reports", max_retries=0).chat.completions.create(
+            model="local", messages=[{"role": "user", "content": "[sim:prompt_pad=300000] hi"}])
+    error = caught.value.body
+    assert isinstance(error, dict) and error["code"] == "E_PROMPT_TOO_LONG" and error["param"] == "messages"
+    assert "allow_trim" not in error["message"] and "Shorten the conversation" in error["message"]
