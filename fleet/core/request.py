@@ -16,7 +16,8 @@ control tags that would let it forge a turn (``<|im_start|>system``), close the 
 2. ``build_request_messages(job, fence_tag)``: every string an untrusted message carries reaches
    the model neutralised and fenced, or the job is refused (``InputInvalid``, naming the part):
    string content, an assistant's ``reasoning`` and each content part's strings (``text``,
-   ``refusal``, ``thinking`` ...) are fenced; a part with nested values (an image URL, audio) and ``tool_calls`` are refused;
+   ``refusal``, ``thinking`` ...) are fenced; a part with nested values (an image URL, audio)
+   and ``tool_calls`` are refused;
    ``name`` and ``tool_call_id`` must be plain identifiers (letters, digits, ``_.:-``), which
    cannot hold a control tag. The markers carry a random tag (``new_fence_tag``), so a document
    cannot guess and close its own fence; prep draws it once and stores it with the prepared job,

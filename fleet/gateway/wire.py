@@ -151,7 +151,12 @@ def invalid(exc: ValidationError) -> InputInvalid:
     """400 ``E_INPUT_INVALID`` naming each field at fault, ``param`` the first as OpenAI names it
     (``messages.1.content``)."""
     first = exc.errors()[0]["loc"] if exc.errors() else ()
-    return InputInvalid(describe_invalid(exc), param=".".join(str(p) for p in first) or None)
+    # pydantic adds the member of a union it tried ("str", "list[dict[str,any]]"): not a field
+    names = [str(p) for p in first if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
+    return InputInvalid(describe_invalid(exc), param=".".join(names) or None)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
 def json_object(raw: bytes, what: str = "a JSON object") -> dict[str, Any]:

@@ -33,7 +33,7 @@ TOOL_COUNT = 63
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Harness, dict[str, str]]]:
     config, keys = config_with_keys(
         tmp_path_factory.mktemp("gateway-clients"),
-        projects={"triage": {"disallowed_tools": "refuse"}},
+        projects={"triage": {"disallowed_tools": "refuse"}, "research": {"prompt_budget_tokens": 2000}},
         backend={"max_num_seqs": CAP},
         admission={"backend_gate": False},
         gateway={"max_queue_wait_s": MAX_QUEUE_WAIT_S},
@@ -203,8 +203,8 @@ def test_a_refused_field_is_named_in_param(fleet: tuple[Harness, dict[str, str]]
 
 def test_a_prompt_too_long_is_explained_to_a_chat_client(fleet: tuple[Harness, dict[str, str]]) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        sdk(fleet, "reports", max_retries=0).chat.completions.create(
-            model="local", messages=[{"role": "user", "content": "[sim:prompt_pad=300000] hi"}])
+        sdk(fleet, "research", max_retries=0).chat.completions.create(  # a 2,000-token prompt budget
+            model="local", messages=[{"role": "user", "content": "Summarise the minutes. " * 600}])
     error = caught.value.body
     assert isinstance(error, dict) and error["code"] == "E_PROMPT_TOO_LONG" and error["param"] == "messages"
     assert "allow_trim" not in error["message"] and "Shorten the conversation" in error["message"]
