@@ -160,7 +160,7 @@ def _push(settings: Settings, jobs: int, console: Console) -> list[Envelope]:
         ids = set()
         for n in range(jobs):
             project = projects[n % len(projects)]
-            ids.add(client.submit(demo_job(n, project, settings.projects[project].allowed_tools)))
+            ids.add(client.submit(demo_job(n, project, settings.projects[project].allowed_tools or [])))
         envelopes: list[Envelope] = []
         counts: Counter[str] = Counter()
         with Live(console=console, refresh_per_second=4) as live:

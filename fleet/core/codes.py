@@ -27,6 +27,7 @@ class Code(StrEnum):
     E_NOT_FOUND = "E_NOT_FOUND"
     E_TOO_LARGE = "E_TOO_LARGE"
     E_MESSAGE_REFUSED = "E_MESSAGE_REFUSED"
+    E_TOOL_REJECTED = "E_TOOL_REJECTED"
     E_THINK_LOOP = "E_THINK_LOOP"
     E_EMPTY_ANSWER = "E_EMPTY_ANSWER"
     E_OUTPUT_INVALID = "E_OUTPUT_INVALID"
@@ -110,6 +111,10 @@ CATALOGUE: dict[Code, CodeInfo] = {
         106, False, "A worker refused a broker message before running anything: not one of the "
         "fleet's tasks (Celery's built-ins included), or carrying callbacks, errbacks, a chain, "
         "chord, group, eta or headers the fleet never sends (the rejections stream names it)."
+    ),
+    Code.E_TOOL_REJECTED: CodeInfo(
+        107, False, "The request brought a tool its project's allowed_tools does not name, and the project "
+        "refuses such requests (disallowed_tools = \"refuse\"; the gateway: 400 naming the tool)."
     ),
     Code.E_THINK_LOOP: CodeInfo(
         200, True, "The reasoning looped or stalled on every attempt; no answer was produced."

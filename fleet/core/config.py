@@ -326,9 +326,19 @@ class GatewaySettings(_Section):
     port: int = Field(8300, ge=0, le=65535)
     """Port of the gateway (also serves /metrics); 0 = ``fleet up`` does not start one."""
     max_queue_wait_s: float = Field(30.0, gt=0)
-    """A request not admitted within this long is answered 429 with Retry-After."""
+    """A request not admitted within this long is answered 429 with Retry-After, which SDKs
+    retry. 30 s: nothing is sent while a request waits, and common proxies cut a connection idle
+    for 60 s; at the deployment's cap of 32 (a ~2,200-token answer at ~20 tokens/s per sequence
+    holds its slot ~110 s) a slot frees every ~3.5 s, so a wait covers about eight releases."""
     keepalive_s: float = Field(5.0, gt=0)
-    """While a streaming request waits for admission, an SSE comment this often."""
+    """How often an SSE ``: keep-alive`` comment goes out while nothing else does: while a
+    ``loop_retry`` stream holds its reasoning back, and (with ``wait_keepalive``) while a
+    streaming request waits for admission."""
+    wait_keepalive: bool = False
+    """Send keep-alive comments while a streaming request waits for admission, for proxies that
+    cut idle connections. Off by default: the first comment sends the 200, so a wait that then
+    ends is an error event inside it, which SDKs do not retry, instead of a 429 with
+    Retry-After that they do."""
     reasoning_content: bool = False
     """Also send reasoning as ``reasoning_content``, for clients that expect vLLM's old name."""
     reload_check_s: float = Field(1.0, gt=0)
@@ -440,8 +450,14 @@ class ProjectSettings(_Section):
     """Tokens reserved for the answer after thinking; max_tokens = budget + reserve."""
     prompt_budget_tokens: int | None = Field(None, gt=0)
     """Optional cap on prompt tokens, below what max_model_len allows."""
-    allowed_tools: list[str] = Field(default_factory=list)
-    """Tool names this project may send; others are removed with a warning."""
+    allowed_tools: list[str] | None = None
+    """Tool names this project may send; unset: every tool a request brings goes to the model
+    (the client runs its own tools; a project with ``tools = "run"`` sends only its registry's).
+    Set, it restricts them; what happens to the others is ``disallowed_tools``."""
+    disallowed_tools: Literal["remove", "refuse"] = "remove"
+    """A request's tools that ``allowed_tools`` does not name: removed (a warning in the task's
+    warnings, the gateway's ``X-Fleet-Warnings`` header and its log), or refused
+    (``E_TOOL_REJECTED`` naming the tool; the gateway answers 400)."""
     response_schema: dict[str, Any] | None = None
     """Default JSON Schema for answers (a job's own wins)."""
     min_answer_chars: int = Field(1, ge=0)

@@ -10,6 +10,7 @@
      |    +-- InputInvalid           E_INPUT_INVALID
      |    +-- TooLarge               E_TOO_LARGE (a gateway body, file or batch over its limit,
      |    |                          a project over its quota of files or batches)
+     |    +-- ToolRejected           E_TOOL_REJECTED (a tool the project refuses)
      |    +-- AuthError              E_AUTH
      |    +-- PromptTooLong          E_PROMPT_TOO_LONG
      |    +-- CollectFailed          E_COLLECT_FAILED
@@ -85,12 +86,18 @@ class TooLarge(JobError):
     code = Code.E_TOO_LARGE
 
 
+class ToolRejected(JobError):
+    code = Code.E_TOOL_REJECTED
+
+
 class AuthError(JobError):
     code = Code.E_AUTH
 
 
 class PromptTooLong(JobError):
     code = Code.E_PROMPT_TOO_LONG
+    prompt_tokens: int | None = None  # the counted prompt, when counted
+    room_tokens: int | None = None  # the most that fits
 
 
 class CollectFailed(JobError):

@@ -36,12 +36,34 @@ def describe_invalid(exc: ValidationError, limit: int = 5) -> str:
 
 
 class Message(_Strict):
+    """An OpenAI chat message as vLLM takes it. ``developer`` (OpenAI's name for system
+    instructions) becomes ``system``: vLLM hands the role to the chat template as it is, and the
+    Qwen3 templates render only system, user, assistant and tool, so a developer message would be
+    dropped unseen. An assistant message may carry the reasoning the server returned
+    (``reasoning``, or vLLM's older ``reasoning_content``, read as ``reasoning``): it goes to vLLM,
+    which gives it to the template (Qwen3's keeps it only for the turns after the last user
+    message); on any other role vLLM ignores it, and so does the fleet."""
+
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning: str | None = None
     untrusted: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_names(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not ("reasoning_content" in data or data.get("role") == "developer"):
+            return data
+        data = dict(data)
+        if data.get("role") == "developer":
+            data["role"] = "system"
+        older = data.pop("reasoning_content", None)
+        if data.get("reasoning") is None:
+            data["reasoning"] = older
+        return data
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -51,7 +73,8 @@ class Message(_Strict):
         return "".join(str(p.get("text", "")) for p in self.content if isinstance(p, dict))
 
     def to_openai(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True, exclude={"untrusted"})
+        drop = {"untrusted"} if self.role == "assistant" else {"untrusted", "reasoning"}
+        return self.model_dump(exclude_none=True, exclude=drop)
 
 
 class Source(_Strict):

@@ -18,8 +18,9 @@ control tags that would let it forge a turn (``<|im_start|>system``), close the 
    the original text, which is otherwise left as it was. The function is idempotent.
 2. ``build_request_messages(job, fence_tag)``: every string an untrusted message carries reaches
    the model neutralised and fenced, or the job is refused (``InputInvalid``, naming the part):
-   string content and each content part's strings (``text``, ``refusal``, ``thinking`` ...) are
-   fenced; a part with nested values (an image URL, audio) and ``tool_calls`` are refused;
+   string content, an assistant's ``reasoning`` and each content part's strings (``text``,
+   ``refusal``, ``thinking`` ...) are fenced; a part with nested values (an image URL, audio)
+   and ``tool_calls`` are refused;
    ``name`` and ``tool_call_id`` must be plain identifiers (letters, digits, ``_.:-``), which
    cannot hold a control tag. The markers carry a random tag (``new_fence_tag``), so a document
    cannot guess and close its own fence; prep draws it once and stores it with the prepared job,
@@ -27,8 +28,11 @@ control tags that would let it forge a turn (``<|im_start|>system``), close the 
    text is data, never instructions. ``fence(text, tag)`` fences other quoted model or user
    text the same way (the re-ask note's rejected answer).
 3. ``tools_allowed(job, project)``: a job with ANY untrusted message goes out without ``tools``
-   and with ``tool_choice: "none"``, whatever it asked, with a warning; otherwise tools the
-   project does not allow are removed, with a warning.
+   and with ``tool_choice: "none"``, whatever it asked, with a warning. Otherwise a project
+   without ``allowed_tools`` sends the job's tools as they are (the caller runs them; a project
+   with ``tools = "run"`` allows its registry's), and one with it removes the others with a
+   warning, or refuses the job (``ToolRejected``, ``E_TOOL_REJECTED``) with
+   ``disallowed_tools = "refuse"``.
 4. ``template_kwargs``: a request's ``chat_template_kwargs`` (merged into the chat template's
    arguments by vLLM) may carry only allowed switches (true or false), none on an untrusted request.
 """
@@ -41,7 +45,7 @@ import unicodedata
 from typing import Any
 
 from fleet.core.config import ProjectSettings
-from fleet.core.errors import InputInvalid
+from fleet.core.errors import InputInvalid, ToolRejected
 from fleet.core.models import Job, Message
 
 ZWSP = "\u200b"
@@ -158,6 +162,8 @@ def _untrusted_message(message: Message, index: int, tag: str) -> dict[str, Any]
                 f"{where}.{key}: on an untrusted message it must be 1-128 letters, digits or _.:-"
             )
     out = message.to_openai()
+    if out.get("reasoning"):
+        out["reasoning"] = fence(out["reasoning"], tag)
     if isinstance(message.content, str):
         out["content"] = fence(message.content, tag)
     elif isinstance(message.content, list):
@@ -211,7 +217,10 @@ def _tool_name(tool: dict[str, Any]) -> str:
 def tools_allowed(
     job: Job, project: ProjectSettings
 ) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None, list[str]]:
-    """(tools to send or None, tool_choice to send or None, warnings)."""
+    """(tools to send or None, tool_choice to send or None, warnings).
+
+    Raises ``ToolRejected`` for a tool the project does not allow when it refuses such requests
+    (``disallowed_tools = "refuse"``)."""
     if job.untrusted:
         warnings = []
         if job.tools or job.tool_choice not in (None, "none"):
@@ -219,12 +228,17 @@ def tools_allowed(
         return None, "none", warnings
     if not job.tools:
         return None, None, []
-    allowed = set(project.allowed_tools)
+    allowed = _allowed_names(project)
+    if allowed is None:  # no allowlist: the client runs its own tools, the fleet runs none
+        return job.tools, job.tool_choice, []
     kept = [t for t in job.tools if _tool_name(t) in allowed]
     removed = sorted(_tool_name(t) for t in job.tools if _tool_name(t) not in allowed)
     warnings = []
     if removed:
-        warnings.append(f"tools not allowed for this project removed: {', '.join(removed)}")
+        if project.disallowed_tools == "refuse":
+            raise ToolRejected(f"tools: {', '.join(removed)} not allowed for this project "
+                               f"(allowed_tools: {', '.join(sorted(allowed)) or 'none'})", param="tools")
+        warnings.append(f"{TOOLS_REMOVED}: {', '.join(removed)}")
     choice = job.tool_choice
     if isinstance(choice, dict) and _tool_name(choice) not in {_tool_name(t) for t in kept}:
         warnings.append(f"tool_choice {_tool_name(choice)!r} is not allowed; using 'none'")
@@ -254,3 +268,16 @@ def template_kwargs(kwargs: dict[str, Any] | None, allowed: list[str], untrusted
             raise InputInvalid(f"chat_template_kwargs.{key}: must be true or false",
                                param="chat_template_kwargs")
     return dict(kwargs)
+
+
+TOOLS_REMOVED = "tools not allowed for this project removed"
+
+
+def _allowed_names(project: ProjectSettings) -> set[str] | None:
+    """The tool names a project allows; None: any. A project whose tools the fleet runs allows
+    its registry's when it names none (the fleet runs nothing else)."""
+    if project.allowed_tools is not None:
+        return set(project.allowed_tools)
+    if project.tools == "run":
+        return set(project.tool_registry)
+    return None

@@ -32,7 +32,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import redis
 from starlette.applications import Starlette
@@ -43,7 +43,7 @@ from starlette.routing import Match, Mount, Route
 
 from fleet.client import Client
 from fleet.core.codes import Code
-from fleet.core.errors import BrokerUnavailable, Busy, FleetError
+from fleet.core.errors import BrokerUnavailable, Busy, FleetError, PromptTooLong
 from fleet.core.redisconn import async_redis_client
 from fleet.core.request import build_request_messages, template_kwargs, tools_allowed
 from fleet.core.seal import cache_salt
@@ -172,8 +172,9 @@ class Gateway:
         self.vllm.close()
         self.counter.close()
 
-    def build_body(self, req: ChatRequest, caller: Caller, job_id: str) -> tuple[dict[str, Any], int, int]:
-        """(vLLM request body, prompt tokens, max tokens) of one chat request."""
+    def build_body(self, req: ChatRequest, caller: Caller, job_id: str) -> Built:
+        """The vLLM request body of one chat request, its prompt and max tokens, and its
+        warnings (tools removed)."""
         settings, project, rt = self.live.settings, caller.settings, self.runtime
         job = req.to_job(job_id, caller.project, caller.band).model_copy(update={"allow_trim": False})
         sampling = req.passthrough()
@@ -182,11 +183,14 @@ class Gateway:
         if switches:  # true/false switches only: they render no text worth counting
             sampling["chat_template_kwargs"] = switches
         first = plan_budget(job, project, settings, 0)
-        prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, self.counter)
+        try:
+            prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, self.counter)
+        except PromptTooLong as exc:
+            raise chat_too_long(exc, settings.backend.max_model_len, first.max_tokens) from exc
         plan = plan_budget(job, project, settings, prepared.prompt_tokens)
         ready = job.model_copy(update={"messages": prepared.messages})
         messages, _ = build_request_messages(ready, prepared.fence_tag)
-        tools, tool_choice, _ = tools_allowed(ready, project)
+        tools, tool_choice, warnings = tools_allowed(ready, project)
         max_tokens = min(plan.max_tokens, req.max_total_tokens or plan.max_tokens)
         body = request_body(job_id, 1, messages, max_tokens=max_tokens,
                             thinking_budget=plan.thinking_budget, seed=req.seed,
@@ -194,7 +198,28 @@ class Gateway:
                             cache_salt=cache_salt(settings, caller.project), sampling=sampling,
                             response_format=response_format(job, project) or req.response_format,
                             tools=tools, tool_choice=tool_choice)
-        return body, prepared.prompt_tokens, max_tokens
+        return Built(body, prepared.prompt_tokens, max_tokens, warnings)
+
+
+def chat_too_long(exc: PromptTooLong, max_model_len: int, max_tokens: int) -> PromptTooLong:
+    """Prep's refusal (written for jobs, which can allow trimming) as a chat client reads it: a
+    conversation is never trimmed, so what is too long and what to send instead."""
+    if exc.prompt_tokens is None or exc.room_tokens is None:
+        return exc
+    return PromptTooLong(
+        f"the conversation is {exc.prompt_tokens} tokens (messages, tools and the project's system "
+        f"prompt) but at most {exc.room_tokens} fit: the model's context is {max_model_len} tokens, "
+        f"{max_tokens} of them kept for the reasoning and the answer. Shorten the conversation or "
+        f"send fewer tools", param="messages")
+
+
+class Built(NamedTuple):
+    """What ``Gateway.build_body`` makes of a chat request."""
+
+    body: dict[str, Any]
+    prompt_tokens: int
+    max_tokens: int
+    warnings: list[str]
 
 
 async def _off_loop(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -8,10 +8,11 @@
 
 A plain ASGI callable rather than Starlette's ``StreamingResponse``, for the reason the simulator
 gives (fleet/sim/responses.py): it must notice a client disconnect while it waits for admission
-or for vLLM, and its response status is only known once admission has answered. A streaming
-client that waits past ``gateway.keepalive_s`` gets the 200 headers and ``: keep-alive`` comments;
-after that a failure can only be an error event. Before that, every failure is an HTTP status with
-the error body (fleet/gateway/wire.py): 401 ``E_AUTH``, 400 ``E_INPUT_INVALID`` /
+or for vLLM, and its response status is only known once admission has answered. Nothing is sent
+before admission (unless ``gateway.wait_keepalive`` is on: then a streaming client that waits past
+``gateway.keepalive_s`` gets the 200 headers and ``: keep-alive`` comments, and after that a failure
+can only be an error event). Before the first byte, every failure is an HTTP status with the error
+body (fleet/gateway/wire.py): 401 ``E_AUTH``, 400 ``E_INPUT_INVALID`` /
 ``E_PROMPT_TOO_LONG``, 404 ``E_NOT_FOUND`` (another model), 413 ``E_TOO_LARGE`` (a body over
 ``gateway.max_body_bytes``, refused while it is read), 429 ``E_QUEUE_TIMEOUT`` with
 ``Retry-After``, 503 ``E_BROKER_UNAVAILABLE`` with ``Retry-After`` (the fleet's Redis away), 503/504
@@ -54,13 +55,14 @@ from fleet.gateway.wire import (
     redis_failure,
     sse,
     status_of,
+    warning_headers,
 )
 from fleet.infer.requestbody import retry_body
 from fleet.infer.vllm import Delta, StreamResult
 from fleet.worker.lease import LeaseKeeper
 
 if TYPE_CHECKING:
-    from fleet.gateway.app import Gateway
+    from fleet.gateway.app import Built, Gateway
 
 log = logging.getLogger(__name__)
 Send = Any
@@ -86,8 +88,8 @@ class ChatCompletions:
             caller = self.gw.caller(request.headers.get("authorization"))
             req = parse_chat(await read_body(request, self.gw.live.settings.gateway.max_body_bytes))
             if req.model != self.gw.model:
-                raise NotFound(f"The model `{req.model}` does not exist.")
-            body, prompt_tokens, max_tokens = await self.gw.run(self.gw.build_body, req, caller, job_id)
+                raise NotFound(f"The model `{req.model}` does not exist.", param="model")
+            built = await self.gw.run(self.gw.build_body, req, caller, job_id)
         except (FleetError, redis.RedisError) as caught:
             exc = redis_failure(caught) if isinstance(caught, redis.RedisError) else caught
             project = caller.project if caller is not None else "-"
@@ -97,8 +99,9 @@ class ChatCompletions:
             await send_json(send, status_of(exc.code), _json(error_body(exc.code, exc.message, exc.param)),
                             error_headers(exc))
             return
-        await _Session(self.gw, caller, req, job_id, body, prompt_tokens, max_tokens,
-                       receive, send).run()
+        if built.warnings:
+            log.info("chat job=%s project=%s warnings: %s", job_id, caller.project, "; ".join(built.warnings))
+        await _Session(self.gw, caller, req, job_id, built, receive, send).run()
 
 
 def _json(data: dict[str, Any]) -> bytes:
@@ -106,12 +109,14 @@ def _json(data: dict[str, Any]) -> bytes:
 
 
 class _Session:
-    def __init__(self, gw: Gateway, caller: Caller, req: ChatRequest, job_id: str,
-                 body: dict[str, Any], prompt_tokens: int, max_tokens: int, receive: Any, send: Send
-                 ) -> None:
+    def __init__(self, gw: Gateway, caller: Caller, req: ChatRequest, job_id: str, built: Built,
+                 receive: Any, send: Send) -> None:
         self.gw, self.caller, self.req, self.job_id = gw, caller, req, job_id
         self.ref = job_ref(caller.project, job_id)  # the job's identity in the store and in Redis keys
-        self.body, self.prompt_tokens, self.max_tokens = body, prompt_tokens, max_tokens
+        self.body, self.prompt_tokens, self.max_tokens = built.body, built.prompt_tokens, built.max_tokens
+        self.warnings = built.warnings
+        # Every answer's headers say what the gateway changed (tools removed), visible to any client.
+        self.headers = warning_headers(built.warnings)
         self._receive, self._send = receive, send
         self.chunks = ChunkMaker(f"chatcmpl-{job_id}", gw.model, gw.live.settings.gateway.reasoning_content)
         self.started = time.monotonic()
@@ -147,7 +152,7 @@ class _Session:
                 self.headers_sent = True
                 await self._send({"type": "http.response.start", "status": 200, "headers": [
                     (b"content-type", b"text/event-stream; charset=utf-8"),
-                    (b"cache-control", b"no-cache")]})
+                    (b"cache-control", b"no-cache"), *self.headers]})
             await self._send({"type": "http.response.body", "body": data, "more_body": more})
             self.last_write = time.monotonic()
         except OSError:  # uvicorn's ClientDisconnected: the watcher may not have seen it yet
@@ -162,7 +167,7 @@ class _Session:
             return
         self.headers_sent = True
         try:
-            await send_json(self._send, status_of(exc.code), _json(body), error_headers(exc))
+            await send_json(self._send, status_of(exc.code), _json(body), error_headers(exc) + self.headers)
         except OSError:
             self._gone()
 
@@ -220,7 +225,9 @@ class _Session:
             grant = await adm.next_grant(self.ref, wait_s, self.disconnected)
             if grant is not None:
                 break
-            if self.req.stream and time.monotonic() - self.last_write >= settings.keepalive_s:
+            # Off by default: the status is decided before the first byte (a 429 SDKs retry).
+            if (self.req.stream and settings.wait_keepalive
+                    and time.monotonic() - self.last_write >= settings.keepalive_s):
                 await self._write(KEEPALIVE)
         ticket = await adm.claim(self.ref, self.caller.project, grant, enqueued_at)
         self.waited_s = ticket.waited_s
@@ -333,7 +340,7 @@ class _Session:
             body = self.chunks.full(result.content, result.reasoning, result.tool_calls,
                                     result.finish_reason, usage)
             self.headers_sent = True
-            await send_json(self._send, 200, _json(body))
+            await send_json(self._send, 200, _json(body), self.headers)
         return Code.OK_TRUNCATED if result.finish_reason == "length" else Code.OK
 
     async def _account(self, code: Code, message: str) -> None:
@@ -352,7 +359,7 @@ class _Session:
         envelope = Envelope.failure(self.job_id, project, code, message, usage=usage,
                                     timings=Timings(queued_s=self.waited_s, first_token_s=self.first_token_s,
                                                     total_s=round(total_s, 4)),
-                                    metadata={"origin": "gateway"})
+                                    metadata={"origin": "gateway"}, warnings=self.warnings)
         try:
             await self.gw.run(self.gw.runtime.results.publish, envelope, to_project_stream=False)
         except redis.RedisError:  # accounting only: the client has its answer

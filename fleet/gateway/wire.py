@@ -18,6 +18,9 @@ effect on the answer are dropped (``IGNORED``), sampling fields vLLM honours go 
 gateway does not know at all (a typo such as ``temprature``), ``n`` other than 1, or messages the
 fleet's ``Message`` refuses are 400 ``E_INPUT_INVALID`` too; the ``untrusted`` flag on a message is
 the fleet's, as on the queue path. ``loop_retry`` is the gateway's own option (docs/gateway.md).
+Every refusal names its field in ``param`` as OpenAI does (``messages.1.content``); types are
+strict (a boolean is no number); ``tool_choice`` ``"required"`` or a named function without
+``tools`` is refused, as vLLM refuses it.
 
 A list (files, batches) is read a page at a time with OpenAI's cursor: ``paging`` reads a list
 request's ``after``, ``limit`` and ``order``, ``list_body`` answers one page.
@@ -63,6 +66,7 @@ HTTP_STATUS: dict[Code, int] = {
     Code.E_INPUT_INVALID: 400,
     Code.E_PROMPT_TOO_LONG: 400,
     Code.E_UPSTREAM_REJECTED: 400,
+    Code.E_TOOL_REJECTED: 400,
     Code.E_AUTH: 401,
     Code.E_NOT_FOUND: 404,
     Code.E_TOO_LARGE: 413,
@@ -86,7 +90,8 @@ ERROR_TYPE = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFound
 
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a boolean is not a number (``max_tokens: true`` is refused, not read as 1)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -139,7 +144,19 @@ class ChatRequest(BaseModel):
                        tools=self.tools, tool_choice=self.tool_choice,
                        temperature=self.temperature, seed=self.seed)
         except ValidationError as exc:
-            raise InputInvalid(describe_invalid(exc)) from exc
+            raise invalid(exc) from exc
+
+
+def invalid(exc: ValidationError) -> InputInvalid:
+    """400 ``E_INPUT_INVALID`` naming each field at fault, ``param`` the first as OpenAI names it
+    (``messages.1.content``)."""
+    first = exc.errors()[0]["loc"] if exc.errors() else ()
+    # pydantic adds the member of a union it tried ("str", "list[dict[str,any]]"): not a field
+    names = [str(p) for p in first if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
+    return InputInvalid(describe_invalid(exc), param=".".join(names) or None)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
 def json_object(raw: bytes, what: str = "a JSON object") -> dict[str, Any]:
@@ -156,7 +173,7 @@ def json_object(raw: bytes, what: str = "a JSON object") -> dict[str, Any]:
 def parse_chat(raw: bytes) -> ChatRequest:
     data = json_object(raw)
     if data.get("stream_options") is not None and not data.get("stream"):
-        raise InputInvalid("stream_options: only allowed when stream is true")
+        raise InputInvalid("stream_options: only allowed when stream is true", param="stream_options")
     for name, (neutral, why) in NEUTRAL.items():
         value = data.pop(name, None)
         if value is not None and value not in neutral:
@@ -165,9 +182,14 @@ def parse_chat(raw: bytes) -> ChatRequest:
     for name in IGNORED:
         data.pop(name, None)
     try:
-        return ChatRequest.model_validate(data)
+        req = ChatRequest.model_validate(data)
     except ValidationError as exc:
-        raise InputInvalid(describe_invalid(exc)) from exc
+        raise invalid(exc) from exc
+    forcing = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
+    if forcing and not req.tools:  # vLLM refuses it too; "auto" and "none" mean nothing without tools
+        raise InputInvalid("tool_choice: a required or named tool choice needs tools; send tools "
+                           "or leave tool_choice out", param="tool_choice")
+    return req
 
 
 def status_of(code: Code) -> int:
@@ -190,6 +212,17 @@ def error_headers(exc: FleetError) -> list[tuple[bytes, bytes]]:
     if seconds is None and exc.code is Code.E_BROKER_UNAVAILABLE:
         seconds = BROKER_RETRY_AFTER_S
     return [] if seconds is None else [(b"retry-after", str(seconds).encode())]
+
+
+WARNINGS_HEADER = b"x-fleet-warnings"
+
+
+def warning_headers(warnings: list[str]) -> list[tuple[bytes, bytes]]:
+    """``X-Fleet-Warnings``: what the gateway changed in a request (tools removed), one header
+    joined by "; " (ASCII: a name outside it shows as "?"); none when it changed nothing."""
+    if not warnings:
+        return []
+    return [(WARNINGS_HEADER, "; ".join(warnings).encode("ascii", "replace"))]
 
 
 def redis_failure(exc: redis.RedisError) -> FleetError:

@@ -352,11 +352,13 @@ class _TooLong:
 
     def __call__(self, reason: str) -> PromptTooLong:
         budget = self.budget if self.budget is not None else "none"
-        return PromptTooLong(
+        exc = PromptTooLong(
             f"prompt is {self.prompt_tokens} tokens but only {self.room} fit "
             f"(max_model_len {self.max_model_len} minus max_tokens; project prompt budget "
             f"{budget}): {reason}"
         )
+        exc.prompt_tokens, exc.room_tokens = self.prompt_tokens, self.room
+        return exc
 
 
 def _report_trims(pieces: list[_Piece], warnings: list[str]) -> None:

@@ -22,7 +22,7 @@ def test_the_prompt_count_asks_the_backend_only_when_exact(redis_url: str, key_p
     try:
         caller = Caller("a", "interactive", settings.projects["a"], "test")
         req = parse_chat(b'{"model": "local", "messages": [{"role": "user", "content": "count me"}]}')
-        _body, prompt_tokens, _max = gateway.build_body(req, caller, "job-1")
+        prompt_tokens = gateway.build_body(req, caller, "job-1").prompt_tokens
         assert prompt_tokens > 0
         assert (gateway.counter.backend_calls > 0) is exact
     finally:

@@ -137,19 +137,17 @@ def test_a_batch_key_waits_in_the_batch_band(door: Door) -> None:
     assert seen[-1] == {"batch": 1}
 
 
-def test_a_waiting_stream_gets_keepalives_then_a_coded_error_event(
-    door: Door,
-) -> None:
+def test_a_waiting_stream_sends_nothing_until_its_wait_ends_in_a_429(door: Door) -> None:
+    """The status is decided before the first byte (keep-alives while waiting only with
+    gateway.wait_keepalive): a wait that ends is a 429 with Retry-After, which SDKs retry."""
     url, _config, keys, _process = door
     headers = {"Authorization": f"Bearer {keys['triage']}"}
     with httpx.stream("POST", f"{url}/v1/chat/completions", headers=headers,
                       json={**chat(), "stream": True}, timeout=30) as response:
-        assert response.status_code == 200
-        lines = [line for line in response.iter_lines() if line]
-    assert ": keep-alive" in lines
-    events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["error"]["code"] == "E_QUEUE_TIMEOUT"
+        assert response.status_code == 429
+        assert int(response.headers["retry-after"]) >= 1
+        body = json.loads(response.read())
+    assert body["error"]["code"] == "E_QUEUE_TIMEOUT"
 
 
 def test_keys_rotate_without_a_restart(door: Door) -> None:

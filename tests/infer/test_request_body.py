@@ -84,7 +84,7 @@ def gateway(redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch) ->
 
 def gateway_body(gw: Gateway, req: ChatRequest, job_id: str) -> dict[str, Any]:
     caller = Caller("a", "interactive", gw.live.settings.projects["a"], "test")
-    body, _, _ = gw.build_body(req, caller, job_id)
+    body = gw.build_body(req, caller, job_id).body
     return body
 
 
