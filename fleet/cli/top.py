@@ -85,7 +85,8 @@ def _project_row(client: redis.Redis, keys: Keys, project: str, snap: StoreSnaps
     # Queued jobs' envelopes and the gateway's requests' are kept in two streams (consumer groups
     # read only the first); both count here.
     for stream in (keys.results(project), keys.gateway_results(project)):
-        entries += client.xrevrange(stream, max="+", min=since_ms, count=MAX_RECENT)
+        found: Any = client.xrevrange(stream, max="+", min=since_ms, count=MAX_RECENT)
+        entries += found
     waits, tokens = [], 0
     for _id, fields in entries:
         try:
