@@ -1,8 +1,9 @@
 """``fleet top``: a live view of the whole fleet, read from Redis once a second.
 
 One frame shows in flight against the cap (and long prompts, reserved KV), per project the jobs
-waiting for admission, the mean queue wait and the tokens per second of the jobs that finished in
-the last ``WINDOW_S`` seconds (read from the projects' result streams, so it covers every worker),
+waiting for admission, the mean queue wait and the tokens per second of the jobs and gateway
+requests that finished in the last ``WINDOW_S`` seconds (read from the projects' results streams
+and their gateway results streams, so it covers every worker and every gateway),
 admission holds by reason (since the previous frame when live, totals with ``--once``), the
 backend as the dispatchers last scraped it (running, waiting, KV usage, preemptions) and the live
 inference workers by node name (fleet/worker/heartbeat.py).
@@ -80,7 +81,12 @@ def _project_row(client: redis.Redis, keys: Keys, project: str, snap: StoreSnaps
                  now: float) -> ProjectRow:
     row = ProjectRow(project, pending=sum(snap.pending.get(project, {}).values()))
     since_ms = int((now - WINDOW_S) * 1000)
-    entries: Any = client.xrevrange(keys.results(project), max="+", min=since_ms, count=MAX_RECENT)
+    entries: list[Any] = []
+    # Queued jobs' envelopes and the gateway's requests' are kept in two streams (consumer groups
+    # read only the first); both count here.
+    for stream in (keys.results(project), keys.gateway_results(project)):
+        found: Any = client.xrevrange(stream, max="+", min=since_ms, count=MAX_RECENT)
+        entries += found
     waits, tokens = [], 0
     for _id, fields in entries:
         try:

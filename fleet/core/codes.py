@@ -169,7 +169,9 @@ CATALOGUE: dict[Code, CodeInfo] = {
     ),
     Code.E_BUSY: CodeInfo(
         403, True, "A gateway project already has gateway.batch_calls_per_project batch calls "
-        "in flight (429 with Retry-After): its other batch calls wait for none of them."
+        "in flight (429 with Retry-After): its other batch calls wait for none of them; or a "
+        "gateway connection over gateway.max_connections_per_address (429) or "
+        "gateway.max_connections (503), answered and closed at once."
     ),
     Code.E_INTERNAL: CodeInfo(
         500, True, "A fault inside the fleet; the job was closed so nothing is lost."

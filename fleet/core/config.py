@@ -390,6 +390,29 @@ class GatewaySettings(_Section):
     ``E_BUSY`` with ``Retry-After``, so one project can never hold every thread or queue work
     without bound. Counted per gateway process, not across the fleet: N gateway processes
     admit up to N times this many of a project's calls."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """A connection whose request headers are not complete this long after it opened (or after
+    the first byte of a later request on a kept-alive connection) is answered 408 and closed; so
+    is one still sending the body of a request already answered (a refused one), this long after
+    the answer. No key is needed to hold a connection, so this bounds what anyone can."""
+    idle_timeout_s: int = Field(5, gt=0)
+    """A kept-alive connection with no request for this long is closed (uvicorn's
+    ``timeout_keep_alive``)."""
+    max_connections: int = Field(1024, gt=0)
+    """Open client connections one gateway process holds; a new one past it is answered 503
+    ``E_BUSY`` (Retry-After) and closed at once. Lowered at start, with a warning, where the
+    process's open-file limit cannot hold it beside ``listen_backlog`` and its own files."""
+    max_connections_per_address: int = Field(256, ge=0)
+    """Open connections one client address may hold in one gateway process; past it a new one is
+    answered 429 ``E_BUSY`` (Retry-After) and closed at once. 0 = no per-address cap: behind a
+    reverse proxy every connection comes from the proxy's address, so set 0 (or at least the
+    proxy's own connection limit) there and cap per client in the proxy (docs/gateway.md)."""
+    listen_backlog: int = Field(512, gt=0)
+    """The listen queue (connections the kernel completed, not yet accepted); also how many the
+    gateway accepts in one burst before counting them."""
+    connection_log_interval_s: float = Field(60.0, gt=0)
+    """Connections closed by the limits above are logged the first time, then as one summary line
+    per kind this often, never a line per connection."""
 
 
 class RedisSettings(_Section):

@@ -17,9 +17,9 @@ share a hash tag (the part in braces), so they live in one Redis Cluster slot:
     REAP, REQUEUE... touch the shared counters together with per-job items and leases.
 The prefix comes first so that ``SCAN MATCH {p}*`` still finds every key of a fleet; a prefix
 must not contain braces (its tag would then put every key in one slot). Two keys are not tagged
-with their script's slot: ``{p}results:<project>`` and ``{p}stats:codes``, which PUBLISH also
-writes (fleet/core/lua/publish.lua explains what a Cluster move would need). The Celery
-broker's keys are kombu's and are left as kombu names them.
+with their script's slot: ``{p}results:<project>`` (or ``{p}gwresults:<project>``) and
+``{p}stats:codes``, which PUBLISH also writes (fleet/core/lua/publish.lua explains what a Cluster
+move would need). The Celery broker's keys are kombu's and are left as kombu names them.
 
 Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id>
   {p}job:{<ref>}              hash   project, kind, state, submitted_at, signed (the message as
@@ -34,6 +34,10 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
   {p}events:{<ref>}           stream per-job events (queued, admitted, attempt, delta, retry, final);
                                      TTL events_ttl_s. Client.result blocks on it with XREAD BLOCK
   {p}results:<project>        stream final Envelopes of one project, for consumer groups
+  {p}gwresults:<project>      stream final Envelopes of one project's gateway requests (code,
+                                     usage, timings; never text), for the operator's figures
+                                     (fleet top): producers did not submit them, so they are kept
+                                     out of the stream their consumer groups read
   {p}rejected:{<ref>}:<digest> string E_AUTH Envelope of a message that failed verification, keyed
                                      by the ref it claims and the sha256 of the whole message
                                      received, so only the submitter of that very message finds it
@@ -171,6 +175,9 @@ class Keys:
 
     def results(self, project: str) -> str:
         return f"{self.prefix}results:{project}"
+
+    def gateway_results(self, project: str) -> str:
+        return f"{self.prefix}gwresults:{project}"
 
     def rejected(self, ref: str, digest: str) -> str:
         return f"{self.prefix}rejected:{{{ref}}}:{digest}"

@@ -43,7 +43,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import redis
 
@@ -113,8 +113,11 @@ class ResultStore:
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     # -- results --------------------------------------------------------------------------
-    def publish(self, envelope: Envelope, *, to_project_stream: bool = True) -> bool:
-        """Write the one final envelope; False if the job already had one."""
+    def publish(self, envelope: Envelope, *, stream: Literal["project", "gateway"] | None = "project"
+                ) -> bool:
+        """Write the one final envelope; False if the job already had one. ``stream``: the
+        project's results stream (its consumer groups' jobs), its gateway results stream (a
+        gateway request's: counted by fleet top, never handed to a consumer), or neither."""
         ref = job_ref(envelope.project, envelope.job_id)
         keys = [
             self.keys.result(ref),
@@ -122,8 +125,10 @@ class ResultStore:
             self.keys.job(ref),
             self.keys.code_counts,
         ]
-        if to_project_stream:
+        if stream == "project":
             keys.append(self.keys.results(envelope.project))
+        elif stream == "gateway":
+            keys.append(self.keys.gateway_results(envelope.project))
         written = self._publish(
             keys=keys,
             args=[

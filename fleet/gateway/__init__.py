@@ -11,4 +11,6 @@ without a Celery client (docs/gateway.md).
     batchrecord.py an OpenAI batch's record in Redis: state, load, commit, the Redis clock
     batches.py     OpenAI batches (/v1/batches) onto fleet jobs: lifecycle, routes, result files
     metrics.py     Prometheus figures; app.py the ASGI app; server.py ``fleet gateway``
+    connections.py what a client may hold open before any key: caps, header timeout, summaries;
+                   guarded.py the uvicorn protocol that applies them
 """

@@ -361,7 +361,7 @@ class _Session:
                                                     total_s=round(total_s, 4)),
                                     metadata={"origin": "gateway"}, warnings=self.warnings)
         try:
-            await self.gw.run(self.gw.runtime.results.publish, envelope, to_project_stream=False)
+            await self.gw.run(self.gw.runtime.results.publish, envelope, stream="gateway")
         except redis.RedisError:  # accounting only: the client has its answer
             log.exception("publishing the envelope of gateway job %s failed", self.job_id)
 

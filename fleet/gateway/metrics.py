@@ -1,11 +1,12 @@
 """The gateway's Prometheus figures, served on its own port at ``/metrics``: requests by project and
-code, queue wait and time to first token by project, tokens by project and kind. One registry
+code, queue wait and time to first token by project, tokens by project and kind, the connections
+open and those closed by the connection limits (fleet/gateway/connections.py). One registry
 per gateway (not prometheus_client's global one), so several gateways in one test process do not
 collide."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from fleet.core.codes import Code
 from fleet.core.models import Usage
@@ -25,6 +26,11 @@ class GatewayMetrics:
                               ["project"], buckets=TTFT_BUCKETS_S, registry=self.registry)
         self.tokens = Counter("fleet_gateway_tokens", "Tokens of gateway requests",
                               ["project", "kind"], registry=self.registry)
+        self.connections_open = Gauge("fleet_gateway_connections_open", "Client connections open",
+                                      registry=self.registry)
+        self.connections_closed = Counter(
+            "fleet_gateway_connections_closed", "Client connections closed by the connection limits",
+            ["reason"], registry=self.registry)
 
     def finished(self, project: str, code: Code) -> None:
         self.requests.labels(project, code.value).inc()

@@ -111,7 +111,7 @@ def _workload(client: redis.Redis, prefix: str) -> None:
     assert live_workers(client, keys) == 1
     results = ResultStore(client, keys, settings)
     assert results.publish(Envelope.failure("j1", "p", Code.E_INTERNAL, "x"))
-    assert results.publish(Envelope.failure("j2", "p", Code.E_INTERNAL, "x"), to_project_stream=False)
+    assert results.publish(Envelope.failure("j2", "p", Code.E_INTERNAL, "x"), stream=None)
     signed = {"project": "triage", "job": {"id": "j3"}, "nonce": "n", "ts": "1", "sig": "x"}
     results.record("triage/j3", state="submitted", project="triage", signed=json.dumps(signed))
     client.zadd(keys.prepping("triage"), {"triage/j3": 0})

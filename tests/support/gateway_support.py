@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -41,16 +42,23 @@ def set_keys(path: Path, project: str, entries: list[str]) -> None:
 
 
 @contextmanager
-def lone_gateway(config: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``fleet gateway`` on its own (no dispatcher, no backend): nothing is ever admitted."""
+def lone_gateway(config: Path, nofile: int | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``fleet gateway`` on its own (no dispatcher, no backend): nothing is ever admitted.
+    ``nofile``: the process's open-file limit (soft and hard), as a small ``ulimit -n`` sets it."""
     port = free_port()
+
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
     env["FLEET_CONFIG"] = str(config)
     log = config.with_name("gateway.log")
     with log.open("wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "fleet", "gateway", "--port", str(port)],
                                    env=env, stdout=out, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+                                   stdin=subprocess.DEVNULL, start_new_session=True,
+                                   preexec_fn=limit if nofile is not None else None)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{url}/health", timeout_s=60, alive=lambda: process.poll() is None)

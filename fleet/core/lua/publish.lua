@@ -4,7 +4,8 @@
 -- KEYS[2] events:{<ref>}       stream  the job's events; gets the `final` event
 -- KEYS[3] job:{<ref>}          hash    the job record: state code finished_at
 -- KEYS[4] stats:codes          hash    final results counted by "<project>|<code>"
--- KEYS[5] results:<project>    stream  (only when given) the project's final envelopes
+-- KEYS[5] results:<project>    stream  (only when given) the project's final envelopes, or
+--                                      gwresults:<project> for a gateway request's
 -- ARGV: envelope json, result ttl s, stream maxlen, events ttl s, now, code, events maxlen,
 --       counter field (project|code)
 -- Returns 1 when this call wrote the result, 0 when the job already had one.
