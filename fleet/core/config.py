@@ -384,12 +384,25 @@ class GatewaySettings(_Section):
     batch_create_stall_s: float = Field(60.0, gt=0)
     """A batch create that recorded no progress this long has died (the gateway was stopped half
     way): the next retrieve ends it, its lines not sent fail ``E_INTERNAL``, the rest go on."""
+    metrics_keys: list[str] = Field(default_factory=list)
+    """Keys that may read the gateway's ``/metrics``, as digests "sha256:<hex>" (``fleet keys
+    mint``; Prometheus sends the key as a bearer token). ``/metrics`` shows every project's
+    request counts, waits and tokens, so it answers only these keys: a project's API key, or no
+    key, is 401 ``E_AUTH``; none set, ``/metrics`` is closed (docs/gateway.md)."""
     batch_calls_per_project: int = Field(2, gt=0)
     """Batch calls (create, retrieve, list, cancel, a result file's download from its first
     chunk to its last) one project may have in flight on those threads; one more is 429
     ``E_BUSY`` with ``Retry-After``, so one project can never hold every thread or queue work
     without bound. Counted per gateway process, not across the fleet: N gateway processes
     admit up to N times this many of a project's calls."""
+
+    @field_validator("metrics_keys")
+    @classmethod
+    def _metrics_digests(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            if parse_entry(entry).band != "interactive" or entry.strip().count(":") != 1:
+                raise ValueError("a metrics_keys entry is 'sha256:<64 lowercase hex>', no band")
+        return value
 
 
 class RedisSettings(_Section):
