@@ -567,6 +567,11 @@ class Settings(BaseSettings):
     worker_metrics_port: int = Field(0, ge=0, le=65535)
     """Port of a worker's Prometheus /metrics (0 = off; threads and solo pools). Give each worker
     on a host its own (FLEET_WORKER_METRICS_PORT); a busy port is a warning, the worker runs on."""
+    metrics_host: str = "127.0.0.1"
+    """Address the dispatchers' and workers' /metrics listen on (``admission.metrics_port``,
+    ``worker_metrics_port``). Loopback by default: the figures name every project and need no key,
+    so a Prometheus on another host needs "0.0.0.0" or this host's address, and a firewall that
+    lets only Prometheus in (docs/security.md)."""
     tool_imports: list[str] = Field(default_factory=list)
     """Python modules a tool worker imports: they register the Celery tasks that projects'
     ``tool_registry`` entries name (fleet/infer/tools.py)."""
