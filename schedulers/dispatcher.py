@@ -233,7 +233,7 @@ def run_dispatcher(
     metrics = DispatcherMetrics(store, ResultCodeCollector(client, keys), leader,
                                 [BrokerPersistenceCollector(client), *shared_metrics])
     admission = settings.admission
-    server = serve_metrics(metrics, admission.metrics_port)
+    server = serve_metrics(metrics, admission.metrics_port, settings.metrics_host)
     scraper_stop = threading.Event()
     scraper = _start_scraper(settings, store, scraper_stop, clock)
     activity = Activity(store, clock)

@@ -236,28 +236,30 @@ class DispatcherMetrics:
         self.queue_wait.labels(grant.project).observe(grant.waited_s)
 
 
-def serve_metrics(metrics: DispatcherMetrics, port: int):  # type: ignore[no-untyped-def]
+def serve_metrics(metrics: DispatcherMetrics, port: int, host: str = "127.0.0.1"):  # type: ignore[no-untyped-def]
     """Serve ``/metrics`` on ``port`` (0 = off); returns the server, or None.
 
     A busy port (another dispatcher on this host has it) is a WARNING and this dispatcher runs
     on without its own endpoint, so its own queue-wait histogram goes unserved, and so do the
     fleet-wide figures while it is the metrics leader. Give each dispatcher its own port.
     """
-    return serve_registry(metrics.registry, port, "dispatcher")
+    return serve_registry(metrics.registry, port, "dispatcher", host)
 
 
-def serve_registry(registry: CollectorRegistry, port: int, who: str):  # type: ignore[no-untyped-def]
-    """Serve ``registry`` on ``port`` (0 = off) for process kind ``who``; a busy port is a WARNING
-    and None (the process goes on without /metrics), any other failure raises."""
+def serve_registry(registry: CollectorRegistry, port: int, who: str,  # type: ignore[no-untyped-def]
+                   host: str = "127.0.0.1"):
+    """Serve ``registry`` on ``host``:``port`` (0 = off; the ``metrics_host`` setting, loopback by
+    default: the figures name every project and need no key) for process kind ``who``; a busy
+    port is a WARNING and None (the process goes on without /metrics), any other failure raises."""
     if not port:
         return None
     try:
-        server, _thread = start_http_server(port, registry=registry)
+        server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
         log.warning("metrics port %d is in use (another %s on this host?); this %s serves no "
                     "/metrics and goes on working", port, who, who)
         return None
-    log.info("%s metrics on :%d/metrics", who, port)
+    log.info("%s metrics on %s:%d/metrics", who, host, port)
     return server

@@ -29,7 +29,6 @@ idempotency key).
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from fleet.core.codes import Code
+from fleet.core.limits import loads
 from fleet.core.models import Envelope, Job, describe_invalid
 
 CHAT_URL = "/v1/chat/completions"
@@ -116,7 +116,7 @@ def parse_line(text: str, project: str, number: int, batch: str | None = None,
     gateway's batches, whose key decides band and order): such a line is an error naming it."""
     custom_id = f"line-{number}"
     try:
-        line = json.loads(text)
+        line = loads(text)  # NestedTooDeep (a ValueError) past MAX_JSON_DEPTH
         if not isinstance(line, dict):
             raise ValueError("a line must be a JSON object")
         custom_id = str(line.get("custom_id") or custom_id)

@@ -384,6 +384,11 @@ class GatewaySettings(_Section):
     batch_create_stall_s: float = Field(60.0, gt=0)
     """A batch create that recorded no progress this long has died (the gateway was stopped half
     way): the next retrieve ends it, its lines not sent fail ``E_INTERNAL``, the rest go on."""
+    metrics_keys: list[str] = Field(default_factory=list)
+    """Keys that may read the gateway's ``/metrics``, as digests "sha256:<hex>" (``fleet keys
+    mint``; Prometheus sends the key as a bearer token). ``/metrics`` shows every project's
+    request counts, waits and tokens, so it answers only these keys: a project's API key, or no
+    key, is 401 ``E_AUTH``; none set, ``/metrics`` is closed (docs/gateway.md)."""
     batch_calls_per_project: int = Field(2, gt=0)
     """Batch calls (create, retrieve, list, cancel, a result file's download from its first
     chunk to its last) one project may have in flight on those threads; one more is 429
@@ -413,6 +418,14 @@ class GatewaySettings(_Section):
     connection_log_interval_s: float = Field(60.0, gt=0)
     """Connections closed by the limits above are logged the first time, then as one summary line
     per kind this often, never a line per connection."""
+
+    @field_validator("metrics_keys")
+    @classmethod
+    def _metrics_digests(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            if parse_entry(entry).band != "interactive" or entry.strip().count(":") != 1:
+                raise ValueError("a metrics_keys entry is 'sha256:<64 lowercase hex>', no band")
+        return value
 
 
 class RedisSettings(_Section):
@@ -577,6 +590,11 @@ class Settings(BaseSettings):
     worker_metrics_port: int = Field(0, ge=0, le=65535)
     """Port of a worker's Prometheus /metrics (0 = off; threads and solo pools). Give each worker
     on a host its own (FLEET_WORKER_METRICS_PORT); a busy port is a warning, the worker runs on."""
+    metrics_host: str = "127.0.0.1"
+    """Address the dispatchers' and workers' /metrics listen on (``admission.metrics_port``,
+    ``worker_metrics_port``). Loopback by default: the figures name every project and need no key,
+    so a Prometheus on another host needs "0.0.0.0" or this host's address, and a firewall that
+    lets only Prometheus in (docs/security.md)."""
     tool_imports: list[str] = Field(default_factory=list)
     """Python modules a tool worker imports: they register the Celery tasks that projects'
     ``tool_registry`` entries name (fleet/infer/tools.py)."""

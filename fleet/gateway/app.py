@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/chat/completions`` (fleet/gateway/chat.py), ``GET /v1/models``, the task routes
 of fleet/gateway/tasks.py, the file routes of fleet/gateway/fileroutes.py, the batch routes (and
-a file's content) of fleet/gateway/batches.py, ``GET /health``, ``GET /livez`` and ``GET /metrics``
-(no key needed for those three). ``/health`` is readiness: 200 when the fleet's Redis answers a
+a file's content) of fleet/gateway/batches.py, ``GET /health`` and ``GET /livez`` (no key needed
+for those two) and ``GET /metrics`` (a metrics key of ``gateway.metrics_keys``, never a project's
+API key: its figures are every project's). ``/health`` is readiness: 200 when the fleet's Redis answers a
 PING within a second, else 503 with a JSON body naming what is down; the backend is left out
 (every gateway shares it, and a request meeting a dead backend gets its own 503
 ``E_UPSTREAM_UNAVAILABLE``). ``/livez`` is liveness: 200 while the process serves.
@@ -43,7 +44,7 @@ from starlette.routing import Match, Mount, Route
 
 from fleet.client import Client
 from fleet.core.codes import Code
-from fleet.core.errors import BrokerUnavailable, Busy, FleetError, PromptTooLong
+from fleet.core.errors import AuthError, BrokerUnavailable, Busy, FleetError, PromptTooLong
 from fleet.core.redisconn import async_redis_client
 from fleet.core.request import build_request_messages, template_kwargs, tools_allowed
 from fleet.core.seal import cache_salt
@@ -274,6 +275,12 @@ def _routes(gw: Gateway) -> list[Route | Mount]:
         return JSONResponse({"status": "ok"})
 
     async def metrics(request: Request) -> Response:
+        """Every project's figures: only for a metrics key (``gateway.metrics_keys``)."""
+        try:
+            gw.live.current().metrics_reader(request.headers.get("authorization"))
+        except AuthError as exc:
+            log.info("%s %s code=%s", request.method, request.url.path, exc.code.value)
+            return _error(exc)
         return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     return [

@@ -48,6 +48,7 @@ class KeyRing:
                 parsed = parse_entry(entry)
                 self._by_digest[parsed.digest] = (name, parsed.band)
         self._settings = settings
+        self._metrics = frozenset(parse_entry(e).digest for e in settings.gateway.metrics_keys)
 
     def __len__(self) -> int:
         return len(self._by_digest)
@@ -62,6 +63,17 @@ class KeyRing:
             raise AuthError("invalid API key")
         project, band = found
         return Caller(project, band, self._settings.projects[project], hashed[:8])
+
+
+    def metrics_reader(self, authorization: str | None) -> None:
+        """Pass for a metrics key (``gateway.metrics_keys``); ``AuthError`` for anything else, a
+        project's API key included: ``/metrics`` shows every project's figures."""
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise AuthError("/metrics needs a metrics key (gateway.metrics_keys): send "
+                            "'Authorization: Bearer <key>'")
+        if digest(key.strip()) not in self._metrics:
+            raise AuthError("not a metrics key (gateway.metrics_keys)")
 
 
 class LiveSettings:

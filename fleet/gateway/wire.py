@@ -38,6 +38,7 @@ from starlette.requests import Request
 
 from fleet.core.codes import Code
 from fleet.core.errors import BrokerUnavailable, FleetError, InputInvalid, TooLarge
+from fleet.core.limits import NestedTooDeep, loads
 from fleet.core.models import Band, Job, Message, describe_invalid
 from fleet.core.redisconn import UNAVAILABLE
 
@@ -160,9 +161,12 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
 def json_object(raw: bytes, what: str = "a JSON object") -> dict[str, Any]:
-    """A request body that must be one JSON object; InputInvalid (400) otherwise."""
+    """A request body that must be one JSON object; InputInvalid (400) otherwise, also for one
+    nested deeper than ``MAX_JSON_DEPTH`` (fleet/core/limits.py; ``param`` the field at fault)."""
     try:
-        data = json.loads(raw)
+        data = loads(raw)
+    except NestedTooDeep as exc:
+        raise InputInvalid(f"the request body is {exc}", param=exc.param) from None
     except ValueError as exc:
         raise InputInvalid(f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):

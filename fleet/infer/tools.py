@@ -74,6 +74,7 @@ from jsonschema.exceptions import best_match
 
 from fleet.core.config import ProjectSettings, Settings, ToolSettings
 from fleet.core.keys import Keys
+from fleet.core.limits import loads
 from fleet.core.request import fence
 from fleet.core.schema import answer_validator
 from fleet.core.seal import seal_turn
@@ -158,7 +159,7 @@ def check_calls(raw: list[dict[str, Any]], tools: dict[str, ToolSettings],
 
 def _arguments_error(arguments: str, tool: ToolSettings) -> str | None:
     try:
-        value = json.loads(arguments or "{}")
+        value = loads(arguments or "{}")  # a model's arguments nested past MAX_JSON_DEPTH: refused
     except ValueError as exc:
         return f"arguments are not JSON: {exc}"
     failure = best_match(answer_validator(tool.parameters).iter_errors(value))

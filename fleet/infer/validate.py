@@ -20,7 +20,6 @@ appended to the conversation - at most ``retry.reask_invalid`` times, then ends
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,7 @@ from jsonschema.exceptions import best_match
 
 from fleet.core.config import ProjectSettings
 from fleet.core.errors import InputInvalid
+from fleet.core.limits import loads
 from fleet.core.models import Job
 from fleet.core.schema import SchemaInvalid, answer_validator, search_multiline
 
@@ -79,7 +79,8 @@ def unfenced(text: str) -> str:
 
 
 def parse_json(text: str) -> Any:
-    return json.loads(unfenced(text))
+    """The answer as JSON; ValueError for one that is not, or nests past ``MAX_JSON_DEPTH``."""
+    return loads(unfenced(text))
 
 
 def check_answer(content: str, job: Job, project: ProjectSettings) -> Checked:

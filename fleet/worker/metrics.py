@@ -75,9 +75,9 @@ class WorkerMetrics:
             self.attempts.labels(project).observe(len(envelope.attempts))
 
 
-def serve_when_started(app: Celery, metrics: WorkerMetrics, port: int) -> None:
+def serve_when_started(app: Celery, metrics: WorkerMetrics, port: int, host: str = "127.0.0.1") -> None:
     """Serve ``metrics`` on ``port`` once a worker of ``app`` starts (never in Flower or a producer,
-    which build the same app); 0 = off."""
+    which build the same app); 0 = off. ``host``: the ``metrics_host`` setting (loopback by default)."""
     if not port:
         return
 
@@ -90,6 +90,6 @@ def serve_when_started(app: Celery, metrics: WorkerMetrics, port: int) -> None:
             log.warning("worker_metrics_port is set but the %s pool runs tasks in child processes "
                         "whose figures this process cannot serve; no worker /metrics", pool_name)
             return
-        serve_registry(metrics.registry, port, "worker")
+        serve_registry(metrics.registry, port, "worker", host)
 
     worker_init.connect(on_worker_init, weak=False)

@@ -139,7 +139,7 @@ def register_tasks(app: Celery, tools: bool = True) -> None:
     metrics = WorkerMetrics()
     runtime = Runtime(app.fleet_settings, on_publish=metrics.observe,  # type: ignore[attr-defined]
                       send_task=app.send_task)
-    serve_when_started(app, metrics, runtime.settings.worker_metrics_port)
+    serve_when_started(app, metrics, runtime.settings.worker_metrics_port, runtime.settings.metrics_host)
     beat_when_ready(app, runtime.redis, runtime.keys, INFER_QUEUE)
 
     # A non-OK final code raises JobEnded: FAILURE in Flower, no redelivery.

@@ -4,6 +4,7 @@ backtracking-hostile pattern is checked in linear time and RE2-incompatible ones
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,10 +13,11 @@ import redis
 from pydantic import ValidationError
 
 from fleet.client import Client
+from fleet.core.batchfile import parse_line
 from fleet.core.config import LimitsSettings, ProjectSettings, load_settings
 from fleet.core.errors import InputInvalid
 from fleet.core.keys import job_ref
-from fleet.core.limits import measure
+from fleet.core.limits import MAX_JSON_DEPTH, NestedTooDeep, loads, measure, too_deep
 from fleet.core.models import Job
 from fleet.core.schema import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, SchemaInvalid, check_schema
 from fleet.core.signing import canonical
@@ -155,3 +157,40 @@ def test_unevaluated_properties_with_pattern_properties_is_refused() -> None:
     with pytest.raises(SchemaInvalid, match="unevaluatedProperties together with patternProperties"):
         check_schema({"patternProperties": {HOSTILE: {}}, "unevaluatedProperties": False})
     check_schema({"properties": {"a": {}}, "unevaluatedProperties": False})
+
+
+# -- nesting -----------------------------------------------------------------------------------------
+def brackets(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def test_json_past_the_depth_limit_is_refused_before_parsing_naming_the_field() -> None:
+    assert loads(brackets(MAX_JSON_DEPTH)) and not too_deep(json.dumps(["[" * 1000]))  # strings are text
+    assert not too_deep('{"a": "\\"[[[", "b": [[]]}')  # an escaped quote does not end a string
+    for depth in (MAX_JSON_DEPTH + 1, 500, 100_000):  # parseable, or past Python's parser
+        with pytest.raises(NestedTooDeep) as info:
+            loads('{"ok": [1], "deep": {"x": ' + brackets(depth) + '}, "after": 2}')
+        assert info.value.param == "deep" and f"deeper than {MAX_JSON_DEPTH}" in str(info.value)
+
+
+def test_a_job_nested_too_deep_is_refused_at_submit_and_the_limit_itself_is_sent(
+        redis_client: redis.Redis, key_prefix: str) -> None:
+    client = Client(load_settings(env={}, key_prefix=key_prefix), redis_client=redis_client)
+    # the job and its metadata take two levels
+    limited = {"project": "reports", "messages": [user("a")],
+               "metadata": {"a": json.loads(brackets(MAX_JSON_DEPTH - 2))}}
+    assert client.submit(limited)
+    deeper = {**limited, "metadata": {"a": json.loads(brackets(MAX_JSON_DEPTH - 1))}}
+    with pytest.raises(InputInvalid, match=f"nested deeper than {MAX_JSON_DEPTH}"):
+        client.submit(deeper)
+
+
+def test_a_batch_line_nested_too_deep_is_an_error_line() -> None:
+    line = parse_line('{"custom_id": "c", "messages": ' + brackets(100_000) + "}", "reports", 3)
+    assert line.job is None and line.error and "line 3" in line.error and "nested deeper" in line.error
+
+
+def test_an_answer_nested_too_deep_fails_its_check_instead_of_the_worker() -> None:
+    job = Job(project="p", messages=[user("x")], response_schema={"type": "array"})
+    checked = check_answer(brackets(100_000), job, ProjectSettings(secret="s" * 16))
+    assert not checked.ok and "nested deeper" in (checked.error or "")

@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleet.core.codes import Code
 from fleet.local.embedded import free_port
 from tests.support.fleet_harness import FleetProbe, Harness
-from tests.support.gateway_support import config_with_keys
+from tests.support.gateway_support import METRICS_AUTH, config_with_keys
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +50,8 @@ Exported = dict[str, frozenset[str]]  # sample name -> the label names its serie
 
 # -- what the processes export -------------------------------------------------------------------
 def scrape(port: int | str, path: str = "/metrics") -> list[Any]:
-    text = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=10).text
+    # the gateway's /metrics needs its metrics key; the others ignore the header
+    text = httpx.get(f"http://127.0.0.1:{port}{path}", headers=METRICS_AUTH, timeout=10).text
     return list(text_string_to_metric_families(text))
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from fleet.core.codes import Code
 from tests.support.fleet_harness import FleetProbe, Harness
-from tests.support.gateway_support import config_with_keys
+from tests.support.gateway_support import METRICS_AUTH, config_with_keys
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -260,7 +260,8 @@ def test_gateway_metrics_count_requests_by_project_and_code(
 ) -> None:
     """Runs after the requests above."""
     harness, _keys = fleet
-    text = httpx.get(f"http://127.0.0.1:{harness.settings.gateway.port}/metrics", timeout=10).text
+    text = httpx.get(f"http://127.0.0.1:{harness.settings.gateway.port}/metrics", headers=METRICS_AUTH,
+                     timeout=10).text
     assert 'fleet_gateway_requests_total{code="OK",project="assistant"}' in text
     assert 'fleet_gateway_ttft_seconds_count{project="reports"}' in text
 

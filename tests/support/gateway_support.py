@@ -18,11 +18,16 @@ from fleet.local.embedded import free_port
 from fleet.local.processes import wait_http
 from tests.support.fleet_harness import make_config, write_config
 
+# The metrics key every config of config_with_keys admits on the gateway's /metrics (unless the
+# test sets gateway.metrics_keys itself), and the header that sends it.
+METRICS_KEY, METRICS_ENTRY = mint()
+METRICS_AUTH = {"Authorization": f"Bearer {METRICS_KEY}"}
+
 
 def config_with_keys(tmp: Path, projects: dict[str, dict[str, Any]] | None = None, **sections: Any
                      ) -> tuple[Path, dict[str, str]]:
     """The test config plus one fresh gateway key for each project (project -> key); a
-    ``projects`` entry updates that project's settings."""
+    ``projects`` entry updates that project's settings. ``METRICS_KEY`` reads /metrics."""
     path = make_config(tmp, **sections)
     data = tomllib.loads(path.read_text(encoding="utf-8"))
     keys = {}
@@ -31,6 +36,7 @@ def config_with_keys(tmp: Path, projects: dict[str, dict[str, Any]] | None = Non
         project["api_keys"] = [entry]
         project.update((projects or {}).get(name, {}))
         keys[name] = key
+    data.setdefault("gateway", {}).setdefault("metrics_keys", [METRICS_ENTRY])
     write_config(path, data)
     return path, keys
 
