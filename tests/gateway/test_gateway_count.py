@@ -17,6 +17,7 @@ def test_the_prompt_count_asks_the_backend_only_when_exact(redis_url: str, key_p
     settings = Settings(broker_url=redis_url, key_prefix=key_prefix,
                         backend={"url": "http://127.0.0.1:9"},  # nothing listens: a failed ask
                         gateway={"exact_prompt_count": exact},
+                        security={"worker_secret": "the-workers-own-key-0123"},  # the cache salt
                         projects={"a": {"secret": "secret-a-123", "api_keys": []}})
     gateway = Gateway(LiveSettings(settings, None, lambda _: settings))
     try:

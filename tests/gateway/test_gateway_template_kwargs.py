@@ -40,8 +40,7 @@ def body(gw: Gateway, kwargs: Any, *messages: dict[str, Any]) -> dict[str, Any]:
     raw = {"model": "local", "messages": list(messages) or [{"role": "user", "content": "hi"}],
            "chat_template_kwargs": kwargs}
     caller = Caller("a", "interactive", gw.live.settings.projects["a"], "test")
-    sent, _, _ = gw.build_body(parse_chat(json.dumps(raw).encode()), caller, "job-1")
-    return sent
+    return gw.build_body(parse_chat(json.dumps(raw).encode()), caller, "job-1").body
 
 
 def test_a_thinking_switch_goes_through(gateway: Gateway) -> None:
