@@ -109,7 +109,7 @@ def test_a_batch_line_s_max_tokens_is_planned_as_a_chat_s(
     line = out["planned"]
     sent = probe.sim_requests(line["response"]["request_id"])[0]
     assert (sent["thinking_token_budget"], sent["max_completion_tokens"]) == (1500 - RESERVE, 1500)
-    assert line["code"] == "OK" and line["response"]["body"]["choices"][0]["message"]["content"]
+    assert line["code"] == "OK_THINKING_FORCED" and line["response"]["body"]["choices"][0]["message"]["content"]
     refused = errors["low"]
     assert refused["code"] == "E_INPUT_INVALID" and f"at least {RESERVE}" in refused["error"]["message"]
 
