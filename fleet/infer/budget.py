@@ -78,11 +78,12 @@ def _within(budget: int, reserve: int, limit: int, ceiling: int, field: str) -> 
     """The thinking budget lowered so that budget + reserve fits ``limit``."""
     if limit < reserve:
         raise InputInvalid(
-            f"{field} is {limit}, but this project keeps {reserve} tokens for the answer after "
-            f"the reasoning (its content reserve): send {field} of at least {reserve} (the "
-            f"reasoning then gets {field} minus {reserve}), or leave it out", param=field)
+            f"{field} is {limit}, but {reserve} tokens are kept for the answer after the "
+            f"reasoning (the project's content reserve, or the job's): send {field} of at least "
+            f"{reserve} (the reasoning then gets {field} minus {reserve}), or leave it out",
+            param=field)
     thinking = ceiling if budget == UNLIMITED else budget
-    return min(thinking, limit - reserve) if thinking + reserve > limit else budget
+    return limit - reserve if thinking + reserve > limit else budget
 
 
 def _build(
