@@ -83,17 +83,15 @@ def _job_from_openai(line: dict[str, Any], project: str, refused: Collection[str
     if unknown:
         raise ValueError(f"unsupported body fields: {', '.join(unknown)}")
     budget = body.get("thinking_token_budget")
+    # the completion limit, planned as the gateway's chat plans it (fleet/infer/budget.py)
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
-    reserve = None
-    if limit is not None:
-        reserve = max(1, int(limit) - max(int(budget or 0), 0)) if budget else int(limit)
     schema = None
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         schema = (fmt.get("json_schema") or {}).get("schema")
     data = {
         "project": project, "messages": body.get("messages"), "thinking_budget": budget,
-        "content_reserve": reserve, "response_schema": schema, "tools": body.get("tools"),
+        "max_tokens": limit, "response_schema": schema, "tools": body.get("tools"),
         "tool_choice": body.get("tool_choice"), "temperature": body.get("temperature"),
         "seed": body.get("seed"),
         "metadata": {**(body.get("metadata") or {}), "custom_id": line.get("custom_id")},
@@ -215,6 +213,7 @@ def output_line(line: BatchLine, envelope: Envelope | None, model: str) -> dict[
         "usage": {"prompt_tokens": usage.prompt_tokens,
                   "completion_tokens": usage.completion_tokens,
                   "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+                  "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
                   "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}},
         "fleet": {"attempts": len(envelope.attempts), "warnings": envelope.warnings,
                   "parsed": envelope.parsed},

@@ -118,6 +118,9 @@ class Job(_Strict):
     allow_trim: bool = True
     thinking_budget: int | None = Field(None, ge=-1)
     content_reserve: int | None = Field(None, gt=0)
+    # A client's completion limit (OpenAI's max_tokens): the thinking budget gives way so the
+    # content reserve fits; below the reserve the job is refused (fleet/infer/budget.py).
+    max_tokens: int | None = Field(None, gt=0)
     response_schema: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -155,6 +158,8 @@ class Usage(_Strict):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reasoning_tokens: int = 0
+    # of prompt_tokens, those vLLM's prefix cache held (its usage.prompt_tokens_details)
+    cached_tokens: int = 0
 
 
 class Timings(_Strict):

@@ -21,7 +21,9 @@ fenced and their requests stripped of tools (fleet/core/request.py), tools the p
 allow removed, ``chat_template_kwargs`` only as allowed switches and never on an untrusted
 request (fleet/core/request.py ``template_kwargs``: 400 ``E_INPUT_INVALID`` before anything is
 counted), the project's thinking budget and content reserve as ``thinking_token_budget`` and
-``max_completion_tokens`` (a client's own ``max_tokens`` can only lower the latter), the
+``max_completion_tokens``, planned by the queue path's planner (fleet/infer/budget.py: a
+client's own ``max_tokens`` lowers the thinking budget so the content reserve still fits, and
+below the reserve is 400 ``E_INPUT_INVALID`` naming the smallest that works), the
 project's response schema unless the request brings its own ``response_format``.
 """
 
@@ -183,16 +185,16 @@ class Gateway:
                                    settings.gateway.chat_template_kwargs, job.untrusted)
         if switches:  # true/false switches only: they render no text worth counting
             sampling["chat_template_kwargs"] = switches
-        first = plan_budget(job, project, settings, 0)
+        first = plan_budget(job, project, settings, 0, limit_field=req.limit_field)
         try:
             prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, self.counter)
         except PromptTooLong as exc:
             raise chat_too_long(exc, settings.backend.max_model_len, first.max_tokens) from exc
-        plan = plan_budget(job, project, settings, prepared.prompt_tokens)
+        plan = plan_budget(job, project, settings, prepared.prompt_tokens, limit_field=req.limit_field)
         ready = job.model_copy(update={"messages": prepared.messages})
         messages, _ = build_request_messages(ready, prepared.fence_tag)
         tools, tool_choice, warnings = tools_allowed(ready, project)
-        max_tokens = min(plan.max_tokens, req.max_total_tokens or plan.max_tokens)
+        max_tokens = plan.max_tokens
         body = request_body(job_id, 1, messages, max_tokens=max_tokens,
                             thinking_budget=plan.thinking_budget, seed=req.seed,
                             temperature=base_temperature(req.temperature),

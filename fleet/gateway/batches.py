@@ -366,7 +366,8 @@ class BatchLifecycle(BatchRecords):
     def _outcome(self, line: BatchLine, envelope: Envelope) -> Settled:
         usage = envelope.usage
         return Settled(envelope.code, len(_line_bytes(output_line(line, envelope, self.gw.model))),
-                       True, (usage.prompt_tokens, usage.completion_tokens, usage.reasoning_tokens))
+                       True, (usage.prompt_tokens, usage.completion_tokens, usage.reasoning_tokens,
+                              usage.cached_tokens))
 
     def _expire(self, project: str, line: BatchLine, job_id: str) -> Settled:
         """End a job not done within the window: cancel it (a running one stops) and give it the
@@ -387,7 +388,7 @@ class BatchLifecycle(BatchRecords):
         its state is the answer). Its record and its jobs' results are kept as long as its files."""
         batch_id = state.meta["id"]
         sizes = self._file_sizes(state)
-        usage = [sum(outcome.usage[k] for outcome in state.settled.values()) for k in range(3)]
+        usage = [sum(outcome.usage[k] for outcome in state.settled.values()) for k in range(4)]
         expired = time.time() >= state.meta["expires_at"] and any(
             outcome.code in (Code.E_DEADLINE, Code.E_CANCELLED) for outcome in state.settled.values())
         tag = batch_id.removeprefix("batch_")
@@ -410,7 +411,7 @@ class BatchLifecycle(BatchRecords):
             batch.update(status=status, request_counts=counts, finalizing_at=int(now),
                          usage={"input_tokens": usage[0], "output_tokens": usage[1],
                                 "total_tokens": usage[0] + usage[1],
-                                "input_tokens_details": {"cached_tokens": 0},
+                                "input_tokens_details": {"cached_tokens": usage[3]},
                                 "output_tokens_details": {"reasoning_tokens": usage[2]}},
                          **{f"{status}_at": int(now)})
             return True

@@ -50,7 +50,7 @@ class Settled:
     code: Code
     size: int
     from_result: bool
-    usage: tuple[int, int, int] = (0, 0, 0)  # prompt, completion, reasoning tokens
+    usage: tuple[int, int, int, int] = (0, 0, 0, 0)  # prompt, completion, reasoning, cached tokens
 
     def dump(self) -> str:
         return json.dumps([self.code.value, self.size, self.from_result, *self.usage])
@@ -58,7 +58,8 @@ class Settled:
     @classmethod
     def load(cls, raw: bytes) -> Settled:
         code, size, from_result, *usage = json.loads(raw)
-        return cls(Code(code), size, from_result, (usage[0], usage[1], usage[2]))
+        usage += [0] * (4 - len(usage))  # kept before cached tokens were: none counted
+        return cls(Code(code), size, from_result, (usage[0], usage[1], usage[2], usage[3]))
 
 
 @dataclass

@@ -48,6 +48,7 @@ from fleet.gateway.wire import (
     KEEPALIVE,
     ChatRequest,
     ChunkMaker,
+    code_header,
     error_body,
     error_headers,
     parse_chat,
@@ -97,7 +98,7 @@ class ChatCompletions:
             log.info("chat job=%s project=%s code=%s status=%d", job_id, project, exc.code.value,
                      status_of(exc.code))
             await send_json(send, status_of(exc.code), _json(error_body(exc.code, exc.message, exc.param)),
-                            error_headers(exc))
+                            [*error_headers(exc), code_header(exc.code)])
             return
         if built.warnings:
             log.info("chat job=%s project=%s warnings: %s", job_id, caller.project, "; ".join(built.warnings))
@@ -167,7 +168,8 @@ class _Session:
             return
         self.headers_sent = True
         try:
-            await send_json(self._send, status_of(exc.code), _json(body), error_headers(exc) + self.headers)
+            await send_json(self._send, status_of(exc.code), _json(body),
+                            [*error_headers(exc), code_header(exc.code), *self.headers])
         except OSError:
             self._gone()
 
@@ -329,19 +331,23 @@ class _Session:
             await self._write(self.chunks.delta(reasoning, "", []))
 
     async def _finish(self, result: StreamResult) -> Code:
+        """The answer's end, with the fleet's code: ``X-Fleet-Code`` on a non-streaming answer
+        and ``fleet.code`` in its body; a stream's headers went before the code was known, so
+        its finishing chunk (and the usage chunk after it) carry ``fleet.code``."""
         usage = result.usage or {}
+        code = Code.OK_TRUNCATED if result.finish_reason == "length" else Code.OK
         if self.req.stream:
             await self._flush_held()
-            tail = self.chunks.finish(result.finish_reason)
+            tail = self.chunks.finish(result.finish_reason, code)
             if self.req.include_usage:
-                tail += self.chunks.usage(usage)
+                tail += self.chunks.usage(usage, code)
             await self._write(tail + DONE, more=False)
         elif not self.disconnected.is_set():
             body = self.chunks.full(result.content, result.reasoning, result.tool_calls,
-                                    result.finish_reason, usage)
+                                    result.finish_reason, usage, code)
             self.headers_sent = True
-            await send_json(self._send, 200, _json(body), self.headers)
-        return Code.OK_TRUNCATED if result.finish_reason == "length" else Code.OK
+            await send_json(self._send, 200, _json(body), [code_header(code), *self.headers])
+        return code
 
     async def _account(self, code: Code, message: str) -> None:
         """The access log line, the metrics and the Envelope (code, usage, timings; no text)."""
@@ -349,7 +355,8 @@ class _Session:
         r = self.result
         usage = Usage(prompt_tokens=(r.prompt_tokens if r else None) or self.prompt_tokens,
                       completion_tokens=r.completion_tokens if r else 0,
-                      reasoning_tokens=r.reasoning_tokens if r else 0)
+                      reasoning_tokens=r.reasoning_tokens if r else 0,
+                      cached_tokens=r.cached_tokens if r else 0)
         project = self.caller.project
         self.gw.metrics.request(project, code, self.waited_s, self.first_token_s, usage)
         log.info("chat job=%s project=%s code=%s stream=%s waited=%s ttft=%s total=%.3fs "

@@ -130,6 +130,11 @@ class ChatRequest(BaseModel):
     def max_total_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def limit_field(self) -> str:
+        """The name the client gave its completion limit, for a refusal's ``param``."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
     def passthrough(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in PASSTHROUGH if getattr(self, name) is not None}
 
@@ -141,7 +146,8 @@ class ChatRequest(BaseModel):
             schema = (fmt.get("json_schema") or {}).get("schema")
         try:
             return Job(id=job_id, project=project, messages=self.messages, band=band,
-                       thinking_budget=self.thinking_token_budget, response_schema=schema,
+                       thinking_budget=self.thinking_token_budget, max_tokens=self.max_total_tokens,
+                       response_schema=schema,
                        tools=self.tools, tool_choice=self.tool_choice,
                        temperature=self.temperature, seed=self.seed)
         except ValidationError as exc:
@@ -219,6 +225,12 @@ def error_headers(exc: FleetError) -> list[tuple[bytes, bytes]]:
 
 
 WARNINGS_HEADER = b"x-fleet-warnings"
+CODE_HEADER = b"x-fleet-code"
+
+
+def code_header(code: Code) -> tuple[bytes, bytes]:
+    """``X-Fleet-Code``: the fleet's code of a chat answer (``OK``, ``OK_TRUNCATED``, an error's)."""
+    return CODE_HEADER, code.value.encode()
 
 
 def warning_headers(warnings: list[str]) -> list[tuple[bytes, bytes]]:
@@ -323,16 +335,24 @@ class ChunkMaker:
             delta["tool_calls"] = tool_calls
         return self._chunk(delta)
 
-    def finish(self, finish_reason: str | None) -> bytes:
-        return self._chunk({}, finish_reason or "stop")
-
-    def usage(self, usage: dict[str, Any]) -> bytes:
+    def finish(self, finish_reason: str | None, code: Code) -> bytes:
+        """The chunk with the ``finish_reason``, and the fleet's code as ``fleet.code`` (an extra
+        field SDKs keep: the ``openai`` SDK's ``chunk.model_extra``)."""
         return sse({"id": self.completion_id, "object": "chat.completion.chunk",
-                    "created": self.created, "model": self.model, "choices": [], "usage": usage})
+                    "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                 "finish_reason": finish_reason or "stop"}],
+                    "fleet": {"code": code.value}})
+
+    def usage(self, usage: dict[str, Any], code: Code) -> bytes:
+        """The usage chunk (``choices: []``), the last: the fleet's code on it too."""
+        return sse({"id": self.completion_id, "object": "chat.completion.chunk",
+                    "created": self.created, "model": self.model, "choices": [], "usage": usage,
+                    "fleet": {"code": code.value}})
 
     def full(self, content: str, reasoning: str, tool_calls: list[dict[str, Any]],
-             finish_reason: str | None, usage: dict[str, Any]) -> dict[str, Any]:
-        """The non-streaming ``chat.completion`` body."""
+             finish_reason: str | None, usage: dict[str, Any], code: Code) -> dict[str, Any]:
+        """The non-streaming ``chat.completion`` body, the fleet's code as ``fleet.code``."""
         message: dict[str, Any] = {"role": "assistant", "content": content or None,
                                    "reasoning": reasoning or None, "tool_calls": tool_calls,
                                    "refusal": None}
@@ -342,4 +362,4 @@ class ChunkMaker:
                 "model": self.model,
                 "choices": [{"index": 0, "message": message, "logprobs": None,
                              "finish_reason": finish_reason or "stop"}],
-                "usage": usage}
+                "usage": usage, "fleet": {"code": code.value}}

@@ -464,6 +464,7 @@ class _Run:
             prompt_tokens=result.prompt_tokens or self.plan.prompt_tokens,
             completion_tokens=result.completion_tokens,
             reasoning_tokens=result.reasoning_tokens,
+            cached_tokens=result.cached_tokens,
         )
         self._add_usage(usage)
         return usage
@@ -473,6 +474,7 @@ class _Run:
             prompt_tokens=self.usage.prompt_tokens + usage.prompt_tokens,
             completion_tokens=self.usage.completion_tokens + usage.completion_tokens,
             reasoning_tokens=self.usage.reasoning_tokens + usage.reasoning_tokens,
+            cached_tokens=self.usage.cached_tokens + usage.cached_tokens,
         )
 
     @staticmethod

@@ -1,10 +1,14 @@
 """Thinking-budget planning: how many tokens a job may think, answer and send.
 
-    thinking_budget  job.thinking_budget, else the project's (-1: unlimited)
+    thinking_budget  job.thinking_budget, else the project's (-1: unlimited); lowered to
+                     ``limit - content_reserve`` when the job's limit leaves less
     content_reserve  job.content_reserve, else the project's: tokens kept for the answer
     max_tokens       thinking_budget + content_reserve; with an unlimited budget, the retry
                      ceiling (``retry.thinking_budget_ceiling``) + reserve, so a runaway thought
                      still ends and the prompt limit stays computable
+    limit            job.max_tokens: the completion limit a client set (OpenAI's ``max_tokens``
+                     or ``max_completion_tokens``, on the gateway's chat and on a batch line);
+                     max_tokens never passes it, adaptive growth included
     room_tokens      max_model_len - max_tokens, and at most project.prompt_budget_tokens:
                      the prompt limit the trimmer (fleet/prep/trim.py) must meet
     fits             prompt_tokens <= room_tokens
@@ -15,7 +19,15 @@ that does not fit even after trimming ends ``E_PROMPT_TOO_LONG`` with these numb
 
 Adaptive retries change a plan without touching the prompt: ``grow_budget`` (a forced end of
 thinking gave an empty or invalid answer) doubles the budget up to a ceiling; ``grow_reserve`` (an
-empty answer) doubles the reserve. Both keep ``prompt_tokens + max_tokens <= max_model_len``.
+empty answer) doubles the reserve. Both keep ``prompt_tokens + max_tokens <= max_model_len``
+(and ``max_tokens <= limit``).
+
+A client's limit only ever lowers the plan, and it is the thinking that gives way: the content
+reserve is what keeps the answer from coming back empty. A limit below the reserve cannot keep it
+even with no thinking at all, so it is refused, 400 ``E_INPUT_INVALID`` with ``param`` the field
+the client sent, naming the smallest limit that works (the reserve: thinking budget 0 then). This
+is the one planner: prep (fleet/worker/jobs/prep.py) and the gateway's chat
+(fleet/gateway/app.py ``build_body``) both call ``plan``.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fleet.core.config import ProjectSettings, Settings
+from fleet.core.errors import InputInvalid
 from fleet.core.models import Job
 
 UNLIMITED = -1
@@ -41,19 +54,36 @@ class Plan:
     prompt_budget_tokens: int | None = None
     # of prompt_tokens, the stable prefix (fleet/core/promptcache.py records it when sent)
     prefix_tokens: int = 0
-
+    limit: int | None = None  # the client's completion limit (job.max_tokens)
 
 
 def plan(job: Job, project: ProjectSettings, settings: Settings, prompt_tokens: int,
-         prefix_tokens: int = 0) -> Plan:
+         prefix_tokens: int = 0, limit_field: str = "max_tokens") -> Plan:
+    """The plan of ``job``; InputInvalid (``param``: ``limit_field``, the name the client gave
+    its limit) when its limit is below the content reserve."""
     budget = job.thinking_budget if job.thinking_budget is not None else project.thinking_budget
     reserve = job.content_reserve if job.content_reserve is not None else project.content_reserve
     ceiling = settings.retry.thinking_budget_ceiling
+    limit = job.max_tokens
+    if limit is not None:
+        budget = _within(budget, reserve, limit, ceiling, limit_field)
     built = _build(
         budget, reserve, prompt_tokens, settings.backend.max_model_len,
         project.prompt_budget_tokens, ceiling,
     )
-    return replace(built, prefix_tokens=prefix_tokens)
+    return replace(built, prefix_tokens=prefix_tokens, limit=limit)
+
+
+def _within(budget: int, reserve: int, limit: int, ceiling: int, field: str) -> int:
+    """The thinking budget lowered so that budget + reserve fits ``limit``."""
+    if limit < reserve:
+        raise InputInvalid(
+            f"{field} is {limit}, but {reserve} tokens are kept for the answer after the "
+            f"reasoning (the project's content reserve, or the job's): send {field} of at least "
+            f"{reserve} (the reasoning then gets {field} minus {reserve}), or leave it out",
+            param=field)
+    thinking = ceiling if budget == UNLIMITED else budget
+    return limit - reserve if thinking + reserve > limit else budget
 
 
 def _build(
@@ -78,8 +108,12 @@ def _build(
 
 
 def _headroom(p: Plan) -> int:
-    """Tokens max_tokens may still grow by without the prompt overflowing max_model_len."""
-    return max(0, p.max_model_len - p.prompt_tokens - p.max_tokens)
+    """Tokens max_tokens may still grow by without the prompt overflowing max_model_len, nor
+    max_tokens passing the client's limit."""
+    room = p.max_model_len - p.prompt_tokens - p.max_tokens
+    if p.limit is not None:
+        room = min(room, p.limit - p.max_tokens)
+    return max(0, room)
 
 
 def _grown(value: int) -> int:

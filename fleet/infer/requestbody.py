@@ -6,8 +6,9 @@ tools)::
 
     messages               untrusted parts neutralised and fenced; retry notes (carry-over,
                            re-ask) appended to the leading system message
-    max_completion_tokens  plan.max_tokens = thinking budget + content reserve (the gateway:
-                           lowered by a client's own max_tokens). Only this field: vLLM lets it
+    max_completion_tokens  plan.max_tokens = thinking budget + content reserve (a client's
+                           own max_tokens lowers the budget: fleet/infer/budget.py, on both
+                           paths). Only this field: vLLM lets it
                            win over the deprecated max_tokens, and sending one number keeps the
                            two from ever disagreeing
     thinking_token_budget  TOP LEVEL (anywhere else vLLM silently drops it); -1 = unlimited

@@ -123,4 +123,7 @@ class Turn:
         return cls(number=record["number"], plan=Plan(**record["plan"]), **carried)
 
     def record(self) -> TurnRecord:
-        return TurnRecord(**asdict(self))  # type: ignore[typeddict-item]
+        fields = asdict(self)
+        if fields["plan"]["limit"] is None:  # no client limit: written as before there was one
+            del fields["plan"]["limit"]
+        return TurnRecord(**fields)  # type: ignore[typeddict-item]

@@ -127,6 +127,13 @@ class StreamResult:
         value = (self.usage or {}).get("prompt_tokens")
         return int(value) if value is not None else None
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held (``prompt_tokens_details.cached_tokens``; 0 when
+        the server does not report it)."""
+        details = (self.usage or {}).get("prompt_tokens_details") or {}
+        return int(details.get("cached_tokens") or 0)
+
 
 # -- timing -------------------------------------------------------------------------------------
 

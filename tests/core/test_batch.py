@@ -24,7 +24,9 @@ def test_openai_lines_map_onto_jobs():
     assert line.error is None and line.custom_id == "a1"
     job = line.job
     assert job.project == "reports" and job.thinking_budget == 1000
-    assert job.content_reserve == 500 and job.response_schema == {"type": "object"}
+    # the limit is planned as a chat's (fleet/infer/budget.py), the reserve stays the project's
+    assert job.max_tokens == 1500 and job.content_reserve is None
+    assert job.response_schema == {"type": "object"}
     assert job.metadata["custom_id"] == "a1"
 
 

@@ -27,7 +27,7 @@ from fleet.gateway import batches
 from fleet.gateway.app import Gateway
 from fleet.gateway.auth import Caller, LiveSettings
 from fleet.gateway.batches import BatchRoutes
-from fleet.gateway.batchrecord import State
+from fleet.gateway.batchrecord import Settled, State
 
 WAIT_S = 30
 
@@ -253,3 +253,9 @@ def test_a_cancelled_batch_cancels_a_share_of_its_jobs_per_call(
         assert [cancelled(routes, keys, job) for job in jobs] == [True] * 4 + [False] * 3
         assert routes._refresh("a", batch_id)["status"] == "cancelling"
         assert all(cancelled(routes, keys, job) for job in jobs)
+
+
+def test_a_settled_line_keeps_its_cached_tokens_and_reads_one_kept_before_them() -> None:
+    settled = Settled(Code.OK, 120, True, (900, 40, 30, 512))
+    assert Settled.load(settled.dump().encode()) == settled
+    assert Settled.load(b'["OK", 120, true, 900, 40, 30]').usage == (900, 40, 30, 0)

@@ -62,10 +62,11 @@ def test_reasoning_goes_in_vllms_field_and_optionally_under_the_old_name() -> No
     both = json.loads(ChunkMaker("c", "local", True).delta("think", "say", []).decode()[6:])
     assert both["choices"][0]["delta"] == {"reasoning": "think", "reasoning_content": "think",
                                            "content": "say"}
-    full = ChunkMaker("c", "local", True).full("say", "think", [], None, {"completion_tokens": 2})
+    full = ChunkMaker("c", "local", True).full("say", "think", [], None, {"completion_tokens": 2}, Code.OK)
     message = full["choices"][0]["message"]
     assert (message["reasoning"], message["reasoning_content"], message["content"]) == ("think", "think", "say")
     assert full["choices"][0]["finish_reason"] == "stop" and full["usage"] == {"completion_tokens": 2}
+    assert full["fleet"] == {"code": "OK"}
 
 
 def test_every_error_body_carries_its_code_and_a_status() -> None:

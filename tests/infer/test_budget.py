@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
+from fleet.core.codes import Code
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.errors import InputInvalid
 from fleet.core.models import Job, Message
 from fleet.infer.budget import grow_budget, grow_reserve, plan
 
@@ -49,3 +53,28 @@ def test_growth_is_bounded_by_ceiling_and_context() -> None:
     assert r.content_reserve == 4096 and r.thinking_budget == 1000 and r.max_tokens == 5096
     big = plan(job(thinking_budget=30_000, content_reserve=8000), REPORTS, CFG, 1000)
     assert big.prompt_tokens + grow_reserve(big).max_tokens <= 40_000
+
+
+def test_a_client_limit_lowers_the_thinking_so_the_reserve_fits() -> None:
+    p = plan(job(max_tokens=5000), REPORTS, CFG, 1000)
+    assert (p.thinking_budget, p.content_reserve, p.max_tokens, p.limit) == (5000 - 2048, 2048, 5000, 5000)
+    assert p.room_tokens == 40_000 - 5000
+    assert plan(job(max_tokens=20_000), REPORTS, CFG, 1000).max_tokens == 12_048  # only ever lowers
+    unlimited = plan(job(max_tokens=3000, thinking_budget=-1), REPORTS, CFG, 1000)
+    assert (unlimited.thinking_budget, unlimited.max_tokens) == (952, 3000)
+    assert plan(job(max_tokens=2048), REPORTS, CFG, 1000).thinking_budget == 0
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_limit_below_the_reserve_is_refused_naming_the_smallest_that_works(field: str) -> None:
+    with pytest.raises(InputInvalid) as caught:
+        plan(job(max_tokens=500), REPORTS, CFG, 1000, limit_field=field)
+    assert caught.value.param == field and caught.value.code is Code.E_INPUT_INVALID
+    assert f"{field} is 500" in caught.value.message and "at least 2048" in caught.value.message
+
+
+def test_growth_never_passes_the_client_limit() -> None:
+    p = plan(job(max_tokens=6000, thinking_budget=2500), REPORTS, CFG, 1000)
+    assert p.max_tokens == 4548
+    assert grow_budget(p, 99_999).max_tokens == 6000  # 5,000 wanted, 3,952 left
+    assert grow_reserve(grow_budget(p, 99_999)).max_tokens == 6000
