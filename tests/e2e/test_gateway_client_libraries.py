@@ -12,7 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Iterator,
+)
 from typing import Any
 
 import pytest
@@ -223,6 +227,11 @@ def litellm_module() -> Any:
     return pytest.importorskip("litellm")
 
 
+# litellm's own pydantic models warn when first built (a TypedDict's ReadOnly items)
+litellm_warnings = pytest.mark.filterwarnings("ignore:.* `ReadOnly` qualifier:UserWarning")
+
+
+@litellm_warnings
 def test_litellm_streams(base: str, key: str, recorder: Recorder) -> None:
     litellm = litellm_module()
     mark = recorder.mark()
@@ -234,6 +243,7 @@ def test_litellm_streams(base: str, key: str, recorder: Recorder) -> None:
     assert sent["stream"] is True
 
 
+@litellm_warnings
 def test_litellm_runs_a_tool_and_sends_the_result_back(base: str, key: str, recorder: Recorder) -> None:
     litellm = litellm_module()
     tools = [{"type": "function", "function": {
@@ -244,7 +254,7 @@ def test_litellm_runs_a_tool_and_sends_the_result_back(base: str, key: str, reco
     first = litellm.completion(model="openai/local", api_base=base, api_key=key, messages=messages, tools=tools)
     calls = first.choices[0].message.tool_calls
     assert calls and calls[0].function.name == "get_weather"
-    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    messages.append(first.choices[0].message)  # litellm's own pattern: the message object as it came
     for call in calls:
         messages.append({"role": "tool", "tool_call_id": call.id,
                          "content": get_weather(**json.loads(call.function.arguments))})
@@ -253,6 +263,7 @@ def test_litellm_runs_a_tool_and_sends_the_result_back(base: str, key: str, reco
     tool_round_trip_checks(recorder, mark)
 
 
+@litellm_warnings
 def test_litellm_structured_output(base: str, key: str, recorder: Recorder) -> None:
     litellm = litellm_module()
     mark = recorder.mark()
@@ -263,6 +274,7 @@ def test_litellm_structured_output(base: str, key: str, recorder: Recorder) -> N
     assert sent["response_format"]["type"] == "json_schema"
 
 
+@litellm_warnings
 def test_litellm_hang_up_frees_the_slot(fleet: tuple[Harness, dict[str, str], Recorder], key: str,
                                         probe: FleetProbe) -> None:
     litellm = litellm_module()
@@ -276,29 +288,37 @@ def test_litellm_hang_up_frees_the_slot(fleet: tuple[Harness, dict[str, str], Re
 
 
 # -- the OpenAI Agents SDK ------------------------------------------------------------------------
-def agents_agent(base: str, key: str, **options: Any) -> Any:
+def with_agent(base: str, key: str, body: Callable[[Any], Awaitable[Any]], **options: Any) -> Any:
+    """``body(agent)`` in a fresh event loop, with a client of its own closed in that loop (the
+    SDK's ``run_sync`` keeps one loop across calls, and a client's generators outlive it)."""
     agents = pytest.importorskip("agents")
     from openai import AsyncOpenAI
 
     agents.set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
-    model = agents.OpenAIChatCompletionsModel(model="local", openai_client=AsyncOpenAI(
-        base_url=base, api_key=key, max_retries=0))
-    return agents.Agent(name="assistant", instructions="Answer briefly.", model=model, **options)
+
+    async def run() -> Any:
+        client = AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+        try:
+            model = agents.OpenAIChatCompletionsModel(model="local", openai_client=client)
+            return await body(agents.Agent(name="assistant", instructions="Answer briefly.", model=model,
+                                           **options))
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
 
 
 def test_agents_sdk_streams(base: str, key: str, recorder: Recorder) -> None:
     from agents import Runner
     from openai.types.responses import ResponseTextDeltaEvent
 
-    agent = agents_agent(base, key)
-    mark = recorder.mark()
-
-    async def run() -> str:
+    async def body(agent: Any) -> str:
         result = Runner.run_streamed(agent, "Name a colour. [sim:think=8]")
         return "".join([event.data.delta async for event in result.stream_events()
                         if event.type == "raw_response_event" and isinstance(event.data, ResponseTextDeltaEvent)])
 
-    assert asyncio.run(run()).strip()
+    mark = recorder.mark()
+    assert with_agent(base, key, body).strip()
     [sent] = last_chats(recorder, mark)
     assert sent["stream"] is True
 
@@ -306,19 +326,22 @@ def test_agents_sdk_streams(base: str, key: str, recorder: Recorder) -> None:
 def test_agents_sdk_runs_a_tool_and_sends_the_result_back(base: str, key: str, recorder: Recorder) -> None:
     from agents import Runner, function_tool
 
-    agent = agents_agent(base, key, tools=[function_tool(get_weather)])
+    async def body(agent: Any) -> Any:
+        return (await Runner.run(agent, "Weather in Narvik? [sim:tool=get_weather/1] [sim:think=5]")).final_output
+
     mark = recorder.mark()
-    result = Runner.run_sync(agent, "Weather in Narvik? [sim:tool=get_weather/1] [sim:think=5]")
-    assert str(result.final_output).strip()
+    assert str(with_agent(base, key, body, tools=[function_tool(get_weather)])).strip()
     tool_round_trip_checks(recorder, mark)
 
 
 def test_agents_sdk_structured_output(base: str, key: str, recorder: Recorder) -> None:
     from agents import Runner
 
-    agent = agents_agent(base, key, output_type=City)
+    async def body(agent: Any) -> Any:
+        return (await Runner.run(agent, "A city. [sim:think=5]")).final_output
+
     mark = recorder.mark()
-    assert isinstance(Runner.run_sync(agent, "A city. [sim:think=5]").final_output, City)
+    assert isinstance(with_agent(base, key, body, output_type=City), City)
     [sent] = last_chats(recorder, mark)
     assert sent["response_format"]["type"] == "json_schema"
 
@@ -327,15 +350,13 @@ def test_agents_sdk_hang_up_frees_the_slot(fleet: tuple[Harness, dict[str, str],
                                            probe: FleetProbe) -> None:
     from agents import Runner
 
-    aborted = probe.sim_stats()["aborted"]
-    agent = agents_agent(f"http://127.0.0.1:{fleet[0].settings.gateway.port}/v1", key)
-
-    async def run() -> None:
+    async def body(agent: Any) -> None:
         result = Runner.run_streamed(agent, STALLING)
         async for event in result.stream_events():
             if event.type == "raw_response_event":
                 result.cancel()
                 break
 
-    asyncio.run(run())
+    aborted = probe.sim_stats()["aborted"]
+    with_agent(f"http://127.0.0.1:{fleet[0].settings.gateway.port}/v1", key, body)
     freed_after_hang_up(probe, aborted)
