@@ -58,8 +58,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Harness, d
     with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True, concurrency=2) as harness, \
             recording_proxy(f"http://127.0.0.1:{harness.settings.gateway.port}") as recorder:
         yield harness, keys, recorder
-        import pathlib  # TEMP
-        pathlib.Path("/tmp/conform-sent.jsonl").write_text("".join(json.dumps({"path": x.path, "headers": x.headers, "body": x.body}) + "\n" for x in recorder.sent))
 
 
 @pytest.fixture
