@@ -198,7 +198,7 @@ def output_line(line: BatchLine, envelope: Envelope | None, model: str) -> dict[
     if not envelope.ok:
         out.update(response=None, error={"code": envelope.code.value, "message": envelope.message})
         return out
-    reply: dict[str, Any] = {"role": "assistant", "content": envelope.content}
+    reply: dict[str, Any] = {"role": "assistant", "content": envelope.content, "refusal": None}
     if envelope.reasoning:
         reply["reasoning"] = envelope.reasoning
     if envelope.tool_calls:
@@ -209,7 +209,7 @@ def output_line(line: BatchLine, envelope: Envelope | None, model: str) -> dict[
     body = {
         "id": f"chatcmpl-{envelope.job_id}", "object": "chat.completion",
         "created": int(envelope.finished_at), "model": model,
-        "choices": [{"index": 0, "message": reply, "finish_reason": finish}],
+        "choices": [{"index": 0, "message": reply, "logprobs": None, "finish_reason": finish}],
         "usage": {"prompt_tokens": usage.prompt_tokens,
                   "completion_tokens": usage.completion_tokens,
                   "total_tokens": usage.prompt_tokens + usage.completion_tokens,

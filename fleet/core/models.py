@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -35,6 +36,15 @@ def describe_invalid(exc: ValidationError, limit: int = 5) -> str:
     return "; ".join(parts)
 
 
+# Fields of an answer's message that client libraries send back and vLLM ignores: name -> when
+# the value is dropped (otherwise it is refused as an unknown field).
+COPIED_BACK: dict[str, Callable[[Any], bool]] = {
+    "refusal": lambda value: True, "annotations": lambda value: True,
+    "audio": lambda value: value is None, "function_call": lambda value: value is None,
+    "provider_specific_fields": lambda value: True,
+}
+
+
 class Message(_Strict):
     """An OpenAI chat message as vLLM takes it. ``developer`` (OpenAI's name for system
     instructions) becomes ``system``: vLLM hands the role to the chat template as it is, and the
@@ -42,7 +52,10 @@ class Message(_Strict):
     dropped unseen. An assistant message may carry the reasoning the server returned
     (``reasoning``, or vLLM's older ``reasoning_content``, read as ``reasoning``): it goes to vLLM,
     which gives it to the template (Qwen3's keeps it only for the turns after the last user
-    message); on any other role vLLM ignores it, and so does the fleet."""
+    message); on any other role vLLM ignores it, and so does the fleet. Fields a client library
+    copies from an answer back into its next request and vLLM ignores are dropped: OpenAI's
+    ``refusal`` and ``annotations``, ``audio`` and ``function_call`` when null, and litellm's own
+    ``provider_specific_fields``."""
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -55,9 +68,10 @@ class Message(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _openai_names(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not ("reasoning_content" in data or data.get("role") == "developer"):
+        if not isinstance(data, dict) or not (COPIED_BACK.keys() & data.keys() or "reasoning_content" in data
+                                              or data.get("role") == "developer"):
             return data
-        data = dict(data)
+        data = {k: v for k, v in data.items() if not (k in COPIED_BACK and COPIED_BACK[k](v))}
         if data.get("role") == "developer":
             data["role"] = "system"
         older = data.pop("reasoning_content", None)
