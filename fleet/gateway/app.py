@@ -185,12 +185,12 @@ class Gateway:
                                    settings.gateway.chat_template_kwargs, job.untrusted)
         if switches:  # true/false switches only: they render no text worth counting
             sampling["chat_template_kwargs"] = switches
-        first = plan_budget(job, project, settings, 0, limit_field=req.limit_field)
+        first = plan_budget(job, project, settings, 0)
         try:
             prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, self.counter)
         except PromptTooLong as exc:
             raise chat_too_long(exc, settings.backend.max_model_len, first.max_tokens) from exc
-        plan = plan_budget(job, project, settings, prepared.prompt_tokens, limit_field=req.limit_field)
+        plan = plan_budget(job, project, settings, prepared.prompt_tokens)
         ready = job.model_copy(update={"messages": prepared.messages})
         messages, _ = build_request_messages(ready, prepared.fence_tag)
         tools, tool_choice, warnings = tools_allowed(ready, project)

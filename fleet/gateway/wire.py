@@ -130,11 +130,6 @@ class ChatRequest(BaseModel):
     def max_total_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    @property
-    def limit_field(self) -> str:
-        """The name the client gave its completion limit, for a refusal's ``param``."""
-        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
-
     def passthrough(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in PASSTHROUGH if getattr(self, name) is not None}
 

@@ -23,11 +23,12 @@ empty answer) doubles the reserve. Both keep ``prompt_tokens + max_tokens <= max
 (and ``max_tokens <= limit``).
 
 A client's limit only ever lowers the plan, and it is the thinking that gives way: the content
-reserve is what keeps the answer from coming back empty. A limit below the reserve cannot keep it
-even with no thinking at all, so it is refused, 400 ``E_INPUT_INVALID`` with ``param`` the field
-the client sent, naming the smallest limit that works (the reserve: thinking budget 0 then). This
-is the one planner: prep (fleet/worker/jobs/prep.py) and the gateway's chat
-(fleet/gateway/app.py ``build_body``) both call ``plan``.
+reserve is what keeps the answer from coming back empty. A limit below the reserve leaves no room
+to think: the thinking budget is 0 (the model closes its reasoning at once) and the whole limit
+goes to the answer, so a client asking for a short answer gets one, never an empty answer after a
+cut reasoning (and never a refusal its SDK cannot act on). This is the one planner: prep
+(fleet/worker/jobs/prep.py) and the gateway's chat (fleet/gateway/app.py ``build_body``) both
+call ``plan``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fleet.core.config import ProjectSettings, Settings
-from fleet.core.errors import InputInvalid
 from fleet.core.models import Job
 
 UNLIMITED = -1
@@ -58,15 +58,14 @@ class Plan:
 
 
 def plan(job: Job, project: ProjectSettings, settings: Settings, prompt_tokens: int,
-         prefix_tokens: int = 0, limit_field: str = "max_tokens") -> Plan:
-    """The plan of ``job``; InputInvalid (``param``: ``limit_field``, the name the client gave
-    its limit) when its limit is below the content reserve."""
+         prefix_tokens: int = 0) -> Plan:
+    """The plan of ``job``, within its completion limit when it has one."""
     budget = job.thinking_budget if job.thinking_budget is not None else project.thinking_budget
     reserve = job.content_reserve if job.content_reserve is not None else project.content_reserve
     ceiling = settings.retry.thinking_budget_ceiling
     limit = job.max_tokens
     if limit is not None:
-        budget = _within(budget, reserve, limit, ceiling, limit_field)
+        budget, reserve = _within(budget, reserve, limit, ceiling)
     built = _build(
         budget, reserve, prompt_tokens, settings.backend.max_model_len,
         project.prompt_budget_tokens, ceiling,
@@ -74,16 +73,13 @@ def plan(job: Job, project: ProjectSettings, settings: Settings, prompt_tokens: 
     return replace(built, prefix_tokens=prefix_tokens, limit=limit)
 
 
-def _within(budget: int, reserve: int, limit: int, ceiling: int, field: str) -> int:
-    """The thinking budget lowered so that budget + reserve fits ``limit``."""
+def _within(budget: int, reserve: int, limit: int, ceiling: int) -> tuple[int, int]:
+    """(thinking budget, content reserve) lowered so that they fit ``limit``: the thinking first;
+    below the reserve, no thinking and the whole limit for the answer."""
     if limit < reserve:
-        raise InputInvalid(
-            f"{field} is {limit}, but {reserve} tokens are kept for the answer after the "
-            f"reasoning (the project's content reserve, or the job's): send {field} of at least "
-            f"{reserve} (the reasoning then gets {field} minus {reserve}), or leave it out",
-            param=field)
+        return 0, limit
     thinking = ceiling if budget == UNLIMITED else budget
-    return limit - reserve if thinking + reserve > limit else budget
+    return (limit - reserve if thinking + reserve > limit else budget), reserve
 
 
 def _build(

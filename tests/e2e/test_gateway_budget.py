@@ -2,7 +2,7 @@
 real fleet (``fleet sim``, a dispatcher, a worker, ``fleet gateway``) with the example
 configuration, driven by the official ``openai`` SDK: a request's ``max_tokens`` lowers the
 thinking budget so the project's content reserve still fits, on the chat path and the queue path
-(a batch line) alike, or is refused naming the smallest limit that works; the fleet's code of a
+(a batch line) alike, and below the reserve the model answers without thinking; the fleet's code of a
 chat reaches its client; ``usage.prompt_tokens_details.cached_tokens`` reaches chat (streamed and
 not), batch output lines and the Envelope."""
 
@@ -83,17 +83,17 @@ def test_a_stream_cut_by_max_tokens_says_ok_truncated_on_its_last_chunk(
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
-def test_a_limit_below_the_content_reserve_is_refused_naming_the_smallest_that_works(
-    fleet: tuple[Harness, dict[str, str]], field: str,
+def test_a_limit_below_the_content_reserve_is_all_answer_and_no_thinking(
+    fleet: tuple[Harness, dict[str, str]], probe: FleetProbe, field: str,
 ) -> None:
-    """The issue's figures: budget 1,200, max_tokens 500. Before: 200 with an empty answer."""
-    with pytest.raises(openai.BadRequestError) as caught:
-        sdk(fleet).chat.completions.create(model="local", messages=user(f"Hi. {LONG_THOUGHT}"),
-                                           **{field: 500})
-    error = caught.value.body
-    assert isinstance(error, dict) and error["code"] == "E_INPUT_INVALID" and error["param"] == field
-    assert f"{field} is 500" in error["message"] and f"at least {RESERVE}" in error["message"]
-    assert caught.value.response.headers["x-fleet-code"] == "E_INPUT_INVALID"
+    """The issue's figures: budget 1,200, max_tokens 500. Before: the backend got the whole
+    budget, the reasoning took all 500 tokens and the answer came back empty."""
+    raw = sdk(fleet).chat.completions.with_raw_response.create(
+        model="local", messages=user(f"Hi. {LONG_THOUGHT}"), **{field: 500})
+    answer = raw.parse()
+    sent = probe.sim_requests(answer.id.removeprefix("chatcmpl-"))[0]
+    assert (sent["thinking_token_budget"], sent["max_completion_tokens"]) == (0, 500)
+    assert answer.choices[0].message.content
 
 
 def test_a_batch_line_s_max_tokens_is_planned_as_a_chat_s(
@@ -101,7 +101,7 @@ def test_a_batch_line_s_max_tokens_is_planned_as_a_chat_s(
 ) -> None:
     """The queue path plans with the same function. Before: the line's max_tokens became the
     content reserve on top of the whole budget (1,200 + 1,500), and a limit below the reserve
-    was sent as it was."""
+    was sent as it was, beside the whole budget."""
     client = sdk(fleet)
     body = {"model": "local", "max_tokens": 1500, "messages": user(f"Explain. {LONG_THOUGHT}")}
     low = {**body, "max_tokens": 500}
@@ -110,8 +110,9 @@ def test_a_batch_line_s_max_tokens_is_planned_as_a_chat_s(
     sent = probe.sim_requests(line["response"]["request_id"])[0]
     assert (sent["thinking_token_budget"], sent["max_completion_tokens"]) == (1500 - RESERVE, 1500)
     assert line["code"] == "OK_THINKING_FORCED" and line["response"]["body"]["choices"][0]["message"]["content"]
-    refused = errors["low"]
-    assert refused["code"] == "E_INPUT_INVALID" and f"at least {RESERVE}" in refused["error"]["message"]
+    assert "low" not in errors, errors
+    short = probe.sim_requests(out["low"]["response"]["request_id"])[0]
+    assert (short["thinking_token_budget"], short["max_completion_tokens"]) == (0, 500)
 
 
 # -- finding: cached_tokens always 0 -------------------------------------------------------------

@@ -55,8 +55,14 @@ DIFFERENCES: dict[tuple[str, str], dict[str, tuple[dict[str, Any] | None, str]]]
         "permission": ({"type": "array"}, "vLLM's model object (always empty)"),
     },
     ("CreateChatCompletionResponse", ""): {
-        "fleet": ({"type": "object"}, "a batch output line's answer carries the fleet's own figures "
-                                      "(attempts, warnings, the parsed answer)"),
+        "fleet": ({"type": "object"}, "the fleet's own figures: a chat answer's message code (also in "
+                                      "X-Fleet-Code), and on a batch output line's answer the attempts, "
+                                      "warnings and the parsed answer; SDKs keep it as an extra field"),
+    },
+    ("CreateChatCompletionStreamResponse", ""): {
+        "fleet": ({"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+                  "the chunk with the finish reason (and the usage chunk) carries the request's message "
+                  "code, which a streaming client cannot read from a header sent before the answer"),
     },
     ("Batch", ""): {
         "output_file_id": (None, "null until there is an output file, as OpenAI's API sends it (its "
