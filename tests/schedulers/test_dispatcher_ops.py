@@ -78,7 +78,7 @@ def test_a_second_dispatcher_on_a_busy_metrics_port_warns_and_runs(
     first = fleet_process(["dispatcher", "--log-level", "INFO"], config, logs[0])
     second = None
     try:
-        wait_for_line(first, logs[0], f"dispatcher metrics on :{port}")
+        wait_for_line(first, logs[0], f"dispatcher metrics on 127.0.0.1:{port}")  # metrics_host
         second = fleet_process(["dispatcher", "--log-level", "INFO"], config, logs[1])
         wait_for_line(second, logs[1], "dispatcher running")
         assert first.poll() is None
