@@ -1,17 +1,26 @@
-"""Seeded generator of template loops, in English and Japanese, for the loop watcher's tests and
-``fleet bench loops``.
+"""Seeded generators of looping reasoning for the loop watcher's tests and ``fleet bench loops``.
 
-A generated trace is a normal lead (a prefix of a real trace when one is given, else generated
-prose) followed by a template loop: each cycle writes 1 - 5 paragraphs drawn from the loop's own
-2 - 4 templates, each with its slots filled at random (the swapped nouns), sometimes with a
-filler sentence, so consecutive paragraphs are never exact repeats and the period drifts between
-a few hundred and a few thousand characters - the shape of the real loops the watcher missed.
+Template loops, in English and Japanese (``generate_loops``): a normal lead (a prefix of a real
+trace when one is given, else generated prose) followed by a template loop: each cycle writes 1 - 5
+paragraphs drawn from the loop's own 2 - 4 templates, each with its slots filled at random (the
+swapped nouns), sometimes with a filler sentence, so consecutive paragraphs are never exact repeats
+and the period drifts between a few hundred and a few thousand characters - the shape of the real
+loops the watcher missed.
+
+Short capped loops (``generate_short_loops``, issue 28): a small thinking model whose answers are
+capped at a few thousand tokens falls into a cycle a few hundred tokens in and writes one passage of
+40 - 250 words again and again until the cap. The lead is a real trace's first 200 - 1,000 words,
+the passage the same trace's next 40 - 250 words, repeated until 4,096 tokens verbatim or with one
+kind of small edit (``SHORT_EDITS``: numbers that change, "Wait," restarts, a new sentence between
+repetitions), with its paragraph breaks or run on in one paragraph.
+
 ``onset_chars`` is where the loop begins: a verdict before it is a false alarm.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 _EN_TEMPLATES = (
@@ -143,6 +152,12 @@ def _lead_ja(rng: random.Random, chars: int) -> str:
     return "".join(out)
 
 
+def generated_lead(rng: random.Random, language: str, chars: int) -> str:
+    """Normal-looking generated reasoning of about ``chars`` characters ("en" or "ja"): the leads
+    used when there is no corpus (and always in Japanese)."""
+    return _lead_en(rng, chars) if language == "en" else _lead_ja(rng, chars)
+
+
 def generate_loops(seed: int, count: int, leads: list[str] | None = None,
                    loop_chars: int = 30_000) -> list[GeneratedLoop]:
     """``count`` traces, alternately English and Japanese. English leads are prefixes (2,000 -
@@ -165,3 +180,103 @@ def generate_loops(seed: int, count: int, leads: list[str] | None = None,
         loop, templates = _loop(rng, language, loop_chars)
         out.append(GeneratedLoop(lead + loop, len(lead), language, templates))
     return out
+
+
+# -- short capped loops (see the module's docstring) ---------------------------------------------
+
+SHORT_EDITS = ("verbatim", "numbers", "restarts", "sentence")
+"""verbatim: the passage again and again; numbers: each repetition redraws about half of its
+numbers; restarts: a repetition may break off and start again with "Wait," (or another opener);
+sentence: one new sentence of the trace's own continuation between two repetitions."""
+_WORD_SPAN = re.compile(r"\S+")
+_NUMBER = re.compile(r"\d+")
+_OPENERS = ("Wait, ", "Hmm, ", "So ", "Wait, let me re-check. ", "Let me verify again. ",
+            "Okay, ", "Wait, no. ")
+
+
+@dataclass(frozen=True)
+class ShortLoop:
+    text: str  # ends at the cap
+    onset_chars: int  # where the first repetition begins; a verdict before it is a false alarm
+    cycle_words: int  # words per repetition, whitespace-separated (the new sentence included)
+    edit: str  # one of SHORT_EDITS
+    run_on: bool  # the loop's line breaks flattened: one endless paragraph
+    repetitions: int  # times the passage begins before the cap
+
+
+def _redraw_numbers(rng: random.Random, passage: str) -> str:
+    def redraw(m: re.Match[str]) -> str:
+        if rng.random() < 0.5 or len(m.group()) > 6:
+            return m.group()
+        return str(max(0, int(m.group()) + rng.choice((-3, -2, -1, 1, 2, 3, 5, 10))))
+
+    return _NUMBER.sub(redraw, passage)
+
+
+def _short_source(rng: random.Random, leads: list[str], edit: str) -> tuple[str, list[int], int, int]:
+    """A source text with its word starts, an onset word and a cycle length that fit it."""
+    for _ in range(1000):
+        onset, cycle = rng.randint(200, 1000), rng.randint(40, 250)
+        text = rng.choice(leads) if leads else _lead_en(rng, 12_000)
+        starts = [m.start() for m in _WORD_SPAN.finditer(text)]
+        if len(starts) < onset + cycle + 200:  # room for the new sentences of "sentence"
+            continue
+        passage = text[starts[onset]:starts[onset + cycle]]
+        if edit == "numbers" and len(_NUMBER.findall(passage)) < 2:
+            continue
+        return text, starts, onset, cycle
+    raise ValueError("no source text long enough for a short loop")
+
+
+def short_loop(rng: random.Random, leads: list[str], edit: str, run_on: bool,
+               cap_chars: int) -> ShortLoop:
+    text, starts, onset, cycle = _short_source(rng, leads, edit)
+    lead = text[:starts[onset]]
+    fresh = onset + cycle  # the trace's own continuation: where new sentences come from
+    if edit == "sentence":  # a new sentence and a shorter passage make one cycle
+        bridge = rng.randint(8, max(8, min(30, cycle // 3)))
+        passage = text[starts[onset]:starts[onset + cycle - bridge]]
+    else:
+        bridge = 0
+        passage = text[starts[onset]:starts[onset + cycle]]
+    flat = (lambda t: re.sub(r"\s*\n\s*", " ", t)) if run_on else (lambda t: t)
+    parts = [lead, flat(passage)]
+    size = len(lead) + len(parts[-1])
+    repetitions = 1
+    while size < cap_chars:
+        again = passage
+        if edit == "numbers":
+            again = _redraw_numbers(rng, passage)
+        elif edit == "restarts":
+            if rng.random() < 0.4:  # the previous repetition breaks off part way
+                previous = parts[-1]
+                words = [m.start() for m in _WORD_SPAN.finditer(previous)]
+                cut = words[rng.randint(len(words) // 3, max(len(words) // 3, len(words) * 9 // 10))]
+                size -= len(previous) - cut
+                parts[-1] = previous[:cut].rstrip() + " "
+            if rng.random() < 0.7:
+                again = rng.choice(_OPENERS) + again[0].lower() + again[1:]
+        elif edit == "sentence":
+            n = rng.randint(max(4, bridge // 2), bridge * 3 // 2)
+            if fresh + n >= len(starts):
+                fresh = onset + cycle
+            sentence = text[starts[fresh]:starts[fresh + n]]
+            fresh += n
+            parts.append(flat(sentence))
+            size += len(parts[-1])
+        parts.append(flat(again))
+        size += len(parts[-1])
+        repetitions += 1
+    whole = "".join(parts)[:cap_chars]
+    begun = repetitions - (1 if size - len(parts[-1]) >= cap_chars else 0)
+    return ShortLoop(whole, len(lead), cycle, edit, run_on, begun)
+
+
+def generate_short_loops(seed: int, count: int, leads: list[str] | None = None,
+                         cap_tokens: int = 4096, chars_per_token: int = 4) -> list[ShortLoop]:
+    """``count`` short loops capped at ``cap_tokens`` (``chars_per_token`` characters each), the
+    edits of SHORT_EDITS in turn, every other four run on. Leads and passages come from ``leads``
+    (the real normal traces); without them from generated prose."""
+    rng = random.Random(seed)
+    return [short_loop(rng, leads or [], SHORT_EDITS[i % len(SHORT_EDITS)], i // 4 % 2 == 1,
+                       cap_tokens * chars_per_token) for i in range(count)]

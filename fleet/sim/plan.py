@@ -27,10 +27,18 @@ from typing import Any
 
 from fleet.sim.jsongen import generate_json, generate_object
 from fleet.sim.scenarios import MAX_PARALLEL, Scenario
-from fleet.sim.textgen import FixedPieces, LoopStream, PieceStream, ProseStream, UnicodeStream
+from fleet.sim.textgen import (
+    FixedPieces,
+    LoopStream,
+    PieceStream,
+    ProseStream,
+    ShortLoopStream,
+    UnicodeStream,
+)
 from fleet.sim.tokenizer import split_pieces
 
 REASONING, CONTENT, HIDDEN, TOOL_START, TOOL_ARGS = "reasoning", "content", "hidden", "tool", "args"
+LOOPS = ("loop", "loop_fuzzy", "loop_short")  # markers whose reasoning never ends by itself
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,8 @@ def _reasoning_stream(scenario: Scenario, rng: random.Random) -> PieceStream:
         return LoopStream(rng, exact=True)
     if scenario.has("loop_fuzzy"):
         return LoopStream(rng, exact=False)
+    if scenario.has("loop_short"):
+        return ShortLoopStream(rng)
     if scenario.has("unicode"):
         return UnicodeStream(rng)
     return ProseStream(rng)
@@ -157,7 +167,7 @@ def build_plan(
     segments: list[tuple[str, int, PieceStream]] = []
     reasoning = 0
     if shape.thinking:
-        looping = scenario.has("loop") or scenario.has("loop_fuzzy")
+        looping = any(scenario.has(name) for name in LOOPS)
         fixed = scenario.integer("think")
         natural = m if looping else (dist.thinking(rng) if fixed is None else fixed)
         reasoning = natural if shape.budget is None else min(natural, shape.budget)

@@ -14,6 +14,9 @@ Names (times are simulated seconds):
 ``loop``             reasoning falls into one paragraph repeated verbatim, never answering
                      (until max tokens, or until ``thinking_token_budget`` forces the end)
 ``loop_fuzzy``       the same with near-duplicates: one word and one number change each time
+``loop_short``       a short cycle: a passage of 40-80 words comes back again and again in one
+                     paragraph, its numbers redrawn each time, now and then broken off and
+                     restarted with "Wait," (no two repetitions equal, no paragraph break)
 ``slow_first_token=S``  the first token comes S seconds after prefill ends
 ``stall=S``          the stream pauses S seconds in the middle of the reasoning, then goes on
 ``http500``          500 InternalServerError JSON answer, before any streaming
@@ -62,7 +65,7 @@ from dataclasses import dataclass, field
 MARKER_RE = re.compile(r"\[sim:([a-z0-9_]+)(?:=([^\]/\s]+))?(?:/(\d+))?\]")
 FAULTS = ("http500", "http503", "drop", "error_event")
 KNOWN = {
-    "loop", "loop_fuzzy", "slow_first_token", "stall", "http500", "http503", "drop",
+    "loop", "loop_fuzzy", "loop_short", "slow_first_token", "stall", "http500", "http503", "drop",
     "error_event", "bad_json", "empty", "tool", "bad_args", "parallel", "think", "answer", "prompt_pad",
     "dead", "unicode",
 }

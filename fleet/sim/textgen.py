@@ -13,6 +13,11 @@ text gives the same count back (up to joins at word boundaries).
   (a model circling in its reasoning).
 - ``LoopStream(exact=False)``: the same paragraph, but each repetition changes one word and bumps a
   number ("check 7 ... check 8"), the near-duplicate loop that exact matching misses.
+- ``ShortLoopStream``: some normal prose, then a passage of 40 - 80 words that keeps coming back
+  in one endless paragraph, each time with its numbers redrawn and now and then broken off and
+  restarted with "Wait," (a small model's short cycle at a low answer cap): no two repetitions are
+  equal and no paragraph ever ends, so only a detector that counts repetitions of the passage
+  sees it early.
 - ``FixedPieces``: a precomputed piece list (JSON answers, tool calls).
 - ``UnicodeStream``: prose mixed with Japanese sentences and the characters U+2028, U+2029 and
   U+0085, which JSON encoders leave raw and naive line splitters (``str.splitlines``) break on.
@@ -23,6 +28,7 @@ All randomness comes from the ``random.Random`` passed in, seeded per request by
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterator
 
 from fleet.sim.tokenizer import split_pieces
@@ -193,6 +199,42 @@ class LoopStream(PieceStream):
         words[i] = self._rng.choice(_WORDS)
         self._round += 1
         text = f"Let me check step {self._round} once more. " + " ".join(words)
+        self._buf.extend(split_pieces(text))
+        return True
+
+
+_NUMBER = re.compile(r"\d+")
+_RESTARTS = ("Wait, ", "Wait, let me redo this. ", "Hmm, wait. ")
+
+
+class ShortLoopStream(PieceStream):
+    """``lead_tokens`` of normal prose, then a passage of 40 - 80 words (with at least three
+    numbers) repeated in one paragraph: each repetition redraws the numbers, and one in three
+    breaks off part way and starts again with a "Wait," opener."""
+
+    def __init__(self, rng: random.Random, lead_tokens: int = 200) -> None:
+        super().__init__()
+        self._rng = rng
+        self._buf.extend(ProseStream(rng).take(lead_tokens) + ["\n\n"])
+        passage = ""
+        while len(passage.split()) < 40 or len(_NUMBER.findall(passage)) < 3:
+            passage += sentence(rng)
+            if len(passage.split()) > 80:
+                passage = ""
+        self._parts = _NUMBER.split(passage.strip() + " ")  # the text around the numbers
+        self._restart = ""
+
+    def _refill(self) -> bool:
+        rng = self._rng
+        numbers = [str(rng.randint(2, 4000)) for _ in self._parts[1:]]
+        text = self._parts[0] + "".join(n + part for n, part in zip(numbers, self._parts[1:],
+                                                                     strict=True))
+        text = self._restart + (text[0].lower() + text[1:] if self._restart else text)
+        self._restart = ""
+        if rng.random() < 1 / 3:  # break off and start over
+            words = text.split(" ")
+            text = " ".join(words[: rng.randint(len(words) // 3, len(words) - 2)]) + " "
+            self._restart = rng.choice(_RESTARTS)
         self._buf.extend(split_pieces(text))
         return True
 

@@ -1,16 +1,18 @@
-"""The loop watcher: catches exact and near-duplicate loops and stalls, never fires on normal
-reasoning (the 1,188 real traces of the reasoning corpus, docs/testing.md, fed as a stream)."""
+"""The loop watcher: catches exact and near-duplicate loops, template loops, short cycles and
+stalls, never fires on normal reasoning (the 1,188 real traces of the reasoning corpus,
+docs/testing.md, fed as a stream)."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 
 import pytest
 
 from fleet.core.config import WatcherSettings
-from fleet.infer.loopwatch import LoopWatcher
+from fleet.infer.loopwatch import LoopWatcher, repetition_peak
 from tests.support.testenv import SHARED, corpus_file
 
 TRACES = os.path.join(SHARED, "corpora", "reasoning", "normal_traces.jsonl")
@@ -113,6 +115,23 @@ def test_zero_alarms_on_the_real_normal_traces() -> None:
                 alarms.append((trace["id"], verdict))
     assert count == 1188
     assert alarms == []
+    assert SETTINGS.cycle_repeats > 0  # the short-cycle detector was part of it
+
+
+def test_the_most_repetitive_normal_trace_stays_below_the_cycle_threshold() -> None:
+    """The margin of the short-cycle detector: how many times in a row a passage is written in
+    normal reasoning, real and generated, against ``cycle_repeats``."""
+    from fleet.bench.loopgen import generated_lead
+    from fleet.sim.textgen import ProseStream
+
+    rng = random.Random(21)
+    generated = [generated_lead(rng, language, 30_000) for language in ("en", "ja") * 5]
+    generated += ["".join(ProseStream(random.Random(i)).take(20_000)) for i in range(3)]
+    generated += [prose(rng, 120) for _ in range(3)]
+    assert max(repetition_peak(text, SETTINGS) for text in generated) < SETTINGS.cycle_repeats
+    if corpus_file("reasoning", "normal_traces.jsonl") is not None:
+        real = [repetition_peak(text, SETTINGS) for text in _normal_texts(2000)]
+        assert max(real) <= SETTINGS.cycle_repeats - 2  # two repetitions short of a verdict
 
 
 LOOP_TRACES = os.path.join(SHARED, "corpora", "reasoning", "loop_traces.jsonl")
@@ -168,3 +187,92 @@ def test_template_loop_state_stays_bounded() -> None:
     share = watcher._share
     assert len(share._old) + len(share._new) <= 2 * settings.share_history_grams
     assert len(share._window) <= settings.share_window_chunks
+
+
+# -- short cycles: a passage that keeps coming back, counted in repetitions -------------------------
+
+# Only the repetition count: the exact period, paragraphs and the repeated share never decide.
+CYCLE_ONLY = WatcherSettings(min_repeat_span_chars=10**9, similar_paragraphs=10**6,
+                             share_min_grams=10**9)
+
+
+def passage_loop(lead: str, passage: str, times: int, rng: random.Random | None = None) -> str:
+    """``lead``, then ``passage`` ``times`` times; with ``rng`` its numbers change each time and
+    some repetitions break off and restart with "Wait,"."""
+    parts = [lead + "\n\n"]
+    for _ in range(times):
+        again = passage
+        if rng is not None:
+            again = re.sub(r"\d+", lambda _: str(rng.randint(2, 999)), passage)
+            if rng.random() < 0.3:
+                again = "Wait, " + again[: rng.randint(len(again) // 2, len(again))].lower()
+        parts.append(again + " ")
+    return "".join(parts)
+
+
+PASSAGE = ("So the second pump fills 12 litres a minute and the first 7, which gives 19 litres "
+           "together; the tank holds 380 litres, so it takes 20 minutes. But the drain takes 3 "
+           "litres a minute away, so the net rate is 16 and the time is 23.75 minutes, which is "
+           "not a whole number, so I should check the rates again.")
+
+
+@pytest.mark.parametrize("edited", [False, True])
+def test_a_passage_coming_back_is_cut_after_the_same_repetitions_whatever_came_before(
+        edited: bool) -> None:
+    rng = random.Random(17)
+    for lead_paragraphs in (2, 60):  # ~200 words or ~6,000 words of normal reasoning before it
+        lead = prose(rng, lead_paragraphs)
+        text = passage_loop(lead, PASSAGE, 12, random.Random(3) if edited else None)
+        verdict, at = stream(LoopWatcher(CYCLE_ONLY), text, piece=5)
+        assert verdict is not None and verdict.kind == "cycle", lead_paragraphs
+        assert verdict.repeats == CYCLE_ONLY.cycle_repeats
+        # The evidence is the count: the verdict comes in the passage's 5th or 6th repetition
+        # (it needs 30 words of it, and the words are read in batches of 256 characters).
+        repetitions = (at - len(lead)) / len(PASSAGE)
+        assert CYCLE_ONLY.cycle_repeats - 1 < repetitions < CYCLE_ONLY.cycle_repeats + 1.5
+
+
+def test_four_repetitions_of_a_passage_are_not_a_loop() -> None:
+    rng = random.Random(18)
+    text = passage_loop(prose(rng, 4), PASSAGE, 4, random.Random(4)) + prose(rng, 30)
+    assert stream(LoopWatcher(SETTINGS), text)[0] is None
+    assert repetition_peak(text, SETTINGS) == 4
+
+
+def test_a_passage_back_only_after_a_long_gap_starts_a_new_count() -> None:
+    rng = random.Random(19)
+    parts = []
+    for _ in range(8):  # the passage again every ~450 words: a restated problem, not a loop
+        parts += [PASSAGE, prose(rng, 5)]
+    text = "\n\n".join(parts)
+    assert stream(LoopWatcher(SETTINGS), text)[0] is None
+    assert repetition_peak(text, SETTINGS) == 1
+
+
+def test_cycle_state_stays_bounded() -> None:
+    watcher = LoopWatcher(SETTINGS.model_copy(update={"cycle_repeats": 10**6}))
+    stream(watcher, prose(random.Random(20), 600), piece=64)
+    cycle = watcher._cycle
+    assert watcher.verdict is None and cycle is not None
+    assert cycle._n > 10 * SETTINGS.cycle_max_gap_words  # it saw all ~40,000 words
+    assert len(cycle._seen) <= 2 * SETTINGS.cycle_max_gap_words
+    assert len(cycle._hits) <= SETTINGS.cycle_passage_words
+
+
+@pytest.mark.parametrize("edit", ["verbatim", "numbers", "restarts", "sentence"])
+def test_generated_short_capped_loops_are_cut_before_the_cap(edit: str) -> None:
+    from fleet.bench.loopgen import generate_short_loops
+
+    loops = [g for g in generate_short_loops(seed=23, count=96, leads=_normal_texts(400))
+             if g.edit == edit]
+    rng = random.Random(29)
+    for settings in (CYCLE_ONLY, SETTINGS):
+        cut, early = 0, []
+        for g in loops:
+            verdict, at = stream(LoopWatcher(settings), g.text, piece=rng.randint(1, 9))
+            if verdict is not None and at < g.onset_chars:
+                early.append((g.onset_chars, at, verdict))
+            elif verdict is not None:  # the text ends at the cap: a verdict is a cut before it
+                cut += 1
+        assert early == []
+        assert cut / len(loops) >= 0.95, (settings is CYCLE_ONLY, cut, len(loops))

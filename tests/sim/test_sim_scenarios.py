@@ -76,6 +76,22 @@ def test_loop_fuzzy_near_duplicates(client: openai.OpenAI) -> None:
         assert same >= len(wa) - 3
 
 
+def test_loop_short_repeats_a_passage_with_edits_in_one_paragraph(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(model="local", messages=user("[sim:loop_short] go"),
+                                          max_tokens=3_000)
+    assert resp.choices[0].finish_reason == "length" and not resp.choices[0].message.content
+    reasoning = reasoning_of(resp)
+    lead, loop = reasoning.rsplit("\n\n", 1)
+    assert "\n" not in loop and len(loop) > 4 * len(lead)  # a lead, then one endless paragraph
+    loop = loop.lower()
+    opening = " ".join(re.sub(r"\d+", "#", loop).split()[:6])  # numbers aside
+    starts = re.compile(re.escape(opening).replace("\\#", r"\d+").replace("\\ ", r"\s+"))
+    repetitions = [r for r in starts.split(loop) if r.strip()]
+    assert len(repetitions) >= 8  # the passage keeps coming back...
+    masked = {re.sub(r"\d+", "#", r) for r in repetitions}
+    assert len(set(repetitions)) > len(masked)  # ...with its numbers redrawn
+
+
 def test_slow_first_token_and_stall_in_simulated_time(sim: SimProcess,
                                                       client: openai.OpenAI) -> None:
     httpx.post(sim.base_url + "/sim/reset")
