@@ -7,7 +7,8 @@ watchdog's zset may survive while its prep message does not. Such a job is in no
 unacked entry and has no claim; the watchdog (fleet/prep/watchdog.py) would send it again only at
 its next look, up to ``prep_unclaimed_s`` (600 s) later.
 
-``BrokerReturns`` tells the watchdog's loop when its broker came back as this process sees it: at
+``run_prep_watchdog`` is the watchdog's loop (a thread of every dispatcher). ``BrokerReturns``
+tells it when its broker came back as this process sees it: at
 the first pass (a dispatcher starting, perhaps after the whole fleet went down with its broker),
 after passes that failed with a connection error, and whenever the server's ``run_id`` changed
 (a restart shorter than a pass interval, or a Sentinel failover to another server, which the
@@ -28,15 +29,18 @@ whose entries cannot be read is logged and passed over.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import redis
 
+from fleet.core.config import Settings
 from fleet.core.keys import split_ref
-from fleet.core.outagelog import BROKER_LOST
+from fleet.core.outagelog import BROKER_LOST, OutageLog
 from fleet.core.results import ResultStore
-from fleet.prep.watchdog import HANDED_OVER
+from fleet.prep.watchdog import HANDED_OVER, WATCH_INTERVAL_S, watch_once
 
 log = logging.getLogger(__name__)
 
@@ -117,3 +121,26 @@ def _still_waiting(results: ResultStore, ref: str) -> bool:
         return False
     return (record.get("state") not in HANDED_OVER and "signed" in record
             and results.final(ref) is None and not results.client.exists(results.keys.prep(ref)))
+
+
+def run_prep_watchdog(settings: Settings, results: ResultStore,
+                      resend: Callable[[dict[str, Any]], None], stop: threading.Event,
+                      in_broker: Callable[[], set[str]] | None = None) -> None:
+    """Every ``WATCH_INTERVAL_S`` a pass; with ``in_broker`` (the refs whose prep message the
+    broker holds), first a look for messages the broker lost whenever it came back
+    (``look_for_lost``), so those jobs go again now instead of after ``prep_unclaimed_s``."""
+    returns = BrokerReturns(results.client)
+    outage = OutageLog(log, "prep watchdog", "passes missed")
+    while not stop.wait(WATCH_INTERVAL_S):
+        try:
+            if in_broker is not None and returns.came_back():
+                look_for_lost(results, in_broker, time.time())
+            watch_once(results, resend, time.time(), settings.prep_unclaimed_s)
+            outage.answered()
+        except BROKER_LOST as exc:
+            returns.failed(exc)
+            outage.failed(exc)
+        except redis.RedisError as exc:
+            log.warning("prep watchdog: %s", exc)
+        except Exception:  # the watchdog must outlive one bad record
+            log.exception("prep watchdog pass failed")

@@ -21,7 +21,8 @@ Flow
   prep start -> SET {prep}:claim:<ref> NX PX (a second delivery running at the same time stops
                 here); ZADD prepping (claim expiry); a keeper thread renews both every third of the TTL
   prep end   -> DEL {prep}:claim:<ref>, ZREM prepping (whatever the outcome)
-  watchdog   -> (a thread of every dispatcher) due entries whose job is neither handed over nor
+  watchdog   -> (run_prep_watchdog, fleet/prep/recover.py: a thread of every dispatcher) due entries
+                whose job is neither handed over nor
                 final and has no live claim get their signed message sent again (the signature
                 check accepts the same message for the same job id); one watchdog takes each due
                 entry atomically. Jobs that were claimed and lost count: after ``MAX_RESENDS``
@@ -46,11 +47,9 @@ from typing import Any
 import redis
 
 from fleet.core.codes import Code
-from fleet.core.config import Settings
 from fleet.core.keys import Keys, job_ref, split_ref
 from fleet.core.lua import Scripts, shared
 from fleet.core.models import Envelope
-from fleet.core.outagelog import BROKER_LOST, OutageLog
 from fleet.core.results import ResultStore
 
 log = logging.getLogger(__name__)
@@ -211,28 +210,3 @@ def _drop(client: Any, prepping: str, member: str | bytes, why: str) -> None:
     of the project's jobs is removed, never acted on."""
     client.zrem(prepping, member)
     log.warning("prep watchdog: dropped %.80r from %s: %s", member, prepping, why)
-
-
-def run_prep_watchdog(settings: Settings, results: ResultStore,
-                      resend: Callable[[dict[str, Any]], None], stop: threading.Event,
-                      in_broker: Callable[[], set[str]] | None = None) -> None:
-    """Every ``WATCH_INTERVAL_S`` a pass; with ``in_broker`` (the refs whose prep message the
-    broker holds), first a look for messages the broker lost whenever it came back
-    (fleet/prep/recover.py), so those jobs go again now instead of after ``prep_unclaimed_s``."""
-    from fleet.prep.recover import BrokerReturns, look_for_lost  # it imports this module
-
-    returns = BrokerReturns(results.client)
-    outage = OutageLog(log, "prep watchdog", "passes missed")
-    while not stop.wait(WATCH_INTERVAL_S):
-        try:
-            if in_broker is not None and returns.came_back():
-                look_for_lost(results, in_broker, time.time())
-            watch_once(results, resend, time.time(), settings.prep_unclaimed_s)
-            outage.answered()
-        except BROKER_LOST as exc:
-            returns.failed(exc)
-            outage.failed(exc)
-        except redis.RedisError as exc:
-            log.warning("prep watchdog: %s", exc)
-        except Exception:  # the watchdog must outlive one bad record
-            log.exception("prep watchdog pass failed")

@@ -42,7 +42,7 @@ from fleet.core.models import Envelope
 from fleet.core.redisconn import redis_client
 from fleet.core.results import ResultStore
 from fleet.core.seal import SEALED_FIELDS, seal_valid
-from fleet.prep.watchdog import run_prep_watchdog
+from fleet.prep.recover import run_prep_watchdog
 from fleet.worker.app import create_app
 from fleet.worker.heartbeat import WorkerGate, live_workers
 from fleet.worker.queues import INFER_TASK, PREP_TASK, prep_backlog, prep_refs_in_broker, shown
