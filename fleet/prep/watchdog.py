@@ -21,7 +21,8 @@ Flow
   prep start -> SET {prep}:claim:<ref> NX PX (a second delivery running at the same time stops
                 here); ZADD prepping (claim expiry); a keeper thread renews both every third of the TTL
   prep end   -> DEL {prep}:claim:<ref>, ZREM prepping (whatever the outcome)
-  watchdog   -> (a thread of every dispatcher) due entries whose job is neither handed over nor
+  watchdog   -> (run_prep_watchdog, fleet/prep/recover.py: a thread of every dispatcher) due entries
+                whose job is neither handed over nor
                 final and has no live claim get their signed message sent again (the signature
                 check accepts the same message for the same job id); one watchdog takes each due
                 entry atomically. Jobs that were claimed and lost count: after ``MAX_RESENDS``
@@ -46,7 +47,6 @@ from typing import Any
 import redis
 
 from fleet.core.codes import Code
-from fleet.core.config import Settings
 from fleet.core.keys import Keys, job_ref, split_ref
 from fleet.core.lua import Scripts, shared
 from fleet.core.models import Envelope
@@ -210,14 +210,3 @@ def _drop(client: Any, prepping: str, member: str | bytes, why: str) -> None:
     of the project's jobs is removed, never acted on."""
     client.zrem(prepping, member)
     log.warning("prep watchdog: dropped %.80r from %s: %s", member, prepping, why)
-
-
-def run_prep_watchdog(settings: Settings, results: ResultStore,
-                      resend: Callable[[dict[str, Any]], None], stop: threading.Event) -> None:
-    while not stop.wait(WATCH_INTERVAL_S):
-        try:
-            watch_once(results, resend, time.time(), settings.prep_unclaimed_s)
-        except redis.RedisError as exc:
-            log.warning("prep watchdog: %s", exc)
-        except Exception:  # the watchdog must outlive one bad record
-            log.exception("prep watchdog pass failed")

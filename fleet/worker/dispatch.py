@@ -42,10 +42,10 @@ from fleet.core.models import Envelope
 from fleet.core.redisconn import redis_client
 from fleet.core.results import ResultStore
 from fleet.core.seal import SEALED_FIELDS, seal_valid
-from fleet.prep.watchdog import run_prep_watchdog
+from fleet.prep.recover import run_prep_watchdog
 from fleet.worker.app import create_app
 from fleet.worker.heartbeat import WorkerGate, live_workers
-from fleet.worker.queues import INFER_TASK, PREP_TASK, prep_backlog, shown
+from fleet.worker.queues import INFER_TASK, PREP_TASK, prep_backlog, prep_refs_in_broker, shown
 from schedulers.dispatcher import run_dispatcher
 from schedulers.store.base import Grant
 
@@ -71,7 +71,8 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
                          **shown(signed["project"], signed["job"]["id"]))
 
     threading.Thread(target=run_prep_watchdog, name="prep-watchdog", daemon=True,
-                     args=(settings, results, resend_prep, stop)).start()
+                     args=(settings, results, resend_prep, stop,
+                           lambda: prep_refs_in_broker(settings, client))).start()
     gate = WorkerGate(client, Keys(settings.key_prefix)) if settings.admission.worker_gate else None
     run_dispatcher(settings, client, send, stop=stop, on_expired=on_expired,
                    shared_metrics=[PrepBacklogCollector(settings, client), LiveWorkersCollector(client, settings)],

@@ -31,17 +31,22 @@ How a task is shown and where it came from
   (fleet/worker/transport.py), which ``arrived_on`` reads: a message whose stamp is missing (it
   did not come through the fleet's transport) arrived on no queue at all.
   ``prep_backlog`` counts the prep messages waiting in the broker, which Flower's broker page
-  shows and the dispatcher store does not.
+  shows and the dispatcher store does not; ``prep_refs_in_broker`` names the jobs they are for
+  (queued or delivered and not yet acknowledged), which the prep watchdog reads after the broker
+  came back (fleet/prep/recover.py).
 """
 
 from __future__ import annotations
 
+import base64
+import json
 from typing import Any
 
 from celery.worker.request import Request
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from fleet.core.config import Settings
+from fleet.core.keys import job_ref
 from fleet.worker.transport import QUEUE_STAMP
 
 PREP_TASK = "fleet.prep"
@@ -154,6 +159,51 @@ def prep_backlog(settings: Settings, client: Any) -> dict[str, int]:
     counts = iter(pipe.execute())
     per_queue = 2 * len(steps)
     return {project: sum(next(counts) for _ in range(per_queue)) for project in settings.projects}
+
+
+PAGE = 500  # messages read per LRANGE / HSCAN call: a deep queue is never one huge reply
+
+
+def _prep_lists(settings: Settings) -> list[str]:
+    """Every Redis list a prep message of a configured project can wait in (both queues of each
+    project, every priority level kombu keeps apart), under kombu's key prefix."""
+    steps = [""] + [f"{Channel.sep}{step}" for step in PRIORITY_STEPS if step]
+    return [f"{settings.key_prefix}q:{queue}{step}" for project in settings.projects
+            for queue in (project_queue(project), collect_queue(project)) for step in steps]
+
+
+def prep_refs_in_broker(settings: Settings, client: Any) -> set[str]:
+    """The refs of every job with a prep message in the broker: waiting in a queue or delivered
+    and not yet acknowledged (kombu's unacked hash, where a worker's reserved and running messages
+    are). A message that is not a readable prep task is passed over. Reads every message once:
+    meant for the rare look after a broker restart, not for every pass."""
+    refs: set[str] = set()
+    for key in _prep_lists(settings):
+        start = 0
+        while page := client.lrange(key, start, start + PAGE - 1):
+            refs.update(filter(None, map(_prep_ref, page)))
+            start += PAGE
+    for _tag, entry in client.hscan_iter(f"{settings.key_prefix}q:unacked", count=PAGE):
+        refs.update(filter(None, [_prep_ref(entry)]))
+    return refs
+
+
+def _prep_ref(raw: bytes) -> str | None:
+    """The job ref of a stored kombu message (an unacked entry is [message, exchange, routing
+    key]) if it is a prep task, else None (another task, or bytes that do not parse)."""
+    try:
+        message = json.loads(raw)
+        if isinstance(message, list):
+            message = message[0]
+        if message["headers"]["task"] != PREP_TASK:
+            return None
+        body = message["body"]
+        if message.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        kwargs = json.loads(body)[1]
+        return job_ref(str(kwargs["project"]), str(kwargs["job_id"]))
+    except (ValueError, TypeError, KeyError, IndexError):
+        return None
 
 
 def make_router(settings: Settings):  # type: ignore[no-untyped-def]
