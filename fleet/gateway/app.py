@@ -181,8 +181,8 @@ class Gateway:
         settings, project, rt = self.live.settings, caller.settings, self.runtime
         job = req.to_job(job_id, caller.project, caller.band).model_copy(update={"allow_trim": False})
         sampling = req.passthrough()
-        switches = template_kwargs(sampling.pop("chat_template_kwargs", None),
-                                   settings.gateway.chat_template_kwargs, job.untrusted)
+        switches = template_kwargs(req.chat_template_kwargs, settings.gateway.chat_template_kwargs,
+                                   job.untrusted)
         if switches:  # true/false switches only: they render no text worth counting
             sampling["chat_template_kwargs"] = switches
         first = plan_budget(job, project, settings, 0)

@@ -43,9 +43,11 @@ from fleet.core.models import Band, Job, Message, describe_invalid
 from fleet.core.redisconn import UNAVAILABLE
 
 LIST_LIMIT = 20  # a list's page when the request sets no limit
-# Sampling fields sent on to vLLM unchanged when the client sets them.
+# Sampling fields sent on to vLLM unchanged when the client sets them. ``chat_template_kwargs``
+# is not one: it can carry text into the template, so the gateway sends only its allowed switches
+# (fleet/core/request.py ``template_kwargs``).
 PASSTHROUGH = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "stop", "parallel_tool_calls", "chat_template_kwargs",
+               "repetition_penalty", "stop", "parallel_tool_calls",
                "logit_bias", "reasoning_effort", "min_tokens", "stop_token_ids")
 # Identifiers and hints that do not change the answer: accepted and dropped.
 IGNORED = frozenset({"user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
