@@ -12,9 +12,12 @@ the last write wins, which is fine for a once-a-second gauge reading.
 Outside clients: the scrape also records ``outside``, the backend's running count beyond the
 fleet's claimed leases (tools run by hand, clients that do not go through the fleet); admission
 counts it against ``max_num_seqs`` (hold ``outside``), so the server's own total stays at its
-ceiling, and ``fleet_backend_outside_sequences`` exports it. The figure is the larger of the last
-two scrapes' estimates (``outside_now``), so a fleet request claimed a moment before the server
-counted it does not open a slot on its own.
+ceiling, and ``fleet_backend_outside_sequences`` exports it. A fleet request claimed a moment
+before the server counted it makes one estimate too low, so the figure is the largest estimate of
+the last ``outside_window(interval)`` seconds (at least one second and two scrapes, kept as
+``outside_seen``), and each estimate subtracts the smaller of the claimed counts read just before
+and just after the scrape: a late request must be missed in every scrape of the window to open a
+slot that is not there.
 
 On its first healthy scrape, and the first after every unhealthy one, the scraper also compares
 the server's own block size, pool and max_model_len with ``[backend]`` (schedulers/serverinfo.py);
@@ -27,6 +30,7 @@ the next round goes on.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -76,12 +80,35 @@ def outside(running: float, claimed: int) -> float:
     return max(0.0, running - claimed)
 
 
+def outside_window(interval_s: float) -> float:
+    """How long an outside estimate stands: two scrapes, and never less than a second (a loaded
+    host can take longer than a short interval to get a claimed request onto the server)."""
+    return max(1.0, 2.0 * interval_s)
+
+
+def outside_peak(previous: str, estimate: float, now: float, window_s: float) -> tuple[float, str]:
+    """The largest of ``estimate`` and the estimates of ``previous`` (``outside_seen``: JSON
+    pairs of time and estimate) younger than ``window_s``; returns it and the pairs to keep."""
+    try:
+        seen = [(float(t), float(v)) for t, v in json.loads(previous or "[]")]
+    except (ValueError, TypeError):
+        seen = []
+    kept = [(t, v) for t, v in seen if now - window_s <= t <= now] + [(now, estimate)]
+    return max(v for _, v in kept), json.dumps(kept[-32:])
+
+
 def record(
-    store: AdmissionStore, sample: BackendSample, admission: AdmissionSettings, server_hold: str = ""
+    store: AdmissionStore,
+    sample: BackendSample,
+    admission: AdmissionSettings,
+    server_hold: str = "",
+    claimed_before: int | None = None,
 ) -> str:
     """Judge ``sample`` against the previous scrape and store the verdict; returns the hold.
 
-    ``server_hold`` (schedulers/serverinfo.py) holds when the sample alone would not."""
+    ``server_hold`` (schedulers/serverinfo.py) holds when the sample alone would not;
+    ``claimed_before`` is the fleet's claimed count read just before the scrape (module
+    docstring: the smaller of it and the count read now is subtracted)."""
     previous = store.backend()
     preemptions, waiting = previous.get("preemptions"), previous.get("waiting")
     hold = decide(
@@ -93,11 +120,15 @@ def record(
     hold = hold or server_hold
     found = figures(sample)
     if sample.running is not None:
-        # The larger of this scrape's estimate and the previous one: a fleet request claimed but
-        # not yet counted by the server makes one estimate too low, and two in a row are rare.
-        found["outside_now"] = repr(outside(sample.running, store.snapshot().claimed))
-        found["outside"] = repr(max(float(found["outside_now"]),
-                                    float(previous.get("outside_now", 0.0))))
+        claimed = store.snapshot().claimed
+        if claimed_before is not None:
+            claimed = min(claimed, claimed_before)
+        estimate = outside(sample.running, claimed)
+        peak, found["outside_seen"] = outside_peak(
+            previous.get("outside_seen", ""), estimate, sample.scraped_at,
+            outside_window(admission.scrape_interval_s))
+        found["outside_now"] = repr(estimate)
+        found["outside"] = repr(peak)
     store.record_backend(sample.scraped_at, hold, found)
     if not hold:
         store.wake()
@@ -127,9 +158,10 @@ def run_scraper(
     last_hold: str | None = None
     while not stop.is_set():
         try:
+            claimed_before = store.snapshot().claimed
             sample = scrape_once(http, clock())
             server_hold = check.after_scrape(sample.healthy, http) if check is not None else ""
-            hold = record(store, sample, settings.admission, server_hold)
+            hold = record(store, sample, settings.admission, server_hold, claimed_before)
         except (redis.RedisError, ValueError):  # keep scraping: a dead scraper means "stale"
             log.exception("recording the backend scrape failed")
             hold = "error"

@@ -137,3 +137,25 @@ def test_scraper_survives_an_unexpected_error(caplog) -> None:
     assert store.backend()["hold"] == ""
     failures = [r for r in caplog.records if r.getMessage() == "backend scrape round failed"]
     assert len(failures) == 1 and failures[0].exc_info is not None
+
+
+def test_an_outside_estimate_stands_for_its_window_then_drops() -> None:
+    from schedulers.scrape import outside_peak, outside_window
+
+    assert outside_window(0.1) == 1.0 and outside_window(1.0) == 2.0
+    peak, seen = outside_peak("", 6.0, now=10.0, window_s=1.0)
+    assert peak == 6.0
+    # two low estimates in a row (late requests) inside the window do not open slots
+    peak, seen = outside_peak(seen, 4.0, now=10.3, window_s=1.0)
+    peak, seen = outside_peak(seen, 4.0, now=10.6, window_s=1.0)
+    assert peak == 6.0
+    peak, seen = outside_peak(seen, 4.0, now=11.2, window_s=1.0)
+    assert peak == 4.0  # the 6 is older than the window
+    assert outside_peak("not json", 2.0, now=1.0, window_s=1.0)[0] == 2.0
+
+
+def test_the_smaller_claimed_count_is_subtracted() -> None:
+    store = MemoryStore(StoreConfig())
+    sample = sample_from(metrics(running=7.0), healthy=True, scraped_at=1.0)
+    record(store, sample, ADMISSION, claimed_before=3)  # none claimed when the scrape is recorded
+    assert float(store.backend()["outside"]) == 7.0
