@@ -4,22 +4,8 @@ is left alone, a live claim blocks a second preparation, a poison message ends E
 import json
 
 from fleet.core.codes import Code
-from fleet.core.config import EXAMPLE_CONFIG, load_settings
-from fleet.core.keys import Keys
-from fleet.core.results import ResultStore
 from fleet.prep.watchdog import MAX_RESENDS, PrepClaim, watch_once
-
-
-def setup(redis_client, key_prefix):
-    settings = load_settings(EXAMPLE_CONFIG, env={})
-    keys = Keys(key_prefix)
-    return settings, keys, ResultStore(redis_client, keys, settings)
-
-
-def submitted(results, keys, job_id, state="submitted", due=0.0):
-    signed = {"project": "triage", "job": {"id": job_id}, "nonce": "n", "ts": "1", "sig": "x"}
-    results.record(f"triage/{job_id}", state=state, project="triage", signed=json.dumps(signed))
-    results.client.zadd(keys.prepping("triage"), {f"triage/{job_id}": due})
+from tests.support.prep_records import setup, submitted
 
 
 def test_stalled_jobs_are_sent_again_and_handed_over_ones_dropped(redis_client, key_prefix):

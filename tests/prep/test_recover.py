@@ -7,8 +7,8 @@ import redis
 
 from fleet.prep.recover import BrokerReturns, look_for_lost
 from fleet.prep.watchdog import PrepClaim
-from tests.prep.test_prepwatch import setup, submitted
 from tests.support.fleet_harness import RestartableRedis
+from tests.support.prep_records import setup, submitted
 
 LATER = 10_000.0
 
