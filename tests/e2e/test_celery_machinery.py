@@ -117,6 +117,9 @@ def refusals(broker: AclBroker, task_id: str) -> list[dict[str, str]]:
 
 
 def refused(broker: AclBroker, task_id: str) -> dict[str, str]:
+    """The one refusal of ``task_id``: the screen acknowledges the message and writes the refusal
+    in either order, so an acknowledged message's entry may be a moment behind it."""
+    wait_until(lambda: refusals(broker, task_id), 30, f"the refusal of {task_id}")
     [entry] = refusals(broker, task_id)
     assert entry["code"] == Code.E_MESSAGE_REFUSED.value
     assert entry["queue"] == collect_queue(B) and entry["project"] == B
