@@ -94,6 +94,9 @@ def _shares(charts: Charts) -> Any:
         line, = ax.plot(mids, shares, marker=".", label=project)
         ax.axhline(100 * charts.weights.get(project, 1.0) / weight_sum, color=line.get_color(),
                    linestyle="--", linewidth=0.8)
+    backlogged = min(max(t for t, _ in series) for series in charts.shares.values())
+    ax.axvline(backlogged, color="grey", linestyle=":", linewidth=1,
+               label="last admission of the first project to run out")
     ax.set(xlabel="seconds since the dispatcher started (admission time)",
            ylabel="% of the tokens admitted",
            title="Per-project token share over time (fairness; dashed: the weight's share)")
@@ -143,9 +146,13 @@ def _loop_cuts(charts: Charts) -> Any:
     left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
     new = [t.cut - t.onset for t in short if t.cut is not None and t.cut >= t.onset]
     old = [t.old_cut - t.onset for t in short if t.old_cut is not None and t.old_cut >= t.onset]
-    bins = 30
-    right.hist(new, bins=bins, alpha=0.7, label=f"watcher: {len(new)} of {len(short)} cut")
-    right.hist(old, bins=bins, alpha=0.5, label=f"without the short-cycle detector: {len(old)} cut")
+    import numpy
+
+    bins = numpy.histogram_bin_edges(new + old or [0], bins=30)  # one set of bins for both
+    right.hist(new, bins=bins, histtype="step", linewidth=1.6, color="red",
+               label=f"watcher: {len(new)} of {len(short)} cut")
+    right.hist(old, bins=bins, histtype="step", linewidth=1.2, color="tab:blue", linestyle="--",
+               label=f"without the short-cycle detector: {len(old)} cut")
     right.set(xlabel="tokens streamed after the loop began, before the cut", ylabel="traces",
               title="Short capped loops (generated)")
     right.legend(fontsize=7)
