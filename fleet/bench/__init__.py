@@ -211,6 +211,8 @@ def loops(
     loop_share: Annotated[float, typer.Option(help="share of jobs whose reasoning loops")] = 0.2,
     speed: Annotated[float, typer.Option(help="simulator speed")] = 40.0,
     short: Annotated[int, typer.Option(help="generated template and short capped loops replayed")] = 200,
+    traces: Annotated[int, typer.Option(
+        help="normal traces of the corpus read for the CPU figure, false alarms and margin (0: all)")] = 0,
     redis_url: RedisUrl = "",
     force: Force = False,
     plot: PlotDir = "",
@@ -222,7 +224,7 @@ def loops(
     charts = Charts()
     with _redis_url(redis_url, force) as broker:
         bench_loops(jobs=jobs, loop_share=loop_share, speed=speed, redis_url=broker.url,
-                    charts=charts, short=short)
+                    charts=charts, short=short, traces=traces)
     _draw(charts, plot)
 
 

@@ -200,12 +200,13 @@ CYCLE_BINS = ((40, 99), (100, 174), (175, 250))
 
 
 def bench_template_loops(generated: int = 200, short: int = 200, seed: int = 7,
-                         charts: Charts | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                         charts: Charts | None = None,
+                         traces: int = 0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The watcher alone on real, generated template and generated short capped loops (the
     second table), with and without the short-cycle detector; and the detector's margin: the
     most repetitions of a passage in normal reasoning, real and generated, against its threshold."""
     new, old = WatcherSettings(), WatcherSettings(**OLD_WATCHER)
-    normals = [t["text"] for t in _read(CORPUS)]
+    normals = [t["text"] for t in _read(CORPUS)][:traces or None]
     alarms = sum(1 for text in normals if _cut_at(text, new) is not None)
     old_alarms = sum(1 for text in normals if _cut_at(text, old) is not None)
     rows = []
@@ -320,9 +321,11 @@ def _ok_share(loops: list[Envelope]) -> float:
 
 def bench_loops(redis_url: str, jobs: int = 40, loop_share: float = 0.2, speed: float = 40.0,
                 concurrency: int = 8, seed: int = 1, charts: Charts | None = None,
-                short: int = 200) -> list[dict[str, Any]]:
+                short: int = 200, traces: int = 0) -> list[dict[str, Any]]:
     """The three tables (module docstring); ``charts`` keeps each replayed looping trace's cut,
-    ``short`` is how many short capped loops are generated (and ``generated`` template loops)."""
+    ``short`` is how many template and short capped loops are generated, ``traces`` how many
+    normal traces of the corpus the CPU figure, the false alarms and the margin read (0: all;
+    fewer for a short run only: the false-alarm count then covers those alone)."""
     from fleet.sim.server import start_sim_process
 
     client = redis.Redis.from_url(redis_url)
@@ -351,12 +354,12 @@ def bench_loops(redis_url: str, jobs: int = 40, loop_share: float = 0.2, speed: 
     finally:
         proc.stop()
         client.close()
-    cpu = watcher_cpu_ms_per_1000_tokens()
+    cpu = watcher_cpu_ms_per_1000_tokens(traces or 300)
     for row in rows:
         row["watcher_cpu_ms_per_1000_tokens"] = (
             0 if row["watcher"] == "off" else round(cpu["ms" if row["watcher"] == "on" else "old_ms"], 3))
     _print(rows, cpu)
-    template_rows, margin = bench_template_loops(generated=short, short=short, charts=charts)
+    template_rows, margin = bench_template_loops(generated=short, short=short, charts=charts, traces=traces)
     _print_template(template_rows, margin)
     return rows + template_rows + [{"cpu": cpu, "margin": margin}]
 

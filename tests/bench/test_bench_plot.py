@@ -47,7 +47,7 @@ def test_dispatch_plot_writes_the_cap_share_and_latency_charts(tmp_path: Path) -
 
 
 def test_loops_plot_writes_the_cut_point_chart(tmp_path: Path) -> None:
-    run_bench(["loops", "--jobs", "2", "--short", "10"], tmp_path)
+    run_bench(["loops", "--jobs", "2", "--short", "10", "--traces", "10"], tmp_path)
     charts = tmp_path / "charts"
     assert [p.name for p in charts.iterdir()] == ["loop_cuts.png"]
     assert_drawn(charts / "loop_cuts.png")
