@@ -20,11 +20,14 @@ fleet/worker/queues.py): a handed-on turn is sent as ``task-continued`` instead 
 ``task-succeeded`` (Celery's event state, and so Flower, shows an unknown ``task-*`` event as a
 state of that name: CONTINUED, not a green SUCCESS); a ``JobEnded`` failure carries its line as
 the traceback (there is no Python fault to show) and as the result, which Flower's search reads
-(it does not search exceptions), so ``E_THINK_LOOP`` in its search box finds the job.
+(it does not search exceptions), so ``E_THINK_LOOP`` in its search box finds the job. A model
+turn's closing event also names the turn (args ``turn 2``; ``turn`` until then: the worker
+learns the number only once the turn runs).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -34,6 +37,8 @@ from fleet.core.models import Envelope
 
 CONTINUED = ("continued", "tools-unsent")  # outcomes of a turn that handed its job on
 CONTINUED_EVENT = "task-continued"
+CLOSING_EVENTS = ("task-succeeded", "task-failed")
+TURN_NUMBER = re.compile(r" turn=(\d+)\b")
 
 
 class JobEnded(Exception):
@@ -77,9 +82,15 @@ def handed_on(result: Any) -> bool:
     return text.split(" ", 1)[0] in CONTINUED
 
 
-def ended_event(kind: str, fields: dict[str, Any], ended: str | None) -> tuple[str, dict[str, Any]]:
+def ended_event(kind: str, fields: dict[str, Any], ended: str | None,
+                shown_as: str = "") -> tuple[str, dict[str, Any]]:
     """The closing event as a fleet task sends it (module docstring); ``ended`` is the
-    ``JobEnded`` line of a failed task, None otherwise."""
+    ``JobEnded`` line of a failed task, None otherwise. A model turn (``shown_as`` "turn") that
+    names its number closes with it as its args, ``turn 2``: which turn of its job it was."""
+    if kind in CLOSING_EVENTS and shown_as == "turn":
+        number = TURN_NUMBER.search(str(ended or fields.get("result") or ""))
+        if number is not None:
+            fields = {**fields, "args": f"turn {number.group(1)}"}
     if kind == "task-succeeded" and handed_on(fields.get("result")):
         return CONTINUED_EVENT, fields
     if kind == "task-failed" and ended is not None:

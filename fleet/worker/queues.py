@@ -181,7 +181,7 @@ class ShownRequest(QueuedRequest):
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def send_event(self, type: str, **fields: Any) -> None:
-        kind, fields = ended_event(type, fields, self._ended)
+        kind, fields = ended_event(type, fields, self._ended, self._argsrepr)
         super().send_event(kind, **fields)
 
 

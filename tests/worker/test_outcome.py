@@ -61,3 +61,13 @@ def test_a_failed_job_closes_with_its_line_as_exception_traceback_and_result() -
     # any other failure (a bug) keeps Celery's own exception and traceback
     other = {"exception": "KeyError('x')", "traceback": "Traceback (most recent call last): ..."}
     assert ended_event("task-failed", other, None) == ("task-failed", other)
+
+
+def test_a_model_turn_closes_naming_which_turn_it_was() -> None:
+    result = saferepr("OK job=j5 turn=2 attempts=3 tokens=1+2 backend=local@h:1")
+    assert ended_event("task-succeeded", {"result": result}, None, "turn")[1]["args"] == "turn 2"
+    line = "E_THINK_LOOP job=j5: The reasoning looped turn=1 attempts=2"
+    assert ended_event("task-failed", {}, line, "turn")[1]["args"] == "turn 1"
+    # a prep task keeps its kind; a turn dropped as stale names no number and keeps "turn"
+    assert "args" not in ended_event("task-succeeded", {"result": "'pending job=j5'"}, None, "prep")[1]
+    assert "args" not in ended_event("task-succeeded", {"result": "'stale job=j5'"}, None, "turn")[1]
