@@ -109,6 +109,11 @@ def run_turn(rt: Runtime, ref: str, project: str, fence: int) -> TurnOutcome:
         # the job is pending again anyway); its next attempt will publish.
         store.requeue(ref, fence)
         return TurnOutcome("lease-lost")
+    return _finish(rt, ref, fence, envelope, turn)
+
+
+def _finish(rt: Runtime, ref: str, fence: int, envelope: Envelope | Continuation, turn: int) -> TurnOutcome:
+    """A turn that ran to its end: the next turn saved and in line, or the final envelope out."""
     if not isinstance(envelope, Envelope):
         outcome = _continue(rt, ref, fence, envelope)
         handed_on = outcome in CONTINUED  # else ended between turns, or not readmitted
@@ -117,7 +122,7 @@ def run_turn(rt: Runtime, ref: str, project: str, fence: int) -> TurnOutcome:
     # Publish first, then release: a crash or a Redis error in between leaves the lease to
     # expire and the job to run again (which finds its result and stops), never a lost job.
     published = rt.results.publish(envelope)
-    store.release(ref, fence)
+    rt.store.release(ref, fence)
     if not published:
         return TurnOutcome("already-final")
     return TurnOutcome(envelope.code.value, ended_detail(envelope, turn, backend_label(rt.settings)))
