@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench charts clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ bench: $(STAMP)
 	$(BIN)/fleet bench collect
 	$(BIN)/fleet bench pipeline
 	$(BIN)/fleet bench chaos
+
+# the charts in docs/performance.md (docs/charts/*.png), from short runs
+charts: $(STAMP)
+	$(BIN)/fleet bench dispatch --no-overhead --scenarios saturation,fairness --fleet-jobs 300 --fair-n 40 --plot docs/charts
+	$(BIN)/fleet bench loops --jobs 10 --plot docs/charts
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis

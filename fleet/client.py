@@ -53,7 +53,7 @@ from fleet.core.results import ResultStore
 from fleet.core.seal import digest, sign_cancel
 from fleet.core.signing import sign
 from fleet.worker.app import create_app
-from fleet.worker.queues import CANCEL_TASK, PREP_TASK, shown
+from fleet.worker.queues import CANCEL_TASK, PREP_TASK, prep_kind, shown
 
 # What ``status`` shows of a job record: never the signed message, the prepared job or its seal.
 STATUS_FIELDS = ("project", "kind", "state", "submitted_at", "pending_at", "running_at",
@@ -171,7 +171,7 @@ class Client:
         EventSink(self.redis, self.keys, ref, self.settings.events_ttl_s).emit(
             "queued", project=project)
         self._celery.send_task(PREP_TASK, kwargs={"project": project, "job_id": job_id,
-                                                  "signed": signed}, **shown(project, job_id))
+                                                  "signed": signed}, **shown(project, job_id, prep_kind(signed)))
         return job_id
 
     # -- reading ----------------------------------------------------------------------------
@@ -240,7 +240,7 @@ class Client:
         self.redis.set(self.keys.cancel(ref), sign_cancel(owner, plain_id, self._secret(owner)),
                        ex=self.settings.result_ttl_s)
         self._celery.send_task(CANCEL_TASK, kwargs={"project": owner, "job_id": plain_id},
-                               **shown(owner, plain_id))
+                               **shown(owner, plain_id, "cancel"))
         return True
 
 

@@ -30,6 +30,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from fleet.bench.charts import Charts
 from fleet.core.codes import Code
 
 bench_app = typer.Typer(no_args_is_help=True)
@@ -42,6 +43,8 @@ RedisUrl = Annotated[str, typer.Option(
 Force = Annotated[bool, typer.Option(
     "--force", help="run on a --redis-url whose database holds keys already")]
 REDIS_HINT = f"--redis-url / {BENCH_REDIS_ENV}"
+PlotDir = Annotated[str, typer.Option(
+    "--plot", help="also draw this run's charts as PNG files into this folder (fleet/bench/plot.py)")]
 
 
 @bench_app.callback()
@@ -132,10 +135,14 @@ def dispatch(
         help="the server's --max-num-partial-prefills,--max-long-partial-prefills for the "
              "whole-fleet runs (fleet.toml and the simulator alike; vLLM's defaults 1,1)")] = "1,1",
     markdown: Annotated[str, typer.Option(help="also write the whole-fleet rows as markdown here")] = "",
+    plot: PlotDir = "",
 ) -> None:
     """Dispatcher benchmarks: overhead at a large backlog and the in-bench saturation
-    run, then the whole-fleet scenarios (saturation, long prompts, fairness, crash, baselines)."""
+    run, then the whole-fleet scenarios (saturation, long prompts, fairness, crash, baselines).
+    ``--plot``: in flight against the cap, per-project token share and the latency per policy."""
     from fleet.bench.dispatch import dispatch_bench
+
+    charts = Charts()
 
     with _redis_url(redis_url, force) as broker:
         if fleet:
@@ -148,7 +155,7 @@ def dispatch(
                 only=tuple(s.strip() for s in scenarios.split(",") if s.strip()), workers=workers,
                 concurrency=concurrency, lease_ttl_s=lease_ttl_s,
                 paced_tokens_per_s=paced_prefill_tokens_per_s, idle_jobs=idle_jobs,
-                partial_prefills=_pair(partial_prefills))
+                partial_prefills=_pair(partial_prefills), charts=charts)
             console.print(rows_table(rows))
             if markdown:
                 with open(markdown, "w", encoding="utf-8") as f:
@@ -156,6 +163,17 @@ def dispatch(
         if overhead:
             console.print(dispatch_bench(broker.url, jobs=jobs, saturation_jobs=saturation_jobs,
                                          speed=speed, with_sim=in_bench_saturation))
+    _draw(charts, plot)
+
+
+def _draw(charts: Charts, folder: str) -> None:
+    """``--plot DIR``: the run's charts (fleet/bench/plot.py)."""
+    if not folder:
+        return
+    from fleet.bench.plot import write_charts
+
+    for path in write_charts(charts, folder):
+        console.print(f"chart: {path}")
 
 
 @bench_app.command("continuations")
@@ -192,14 +210,22 @@ def loops(
     jobs: Annotated[int, typer.Option()] = 40,
     loop_share: Annotated[float, typer.Option(help="share of jobs whose reasoning loops")] = 0.2,
     speed: Annotated[float, typer.Option(help="simulator speed")] = 40.0,
+    short: Annotated[int, typer.Option(help="generated template and short capped loops replayed")] = 200,
+    traces: Annotated[int, typer.Option(
+        help="normal traces of the corpus read for the CPU figure, false alarms and margin (0: all)")] = 0,
     redis_url: RedisUrl = "",
     force: Force = False,
+    plot: PlotDir = "",
 ) -> None:
-    """Loop watcher on vs off in the same run: wasted tokens, OK within two attempts, CPU cost."""
+    """Loop watcher on vs off in the same run: wasted tokens, OK within two attempts, CPU cost.
+    ``--plot``: where the watcher cut the looping traces."""
     from fleet.bench.loops import bench_loops
 
+    charts = Charts()
     with _redis_url(redis_url, force) as broker:
-        bench_loops(jobs=jobs, loop_share=loop_share, speed=speed, redis_url=broker.url)
+        bench_loops(jobs=jobs, loop_share=loop_share, speed=speed, redis_url=broker.url,
+                    charts=charts, short=short, traces=traces)
+    _draw(charts, plot)
 
 
 @bench_app.command("collect")

@@ -54,6 +54,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
+from fleet.bench.charts import Charts, LoopTrace
 from fleet.bench.loopgen import SHORT_EDITS, generate_loops, generate_short_loops, generated_lead
 from fleet.bench.measure import percentile
 from fleet.core.config import EXAMPLE_CONFIG, Settings, WatcherSettings, load_settings
@@ -198,13 +199,14 @@ def _pct(values: list[int], q: float) -> int | None:
 CYCLE_BINS = ((40, 99), (100, 174), (175, 250))
 
 
-def bench_template_loops(generated: int = 200, short: int = 200,
-                         seed: int = 7) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def bench_template_loops(generated: int = 200, short: int = 200, seed: int = 7,
+                         charts: Charts | None = None,
+                         traces: int = 0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The watcher alone on real, generated template and generated short capped loops (the
     second table), with and without the short-cycle detector; and the detector's margin: the
     most repetitions of a passage in normal reasoning, real and generated, against its threshold."""
     new, old = WatcherSettings(), WatcherSettings(**OLD_WATCHER)
-    normals = [t["text"] for t in _read(CORPUS)]
+    normals = [t["text"] for t in _read(CORPUS)][:traces or None]
     alarms = sum(1 for text in normals if _cut_at(text, new) is not None)
     old_alarms = sum(1 for text in normals if _cut_at(text, old) is not None)
     rows = []
@@ -231,12 +233,23 @@ def bench_template_loops(generated: int = 200, short: int = 200,
         rows.append(_loop_row(f"short capped, {layout}",
                               [c for c, g in zip(short_cases, shorts, strict=True)
                                if g.run_on == run_on]))
+    if charts is not None:
+        charts.loops += [_trace(c, "real") for c in real] + [_trace(c, "short capped") for c in short_cases]
     margin = _margin(new, normals, old_alarms)
     margin["real_traces"] = [{"id": c.name, "tokens": len(c.text) // 4, "onset": c.onset // 4,
                               "cut_at": c.new[0] // 4 if c.new else None,
                               "cut_by": c.new[1] if c.new else None,
                               "old_cut_at": c.old[0] // 4 if c.old else None} for c in real]
     return rows, margin
+
+
+def _trace(case: _Case, kind: str) -> LoopTrace:
+    """A replayed case as its chart shows it, in tokens."""
+    def tokens(cut: tuple[int, str] | None) -> int | None:
+        return None if cut is None else cut[0] // case.per
+
+    return LoopTrace(case.name, kind, len(case.text) // case.per, case.onset // case.per,
+                     tokens(case.new), tokens(case.old))
 
 
 def _margin(settings: WatcherSettings, normals: list[str], old_alarms: int) -> dict[str, Any]:
@@ -307,7 +320,12 @@ def _ok_share(loops: list[Envelope]) -> float:
 
 
 def bench_loops(redis_url: str, jobs: int = 40, loop_share: float = 0.2, speed: float = 40.0,
-                concurrency: int = 8, seed: int = 1) -> list[dict[str, Any]]:
+                concurrency: int = 8, seed: int = 1, charts: Charts | None = None,
+                short: int = 200, traces: int = 0) -> list[dict[str, Any]]:
+    """The three tables (module docstring); ``charts`` keeps each replayed looping trace's cut,
+    ``short`` is how many template and short capped loops are generated, ``traces`` how many
+    normal traces of the corpus the CPU figure, the false alarms and the margin read (0: all;
+    fewer for a short run only: the false-alarm count then covers those alone)."""
     from fleet.sim.server import start_sim_process
 
     client = redis.Redis.from_url(redis_url)
@@ -336,12 +354,12 @@ def bench_loops(redis_url: str, jobs: int = 40, loop_share: float = 0.2, speed: 
     finally:
         proc.stop()
         client.close()
-    cpu = watcher_cpu_ms_per_1000_tokens()
+    cpu = watcher_cpu_ms_per_1000_tokens(traces or 300)
     for row in rows:
         row["watcher_cpu_ms_per_1000_tokens"] = (
             0 if row["watcher"] == "off" else round(cpu["ms" if row["watcher"] == "on" else "old_ms"], 3))
     _print(rows, cpu)
-    template_rows, margin = bench_template_loops()
+    template_rows, margin = bench_template_loops(generated=short, short=short, charts=charts, traces=traces)
     _print_template(template_rows, margin)
     return rows + template_rows + [{"cpu": cpu, "margin": margin}]
 

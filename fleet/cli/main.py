@@ -246,8 +246,10 @@ def flower(
         envvar="FLOWER_BASIC_AUTH", show_envvar=True,
         help="user:password (several comma separated) Flower asks every visitor for")] = None,
 ) -> None:
-    """Run Flower on the fleet's broker (tasks, workers, queues). Task arguments show as
-    "project=... job=..." only: job texts never reach Flower (fleet/worker/queues.py)."""
+    """Run Flower on the fleet's broker (tasks, workers, queues), its Tasks page in the fleet's
+    columns: kind, project and job, state (CONTINUED: a turn that handed its job on), result
+    (code, turn, attempts, tokens, backend). Job texts never reach Flower (fleet/worker/queues.py,
+    fleet/worker/outcome.py)."""
     from fleet.worker.app import flower_argv, worker_app
 
     try:

@@ -26,10 +26,12 @@ Monitoring
   names are ``fleet.prep`` / ``fleet.infer`` / ``fleet.cancel`` / ``fleet.tool``. What a task shows
   instead of its arguments (``shown``, ``ShownRequest``) is in fleet/worker/queues.py.
   ``flower_argv`` keeps Flower on loopback unless it asks for a password.
-  A task whose job ended with a non-OK final envelope raises ``JobEnded`` (fleet/worker/tasks.py),
-  so Flower and the task-failed event show FAILURE and the code. Flower's broker page counts
-  Celery queues only: a prepared job waits for admission in the dispatcher store, no Celery queue
-  (see ``prep_backlog``, ``fleet queues`` and ``fleet_dispatch_pending``).
+  A task whose job ended with a non-OK final envelope raises ``JobEnded`` (fleet/worker/outcome.py),
+  so Flower and the task-failed event show FAILURE and the code; a turn that handed its job on
+  shows as CONTINUED; ``flower_argv`` sets the Tasks page's columns (``FLOWER_TASK_COLUMNS``).
+  Flower's broker page counts Celery queues only: a prepared job waits for admission in the
+  dispatcher store, no Celery queue (see ``prep_backlog``, ``fleet queues`` and
+  ``fleet_dispatch_pending``). Gateway requests are no Celery tasks: Flower never sees them.
 
 Failure cases: a ``flower_argv`` that would expose Flower without a password, or a malformed
 ``basic_auth``, raises ConfigError.
@@ -50,11 +52,18 @@ from fleet.core.redisconn import celery_transport_options
 from fleet.worker.queues import INFER_QUEUE, collect_queues, make_router, prep_queues, tool_queues
 from fleet.worker.transport import SENTINEL_TRANSPORT, TRANSPORT
 
+# Flower's Tasks page, in this order: the task, what it is (prep, collect, cancel, turn: its
+# args), for whom (project, job: its kwargs), its state (CONTINUED for a turn that handed its job
+# on), its result (code, turn, attempts, tokens, backend; a failed job's code and meaning), then
+# when, how long, where (fleet/worker/outcome.py)
+FLOWER_TASK_COLUMNS = "name,args,kwargs,state,result,received,runtime,worker,uuid"
+
 
 def flower_argv(*, port: int, address: str, basic_auth: str | None) -> list[str]:
-    """Flower's command line: a non-loopback ``address`` needs ``basic_auth`` ("user:password",
-    several comma separated), which goes to Flower's own basic_auth option."""
-    argv = ["flower", f"--port={port}", f"--address={address}"]
+    """Flower's command line: the fleet's task columns; a non-loopback ``address`` needs
+    ``basic_auth`` ("user:password", several comma separated), which goes to Flower's own
+    basic_auth option."""
+    argv = ["flower", f"--port={port}", f"--address={address}", f"--tasks_columns={FLOWER_TASK_COLUMNS}"]
     if basic_auth is not None:
         if not all(user and password for user, _, password in
                    (entry.partition(":") for entry in basic_auth.split(","))):

@@ -45,7 +45,7 @@ from fleet.core.seal import SEALED_FIELDS, seal_valid
 from fleet.prep.recover import run_prep_watchdog
 from fleet.worker.app import create_app
 from fleet.worker.heartbeat import WorkerGate, live_workers
-from fleet.worker.queues import INFER_TASK, PREP_TASK, prep_backlog, prep_refs_in_broker, shown
+from fleet.worker.queues import INFER_TASK, PREP_TASK, prep_backlog, prep_kind, prep_refs_in_broker, shown
 from schedulers.dispatcher import run_dispatcher
 from schedulers.store.base import Grant
 
@@ -68,7 +68,7 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
     def resend_prep(signed: dict[str, Any]) -> None:
         celery.send_task(PREP_TASK, kwargs={"project": signed["project"],
                                             "job_id": signed["job"]["id"], "signed": signed},
-                         **shown(signed["project"], signed["job"]["id"]))
+                         **shown(signed["project"], signed["job"]["id"], prep_kind(signed)))
 
     threading.Thread(target=run_prep_watchdog, name="prep-watchdog", daemon=True,
                      args=(settings, results, resend_prep, stop,
@@ -118,7 +118,7 @@ def make_send(settings: Settings, client: redis.Redis, celery: Celery) -> Callab
         celery.send_task(INFER_TASK, kwargs={"ref": grant.job_id, "project": grant.project,
                                              "fence": grant.fence},
                          expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC),
-                         **shown(grant.project, split_ref(grant.job_id)[1]))
+                         **shown(grant.project, split_ref(grant.job_id)[1], "turn"))
 
     return send
 

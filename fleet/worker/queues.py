@@ -21,12 +21,16 @@ Queues
 names the queues a prep or cancel task may arrive on (the tasks check it, fleet/worker/tasks.py).
 
 How a task is shown and where it came from
-  Every sender passes ``shown(project, job_id)``: Celery puts that short ``kwargsrepr``
+  Every sender passes ``shown(project, job_id, kind)``: Celery puts that short ``kwargsrepr``
   ("project=A job=X") into the sent event instead of the keyword arguments, which carry the
-  signed job and its messages. On the worker every fleet task runs as a ``ShownRequest``, which
-  puts the same line, made by the worker from the task's routing arguments (never the sender's
-  own repr), wherever the worker shows a task: received/started events, logs, and its answers to
-  ``celery inspect active / reserved / scheduled / query_task`` (Flower's page of one worker).
+  signed job and its messages, and the task's kind as its ``argsrepr`` (``prep``, ``collect``,
+  ``cancel``, ``turn``: Flower's args column). On the worker every fleet task runs as a
+  ``ShownRequest``, which puts the same, made by the worker from the task's routing arguments and
+  the queue it came from (never the sender's own repr), wherever the worker shows a task:
+  received/started events, logs, and its answers to ``celery inspect active / reserved /
+  scheduled / query_task`` (Flower's page of one worker). Its closing event says what the task
+  came to (fleet/worker/outcome.py: CONTINUED for a turn that handed its job on, the code and its
+  meaning for a job that ended with one).
   ``QueuedRequest`` keeps the queue the fleet's transport stamped into the message
   (fleet/worker/transport.py), which ``arrived_on`` reads: a message whose stamp is missing (it
   did not come through the fleet's transport) arrived on no queue at all.
@@ -42,11 +46,13 @@ import base64
 import json
 from typing import Any
 
+from billiard.einfo import ExceptionWithTraceback
 from celery.worker.request import Request
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from fleet.core.config import Settings
 from fleet.core.keys import job_ref
+from fleet.worker.outcome import JobEnded, ended_event
 from fleet.worker.transport import QUEUE_STAMP
 
 PREP_TASK = "fleet.prep"
@@ -89,9 +95,21 @@ def tool_queues(settings: Settings) -> list[str]:
                    if p.tools == "run" for tool in p.tool_registry.values()})
 
 
-def shown(project: str, job_id: str) -> dict[str, str]:
-    """send_task options that stand in for a task's arguments wherever Celery shows them."""
-    return {"argsrepr": "()", "kwargsrepr": f"project={project} job={job_id}"}
+def shown(project: str, job_id: str, kind: str) -> dict[str, str]:
+    """send_task options that stand in for a task's arguments wherever Celery shows them: what
+    the task is (``task_kind``) and for whom. The worker shows the same (``ShownRequest``), made
+    from the message; Flower shows whichever of the two events came last."""
+    return {"argsrepr": kind, "kwargsrepr": f"project={project} job={job_id}"}
+
+
+def collects(signed: Any) -> bool:
+    """Whether a prep task's signed job has sources to collect (its collect queue)."""
+    job = signed.get("job") if isinstance(signed, dict) else None
+    return isinstance(job, dict) and bool(job.get("sources"))
+
+
+def prep_kind(signed: Any) -> str:
+    return "collect" if collects(signed) else "prep"
 
 
 SHOWN_CHARS = 80  # of a project or job id as shown: a hostile sender's value is cut there
@@ -109,7 +127,7 @@ def task_shown(kwargs: Any) -> str:
     def short(value: Any) -> str:
         return value[:SHOWN_CHARS] if isinstance(value, str) else "?"
 
-    return shown(short(project), short(job_id))["kwargsrepr"]
+    return shown(short(project), short(job_id), "")["kwargsrepr"]
 
 
 class QueuedRequest(Request):
@@ -130,19 +148,41 @@ def arrived_on(request: Any) -> str | None:
     return queue if isinstance(queue, str) else None
 
 
+def task_kind(name: str, queue: str | None) -> str:
+    """What a fleet task is, shown as its arguments (Flower's args column): ``prep``, ``collect``
+    (a prep task off a collect queue), ``cancel`` or ``turn`` (one model turn of a job)."""
+    if name == PREP_TASK:
+        return "collect" if queue is not None and queue.endswith(".collect") else "prep"
+    return {CANCEL_TASK: "cancel", INFER_TASK: "turn"}.get(name, "?")
+
+
 class ShownRequest(QueuedRequest):
-    """A fleet task as its worker shows it: ``task_shown`` instead of the arguments everywhere
-    (events, logs, ``inspect`` answers), whatever the sender put into argsrepr/kwargsrepr."""
+    """A fleet task as its worker shows it: its kind (``task_kind``) and ``task_shown`` instead of
+    the arguments everywhere (events, logs, ``inspect`` answers), whatever the sender put into
+    argsrepr/kwargsrepr; its closing event as fleet/worker/outcome.py says (``task-continued``
+    for a turn that handed its job on, the code's line for a job that ended with one)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._argsrepr = "()"
+        self._argsrepr = task_kind(self._type, self._delivery_info.get(QUEUE_STAMP))
         self._kwargsrepr = task_shown(self._kwargs)
         self._request_dict["argsrepr"] = self._argsrepr  # what the task's own log lines use
         self._request_dict["kwargsrepr"] = self._kwargsrepr
+        self._ended: str | None = None
 
     def info(self, safe: bool = False) -> dict[str, Any]:
         return super().info(safe=True)  # inspect active/reserved/...: never the arguments
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
+        exc = exc_info.exception
+        exc = exc.exc if isinstance(exc, ExceptionWithTraceback) else exc
+        if isinstance(exc, JobEnded):
+            self._ended = str(exc)
+        return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def send_event(self, type: str, **fields: Any) -> None:
+        kind, fields = ended_event(type, fields, self._ended, self._argsrepr)
+        super().send_event(kind, **fields)
 
 
 def prep_backlog(settings: Settings, client: Any) -> dict[str, int]:
@@ -216,10 +256,7 @@ def make_router(settings: Settings):  # type: ignore[no-untyped-def]
             project = kwargs.get("project")
             if project not in known:
                 return {"queue": UNROUTED_QUEUE}
-            signed = kwargs.get("signed")
-            job = signed.get("job") if isinstance(signed, dict) else None
-            collects = isinstance(job, dict) and bool(job.get("sources"))
-            return {"queue": collect_queue(project) if collects else project_queue(project)}
+            return {"queue": collect_queue(project) if collects(kwargs.get("signed")) else project_queue(project)}
         if name == CANCEL_TASK:
             project = kwargs.get("project")
             return {"queue": project_queue(project) if project in known else UNROUTED_QUEUE}

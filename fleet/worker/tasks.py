@@ -30,10 +30,12 @@ message naming another project's job and a guessed fence ran that job's turn, an
 message naming another project wrote a ``rejected`` event into that project's job. A message off
 its queue runs nothing, is acknowledged (never redelivered) and logs one WARNING.
 
-A task whose job ended with a non-OK final envelope raises ``JobEnded`` (the code as its text),
-so Flower and the task-failed event show FAILURE and the code; it is listed in the tasks'
-``throws`` (an expected outcome: no traceback in the log) and, like any task that raised, its
-message is acknowledged - never redelivered, never retried.
+A task whose job ended with a non-OK final envelope raises ``JobEnded`` (the code, the job and
+the code's meaning as its text: fleet/worker/outcome.py), so Flower and the task-failed event show
+FAILURE and the code; it is listed in the tasks' ``throws`` (an expected outcome: no traceback in
+the log) and, like any task that raised, its message is acknowledged - never redelivered, never
+retried. What each task returns, and how a turn that handed its job on shows (CONTINUED in
+Flower), is in fleet/worker/outcome.py.
 
 Failure cases: every exception inside a task becomes an Envelope (E_INTERNAL at worst), so a bad
 job never crashes a worker, poisons a queue or stays without a final result.
@@ -47,15 +49,15 @@ from typing import Any
 
 from celery import Celery, Task
 
-from fleet.core.codes import Code
 from fleet.core.keys import job_ref, split_ref
 from fleet.worker.heartbeat import beat_when_ready
 from fleet.worker.jobs.cancel import cancel_job
 from fleet.worker.jobs.common import new_owner
-from fleet.worker.jobs.infer import infer_job
+from fleet.worker.jobs.infer import run_turn
 from fleet.worker.jobs.prep import prep_job, riding_out_broker_loss
 from fleet.worker.jobs.tool import tool_job
 from fleet.worker.metrics import WorkerMetrics, serve_when_started
+from fleet.worker.outcome import JobEnded, task_outcome
 from fleet.worker.queues import (
     CANCEL_TASK,
     INFER_QUEUE,
@@ -71,18 +73,6 @@ from fleet.worker.runtime import Runtime
 from fleet.worker.screen import MessageScreen
 
 log = logging.getLogger(__name__)
-
-
-class JobEnded(Exception):
-    """A task's job ended with a non-OK final envelope; the text starts with the code."""
-
-
-def task_outcome(outcome: str, job_id: str) -> str:
-    """A task's return value, ``"<outcome> job=<id>"`` (Celery's "succeeded" log line and Flower's
-    result column then name the job); raises ``JobEnded`` when ``outcome`` is a non-OK code."""
-    if outcome in Code._value2member_map_ and not Code(outcome).ok:
-        raise JobEnded(f"{outcome} job={job_id}")
-    return f"{outcome} job={job_id}"
 
 
 TOOL_TASK = "fleet.tool"
@@ -154,12 +144,13 @@ def register_tasks(app: Celery, tools: bool = True) -> None:
 
     @app.task(name=CANCEL_TASK, base=OnProjectQueues, bind=True, acks_late=True, Request=ShownRequest)
     def cancel(task: Task, *, project: str, job_id: str) -> str:
-        return cancel_job(runtime, project, job_id)
+        return f"{cancel_job(runtime, project, job_id)} job={job_id}"
 
     @app.task(name=INFER_TASK, base=OnInferQueue, bind=True, acks_late=True, throws=(JobEnded,),
               Request=ShownRequest)
     def infer(task: Task, *, ref: str, project: str, fence: int) -> str:
-        return task_outcome(infer_job(runtime, ref, project, fence), split_ref(ref)[1])
+        turn = run_turn(runtime, ref, project, fence)
+        return task_outcome(turn.outcome, split_ref(ref)[1], turn.detail)
 
     names = [PREP_TASK, CANCEL_TASK, INFER_TASK] + ([TOOL_TASK] if tools else [])
     # every message is screened before Celery acts on it: only these names, no canvas

@@ -123,7 +123,7 @@ def test_an_infer_message_pushed_onto_a_project_queue_runs_nothing(broker: AclBr
     assert store.lease_valid(ref, grant.fence)  # still the grant's, unclaimed
     # the grant's own message (the dispatcher's path) runs it, once
     create_app(broker.settings).send_task(
-        INFER_TASK, kwargs={"ref": ref, "project": A, "fence": grant.fence}, **shown(A, job_id))
+        INFER_TASK, kwargs={"ref": ref, "project": A, "fence": grant.fence}, **shown(A, job_id, "turn"))
     with Client(broker.settings_for(f"fleet-producer-{A}", A)) as client:
         envelope = client.result(job_id, timeout=120)
     assert envelope is not None and envelope.code == Code.OK, envelope

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
+from fleet.bench.charts import Charts
 from fleet.bench.fleet.harness import FleetBench, FleetRun, by_project, codes
 from fleet.bench.fleet.render import Row, fmt, pct, verdict
 from fleet.bench.fleet.sampler import Sampler
@@ -34,12 +35,18 @@ def fluid_wait(costs: dict[str, list[float]], weights: dict[str, float], project
     return sum(min(sum(c), weights[p] * start) for p, c in costs.items())
 
 
-def fairness(fb: FleetBench, n: int, heavy: str = "research", small: str = "triage") -> list[Row]:
+def fairness(fb: FleetBench, n: int, heavy: str = "research", small: str = "triage",
+             charts: Charts | None = None) -> list[Row]:
     samplers: list[Sampler] = []
     weights = {p: fb.settings.projects[p].weight for p in PROJECTS}
     heavy_specs, others = _fair_specs(n, heavy)
     run, ids = fb.run_fleet(heavy_specs + others, None, samplers)
     run0, ids0 = fb.run_fleet([s for s in others], None, samplers)
+    if charts is not None:
+        charts.weights = weights
+        for e in sorted(run.envelopes, key=FleetRun.admitted_at):
+            charts.shares.setdefault(e.project, []).append(
+                (FleetRun.admitted_at(e) - run.start, _job_cost(e, ids[e.job_id])))
     sc = f"fairness ({heavy} submits {10 * n} first, the others {n} each)"
     return _share_rows(sc, run, ids, weights) + _wait_rows(sc, (run, run0), ids, weights, heavy, small)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleet.bench.charts import Charts
 from fleet.bench.fleet.direct import DirectRecord, direct_latencies
 from fleet.bench.fleet.harness import FleetBench, FleetRun, codes, fleet_latencies
 from fleet.bench.fleet.render import Row, cpu_cell, fmt, latency_cell, verdict
@@ -16,7 +17,7 @@ from fleet.bench.fleet.workload import PROJECTS, Spec, short_mix
 BASELINE = "baseline: saturation, 5 clients x 16"
 
 
-def saturation(fb: FleetBench, n: int, think: int, answer: int) -> list[Row]:
+def saturation(fb: FleetBench, n: int, think: int, answer: int, charts: Charts | None = None) -> list[Row]:
     cap, samplers = fb.cap, []  # type: ignore[var-annotated]
     specs = short_mix(n, think, answer)
     run, ids = fb.run_fleet(specs, None, samplers)
@@ -25,7 +26,14 @@ def saturation(fb: FleetBench, n: int, think: int, answer: int) -> list[Row]:
     fleet_max = stats_max(samplers[-1])
     records, start, last_sent, end, cpu_i = fb.run_direct({"ideal": (cap, specs)}, None, samplers)
     ideal_w = samplers[-1].window(start, last_sent, cap)
-    baseline = _baseline_rows(fb, specs, samplers)
+    baseline = _baseline_rows(fb, specs, samplers, charts)
+    if charts is not None:
+        charts.cap = cap
+        # from the fleet's first admission, as the direct runs count from their first request
+        charts.inflight["fleet"] = _series(samplers[0].samples, run.first_admit)
+        charts.inflight["ideal closed loop"] = _series(samplers[1].samples, start)
+        charts.latencies["fleet"] = [FleetRun.finished_at(e) - run.first_admit for e in run.envelopes]
+        charts.latencies["ideal closed loop"] = direct_latencies(records, start)["e2e"]
     sc = f"saturation ({n} short jobs)"
     return [
             *_fleet_rows(sc, n, cap, run, fleet_w, ideal_w, fleet_max, prep),
@@ -97,11 +105,20 @@ def _versus_ideal_rows(sc: str, run: FleetRun, ids: dict[str, Spec], fleet_w: di
     ]
 
 
-def _baseline_rows(fb: FleetBench, specs: list[Spec], samplers: list[Sampler]) -> list[Row]:
+def _series(samples: list[dict[str, Any]], start: float) -> list[tuple[float, int, int | None]]:
+    return [(s["t"] - start, int(s["running"]), s.get("leases"))
+            for s in samples if s["t"] >= start and "running" in s]
+
+
+def _baseline_rows(fb: FleetBench, specs: list[Spec], samplers: list[Sampler],
+                   charts: Charts | None = None) -> list[Row]:
     """Five independent clients x 16 straight at the simulator, the same jobs."""
     cap = fb.cap
     groups = {p: (16, [s for s in specs if s.project == p]) for p in PROJECTS}
     b_records, b_start, b_last, b_end, cpu_b = fb.run_direct(groups, None, samplers)
+    if charts is not None:
+        charts.inflight["5 clients x 16"] = _series(samplers[-1].samples, b_start)
+        charts.latencies["5 clients x 16"] = direct_latencies(b_records, b_start)["e2e"]
     base_w = samplers[-1].window(b_start, b_last, cap)
     base_all = samplers[-1].window(b_start, b_end, cap)
     base_max = stats_max(samplers[-1])

@@ -8,6 +8,7 @@ import os
 import time
 from typing import Any
 
+from fleet.bench.charts import Charts
 from fleet.bench.fleet.crash import crash
 from fleet.bench.fleet.fairness import fairness
 from fleet.bench.fleet.harness import FleetBench
@@ -38,9 +39,11 @@ def fleet_bench(
     paced_tokens_per_s: float = 1500.0,
     idle_jobs: int = 100,
     partial_prefills: tuple[int, int] = (1, 1),
+    charts: Charts | None = None,
 ) -> list[Row]:
     """``partial_prefills``: the server's --max-num-partial-prefills and
-    --max-long-partial-prefills, in fleet.toml and on the simulator alike."""
+    --max-long-partial-prefills, in fleet.toml and on the simulator alike; ``charts`` keeps the
+    series the saturation and fairness scenarios measure (fleet/bench/charts.py)."""
     rows: list[Row] = []
 
     def configure(data: dict[str, Any]) -> None:
@@ -52,11 +55,11 @@ def fleet_bench(
         for name in only:
             started = time.monotonic()
             if name == "saturation":
-                rows += saturation(fb, jobs, think, answer)
+                rows += saturation(fb, jobs, think, answer, charts)
             elif name == "long":
                 rows += long_prompts(fb, long_jobs, think, answer, long_tokens, paced_tokens_per_s)
             elif name == "fairness":
-                rows += fairness(fb, fair_n)
+                rows += fairness(fb, fair_n, charts=charts)
             elif name == "crash":
                 rows += crash(fb, crash_jobs, think * 3, answer * 2)
             elif name == "idle":

@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 import redis
 
@@ -46,25 +47,41 @@ from fleet.infer.budget import Plan
 from fleet.worker.jobs.common import cancel_requested, current_turn, end_unleased, event_sink, new_owner
 from fleet.worker.jobs.tool import send_round
 from fleet.worker.lease import LeaseKeeper
+from fleet.worker.outcome import CONTINUED, backend_label, continued_detail, ended_detail
 from fleet.worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class TurnOutcome:
+    """What one turn came to: ``outcome`` (a code, "continued", "stale", ...) and, for a turn
+    that ran, what its task's line adds (fleet/worker/outcome.py: turn, attempts, tokens,
+    backend; or how the next turn goes on)."""
+
+    outcome: str
+    detail: str = ""
+
+
 def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
+    """``run_turn``'s outcome alone."""
+    return run_turn(rt, ref, project, fence).outcome
+
+
+def run_turn(rt: Runtime, ref: str, project: str, fence: int) -> TurnOutcome:
     store = rt.store
     # Claim first (it checks the fence itself: one round trip on the way to the backend); only a
     # refused claim reads the lease, to tell a stale delivery from a duplicate one.
     if not store.claim(ref, fence, new_owner(), time.time()):
         if not store.lease_valid(ref, fence):
             log.info("dropped stale delivery job=%s fence=%d", ref, fence)
-            return "stale"
+            return TurnOutcome("stale")
         log.info("dropped duplicate delivery job=%s fence=%d", ref, fence)
-        return "duplicate"
+        return TurnOutcome("duplicate")
     owner, job_id = split_ref(ref)  # envelopes go to the ref's own job, whatever the task says
     if rt.results.get(ref) is not None:
         store.release(ref, fence)  # ours: claimed above
-        return "already-final"
+        return TurnOutcome("already-final")
     cancel_key, result_key = rt.keys.cancel(ref), rt.keys.result(ref)
     keeper = LeaseKeeper(  # a cancel request, or a final result published meanwhile, stops it
         rt.lease_store,
@@ -74,31 +91,41 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
     try:
         with keeper:
             rt.results.record(ref, state="running", running_at=time.time(), fence=fence)
-            envelope = _run(rt, ref, project, keeper)
+            envelope, turn = _run(rt, ref, project, keeper)
     except BROKER_LOST as exc:
         # Not the job's fault: its lease expires (or is given back here) and it runs again.
         log.warning("redis lost while running job=%s (%r); the job goes back in line", ref, exc)
         with contextlib.suppress(redis.RedisError):
             store.requeue(ref, fence)
-        return "broker-lost"
+        return TurnOutcome("broker-lost")
     except Exception as exc:  # a bug or Redis failure: end the job, keep the worker
         log.exception("infer failed job=%s", ref)
-        envelope = Envelope.failure(job_id, owner, Code.E_INTERNAL,
-                                    f"inference task failed: {type(exc).__name__}")
+        envelope, turn = Envelope.failure(job_id, owner, Code.E_INTERNAL,
+                                          f"inference task failed: {type(exc).__name__}"), 0
     # (A worker shutting down mid-stream raises BaseException: the lease is left to expire and
     # the job is admitted again at its place in line.)
     if keeper.lost and not keeper.cancelled:
         # Put it back in line (fence-checked: if the lease was already reaped this is a no-op,
         # the job is pending again anyway); its next attempt will publish.
         store.requeue(ref, fence)
-        return "lease-lost"
+        return TurnOutcome("lease-lost")
+    return _finish(rt, ref, fence, envelope, turn)
+
+
+def _finish(rt: Runtime, ref: str, fence: int, envelope: Envelope | Continuation, turn: int) -> TurnOutcome:
+    """A turn that ran to its end: the next turn saved and in line, or the final envelope out."""
     if not isinstance(envelope, Envelope):
-        return _continue(rt, ref, fence, envelope)
+        outcome = _continue(rt, ref, fence, envelope)
+        handed_on = outcome in CONTINUED  # else ended between turns, or not readmitted
+        return TurnOutcome(outcome, continued_detail(turn, envelope.how.value, envelope.cause)
+                           if handed_on else f"turn={turn}")
     # Publish first, then release: a crash or a Redis error in between leaves the lease to
     # expire and the job to run again (which finds its result and stops), never a lost job.
     published = rt.results.publish(envelope)
-    store.release(ref, fence)
-    return envelope.code.value if published else "already-final"
+    rt.store.release(ref, fence)
+    if not published:
+        return TurnOutcome("already-final")
+    return TurnOutcome(envelope.code.value, ended_detail(envelope, turn, backend_label(rt.settings)))
 
 
 def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
@@ -146,7 +173,8 @@ def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> 
     return job
 
 
-def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope | Continuation:
+def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> tuple[Envelope | Continuation, int]:
+    """The turn's envelope or continuation, and the turn's number (0: the first)."""
     owner, job_id = split_ref(ref)
     record = rt.results.job_record(ref)
     try:
@@ -155,11 +183,12 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope |
         turn = current_turn(rt, ref, record)
     except AuthError as exc:
         log.warning("refused to run job=%s: %s", ref, exc.message)
-        return Envelope.failure(job_id, owner, Code.E_AUTH, exc.message)
+        return Envelope.failure(job_id, owner, Code.E_AUTH, exc.message), 0
     except (KeyError, ValueError) as exc:
-        return Envelope.failure(job_id, owner, Code.E_INTERNAL, f"job record unreadable: {exc}")
+        return Envelope.failure(job_id, owner, Code.E_INTERNAL, f"job record unreadable: {exc}"), 0
+    number = 0 if turn is None else int(turn["number"])
     if cancel_requested(rt, ref):  # asked between two turns (the keeper checks only from now on)
-        return Envelope.failure(job_id, owner, Code.E_CANCELLED, "cancelled between turns")
+        return Envelope.failure(job_id, owner, Code.E_CANCELLED, "cancelled between turns"), number
     admitted_at = time.time()
     events = event_sink(rt, ref)
     events.emit("admitted", queued_s=round(admitted_at - job.submitted_at, 3))
@@ -170,7 +199,7 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope |
     )
     envelope = run_inference(job, plan, ctx, turn)
     if not isinstance(envelope, Envelope):
-        return envelope  # a Continuation
+        return envelope, number  # a Continuation
     warnings = json.loads(record.get("warnings", "[]"))
     # Queued until the job's FIRST admission: its first attempt (a later turn's admission
     # would count the earlier turns as queueing).
@@ -183,4 +212,4 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope |
             first_token_s=envelope.timings.first_token_s,
             total_s=round(time.time() - job.submitted_at, 4),
         ),
-    })
+    }), number

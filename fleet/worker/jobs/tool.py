@@ -68,13 +68,14 @@ def send_round(rt: Runtime, ref: str, cont: Continuation) -> bool:
         with contextlib.suppress(redis.RedisError):
             rt.store.hurry(ref, time.time())
         return False
+    owner, job_id = split_ref(ref)
     for call in cont.tool_calls:
         try:
             rt.send_task("fleet.tool", kwargs={"ref": ref, "round_number": number,
                                                "call_id": call["id"]},
-                         queue=call["queue"], argsrepr="()", time_limit=call["time_limit_s"],
+                         queue=call["queue"], argsrepr="tool", time_limit=call["time_limit_s"],
                          soft_time_limit=call["timeout_s"],
-                         kwargsrepr=f"job={ref} tool={call['name']} round={number}")
+                         kwargsrepr=f"project={owner} job={job_id} tool={call['name']} round={number}")
         except Exception as exc:  # the broker: the call fails as not sent, the job goes on
             log.warning("tool task of job=%s call=%s not sent: %r", ref, call["id"], exc)
             failed = _counted(rt, {"ok": False, "error": f"the tool task could not be sent: "
