@@ -740,6 +740,12 @@ class Settings(BaseSettings):
                                  f"(served: {', '.join(sorted(served))})")
         return self
 
+    def with_backend(self, **changes: Any) -> Settings:
+        """These settings with the one backend's keys changed (``backend`` and ``backends[0]``
+        alike; ``model_copy`` of ``backend`` alone would leave ``backends`` behind)."""
+        backend = self.backend.model_copy(update=changes)
+        return self.model_copy(update={"backend": backend, "backends": [backend]})
+
     def served_models(self) -> list[str]:
         """Every model name some backend serves, each once, in the order of the backends."""
         return list(dict.fromkeys(name for entry in self.backends for name in entry.served_models))
