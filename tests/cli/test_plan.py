@@ -297,3 +297,13 @@ def test_plan_writes_the_backends_entry(tmp_path: Path) -> None:
             settings.backend.kv_pool_tokens, settings.retry.max_attempts) == (
         "gpu-a", "http://gpu:8100", 1_072, 530_640, 5)
     assert "[backend]\n" not in toml.read_text(encoding="utf-8")
+
+
+def test_fleet_config_masks_every_backends_key_and_url_password(tmp_path: Path) -> None:
+    toml = tmp_path / "fleet.toml"
+    toml.write_text('[[backends]]\nname = "gpu-a"\nurl = "http://user:url-secret@gpu-a:8100"\n'
+                    'api_key = "backend-key-secret"\n', encoding="utf-8")
+    result = runner.invoke(app, ["config"], env={"FLEET_CONFIG": str(toml)})
+    assert result.exit_code == 0, result.output
+    assert "gpu-a" in result.output and "http://user:***@gpu-a:8100" in result.output
+    assert "url-secret" not in result.output and "backend-key-secret" not in result.output
