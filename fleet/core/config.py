@@ -882,9 +882,9 @@ def load_settings(
     if unknown:
         raise ConfigError(f"unknown settings in the environment: {', '.join(unknown)}")
     _warn_readable_passwords(file, data)
-    if "backend" in data and "backends" in data:
+    if "backend" in data and ("backends" in data or f"{ENV_PREFIX}BACKENDS" in env_map):
         raise ConfigError(f"{file}: backends: give the server as [backend] or as [[backends]] "
-                          "entries, not both")
+                          "entries (FLEET_BACKENDS), not both")
     data = _merge(data, overrides)
     token = _GIVEN_ENV.set(env_map)
     try:

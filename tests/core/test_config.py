@@ -166,6 +166,11 @@ def test_several_backends_are_refused_until_admission_spans_them(tmp_path: Path,
     assert "admission across several backends is not built yet" in message
 
 
+def test_backends_variable_beside_a_backend_table_is_refused():
+    with pytest.raises(ConfigError, match=r"backends: give the server as \[backend\] or as"):
+        load_settings(EXAMPLE_CONFIG, env={"FLEET_BACKENDS": '[{"name": "a"}]'})
+
+
 @pytest.mark.parametrize(
     ("toml", "named"),
     [
