@@ -8,7 +8,7 @@ only one.
 
 Failure cases: an unreadable or invalid config.json or safetensors index, a bad layout or dtype,
 or a server that cannot be read print the message code and exit 2; a server that disagrees with
-fleet.toml (its sizes, or no served name of the entry among the server's) exits 1. ``--write``
+fleet.toml (its sizes, or the entry's model not among the server's names) exits 1. ``--write``
 rewrites the ``[backend]`` table of the file, or its ``[[backends]]`` entry (keeping url, model,
 api_key and the rest of the file as it is), and writes nothing if the result would not load.
 """
@@ -171,25 +171,15 @@ def pick_backend(settings: Settings, name: str | None, url: str | None) -> Backe
     return (at_url or entries)[0]
 
 
-def _served_names(http: httpx.Client) -> list[str]:
-    """The ids of the server's /v1/models (read_server just read it: it answers)."""
-    try:
-        data = http.get("/v1/models").json().get("data")
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return []
-    return [str(card.get("id")) for card in data if isinstance(card, dict)] if isinstance(data, list) else []
-
-
 def server_table(url: str, api_key: str, backend: BackendSettings) -> tuple[Table, list[str]]:
-    from schedulers.serverinfo import PARTIAL_PREFILL_FLAGS, disagreements, read_server
+    from schedulers.serverinfo import PARTIAL_PREFILL_FLAGS, disagreements, model_disagreement, read_server
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=url, headers=headers, timeout=10.0) as http:
         info = read_server(http)
-        served = _served_names(http)
     title = f"{backend.name}: {url} ({info.model or 'unknown model'})"
     table = Table("", "server", "fleet.toml", title=title)
-    table.add_row("served model names", ", ".join(served), ", ".join(backend.served_models))
+    table.add_row("served model names", ", ".join(info.served), ", ".join(backend.served_models))
     table.add_row("max_model_len", str(info.max_model_len), str(backend.max_model_len))
     table.add_row("block tokens", str(info.block_size), str(backend.block_tokens))
     table.add_row("GPU blocks", str(info.num_gpu_blocks), "")
@@ -199,11 +189,7 @@ def server_table(url: str, api_key: str, backend: BackendSettings) -> tuple[Tabl
     for name in PARTIAL_PREFILL_FLAGS:
         found = (info.partial_prefills or {}).get(name)
         table.add_row(name, "not exposed" if found is None else str(found), str(getattr(backend, name)))
-    found_lines = disagreements(backend, info)
-    if backend.model not in served:
-        found_lines.append(f"model: fleet.toml sends {backend.model!r}, the server serves "
-                           f"{', '.join(served) or 'nothing'} (its --served-model-name)")
-    return table, found_lines
+    return table, model_disagreement(backend, info) + disagreements(backend, info)
 
 
 def plan_command(

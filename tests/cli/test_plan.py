@@ -307,3 +307,15 @@ def test_fleet_config_masks_every_backends_key_and_url_password(tmp_path: Path) 
     assert result.exit_code == 0, result.output
     assert "gpu-a" in result.output and "http://user:***@gpu-a:8100" in result.output
     assert "url-secret" not in result.output and "backend-key-secret" not in result.output
+
+
+def test_server_check_holds_for_a_model_the_server_does_not_serve(sim: SimProcess) -> None:
+    settings = Settings(backend={"model": "qwen3-next"}, admission={"on_server_mismatch": "refuse"})
+    check = ServerCheck(settings)
+    with httpx.Client(base_url=sim.base_url) as http:
+        assert check.after_scrape(True, http) == HOLD
+    with pytest.raises(ConfigError, match="model: fleet.toml sends 'qwen3-next', the server serves local"):
+        check.check_once(httpx.Client(base_url=sim.base_url))
+    agreeing = ServerCheck(Settings(admission={"on_server_mismatch": "refuse"}))
+    agreeing.check_once(httpx.Client(base_url=sim.base_url))  # "local" is served: no ConfigError
+    assert agreeing.hold == ""
