@@ -706,9 +706,10 @@ class Settings(BaseSettings):
         if not isinstance(data, dict):
             return data
         entries = data.get("backends")
+        if not entries:  # [backend] (or its defaults) is the one entry
+            return {**data, "backends": [data.get("backend", {})]}
         if not isinstance(entries, list) or len(entries) != 1:
-            entry = data.get("backend", {}) if not entries else None
-            return data if entry is None else {**data, "backends": [entry]}
+            return data  # validation names what is wrong (several: _backends_buildable)
         entry, top = entries[0], data.get("backend", {})
         if isinstance(entry, BackendSettings):
             entry = entry.model_dump(exclude_unset=True)
