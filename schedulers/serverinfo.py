@@ -1,13 +1,15 @@
 """What a running vLLM says about itself, beside what ``[backend]`` says it is.
 
-``read_server`` asks ``GET /v1/models`` (``max_model_len``) and ``GET /metrics`` for the info gauge
-``vllm:cache_config_info``, whose labels are every field of vLLM's CacheConfig as text ("None"
-when unset): ``block_size``, ``num_gpu_blocks``, ``cache_dtype``, ``enable_prefix_caching``, and
-in newer releases ``kv_cache_size_tokens`` (the pool in tokens, counted per KV cache group, which
-is right for hybrid models where ``num_gpu_blocks x block_size`` is not). ``disagreements`` compares
-the reading with the settings; ``fleet plan --server`` prints both, and ``ServerCheck`` runs the
-comparison in the dispatcher's scraper when it starts and whenever the backend comes back after
-being unhealthy (a restarted server may have come up with other flags).
+``read_server`` asks ``GET /v1/models`` (``max_model_len``, every served model name) and
+``GET /metrics`` for the info gauge ``vllm:cache_config_info``, whose labels are every field of
+vLLM's CacheConfig as text ("None" when unset): ``block_size``, ``num_gpu_blocks``,
+``cache_dtype``, ``enable_prefix_caching``, and in newer releases ``kv_cache_size_tokens`` (the
+pool in tokens, counted per KV cache group, which is right for hybrid models where
+``num_gpu_blocks x block_size`` is not). ``disagreements`` compares the reading with the settings
+and ``model_disagreement`` names a ``backend.model`` the server does not serve; ``fleet plan
+--server`` prints both, and ``ServerCheck`` runs the comparison in the dispatcher's scraper when it
+starts and whenever the backend comes back after being unhealthy (a restarted server may have come
+up with other flags).
 
 A disagreement is logged as an error; with ``admission.on_server_mismatch = "refuse"`` the check
 also yields the hold ``server_mismatch``, which the scraper stores as the backend verdict, so every
@@ -56,6 +58,7 @@ class ServerInfo:
     cache_dtype: str | None = None
     prefix_caching: bool | None = None
     partial_prefills: dict[str, int] | None = None  # PARTIAL_PREFILL_FLAGS found, by name
+    served: tuple[str, ...] = ()  # the ids of /v1/models: its --served-model-name list
 
 
 def _int(labels: dict[str, str], key: str) -> int | None:
@@ -97,11 +100,14 @@ def server_info_from(models: dict[str, object], metrics_text: str) -> ServerInfo
     data = models.get("data")
     first = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
     max_len = first.get("max_model_len")
+    served = tuple(str(card["id"]) for card in data if isinstance(card, dict) and "id" in card) if (
+        isinstance(data, list)) else ()
     info = ServerInfo(model=str(first.get("id", "")), max_model_len=max_len if isinstance(max_len, int) else None)
     labels = cache_config_labels(metrics_text)
     flags = partial_prefill_flags(metrics_text)
     if labels is None:
-        return ServerInfo(model=info.model, max_model_len=info.max_model_len, partial_prefills=flags)
+        return ServerInfo(model=info.model, max_model_len=info.max_model_len, partial_prefills=flags,
+                          served=served)
     block, blocks = _int(labels, "block_size"), _int(labels, "num_gpu_blocks")
     pool = _int(labels, "kv_cache_size_tokens")
     if pool is None and block is not None and blocks is not None:
@@ -116,6 +122,7 @@ def server_info_from(models: dict[str, object], metrics_text: str) -> ServerInfo
         cache_dtype=labels.get("cache_dtype"),
         prefix_caching=None if prefix is None else prefix == "True",
         partial_prefills=flags,
+        served=served,
     )
 
 
@@ -149,6 +156,14 @@ def disagreements(backend: BackendSettings, info: ServerInfo) -> list[str]:
         if getattr(backend, name) != value:
             out.append(f"{name}: fleet.toml {getattr(backend, name)}, server {value}")
     return out
+
+
+def model_disagreement(backend: BackendSettings, info: ServerInfo) -> list[str]:
+    """The line for a ``backend.model`` the server does not serve (every request would be 404)."""
+    if not info.served or backend.model in info.served:
+        return []
+    return [f"model: fleet.toml sends {backend.model!r}, the server serves {', '.join(info.served)} "
+            "(its --served-model-name)"]
 
 
 class ServerCheck:
@@ -188,7 +203,7 @@ class ServerCheck:
                 self._failure_logged = True
             return []
         self._due, self._failure_logged = False, False
-        found = disagreements(self.backend, info)
+        found = model_disagreement(self.backend, info) + disagreements(self.backend, info)
         for line in found:
             log.error("server check: [backend] disagrees with the server at %s: %s%s",
                       http.base_url, line, " - admissions held" if self.refuse else "")

@@ -207,8 +207,7 @@ class ChaosFleet:
             self.fleet.spawn(name, ["worker", "--role", role, "--concurrency", str(threads),
                                     "--hostname", f"{name}-{uuid.uuid4().hex[:6]}@%h", "--log-level", "WARNING"])
         self.base_url = self.fleet.env["FLEET_BACKEND_URL"]
-        self.settings = self.settings.model_copy(update={"backend": self.settings.backend.model_copy(
-            update={"url": self.base_url})})
+        self.settings = self.settings.with_backend(url=self.base_url)
         self.client = Client(self.settings)
         self.reader = redis_client(self.settings, socket_timeout=2, socket_connect_timeout=2)
         for target in (self._supervise, self._collect, self._measure_rss):

@@ -556,11 +556,12 @@ def config(reference: Annotated[bool, typer.Option(help="print the key reference
     shown = settings.model_dump(mode="json")
     for project in shown["projects"].values():
         project["secret"] = "***"
-    shown["backend"]["api_key"] = "***" if shown["backend"]["api_key"] else ""
+    for backend in (shown["backend"], *shown["backends"]):
+        backend["api_key"] = "***" if backend["api_key"] else ""
+        backend["url"] = mask_url(backend["url"])
     shown["security"]["worker_secret"] = "***" if shown["security"]["worker_secret"] else None
     shown["acl"]["passwords"] = dict.fromkeys(shown["acl"]["passwords"], "***")
     shown["broker_url"] = mask_url(shown["broker_url"])
-    shown["backend"]["url"] = mask_url(shown["backend"]["url"])
     console.print(f"# from {config_path()}")
     console.print_json(json.dumps(shown))
 

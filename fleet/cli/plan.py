@@ -1,11 +1,16 @@
 """``fleet plan``: the KV arithmetic of fleet/core/kvplan.py for one model over parallel layouts,
 side by side, with the ``[backend]`` settings each calls for; ``--write`` puts them in fleet.toml and
-``--server URL`` reads what a running vLLM says (schedulers/serverinfo.py) beside fleet.toml.
+``--server URL`` reads what a running vLLM says (schedulers/serverinfo.py) beside fleet.toml;
+``--backends`` does that for every backend of the settings at its own url. Per backend: the entry
+``--backend NAME`` names (of ``[[backends]]``, or ``[backend]``, named "default" unless it says
+otherwise) is the one compared and written; the default is the entry with the server's url, else the
+only one.
 
 Failure cases: an unreadable or invalid config.json or safetensors index, a bad layout or dtype,
 or a server that cannot be read print the message code and exit 2; a server that disagrees with
-fleet.toml exits 1. ``--write`` rewrites the ``[backend]`` table of the file (keeping its url, model
-and api_key, and the rest of the file as it is), and writes nothing if the result would not load.
+fleet.toml (its sizes, or the entry's model not among the server's names) exits 1. ``--write``
+rewrites the ``[backend]`` table of the file, or its ``[[backends]]`` entry (keeping url, model,
+api_key and the rest of the file as it is), and writes nothing if the result would not load.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import json
 import tempfile
 import tomllib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,7 +28,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fleet.core.config import load_settings
+from fleet.core.config import BackendSettings, Settings, load_settings
 from fleet.core.errors import FleetError, InputInvalid
 from fleet.core.kvplan import GIB, Layout, LayoutPlan, PlanInputs, plan_layout, recommend, shape_from_config
 
@@ -104,23 +109,48 @@ def settings_table(plans: list[LayoutPlan], max_num_seqs: int) -> Table:
     return table
 
 
-def write_backend(path: Path, values: dict[str, int]) -> None:
-    """Put ``values`` in the ``[backend]`` table of ``path`` (created if missing). Only that table
-    is rewritten (its comments go; the rest of the file stays as it is), and only if the result
-    loads as settings."""
+def write_backend(path: Path, values: dict[str, int], name: str | None = None) -> None:
+    """Put ``values`` in the ``[backend]`` table of ``path`` (created if missing), or in its
+    ``[[backends]]`` entry named ``name`` (the only one when None). Only that table is rewritten
+    (its comments go; the rest of the file stays as it is), and only if the result loads."""
     text = path.read_text(encoding="utf-8") if path.exists() else ""
     try:
-        current = tomllib.loads(text).get("backend", {})
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InputInvalid(f"{path} is not valid TOML: {exc}") from exc
-    section = tomli_w.dumps({"backend": {**current, **values}})
+    if isinstance(data.get("backends"), list):
+        index, entry = _entry_of(data["backends"], name, path)
+        section = tomli_w.dumps({"backends": [{**entry, **values}]})
+        headers = [i for i, line in enumerate(text.splitlines()) if line.strip() == "[[backends]]"]
+        _write_checked(path, _replace_table(text, headers[index], section))
+        return
+    section = tomli_w.dumps({"backend": {**data.get("backend", {}), **values}})
     lines = text.splitlines(keepends=True)
     start = next((i for i, line in enumerate(lines) if line.strip() == "[backend]"), None)
     if start is None:
         text = text + ("\n" if text and not text.endswith("\n") else "") + section
     else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
-        text = "".join(lines[:start]) + section + ("\n" if end < len(lines) else "") + "".join(lines[end:])
+        text = _replace_table(text, start, section)
+    _write_checked(path, text)
+
+
+def _entry_of(entries: list[Any], name: str | None, path: Path) -> tuple[int, dict[str, Any]]:
+    if name is None and len(entries) == 1:
+        return 0, entries[0]
+    for index, entry in enumerate(entries):
+        if isinstance(entry, dict) and entry.get("name", "default") == name:
+            return index, entry
+    raise InputInvalid(f"{path}: no [[backends]] entry named {name!r}: give --backend NAME")
+
+
+def _replace_table(text: str, start: int, section: str) -> str:
+    """``text`` with the table whose header is line ``start`` replaced by ``section``."""
+    lines = text.splitlines(keepends=True)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
+    return "".join(lines[:start]) + section + ("\n" if end < len(lines) else "") + "".join(lines[end:])
+
+
+def _write_checked(path: Path, text: str) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".toml", encoding="utf-8") as probe:
         probe.write(text)
         probe.flush()
@@ -128,15 +158,28 @@ def write_backend(path: Path, values: dict[str, int]) -> None:
     path.write_text(text, encoding="utf-8")
 
 
-def server_table(url: str, api_key: str) -> tuple[Table, list[str]]:
-    from schedulers.serverinfo import PARTIAL_PREFILL_FLAGS, disagreements, read_server
+def pick_backend(settings: Settings, name: str | None, url: str | None) -> BackendSettings:
+    """The entry ``--backend NAME`` names; else the one at ``url``; else the only one."""
+    entries = settings.backends
+    if name is not None:
+        named = [entry for entry in entries if entry.name == name]
+        if not named:
+            known = ", ".join(entry.name for entry in entries)
+            raise InputInvalid(f"--backend: no backend named {name!r} (configured: {known})")
+        return named[0]
+    at_url = [entry for entry in entries if url is not None and entry.url.rstrip("/") == url.rstrip("/")]
+    return (at_url or entries)[0]
 
-    settings = load_settings()
+
+def server_table(url: str, api_key: str, backend: BackendSettings) -> tuple[Table, list[str]]:
+    from schedulers.serverinfo import PARTIAL_PREFILL_FLAGS, disagreements, model_disagreement, read_server
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=url, headers=headers, timeout=10.0) as http:
         info = read_server(http)
-    backend = settings.backend
-    table = Table("", "server", "fleet.toml", title=f"{url} ({info.model or 'unknown model'})")
+    title = f"{backend.name}: {url} ({info.model or 'unknown model'})"
+    table = Table("", "server", "fleet.toml", title=title)
+    table.add_row("served model names", ", ".join(info.served), ", ".join(backend.served_models))
     table.add_row("max_model_len", str(info.max_model_len), str(backend.max_model_len))
     table.add_row("block tokens", str(info.block_size), str(backend.block_tokens))
     table.add_row("GPU blocks", str(info.num_gpu_blocks), "")
@@ -146,7 +189,7 @@ def server_table(url: str, api_key: str) -> tuple[Table, list[str]]:
     for name in PARTIAL_PREFILL_FLAGS:
         found = (info.partial_prefills or {}).get(name)
         table.add_row(name, "not exposed" if found is None else str(found), str(getattr(backend, name)))
-    return table, disagreements(backend, info)
+    return table, model_disagreement(backend, info) + disagreements(backend, info)
 
 
 def plan_command(
@@ -171,6 +214,11 @@ def plan_command(
     write: Annotated[Path | None, typer.Option(help="write [backend] of this fleet.toml (one layout)")] = None,
     server: Annotated[str | None, typer.Option(help="a running vLLM's base URL to compare with fleet.toml")] = None,
     api_key: Annotated[str, typer.Option(help="bearer token for --server")] = "",
+    backend: Annotated[str | None, typer.Option(
+        help="the backend entry (its name) --server compares with and --write writes; default: "
+             "the one at the server's url, else the only one")] = None,
+    backends: Annotated[bool, typer.Option(
+        "--backends", help="check every configured backend at its own url and api_key")] = False,
 ) -> None:
     """Size a deployment: KV bytes, blocks, pool and fleet settings per parallel layout."""
     try:
@@ -180,33 +228,56 @@ def plan_command(
             weights_bytes=weights_from_index(weights_index) if weights_index else int(weights_gib * GIB),
             overhead_bytes=int(overhead_gib * GIB), state_page_bytes=state_page_bytes,
             max_num_seqs=max_num_seqs,
-        ), kv_memory_gib or [], max_model_len, (requests, request_tokens), write, server, api_key)
+        ), kv_memory_gib or [], max_model_len, (requests, request_tokens), write,
+            _Check(server, api_key, backend, backends))
     except FleetError as exc:
         err.print(f"[red]{exc.code.value}[/red] {exc.message}")
         raise typer.Exit(2) from exc
     raise typer.Exit(code)
 
 
+@dataclass(frozen=True)
+class _Check:
+    """Which servers to read and which backend entry each is compared with (or written)."""
+
+    server: str | None
+    api_key: str
+    backend: str | None
+    every: bool
+
+    def targets(self, settings: Settings) -> list[tuple[str, str, BackendSettings]]:
+        if self.every:
+            return [(entry.url, entry.api_key, entry) for entry in settings.backends]
+        if self.server is None:
+            return []
+        return [(self.server, self.api_key, pick_backend(settings, self.backend, self.server))]
+
+
 def _run(
     config: Path | None, layouts: list[str], inputs: PlanInputs, kv_memory: list[float],
-    max_model_len: int | None, take: tuple[int, int], write: Path | None, server: str | None, api_key: str,
+    max_model_len: int | None, take: tuple[int, int], write: Path | None, check: _Check,
 ) -> int:
-    if config is None and server is None:
-        raise InputInvalid("give a config.json to plan, --server URL to check, or both")
+    if config is None and check.server is None and not check.every:
+        raise InputInvalid("give a config.json to plan, --server URL or --backends to check, or both")
+    if check.server is not None and check.every:
+        raise InputInvalid("give --server URL or --backends, not both")
     if config is not None:
-        _plan(config, layouts, inputs, kv_memory, max_model_len, take, write)
-    if server is None:
+        _plan(config, layouts, inputs, kv_memory, max_model_len, take, write, check.backend)
+    if check.server is None and not check.every:
         return 0
-    table, found = server_table(server, api_key)
-    console.print(table)
-    for line in found:
-        err.print(f"[red]disagrees[/red] {line}")
-    return 1 if found else 0
+    status = 0
+    for url, api_key, entry in check.targets(load_settings()):
+        table, found = server_table(url, api_key, entry)
+        console.print(table)
+        for line in found:
+            err.print(f"[red]disagrees[/red] {entry.name}: {line}")
+        status = max(status, 1 if found else 0)
+    return status
 
 
 def _plan(
     config: Path, layouts: list[str], inputs: PlanInputs, kv_memory: list[float],
-    max_model_len: int | None, take: tuple[int, int], write: Path | None,
+    max_model_len: int | None, take: tuple[int, int], write: Path | None, backend: str | None,
 ) -> None:
     if not layouts:
         raise InputInvalid("give at least one --layout (tp4, tp2pp2, ...)")
@@ -228,7 +299,7 @@ def _plan(
         err.print(f"[yellow]note[/yellow] {line}")
     console.print(settings_table(plans, inputs.max_num_seqs))
     if write is not None:
-        write_backend(write, recommend(plans[0], inputs.max_num_seqs))
-        console.print(f"wrote [backend] of {write}")
+        write_backend(write, recommend(plans[0], inputs.max_num_seqs), backend)
+        console.print(f"wrote the backend of {write}")
 
 

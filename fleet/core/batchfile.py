@@ -90,7 +90,8 @@ def _job_from_openai(line: dict[str, Any], project: str, refused: Collection[str
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         schema = (fmt.get("json_schema") or {}).get("schema")
     data = {
-        "project": project, "messages": body.get("messages"), "thinking_budget": budget,
+        "project": project, "model": body.get("model"), "messages": body.get("messages"),
+        "thinking_budget": budget,
         "max_tokens": limit, "response_schema": schema, "tools": body.get("tools"),
         "tool_choice": body.get("tool_choice"), "temperature": body.get("temperature"),
         "seed": body.get("seed"),

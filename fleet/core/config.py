@@ -57,12 +57,26 @@ class _Section(BaseModel):
 
 
 class BackendSettings(_Section):
-    """One vLLM OpenAI-compatible server. Defaults are docs/deployment.md's server."""
+    """One vLLM OpenAI-compatible server. Defaults are docs/deployment.md's server. ``[backend]``
+    is the one server of a fleet; a ``[[backends]]`` entry takes the same keys (docs/backends.md)."""
 
+    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """Name of the server in the fleet (logs, plans; later metrics labels and keys): letters,
+    digits, ``_``, ``.`` or ``-``, unique among [[backends]]."""
     url: str = "http://127.0.0.1:8100"
     """Base URL of the vLLM OpenAI-compatible server (no /v1)."""
     model: str = "local"
-    """The server's --served-model-name."""
+    """The model name the fleet's requests to the server carry: the server's (first)
+    --served-model-name; with served_model_names set and this left out, their first."""
+    served_model_names: list[str] = Field(default_factory=list)
+    """Every name the server answers to (vLLM's --served-model-name takes several, the first is the
+    one its responses carry); empty: just ``model``. Jobs and gateway requests may name any of
+    them; ``model`` must be one of them."""
+    only_unfit_elsewhere: bool = False
+    """Take only jobs no other backend can hold (prompt + output limit past their max_model_len,
+    or a model only this one serves): a long-context tier whose short-prompt quality is worse.
+    With one backend (all the fleet admits into today) no other can hold anything, so it takes
+    every job either way; it steers routing once several are built (docs/backends.md)."""
     api_key: str = ""
     """Bearer token for the server, if it was started with --api-key."""
     max_num_seqs: int = Field(32, gt=0)
@@ -94,6 +108,34 @@ class BackendSettings(_Section):
     long_prefill_token_threshold: int = Field(0, ge=0)
     """The server's --long-prefill-token-threshold (vLLM's default 0: 4% of max_model_len when
     max_num_partial_prefills > 1); checked against the server by fleet plan, not used in admission."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_from_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("served_model_names") and "model" not in data:
+            return {**data, "model": data["served_model_names"][0]}
+        return data
+
+    @field_validator("served_model_names")
+    @classmethod
+    def _names_given(cls, value: list[str]) -> list[str]:
+        if any(not name.strip() for name in value):
+            raise ValueError("a served model name must not be empty")
+        if len(set(value)) != len(value):
+            raise ValueError("names a model twice")
+        return value
+
+    @model_validator(mode="after")
+    def _model_is_served(self) -> BackendSettings:
+        if self.served_model_names and self.model not in self.served_model_names:
+            raise ValueError(f"model {self.model!r} is not one of served_model_names")
+        return self
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """The names the server answers to, ``model`` first."""
+        rest = [name for name in self.served_model_names if name != self.model]
+        return (self.model, *rest)
 
 
 class AdmissionSettings(_Section):
@@ -499,6 +541,9 @@ class ToolSettings(_Section):
 class ProjectSettings(_Section):
     weight: float = Field(1.0, gt=0)
     """Fair-share weight (tokens admitted are shared in proportion)."""
+    model: str | None = None
+    """Model a job of this project runs on when it names none; a backend must serve it. Unset:
+    the backend's ``model``."""
     secret: str = Field(min_length=8)
     """HMAC secret the project's producers sign jobs with (8+ characters)."""
     thinking_budget: int = Field(8000, ge=-1)
@@ -620,6 +665,11 @@ class Settings(BaseSettings):
     """Python modules a tool worker imports: they register the Celery tasks that projects'
     ``tool_registry`` entries name (fleet/infer/tools.py)."""
     backend: BackendSettings = BackendSettings()
+    backends: list[BackendSettings] = Field(default_factory=list)
+    """The vLLM servers as ``[[backends]]`` entries, each with the keys of [backend]; one entry is
+    the same as [backend] (give one or the other). More than one is refused for now: admission is
+    one domain, across several backends it is not built yet (docs/backends.md). Read back, this
+    is always the list of backends (``[backend]`` as its one entry)."""
     admission: AdmissionSettings = AdmissionSettings()
     timeouts: TimeoutSettings = TimeoutSettings()
     retry: RetrySettings = RetrySettings()
@@ -647,6 +697,59 @@ class Settings(BaseSettings):
         if "{" in value or "}" in value:
             raise ValueError("must not contain { or }: keys carry hash tags after the prefix")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_backend(cls, data: Any) -> Any:
+        """``[backend]`` and one ``[[backends]]`` entry are the same server: ``backend`` and
+        ``backends[0]`` read back equal; ``FLEET_BACKEND_*`` variables override the entry."""
+        if not isinstance(data, dict):
+            return data
+        entries = data.get("backends")
+        if not entries:  # [backend] (or its defaults) is the one entry
+            return {**data, "backends": [data.get("backend", {})]}
+        if not isinstance(entries, list) or len(entries) != 1:
+            return data  # validation names what is wrong (several: _backends_buildable)
+        entry, top = entries[0], data.get("backend", {})
+        if isinstance(entry, BackendSettings):
+            entry = entry.model_dump(exclude_unset=True)
+        if isinstance(top, BackendSettings):
+            top = top.model_dump(exclude_unset=True)
+        if isinstance(entry, dict) and isinstance(top, dict):
+            entry = {**entry, **top}
+        return {**data, "backend": entry, "backends": [entry]}
+
+    @field_validator("backends")
+    @classmethod
+    def _backends_buildable(cls, value: list[BackendSettings]) -> list[BackendSettings]:
+        names = [entry.name for entry in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"backend names must be unique, got {', '.join(names)}")
+        if len(value) > 1:
+            raise ValueError(
+                f"{len(value)} [[backends]] entries ({', '.join(names)}), but admission across "
+                "several backends is not built yet: the fleet admits into one server only "
+                "(docs/backends.md); give one [[backends]] entry or [backend]")
+        return value
+
+    @model_validator(mode="after")
+    def _default_models_served(self) -> Settings:
+        served = {name for entry in self.backends for name in entry.served_models}
+        for name, project in self.projects.items():
+            if project.model is not None and project.model not in served:
+                raise ValueError(f"projects.{name}.model: no backend serves {project.model!r} "
+                                 f"(served: {', '.join(sorted(served))})")
+        return self
+
+    def with_backend(self, **changes: Any) -> Settings:
+        """These settings with the one backend's keys changed (``backend`` and ``backends[0]``
+        alike; ``model_copy`` of ``backend`` alone would leave ``backends`` behind)."""
+        backend = self.backend.model_copy(update=changes)
+        return self.model_copy(update={"backend": backend, "backends": [backend]})
+
+    def served_models(self) -> list[str]:
+        """Every model name some backend serves, each once, in the order of the backends."""
+        return list(dict.fromkeys(name for entry in self.backends for name in entry.served_models))
 
     @field_validator("projects")
     @classmethod
@@ -780,6 +883,9 @@ def load_settings(
     if unknown:
         raise ConfigError(f"unknown settings in the environment: {', '.join(unknown)}")
     _warn_readable_passwords(file, data)
+    if "backend" in data and ("backends" in data or f"{ENV_PREFIX}BACKENDS" in env_map):
+        raise ConfigError(f"{file}: backends: give the server as [backend] or as [[backends]] "
+                          "entries (FLEET_BACKENDS), not both")
     data = _merge(data, overrides)
     token = _GIVEN_ENV.set(env_map)
     try:

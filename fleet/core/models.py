@@ -125,6 +125,7 @@ class Job(_Strict):
     id: str = Field(default_factory=lambda: uuid.uuid4().hex, pattern=r"^[A-Za-z0-9._:-]{1,128}$")
     project: str = Field(min_length=1)
     kind: JobKind = "infer"
+    model: str | None = Field(None, min_length=1, max_length=256)  # None: the project's default
     messages: list[Message] = Field(default_factory=list)
     sources: list[Source] = Field(default_factory=list)
     on_source_error: Literal["fail", "drop"] = "fail"

@@ -258,10 +258,15 @@ def _routes(gw: Gateway) -> list[Route | Mount]:
     batches = BatchRoutes(gw)
 
     async def models(request: Request, caller: Caller) -> Response:
-        backend = gw.live.settings.backend
-        return JSONResponse({"object": "list", "data": [{
-            "id": gw.model, "object": "model", "created": 0, "owned_by": "fleet", "root": gw.model,
-            "parent": None, "max_model_len": backend.max_model_len, "permission": []}]})
+        """Every name every backend serves, once; ``root``: the name requests to it carry."""
+        cards: dict[str, dict[str, object]] = {}
+        for backend in gw.live.settings.backends:
+            for name in backend.served_models:
+                cards.setdefault(name, {
+                    "id": name, "object": "model", "created": 0, "owned_by": "fleet",
+                    "root": backend.model, "parent": None,
+                    "max_model_len": backend.max_model_len, "permission": []})
+        return JSONResponse({"object": "list", "data": list(cards.values())})
 
     async def health(request: Request) -> Response:
         """Ready: this process serves and its Redis answers a PING within HEALTH_TIMEOUT_S."""

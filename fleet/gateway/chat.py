@@ -40,6 +40,7 @@ from fleet.core.codes import Code
 from fleet.core.errors import Cancelled, FleetError, NotFound, ThinkLoop
 from fleet.core.keys import job_ref
 from fleet.core.models import Envelope, Timings, Usage
+from fleet.core.routing import backends_serving
 from fleet.gateway.admission import Ticket
 from fleet.gateway.auth import Caller
 from fleet.gateway.upstream import Failed, Finished, UpstreamStream
@@ -88,7 +89,7 @@ class ChatCompletions:
         try:
             caller = self.gw.caller(request.headers.get("authorization"))
             req = parse_chat(await read_body(request, self.gw.live.settings.gateway.max_body_bytes))
-            if req.model != self.gw.model:
+            if not backends_serving(self.gw.live.settings, req.model):
                 raise NotFound(f"The model `{req.model}` does not exist.", param="model")
             built = await self.gw.run(self.gw.build_body, req, caller, job_id)
         except (FleetError, redis.RedisError) as caught:

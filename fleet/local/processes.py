@@ -187,9 +187,12 @@ class LocalFleet:
         url = f"http://127.0.0.1:{port}"
         self.env["FLEET_BACKEND_URL"] = url
         # The simulator's access log is a line per request (two per dispatcher scrape): quiet
-        # unless sim_args ask otherwise (the last --log-level wins).
+        # unless sim_args ask otherwise (the last --log-level wins). It serves the backend's model
+        # names, so the fleet's requests name a model it serves.
+        names = [arg for name in self.settings.backend.served_models
+                 for arg in ("--served-model-name", name)]
         self.spawn("sim", ["sim", "--port", str(port), "--speed", str(self.sim_speed),
-                           "--log-level", "warning", *self.sim_args])
+                           "--log-level", "warning", *names, *self.sim_args])
         process = self.children[-1][1]
         wait_http(f"{url}/health", timeout_s=30, alive=lambda: process.poll() is None)
         if process.poll() is not None:

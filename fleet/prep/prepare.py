@@ -56,6 +56,7 @@ from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Job, Message, TrimPolicy
 from fleet.core.promptcache import leading_system
 from fleet.core.request import build_request_messages, new_fence_tag, tools_allowed
+from fleet.core.routing import route
 from fleet.core.seal import cancel_valid
 from fleet.prep.collect import Collected, Collector
 from fleet.prep.prefix import prefix_warning, stable_prefix
@@ -164,6 +165,7 @@ def prepare(
     collector: Collector | None = None,
 ) -> Prepared:
     """Collect, lay out and trim ``job``; see the module docstring for the guarantees."""
+    route(settings, project, job.model)  # a model no backend serves: UnknownModel, before any work
     warnings: list[str] = []
     collected = _collect(job, settings, collector, warnings)
     material = [_entry(item) for item in collected]

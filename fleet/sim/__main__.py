@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
+from typing import Any
 
 from fleet.sim.server import SimOptions, serve
 
@@ -24,6 +25,8 @@ _HELP = {
     "fault_rate": "share of requests given a random fault",
     "long_threshold": "prompt tokens above which a request counts as long",
     "log_level": "debug, info, warning, error",
+    "served_model_name": "model names requests may give (vLLM's flag; the first is the one "
+                         "responses carry)",
 }
 
 
@@ -32,10 +35,16 @@ def parse_args(argv: list[str] | None = None) -> SimOptions:
     defaults = SimOptions()
     for f in fields(SimOptions):
         default = getattr(defaults, f.name)
+        if isinstance(default, tuple):  # --served-model-name a b, as vLLM takes it
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, nargs="+",
+                                default=default, help=_HELP.get(f.name, f.name))
+            continue
         kind = int if default is None else type(default)
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind,
                             default=default, help=_HELP.get(f.name, f.name.replace("_", " ")))
-    return SimOptions(**vars(parser.parse_args(argv)))
+    values: dict[str, Any] = vars(parser.parse_args(argv))
+    given: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return SimOptions(**given)
 
 
 def main(argv: list[str] | None = None) -> None:

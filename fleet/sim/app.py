@@ -78,7 +78,7 @@ class SimState:
         self.tokenizer = Tokenizer()
         self.engine = Engine(config.profile, config.speed, config.tick_real_s,
                              on_finish=self._on_finish)
-        self.metrics = SimMetrics(self.engine, config.profile.served_model_name)
+        self.metrics = SimMetrics(self.engine, config.profile.served_model_names[0])
         self.scenarios = ScenarioBook(config.seed, config.fault_rate)
         self.requests: deque[dict[str, Any]] = deque(maxlen=config.request_log_size)
         self.started = int(time.time())
@@ -89,7 +89,7 @@ class SimState:
     def reset(self) -> None:
         self.engine.reset_stats()
         self.engine.revive()
-        self.metrics = SimMetrics(self.engine, self.profile.served_model_name)
+        self.metrics = SimMetrics(self.engine, self.profile.served_model_names[0])
         self.scenarios.reset()
         self.requests.clear()
 
@@ -151,7 +151,7 @@ class ChatHandler:
             rid = _request_id(request, body)
             self.s.requests.append({"id": rid, "received_at": time.time(),
                                     "sim_time": self.s.engine.sim_now(), "body": body})
-            return self.accept(parse_chat(body, self.s.profile.served_model_name), rid)
+            return self.accept(parse_chat(body, self.s.profile.served_model_names), rid)
         except APIError as exc:
             log.info("sim: refused request: %d %s", exc.status, exc.message)
             return _json_error(exc)
@@ -205,13 +205,14 @@ class ChatHandler:
 
 def _routes(state: SimState) -> list[Route]:
     s = state
-    served = s.profile.served_model_name
+    served = s.profile.served_model_names
 
     async def models(request: Request) -> Response:
-        card = {"id": served, "object": "model", "created": s.started, "owned_by": "vllm",
-                "root": f"sim/{s.profile.name}", "parent": None,
-                "max_model_len": s.profile.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        # vLLM lists one card per --served-model-name, all of the one model
+        cards = [{"id": name, "object": "model", "created": s.started, "owned_by": "vllm",
+                  "root": f"sim/{s.profile.name}", "parent": None,
+                  "max_model_len": s.profile.max_model_len} for name in served]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def health(request: Request) -> Response:
         return Response(status_code=503 if s.engine.dead else 200)

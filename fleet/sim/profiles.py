@@ -74,7 +74,9 @@ class DecodeCurve:
 @dataclass(frozen=True)
 class SimProfile:
     name: str
-    served_model_name: str = "local"
+    served_model_names: tuple[str, ...] = ("local",)
+    """vLLM's --served-model-name: the names requests may give; the first is the one responses and
+    /metrics' model_name label carry."""
     max_num_seqs: int = 32
     max_model_len: int = 262_144
     kv_pool_tokens: int = 530_000

@@ -59,6 +59,7 @@ class SimOptions:
     answer_min_tokens: int = 120
     answer_max_tokens: int = 600
     log_level: str = "info"
+    served_model_name: tuple[str, ...] = ("local",)
 
     def config(self) -> SimConfig:
         from fleet.sim.app import SimConfig
@@ -70,7 +71,10 @@ class SimOptions:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_partial_prefills=self.max_num_partial_prefills,
             max_long_partial_prefills=self.max_long_partial_prefills,
-            long_prefill_token_threshold=self.long_prefill_token_threshold)
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            served_model_names=tuple(self.served_model_name))
+        if not self.served_model_name or not all(name.strip() for name in self.served_model_name):
+            raise ValueError("served_model_name: give one or more non-empty names")
         if self.speed <= 0:
             raise ValueError("speed must be positive")
         if profile.max_model_len > profile.kv_pool_tokens:
@@ -86,7 +90,9 @@ class SimOptions:
         """Command-line arguments for ``python -m fleet.sim`` that rebuild these options."""
         args: list[str] = []
         for key, value in asdict(self).items():
-            if value is not None:
+            if isinstance(value, tuple):
+                args += ["--" + key.replace("_", "-"), *value]
+            elif value is not None:
                 args += ["--" + key.replace("_", "-"), str(value)]
         return args
 
@@ -197,6 +203,10 @@ def sim_command(
     answer_min_tokens: Annotated[int, typer.Option(help="Shortest drawn answer.")] = 120,
     answer_max_tokens: Annotated[int, typer.Option(help="Longest drawn answer.")] = 600,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
+    served_model_name: Annotated[list[str] | None, typer.Option(
+        help="vLLM's flag: a model name requests may give (repeat it for several; the first is "
+             "the one responses carry). Default: local.")] = None,
 ) -> None:
     """Run a vLLM OpenAI-compatible server simulator (docs/deployment.md's server by default)."""
-    serve(SimOptions(**{k: v for k, v in locals().items()}))
+    given = {k: v for k, v in locals().items() if k != "served_model_name"}
+    serve(SimOptions(**given, served_model_name=tuple(served_model_name or ("local",))))

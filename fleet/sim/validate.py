@@ -8,7 +8,7 @@ Every refusal is an ``APIError`` rendered as ``{"error": {"message", "type", "pa
   ``cache_salt`` that is not a non-empty string, a malformed
   ``response_format``; prompt too long (``param: "input_tokens"``, checked by the app once the
   prompt is tokenized).
-- 404 ``NotFoundError``: a ``model`` other than the served model name.
+- 404 ``NotFoundError``: a ``model`` none of the served model names (``--served-model-name``).
 
 Fields vLLM ignores are ignored here too (``priority`` under fcfs, ``guided_json``, unknown keys).
 """
@@ -117,12 +117,14 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
     return salt
 
 
-def parse_chat(body: Any, served_model: str) -> ChatRequest:
+def parse_chat(body: Any, served_models: tuple[str, ...]) -> ChatRequest:
+    """The request; ``model`` (of the response) is the first served name, as vLLM answers."""
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
-    model = body.get("model") or served_model
-    if model != served_model:
-        raise APIError(404, f"The model `{model}` does not exist.", "model")
+    asked = body.get("model") or served_models[0]
+    if asked not in served_models:
+        raise APIError(404, f"The model `{asked}` does not exist.", "model")
+    model = served_models[0]
     stream = bool(body.get("stream"))
     options = body.get("stream_options")
     if options is not None and not stream:

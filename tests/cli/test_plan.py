@@ -264,3 +264,58 @@ def test_plan_server_shows_the_partial_prefill_flags_vllm_does_not_expose(sim: S
     assert result.exit_code == 0
     row = next(line for line in result.output.splitlines() if "max_long_partial_prefills" in line)
     assert "not exposed" in row and "3" in row
+
+
+def test_plan_checks_each_backend_entry_at_its_url(sim: SimProcess, tmp_path: Path) -> None:
+    toml = tmp_path / "fleet.toml"
+    toml.write_text(f'[[backends]]\nname = "gpu-a"\nurl = "{sim.base_url}"\nkv_pool_tokens = 530000\n',
+                    encoding="utf-8")
+    result = runner.invoke(app, ["plan", "--backends"], env={"FLEET_CONFIG": str(toml)})
+    assert result.exit_code == 0, result.output
+    assert "gpu-a:" in result.output and "served model names" in result.output
+    toml.write_text(f'[[backends]]\nname = "gpu-a"\nurl = "{sim.base_url}"\nmodel = "qwen3-next"\n',
+                    encoding="utf-8")
+    result = runner.invoke(app, ["plan", "--backends"], env={"FLEET_CONFIG": str(toml)})
+    assert result.exit_code == 1
+    assert "gpu-a: model: fleet.toml sends 'qwen3-next', the server serves local" in result.output
+    result = runner.invoke(app, ["plan", "--server", sim.base_url, "--backend", "gpu-b"],
+                           env={"FLEET_CONFIG": str(toml)})
+    assert result.exit_code == 2 and "no backend named 'gpu-b' (configured: gpu-a)" in result.output
+
+
+def test_plan_writes_the_backends_entry(tmp_path: Path) -> None:
+    toml = tmp_path / "fleet.toml"
+    toml.write_text('[[backends]]\nname = "gpu-a"\nurl = "http://gpu:8100"\nblock_tokens = 16\n\n'
+                    "[retry]\nmax_attempts = 5\n", encoding="utf-8")
+    args = ["plan", str(CONFIG_PATH), "--layout", "tp2pp2", "--kv-cache-dtype", "fp8",
+            "--kv-memory-gib", str(TP2PP2_KV_GIB), "--write", str(toml)]
+    assert runner.invoke(app, [*args, "--backend", "gpu-b"]).exit_code == 2
+    result = runner.invoke(app, [*args, "--backend", "gpu-a"])
+    assert result.exit_code == 0, result.output
+    settings = load_settings(toml, env={})
+    assert (settings.backend.name, settings.backend.url, settings.backend.block_tokens,
+            settings.backend.kv_pool_tokens, settings.retry.max_attempts) == (
+        "gpu-a", "http://gpu:8100", 1_072, 530_640, 5)
+    assert "[backend]\n" not in toml.read_text(encoding="utf-8")
+
+
+def test_fleet_config_masks_every_backends_key_and_url_password(tmp_path: Path) -> None:
+    toml = tmp_path / "fleet.toml"
+    toml.write_text('[[backends]]\nname = "gpu-a"\nurl = "http://user:url-secret@gpu-a:8100"\n'
+                    'api_key = "backend-key-secret"\n', encoding="utf-8")
+    result = runner.invoke(app, ["config"], env={"FLEET_CONFIG": str(toml)})
+    assert result.exit_code == 0, result.output
+    assert "gpu-a" in result.output and "http://user:***@gpu-a:8100" in result.output
+    assert "url-secret" not in result.output and "backend-key-secret" not in result.output
+
+
+def test_server_check_holds_for_a_model_the_server_does_not_serve(sim: SimProcess) -> None:
+    settings = Settings(backend={"model": "qwen3-next"}, admission={"on_server_mismatch": "refuse"})
+    check = ServerCheck(settings)
+    with httpx.Client(base_url=sim.base_url) as http:
+        assert check.after_scrape(True, http) == HOLD
+    with pytest.raises(ConfigError, match="model: fleet.toml sends 'qwen3-next', the server serves local"):
+        check.check_once(httpx.Client(base_url=sim.base_url))
+    agreeing = ServerCheck(Settings(admission={"on_server_mismatch": "refuse"}))
+    agreeing.check_once(httpx.Client(base_url=sim.base_url))  # "local" is served: no ConfigError
+    assert agreeing.hold == ""

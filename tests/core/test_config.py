@@ -126,3 +126,67 @@ def test_a_concurrent_reader_of_os_environ_never_sees_the_given_values(monkeypat
         stop.set()
         reader.join()
     assert seen == {"redis://mine:6379/0"}
+
+
+# -- backends: [backend] is the one-entry form of [[backends]] ----------------------------------
+
+ONE_ENTRY = ('[[backends]]\nname = "gpu-a"\nurl = "http://gpu-a:8100"\n'
+             'served_model_names = ["qwen3-next", "default"]\nmax_num_seqs = 16\n')
+
+
+def test_one_backends_entry_is_the_backend(tmp_path: Path):
+    path = tmp_path / "fleet.toml"
+    path.write_text(ONE_ENTRY)
+    settings = load_settings(path, env={"FLEET_BACKEND_MAX_NUM_SEQS": "8"})
+    assert settings.backends == [settings.backend]
+    backend = settings.backend
+    assert (backend.name, backend.url, backend.model, backend.max_num_seqs) == (
+        "gpu-a", "http://gpu-a:8100", "qwen3-next", 8)  # model: the first served name; env wins
+    assert backend.served_models == ("qwen3-next", "default")
+    assert settings.served_models() == ["qwen3-next", "default"]
+    changed = settings.with_backend(url="http://elsewhere:1")
+    assert changed.backends == [changed.backend] and changed.backend.url == "http://elsewhere:1"
+
+
+def test_backend_table_reads_back_as_the_one_entry():
+    settings = load_settings(EXAMPLE_CONFIG, env={"FLEET_BACKEND_URL": "http://gpu:8100"})
+    assert settings.backends == [settings.backend]
+    assert (settings.backend.name, settings.backend.url) == ("default", "http://gpu:8100")
+    assert settings.served_models() == ["local"]
+
+
+@pytest.mark.parametrize("env", [{}, {"FLEET_BACKENDS": '[{"name": "a"}, {"name": "b"}]'}])
+def test_several_backends_are_refused_until_admission_spans_them(tmp_path: Path, env: dict):
+    path = tmp_path / "fleet.toml"
+    path.write_text("" if env else '[[backends]]\nname = "a"\n\n[[backends]]\nname = "b"\n')
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path, env=env)
+    message = str(caught.value)
+    assert message.count("backends") >= 2 and "(a, b)" in message
+    assert "admission across several backends is not built yet" in message
+
+
+def test_backends_variable_beside_a_backend_table_is_refused():
+    with pytest.raises(ConfigError, match=r"backends: give the server as \[backend\] or as"):
+        load_settings(EXAMPLE_CONFIG, env={"FLEET_BACKENDS": '[{"name": "a"}]'})
+
+
+@pytest.mark.parametrize(
+    ("toml", "named"),
+    [
+        ('[backend]\nurl = "http://x:1"\n\n' + ONE_ENTRY, "backends: give the server as [backend] or"),
+        ('[backend]\nmodel = "m"\nserved_model_names = ["n"]\n',
+         "backend: Value error, model 'm' is not one of served_model_names"),
+        ('[backend]\nserved_model_names = ["n", "n"]\n',
+         "backend.served_model_names: Value error, names a model twice"),
+        ('[backend]\nname = "no spaces"\n', "backend.name"),
+        ("[projects.p]\nsecret = 'long-enough-secret'\nmodel = 'gpt-4o'\n",
+         "projects.p.model: no backend serves 'gpt-4o' (served: local)"),
+    ],
+)
+def test_bad_backend_and_model_settings_name_the_key(tmp_path: Path, toml: str, named: str):
+    path = tmp_path / "fleet.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path, env={})
+    assert named in str(caught.value)

@@ -318,7 +318,7 @@ def test_a_failed_send_requeues_the_unsent_grants_of_its_call(
     """One ADMIT call grants several jobs; when the second send fails, it and every grant of the
     call not sent yet go back in line at once, and the job sent before keeps its lease."""
     settings = settings_for(key_prefix, lease_ttl_s=3600.0)
-    settings = settings.model_copy(update={"backend": settings.backend.model_copy(update={"max_num_seqs": 4})})
+    settings = settings.with_backend(max_num_seqs=4)
     store = make_store(settings, redis_client)
     store.add_pending_many(PendingItem(f"j{n}", "a", 100, 100, enqueued_at=1e9 + n) for n in range(4))
     sent: list[Grant] = []

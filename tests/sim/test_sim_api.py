@@ -343,3 +343,25 @@ def test_a_bad_numeric_marker_is_a_plain_400(sim: SimProcess, client: openai.Ope
     assert refused.value.body["param"] == "messages"
     ok = client.chat.completions.create(model="local", messages=user("[sim:think=5] fine"))
     assert ok.choices[0].finish_reason == "stop"
+
+
+def test_served_model_names_as_vllm_serves_them() -> None:
+    from fleet.sim.__main__ import parse_args
+
+    options = parse_args(["--served-model-name", "qwen3-next", "default", "--profile", "tiny"])
+    assert options.served_model_name == ("qwen3-next", "default")
+    assert parse_args(options.to_args()) == options
+    with start_sim_process(speed=SPEED, log_level="warning", profile="tiny",
+                           served_model_name=("qwen3-next", "default")) as named:
+        cards = httpx.get(named.base_url + "/v1/models").json()["data"]
+        assert [card["id"] for card in cards] == ["qwen3-next", "default"]
+        client = openai.OpenAI(base_url=named.base_url + "/v1", api_key="x", max_retries=0)
+        answer = client.chat.completions.create(model="default", messages=user("[sim:answer=5] hi"))
+        assert answer.model == "qwen3-next"  # vLLM answers with the first served name
+        raw = httpx.post(named.base_url + "/v1/chat/completions",
+                         json={"model": "local", "messages": user("x")})
+        assert raw.status_code == 404
+        assert raw.json() == {"error": {"message": "The model `local` does not exist.",
+                                        "type": "NotFoundError", "param": "model", "code": 404}}
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="local", messages=user("x"))

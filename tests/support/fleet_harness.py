@@ -103,8 +103,7 @@ class Harness:
     def __enter__(self) -> Harness:
         self.fleet.start()
         self.backend_url = self.fleet.env["FLEET_BACKEND_URL"]
-        self.settings = self.settings.model_copy(update={"backend": self.settings.backend.model_copy(
-            update={"url": self.backend_url})})
+        self.settings = self.settings.with_backend(url=self.backend_url)
         self.client = Client(self.settings)
         return self
 

@@ -147,9 +147,7 @@ class FleetBench:
         try:
             self.fleet.start()
             self.base_url = self.fleet.env["FLEET_BACKEND_URL"]
-            self.settings = self.settings.model_copy(
-                update={"backend": self.settings.backend.model_copy(update={"url": self.base_url})}
-            )
+            self.settings = self.settings.with_backend(url=self.base_url)
             self.client = Client(self.settings)
             self.store = make_store(self.settings, self.redis)
         except BaseException:
