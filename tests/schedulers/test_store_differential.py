@@ -1,7 +1,8 @@
 """The in-memory twin and the Redis store (Lua) agree: one random operation sequence, both stores.
 
 A hypothesis state machine draws a small configuration (few sequences, a small KV budget, one or
-two long prompts at a time, one or two long prefills per quiet window, a tight prefill bucket,
+two long prompts at a time, one or two long prefills per quiet window, drains that pay or not
+(``short_job_s``), a tight prefill bucket,
 spacing, project weights, the backend gate on or off) and jobs with and without prep's
 uncached-token estimate, then feeds the same submits, resubmits, admissions (one at a time and several per call),
 claims, renewals, releases, requeues, readmits (continuations, with and without a not-before
@@ -9,7 +10,7 @@ time), promotions, hurries, cancels, deadline expiries, backend verdicts and clo
 reap unrenewed leases) to a ``MemoryStore`` and a ``RedisStore`` sharing one fake clock. Every
 answer must be equal - grants (job, fence, project, sizes, expiry, wait), hold reasons and their
 retry times, booleans, reaped, expired and promoted ids - and after every step so must the
-snapshots (pending per project and band, in flight, reserved KV, long in flight, claimed leases,
+snapshots (pending per project and band, in flight, reserved KV, long and interactive in flight, claimed leases,
 admissions, holds), the live leases, the pending ids, the next deadline, expiry and not-before
 time, and the continuations waiting per project.
 
@@ -63,6 +64,7 @@ small_limits = st.builds(
     long_prefill_tokens_per_s=st.sampled_from([0.0, 0.0, 5_000.0]),
     short_beside_long=st.integers(0, 1),
     long_prefills=st.integers(1, 2),
+    short_job_s=st.sampled_from([0.0, 0.0, 2.0, 60.0]),
 )
 configs = st.builds(
     StoreConfig,
