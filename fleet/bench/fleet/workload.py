@@ -26,6 +26,7 @@ class Spec:
     long: bool = False
     tag: str = ""
     extra: str = ""  # more scenario markers (fleet/bench/continuations.py), made unique by the tag
+    band: str = "batch"  # interactive | batch (fleet/bench/fleet/mix.py)
 
     @property
     def thinking_budget(self) -> int:
@@ -113,6 +114,7 @@ def content_of(spec: Spec, long_text: LongText | None) -> str:
 def job_of(spec: Spec, long_text: LongText | None) -> dict[str, Any]:
     return {
         "project": spec.project,
+        "band": spec.band,
         "thinking_budget": spec.thinking_budget,
         "content_reserve": spec.content_reserve,
         "metadata": {"tag": spec.tag, "long": spec.long},

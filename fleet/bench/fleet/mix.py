@@ -1,0 +1,99 @@
+"""The mix scenario: full and fast together. The same 10%-long-prompt jobs (every tenth a real
+~60K-token document, all of them batch work) run through the fleet three times, with the short
+jobs' band changed: (a) batch only, (b) interactive beside batch (the short jobs of two of the
+five projects interactive), (c) the deployment's mix (the coding assistant's short jobs
+interactive, the rest batch). Each run is set against one 32-thread FIFO of the same jobs straight
+at the simulator (a FIFO knows no bands): the backend's mean in-flight / cap and output tok/s over
+the busy period and the makespan; and the short jobs' service p95 (the interactive ones where
+there are any) against a run of the short jobs alone (none long).
+
+The drain rule needs a short job's time at the backend (``admission.short_job_s``): the bench
+measures it in the none-long run (the short jobs' service p50) and gives it to the dispatcher of
+the three runs, so the rule weighs the drain with what the simulator's short jobs really take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fleet.bench.fleet.harness import FleetBench, FleetRun
+from fleet.bench.fleet.render import Row, fmt, pct, verdict
+from fleet.bench.fleet.sampler import Sampler
+from fleet.bench.fleet.workload import LongText, Spec, short_mix, with_long
+
+MIXES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("(a) batch only", ()),
+    ("(b) interactive beside batch", ("assistant", "triage")),
+    ("(c) the deployment's mix", ("assistant",)),
+)
+# The issue's targets: (utilization, tok/s ratio) for (a); (p95 ratio, tok/s ratio) for (b).
+BATCH_UTIL, BATCH_TOKS = 0.95, 0.99
+INTERACTIVE_P95, INTERACTIVE_TOKS = 1.15, 0.97
+
+
+def banded(specs: list[Spec], interactive: tuple[str, ...]) -> list[Spec]:
+    """The short jobs of the ``interactive`` projects in the interactive band; the rest batch."""
+    return [replace(s, band="interactive" if s.project in interactive and not s.long else "batch")
+            for s in specs]
+
+
+def service(run: FleetRun, ids: dict[str, Spec], band: str | None) -> list[float]:
+    """Service times (admitted -> final) of the run's short jobs, of one band or all."""
+    return [FleetRun.finished_at(e) - FleetRun.admitted_at(e) for e in run.envelopes
+            if (spec := ids.get(e.job_id)) is not None and not spec.long
+            and (band is None or spec.band == band)]
+
+
+def mix(fb: FleetBench, n: int, think: int, answer: int, long_tokens: int) -> list[Row]:
+    samplers: list[Sampler] = []
+    long_text = LongText(fb.base_url, long_tokens)
+    specs = with_long(short_mix(n, think, answer), 0.1)
+    run0, ids0 = fb.run_fleet([s for s in specs if not s.long], None, samplers)
+    p95_0, short_job_s = pct(service(run0, ids0, None), 95), pct(service(run0, ids0, None), 50)
+    records, start, last_sent, end, _cpu = fb.run_direct({"fifo": (32, specs)}, long_text, samplers)
+    fifo = samplers[-1].window(start, last_sent, fb.cap)
+    fifo_p95 = pct([r.done - r.sent for r in records if not r.long], 95)
+    sc = f"mix ({n} jobs, {sum(s.long for s in specs)} batch of {long_text.tokens:,} tokens)"
+    rows: list[Row] = [
+        (sc, "none long: short-job service p50 / p95 (p50 = admission.short_job_s of the runs)",
+         f"{fmt(short_job_s)} / {fmt(p95_0)} s", "", ""),
+        (sc, "FIFO (32 threads straight to the sim): in-flight / cap, output tok/s, makespan",
+         f"{fmt(fifo['mean in-flight / cap'], 3)}, {fmt(fifo['output tok/s'], 0)}, {fmt(end - start)} s", "", ""),
+        (sc, "FIFO: short-job service p95 / none long", f"{fmt(fifo_p95 / p95_0)}x", "", ""),
+    ]
+    env = {"FLEET_ADMISSION_SHORT_JOB_S": repr(short_job_s)}
+    for label, interactive in MIXES:
+        holds0 = fb.store.snapshot().holds.get("prefill", 0)
+        run, ids = fb.run_fleet(banded(specs, interactive), long_text, samplers, dispatcher_env=env)
+        holds = fb.store.snapshot().holds.get("prefill", 0) - holds0
+        rows += _mix_rows(f"{sc}, {label}", fb.cap, samplers[-1], (run, ids), fifo, (end - start, p95_0),
+                          bool(interactive), holds)
+    return rows
+
+
+def _mix_rows(name: str, cap: int, sampler: Sampler, fleet: tuple[FleetRun, dict[str, Spec]],
+              fifo: dict[str, float], reference: tuple[float, float], interactive: bool, holds: int) -> list[Row]:
+    """One fleet run of the mix against the FIFO (``reference``: its makespan, and the none-long
+    short-job p95)."""
+    (run, ids), (fifo_makespan, p95_0) = fleet, reference
+    w = sampler.window(run.first_admit, run.last_admit, cap)
+    util, toks = w["mean in-flight / cap"], w["output tok/s"] / fifo["output tok/s"]
+    p95 = pct(service(run, ids, "interactive" if interactive else None), 95)
+    makespan = run.end - run.start
+    which = "interactive short-job" if interactive else "short-job"
+    missing = run.missing + sum(not e.ok for e in run.envelopes)
+    return [
+        (name, "jobs not OK", str(missing), "0", verdict(missing == 0)),
+        (name, "mean in-flight / cap (busy period)", f"{fmt(util, 3)} (FIFO {fmt(fifo['mean in-flight / cap'], 3)})",
+         "" if interactive else f">= {BATCH_UTIL}", "" if interactive else verdict(util >= BATCH_UTIL, fmt(util, 3))),
+        (name, "output tok/s (busy period) / FIFO's", f"{fmt(w['output tok/s'], 0)} / {fmt(fifo['output tok/s'], 0)}"
+         f" = {fmt(toks, 3)}", f">= {INTERACTIVE_TOKS if interactive else BATCH_TOKS}",
+         verdict(toks >= (INTERACTIVE_TOKS if interactive else BATCH_TOKS), fmt(toks, 3))),
+        (name, "makespan / FIFO's", f"{fmt(makespan)} / {fmt(fifo_makespan)} s = {fmt(makespan / fifo_makespan, 3)}",
+         "", ""),
+        (name, f"{which} service p95 / none long", f"{fmt(p95)} / {fmt(p95_0)} s = {fmt(p95 / p95_0)}x",
+         f"<= {INTERACTIVE_P95}x" if interactive else "",
+         verdict(p95 / p95_0 <= INTERACTIVE_P95, f"{fmt(p95 / p95_0)}x") if interactive else ""),
+        (name, "admission rounds held by 'prefill' (drain or window)", str(holds), "", ""),
+    ]
+
