@@ -3,8 +3,10 @@
 jobs' band changed: (a) batch only, (b) interactive beside batch (the short jobs of two of the
 five projects interactive), (c) the deployment's mix (the coding assistant's short jobs
 interactive, the rest batch). Each run is set against one 32-thread FIFO of the same jobs straight
-at the simulator (a FIFO knows no bands): the backend's mean in-flight / cap and output tok/s over
-the busy period and the makespan; and the short jobs' service p95 (the interactive ones where
+at the simulator (a FIFO knows no bands): the backend's mean in-flight / cap and output tok/s from
+the first admission (FIFO: the first request) to the last job's end, and the makespan (the whole
+run, not the busy period to the last admission: with the long prompts last, most of their
+decoding comes after it); and the short jobs' service p95 (the interactive ones where
 there are any) against a run of the short jobs alone (none long).
 
 The drain rule needs a short job's time at the backend (``admission.short_job_s``): the bench
@@ -50,8 +52,8 @@ def mix(fb: FleetBench, n: int, think: int, answer: int, long_tokens: int) -> li
     specs = with_long(short_mix(n, think, answer), 0.1)
     run0, ids0 = fb.run_fleet([s for s in specs if not s.long], None, samplers)
     p95_0, short_job_s = pct(service(run0, ids0, None), 95), pct(service(run0, ids0, None), 50)
-    records, start, last_sent, end, _cpu = fb.run_direct({"fifo": (32, specs)}, long_text, samplers)
-    fifo = samplers[-1].window(start, last_sent, fb.cap)
+    records, start, _last_sent, end, _cpu = fb.run_direct({"fifo": (32, specs)}, long_text, samplers)
+    fifo = samplers[-1].window(start, end, fb.cap)
     fifo_p95 = pct([r.done - r.sent for r in records if not r.long], 95)
     sc = f"mix ({n} jobs, {sum(s.long for s in specs)} batch of {long_text.tokens:,} tokens)"
     rows: list[Row] = [
@@ -76,24 +78,29 @@ def _mix_rows(name: str, cap: int, sampler: Sampler, fleet: tuple[FleetRun, dict
     """One fleet run of the mix against the FIFO (``reference``: its makespan, and the none-long
     short-job p95)."""
     (run, ids), (fifo_makespan, p95_0) = fleet, reference
-    w = sampler.window(run.first_admit, run.last_admit, cap)
+    w = sampler.window(run.first_admit, run.end, cap)
     util, toks = w["mean in-flight / cap"], w["output tok/s"] / fifo["output tok/s"]
     p95 = pct(service(run, ids, "interactive" if interactive else None), 95)
     makespan = run.end - run.start
-    which = "interactive short-job" if interactive else "short-job"
     missing = run.missing + sum(not e.ok for e in run.envelopes)
+    toks_target = INTERACTIVE_TOKS if interactive else BATCH_TOKS
+    util_row: Row = (name, "mean in-flight / cap (first admission to last end)",
+                     f"{fmt(util, 3)} (FIFO {fmt(fifo['mean in-flight / cap'], 3)})", "", "")
+    if not interactive:
+        util_row = (*util_row[:3], f">= {BATCH_UTIL}", verdict(util >= BATCH_UTIL, fmt(util, 3)))
+    p95_row: Row = (name, "short-job service p95 / none long", f"{fmt(p95)} / {fmt(p95_0)} s = {fmt(p95 / p95_0)}x",
+                    "", "")
+    if interactive:
+        p95_row = (name, "interactive short-job service p95 / none long", p95_row[2], f"<= {INTERACTIVE_P95}x",
+                   verdict(p95 / p95_0 <= INTERACTIVE_P95, f"{fmt(p95 / p95_0)}x"))
     return [
         (name, "jobs not OK", str(missing), "0", verdict(missing == 0)),
-        (name, "mean in-flight / cap (busy period)", f"{fmt(util, 3)} (FIFO {fmt(fifo['mean in-flight / cap'], 3)})",
-         "" if interactive else f">= {BATCH_UTIL}", "" if interactive else verdict(util >= BATCH_UTIL, fmt(util, 3))),
-        (name, "output tok/s (busy period) / FIFO's", f"{fmt(w['output tok/s'], 0)} / {fmt(fifo['output tok/s'], 0)}"
-         f" = {fmt(toks, 3)}", f">= {INTERACTIVE_TOKS if interactive else BATCH_TOKS}",
-         verdict(toks >= (INTERACTIVE_TOKS if interactive else BATCH_TOKS), fmt(toks, 3))),
+        util_row,
+        (name, "output tok/s (first admission to last end) / FIFO's",
+         f"{fmt(w['output tok/s'], 0)} / {fmt(fifo['output tok/s'], 0)} = {fmt(toks, 3)}", f">= {toks_target}",
+         verdict(toks >= toks_target, fmt(toks, 3))),
         (name, "makespan / FIFO's", f"{fmt(makespan)} / {fmt(fifo_makespan)} s = {fmt(makespan / fifo_makespan, 3)}",
          "", ""),
-        (name, f"{which} service p95 / none long", f"{fmt(p95)} / {fmt(p95_0)} s = {fmt(p95 / p95_0)}x",
-         f"<= {INTERACTIVE_P95}x" if interactive else "",
-         verdict(p95 / p95_0 <= INTERACTIVE_P95, f"{fmt(p95 / p95_0)}x") if interactive else ""),
+        p95_row,
         (name, "admission rounds held by 'prefill' (drain or window)", str(holds), "", ""),
     ]
-
