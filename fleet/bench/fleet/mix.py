@@ -1,13 +1,13 @@
-"""The mix scenario: full and fast together. The same 10%-long-prompt jobs (every tenth a real
-~60K-token document, all of them batch work) run through the fleet three times, with the short
-jobs' band changed: (a) batch only, (b) interactive beside batch (the short jobs of two of the
-five projects interactive), (c) the deployment's mix (the coding assistant's short jobs
-interactive, the rest batch). Each run is set against one 32-thread FIFO of the same jobs straight
-at the simulator (a FIFO knows no bands): the backend's mean in-flight / cap and output tok/s from
-the first admission (FIFO: the first request) to the last job's end, and the makespan (the whole
-run, not the busy period to the last admission: with the long prompts last, most of their
-decoding comes after it); and the short jobs' service p95 (the interactive ones where
-there are any) against a run of the short jobs alone (none long).
+"""The mix scenario: full and fast together. The same 10%-long-prompt jobs (every tenth job of each
+project a real ~60K-token document, all of them batch work; every project backlogged) run through
+the fleet three times, with the short jobs' band changed: (a) batch only, (b) interactive beside
+batch (the short jobs of two of the five projects interactive), (c) the deployment's mix (the
+coding assistant's short jobs interactive, the rest batch). Each run is set against one 32-thread
+FIFO of the same jobs straight at the simulator (a FIFO knows no bands): the backend's mean
+in-flight / cap and output tok/s from the first admission (FIFO: the first request) to the last job's
+end, and the makespan (the whole run, not the busy period to the last admission: with the long
+prompts last, most of their decoding comes after it); and the short jobs' service p95 (the
+interactive ones where there are any) against a run of the short jobs alone (none long).
 
 The drain rule needs a short job's time at the backend (``admission.short_job_s``): the bench
 measures it in the none-long run (the short jobs' service p50) and gives it to the dispatcher of
@@ -21,7 +21,7 @@ from dataclasses import replace
 from fleet.bench.fleet.harness import FleetBench, FleetRun
 from fleet.bench.fleet.render import Row, fmt, pct, verdict
 from fleet.bench.fleet.sampler import Sampler
-from fleet.bench.fleet.workload import LongText, Spec, short_mix, with_long
+from fleet.bench.fleet.workload import LongText, Spec, short_mix, with_long_each
 
 MIXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("(a) batch only", ()),
@@ -49,7 +49,7 @@ def service(run: FleetRun, ids: dict[str, Spec], band: str | None) -> list[float
 def mix(fb: FleetBench, n: int, think: int, answer: int, long_tokens: int) -> list[Row]:
     samplers: list[Sampler] = []
     long_text = LongText(fb.base_url, long_tokens)
-    specs = with_long(short_mix(n, think, answer), 0.1)
+    specs = with_long_each(short_mix(n, think, answer), 0.1)
     run0, ids0 = fb.run_fleet([s for s in specs if not s.long], None, samplers)
     p95_0, short_job_s = pct(service(run0, ids0, None), 95), pct(service(run0, ids0, None), 50)
     records, start, _last_sent, end, _cpu = fb.run_direct({"fifo": (32, specs)}, long_text, samplers)
@@ -102,5 +102,5 @@ def _mix_rows(name: str, cap: int, sampler: Sampler, fleet: tuple[FleetRun, dict
         (name, "makespan / FIFO's", f"{fmt(makespan)} / {fmt(fifo_makespan)} s = {fmt(makespan / fifo_makespan, 3)}",
          "", ""),
         p95_row,
-        (name, "admission rounds held by 'prefill' (drain or window)", str(holds), "", ""),
+        (name, "admission rounds that ended on a 'prefill' hold (drain or window)", str(holds), "", ""),
     ]
