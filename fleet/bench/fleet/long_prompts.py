@@ -2,9 +2,13 @@
 requests in flight at the backend against ``max_long``, the short jobs' p95 with and without the
 long ones, for the settings as given, the rule before when the server takes several long
 prefills at once, and a paced prefill bucket; then the same jobs from a 32-thread FIFO and from
-five clients x 16 straight at the simulator."""
+five clients x 16 straight at the simulator. Every job is interactive: quiet windows protect
+interactive work only (one band keeps the fair order of the runs before; batch work alone and
+the bands side by side are the mix scenario, fleet/bench/fleet/mix.py)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from fleet.bench.fleet.direct import direct_latencies
 from fleet.bench.fleet.harness import FleetBench, FleetRun, codes, fleet_latencies
@@ -41,7 +45,7 @@ def long_prompts(
 ) -> list[Row]:
     samplers: list[Sampler] = []
     long_text = LongText(fb.base_url, long_tokens)
-    specs = with_long(short_mix(n, think, answer), 0.1)
+    specs = [replace(s, band="interactive") for s in with_long(short_mix(n, think, answer), 0.1)]
     shorts = [s for s in specs if not s.long]
     run0, ids0 = fb.run_fleet(shorts, None, samplers)
     lat0 = fleet_latencies(run0, ids0, long=False)
