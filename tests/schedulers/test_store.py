@@ -210,6 +210,19 @@ def test_an_interactive_sequence_in_flight_keeps_the_drain_until_it_ends(make_st
     assert admit_ids(store, 1_011.0) == ["l2", "s3", "s4"]
 
 
+@pytest.mark.parametrize(("band", "expected"), [("batch", ["l2", "s0", "s1"]), ("interactive", ["s0", "s1"])])
+def test_in_the_batch_band_a_projects_long_prompt_goes_before_its_short_jobs(
+    make_store: StoreFactory, band: str, expected: list[str]
+) -> None:
+    """Batch: the long prompt submitted last goes first, and the shorts after it; interactive:
+    the shorts go in their order and the long prompt waits for them to drain."""
+    store = make_store(limits(**QUIET))
+    for name in ("s0", "s1"):
+        store.add_pending(job(name, band=band))
+    store.add_pending(job("l2", prompt=12_000, new=0, band=band))
+    assert admit_ids(store, 1_010.0) == expected
+
+
 @pytest.mark.parametrize(("short_job_s", "drained"), [(50.0, True), (60.0, False)])
 def test_a_drain_goes_only_when_it_idles_fewer_slot_seconds_than_the_prefill_slows(
     make_store: StoreFactory, short_job_s: float, drained: bool

@@ -81,13 +81,16 @@ local function read_heads(pr)
   pr.heads = any and heads or nil
 end
 
--- fairshare.project_candidates: per band the head in line and, behind a long head, the short one.
+-- fairshare.project_candidates: per band the head in line and, behind a long head, the short one;
+-- in the batch band the long head first.
 local function candidates(pr)
   local out = {}
   for _, band in ipairs(BANDS) do
     local s, l = pr.heads[band].short, pr.heads[band].long
     local first = s
-    if l and (not s or l.score < s.score or (l.score == s.score and l.id < s.id)) then first = l end
+    if l and (not s or band == 'batch' or l.score < s.score or (l.score == s.score and l.id < s.id)) then
+      first = l
+    end
     if first then
       table.insert(out, first)
       if first.long and s then table.insert(out, s) end
