@@ -34,6 +34,9 @@ What it reports (``RoundResult``):
                       ``min(full, jobs still open)`` requests again, ``full`` being the median it ran
                       over the 2 s before the fault; ``never`` if it does not. Jobs a Redis without
                       persistence lost are not open: they never run again
+  fault -> all final  seconds from the end of each fault until the last job open then (not lost)
+                      had its envelope: the longest a job waited after the fault ended (queued
+                      work counts: a backlog takes its time to drain); ``never`` if one never did
   exited              processes that exited by themselves (restarted by the supervisor)
   RSS                 each process's resident memory (VmRSS) sampled every second from the first
                       envelopes on (imports done, work under way): first, max, last; a process
@@ -101,6 +104,7 @@ class RoundResult:
     cap: int = 0
     full_level: int = 0  # running requests counted as a full backend (the level before the fault)
     recoveries: list[float | None] = field(default_factory=list)
+    all_final: list[float | None] = field(default_factory=list)  # fault end -> last open job final
     exited: Counter[str] = field(default_factory=Counter)
     submit_failures: int = 0
     codes: Counter[str] = field(default_factory=Counter)
@@ -280,6 +284,17 @@ class ChaosFleet:
         done = {job_id for job_id, _code, seen in list(self.seen.values()) if at is None or seen <= at}
         return sum(1 for j in ids if j not in done)
 
+    def last_final(self, ids: list[str], after: float) -> float | None:
+        """Seconds from ``after`` to the first envelope of the last of ``ids`` open then (0 when
+        none was open); None when one of them never had one."""
+        first: dict[str, float] = {}
+        for job_id, _code, seen in list(self.seen.values()):
+            first[job_id] = min(seen, first.get(job_id, seen))
+        still_open = [j for j in ids if j not in first or first[j] > after]
+        if any(j not in first for j in still_open):
+            return None
+        return max((first[j] - after for j in still_open), default=0.0)
+
     def close(self, keep_logs: bool = False) -> None:
         self._stop.set()
         for thread in self._threads:
@@ -396,6 +411,7 @@ def run_round(name: str, plan: RoundPlan, jobs: int, cap: int, speed: float, thi
             lost = set(result.lost)  # gone with the Redis that held them: never to run again
             targets = [min(full, cf.open_jobs([j for j in ids if j not in lost], end)) for end in ends]
             result.recoveries = [_back_to_full(sampler, end, target) for end, target in zip(ends, targets, strict=True)]
+            result.all_final = [cf.last_final([j for j in ids if j not in lost], end) for end in ends]
             result.max_running = max((s["max_running_seen"] for s in sampler.samples), default=0)
         ended = True
     except Exception as exc:  # a round that cannot run is reported, never the end of the bench
@@ -493,15 +509,16 @@ def chaos_bench(rounds: list[str], jobs: int = 80, cap: int = 8, speed: float = 
 
 # -- reporting -------------------------------------------------------------------------------------
 COLUMNS = ("round", "fault", "jobs", "envelopes", "missing (lost/stuck)", "doubled", "max in flight / cap",
-           "fault -> full backend (level), s", "exited", "verdict")
+           "fault -> full backend (level), s", "fault -> all final, s", "exited", "verdict")
 
 
 def row_of(r: RoundResult) -> list[str]:
     recoveries = ", ".join("never" if x is None else f"{x:.1f}" for x in r.recoveries)
     recoveries = f"{recoveries} ({r.full_level})" if recoveries else "-"
+    finals = ", ".join("never" if x is None else f"{x:.1f}" for x in r.all_final) or "-"
     exited = ", ".join(f"{n} x{c}" for n, c in sorted(r.exited.items())) or "0"
     return [r.name, r.fault, str(r.jobs), str(r.envelopes), f"{r.missing} ({len(r.lost)}/{len(r.stuck)})",
-            str(len(r.doubled)), f"{r.max_running} / {r.cap}", recoveries, exited, r.verdict()]
+            str(len(r.doubled)), f"{r.max_running} / {r.cap}", recoveries, finals, exited, r.verdict()]
 
 
 def rss_rows(results: list[RoundResult]) -> list[list[str]]:

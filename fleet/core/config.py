@@ -165,14 +165,22 @@ class AdmissionSettings(_Section):
     """Port of the dispatcher's Prometheus /metrics (0 = off). If another dispatcher on the host
     holds it, this one logs a warning and runs on without /metrics (the shared figures are the same)."""
     quiet_long_prefill: bool = True
-    """A long prefill (a prompt whose tokens expected to miss the prefix cache are above
-    backend.long_prompt_tokens) is admitted only while at most short_beside_long_prefill short
-    sequences are in flight, and nothing but further long prefills (up to the server's
-    max_long_partial_prefills) is admitted while the prefills run (uncached tokens /
-    backend.prefill_tokens_per_s): a long prefill slows every sequence decoding beside it several
-    fold. A long prompt kept waiting reserves its turn after hol_bypass_s, so it is not starved."""
+    """While interactive work (the interactive band) is in flight or waiting, a long prefill (a
+    prompt whose tokens expected to miss the prefix cache are above backend.long_prompt_tokens) is
+    admitted only while at most short_beside_long_prefill short sequences are in flight (unless
+    that drain costs more than it saves: short_job_s), and nothing but further long prefills (up
+    to the server's max_long_partial_prefills) is admitted while the prefills run (uncached tokens
+    / backend.prefill_tokens_per_s): a long prefill slows every sequence decoding beside it
+    several fold. Batch work alone is never held for it. A long prompt kept waiting reserves its
+    turn after hol_bypass_s, so it is not starved."""
     short_beside_long_prefill: int = Field(2, ge=0)
     """Short sequences in flight at most when a long prompt is admitted (quiet_long_prefill)."""
+    short_job_s: float = Field(60.0, ge=0)
+    """How long a short job runs at the backend, seconds (a typical one: about 1,000 reasoning and
+    answer tokens at ~19 tok/s with 32 running). The drain before a long prefill is skipped when
+    it would leave more slot-seconds idle than the prefill costs the short sequences beside it:
+    (S - b)^2 x short_job_s / 2S against S x uncached tokens / backend.prefill_tokens_per_s (S
+    short sequences in flight, b short_beside_long_prefill). 0: always drain."""
     hol_bypass_s: float = Field(10.0, ge=0)
     """How long smaller jobs may pass the first job in fair order while it does not fit the KV
     budget or the prefill bucket; after that everyone waits for it."""

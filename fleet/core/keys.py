@@ -111,7 +111,8 @@ Dispatcher (schedulers/store/redis_store.py, its scripts in schedulers/store/lua
   D deadlines                 zset   pending job ids with a deadline, score = deadline (unix s);
                                      removed at admission, cancel or expiry, back when an expired
                                      lease requeues the job
-  D state                     hash   in_flight, kv, long, claimed (sums over live leases), queued
+  D state                     hash   in_flight, kv, long, inter (interactive-band), claimed (sums
+                                     over live leases), queued
                                      (pending jobs, so a script can tell "nothing pending" without
                                      reading queues it did not declare), bucket, bucket_at (prefill
                                      token bucket), prefill_until, prefill_longs (quiet long

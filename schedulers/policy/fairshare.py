@@ -20,7 +20,11 @@ Queues of one project
   first yet a waiting job gains one priority level per ``aging_s`` and nothing starves. The score
   never changes after submission, so a job whose lease expired goes back to its original place.
   Keeping long prompts apart gives each band a short fallback: when the band's head is a long
-  prompt that cannot go (three long ones in flight), the first short job behind it may.
+  prompt that cannot go (three long ones in flight), the first short job behind it may. In the
+  batch band a project's long prompt goes before its short jobs, whatever their places: nobody
+  waits on either, and a long prefill then runs early, beside many decoding sequences, instead of
+  being left for the end of a backlog where the long prompts prefill one after another beside
+  few (the project's fair share is the same either way).
 
 Bands and aging across projects
   While some project has interactive work, a project is in tier 0 when it has an interactive job
@@ -100,10 +104,13 @@ def charge(vtime: float, finish_tag: float, weight: float, cost: int) -> tuple[f
 
 
 def band_candidates(heads: Iterable[Head], band: str) -> list[Head]:
-    """The band's head in line, then (if that head is long) the first short job as fallback."""
+    """The band's head in line, then (if that head is long) the first short job as fallback. In
+    the batch band a long head is first whatever its place (module docstring)."""
     in_band = sorted((h for h in heads if h.band == band), key=lambda h: (h.score, h.job_id))
     if not in_band:
         return []
+    if band == "batch":
+        in_band.sort(key=lambda h: not h.long)  # stable: each size keeps its order
     first = in_band[0]
     fallback = [h for h in in_band[1:] if not h.long] if first.long else []
     return [first, *fallback[:1]]

@@ -39,6 +39,18 @@ Limits, checked in this order for every candidate job:
              nothing. Several long prefills in one window share one drain of the short
              sequences (the window is as long as their prefills together), which is what keeps
              the backend busier than one window per long prompt.
+             The window and the drain hold slots only for what they protect: interactive work
+             (the ``interactive`` band; gateway chats are in it unless their key says batch) in
+             flight or among the candidates. Without it (batch work alone: nobody waits on a
+             batch job's speed) a long prefill goes beside any number of short sequences and
+             nothing waits for its window; the window is still recorded, so interactive work
+             that arrives while a prefill runs waits for its end. And a drain is skipped when it
+             costs more than it saves (``drain_pays``): with S short sequences in flight
+             finishing evenly over ``short_job_s``, draining them to ``short_beside_long`` = b
+             leaves (S - b)^2 x short_job_s / 2S slot-seconds idle, while the prefill beside them
+             makes each of the S sequences U / rate seconds slower (U uncached tokens: the
+             server adds every prefill chunk to each step they decode in, fleet/sim/engine.py).
+             ``short_job_s`` 0: every drain pays (the rule before).
 ``bucket``   prefill pacing: a token bucket on admitted uncached prompt tokens (rate
              ``prefill_tokens_per_s``, size ``prefill_burst_tokens``). A prompt bigger than the
              bucket is admitted when the bucket is full and leaves the bucket in debt, so the
@@ -79,6 +91,7 @@ class Limits:
     long_prefill_tokens_per_s: float = 0.0  # the server's prefill rate; 0: no quiet long prefills
     short_beside_long: int = 2
     long_prefills: int = 1  # long prefills one quiet window may take
+    short_job_s: float = 0.0  # a short job's time at the backend, what a drain waits for; 0: always drain
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
@@ -96,6 +109,7 @@ class Limits:
             long_prefill_tokens_per_s=backend.prefill_tokens_per_s if admission.quiet_long_prefill else 0.0,
             short_beside_long=admission.short_beside_long_prefill,
             long_prefills=long_prefills_at_once(settings),
+            short_job_s=admission.short_job_s,
         )
 
 
@@ -123,6 +137,7 @@ class LimitState:
     claimed: int = 0  # live leases a worker has claimed (its request is at the backend)
     prefill_until: float = 0.0  # when the last admitted long prompt's prefill should be done
     prefill_longs: int = 0  # long prefills admitted into the window ending at prefill_until
+    interactive_in_flight: int = 0  # live leases of interactive-band jobs
 
 
 @dataclass(frozen=True)
@@ -135,6 +150,7 @@ class Cost:
     long: bool
     uncached_tokens: int  # expected to miss the prefix cache: what the prefill computes
     long_prefill: bool
+    interactive: bool = False  # the interactive band: what quiet windows protect
 
 
 def kv_tokens(prompt_tokens: int, max_new_tokens: int, block_tokens: int) -> int:
@@ -144,7 +160,8 @@ def kv_tokens(prompt_tokens: int, max_new_tokens: int, block_tokens: int) -> int
 
 
 def cost_of(
-    job_id: str, prompt_tokens: int, max_new_tokens: int, limits: Limits, uncached_tokens: int | None = None
+    job_id: str, prompt_tokens: int, max_new_tokens: int, limits: Limits, uncached_tokens: int | None = None,
+    interactive: bool = False,
 ) -> Cost:
     uncached = prompt_tokens if uncached_tokens is None else max(0, min(uncached_tokens, prompt_tokens))
     return Cost(
@@ -154,6 +171,7 @@ def cost_of(
         long=prompt_tokens > limits.long_prompt_tokens,
         uncached_tokens=uncached,
         long_prefill=uncached > limits.long_prompt_tokens,
+        interactive=interactive,
     )
 
 
@@ -180,10 +198,11 @@ def check_global(
 
 
 def check_job(
-    limits: Limits, state: LimitState, cost: Cost, now: float
+    limits: Limits, state: LimitState, cost: Cost, now: float, protect: bool = True
 ) -> tuple[str | None, float | None]:
-    """Limits of one candidate: ``(reason, retry_in_s)`` or ``(None, None)`` when it fits."""
-    quiet = limits.long_prefill_tokens_per_s > 0
+    """Limits of one candidate: ``(reason, retry_in_s)`` or ``(None, None)`` when it fits.
+    ``protect``: interactive work is in flight or waiting (``protects``), so quiet windows hold."""
+    quiet = limits.long_prefill_tokens_per_s > 0 and protect
     window = state.prefill_until - now
     if quiet and window > 0 and (not cost.long_prefill or state.prefill_longs >= limits.long_prefills):
         return "prefill", window
@@ -192,15 +211,29 @@ def check_job(
         return "kv", None
     if cost.long and state.long_in_flight >= limits.max_long:
         return "long", None
-    if quiet:
+    if quiet and cost.long_prefill:
         short_in_flight = state.in_flight - state.long_in_flight
-        if cost.long_prefill and short_in_flight > limits.short_beside_long:
+        if short_in_flight > limits.short_beside_long and drain_pays(limits, short_in_flight, cost):
             return "prefill", None
     need = min(cost.uncached_tokens, limits.prefill_burst_tokens)
     level = bucket_level(limits, state, now)
     if level < need:
         return "bucket", (need - level) / limits.prefill_tokens_per_s
     return None, None
+
+
+def protects(state: LimitState, costs: Sequence[Cost]) -> bool:
+    """Do quiet windows protect anything: interactive work in flight or among the candidates?"""
+    return state.interactive_in_flight > 0 or any(cost.interactive for cost in costs)
+
+
+def drain_pays(limits: Limits, short_in_flight: int, cost: Cost) -> bool:
+    """Is draining ``short_in_flight`` short sequences to ``short_beside_long`` worth it before
+    this long prefill: (S - b)^2 x short_job_s / 2S idle slot-seconds <= S x U / rate of
+    slow-down (module docstring), compared multiplied out, the same arithmetic as admit.lua."""
+    drained = short_in_flight - limits.short_beside_long
+    idle = drained * drained * limits.short_job_s * limits.long_prefill_tokens_per_s
+    return idle <= 2.0 * short_in_flight * short_in_flight * cost.uncached_tokens
 
 
 def admit(limits: Limits, state: LimitState, cost: Cost, now: float) -> None:
@@ -210,6 +243,7 @@ def admit(limits: Limits, state: LimitState, cost: Cost, now: float) -> None:
     state.in_flight += 1
     state.reserved_kv_tokens += cost.kv_tokens
     state.long_in_flight += 1 if cost.long else 0
+    state.interactive_in_flight += 1 if cost.interactive else 0
     if cost.long_prefill and limits.long_prefill_tokens_per_s > 0:
         if now >= state.prefill_until:
             state.prefill_longs = 0
@@ -218,10 +252,11 @@ def admit(limits: Limits, state: LimitState, cost: Cost, now: float) -> None:
         state.prefill_longs += 1
 
 
-def free(state: LimitState, kv: int, long: bool) -> None:
+def free(state: LimitState, kv: int, long: bool, interactive: bool = False) -> None:
     state.in_flight -= 1
     state.reserved_kv_tokens -= kv
     state.long_in_flight -= 1 if long else 0
+    state.interactive_in_flight -= 1 if interactive else 0
 
 
 @dataclass(frozen=True)
@@ -249,8 +284,9 @@ def choose(
         return Choice(None, reason, retry_in_s)
     first_reason: str | None = None
     soonest: float | None = None
+    protect = protects(state, costs)
     for index, cost in enumerate(costs):
-        why, retry = check_job(limits, state, cost, now)
+        why, retry = check_job(limits, state, cost, now, protect)
         if why is None:
             if index == 0:
                 state.blocked_job = None

@@ -103,6 +103,7 @@ class StoreSnapshot:
     in_flight: int = 0
     reserved_kv_tokens: int = 0
     long_in_flight: int = 0
+    interactive_in_flight: int = 0  # live leases of interactive-band jobs (quiet windows protect them)
     claimed: int = 0  # live leases whose worker has claimed them (requests at the backend)
     admissions: int = 0
     holds: dict[str, int] = field(default_factory=dict)

@@ -156,7 +156,8 @@ class MemoryStore:
             if reason:
                 return AdmitResult(None, reason)
         costs = [
-            limits.cost_of(h.job_id, h.prompt_tokens, h.max_new_tokens, self.config.limits, h.uncached_tokens)
+            limits.cost_of(h.job_id, h.prompt_tokens, h.max_new_tokens, self.config.limits, h.uncached_tokens,
+                           h.band == "interactive")
             for h in heads
         ]
         outside = float(self._figures.get("outside", 0.0)) if self.config.gate else 0.0
@@ -381,7 +382,7 @@ class MemoryStore:
     def _free_lease(self, job_id: str) -> None:
         lease = self._leases.pop(job_id, None)
         if lease is not None:
-            limits.free(self._state, lease.kv_tokens, lease.long)
+            limits.free(self._state, lease.kv_tokens, lease.long, lease.entry.item.band == "interactive")
             self._state.claimed -= 1 if lease.owner is not None else 0
 
     def _push(self, entry: _Entry) -> None:
@@ -444,6 +445,7 @@ class MemoryStore:
                 in_flight=self._state.in_flight,
                 reserved_kv_tokens=self._state.reserved_kv_tokens,
                 long_in_flight=self._state.long_in_flight,
+                interactive_in_flight=self._state.interactive_in_flight,
                 claimed=self._state.claimed,
                 admissions=self._admissions,
                 holds=dict(self._holds),

@@ -77,7 +77,7 @@ class Lease(NamedTuple):
 
     fence: str
     kv: str  # KV tokens it holds
-    long: str  # 1 | 0
+    long: str  # 1 | 0, then "i" for an interactive-band job (quiet windows protect it)
     expires: str  # unix s
     admitted_at: str  # unix s
     project: str

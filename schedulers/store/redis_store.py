@@ -267,6 +267,7 @@ class RedisStore:
             limits.short_beside_long,
             limits.long_prefills,
             limits.long_prompt_tokens,
+            repr(limits.short_job_s),
         ]
         for project in self._projects:
             keys += [self._queue(project, b, z) for b in fairshare.BANDS for z in fairshare.SIZES]
@@ -464,6 +465,7 @@ class RedisStore:
             in_flight=int(state.get("in_flight", 0)),
             reserved_kv_tokens=int(state.get("kv", 0)),
             long_in_flight=int(state.get("long", 0)),
+            interactive_in_flight=int(state.get("inter", 0)),
             claimed=int(state.get("claimed", 0)),
             admissions=int(stats.get("admissions", 0)),
             holds=holds,

@@ -6,10 +6,11 @@ No timing is asserted."""
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
-from fleet.bench.chaos import ROUNDS, RoundResult, chaos_bench, markdown, plans
+from fleet.bench.chaos import ROUNDS, ChaosFleet, RoundResult, chaos_bench, markdown, plans
 
 
 @pytest.mark.slow
@@ -22,6 +23,7 @@ def test_a_small_kill_storm_keeps_every_invariant() -> None:
     assert 0 < result.max_running <= 4
     assert not result.exited
     assert len(result.recoveries) == 3
+    assert len(result.all_final) == 3 and None not in result.all_final  # every job ended
     assert result.verdict() == "ok"
     assert sum(result.codes.values()) == 24
     assert {"dispatcher-0", "infer-0", "prep-0", "sim", "redis"} <= set(result.rss_mb)
@@ -58,3 +60,15 @@ def test_the_verdict_names_what_broke() -> None:
     assert RoundResult("redis-none-kill9", "x", lost=["a"], cap=4).verdict() == "loss (no persistence)"
     assert RoundResult("storm", "x", error="TimeoutError: no").verdict() == "error: TimeoutError: no"
     assert "| storm |" in markdown([good])
+
+
+def test_the_longest_wait_after_a_fault_counts_the_jobs_open_then() -> None:
+    """From the fault's end to the first envelope of the last job open then; a job that never had
+    one makes it 'never' (None); none open: 0."""
+    cf = SimpleNamespace(seen={("r", b"1"): ("a", "OK", 5.0), ("r", b"2"): ("b", "OK", 12.0),
+                               ("r", b"3"): ("b", "OK", 14.0), ("r", b"4"): ("c", "OK", 9.0)})
+    assert ChaosFleet.last_final(cf, ["a", "b", "c"], 6.0) == 6.0  # type: ignore[arg-type]
+    assert ChaosFleet.last_final(cf, ["a", "d"], 6.0) is None  # type: ignore[arg-type]
+    assert ChaosFleet.last_final(cf, ["a"], 6.0) == 0.0  # type: ignore[arg-type]
+    row = markdown([RoundResult("storm", "x", jobs=1, envelopes=1, cap=4, all_final=[6.0, None])])
+    assert "| 6.0, never |" in row

@@ -32,7 +32,7 @@ from schedulers.policy.limits import Limits, kv_tokens
 from schedulers.store.base import PendingItem, StoreConfig
 from schedulers.store.memory_store import MemoryStore
 from schedulers.store.redis_store import RedisStore, max_block_s
-from tests.support.store_cases import BASE, FakeClock, StoreFactory, admit_ids, job, limits, make_store
+from tests.support.store_cases import BASE, FakeClock, StoreFactory, admit_ids, ijob, job, limits, make_store
 from tests.support.testenv import TEST_REDIS_URL, delete_prefix
 
 __all__ = ["make_store"]  # the parametrised fixture, memory and Redis
@@ -98,18 +98,18 @@ def test_a_long_prefill_runs_beside_few_short_sequences_and_alone_after(make_sto
     store = make_store(limits(max_num_seqs=10, max_long=2, long_prefill_tokens_per_s=1_000.0,
                               short_beside_long=1, hol_bypass_s=100.0))
     for i in range(2):
-        store.add_pending(job(f"s{i}", project="b"))
+        store.add_pending(ijob(f"s{i}", project="b"))
     assert admit_ids(store, 1_010.0) == ["s0", "s1"]
-    store.add_pending(job("l2", prompt=12_000, new=0))
-    store.add_pending(job("s3", project="b"))
+    store.add_pending(ijob("l2", prompt=12_000, new=0))
+    store.add_pending(ijob("s3", project="b"))
     held = store.admit_next(1_010.0)  # l2 first in fair order, two shorts in flight: s3 passes it
     assert held.grant is not None and held.grant.job_id == "s3"
     assert store.admit_next(1_010.0).hold_reason == "prefill"
     for name in ("s0", "s1"):
         assert store.release(name, store.lease_fences()[name])
     assert admit_ids(store, 1_011.0) == ["l2"]  # one short in flight now
-    store.add_pending(job("s4", project="b"))
-    store.add_pending(job("l5", project="c", prompt=12_000, new=0))
+    store.add_pending(ijob("s4", project="b"))
+    store.add_pending(ijob("l5", project="c", prompt=12_000, new=0))
     held = store.admit_next(1_015.0)
     assert held.hold_reason == "prefill" and held.retry_in_s == pytest.approx(8.0)
     assert admit_ids(store, 1_023.0) == ["s4"]  # l5 waits: two shorts in flight again
@@ -120,12 +120,12 @@ def test_a_long_prompt_kept_waiting_by_short_ones_reserves_its_turn(make_store: 
     shorts in flight drain, and it goes: no starvation."""
     store = make_store(limits(max_num_seqs=10, long_prefill_tokens_per_s=1_000.0,
                               short_beside_long=0, hol_bypass_s=5.0))
-    store.add_pending(job("s0", project="b"))
+    store.add_pending(ijob("s0", project="b"))
     assert admit_ids(store, 1_010.0) == ["s0"]
-    store.add_pending(job("l1", prompt=12_000, new=0))
-    store.add_pending(job("s2", project="b"))
+    store.add_pending(ijob("l1", prompt=12_000, new=0))
+    store.add_pending(ijob("s2", project="b"))
     assert admit_ids(store, 1_010.0) == ["s2"]  # l1 first in line, held: shorts in flight
-    store.add_pending(job("s3", project="b"))
+    store.add_pending(ijob("s3", project="b"))
     assert admit_ids(store, 1_016.0) == []  # l1 reserved its turn: s3 waits too
     for name in ("s0", "s2"):
         assert store.release(name, store.lease_fences()[name])
@@ -139,13 +139,13 @@ def test_a_mostly_cached_long_prompt_is_no_long_prefill(make_store: StoreFactory
     store = make_store(limits(max_num_seqs=10, max_long=2, long_prefill_tokens_per_s=1_000.0,
                               short_beside_long=1, hol_bypass_s=100.0))
     for i in range(3):
-        store.add_pending(job(f"s{i}", project="b"))
+        store.add_pending(ijob(f"s{i}", project="b"))
     assert admit_ids(store, 1_010.0) == ["s0", "s1", "s2"]
-    store.add_pending(job("l3", prompt=12_000, new=0, uncached_tokens=1_000))
-    store.add_pending(job("s4", project="b"))
+    store.add_pending(ijob("l3", prompt=12_000, new=0, uncached_tokens=1_000))
+    store.add_pending(ijob("s4", project="b"))
     assert admit_ids(store, 1_010.0) == ["l3", "s4"]
-    store.add_pending(job("l5", prompt=12_000, new=0))  # nothing cached: a long prefill
-    store.add_pending(job("s6", project="b"))
+    store.add_pending(ijob("l5", prompt=12_000, new=0))  # nothing cached: a long prefill
+    store.add_pending(ijob("s6", project="b"))
     assert admit_ids(store, 1_010.0) == ["s6"]
     assert store.snapshot().long_in_flight == 1
 
@@ -158,13 +158,91 @@ def test_one_quiet_window_takes_the_servers_long_partial_prefills(make_store: St
                               short_beside_long=0, hol_bypass_s=100.0, long_prefills=2,
                               kv_budget_tokens=100_000))
     for name, project in (("l0", "a"), ("l1", "b"), ("l2", "c")):
-        store.add_pending(job(name, project=project, prompt=12_000, new=0))
-    store.add_pending(job("s3", project="d"))
+        store.add_pending(ijob(name, project=project, prompt=12_000, new=0))
+    store.add_pending(ijob("s3", project="d"))
     assert admit_ids(store, 1_010.0) == ["l0", "l1"]
     held = store.admit_next(1_020.0)
     assert held.hold_reason == "prefill" and held.retry_in_s == pytest.approx(14.0)
     assert admit_ids(store, 1_034.0) == ["l2"]  # a new window, the short waits for it too
     assert admit_ids(store, 1_046.0) == ["s3"]
+
+
+QUIET = {"max_num_seqs": 10, "max_long": 2, "long_prefill_tokens_per_s": 1_000.0, "short_beside_long": 1,
+         "hol_bypass_s": 100.0, "kv_budget_tokens": 100_000}
+
+
+def test_batch_work_alone_runs_beside_a_long_prefill_and_interactive_work_waits_for_it(
+    make_store: StoreFactory,
+) -> None:
+    """Nothing interactive in flight or in line: the batch long prompt goes beside three batch
+    short sequences and batch shorts follow during its prefill (12,000 tokens at 1,000 tok/s:
+    12 s); an interactive job arriving then waits for the prefill's end, and a second long
+    prefill waits with it."""
+    store = make_store(limits(**QUIET))
+    for i in range(3):
+        store.add_pending(job(f"s{i}", project="b"))
+    assert admit_ids(store, 1_010.0) == ["s0", "s1", "s2"]
+    store.add_pending(job("l3", prompt=12_000, new=0))
+    store.add_pending(job("s4", project="b"))
+    assert admit_ids(store, 1_010.0) == ["l3", "s4"]
+    store.add_pending(ijob("i5", project="c"))
+    store.add_pending(job("l6", project="d", prompt=12_000, new=0))
+    held = store.admit_next(1_015.0)
+    assert held.hold_reason == "prefill" and held.retry_in_s == pytest.approx(7.0)
+    assert admit_ids(store, 1_022.0) == ["i5"]  # the window is over; l6: interactive in flight now
+    assert store.snapshot().interactive_in_flight == 1
+
+
+def test_an_interactive_sequence_in_flight_keeps_the_drain_until_it_ends(make_store: StoreFactory) -> None:
+    """An interactive job in flight and none waiting: the batch long prompt still waits for the
+    shorts to drain; once the interactive one is released, it goes beside the batch shorts."""
+    store = make_store(limits(**QUIET))
+    store.add_pending(ijob("i0", project="b"))
+    store.add_pending(job("s1", project="b"))
+    store.add_pending(job("s2", project="b"))
+    assert admit_ids(store, 1_010.0) == ["i0", "s1", "s2"]
+    store.add_pending(job("l2", prompt=12_000, new=0))
+    assert store.admit_next(1_010.0).hold_reason == "prefill"
+    assert store.release("i0", store.lease_fences()["i0"])
+    assert store.snapshot().interactive_in_flight == 0
+    store.add_pending(job("s3", project="c"))
+    store.add_pending(job("s4", project="c"))
+    assert admit_ids(store, 1_011.0) == ["l2", "s3", "s4"]
+
+
+@pytest.mark.parametrize(("band", "expected"), [("batch", ["l2", "s0", "s1"]), ("interactive", ["s0", "s1"])])
+def test_in_the_batch_band_a_projects_long_prompt_goes_before_its_short_jobs(
+    make_store: StoreFactory, band: str, expected: list[str]
+) -> None:
+    """Batch: the long prompt submitted last goes first, and the shorts after it; interactive:
+    the shorts go in their order and the long prompt waits for them to drain."""
+    store = make_store(limits(**QUIET))
+    for name in ("s0", "s1"):
+        store.add_pending(job(name, band=band))
+    store.add_pending(job("l2", prompt=12_000, new=0, band=band))
+    assert admit_ids(store, 1_010.0) == expected
+
+
+@pytest.mark.parametrize(("short_job_s", "drained"), [(50.0, True), (60.0, False)])
+def test_a_drain_goes_only_when_it_idles_fewer_slot_seconds_than_the_prefill_slows(
+    make_store: StoreFactory, short_job_s: float, drained: bool
+) -> None:
+    """Three interactive shorts in flight, one may stay: the drain idles (3 - 1)^2 x short_job_s
+    / 6 slot-seconds (33.3 at 50 s, 40 at 60 s), the prefill (12 s) slows three sequences: 36.
+    At 50 s the long prompt waits for the drain; at 60 s it goes at once, and its window holds
+    the interactive job behind it all the same."""
+    store = make_store(limits(**QUIET, short_job_s=short_job_s))
+    for i in range(3):
+        store.add_pending(ijob(f"s{i}", project="b"))
+    assert admit_ids(store, 1_010.0) == ["s0", "s1", "s2"]
+    store.add_pending(ijob("l3", prompt=12_000, new=0))
+    assert admit_ids(store, 1_010.0) == ([] if drained else ["l3"])
+    store.add_pending(ijob("s4", project="c"))
+    held = store.admit_next(1_012.0)
+    if drained:  # the short passes the long one waiting for the drain
+        assert held.grant is not None and held.grant.job_id == "s4"
+    else:
+        assert held.hold_reason == "prefill" and held.retry_in_s == pytest.approx(10.0)
 
 
 def test_prefill_bucket_counts_uncached_tokens(make_store: StoreFactory) -> None:
@@ -597,10 +675,12 @@ class StoreMachine(RuleBasedStateMachine):
             kv_tokens(i.prompt_tokens, i.max_new_tokens, self.limits.block_tokens) for i in items
         )
         longs = sum(i.prompt_tokens > self.limits.long_prompt_tokens for i in items)
-        assert (snap.in_flight, snap.reserved_kv_tokens, snap.long_in_flight) == (
+        interactive = sum(i.band == "interactive" for i in items)
+        assert (snap.in_flight, snap.reserved_kv_tokens, snap.long_in_flight, snap.interactive_in_flight) == (
             len(items),
             kv,
             longs,
+            interactive,
         )
         assert snap.in_flight <= self.limits.max_num_seqs
         assert snap.long_in_flight <= self.limits.max_long

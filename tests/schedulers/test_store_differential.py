@@ -1,7 +1,8 @@
 """The in-memory twin and the Redis store (Lua) agree: one random operation sequence, both stores.
 
 A hypothesis state machine draws a small configuration (few sequences, a small KV budget, one or
-two long prompts at a time, one or two long prefills per quiet window, a tight prefill bucket,
+two long prompts at a time, one or two long prefills per quiet window, drains that pay or not
+(``short_job_s``), a tight prefill bucket,
 spacing, project weights, the backend gate on or off) and jobs with and without prep's
 uncached-token estimate, then feeds the same submits, resubmits, admissions (one at a time and several per call),
 claims, renewals, releases, requeues, readmits (continuations, with and without a not-before
@@ -9,9 +10,13 @@ time), promotions, hurries, cancels, deadline expiries, backend verdicts and clo
 reap unrenewed leases) to a ``MemoryStore`` and a ``RedisStore`` sharing one fake clock. Every
 answer must be equal - grants (job, fence, project, sizes, expiry, wait), hold reasons and their
 retry times, booleans, reaped, expired and promoted ids - and after every step so must the
-snapshots (pending per project and band, in flight, reserved KV, long in flight, claimed leases,
+snapshots (pending per project and band, in flight, reserved KV, long and interactive in flight, claimed leases,
 admissions, holds), the live leases, the pending ids, the next deadline, expiry and not-before
 time, and the continuations waiting per project.
+
+A second run of the same machine draws only configurations with quiet long prefills on and room
+for long prompts (``quiet_configs``), so that its admissions reach the window, the drain (paying
+or not) and the protection of interactive work, rather than stopping at the KV budget.
 
 The order of ``reap_expired``'s ids is not part of the contract (the caller only logs them), so
 they are compared as sorted lists. Resubmissions happen at any time, in flight too.
@@ -63,6 +68,7 @@ small_limits = st.builds(
     long_prefill_tokens_per_s=st.sampled_from([0.0, 0.0, 5_000.0]),
     short_beside_long=st.integers(0, 1),
     long_prefills=st.integers(1, 2),
+    short_job_s=st.sampled_from([0.0, 0.0, 2.0, 60.0]),
 )
 configs = st.builds(
     StoreConfig,
@@ -72,6 +78,29 @@ configs = st.builds(
     weights=st.dictionaries(st.sampled_from(PROJECTS), st.sampled_from([0.5, 1.0, 3.0])),
     gate=st.sampled_from([False, False, True]),
     scrape_stale_s=st.just(5.0),
+)
+# Quiet long prefills in play all along: room for long prompts (KV, bucket), so that admissions
+# reach the window, the drain (paying or not) and the bands' protection instead of stopping at kv.
+quiet_configs = st.builds(
+    StoreConfig,
+    limits=st.builds(
+        Limits,
+        max_num_seqs=st.integers(2, 4),
+        kv_budget_tokens=st.just(200_000),
+        block_tokens=st.just(1000),
+        long_prompt_tokens=st.just(LONG_PROMPT_TOKENS),
+        max_long=st.integers(1, 2),
+        prefill_tokens_per_s=st.just(1e9),
+        prefill_burst_tokens=st.just(10**9),
+        hol_bypass_s=st.sampled_from([0.0, 3.0, 10.0]),
+        long_prefill_tokens_per_s=st.just(5_000.0),
+        short_beside_long=st.integers(0, 1),
+        long_prefills=st.integers(1, 2),
+        short_job_s=st.sampled_from([0.0, 2.0, 60.0]),
+    ),
+    lease_ttl_s=st.just(30.0),
+    aging_s=st.sampled_from([10.0, 60.0]),
+    gate=st.just(False),
 )
 jobs = st.fixed_dictionaries(
     {
@@ -226,9 +255,26 @@ class Differential(RuleBasedStateMachine):
             self.both(call)
 
 
+class QuietDifferential(Differential):
+    """The same machine on ``quiet_configs``."""
+
+    @initialize(config=quiet_configs)
+    def start(self, config: StoreConfig) -> None:
+        Differential.start(self, config)
+
+
 def test_memory_and_redis_stores_agree(key_prefix: str) -> None:
+    _agree(Differential, key_prefix)
+
+
+def test_memory_and_redis_stores_agree_on_quiet_long_prefills(key_prefix: str) -> None:
+    """Quiet windows, drains that pay or not, interactive and batch work side by side."""
+    _agree(QuietDifferential, key_prefix)
+
+
+def _agree(base: type[Differential], key_prefix: str) -> None:
     client = redis.Redis.from_url(TEST_REDIS_URL)
-    machine = type("Machine", (Differential,), {"client": client, "prefix": key_prefix})
+    machine = type("Machine", (base,), {"client": client, "prefix": key_prefix})
     try:
         run_state_machine_as_test(
             machine,

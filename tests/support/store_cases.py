@@ -62,6 +62,11 @@ def job(job_id: str, project: str = "a", prompt: int = 500, new: int = 400, **kw
     return PendingItem(job_id, project, prompt, new, **kw)
 
 
+def ijob(job_id: str, **kw) -> PendingItem:
+    """An interactive-band job: what quiet long prefills protect."""
+    return job(job_id, band="interactive", **kw)
+
+
 def limits(**changes) -> StoreConfig:
     values = {**BASE.limits.__dict__, **changes}
     return StoreConfig(limits=Limits(**values), lease_ttl_s=30.0, aging_s=60.0, gate=False)

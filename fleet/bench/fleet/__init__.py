@@ -9,6 +9,9 @@ one module each:
                 loop of ``cap`` streams, and five independent clients x 16 straight at the sim
   long_prompts  10% real 60K-token prompts: long in-flight, short-job p95 with / without them, with
                 the default and a paced prefill bucket; a 32-thread FIFO and five clients x 16
+  mix           the same 10%-long jobs as batch only, interactive beside batch and the deployment's
+                mix: in-flight / cap, output tok/s and makespan against one FIFO, short-job p95
+                (interactive where there are any) against the short jobs alone
   crash         kill -9 of one of two workers five times (a replacement started each time):
                 exactly one Envelope per job, time from kill to the backend back at cap
   idle          one tiny job at a time through ``fleet.Client`` on an idle fleet: the time of each

@@ -2,9 +2,14 @@
 requests in flight at the backend against ``max_long``, the short jobs' p95 with and without the
 long ones, for the settings as given, the rule before when the server takes several long
 prefills at once, and a paced prefill bucket; then the same jobs from a 32-thread FIFO and from
-five clients x 16 straight at the simulator."""
+five clients x 16 straight at the simulator. Every job is interactive: quiet windows protect
+interactive work only (one band keeps the fair order of the runs before; batch work alone and
+the bands side by side are the mix scenario, fleet/bench/fleet/mix.py); admission.short_job_s is
+the short jobs' service p50 in the run without long ones, as there."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from fleet.bench.fleet.direct import direct_latencies
 from fleet.bench.fleet.harness import FleetBench, FleetRun, codes, fleet_latencies
@@ -41,7 +46,7 @@ def long_prompts(
 ) -> list[Row]:
     samplers: list[Sampler] = []
     long_text = LongText(fb.base_url, long_tokens)
-    specs = with_long(short_mix(n, think, answer), 0.1)
+    specs = [replace(s, band="interactive") for s in with_long(short_mix(n, think, answer), 0.1)]
     shorts = [s for s in specs if not s.long]
     run0, ids0 = fb.run_fleet(shorts, None, samplers)
     lat0 = fleet_latencies(run0, ids0, long=False)
@@ -50,8 +55,9 @@ def long_prompts(
     paced = paced_env(fb, paced_tokens_per_s, long_tokens + 4096, 120.0) if paced_tokens_per_s > 0 else {}
     paced_label = (f"paced: prefill {paced_tokens_per_s:,.0f} tok/s, burst {long_tokens + 4096:,}, "
                    f"hol_bypass 120 s (sim time)")
+    job_s = {"FLEET_ADMISSION_SHORT_JOB_S": repr(pct(lat0["service"], 50))}  # what a drain waits for
     for label, env in long_runs(fb, paced, paced_label):
-        run, ids = fb.run_fleet(specs, long_text, samplers, dispatcher_env=env)
+        run, ids = fb.run_fleet(specs, long_text, samplers, dispatcher_env={**job_s, **(env or {})})
         rows += _fleet_rows(fb, f"{sc}, fleet, {label}", n, samplers[-1], (run, ids), (run0, lat0))
     rows += _fifo_rows(fb, sc, specs, long_text, samplers, pct(lat0["service"], 95))
     return rows + _baseline_rows(fb, sc, specs, long_text, samplers)

@@ -14,12 +14,13 @@ from fleet.bench.fleet.fairness import fairness
 from fleet.bench.fleet.harness import FleetBench
 from fleet.bench.fleet.idle import idle_latency
 from fleet.bench.fleet.long_prompts import long_prompts
+from fleet.bench.fleet.mix import mix
 from fleet.bench.fleet.render import Row
 from fleet.bench.fleet.saturation import saturation
 
 log = logging.getLogger(__name__)
 
-SCENARIOS = ("fairness", "saturation", "long", "crash", "idle")
+SCENARIOS = ("fairness", "saturation", "long", "mix", "crash", "idle")
 
 
 def fleet_bench(
@@ -58,6 +59,8 @@ def fleet_bench(
                 rows += saturation(fb, jobs, think, answer, charts)
             elif name == "long":
                 rows += long_prompts(fb, long_jobs, think, answer, long_tokens, paced_tokens_per_s)
+            elif name == "mix":
+                rows += mix(fb, long_jobs, think, answer, long_tokens)
             elif name == "fairness":
                 rows += fairness(fb, fair_n, charts=charts)
             elif name == "crash":

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -26,6 +26,7 @@ class Spec:
     long: bool = False
     tag: str = ""
     extra: str = ""  # more scenario markers (fleet/bench/continuations.py), made unique by the tag
+    band: str = "batch"  # interactive | batch (fleet/bench/fleet/mix.py)
 
     @property
     def thinking_budget(self) -> int:
@@ -54,6 +55,19 @@ def with_long(specs: list[Spec], share: float) -> list[Spec]:
     """Every ``1/share``-th job becomes a long-prompt job (same lengths otherwise)."""
     step = round(1 / share)
     return [Spec(s.project, s.think, s.answer, long=(i % step == step - 1), tag=s.tag) for i, s in enumerate(specs)]
+
+
+def with_long_each(specs: list[Spec], share: float) -> list[Spec]:
+    """Every ``1/share``-th job of each project becomes a long-prompt job, staggered between
+    projects (``with_long`` over the round-robin of five projects makes every long job the same
+    project's)."""
+    step, seen = round(1 / share), dict.fromkeys(PROJECTS, 0)
+    order = {p: i for i, p in enumerate(PROJECTS)}
+    out = []
+    for s in specs:
+        k = seen[s.project] = seen.get(s.project, 0) + 1
+        out.append(replace(s, long=(k + 2 * order.get(s.project, 0)) % step == 0))
+    return out
 
 
 class LongText:
@@ -113,6 +127,7 @@ def content_of(spec: Spec, long_text: LongText | None) -> str:
 def job_of(spec: Spec, long_text: LongText | None) -> dict[str, Any]:
     return {
         "project": spec.project,
+        "band": spec.band,
         "thinking_budget": spec.thinking_budget,
         "content_reserve": spec.content_reserve,
         "metadata": {"tag": spec.tag, "long": spec.long},

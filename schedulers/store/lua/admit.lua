@@ -4,7 +4,8 @@
 -- limit (schedulers/policy/limits.py, same order) and grants the first that fits: pop from
 -- pending, counters, bucket, virtual times, fence, lease. It stops at the first hold.
 -- KEYS[1]  state      hash    in_flight kv long queued bucket bucket_at last_admit blocked_job
---                             blocked_since vtime prefill_until prefill_longs
+--                             blocked_since vtime prefill_until prefill_longs inter (interactive
+--                             leases)
 -- KEYS[2]  stats      hash    admissions, hold:<reason>
 -- KEYS[3]  backend    hash    scraped_at, hold (the gate's verdict), outside (sequences outside
 --                             clients hold at the server, schedulers/scrape.py)
@@ -22,12 +23,14 @@
 -- ARGV: now, ttl, max_seqs, kv_budget, max_long, rate, burst, spacing, bypass, gate (1|0), stale,
 --       aging, max_grants, prefill_rate (the server's; 0: no quiet long prefills), beside (short
 --       sequences in flight at most when a long prefill goes), long_prefills (long prefills one
---       window may take), long_threshold, then (project, weight) per project, in the same order as the keys.
+--       window may take), long_threshold, short_job_s (what a drain waits for; 0: always drain),
+--       then (project, weight) per project, in the same order as the keys.
 -- A candidate the prelude's `admit_only` refuses (when a calling script set it) is passed over with
 -- the reason 'no_workers'; a queue's head is the prelude's `admit_head` (when set) instead of its
 -- first member.
 -- A long prefill is a head whose uncached tokens (the item's last field) are above the long
--- threshold (`long_threshold`, ARGV[17]).
+-- threshold (`long_threshold`, ARGV[17]). Quiet windows hold only while an interactive lease
+-- lives or an interactive head is a candidate, and a drain only when it pays (limits.drain_pays).
 -- Returns {'stale', members} when the projects set holds a project the caller did not name
 -- (nothing was decided; call again with them), else {'ok', reason, retry_in, grant fields...}:
 -- reason '' when max_grants were granted, else the hold that stopped it; each grant is 8 fields:
@@ -39,14 +42,14 @@ local rate, burst, spacing = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV
 local bypass, gate, stale = tonumber(ARGV[9]), ARGV[10] == '1', tonumber(ARGV[11])
 local aging, max_grants = tonumber(ARGV[12]), tonumber(ARGV[13])
 local prefill_rate, beside, long_prefills = tonumber(ARGV[14]), tonumber(ARGV[15]), tonumber(ARGV[16])
-local long_threshold = tonumber(ARGV[17])
+local long_threshold, short_job_s = tonumber(ARGV[17]), tonumber(ARGV[18])
 local st, stats, vtime, items, lease_info = KEYS[1], KEYS[2], KEYS[4], KEYS[9], KEYS[10]
 local BANDS, SIZES = {'interactive', 'batch'}, {'short', 'long'}
 
 local projects, named = {}, {}
-for p = 0, (#ARGV - 17) / 2 - 1 do
-  local name = ARGV[18 + 2 * p]
-  projects[p + 1] = {name = name, weight = tonumber(ARGV[19 + 2 * p]), k = 11 + 4 * p}
+for p = 0, (#ARGV - 18) / 2 - 1 do
+  local name = ARGV[19 + 2 * p]
+  projects[p + 1] = {name = name, weight = tonumber(ARGV[20 + 2 * p]), k = 11 + 4 * p}
   named[name] = true
 end
 local members = redis.call('SMEMBERS', KEYS[8])
@@ -78,13 +81,16 @@ local function read_heads(pr)
   pr.heads = any and heads or nil
 end
 
--- fairshare.project_candidates: per band the head in line and, behind a long head, the short one.
+-- fairshare.project_candidates: per band the head in line and, behind a long head, the short one;
+-- in the batch band the long head first.
 local function candidates(pr)
   local out = {}
   for _, band in ipairs(BANDS) do
     local s, l = pr.heads[band].short, pr.heads[band].long
     local first = s
-    if l and (not s or l.score < s.score or (l.score == s.score and l.id < s.id)) then first = l end
+    if l and (not s or band == 'batch' or l.score < s.score or (l.score == s.score and l.id < s.id)) then
+      first = l
+    end
     if first then
       table.insert(out, first)
       if first.long and s then table.insert(out, s) end
@@ -135,6 +141,12 @@ local function hold(reason, retry)
   return reason, retry and fmt(retry) or ''
 end
 
+-- limits.drain_pays: (S - b)^2 x short_job_s / 2S idle slot-seconds against S x U / rate.
+local function drains(shorts, uncached)
+  local drained = shorts - beside
+  return drained * drained * short_job_s * prefill_rate <= 2.0 * shorts * shorts * uncached
+end
+
 -- One decision: the candidate to grant, or the hold reason and when it lifts.
 local function decide(cands)
   if #cands == 0 then return nil, hold('empty') end
@@ -146,7 +158,7 @@ local function decide(cands)
     outside = num(b[3], 0)
   end
   local s = redis.call('HMGET', st, 'in_flight', 'kv', 'long', 'bucket', 'bucket_at', 'last_admit',
-    'blocked_job', 'blocked_since', 'prefill_until', 'prefill_longs')
+    'blocked_job', 'blocked_since', 'prefill_until', 'prefill_longs', 'inter')
   local in_flight, kv_used, long_used = num(s[1], 0), num(s[2], 0), num(s[3], 0)
   if in_flight >= max_seqs then return nil, hold('seqs') end
   if in_flight + outside >= max_seqs then return nil, hold('outside') end
@@ -155,17 +167,21 @@ local function decide(cands)
     if wait > 0 then return nil, hold('spacing', wait) end
   end
   local prefill_until, prefill_longs = num(s[9], 0), num(s[10], 0)
+  local quiet = num(s[11], 0) > 0  -- limits.protects: an interactive lease, or a candidate below
+  for _, c in ipairs(cands) do quiet = quiet or c.band == 'interactive' end
+  quiet = quiet and prefill_rate > 0
   local level = burst
   if s[4] then level = math.min(burst, tonumber(s[4]) + math.max(0, now - tonumber(s[5])) * rate) end
   local first_reason, soonest = nil, nil
   for i, c in ipairs(cands) do
     local why, retry = nil, nil
     if admit_only and not admit_only(c) then why = 'no_workers'
-    elseif prefill_rate > 0 and now < prefill_until and (not c.long_prefill or prefill_longs >= long_prefills) then
+    elseif quiet and now < prefill_until and (not c.long_prefill or prefill_longs >= long_prefills) then
       why, retry = 'prefill', prefill_until - now
     elseif kv_used + c.kv > kv_budget and in_flight > 0 then why = 'kv'
     elseif c.long and long_used >= max_long then why = 'long'
-    elseif c.long_prefill and prefill_rate > 0 and in_flight - long_used > beside then why = 'prefill'
+    elseif c.long_prefill and quiet and in_flight - long_used > beside
+      and drains(in_flight - long_used, c.uncached) then why = 'prefill'
     else
       local need = math.min(c.uncached, burst)
       if level < need then why, retry = 'bucket', (need - level) / rate end
@@ -195,6 +211,7 @@ local function grant(c, top, level, prefill_until, prefill_longs)
   redis.call('HINCRBY', st, 'in_flight', 1)
   redis.call('HINCRBY', st, 'kv', c.kv)
   if c.long then redis.call('HINCRBY', st, 'long', 1) end
+  if c.band == 'interactive' then redis.call('HINCRBY', st, 'inter', 1) end
   if c.long_prefill and prefill_rate > 0 then
     if now >= prefill_until then prefill_longs = 0 end
     redis.call('HSET', st, 'prefill_until', fmt(math.max(now, prefill_until) + c.uncached / prefill_rate),
@@ -210,7 +227,8 @@ local function grant(c, top, level, prefill_until, prefill_longs)
   redis.call('HSET', st, 'vtime', fmt(V))
   local fence = redis.call('HINCRBY', KEYS[5], c.project, 1)
   local expires = now + ttl
-  lease_put(lease_info, c.id, {fence = fence, kv = c.kv, long = c.long and '1' or '0',
+  lease_put(lease_info, c.id, {fence = fence, kv = c.kv,
+    long = (c.long and '1' or '0') .. (c.band == 'interactive' and 'i' or ''),
     expires = fmt(expires), admitted_at = fmt(now), project = c.project})
   redis.call('ZADD', KEYS[6], fmt(expires), c.id)
   redis.call('ZREM', c.queue, c.id)

@@ -79,7 +79,8 @@ local function free_lease(state, leases, leases_info, id)
   if not f then return false end
   redis.call('HINCRBY', state, 'in_flight', -1)
   redis.call('HINCRBY', state, 'kv', -tonumber(f.kv))
-  if f.long == '1' then redis.call('HINCRBY', state, 'long', -1) end
+  if f.long:sub(1, 1) == '1' then redis.call('HINCRBY', state, 'long', -1) end
+  if f.long:sub(2) == 'i' then redis.call('HINCRBY', state, 'inter', -1) end
   if f.owner then redis.call('HINCRBY', state, 'claimed', -1) end
   redis.call('HDEL', leases_info, id)
   redis.call('ZREM', leases, id)
