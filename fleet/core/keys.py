@@ -64,6 +64,15 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                                      it got a token back (fleet/core/promptcache.py); tagged by
                                      project, so one MGET reads a job's lookups in one slot
   {p}stats:codes              hash   final results counted by "<project>|<code>" (for /metrics)
+  {p}usage:{<project>}:h:<YYYYMMDDHH>
+                              hash   the usage ledger (fleet/core/usage.py, docs/usage.md): one
+                                     hash per project and UTC hour, fields "<key>|<model>|<metric>"
+                                     (HINCRBY); TTL usage.retention_days, set again at each write.
+                                     The project's producer user may read it, never write it
+  {p}usage:{<project>}:t:<job id>:<fence>:<turn>
+                              string the marker of one counted model turn, SET NX by the same
+                                     script as the increments (a count happens once); TTL
+                                     usage.turn_marker_s; no project user may read or write it
   {p}metrics:leader           string the dispatcher exporting the fleet-wide metrics (redis-py
                                      Lock token; PX 15 s, extended by its owner)
   {p}gwgrants:<gateway>       list   grants (JSON: job id, fence, lease expiry) of one gateway process's
@@ -242,6 +251,13 @@ class Keys:
 
     def gateway_wake(self, gateway: str) -> str:
         return f"{self.prefix}gwwake:{gateway}"
+
+    def usage_hour(self, project: str, hour: str) -> str:
+        """The ledger's hash of one project and UTC hour (``hour`` is ``YYYYMMDDHH``)."""
+        return f"{self.prefix}usage:{{{project}}}:h:{hour}"
+
+    def usage_turn(self, project: str, job_id: str, fence: int, turn: int) -> str:
+        return f"{self.prefix}usage:{{{project}}}:t:{job_id}:{fence}:{turn}"
 
     @property
     def code_counts(self) -> str:

@@ -10,6 +10,12 @@ Observed once per final envelope this process publishes (the ``on_publish`` hook
   fleet_worker_attempts{project}                    attempts per inference job
   fleet_worker_refused_messages_total{queue,reason} broker messages refused before anything ran
                                                     (fleet/worker/screen.py), per queue taken from
+  fleet_usage_turns_total{project,code}             model turns counted in the usage ledger by
+                                                    this process (fleet/core/usage.py), by the
+                                                    turn's own code (not the job's final one)
+  fleet_usage_tokens_total{project,kind}            their tokens: prompt, cached, reasoning,
+                                                    answer, loop_cut (the same figures as the
+                                                    ledger's, counted when the ledger counted)
 
 Served by prometheus_client on ``worker_metrics_port`` (0 = off; a busy port is a WARNING and the
 worker runs on without /metrics, as a dispatcher does). One registry per process: this covers the
@@ -29,6 +35,7 @@ from celery.signals import worker_init
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from fleet.core.models import Envelope
+from fleet.core.usage import TurnUsage, UsageMetrics
 from schedulers.metrics import serve_registry
 
 log = logging.getLogger(__name__)
@@ -56,6 +63,11 @@ class WorkerMetrics:
         self.refused = Counter("fleet_worker_refused_messages",
                                "Broker messages refused before anything ran (E_MESSAGE_REFUSED)",
                                ["queue", "reason"], registry=r)
+
+        self.usage = UsageMetrics(r)
+
+    def observe_turn(self, turn: TurnUsage) -> None:
+        self.usage.observe(turn)
 
     def observe_refused(self, queue: str, reason: str) -> None:
         self.refused.labels(queue, reason).inc()

@@ -74,7 +74,7 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
     try:
         with keeper:
             rt.results.record(ref, state="running", running_at=time.time(), fence=fence)
-            envelope = _run(rt, ref, project, keeper)
+            envelope = _run(rt, ref, project, keeper, fence)
     except BROKER_LOST as exc:
         # Not the job's fault: its lease expires (or is given back here) and it runs again.
         log.warning("redis lost while running job=%s (%r); the job goes back in line", ref, exc)
@@ -146,7 +146,8 @@ def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> 
     return job
 
 
-def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope | Continuation:
+def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper,
+         fence: int) -> Envelope | Continuation:
     owner, job_id = split_ref(ref)
     record = rt.results.job_record(ref)
     try:
@@ -167,6 +168,7 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> Envelope |
         settings=rt.settings, project=rt.settings.projects[job.project], redis=rt.redis,
         keys=rt.keys, events=events, cancel=keeper.cancel, client=rt.vllm,
         fence_tag=record.get("fence_tag") or None, count_prompt=rt.counter.count_messages,
+        ledger=rt.ledger, fence=fence,
     )
     envelope = run_inference(job, plan, ctx, turn)
     if not isinstance(envelope, Envelope):

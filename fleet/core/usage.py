@@ -1,0 +1,190 @@
+"""The usage ledger: what each project spent, per API key, model and UTC hour (docs/usage.md).
+
+One hash per project and hour, ``{p}usage:{<project>}:h:<YYYYMMDDHH>`` (fleet/core/keys.py), with
+a field per ``<key>|<model>|<metric>`` counted by HINCRBY: ``requests`` (model turns sent),
+``prompt_tokens``, ``cached_tokens`` (vLLM's ``prompt_tokens_details.cached_tokens``),
+``reasoning_tokens``, ``answer_tokens`` (completion minus reasoning), ``cut_turns`` (turns whose
+stream ended without vLLM's usage chunk: counted from what the fleet saw), ``loop_cuts`` and
+``loop_cut_tokens`` (turns ending E_THINK_LOOP and the completion tokens they spent),
+``tool_rounds`` (turns that ended in tool calls), ``code:<CODE>`` (turns by message code).
+``<key>`` is ``queue`` for a queue job (it has no API key) and ``sha256:<8 hex>`` (the start of
+the key's digest, as in ``projects.<name>.api_keys``) for a gateway request.
+
+Who writes: the inference worker at the end of each model turn (fleet/infer/attempts.py, in the
+pipeline that records the attempt), the gateway at the end of each request's attempts
+(fleet/gateway/chat.py). Both run ``usage.lua``: SET NX of the turn's marker
+``{p}usage:{<project>}:t:<job id>:<fence>:<turn>`` and the increments in one script, so a count
+resent (a redis-py retry after a lost reply) counts nothing. A redelivered job runs under a new
+fence: its turn is a new request to vLLM and counts as one. The hour is the writer's clock at
+the turn's end.
+
+Failure cases: a Redis error while counting is logged and the turn goes uncounted (the job is not
+failed for its bookkeeping); a worker killed before its turn's end counts nothing of that turn
+(what vLLM generated for it appears only in vLLM's own counters); see docs/usage.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+from prometheus_client import CollectorRegistry, Counter
+
+from fleet.core.config import UsageSettings
+from fleet.core.keys import Keys
+from fleet.core.lua import Scripts
+
+log = logging.getLogger(__name__)
+
+QUEUE_KEY = "queue"
+HOUR_S = 3600
+METRICS = ("requests", "prompt_tokens", "cached_tokens", "reasoning_tokens", "answer_tokens",
+           "cut_turns", "loop_cuts", "loop_cut_tokens", "tool_rounds")
+LOOP_CODE = "E_THINK_LOOP"
+
+
+def key_label(key_digest: str) -> str:
+    """How a gateway API key is named in the ledger: the start of its SHA-256 digest."""
+    return f"sha256:{key_digest[:8]}"
+
+
+def hour_of(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y%m%d%H")
+
+
+def hour_start(hour: str) -> int:
+    return int(datetime.strptime(hour, "%Y%m%d%H").replace(tzinfo=UTC).timestamp())
+
+
+@dataclass(frozen=True)
+class TurnUsage:
+    """One model turn's figures, as the ledger counts them."""
+
+    project: str
+    job_id: str
+    fence: int
+    turn: int  # the attempt's number within its job
+    code: str
+    key: str = QUEUE_KEY
+    model: str = "local"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    answer_tokens: int = 0
+    cut: bool = False  # no usage chunk from vLLM: the fleet's own figures
+    tool_round: bool = False
+    ended_at: float = 0.0
+
+    def fields(self) -> dict[str, int]:
+        loop = self.code == LOOP_CODE
+        values = {
+            "requests": 1, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "reasoning_tokens": self.reasoning_tokens, "answer_tokens": self.answer_tokens,
+            "cut_turns": int(self.cut), "loop_cuts": int(loop),
+            "loop_cut_tokens": (self.reasoning_tokens + self.answer_tokens) if loop else 0,
+            "tool_rounds": int(self.tool_round), f"code:{self.code}": 1,
+        }
+        prefix = f"{self.key}|{self.model.replace('|', '_')}|"
+        return {prefix + name: value for name, value in values.items() if value > 0}
+
+
+@dataclass(frozen=True)
+class HourCounts:
+    """One (hour, key, model) cell of a project's ledger."""
+
+    start: int  # unix seconds, the hour's start (UTC)
+    key: str
+    model: str
+    counts: dict[str, int]
+
+
+class UsageLedger:
+    def __init__(self, client: redis.Redis, keys: Keys, settings: UsageSettings,
+                 on_count: Callable[[TurnUsage], None] | None = None) -> None:
+        self._client, self._keys, self._settings = client, keys, settings
+        self._script = Scripts(client, "fleet.core", ("usage",))["usage"]
+        self.on_count = on_count  # once per turn this process counted (Prometheus)
+
+    def add(self, turn: TurnUsage, pipe: Any) -> None:
+        """Queue the turn's count on ``pipe``; give its reply to ``counted`` after execute."""
+        ended = turn.ended_at or time.time()
+        keys = [self._keys.usage_hour(turn.project, hour_of(ended)),
+                self._keys.usage_turn(turn.project, turn.job_id, turn.fence, turn.turn)]
+        args: list[Any] = [self._settings.retention_days * 86_400, self._settings.turn_marker_s]
+        for name, value in turn.fields().items():
+            args += [name, value]
+        self._script(keys=keys, args=args, client=pipe)
+
+    def counted(self, turn: TurnUsage, reply: object) -> bool:
+        """Whether ``reply`` (the script's) counted the turn now; fires ``on_count`` if so."""
+        fresh = reply == 1
+        if fresh and self.on_count is not None:
+            self.on_count(turn)
+        return fresh
+
+    def count(self, turns: Iterable[TurnUsage]) -> int:
+        """Count turns now, in one round trip; how many were new. A Redis error is logged and
+        leaves them uncounted (module docstring)."""
+        turns = list(turns)
+        if not turns:
+            return 0
+        pipe = self._client.pipeline(transaction=False)
+        for turn in turns:
+            self.add(turn, pipe)
+        try:
+            replies = pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("usage of %d turns of project=%s not counted: %r", len(turns),
+                        turns[0].project, exc)
+            return 0
+        return sum(self.counted(turn, reply) for turn, reply in zip(turns, replies, strict=True))
+
+    def read(self, project: str, start: float, end: float) -> list[HourCounts]:
+        """The project's cells of the hours overlapping [start, end), oldest first; hours past
+        the retention are gone, so the range is clipped to it."""
+        oldest = time.time() - self._settings.retention_days * 86_400
+        first, last = int(max(start, oldest)) // HOUR_S, int(end - 1) // HOUR_S
+        hours = [hour_of(h * HOUR_S) for h in range(first, last + 1)]
+        pipe = self._client.pipeline(transaction=False)
+        for hour in hours:
+            pipe.hgetall(self._keys.usage_hour(project, hour))
+        cells: list[HourCounts] = []
+        for hour, found in zip(hours, pipe.execute() if hours else [], strict=True):
+            cells += _cells(hour_start(hour), found)
+        return cells
+
+
+def _cells(start: int, found: dict[bytes, bytes]) -> list[HourCounts]:
+    by_pair: dict[tuple[str, str], dict[str, int]] = {}
+    for raw_field, raw_value in found.items():
+        key, _, rest = raw_field.decode().partition("|")
+        model, _, metric = rest.partition("|")
+        by_pair.setdefault((key, model), {})[metric] = int(raw_value)
+    return [HourCounts(start, key, model, counts) for (key, model), counts in sorted(by_pair.items())]
+
+
+class UsageMetrics:
+    """The ledger's figures as Prometheus counters in one process's registry (a worker's, a
+    gateway's): ``fleet_usage_turns_total{project,code}`` and
+    ``fleet_usage_tokens_total{project,kind}``, counted when the ledger counted the turn (so a
+    resent count is not counted twice here either). Per process: sum them over the fleet."""
+
+    KINDS = ("prompt_tokens", "cached_tokens", "reasoning_tokens", "answer_tokens", "loop_cut_tokens")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.turns = Counter("fleet_usage_turns", "Model turns counted in the usage ledger",
+                             ["project", "code"], registry=registry)
+        self.tokens = Counter("fleet_usage_tokens", "Tokens of the model turns counted in the usage ledger",
+                              ["project", "kind"], registry=registry)
+
+    def observe(self, turn: TurnUsage) -> None:
+        self.turns.labels(turn.project, turn.code).inc()
+        fields = {name.rsplit("|", 1)[1]: value for name, value in turn.fields().items()}
+        for kind in self.KINDS:
+            if fields.get(kind):
+                self.tokens.labels(turn.project, kind.removesuffix("_tokens")).inc(fields[kind])
