@@ -1,0 +1,126 @@
+"""The usage ledger on a real Redis: a turn counts once whatever resends it, a new fence is a new
+turn, hours keep their TTL, and the readers (``fleet usage``'s rows, the gateway's buckets) add
+up what was counted."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import threading
+from datetime import UTC, datetime
+
+import redis
+
+from fleet.cli.usage import render_csv, render_json, usage_rows
+from fleet.core.config import UsageSettings
+from fleet.core.keys import Keys
+from fleet.core.usage import TurnUsage, UsageLedger, hour_of
+from fleet.core.usagereport import buckets, totals
+from fleet.infer.turnusage import turn_usage
+from fleet.infer.vllm import StreamResult
+
+T0 = datetime(2026, 3, 1, 10, 15, tzinfo=UTC).timestamp()  # 10:15 UTC
+
+
+def _turn(job: str = "j1", fence: int = 1, turn: int = 1, **kw: object) -> TurnUsage:
+    base: dict = {"project": "a", "job_id": job, "fence": fence, "turn": turn, "code": "OK",
+                  "prompt_tokens": 100, "cached_tokens": 40, "reasoning_tokens": 30,
+                  "answer_tokens": 12, "ended_at": T0}
+    return TurnUsage(**{**base, **kw})
+
+
+def _ledger(client: redis.Redis, prefix: str, seen: list[TurnUsage] | None = None) -> UsageLedger:
+    return UsageLedger(client, Keys(prefix), UsageSettings(retention_days=400),
+                       on_count=seen.append if seen is not None else None)
+
+
+def test_a_turn_counts_once_and_a_new_fence_is_a_new_turn(redis_client, key_prefix):
+    seen: list[TurnUsage] = []
+    ledger = _ledger(redis_client, key_prefix, seen)
+    assert ledger.count([_turn(), _turn()]) == 1  # the same turn twice in one pipeline
+    assert ledger.count([_turn()]) == 0  # resent later
+    assert ledger.count([_turn(fence=2)]) == 1  # redelivered: a new request to vLLM
+    assert len(seen) == 2  # the Prometheus hook fires for counted turns only
+    key = Keys(key_prefix).usage_hour("a", hour_of(T0))
+    fields = {k.decode(): int(v) for k, v in redis_client.hgetall(key).items()}
+    assert fields == {"queue|local|requests": 2, "queue|local|prompt_tokens": 200,
+                      "queue|local|cached_tokens": 80, "queue|local|reasoning_tokens": 60,
+                      "queue|local|answer_tokens": 24, "queue|local|code:OK": 2}
+    assert 399 * 86_400 < redis_client.ttl(key) <= 400 * 86_400
+
+
+def test_concurrent_resends_count_once(redis_client, key_prefix):
+    ledger = _ledger(redis_client, key_prefix)
+    counted: list[int] = []
+    turns = [_turn(job=f"j{i}") for i in range(20)]
+
+    def resend() -> None:
+        counted.append(ledger.count(turns))
+
+    threads = [threading.Thread(target=resend) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(counted) == 20
+    assert totals(ledger.read("a", T0 - 3600, T0 + 3600))["requests"] == 20
+
+
+def test_loop_cuts_tool_rounds_and_cut_turns_have_their_fields(redis_client, key_prefix):
+    ledger = _ledger(redis_client, key_prefix)
+    ledger.count([_turn(job="loop", code="E_THINK_LOOP", cut=True, answer_tokens=0),
+                  _turn(job="tool", tool_round=True, key="sha256:abcd0123", model="m2")])
+    summed = totals(ledger.read("a", T0 - 10, T0 + 10))
+    assert summed["loop_cuts"] == 1 and summed["loop_cut_tokens"] == 30
+    assert summed["cut_turns"] == 1 and summed["tool_rounds"] == 1
+    assert summed["code:E_THINK_LOOP"] == 1 and summed["code:OK"] == 1
+    cells = ledger.read("a", T0 - 10, T0 + 10)
+    assert {(c.key, c.model) for c in cells} == {("queue", "local"), ("sha256:abcd0123", "m2")}
+
+
+def test_rows_by_hour_day_key_and_model(redis_client, key_prefix):
+    ledger = _ledger(redis_client, key_prefix)
+    ledger.count([_turn(job="h10"), _turn(job="h11", ended_at=T0 + 3600, key="sha256:00ff00ff"),
+                  _turn(job="h11b", ended_at=T0 + 3600, model="other")])
+    now = T0 + 3600
+    by_hour = usage_rows(ledger, ["a"], "hour", 1, now=now)
+    assert [(r["period"], r["requests"]) for r in by_hour] == [("2026-03-01T10:00Z", 1),
+                                                               ("2026-03-01T11:00Z", 2)]
+    by_day = usage_rows(ledger, ["a"], "day", 1, now=now)
+    assert sum(r["requests"] for r in by_day) == 3 and sum(r["prompt_tokens"] for r in by_day) == 300
+    by_key = {r["key"]: r["requests"] for r in usage_rows(ledger, ["a"], "key", 1, now=now)}
+    assert by_key == {"queue": 2, "sha256:00ff00ff": 1}
+    by_model = {r["model"]: r["codes"] for r in usage_rows(ledger, ["a"], "model", 1, now=now)}
+    assert by_model == {"local": {"OK": 2}, "other": {"OK": 1}}
+    assert usage_rows(ledger, ["b"], "hour", 1, now=now) == []  # another project: its own hashes
+    parsed = list(csv.DictReader(io.StringIO(render_csv(by_key_rows := usage_rows(ledger, ["a"], "key", 1, now=now)))))
+    assert [row["key"] for row in parsed] == ["queue", "sha256:00ff00ff"]
+    assert json.loads(render_json(by_key_rows))[0]["answer_tokens"] == 24
+
+
+def test_buckets_cover_the_range_and_split_by_group(redis_client, key_prefix):
+    ledger = _ledger(redis_client, key_prefix)
+    ledger.count([_turn(job="x"), _turn(job="y", key="sha256:11112222")])
+    start = int(T0) // 86_400 * 86_400
+    day = buckets(ledger.read("a", start, start + 2 * 86_400), start, start + 2 * 86_400, 86_400, ["key"])
+    assert [len(b.groups) for b in day] == [2, 0]  # the empty day is there, with no results
+    assert sorted(g.key or "" for g in day[0].groups) == ["queue", "sha256:11112222"]
+
+
+def test_what_a_turn_counts_from_its_stream():
+    served = StreamResult(content="hello", reasoning="think", first_token_s=0.1, usage={
+        "prompt_tokens": 50, "completion_tokens": 20, "prompt_tokens_details": {"cached_tokens": 32},
+        "completion_tokens_details": {"reasoning_tokens": 15}})
+    turn = turn_usage("a", "j", 3, 1, "OK", served, counted_prompt=49)
+    assert (turn.prompt_tokens, turn.cached_tokens, turn.reasoning_tokens, turn.answer_tokens,
+            turn.cut) == (50, 32, 15, 5, False)
+    # cut mid-stream: the fleet's prompt count (a token came back) and the deltas it received
+    cut = StreamResult(reasoning="a" * 40, reasoning_deltas=12, first_token_s=0.1)
+    turn = turn_usage("a", "j", 3, 1, "E_THINK_LOOP", cut, counted_prompt=49)
+    assert (turn.prompt_tokens, turn.reasoning_tokens, turn.answer_tokens, turn.cut) == (49, 12, 0, True)
+    # refused before any token: a request, no tokens
+    refused = turn_usage("a", "j", 3, 1, "E_UPSTREAM_ERROR", StreamResult(), counted_prompt=49)
+    assert (refused.prompt_tokens, refused.reasoning_tokens, refused.cut) == (0, 0, True)
+    assert refused.fields() == {"queue|local|requests": 1, "queue|local|cut_turns": 1,
+                                "queue|local|code:E_UPSTREAM_ERROR": 1}
