@@ -33,7 +33,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import redis
-from prometheus_client import CollectorRegistry, Counter
 
 from fleet.core.config import UsageSettings
 from fleet.core.keys import Keys
@@ -167,24 +166,3 @@ def _cells(start: int, found: dict[bytes, bytes]) -> list[HourCounts]:
         by_pair.setdefault((key, model), {})[metric] = int(raw_value)
     return [HourCounts(start, key, model, counts) for (key, model), counts in sorted(by_pair.items())]
 
-
-class UsageMetrics:
-    """The ledger's figures as Prometheus counters in one process's registry (a worker's, a
-    gateway's): ``fleet_usage_turns_total{project,code}`` and
-    ``fleet_usage_tokens_total{project,kind}``, counted when the ledger counted the turn (so a
-    resent count is not counted twice here either). Per process: sum them over the fleet."""
-
-    KINDS = ("prompt_tokens", "cached_tokens", "reasoning_tokens", "answer_tokens", "loop_cut_tokens")
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.turns = Counter("fleet_usage_turns", "Model turns counted in the usage ledger",
-                             ["project", "code"], registry=registry)
-        self.tokens = Counter("fleet_usage_tokens", "Tokens of the model turns counted in the usage ledger",
-                              ["project", "kind"], registry=registry)
-
-    def observe(self, turn: TurnUsage) -> None:
-        self.turns.labels(turn.project, turn.code).inc()
-        fields = {name.rsplit("|", 1)[1]: value for name, value in turn.fields().items()}
-        for kind in self.KINDS:
-            if fields.get(kind):
-                self.tokens.labels(turn.project, kind.removesuffix("_tokens")).inc(fields[kind])

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from fleet.core.codes import Code
 from fleet.core.models import Usage
-from fleet.core.usage import UsageMetrics
+from fleet.worker.metrics import UsageMetrics
 
 WAIT_BUCKETS_S = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120)
 TTFT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)

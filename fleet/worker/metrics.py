@@ -35,7 +35,7 @@ from celery.signals import worker_init
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from fleet.core.models import Envelope
-from fleet.core.usage import TurnUsage, UsageMetrics
+from fleet.core.usage import TurnUsage
 from schedulers.metrics import serve_registry
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,28 @@ TTFT_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 LATENCY_BUCKETS_S = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
 ATTEMPT_BUCKETS = (1, 2, 3, 4, 5, 8)
 PREFORK_POOLS = ("prefork", "processes")
+
+
+class UsageMetrics:
+    """The ledger's figures as Prometheus counters in one process's registry (a worker's, a
+    gateway's): ``fleet_usage_turns_total{project,code}`` and
+    ``fleet_usage_tokens_total{project,kind}``, counted when the ledger counted the turn (so a
+    resent count is not counted twice here either). Per process: sum them over the fleet."""
+
+    KINDS = ("prompt_tokens", "cached_tokens", "reasoning_tokens", "answer_tokens", "loop_cut_tokens")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.turns = Counter("fleet_usage_turns", "Model turns counted in the usage ledger",
+                             ["project", "code"], registry=registry)
+        self.tokens = Counter("fleet_usage_tokens", "Tokens of the model turns counted in the usage ledger",
+                              ["project", "kind"], registry=registry)
+
+    def observe(self, turn: TurnUsage) -> None:
+        self.turns.labels(turn.project, turn.code).inc()
+        fields = {name.rsplit("|", 1)[1]: value for name, value in turn.fields().items()}
+        for kind in self.KINDS:
+            if fields.get(kind):
+                self.tokens.labels(turn.project, kind.removesuffix("_tokens")).inc(fields[kind])
 
 
 class WorkerMetrics:
