@@ -25,6 +25,7 @@ failed for its bookkeeping); a worker killed before its turn's end counts nothin
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -43,8 +44,14 @@ log = logging.getLogger(__name__)
 QUEUE_KEY = "queue"
 HOUR_S = 3600
 METRICS = ("requests", "prompt_tokens", "cached_tokens", "reasoning_tokens", "answer_tokens",
-           "cut_turns", "loop_cuts", "loop_cut_tokens", "tool_rounds")
+           "cut_turns", "crashed_turns", "crashed_tokens", "loop_cuts", "loop_cut_tokens",
+           "tool_rounds")
 LOOP_CODE = "E_THINK_LOOP"
+# A turn whose worker died mid-stream ends with no code of its own: it counts under the code of a
+# stream that ended without its end, as the fleet names it when it sees one.
+CRASHED_CODE = "E_STREAM_DROPPED"
+PROGRESS_FIELDS = ("fence", "turn", "key", "model", "prompt_tokens", "reasoning_tokens",
+                   "answer_tokens", "ended_at")
 
 
 def key_label(key_digest: str) -> str:
@@ -76,16 +83,19 @@ class TurnUsage:
     reasoning_tokens: int = 0
     answer_tokens: int = 0
     cut: bool = False  # no usage chunk from vLLM: the fleet's own figures
+    crashed: bool = False  # its worker died mid-stream: counted from its last progress entry
     tool_round: bool = False
     ended_at: float = 0.0
 
     def fields(self) -> dict[str, int]:
         loop = self.code == LOOP_CODE
+        spent = self.reasoning_tokens + self.answer_tokens
         values = {
             "requests": 1, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
             "reasoning_tokens": self.reasoning_tokens, "answer_tokens": self.answer_tokens,
-            "cut_turns": int(self.cut), "loop_cuts": int(loop),
-            "loop_cut_tokens": (self.reasoning_tokens + self.answer_tokens) if loop else 0,
+            "cut_turns": int(self.cut), "crashed_turns": int(self.crashed),
+            "crashed_tokens": spent if self.crashed else 0, "loop_cuts": int(loop),
+            "loop_cut_tokens": spent if loop else 0,
             "tool_rounds": int(self.tool_round), f"code:{self.code}": 1,
         }
         prefix = f"{self.key}|{self.model.replace('|', '_')}|"
@@ -113,8 +123,10 @@ class UsageLedger:
         """Queue the turn's count on ``pipe``; give its reply to ``counted`` after execute."""
         ended = turn.ended_at or time.time()
         keys = [self._keys.usage_hour(turn.project, hour_of(ended)),
-                self._keys.usage_turn(turn.project, turn.job_id, turn.fence, turn.turn)]
-        args: list[Any] = [self._settings.retention_days * 86_400, self._settings.turn_marker_s]
+                self._keys.usage_turn(turn.project, turn.job_id, turn.fence, turn.turn),
+                self._keys.usage_open(turn.project)]
+        args: list[Any] = [self._settings.retention_days * 86_400, self._settings.turn_marker_s,
+                           turn.job_id, turn.fence]
         for name, value in turn.fields().items():
             args += [name, value]
         self._script(keys=keys, args=args, client=pipe)
@@ -142,6 +154,29 @@ class UsageLedger:
                         turns[0].project, exc)
             return 0
         return sum(self.counted(turn, reply) for turn, reply in zip(turns, replies, strict=True))
+
+    def checkpoint(self, turn: TurnUsage, client: redis.Redis | None = None) -> None:
+        """Record a streaming turn's progress so far (``turn``: what it would count now), for
+        ``settle`` to count if its worker dies before the turn ends."""
+        entry = {name: getattr(turn, name) for name in PROGRESS_FIELDS}
+        pipe = (client or self._client).pipeline(transaction=False)
+        key = self._keys.usage_open(turn.project)
+        pipe.hset(key, turn.job_id, json.dumps(entry))
+        pipe.expire(key, self._settings.turn_marker_s)
+        pipe.execute()
+
+    def settle(self, project: str, job_id: str, fence: int) -> bool:
+        """At the start of a job's turn under ``fence``: a progress entry of another fence is a
+        turn whose worker died mid-stream; count it (``crashed``) from that entry, once."""
+        raw = self._client.hget(self._keys.usage_open(project), job_id)
+        if raw is None:
+            return False
+        entry = json.loads(raw)
+        if entry.get("fence") == fence:
+            return False  # this very grant's (a worker that died before it is ours cannot be)
+        turn = TurnUsage(project=project, job_id=job_id, code=CRASHED_CODE, cut=True, crashed=True,
+                         **{name: entry[name] for name in PROGRESS_FIELDS if name in entry})
+        return self.count([turn]) == 1
 
     def read(self, project: str, start: float, end: float) -> list[HourCounts]:
         """The project's cells of the hours overlapping [start, end), oldest first; hours past

@@ -79,7 +79,7 @@ from fleet.infer.loopwatch import LoopWatcher, Verdict
 from fleet.infer.requestbody import base_temperature, job_seed, request_body
 from fleet.infer.retrying import RetryBudget, backoff_s, fits_deadline, should_retry
 from fleet.infer.turns import CARRIED, RetryKind, ToolRound, ToolTask, Turn, TurnRecord
-from fleet.infer.turnusage import turn_usage
+from fleet.infer.turnusage import TurnProgress, turn_usage
 from fleet.infer.validate import check_answer, reask_message, response_format, schema_for
 from fleet.infer.vllm import Delta, StreamResult, VllmClient
 
@@ -111,6 +111,8 @@ class InferenceContext:
     # once, in the pipeline that records it. None: not counted (the in-process benchmark).
     ledger: UsageLedger | None = None
     fence: int = 0
+    # The turn's progress, which the lease keeper records at each renewal (None: not recorded).
+    progress: TurnProgress | None = None
 
 
 # Without a token counter (the in-process benchmark) a prompt is estimated from its JSON size,
@@ -451,7 +453,11 @@ class _Run:
                         max_tokens=self.plan.max_tokens, seed=seed, temperature=temperature,
                         carried=len(carried))
         started = ctx.clock()
+        if ctx.progress is not None:
+            ctx.progress.start(number, self.plan.prompt_tokens)
         outcome = self._stream(body)
+        if ctx.progress is not None:
+            ctx.progress.stop()
         result = outcome.result
         usage = self._usage(result)
         attempt = Attempt(
@@ -508,9 +514,13 @@ class _Run:
         watcher = LoopWatcher(self.s.watcher) if self.s.watcher.enabled else None
         coalescer = _Coalescer(ctx.events, ctx.clock, ctx.emit_interval_s)
 
+        progress = ctx.progress
+
         def on_delta(delta: Delta) -> None:
             now = ctx.clock()
             verdict = None
+            if progress is not None and not delta.keepalive:
+                progress.seen(delta.reasoning, delta.content, bool(delta.tool_calls))
             if delta.reasoning:
                 coalescer.add("reasoning", delta.reasoning)
                 if watcher is not None:

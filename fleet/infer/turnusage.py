@@ -34,3 +34,46 @@ def turn_usage(project: str, job_id: str, fence: int, turn: int, code: str,
     return replace(base, prompt_tokens=prompt, cached_tokens=result.cached_tokens,
                    reasoning_tokens=reasoning,
                    answer_tokens=max(0, result.completion_tokens - reasoning), cut=not served)
+
+
+class TurnProgress:
+    """What the streaming turn of one delivery has received so far, for the usage ledger's
+    progress entry (``UsageLedger.checkpoint``), read by the lease keeper's thread at each
+    renewal while the inference thread updates it (plain counters: a read sees a recent value).
+    The estimate is ``StreamResult``'s: a delta is at least one token, about 4 characters a
+    token."""
+
+    def __init__(self, project: str, job_id: str, fence: int, model: str) -> None:
+        self.project, self.job_id, self.fence, self.model = project, job_id, fence, model
+        self.turn = 0
+        self.prompt_tokens = 0
+        self._counts = [0, 0, 0, 0]  # reasoning deltas, chars; content deltas, chars
+        self._streaming = False
+
+    def start(self, turn: int, prompt_tokens: int) -> None:
+        self.turn, self.prompt_tokens, self._counts = turn, prompt_tokens, [0, 0, 0, 0]
+        self._streaming = False
+
+    def seen(self, reasoning: str, content: str, tool_calls: bool = False) -> None:
+        counts = self._counts
+        if reasoning:
+            counts[0] += 1
+            counts[1] += len(reasoning)
+        if content or tool_calls:
+            counts[2] += 1
+            counts[3] += len(content)
+        self._streaming = True
+
+    def stop(self) -> None:
+        """The turn's stream is over (it counts itself now): nothing more to record."""
+        self._streaming = False
+
+    def snapshot(self) -> TurnUsage | None:
+        """What a crash now would leave counted; None before the first token or after the end."""
+        if not self._streaming:
+            return None
+        counts = list(self._counts)
+        return TurnUsage(project=self.project, job_id=self.job_id, fence=self.fence, turn=self.turn,
+                         code="", model=self.model, prompt_tokens=self.prompt_tokens,
+                         reasoning_tokens=max(counts[0], round(counts[1] / 4)),
+                         answer_tokens=max(counts[2], round(counts[3] / 4)), ended_at=time.time())

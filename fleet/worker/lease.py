@@ -34,8 +34,12 @@ CANCEL_CHECK_S = 0.5
 
 class LeaseKeeper:
     def __init__(self, store: AdmissionStore, cancel_requested: Callable[[], bool],
-                 job_id: str, fence: int, ttl_s: float) -> None:
+                 job_id: str, fence: int, ttl_s: float,
+                 on_renew: Callable[[], None] | None = None) -> None:
         self.store = store
+        # After each renewal: the inference worker records its turn's progress in the usage
+        # ledger there (fleet/core/usage.py), so a worker killed mid-stream leaves what it saw.
+        self.on_renew = on_renew
         self.cancel_requested = cancel_requested
         self.job_id = job_id
         self.fence = fence
@@ -76,6 +80,8 @@ class LeaseKeeper:
                         self._lose("renew refused")
                         return
                     last_ok = asked
+                    if self.on_renew is not None:
+                        self.on_renew()
             except BROKER_LOST as exc:
                 # Keep streaming through a Redis blip: the lease TTL covers several misses. One
                 # line per outage for all keepers of the process, not one per keeper and check.

@@ -8,6 +8,8 @@ import csv
 import io
 import json
 import threading
+import time
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import redis
@@ -17,7 +19,7 @@ from fleet.core.config import UsageSettings
 from fleet.core.keys import Keys
 from fleet.core.usage import TurnUsage, UsageLedger, hour_of
 from fleet.core.usagereport import buckets, totals
-from fleet.infer.turnusage import turn_usage
+from fleet.infer.turnusage import TurnProgress, turn_usage
 from fleet.infer.vllm import StreamResult
 
 T0 = datetime(2026, 3, 1, 10, 15, tzinfo=UTC).timestamp()  # 10:15 UTC
@@ -124,3 +126,42 @@ def test_what_a_turn_counts_from_its_stream():
     assert (refused.prompt_tokens, refused.reasoning_tokens, refused.cut) == (0, 0, True)
     assert refused.fields() == {"queue|local|requests": 1, "queue|local|cut_turns": 1,
                                 "queue|local|code:E_UPSTREAM_ERROR": 1}
+
+
+def test_a_turn_whose_worker_died_is_counted_once_from_its_last_progress(redis_client, key_prefix):
+    keys = Keys(key_prefix)
+    ledger = _ledger(redis_client, key_prefix)
+    progress = TurnProgress("a", "j9", fence=4, model="local")
+    progress.start(1, prompt_tokens=300)
+    assert progress.snapshot() is None  # no token yet: nothing to leave
+    progress.seen("x" * 400, "")
+    progress.seen("y" * 40, "")
+    seen = progress.snapshot()
+    assert seen is not None and seen.reasoning_tokens == 110  # 440 characters, 2 deltas
+    ledger.checkpoint(seen)
+    assert ledger.settle("a", "j9", fence=4) is False  # its own grant: still streaming
+    assert ledger.settle("a", "j9", fence=5) is True  # the next grant: the worker died
+    assert ledger.settle("a", "j9", fence=6) is False  # counted once, entry gone
+    assert redis_client.hget(keys.usage_open("a"), "j9") is None
+    summed = totals(ledger.read("a", time.time() - 60, time.time() + 60))
+    assert (summed["requests"], summed["crashed_turns"], summed["cut_turns"], summed["prompt_tokens"],
+            summed["reasoning_tokens"], summed["crashed_tokens"]) == (1, 1, 1, 300, 110, 110)
+    assert summed["code:E_STREAM_DROPPED"] == 1
+
+
+def test_a_turn_that_ends_removes_its_own_progress_only(redis_client, key_prefix):
+    keys = Keys(key_prefix)
+    ledger = _ledger(redis_client, key_prefix)
+    progress = TurnProgress("a", "j7", fence=2, model="local")
+    progress.start(1, prompt_tokens=10)
+    progress.seen("think", "")
+    ledger.checkpoint(progress.snapshot())  # type: ignore[arg-type]
+    ledger.count([_turn(job="j7", fence=1)])  # an older grant's late count: not its entry
+    assert redis_client.hget(keys.usage_open("a"), "j7") is not None
+    ledger.count([_turn(job="j7", fence=2)])  # the turn itself ends: counted, entry gone
+    assert redis_client.hget(keys.usage_open("a"), "j7") is None
+    assert ledger.settle("a", "j7", fence=3) is False
+    # a dead turn settled, then its worker's own late count (the same marker) adds nothing
+    ledger.checkpoint(replace(progress.snapshot(), fence=8))  # type: ignore[type-var]
+    assert ledger.settle("a", "j7", fence=9) is True
+    assert ledger.count([_turn(job="j7", fence=8)]) == 0

@@ -2,13 +2,14 @@
 ``fleet gateway`` as processes on the test Redis.
 
 Kill storm: every job's first request stalls mid-reasoning (``[sim:stall=.../1]``), both inference
-workers are killed with ``kill -9`` while they stream, two new ones start, the jobs' leases expire
-(``lease_ttl_s`` 3 s) and every job runs again under a new fence and ends OK. The ledger then holds
-exactly the turns vLLM finished: its requests, prompt tokens and completion tokens equal the
-simulator's own per-request histograms of finished requests (``vllm:request_prompt_tokens``,
-``vllm:request_generation_tokens``), ratio 1.000, and the killed turns are in none of its
-figures (the simulator counts them as aborted: what it generated for them is the difference
-between its generation counter and those histograms).
+workers are killed with ``kill -9`` while they stream (once each stream's progress is in the
+ledger: the lease keeper records it at every renewal), two new ones start, the jobs' leases
+expire (``lease_ttl_s`` 3 s) and every job runs again under a new fence and ends OK. Then every
+request the simulator saw is one turn in the ledger (8 = 8), its prompt tokens equal the
+simulator's prompt counter (each prompt once), the finished turns' completion tokens equal the
+simulator's per-request histogram of finished requests exactly, and the killed turns count what
+their workers had seen (an estimate from the deltas: 379 of the 400 tokens the simulator
+generated for them, measured).
 
 Gateway: a project reads its own usage with its API key in OpenAI's bucket shape; another
 project's key never sees it, whatever it asks for; ``fleet usage`` prints the same figures.
@@ -84,6 +85,11 @@ def _ledger_totals(harness: Harness, projects: tuple[str, ...]) -> dict[str, int
     return summed
 
 
+def _progress_entries(harness: Harness) -> int:
+    keys, client = harness.client.keys, harness.client.redis
+    return sum(client.hlen(keys.usage_open(project)) for project in QUEUED)
+
+
 def _streaming_workers(probe: FleetProbe) -> dict[str, int]:
     found: dict[str, int] = {}
     for hostname, tasks in (probe.active_tasks() or {}).items():
@@ -102,6 +108,7 @@ def test_after_a_kill_storm_the_ledger_equals_what_the_simulator_finished(
         for n in range(CAP)]
     wait_until(lambda: probe.sim_stats()["running"] == CAP, 60, "every job streaming")
     wait_until(lambda: sum(_streaming_workers(probe).values()) == CAP, 60, "the workers to report their streams")
+    wait_until(lambda: _progress_entries(harness) == CAP, 30, "each stream's progress in the ledger")
     for name, process in list(harness.fleet.children):
         if name.startswith("worker-"):
             os.killpg(process.pid, signal.SIGKILL)
@@ -114,21 +121,29 @@ def test_after_a_kill_storm_the_ledger_equals_what_the_simulator_finished(
 
     sim_after, stats_after = _sim_finished(harness), probe.sim_stats()
     finished = {name: sim_after[name] - sim_before.get(name, 0.0) for name in sim_after}
+    sim = {name: stats_after[name] - stats_before[name]
+           for name in ("total_requests", "aborted", "prompt_tokens", "generation_tokens")}
     ledger = _ledger_totals(harness, QUEUED)
-    assert stats_after["aborted"] - stats_before["aborted"] == CAP  # the killed turns
-    assert ledger["requests"] == finished["vllm:request_prompt_tokens_count"] == CAP
-    assert ledger["prompt_tokens"] == finished["vllm:request_prompt_tokens_sum"]
-    assert (ledger["reasoning_tokens"] + ledger["answer_tokens"]
+    assert sim["aborted"] == CAP  # the killed turns
+    # every request vLLM saw is one turn in the ledger: the killed ones counted by the jobs'
+    # next turns from their last progress entry, the others by their own end
+    assert ledger["requests"] == sim["total_requests"] == 2 * CAP
+    assert ledger["crashed_turns"] == ledger["cut_turns"] == ledger["code:E_STREAM_DROPPED"] == CAP
+    assert ledger["code:OK"] == CAP
+    assert ledger["prompt_tokens"] == sim["prompt_tokens"]  # each prompt once, as vLLM counts it
+    # the finished turns exactly as vLLM's per-request histograms; the killed ones as the
+    # workers saw them before they died (an estimate from the deltas received)
+    assert (ledger["reasoning_tokens"] + ledger["answer_tokens"] - ledger["crashed_tokens"]
             == finished["vllm:request_generation_tokens_sum"])
-    assert ledger["code:OK"] == CAP and ledger["cut_turns"] == 0
-    # what the killed turns generated is vLLM's alone: in its counter, in no ledger figure
-    generated = stats_after["generation_tokens"] - stats_before["generation_tokens"]
-    assert generated > finished["vllm:request_generation_tokens_sum"]
+    killed = sim["generation_tokens"] - finished["vllm:request_generation_tokens_sum"]
+    # (measured: 379 seen of the 400 vLLM generated; the estimate is a delta at least one token,
+    # about 4 characters a token)
+    assert 0.5 * killed <= ledger["crashed_tokens"] <= 1.5 * killed, (ledger, killed)
     # fleet usage (a real CLI process) prints the same figures
     shown = probe.cli("usage", "--by", "model", "--json")
     assert shown.returncode == 0, shown.stderr
     rows = [row for row in json.loads(shown.stdout) if row["project"] in QUEUED]
-    assert sum(row["requests"] for row in rows) == CAP
+    assert sum(row["requests"] for row in rows) == 2 * CAP
     assert sum(row["prompt_tokens"] for row in rows) == ledger["prompt_tokens"]
 
 
