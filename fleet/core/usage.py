@@ -179,10 +179,11 @@ class UsageLedger:
         return self.count([turn]) == 1
 
     def read(self, project: str, start: float, end: float) -> list[HourCounts]:
-        """The project's cells of the hours overlapping [start, end), oldest first; hours past
-        the retention are gone, so the range is clipped to it."""
-        oldest = time.time() - self._settings.retention_days * 86_400
-        first, last = int(max(start, oldest)) // HOUR_S, int(end - 1) // HOUR_S
+        """The project's cells of the hours overlapping [start, end), oldest first; the range is
+        clipped to the retention (older hours are gone) and to the next hour (none is later)."""
+        now = time.time()
+        oldest, newest = now - self._settings.retention_days * 86_400, now + HOUR_S
+        first, last = int(max(start, oldest)) // HOUR_S, int(min(end, newest) - 1) // HOUR_S
         hours = [hour_of(h * HOUR_S) for h in range(first, last + 1)]
         pipe = self._client.pipeline(transaction=False)
         for hour in hours:

@@ -105,18 +105,27 @@ def _result(project: str, group: Group, query: UsageQuery) -> dict[str, Any]:
     }
 
 
-def usage_page(project: str, cells: list[HourCounts], query: UsageQuery) -> dict[str, Any]:
-    """The page of buckets from ``query.page`` on (at most ``query.limit``)."""
+def page_range(query: UsageQuery) -> tuple[int, int]:
+    """The span of the page's buckets: from ``page`` (or ``start_time``), at most ``limit`` of them."""
     width_s = BUCKET_WIDTHS_S[query.width]
+    first = max(query.start, query.page)
+    first -= first % width_s
+    return first, min(query.end, first + query.limit * width_s)
+
+
+def usage_page(project: str, cells: list[HourCounts], query: UsageQuery) -> dict[str, Any]:
+    """The page of buckets from ``query.page`` on (at most ``query.limit``): only the page's
+    buckets are ever made, whatever span the query names."""
+    width_s = BUCKET_WIDTHS_S[query.width]
+    first, last = page_range(query)
     grouped = [GROUP_FIELDS[g] for g in query.group_by if g != "project_id"]
     wanted = [c for c in cells if query.wants(c)] if project in query.projects or not query.projects else []
-    every = buckets(wanted, query.start, query.end, width_s, grouped)
-    shown = [b for b in every if b.end > query.page][:query.limit]
-    more = bool(shown) and shown[-1].end < every[-1].end
+    shown = buckets(wanted, max(first, query.start), last, width_s, grouped) if first < last else []
+    more = last < query.end
     data = [{"object": "bucket", "start_time": b.start, "end_time": b.end,
              "results": [_result(project, g, query) for g in b.groups]} for b in shown]
     return {"object": "page", "data": data, "has_more": more,
-            "next_page": str(shown[-1].end) if more else None}
+            "next_page": str(last) if more else None}
 
 
 class UsageRoutes:
@@ -125,8 +134,6 @@ class UsageRoutes:
 
     async def completions(self, request: Request, caller: Caller) -> Response:
         query = UsageQuery(request)
-        width_s = BUCKET_WIDTHS_S[query.width]
-        first = max(query.start, query.page) // width_s * width_s
-        last = min(query.end, first + query.limit * width_s)
+        first, last = page_range(query)
         cells = await self.gw.run(self.gw.runtime.ledger.read, caller.project, first, last)
         return JSONResponse(usage_page(caller.project, cells, query))

@@ -217,6 +217,12 @@ def test_usage_pages_through_its_buckets(fleet: tuple[Harness, dict[str, str]]) 
     starts = [b["start_time"] for b in first["data"] + rest["data"]]
     assert starts == sorted(set(starts)) and len(starts) == 6 and rest["has_more"] is False
     assert all(b["end_time"] - b["start_time"] == 3600 for b in rest["data"])
+    # a span of decades (or one past year 9999) makes only one page of buckets
+    ancient = _usage(harness, keys["translate"], start_time=0, bucket_width="1h").json()
+    assert len(ancient["data"]) == 24 and ancient["next_page"] == str(24 * 3600)
+    future = 10**13 - 10**13 % 3600
+    far = _usage(harness, keys["translate"], start_time=future, end_time=future + 7200, bucket_width="1h")
+    assert far.status_code == 200 and [b["results"] for b in far.json()["data"]] == [[], []]
     unauth = httpx.get(f"http://127.0.0.1:{harness.settings.gateway.port}/v1/organization/usage/completions",
                        params={"start_time": 1}, timeout=10)
     assert unauth.status_code == 401 and unauth.json()["error"]["code"] == Code.E_AUTH.value
