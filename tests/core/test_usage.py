@@ -165,3 +165,21 @@ def test_a_turn_that_ends_removes_its_own_progress_only(redis_client, key_prefix
     ledger.checkpoint(replace(progress.snapshot(), fence=8))  # type: ignore[type-var]
     assert ledger.settle("a", "j7", fence=9) is True
     assert ledger.count([_turn(job="j7", fence=8)]) == 0
+
+
+def test_prometheus_counts_what_the_ledger_counted(redis_client, key_prefix):
+    from prometheus_client import generate_latest
+
+    from fleet.worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics()
+    ledger = UsageLedger(redis_client, Keys(key_prefix), UsageSettings(retention_days=400),
+                         on_count=metrics.observe_turn)
+    ledger.count([_turn(), _turn(job="loop", code="E_THINK_LOOP")])
+    ledger.count([_turn()])  # resent: not counted again, here either
+    text = generate_latest(metrics.registry).decode()
+    assert 'fleet_usage_turns_total{code="OK",project="a"} 1.0' in text
+    assert 'fleet_usage_turns_total{code="E_THINK_LOOP",project="a"} 1.0' in text
+    assert 'fleet_usage_tokens_total{kind="prompt",project="a"} 200.0' in text
+    assert 'fleet_usage_tokens_total{kind="cached",project="a"} 80.0' in text
+    assert 'fleet_usage_tokens_total{kind="loop_cut",project="a"} 42.0' in text
