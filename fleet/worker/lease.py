@@ -64,6 +64,17 @@ class LeaseKeeper:
         self.lost = True
         self.cancel.set()
 
+    def _after_renew(self) -> None:
+        """``on_renew``; bookkeeping only: whatever it raises, the lease and the stream go on."""
+        if self.on_renew is None:
+            return
+        try:
+            self.on_renew()
+        except redis.RedisError as exc:
+            log.warning("lease keeper for job=%s: progress not recorded (%r)", self.job_id, exc)
+        except Exception:
+            log.exception("lease keeper for job=%s: progress not recorded", self.job_id)
+
     def _run(self) -> None:
         last_ok = time.monotonic()
         next_renew = last_ok + self.renew_every_s
@@ -80,8 +91,7 @@ class LeaseKeeper:
                         self._lose("renew refused")
                         return
                     last_ok = asked
-                    if self.on_renew is not None:
-                        self.on_renew()
+                    self._after_renew()
             except BROKER_LOST as exc:
                 # Keep streaming through a Redis blip: the lease TTL covers several misses. One
                 # line per outage for all keepers of the process, not one per keeper and check.
