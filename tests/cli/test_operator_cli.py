@@ -84,30 +84,6 @@ def test_status_of_a_project_this_configuration_lacks_says_unknown_project(env: 
     assert one_line(done.stderr).startswith(f"{Code.E_INPUT_INVALID.value} unknown project 'nosuch'")
 
 
-@pytest.mark.parametrize(("args", "says"), [
-    (["--project", "nosuch"], "unknown project 'nosuch'"),
-    (["--by", "week"], "--by must be one of hour, day, key, model"),
-    (["--days", "0"], "--days must be more than 0"),
-    (["--json", "--csv"], "--json and --csv: choose one"),
-])
-def test_fleet_usage_refuses_what_it_cannot_show_with_one_coded_line(
-        env: dict[str, str], args: list[str], says: str) -> None:
-    done = run_fleet(env, "usage", *args)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert one_line(done.stderr).startswith(f"{Code.E_INPUT_INVALID.value} {says}")
-
-
-def test_fleet_usage_of_an_empty_ledger_is_an_empty_table_json_and_csv(env: dict[str, str]) -> None:
-    table = run_fleet(env, "usage", "--by", "hour")
-    assert table.returncode == 0 and "Usage by hour" in table.stdout, table.stderr
-    as_json = run_fleet(env, "usage", "--json", "--project", "reports")
-    assert as_json.returncode == 0 and json.loads(as_json.stdout) == []
-    as_csv = run_fleet(env, "usage", "--csv", "--by", "model")
-    assert as_csv.returncode == 0 and as_csv.stdout.splitlines() == [
-        "project,period,key,model,requests,prompt_tokens,cached_tokens,reasoning_tokens,answer_tokens,"
-        "cut_turns,crashed_turns,crashed_tokens,loop_cuts,loop_cut_tokens,tool_rounds,codes"]
-
-
 def test_fleet_up_on_a_named_broker_that_does_not_answer_is_one_coded_line(tmp_path: Path) -> None:
     down = f"redis://127.0.0.1:{free_port()}/0"  # not the default location: never replaced
     done = run_fleet(fleet_env(make_config(tmp_path, broker_url=down)), "up")
