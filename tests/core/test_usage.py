@@ -22,7 +22,9 @@ from fleet.core.usagereport import buckets, totals
 from fleet.infer.turnusage import TurnProgress, turn_usage
 from fleet.infer.vllm import StreamResult
 
-T0 = datetime(2026, 3, 1, 10, 15, tzinfo=UTC).timestamp()  # 10:15 UTC
+# 10:15 UTC three days ago (within any retention; the ledger reads nothing older than that)
+T0 = (time.time() // 86_400 - 3) * 86_400 + 10 * 3600 + 15 * 60
+DAY = datetime.fromtimestamp(T0, UTC).strftime("%Y-%m-%d")
 
 
 def _turn(job: str = "j1", fence: int = 1, turn: int = 1, **kw: object) -> TurnUsage:
@@ -87,8 +89,8 @@ def test_rows_by_hour_day_key_and_model(redis_client, key_prefix):
                   _turn(job="h11b", ended_at=T0 + 3600, model="other")])
     now = T0 + 3600
     by_hour = usage_rows(ledger, ["a"], "hour", 1, now=now)
-    assert [(r["period"], r["requests"]) for r in by_hour] == [("2026-03-01T10:00Z", 1),
-                                                               ("2026-03-01T11:00Z", 2)]
+    assert [(r["period"], r["requests"]) for r in by_hour] == [(f"{DAY}T10:00Z", 1),
+                                                               (f"{DAY}T11:00Z", 2)]
     by_day = usage_rows(ledger, ["a"], "day", 1, now=now)
     assert sum(r["requests"] for r in by_day) == 3 and sum(r["prompt_tokens"] for r in by_day) == 300
     by_key = {r["key"]: r["requests"] for r in usage_rows(ledger, ["a"], "key", 1, now=now)}
