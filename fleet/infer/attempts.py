@@ -281,9 +281,9 @@ class _Run:
         (fleet/core/promptcache.py): one round trip."""
         entry = {**attempt.model_dump(mode="json"), "conclusions": conclusions}
         pipe = self.ctx.redis.pipeline(transaction=False)
-        ledger = self.ctx.ledger if usage is not None else None
+        ledger = self.ctx.ledger
         if ledger is not None and usage is not None:
-            ledger.add(usage, pipe)
+            ledger.add(usage, pipe)  # first: its reply is replies[0]
         carryover.record_attempt(pipe, self.ctx.keys, job_ref(self.job.project, self.job.id), entry,
                                  self.s.events_ttl_s)
         if result is not None and result.first_token_s is not None:
@@ -513,7 +513,6 @@ class _Run:
         ctx = self.ctx
         watcher = LoopWatcher(self.s.watcher) if self.s.watcher.enabled else None
         coalescer = _Coalescer(ctx.events, ctx.clock, ctx.emit_interval_s)
-
         progress = ctx.progress
 
         def on_delta(delta: Delta) -> None:
