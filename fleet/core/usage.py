@@ -5,7 +5,8 @@ a field per ``<key>|<model>|<metric>`` counted by HINCRBY: ``requests`` (model t
 ``prompt_tokens``, ``cached_tokens`` (vLLM's ``prompt_tokens_details.cached_tokens``),
 ``reasoning_tokens``, ``answer_tokens`` (completion minus reasoning), ``cut_turns`` (turns whose
 stream ended without vLLM's usage chunk: counted from what the fleet saw), ``loop_cuts`` and
-``loop_cut_tokens`` (turns ending E_THINK_LOOP and the completion tokens they spent),
+``crashed_turns`` and ``crashed_tokens`` (turns whose worker died mid-stream, below), ``loop_cuts``
+and ``loop_cut_tokens`` (turns ending E_THINK_LOOP and the completion tokens they spent),
 ``tool_rounds`` (turns that ended in tool calls), ``code:<CODE>`` (turns by message code).
 ``<key>`` is ``queue`` for a queue job (it has no API key) and ``sha256:<8 hex>`` (the start of
 the key's digest, as in ``projects.<name>.api_keys``) for a gateway request.
@@ -18,9 +19,16 @@ resent (a redis-py retry after a lost reply) counts nothing. A redelivered job r
 fence: its turn is a new request to vLLM and counts as one. The hour is the writer's clock at
 the turn's end.
 
-Failure cases: a Redis error while counting is logged and the turn goes uncounted (the job is not
-failed for its bookkeeping); a worker killed before its turn's end counts nothing of that turn
-(what vLLM generated for it appears only in vLLM's own counters); see docs/usage.md.
+A worker killed mid-stream cannot count its turn: while the turn streams, its lease keeper
+records the progress at each renewal (``checkpoint``: ``{p}usage:{<project>}:open``, field job
+id -> fence, turn, tokens so far), the turn's own count removes the entry, and the job's next
+turn, under another fence, counts an entry it finds as a crashed turn (``settle``), under that
+turn's own marker, so once.
+
+Failure cases: the inference worker's count rides in the attempt's pipeline (a Redis error there
+sends the job back in line, the turn counted when it runs again); the gateway's is logged and
+its turns go uncounted; what streamed after a dead turn's last renewal is not counted, nor a
+dead turn whose job ends without another turn; see docs/usage.md.
 """
 
 from __future__ import annotations
