@@ -13,11 +13,13 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fleet.cli.usage import render_csv, render_json, usage_rows
 from fleet.core.config import UsageSettings
 from fleet.core.keys import Keys
-from fleet.core.usage import TurnUsage, UsageLedger, hour_of
+from fleet.core.usage import HourCounts, TurnUsage, UsageLedger, hour_of
 from fleet.core.usagereport import buckets, totals
 from fleet.infer.turnusage import TurnProgress, turn_usage
 from fleet.infer.vllm import StreamResult
@@ -185,3 +187,28 @@ def test_prometheus_counts_what_the_ledger_counted(redis_client, key_prefix):
     assert 'fleet_usage_tokens_total{kind="prompt",project="a"} 200.0' in text
     assert 'fleet_usage_tokens_total{kind="cached",project="a"} 80.0' in text
     assert 'fleet_usage_tokens_total{kind="loop_cut",project="a"} 42.0' in text
+
+
+@settings(max_examples=200, deadline=None)
+@given(hours=st.lists(st.tuples(st.integers(0, 96), st.sampled_from(["queue", "sha256:00000001"]),
+                                st.sampled_from(["local", "m2"]), st.integers(1, 50)), max_size=30),
+       start_h=st.integers(0, 96), span_h=st.integers(1, 96), daily=st.booleans(),
+       group_by=st.sampled_from([(), ("key",), ("model",), ("key", "model")]))
+def test_buckets_add_up_to_the_cells_they_cover(hours, start_h, span_h, daily, group_by) -> None:  # type: ignore[no-untyped-def]
+    base = 1_764_547_200  # a UTC midnight
+    cells = [HourCounts(base + h * 3600, key, model, {"requests": n, f"code:{key}": n})
+             for h, key, model, n in hours]
+    start, end = base + start_h * 3600 + 600, base + (start_h + span_h) * 3600
+    width = 86_400 if daily else 3600
+    made = buckets(cells, start, end, width, group_by)
+    assert [b.start for b in made] == list(range(start - start % width, end, width))
+    covered = [c for c in cells if start - start % 3600 <= c.start < end]
+    summed: dict[str, int] = {}
+    for bucket in made:
+        pairs = [(g.key, g.model) for g in bucket.groups]
+        assert len(pairs) == len(set(pairs))  # one group per (key, model) asked for
+        for group in bucket.groups:
+            assert (group.key is None) == ("key" not in group_by)
+            for name, n in group.counts.items():
+                summed[name] = summed.get(name, 0) + n
+    assert summed == {k: v for k, v in totals(covered).items() if v}
