@@ -69,11 +69,12 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                                      hash per project and UTC hour, fields "<key>|<model>|<metric>"
                                      (HINCRBY); TTL usage.retention_days, set again at each write.
                                      The project's producer user may read it, never write it
-  {p}usage:{<project>}:open    hash   job id -> the progress (JSON) of the job's turn streaming now,
-                                     written by its inference worker at each lease renewal and
-                                     removed by the turn's count; an entry of another fence is a
-                                     turn whose worker died: the job's next turn counts it
-                                     (``UsageLedger.settle``); TTL usage.turn_marker_s
+  {p}usage:{<project>}:open:<job id>
+                              string the progress (JSON) of the job's turn streaming now, written
+                                     by its inference worker at each lease renewal and deleted by
+                                     the turn's count; one of another fence is a turn whose worker
+                                     died: the job's next turn counts it (``UsageLedger.settle``);
+                                     TTL usage.turn_marker_s
   {p}usage:{<project>}:t:<job id>:<fence>:<turn>
                               string the marker of one counted model turn, SET NX by the same
                                      script as the increments (a count happens once); TTL
@@ -261,8 +262,8 @@ class Keys:
         """The ledger's hash of one project and UTC hour (``hour`` is ``YYYYMMDDHH``)."""
         return f"{self.prefix}usage:{{{project}}}:h:{hour}"
 
-    def usage_open(self, project: str) -> str:
-        return f"{self.prefix}usage:{{{project}}}:open"
+    def usage_open(self, project: str, job_id: str) -> str:
+        return f"{self.prefix}usage:{{{project}}}:open:{job_id}"
 
     def usage_turn(self, project: str, job_id: str, fence: int, turn: int) -> str:
         return f"{self.prefix}usage:{{{project}}}:t:{job_id}:{fence}:{turn}"

@@ -20,8 +20,8 @@ fence: its turn is a new request to vLLM and counts as one. The hour is the writ
 the turn's end.
 
 A worker killed mid-stream cannot count its turn: while the turn streams, its lease keeper
-records the progress at each renewal (``checkpoint``: ``{p}usage:{<project>}:open``, field job
-id -> fence, turn, tokens so far), the turn's own count removes the entry, and the job's next
+records the progress at each renewal (``checkpoint``: ``{p}usage:{<project>}:open:<job id>``:
+fence, turn, tokens so far), the turn's own count removes the entry, and the job's next
 turn, under another fence, counts an entry it finds as a crashed turn (``settle``), under that
 turn's own marker, so once.
 
@@ -132,9 +132,9 @@ class UsageLedger:
         ended = turn.ended_at or time.time()
         keys = [self._keys.usage_hour(turn.project, hour_of(ended)),
                 self._keys.usage_turn(turn.project, turn.job_id, turn.fence, turn.turn),
-                self._keys.usage_open(turn.project)]
+                self._keys.usage_open(turn.project, turn.job_id)]
         args: list[Any] = [self._settings.retention_days * 86_400, self._settings.turn_marker_s,
-                           turn.job_id, turn.fence]
+                           turn.fence]
         for name, value in turn.fields().items():
             args += [name, value]
         self._script(keys=keys, args=args, client=pipe)
@@ -167,23 +167,26 @@ class UsageLedger:
         """Record a streaming turn's progress so far (``turn``: what it would count now), for
         ``settle`` to count if its worker dies before the turn ends."""
         entry = {name: getattr(turn, name) for name in PROGRESS_FIELDS}
-        pipe = (client or self._client).pipeline(transaction=False)
-        key = self._keys.usage_open(turn.project)
-        pipe.hset(key, turn.job_id, json.dumps(entry))
-        pipe.expire(key, self._settings.turn_marker_s)
-        pipe.execute()
+        (client or self._client).set(self._keys.usage_open(turn.project, turn.job_id),
+                                     json.dumps(entry), ex=self._settings.turn_marker_s)
 
     def settle(self, project: str, job_id: str, fence: int) -> bool:
         """At the start of a job's turn under ``fence``: a progress entry of another fence is a
         turn whose worker died mid-stream; count it (``crashed``) from that entry, once."""
-        raw = self._client.hget(self._keys.usage_open(project), job_id)
+        key = self._keys.usage_open(project, job_id)
+        raw = self._client.get(key)
         if raw is None:
             return False
-        entry = json.loads(raw)
-        if entry.get("fence") == fence:
-            return False  # this very grant's (a worker that died before it is ours cannot be)
-        turn = TurnUsage(project=project, job_id=job_id, code=CRASHED_CODE, cut=True, crashed=True,
-                         **{name: entry[name] for name in PROGRESS_FIELDS if name in entry})
+        try:
+            entry = json.loads(raw)
+            if entry["fence"] == fence:
+                return False  # this very grant's (a worker that died before it is ours cannot be)
+            turn = TurnUsage(project=project, job_id=job_id, code=CRASHED_CODE, cut=True,
+                             crashed=True, **{name: entry[name] for name in PROGRESS_FIELDS})
+        except (ValueError, TypeError, KeyError):
+            log.warning("usage: unreadable progress entry of job=%s/%s dropped", project, job_id)
+            self._client.delete(key)
+            return False
         return self.count([turn]) == 1
 
     def read(self, project: str, start: float, end: float) -> list[HourCounts]:

@@ -106,11 +106,11 @@ def test_a_producer_reads_its_own_usage_only_and_writes_none(broker: AclBroker) 
         "shorten its own hour's TTL": lambda: producer_a.expire(own_hour, 1),
         "plant a turn marker": lambda: producer_a.set(keys.usage_turn(A, "next", 9, 1), "1"),
         "read a turn marker": lambda: producer_a.get(keys.usage_turn(A, f"j-{A}", 1, 1)),
-        "plant a progress entry": lambda: producer_a.hset(keys.usage_open(A), "own", '{"fence": 1}'),
-        "read the progress entries": lambda: producer_a.hgetall(keys.usage_open(A)),
+        "plant a progress entry": lambda: producer_a.set(keys.usage_open(A, "own"), '{"fence": 1}'),
+        "read a progress entry": lambda: producer_a.get(keys.usage_open(A, f"j-{A}")),
         "run the ledger's script": lambda: script._script(
-            keys=[own_hour, keys.usage_turn(A, "own", 1, 1), keys.usage_open(A)],
-            args=[60, 60, "own", 1, "queue|local|requests", 5]),
+            keys=[own_hour, keys.usage_turn(A, "own", 1, 1), keys.usage_open(A, "own")],
+            args=[60, 60, 1, "queue|local|requests", 5]),
     }
     allowed = [what for what, call in attempts.items() if not denied(call)]
     assert allowed == []

@@ -146,7 +146,7 @@ def test_a_turn_whose_worker_died_is_counted_once_from_its_last_progress(redis_c
     assert ledger.settle("a", "j9", fence=4) is False  # its own grant: still streaming
     assert ledger.settle("a", "j9", fence=5) is True  # the next grant: the worker died
     assert ledger.settle("a", "j9", fence=6) is False  # counted once, entry gone
-    assert redis_client.hget(keys.usage_open("a"), "j9") is None
+    assert redis_client.get(keys.usage_open("a", "j9")) is None
     summed = totals(ledger.read("a", time.time() - 60, time.time() + 60))
     assert (summed["requests"], summed["crashed_turns"], summed["cut_turns"], summed["prompt_tokens"],
             summed["reasoning_tokens"], summed["crashed_tokens"]) == (1, 1, 1, 300, 110, 110)
@@ -161,9 +161,10 @@ def test_a_turn_that_ends_removes_its_own_progress_only(redis_client, key_prefix
     progress.seen("think", "")
     ledger.checkpoint(progress.snapshot())  # type: ignore[arg-type]
     ledger.count([_turn(job="j7", fence=1)])  # an older grant's late count: not its entry
-    assert redis_client.hget(keys.usage_open("a"), "j7") is not None
+    assert redis_client.get(keys.usage_open("a", "j7")) is not None
+    assert 0 < redis_client.ttl(keys.usage_open("a", "j7")) <= 86_400
     ledger.count([_turn(job="j7", fence=2)])  # the turn itself ends: counted, entry gone
-    assert redis_client.hget(keys.usage_open("a"), "j7") is None
+    assert redis_client.get(keys.usage_open("a", "j7")) is None
     assert ledger.settle("a", "j7", fence=3) is False
     # a dead turn settled, then its worker's own late count (the same marker) adds nothing
     ledger.checkpoint(replace(progress.snapshot(), fence=8))  # type: ignore[type-var]
@@ -212,3 +213,15 @@ def test_buckets_add_up_to_the_cells_they_cover(hours, start_h, span_h, daily, g
             for name, n in group.counts.items():
                 summed[name] = summed.get(name, 0) + n
     assert summed == {k: v for k, v in totals(covered).items() if v}
+
+
+def test_an_unreadable_progress_entry_is_dropped_not_fatal(redis_client, key_prefix):
+    keys = Keys(key_prefix)
+    ledger = _ledger(redis_client, key_prefix)
+    for junk in ("not json", '{"fence": 1}', "[1, 2]"):
+        redis_client.set(keys.usage_open("a", "bad"), junk)
+        assert ledger.settle("a", "bad", fence=2) is False
+        assert redis_client.get(keys.usage_open("a", "bad")) is None
+    redis_client.set(keys.usage_open("a", "bad"), "not json")
+    assert ledger.count([_turn(job="bad")]) == 1  # the script drops it and counts the turn
+    assert redis_client.get(keys.usage_open("a", "bad")) is None

@@ -85,9 +85,9 @@ def _ledger_totals(harness: Harness, projects: tuple[str, ...]) -> dict[str, int
     return summed
 
 
-def _progress_entries(harness: Harness) -> int:
+def _progress_entries(harness: Harness, ids: list[str]) -> int:
     keys, client = harness.client.keys, harness.client.redis
-    return sum(client.hlen(keys.usage_open(project)) for project in QUEUED)
+    return int(client.exists(*[keys.usage_open(QUEUED[n % 2], job_id) for n, job_id in enumerate(ids)]))
 
 
 def _streaming_workers(probe: FleetProbe) -> dict[str, int]:
@@ -109,7 +109,7 @@ def test_after_a_kill_storm_the_ledger_equals_what_the_simulator_finished(
         for n in range(CAP)]
     wait_until(lambda: probe.sim_stats()["running"] == CAP, 60, "every job streaming")
     wait_until(lambda: sum(_streaming_workers(probe).values()) == CAP, 60, "the workers to report their streams")
-    wait_until(lambda: _progress_entries(harness) == CAP, 30, "each stream's progress in the ledger")
+    wait_until(lambda: _progress_entries(harness, ids) == CAP, 30, "each stream's progress in the ledger")
     for name, process in list(harness.fleet.children):
         if name.startswith("worker-"):
             os.killpg(process.pid, signal.SIGKILL)
