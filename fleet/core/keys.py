@@ -28,7 +28,10 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                                      adds job (prepared job JSON), plan (token plan JSON), seal (the
                                      workers' HMAC over both, fleet/core/seal.py); between two
                                      model turns also turn (the next turn's state JSON) and
-                                     turn_seal (fleet/core/seal.py); TTL result_ttl_s
+                                     turn_seal (fleet/core/seal.py); a job the gateway submitted
+                                     for an API key (a task, a batch line) also api_key and
+                                     api_key_seal (the usage ledger's key, fleet/core/seal.py
+                                     ``key_tag``); TTL result_ttl_s
   {p}result:{<ref>}           string final Envelope JSON; TTL result_ttl_s; written exactly once
                                      (SET NX), which is what makes "one final Envelope" hold
   {p}events:{<ref>}           stream per-job events (queued, admitted, attempt, delta, retry, final);

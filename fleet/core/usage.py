@@ -9,7 +9,8 @@ stream ended without vLLM's usage chunk: counted from what the fleet saw), ``loo
 and ``loop_cut_tokens`` (turns ending E_THINK_LOOP and the completion tokens they spent),
 ``tool_rounds`` (turns that ended in tool calls), ``code:<CODE>`` (turns by message code).
 ``<key>`` is ``queue`` for a queue job (it has no API key) and ``sha256:<8 hex>`` (the start of
-the key's digest, as in ``projects.<name>.api_keys``) for a gateway request.
+the key's digest, as in ``projects.<name>.api_keys``) for a gateway request, and for a task or
+batch line the gateway submitted for a key (its sealed tag, fleet/core/seal.py ``key_tag``).
 
 Who writes: the inference worker at the end of each model turn (fleet/infer/attempts.py, in the
 pipeline that records the attempt), the gateway at the end of each request's attempts

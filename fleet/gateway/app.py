@@ -48,9 +48,11 @@ from starlette.routing import Match, Mount, Route
 from fleet.client import Client
 from fleet.core.codes import Code
 from fleet.core.errors import AuthError, BrokerUnavailable, Busy, FleetError, PromptTooLong
+from fleet.core.keys import job_ref
 from fleet.core.redisconn import async_redis_client
 from fleet.core.request import build_request_messages, template_kwargs, tools_allowed
-from fleet.core.seal import cache_salt
+from fleet.core.seal import cache_salt, key_tag
+from fleet.core.usage import key_label
 from fleet.gateway.admission import Admission
 from fleet.gateway.auth import Caller, LiveSettings
 from fleet.gateway.batches import BatchRoutes
@@ -111,6 +113,16 @@ class Gateway:
         backend_url = settings.backend.url if settings.gateway.exact_prompt_count else ""
         self.counter = TokenCounter(backend_url, settings.backend.model, None, self.runtime.keys)
         self.events = EventHub(settings, self.runtime.keys, self.admission.gateway_id)
+
+    def tag_key(self, caller: Caller, job_id: str) -> None:
+        """Name the caller's API key in the job hash of a job submitted for it (``/v1/tasks``, a
+        batch line), sealed (fleet/core/seal.py ``key_tag``): its turns count under that key in
+        the usage ledger. A Redis error here leaves the job counted under ``queue``."""
+        ref = job_ref(caller.project, job_id)
+        try:
+            self.runtime.results.record(ref, **key_tag(self.live.settings, ref, key_label(caller.key_id)))
+        except redis.RedisError as exc:
+            log.warning("job %s: its API key not recorded for the usage ledger (%r)", ref, exc)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A blocking call (Redis, /tokenize) off the event loop."""

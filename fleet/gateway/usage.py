@@ -9,7 +9,7 @@ Query (OpenAI's names): ``start_time`` (unix s, required), ``end_time`` (default
 ``api_key_ids`` / ``models`` filters, ``project_ids``, ``limit`` (buckets per page; 1h: default
 24, at most 168; 1d: default 7, at most 31) and ``page`` (the cursor ``next_page`` gave).
 Anything else OpenAI has (``user_ids``, ``batch``) is 400 ``E_INPUT_INVALID``: the fleet has no
-users and counts batch lines as queue jobs (``api_key_id`` ``queue``).
+users and counts batch lines under their key like any other request of it.
 
 Each result: ``input_tokens`` (prompt), ``input_cached_tokens``, ``output_tokens`` (reasoning +
 answer), ``num_model_requests`` (model turns), the audio fields at 0, the group fields, and

@@ -71,7 +71,7 @@ from fleet.core.outagelog import BROKER_LOST
 from fleet.core.promptcache import leading_system, record_sent
 from fleet.core.request import build_request_messages, fence, new_fence_tag, tools_allowed
 from fleet.core.seal import cache_salt
-from fleet.core.usage import TurnUsage, UsageLedger
+from fleet.core.usage import QUEUE_KEY, TurnUsage, UsageLedger
 from fleet.infer import carryover
 from fleet.infer import tools as tools_mod
 from fleet.infer.budget import Plan, grow_budget, grow_reserve
@@ -111,6 +111,7 @@ class InferenceContext:
     # once, in the pipeline that records it. None: not counted (the in-process benchmark).
     ledger: UsageLedger | None = None
     fence: int = 0
+    usage_key: str = QUEUE_KEY  # the API key the gateway submitted the job for (its sealed tag)
     # The turn's progress, which the lease keeper records at each renewal (None: not recorded).
     progress: TurnProgress | None = None
 
@@ -480,8 +481,8 @@ class _Run:
             return None
         tool_round = bool(outcome.tool_calls) or outcome.retry == RetryKind.TOOL
         return turn_usage(self.job.project, self.job.id, self.ctx.fence, number, outcome.code.value,
-                          outcome.result, self.plan.prompt_tokens, model=self.s.backend.model,
-                          tool_round=tool_round)
+                          outcome.result, self.plan.prompt_tokens, key=self.ctx.usage_key,
+                          model=self.s.backend.model, tool_round=tool_round)
 
     def _usage(self, result: StreamResult | None) -> Usage:
         if result is None:

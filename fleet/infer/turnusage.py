@@ -43,8 +43,9 @@ class TurnProgress:
     The estimate is ``StreamResult``'s: a delta is at least one token, about 4 characters a
     token."""
 
-    def __init__(self, project: str, job_id: str, fence: int, model: str) -> None:
+    def __init__(self, project: str, job_id: str, fence: int, model: str, key: str = QUEUE_KEY) -> None:
         self.project, self.job_id, self.fence, self.model = project, job_id, fence, model
+        self.key = key  # the job's API key (``tagged_key``), else queue
         self.turn = 0
         self.prompt_tokens = 0
         self._counts = [0, 0, 0, 0]  # reasoning deltas, chars; content deltas, chars
@@ -74,6 +75,6 @@ class TurnProgress:
             return None
         counts = list(self._counts)
         return TurnUsage(project=self.project, job_id=self.job_id, fence=self.fence, turn=self.turn,
-                         code="", model=self.model, prompt_tokens=self.prompt_tokens,
+                         code="", key=self.key, model=self.model, prompt_tokens=self.prompt_tokens,
                          reasoning_tokens=max(counts[0], round(counts[1] / 4)),
                          answer_tokens=max(counts[2], round(counts[3] / 4)), ended_at=time.time())

@@ -225,3 +225,20 @@ def test_an_unreadable_progress_entry_is_dropped_not_fatal(redis_client, key_pre
     redis_client.set(keys.usage_open("a", "bad"), "not json")
     assert ledger.count([_turn(job="bad")]) == 1  # the script drops it and counts the turn
     assert redis_client.get(keys.usage_open("a", "bad")) is None
+
+
+def test_an_api_key_tag_counts_only_with_the_workers_seal_and_on_its_own_job() -> None:
+    from fleet.core.config import EXAMPLE_CONFIG, load_settings
+    from fleet.core.seal import key_tag, tagged_key
+
+    settings = load_settings(EXAMPLE_CONFIG, env={})
+    other = settings.model_copy(update={"security": settings.security.model_copy(
+        update={"worker_secret": "another-workers-key-0123456789"})})
+    tag = key_tag(settings, "a/j1", "sha256:0123abcd")
+    assert tagged_key(settings, "a/j1", tag) == "sha256:0123abcd"
+    assert tagged_key(settings, "a/j2", tag) is None  # moved to another job of the project
+    assert tagged_key(settings, "b/j1", tag) is None  # or of another project
+    assert tagged_key(settings, "a/j1", {**tag, "api_key": "sha256:ffffffff"}) is None  # relabelled
+    assert tagged_key(settings, "a/j1", key_tag(other, "a/j1", "sha256:0123abcd")) is None  # forged
+    assert tagged_key(settings, "a/j1", {"api_key": "sha256:0123abcd"}) is None  # unsealed
+    assert tagged_key(settings, "a/j1", {}) is None

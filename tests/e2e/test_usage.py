@@ -240,3 +240,31 @@ def test_usage_pages_through_its_buckets(fleet: tuple[Harness, dict[str, str]]) 
     unauth = httpx.get(f"http://127.0.0.1:{harness.settings.gateway.port}/v1/organization/usage/completions",
                        params={"start_time": 1}, timeout=10)
     assert unauth.status_code == 401 and unauth.json()["error"]["code"] == Code.E_AUTH.value
+
+
+def test_tasks_and_batch_lines_count_under_the_key_that_sent_them(
+        fleet: tuple[Harness, dict[str, str]]) -> None:
+    """A task (``/v1/tasks``) and a batch's lines run as queue jobs; the gateway tags each with
+    its caller's key (sealed), so their turns count under that key, not under ``queue``."""
+    harness, keys = fleet
+    key = keys["assistant"]
+    url = f"http://127.0.0.1:{harness.settings.gateway.port}/v1"
+    headers = {"Authorization": f"Bearer {key}"}
+    made = httpx.post(f"{url}/tasks", headers=headers, timeout=10, json={
+        "messages": [{"role": "user", "content": "A task. [sim:think=20] [sim:answer=5]"}]})
+    assert made.status_code == 200, made.text
+    task = made.json()["id"]
+    client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+    lines = [{"custom_id": f"l{n}", "messages": [
+        {"role": "user", "content": f"Line {n}. [sim:think=20] [sim:answer=5]"}]} for n in range(2)]
+    uploaded = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_until(lambda: httpx.get(f"{url}/tasks/{task}", headers=headers, timeout=10).json()["status"] == "final",
+               120, "the task to end", every_s=0.2)
+    wait_until(lambda: client.batches.retrieve(batch.id).status == "completed", 120, "the batch", every_s=0.2)
+    page = _usage(harness, key, start_time=int(time.time()) - 86_400, bucket_width="1d", group_by="api_key_id")
+    results = [r for b in page.json()["data"] for r in b["results"]]
+    assert {r["api_key_id"] for r in results} == {key_label(digest(key))}  # none under "queue"
+    assert sum(r["num_model_requests"] for r in results) == 3

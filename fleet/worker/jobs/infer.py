@@ -40,7 +40,8 @@ from fleet.core.errors import AuthError
 from fleet.core.keys import job_ref, split_ref
 from fleet.core.models import Envelope, Job, Timings
 from fleet.core.outagelog import BROKER_LOST
-from fleet.core.seal import cancel_valid, check_seal, seal_turn
+from fleet.core.seal import cancel_valid, check_seal, seal_turn, tagged_key
+from fleet.core.usage import QUEUE_KEY
 from fleet.infer.attempts import Continuation, InferenceContext, run_inference
 from fleet.infer.budget import Plan
 from fleet.infer.turnusage import TurnProgress
@@ -182,6 +183,7 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper,
     if cancel_requested(rt, ref):  # asked between two turns (the keeper checks only from now on)
         return Envelope.failure(job_id, owner, Code.E_CANCELLED, "cancelled between turns")
     _settle(rt, job, progress.fence)
+    progress.key = tagged_key(rt.settings, ref, record) or QUEUE_KEY
     admitted_at = time.time()
     events = event_sink(rt, ref)
     events.emit("admitted", queued_s=round(admitted_at - job.submitted_at, 3))
@@ -189,7 +191,7 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper,
         settings=rt.settings, project=rt.settings.projects[job.project], redis=rt.redis,
         keys=rt.keys, events=events, cancel=keeper.cancel, client=rt.vllm,
         fence_tag=record.get("fence_tag") or None, count_prompt=rt.counter.count_messages,
-        ledger=rt.ledger, fence=progress.fence, progress=progress,
+        ledger=rt.ledger, fence=progress.fence, progress=progress, usage_key=progress.key,
     )
     envelope = run_inference(job, plan, ctx, turn)
     if not isinstance(envelope, Envelope):
