@@ -9,7 +9,9 @@ Users (``<p>`` is ``key_prefix``, ``<q>`` is ``<p>q:``, kombu's global_keyprefix
       create its own job records (``<p>job:{<project>/*``, a WATCH/MULTI transaction), add
       ``queued`` events and read them (``<p>events:{<project>/*``), claim idempotency keys
       (``<p>idem:<project>:*``), its own watchdog zset, write its own cancel requests;
-      read its own results, rejections and results stream. Nothing of another project, no
+      read its own results, rejections and results stream, and its own hourly usage hashes
+      (``<p>usage:{<project>}:h:*``; never their turn markers, never a write: only the fleet's
+      workers and gateways count usage). Nothing of another project, no
       dispatcher key, no ``fleet.infer``, no Lua (no script, no function: not even the fleet's
       own), no CLIENT subcommand (tracking would tell it every key any project writes), no
       administrative or dangerous command.
@@ -120,7 +122,8 @@ def producer_rules(settings: Settings, project: str) -> list[str]:
     own = f"{{{project}/*"
     writable = [f"{p}job:{own}", f"{p}events:{own}", f"{p}cancel:{own}", f"{p}idem:{project}:*",
                 f"{p}{{prep}}:prepping:{project}"]
-    readable = [f"{p}result:{own}", f"{p}rejected:{own}", f"{p}results:{project}"]
+    readable = [f"{p}result:{own}", f"{p}rejected:{own}", f"{p}results:{project}",
+                f"{p}usage:{{{project}}}:h:*"]  # its own usage ledger: read, never written
     queues = [project_queue(project), collect_queue(project)]
     broker = [f"{q}{name}" for name in queues]
     broker += [f"{q}_kombu.binding.{name}" for name in queues]

@@ -527,6 +527,44 @@ def queues() -> None:
 
 
 @app.command()
+def usage(
+    project: Annotated[str | None, typer.Option("--project", "-p",
+                                                help="one project (default: every configured one)")] = None,
+    by: Annotated[str, typer.Option(help="hour | day | key | model")] = "day",
+    days: Annotated[float, typer.Option(help="how far back, in days")] = 1.0,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON rows instead of a table")] = False,
+    as_csv: Annotated[bool, typer.Option("--csv", help="CSV rows instead of a table")] = False,
+) -> None:
+    """What each project spent, from the usage ledger (docs/usage.md): model turns, prompt,
+    cached, reasoning and answer tokens, cut turns, loop cuts, tool rounds, codes."""
+    from fleet.cli.usage import render_csv, render_json, render_table, usage_rows
+    from fleet.core.keys import Keys
+    from fleet.core.usage import UsageLedger
+
+    settings = settings_or_exit()
+    try:
+        if as_json and as_csv:
+            raise InputInvalid("--json and --csv: choose one")
+        if project is not None and settings.project(project) is None:
+            raise InputInvalid(f"unknown project {project!r} (not in this configuration)")
+    except FleetError as exc:
+        fail(exc, 2)
+    projects = [project] if project is not None else sorted(settings.projects)
+    with broker_errors(settings):
+        ledger = UsageLedger(redis_client(settings), Keys(settings.key_prefix), settings.usage)
+        try:
+            rows = usage_rows(ledger, projects, by, days)
+        except FleetError as exc:
+            fail(exc, 2)
+    if as_json:
+        typer.echo(render_json(rows))
+    elif as_csv:
+        typer.echo(render_csv(rows), nl=False)
+    else:
+        console.print(render_table(rows, by))
+
+
+@app.command()
 def top(once: Annotated[bool, typer.Option(help="print one frame and exit")] = False) -> None:
     """Live view: in flight vs cap, per-project pending, waits and tokens/s, holds, backend."""
     from fleet.cli.top import run_top

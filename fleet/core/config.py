@@ -370,6 +370,17 @@ class LimitsSettings(_Section):
     """Tools in one job."""
 
 
+class UsageSettings(_Section):
+    """The usage ledger (fleet/core/usage.py, docs/usage.md): per project, key, model and hour."""
+
+    retention_days: int = Field(35, gt=0, le=400)
+    """How long a project's hourly usage counts are kept: the TTL of each hourly hash, set
+    again at every write to it (so an hour is kept this long after its last turn ended)."""
+    turn_marker_s: int = Field(86_400, gt=0)
+    """How long the marker of a counted turn is kept (the SET NX that makes a count happen once,
+    whatever retries resend it); a turn is counted within seconds of its end, so a day is ample."""
+
+
 class CollectSettings(_Section):
     allowed_roots: list[str] = Field(default_factory=list)
     """Folders file sources may be read from (nothing outside; no symlinks followed under them)."""
@@ -688,6 +699,7 @@ class Settings(BaseSettings):
     collect: CollectSettings = CollectSettings()
     redis: RedisSettings = RedisSettings()
     gateway: GatewaySettings = GatewaySettings()
+    usage: UsageSettings = UsageSettings()
     projects: dict[str, ProjectSettings] = Field(default_factory=dict)
 
     @field_validator("broker_url")

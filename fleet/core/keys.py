@@ -28,7 +28,10 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                                      adds job (prepared job JSON), plan (token plan JSON), seal (the
                                      workers' HMAC over both, fleet/core/seal.py); between two
                                      model turns also turn (the next turn's state JSON) and
-                                     turn_seal (fleet/core/seal.py); TTL result_ttl_s
+                                     turn_seal (fleet/core/seal.py); a job the gateway submitted
+                                     for an API key (a task, a batch line) also api_key and
+                                     api_key_seal (the usage ledger's key, fleet/core/seal.py
+                                     ``key_tag``); TTL result_ttl_s
   {p}result:{<ref>}           string final Envelope JSON; TTL result_ttl_s; written exactly once
                                      (SET NX), which is what makes "one final Envelope" hold
   {p}events:{<ref>}           stream per-job events (queued, admitted, attempt, delta, retry, final);
@@ -64,6 +67,21 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                                      it got a token back (fleet/core/promptcache.py); tagged by
                                      project, so one MGET reads a job's lookups in one slot
   {p}stats:codes              hash   final results counted by "<project>|<code>" (for /metrics)
+  {p}usage:{<project>}:h:<YYYYMMDDHH>
+                              hash   the usage ledger (fleet/core/usage.py, docs/usage.md): one
+                                     hash per project and UTC hour, fields "<key>|<model>|<metric>"
+                                     (HINCRBY); TTL usage.retention_days, set again at each write.
+                                     The project's producer user may read it, never write it
+  {p}usage:{<project>}:open:<job id>
+                              string the progress (JSON) of the job's turn streaming now, written
+                                     by its inference worker at each lease renewal and deleted by
+                                     the turn's count; one of another fence is a turn whose worker
+                                     died: the job's next turn counts it (``UsageLedger.settle``);
+                                     TTL usage.turn_marker_s
+  {p}usage:{<project>}:t:<job id>:<fence>:<turn>
+                              string the marker of one counted model turn, SET NX by the same
+                                     script as the increments (a count happens once); TTL
+                                     usage.turn_marker_s; no project user may read or write it
   {p}metrics:leader           string the dispatcher exporting the fleet-wide metrics (redis-py
                                      Lock token; PX 15 s, extended by its owner)
   {p}gwgrants:<gateway>       list   grants (JSON: job id, fence, lease expiry) of one gateway process's
@@ -243,6 +261,16 @@ class Keys:
 
     def gateway_wake(self, gateway: str) -> str:
         return f"{self.prefix}gwwake:{gateway}"
+
+    def usage_hour(self, project: str, hour: str) -> str:
+        """The ledger's hash of one project and UTC hour (``hour`` is ``YYYYMMDDHH``)."""
+        return f"{self.prefix}usage:{{{project}}}:h:{hour}"
+
+    def usage_open(self, project: str, job_id: str) -> str:
+        return f"{self.prefix}usage:{{{project}}}:open:{job_id}"
+
+    def usage_turn(self, project: str, job_id: str, fence: int, turn: int) -> str:
+        return f"{self.prefix}usage:{{{project}}}:t:{job_id}:{fence}:{turn}"
 
     @property
     def code_counts(self) -> str:

@@ -43,6 +43,14 @@ a producer. vLLM mixes it into the hash of a prompt's first KV block, so a promp
 salt never hits under another (docs/security.md, prompt caches). A changed key (or group) starts
 every project's cache cold once.
 
+Key tag: a job the gateway submits for an API key (``/v1/tasks``, a batch line) carries in its
+job hash ``api_key`` (the key's name in the usage ledger, ``sha256:<8 hex>``) and ``api_key_seal``
+= HMAC-SHA256 under the same key of ``"fleet-key-v1\n" + ref + "\n" + api_key``
+(``seal_key``); the inference worker counts the job's turns under that key only when the tag
+verifies (``tagged_key``), else under ``queue``. A producer may write its own job hash, so
+without the workers' key it can neither attribute its queue jobs to one of its project's API
+keys nor move a tag to another job.
+
 Digest: the sha256 of a whole signed message as received, which names its rejection (results.py).
 """
 
@@ -62,6 +70,7 @@ from fleet.core.signing import canonical, sign, signature_valid
 SEAL_VERSION = "fleet-seal-v2"
 SEALED_FIELDS = ("project", "kind", "origin", "gateway", "job", "plan", "fence_tag", "warnings")
 TURN_VERSION = "fleet-turn-v1"
+KEY_VERSION = "fleet-key-v1"
 CACHE_SALT_VERSION = "fleet-cache-salt-v1"
 
 
@@ -126,6 +135,25 @@ def check_turn(settings: Settings, ref: str, record: Mapping[str, str]) -> str |
     if not hmac.compare_digest(expected.encode(), given.encode("utf-8", "replace")):
         raise AuthError("saved turn state seal does not verify: not written by this fleet's workers")
     return turn_json
+
+
+def seal_key(settings: Settings, ref: str, label: str) -> str:
+    message = "\n".join([KEY_VERSION, ref, label])
+    return hmac.new(_worker_key(settings), message.encode(), hashlib.sha256).hexdigest()
+
+
+def key_tag(settings: Settings, ref: str, label: str) -> dict[str, str]:
+    """The job hash fields that name the API key a gateway submitted the job for."""
+    return {"api_key": label, "api_key_seal": seal_key(settings, ref, label)}
+
+
+def tagged_key(settings: Settings, ref: str, record: Mapping[str, str]) -> str | None:
+    """The API key a job was submitted for, when its tag verifies (None: untagged or forged)."""
+    label, given = record.get("api_key"), record.get("api_key_seal")
+    if not label or not given:
+        return None
+    expected = seal_key(settings, ref, label)
+    return label if hmac.compare_digest(expected.encode(), given.encode("utf-8", "replace")) else None
 
 
 def digest(signed: Any) -> str:

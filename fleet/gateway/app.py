@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions`` (fleet/gateway/chat.py), ``GET /v1/models``, the task routes
 of fleet/gateway/tasks.py, the file routes of fleet/gateway/fileroutes.py, the batch routes (and
-a file's content) of fleet/gateway/batches.py, ``GET /health`` and ``GET /livez`` (no key needed
+a file's content) of fleet/gateway/batches.py, the caller's own usage
+(``GET /v1/organization/usage/completions``, fleet/gateway/usage.py), ``GET /health`` and ``GET /livez`` (no key needed
 for those two) and ``GET /metrics`` (a metrics key of ``gateway.metrics_keys``, never a project's
 API key: its figures are every project's). ``/health`` is readiness: 200 when the fleet's Redis answers a
 PING within a second, else 503 with a JSON body naming what is down; the backend is left out
@@ -47,9 +48,11 @@ from starlette.routing import Match, Mount, Route
 from fleet.client import Client
 from fleet.core.codes import Code
 from fleet.core.errors import AuthError, BrokerUnavailable, Busy, FleetError, PromptTooLong
+from fleet.core.keys import job_ref
 from fleet.core.redisconn import async_redis_client
 from fleet.core.request import build_request_messages, template_kwargs, tools_allowed
-from fleet.core.seal import cache_salt
+from fleet.core.seal import cache_salt, key_tag
+from fleet.core.usage import key_label
 from fleet.gateway.admission import Admission
 from fleet.gateway.auth import Caller, LiveSettings
 from fleet.gateway.batches import BatchRoutes
@@ -58,6 +61,7 @@ from fleet.gateway.events import EventHub
 from fleet.gateway.fileroutes import FileRoutes
 from fleet.gateway.metrics import GatewayMetrics
 from fleet.gateway.tasks import TaskRoutes
+from fleet.gateway.usage import UsageRoutes
 from fleet.gateway.wire import ChatRequest, broker_down, error_body, error_headers, redis_failure, status_of
 from fleet.infer.budget import plan as plan_budget
 from fleet.infer.requestbody import base_temperature, request_body
@@ -84,7 +88,8 @@ class Gateway:
     def __init__(self, live: LiveSettings) -> None:
         self.live = live
         settings = live.settings
-        self.runtime = Runtime(settings)
+        self.metrics = GatewayMetrics()
+        self.runtime = Runtime(settings, on_turn=self.metrics.usage.observe)
         self.model = settings.backend.model
         self.vllm = self.runtime.vllm
         self.aredis = async_redis_client(settings)
@@ -99,7 +104,6 @@ class Gateway:
         send = make_send(settings, self.runtime.redis, create_celery_app(settings))
         self.admission = Admission(self.runtime.store, self.runtime.results, self.aredis,
                                    self.runtime.keys, self.run, send)
-        self.metrics = GatewayMetrics()
         self.client = Client(settings, redis_client=self.runtime.redis, retry_s=SUBMIT_RETRY_S)
         self._budgets: dict[str, RetryBudget] = {}
         # Only the process's own count cache, not the shared Redis one: a chat prompt is new
@@ -109,6 +113,16 @@ class Gateway:
         backend_url = settings.backend.url if settings.gateway.exact_prompt_count else ""
         self.counter = TokenCounter(backend_url, settings.backend.model, None, self.runtime.keys)
         self.events = EventHub(settings, self.runtime.keys, self.admission.gateway_id)
+
+    def tag_key(self, caller: Caller, job_id: str) -> None:
+        """Name the caller's API key in the job hash of a job submitted for it (``/v1/tasks``, a
+        batch line), sealed (fleet/core/seal.py ``key_tag``): its turns count under that key in
+        the usage ledger. A Redis error here leaves the job counted under ``queue``."""
+        ref = job_ref(caller.project, job_id)
+        try:
+            self.runtime.results.record(ref, **key_tag(self.live.settings, ref, key_label(caller.key_id)))
+        except redis.RedisError as exc:
+            log.warning("job %s: its API key not recorded for the usage ledger (%r)", ref, exc)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A blocking call (Redis, /tokenize) off the event loop."""
@@ -256,6 +270,7 @@ def _routes(gw: Gateway) -> list[Route | Mount]:
     tasks = TaskRoutes(gw)
     files = FileRoutes(gw)
     batches = BatchRoutes(gw)
+    usage = UsageRoutes(gw)
 
     async def models(request: Request, caller: Caller) -> Response:
         """Every name every backend serves, once; ``root``: the name requests to it carry."""
@@ -306,6 +321,7 @@ def _routes(gw: Gateway) -> list[Route | Mount]:
         Route("/v1/batches", _authed(gw, batches.list_batches), methods=["GET"]),
         Route("/v1/batches/{batch_id}", _authed(gw, batches.get), methods=["GET"]),
         Route("/v1/batches/{batch_id}/cancel", _authed(gw, batches.cancel), methods=["POST"]),
+        Route("/v1/organization/usage/completions", _authed(gw, usage.completions), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/livez", livez, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

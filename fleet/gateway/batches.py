@@ -155,8 +155,8 @@ class BatchLifecycle(BatchRecords):
         self.gw = gateway
         self.files = FileStore(rt.redis, rt.keys, lambda: gateway.live.settings.gateway)
 
-    def _create(self, project: str, file_id: str, metadata: dict[str, Any] | None
-                ) -> dict[str, Any]:
+    def _create(self, project: str, file_id: str, metadata: dict[str, Any] | None,
+                caller: Caller | None = None) -> dict[str, Any]:
         """Create a batch of the input file ``file_id``: its record first, then its lines
         submitted one by one (none when no line is valid: the batch is ``failed``)."""
         if self.files.meta(project, file_id)["purpose"] != "batch":
@@ -177,7 +177,7 @@ class BatchLifecycle(BatchRecords):
         self._store_new(project, batch, rows, kept_s)
         if batch["status"] == "failed":
             return batch
-        return self._submit_lines(project, batch_id, parsed, rows, expires_at)
+        return self._submit_lines(project, batch_id, parsed, rows, expires_at, caller)
 
     def _count_batch(self, project: str, batch_id: str, now: float, settings: GatewaySettings) -> None:
         """Put the batch in its project's index, held to ``gateway.max_batches`` created within
@@ -210,12 +210,12 @@ class BatchLifecycle(BatchRecords):
         return batch
 
     def _submit_lines(self, project: str, batch_id: str, parsed: list[BatchLine], rows: list[Row],
-                      expires_at: int) -> dict[str, Any]:
+                      expires_at: int, caller: Caller | None = None) -> dict[str, Any]:
         """Submit the lines in order, recording each (its failure, ``submitted``, ``touched``)
         before reading whether a reader ended the create or a cancel came; then end the create."""
         key = self._key(project, batch_id)
         for i, line in enumerate(parsed):
-            failure = self._submit(line, expires_at) if line.job is not None else None
+            failure = self._submit(line, expires_at, caller) if line.job is not None else None
             with self.redis.pipeline(transaction=False) as pipe:
                 if failure is not None:
                     pipe.hset(key, f"e:{i}", json.dumps(failure))
@@ -241,11 +241,14 @@ class BatchLifecycle(BatchRecords):
                      "param": None, "line": None}]
         return {"object": "list", "data": data}
 
-    def _submit(self, line: BatchLine, expires_at: int) -> tuple[str, str] | None:
-        """Submit one line's job; the line's error and code if that failed."""
+    def _submit(self, line: BatchLine, expires_at: int, caller: Caller | None) -> tuple[str, str] | None:
+        """Submit one line's job, tagged with the caller's key for the usage ledger; the line's
+        error and code if that failed."""
         assert line.job is not None
         try:
-            self.gw.client.submit(line.job.model_copy(update={"band": "batch", "deadline": expires_at}))
+            job_id = self.gw.client.submit(line.job.model_copy(update={"band": "batch", "deadline": expires_at}))
+            if caller is not None:
+                self.gw.tag_key(caller, job_id)
             return None
         except FleetError as exc:
             return f"line {line.number}: {exc.message}", exc.code.value
@@ -518,7 +521,7 @@ class BatchRoutes(BatchLifecycle):
             raise InputInvalid(f"unknown fields: {', '.join(unknown)}", param=unknown[0])
         file_id = str(data.get("input_file_id") or "")
         return JSONResponse(await self.gw.run_batch(caller.project, self._create, caller.project,
-                                                    file_id, metadata))
+                                                    file_id, metadata, caller))
 
     async def get(self, request: Request, caller: Caller) -> Response:
         return JSONResponse(await self.gw.run_batch(caller.project, self._refresh, caller.project,

@@ -41,6 +41,7 @@ from fleet.core.errors import Cancelled, FleetError, NotFound, ThinkLoop
 from fleet.core.keys import job_ref
 from fleet.core.models import Envelope, Timings, Usage
 from fleet.core.routing import backends_serving
+from fleet.core.usage import TurnUsage, key_label
 from fleet.gateway.admission import Ticket
 from fleet.gateway.auth import Caller
 from fleet.gateway.upstream import Failed, Finished, UpstreamStream
@@ -60,6 +61,7 @@ from fleet.gateway.wire import (
     warning_headers,
 )
 from fleet.infer.requestbody import retry_body
+from fleet.infer.turnusage import turn_usage
 from fleet.infer.vllm import Delta, StreamResult
 from fleet.worker.lease import LeaseKeeper
 
@@ -132,6 +134,8 @@ class _Session:
         self.first_token_s: float | None = None
         self.sent_deltas = False  # a reasoning/content delta reached the client
         self.held: list[str] = []  # reasoning held back while loop_retry may still retry
+        self.fence = 0  # of the grant, once admitted
+        self.turns: list[TurnUsage] = []  # each attempt sent to vLLM, for the usage ledger
 
     # -- the client side --------------------------------------------------------------------
     async def _watch_disconnect(self) -> None:
@@ -242,6 +246,7 @@ class _Session:
         # A chat request is cancelled by its client leaving (self.disconnected), never by a request.
         self.keeper = LeaseKeeper(rt.lease_store, lambda: False, ticket.job_id, ticket.fence,
                                   rt.settings.admission.lease_ttl_s)
+        self.fence = ticket.fence
         if self.disconnected.is_set():
             self.keeper.cancel.set()
         attempt = 1
@@ -269,7 +274,20 @@ class _Session:
             await self._started()
         outcome = await self._relay(upstream)
         await upstream.done.wait()
+        self._turn_ended(attempt, outcome)
         return outcome
+
+    def _turn_ended(self, attempt: int, outcome: Finished | Failed) -> None:
+        """What the usage ledger counts for this attempt (counted in ``_account``)."""
+        if isinstance(outcome, Finished):
+            result: StreamResult | None = outcome.result
+            code = Code.OK_TRUNCATED if outcome.result.finish_reason == "length" else Code.OK
+        else:
+            result, code = outcome.partial, outcome.error.code
+        self.turns.append(turn_usage(
+            self.caller.project, self.job_id, self.fence, attempt, code.value, result,
+            self.prompt_tokens, key=key_label(self.caller.key_id), model=self.gw.model,
+            tool_round=bool(result is not None and result.tool_calls)))
 
     async def _started(self) -> None:
         """What the first attempt needs, off its critical path: lease renewals (the claim just
@@ -360,6 +378,8 @@ class _Session:
                       cached_tokens=r.cached_tokens if r else 0)
         project = self.caller.project
         self.gw.metrics.request(project, code, self.waited_s, self.first_token_s, usage)
+        if self.turns:
+            await self.gw.run(self.gw.runtime.ledger.count, self.turns)
         log.info("chat job=%s project=%s code=%s stream=%s waited=%s ttft=%s total=%.3fs "
                  "prompt=%d completion=%d", self.job_id, project, code.value, self.req.stream,
                  _secs(self.waited_s), _secs(self.first_token_s), total_s, usage.prompt_tokens,

@@ -1,6 +1,7 @@
 """The gateway's Prometheus figures, served on its own port at ``/metrics``: requests by project and
 code, queue wait and time to first token by project, tokens by project and kind, the connections
-open and those closed by the connection limits (fleet/gateway/connections.py). One registry
+open and those closed by the connection limits (fleet/gateway/connections.py), and the usage
+ledger's counters of the model turns this gateway counted (fleet/core/usage.py). One registry
 per gateway (not prometheus_client's global one), so several gateways in one test process do not
 collide."""
 
@@ -10,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from fleet.core.codes import Code
 from fleet.core.models import Usage
+from fleet.worker.metrics import UsageMetrics
 
 WAIT_BUCKETS_S = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120)
 TTFT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
@@ -31,6 +33,7 @@ class GatewayMetrics:
         self.connections_closed = Counter(
             "fleet_gateway_connections_closed", "Client connections closed by the connection limits",
             ["reason"], registry=self.registry)
+        self.usage = UsageMetrics(self.registry)
 
     def finished(self, project: str, code: Code) -> None:
         self.requests.labels(project, code.value).inc()

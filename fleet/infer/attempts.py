@@ -71,6 +71,7 @@ from fleet.core.outagelog import BROKER_LOST
 from fleet.core.promptcache import leading_system, record_sent
 from fleet.core.request import build_request_messages, fence, new_fence_tag, tools_allowed
 from fleet.core.seal import cache_salt
+from fleet.core.usage import QUEUE_KEY, TurnUsage, UsageLedger
 from fleet.infer import carryover
 from fleet.infer import tools as tools_mod
 from fleet.infer.budget import Plan, grow_budget, grow_reserve
@@ -78,6 +79,7 @@ from fleet.infer.loopwatch import LoopWatcher, Verdict
 from fleet.infer.requestbody import base_temperature, job_seed, request_body
 from fleet.infer.retrying import RetryBudget, backoff_s, fits_deadline, should_retry
 from fleet.infer.turns import CARRIED, RetryKind, ToolRound, ToolTask, Turn, TurnRecord
+from fleet.infer.turnusage import TurnProgress, turn_usage
 from fleet.infer.validate import check_answer, reask_message, response_format, schema_for
 from fleet.infer.vllm import Delta, StreamResult, VllmClient
 
@@ -105,6 +107,13 @@ class InferenceContext:
     # Prompt tokens of a request's (messages, tools) and whether the count is exact: the worker's
     # token counter (the backend's /tokenize, fleet/prep/tokens.py). None: CHARS_PER_TOKEN_ESTIMATE.
     count_prompt: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], tuple[int, bool]] | None = None
+    # The usage ledger (fleet/core/usage.py) and this delivery's fence: every attempt is counted
+    # once, in the pipeline that records it. None: not counted (the in-process benchmark).
+    ledger: UsageLedger | None = None
+    fence: int = 0
+    usage_key: str = QUEUE_KEY  # the API key the gateway submitted the job for (its sealed tag)
+    # The turn's progress, which the lease keeper records at each renewal (None: not recorded).
+    progress: TurnProgress | None = None
 
 
 # Without a token counter (the in-process benchmark) a prompt is estimated from its JSON size,
@@ -267,11 +276,15 @@ class _Run:
                     **{name: getattr(self, name) for name in CARRIED})
 
     def _record(self, attempt: Attempt, conclusions: list[str], body: dict[str, Any],
-                result: StreamResult | None) -> None:
-        """The attempt's history entry and, when the server computed the prompt (it produced a
-        token), the request as sent (fleet/core/promptcache.py): one round trip."""
+                result: StreamResult | None, usage: TurnUsage | None = None) -> None:
+        """The attempt's history entry, its count in the usage ledger and, when the server
+        computed the prompt (it produced a token), the request as sent
+        (fleet/core/promptcache.py): one round trip."""
         entry = {**attempt.model_dump(mode="json"), "conclusions": conclusions}
         pipe = self.ctx.redis.pipeline(transaction=False)
+        ledger = self.ctx.ledger
+        if ledger is not None and usage is not None:
+            ledger.add(usage, pipe)  # first: its reply is replies[0]
         carryover.record_attempt(pipe, self.ctx.keys, job_ref(self.job.project, self.job.id), entry,
                                  self.s.events_ttl_s)
         if result is not None and result.first_token_s is not None:
@@ -279,7 +292,9 @@ class _Run:
                         tools=body.get("tools"), salt=body["cache_salt"], prompt_tokens=self._sent_tokens(body, result),
                         prefix=leading_system(self.job), prefix_tokens=self.plan.prefix_tokens,
                         remember_s=self.s.backend.prefix_cache_s)
-        pipe.execute()
+        replies = pipe.execute()
+        if ledger is not None and usage is not None:
+            ledger.counted(usage, replies[0])
 
     def _sent_tokens(self, body: dict[str, Any], result: StreamResult) -> int | None:
         """The prompt tokens of the request ``body``: the server's count (its usage chunk); for a
@@ -439,7 +454,11 @@ class _Run:
                         max_tokens=self.plan.max_tokens, seed=seed, temperature=temperature,
                         carried=len(carried))
         started = ctx.clock()
+        if ctx.progress is not None:
+            ctx.progress.start(number, self.plan.prompt_tokens)
         outcome = self._stream(body)
+        if ctx.progress is not None:
+            ctx.progress.stop()
         result = outcome.result
         usage = self._usage(result)
         attempt = Attempt(
@@ -450,12 +469,20 @@ class _Run:
             started_at=started, duration_s=round(ctx.clock() - started, 3),
         )
         self.attempts.append(attempt)
-        self._record(attempt, self._conclusions_of(outcome), body, result)
+        self._record(attempt, self._conclusions_of(outcome), body, result, self._turn_usage(number, outcome))
         if result is not None and result.first_token_s is not None:
             self.first_token_s = result.first_token_s
         log.info("attempt %d job=%s: %s %s", number, self.job.id, outcome.code.value,
                  outcome.cause)
         return outcome
+
+    def _turn_usage(self, number: int, outcome: _Outcome) -> TurnUsage | None:
+        if self.ctx.ledger is None:
+            return None
+        tool_round = bool(outcome.tool_calls) or outcome.retry == RetryKind.TOOL
+        return turn_usage(self.job.project, self.job.id, self.ctx.fence, number, outcome.code.value,
+                          outcome.result, self.plan.prompt_tokens, key=self.ctx.usage_key,
+                          model=self.s.backend.model, tool_round=tool_round)
 
     def _usage(self, result: StreamResult | None) -> Usage:
         if result is None:
@@ -487,10 +514,13 @@ class _Run:
         ctx = self.ctx
         watcher = LoopWatcher(self.s.watcher) if self.s.watcher.enabled else None
         coalescer = _Coalescer(ctx.events, ctx.clock, ctx.emit_interval_s)
+        progress = ctx.progress
 
         def on_delta(delta: Delta) -> None:
             now = ctx.clock()
             verdict = None
+            if progress is not None and not delta.keepalive:
+                progress.seen(delta.reasoning, delta.content, bool(delta.tool_calls))
             if delta.reasoning:
                 coalescer.add("reasoning", delta.reasoning)
                 if watcher is not None:

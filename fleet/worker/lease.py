@@ -34,8 +34,12 @@ CANCEL_CHECK_S = 0.5
 
 class LeaseKeeper:
     def __init__(self, store: AdmissionStore, cancel_requested: Callable[[], bool],
-                 job_id: str, fence: int, ttl_s: float) -> None:
+                 job_id: str, fence: int, ttl_s: float,
+                 on_renew: Callable[[], None] | None = None) -> None:
         self.store = store
+        # After each renewal: the inference worker records its turn's progress in the usage
+        # ledger there (fleet/core/usage.py), so a worker killed mid-stream leaves what it saw.
+        self.on_renew = on_renew
         self.cancel_requested = cancel_requested
         self.job_id = job_id
         self.fence = fence
@@ -60,6 +64,17 @@ class LeaseKeeper:
         self.lost = True
         self.cancel.set()
 
+    def _after_renew(self) -> None:
+        """``on_renew``; bookkeeping only: whatever it raises, the lease and the stream go on."""
+        if self.on_renew is None:
+            return
+        try:
+            self.on_renew()
+        except redis.RedisError as exc:
+            log.warning("lease keeper for job=%s: progress not recorded (%r)", self.job_id, exc)
+        except Exception:
+            log.exception("lease keeper for job=%s: progress not recorded", self.job_id)
+
     def _run(self) -> None:
         last_ok = time.monotonic()
         next_renew = last_ok + self.renew_every_s
@@ -76,6 +91,7 @@ class LeaseKeeper:
                         self._lose("renew refused")
                         return
                     last_ok = asked
+                    self._after_renew()
             except BROKER_LOST as exc:
                 # Keep streaming through a Redis blip: the lease TTL covers several misses. One
                 # line per outage for all keepers of the process, not one per keeper and check.

@@ -10,6 +10,12 @@ Observed once per final envelope this process publishes (the ``on_publish`` hook
   fleet_worker_attempts{project}                    attempts per inference job
   fleet_worker_refused_messages_total{queue,reason} broker messages refused before anything ran
                                                     (fleet/worker/screen.py), per queue taken from
+  fleet_usage_turns_total{project,code}             model turns counted in the usage ledger by
+                                                    this process (fleet/core/usage.py), by the
+                                                    turn's own code (not the job's final one)
+  fleet_usage_tokens_total{project,kind}            their tokens: prompt, cached, reasoning,
+                                                    answer, loop_cut (the same figures as the
+                                                    ledger's, counted when the ledger counted)
 
 Served by prometheus_client on ``worker_metrics_port`` (0 = off; a busy port is a WARNING and the
 worker runs on without /metrics, as a dispatcher does). One registry per process: this covers the
@@ -29,6 +35,7 @@ from celery.signals import worker_init
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from fleet.core.models import Envelope
+from fleet.core.usage import TurnUsage
 from schedulers.metrics import serve_registry
 
 log = logging.getLogger(__name__)
@@ -37,6 +44,28 @@ TTFT_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 LATENCY_BUCKETS_S = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
 ATTEMPT_BUCKETS = (1, 2, 3, 4, 5, 8)
 PREFORK_POOLS = ("prefork", "processes")
+
+
+class UsageMetrics:
+    """The ledger's figures as Prometheus counters in one process's registry (a worker's, a
+    gateway's): ``fleet_usage_turns_total{project,code}`` and
+    ``fleet_usage_tokens_total{project,kind}``, counted when the ledger counted the turn (so a
+    resent count is not counted twice here either). Per process: sum them over the fleet."""
+
+    KINDS = ("prompt_tokens", "cached_tokens", "reasoning_tokens", "answer_tokens", "loop_cut_tokens")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.turns = Counter("fleet_usage_turns", "Model turns counted in the usage ledger",
+                             ["project", "code"], registry=registry)
+        self.tokens = Counter("fleet_usage_tokens", "Tokens of the model turns counted in the usage ledger",
+                              ["project", "kind"], registry=registry)
+
+    def observe(self, turn: TurnUsage) -> None:
+        self.turns.labels(turn.project, turn.code).inc()
+        fields = {name.rsplit("|", 1)[1]: value for name, value in turn.fields().items()}
+        for kind in self.KINDS:
+            if fields.get(kind):
+                self.tokens.labels(turn.project, kind.removesuffix("_tokens")).inc(fields[kind])
 
 
 class WorkerMetrics:
@@ -56,6 +85,11 @@ class WorkerMetrics:
         self.refused = Counter("fleet_worker_refused_messages",
                                "Broker messages refused before anything ran (E_MESSAGE_REFUSED)",
                                ["queue", "reason"], registry=r)
+
+        self.usage = UsageMetrics(r)
+
+    def observe_turn(self, turn: TurnUsage) -> None:
+        self.usage.observe(turn)
 
     def observe_refused(self, queue: str, reason: str) -> None:
         self.refused.labels(queue, reason).inc()

@@ -19,6 +19,7 @@ from fleet.core.keys import Keys
 from fleet.core.models import Envelope
 from fleet.core.redisconn import redis_client
 from fleet.core.results import ResultStore
+from fleet.core.usage import TurnUsage, UsageLedger
 
 if TYPE_CHECKING:  # the heavy modules are imported on first use, in the worker that needs them
     from fleet.infer.vllm import VllmClient
@@ -33,6 +34,7 @@ class Runtime:
     on_publish: Callable[[Envelope], None] | None = None  # each final envelope this process writes
     # Celery's send_task (name, kwargs=..., queue=...): a worker sends a tool round's tasks with it
     send_task: Callable[..., object] | None = None
+    on_turn: Callable[[TurnUsage], None] | None = None  # each model turn this process counted
 
     @cached_property
     def redis(self) -> redis.Redis:
@@ -53,6 +55,10 @@ class Runtime:
     @cached_property
     def results(self) -> ResultStore:
         return ResultStore(self.redis, self.keys, self.settings, on_publish=self.on_publish)
+
+    @cached_property
+    def ledger(self) -> UsageLedger:
+        return UsageLedger(self.redis, self.keys, self.settings.usage, on_count=self.on_turn)
 
     @cached_property
     def store(self) -> RedisStore:

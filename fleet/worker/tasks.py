@@ -128,7 +128,7 @@ def register_tasks(app: Celery, tools: bool = True) -> None:
     queue (the call still had to be its own job's, but it ended as "task not registered")."""
     metrics = WorkerMetrics()
     runtime = Runtime(app.fleet_settings, on_publish=metrics.observe,  # type: ignore[attr-defined]
-                      send_task=app.send_task)
+                      send_task=app.send_task, on_turn=metrics.observe_turn)
     serve_when_started(app, metrics, runtime.settings.worker_metrics_port, runtime.settings.metrics_host)
     beat_when_ready(app, runtime.redis, runtime.keys, INFER_QUEUE)
 

@@ -11,6 +11,7 @@ import secrets
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from fleet.core.codes import Code
 from fleet.core.config import load_settings
 from fleet.core.exposure import unrestricted_default_user, warn_shared_broker
 from fleet.core.keys import Keys, job_ref
+from fleet.core.usage import TurnUsage, UsageLedger, hour_of
+from fleet.core.usagereport import totals
 from fleet.local.embedded import start_redis
 from fleet.local.processes import LocalFleet
 from fleet.worker.app import create_app
@@ -78,6 +81,42 @@ def test_a_producer_reaches_nothing_of_another_project_nor_the_fleet(broker: Acl
     # ... while its own keys answer
     assert producer_b.set(keys.idem(B, "k"), "mine") and producer_b.get(keys.idem(B, "k")) == b"mine"
     producer_b.close()
+
+
+def test_a_producer_reads_its_own_usage_only_and_writes_none(broker: AclBroker) -> None:
+    """The usage ledger: the fleet's users count, a producer reads its own project's hours and
+    nothing else, and cannot change them (nor plant a turn marker that would keep a turn of its
+    own from being counted)."""
+    keys, usage = Keys(broker.settings.key_prefix), broker.settings.usage
+    worker = broker.client("fleet-worker")
+    now = time.time()
+    turns = [TurnUsage(project, f"j-{project}", 1, 1, "OK", prompt_tokens=70, answer_tokens=9,
+                       ended_at=now) for project in (A, B)]
+    assert UsageLedger(worker, keys, usage).count(turns) == 2
+    producer_a = broker.client(f"fleet-producer-{A}")
+    mine = totals(UsageLedger(producer_a, keys, usage).read(A, now - 3600, now + 3600))
+    assert (mine["requests"], mine["prompt_tokens"], mine["answer_tokens"]) == (1, 70, 9)
+    own_hour, their_hour = keys.usage_hour(A, hour_of(now)), keys.usage_hour(B, hour_of(now))
+    script = UsageLedger(producer_a, keys, usage)
+    attempts = {
+        "read B's usage": lambda: producer_a.hgetall(their_hour),
+        "read B's usage through the ledger": lambda: script.read(B, now - 3600, now + 3600),
+        "count a turn of its own": lambda: producer_a.hincrby(own_hour, "queue|local|requests", -1),
+        "delete its own hour": lambda: producer_a.delete(own_hour),
+        "shorten its own hour's TTL": lambda: producer_a.expire(own_hour, 1),
+        "plant a turn marker": lambda: producer_a.set(keys.usage_turn(A, "next", 9, 1), "1"),
+        "read a turn marker": lambda: producer_a.get(keys.usage_turn(A, f"j-{A}", 1, 1)),
+        "plant a progress entry": lambda: producer_a.set(keys.usage_open(A, "own"), '{"fence": 1}'),
+        "read a progress entry": lambda: producer_a.get(keys.usage_open(A, f"j-{A}")),
+        "run the ledger's script": lambda: script._script(
+            keys=[own_hour, keys.usage_turn(A, "own", 1, 1), keys.usage_open(A, "own")],
+            args=[60, 60, 1, "queue|local|requests", 5]),
+    }
+    allowed = [what for what, call in attempts.items() if not denied(call)]
+    assert allowed == []
+    assert totals(UsageLedger(worker, keys, usage).read(A, now - 3600, now + 3600))["requests"] == 1
+    producer_a.close()
+    worker.close()
 
 
 # What a producer must not run: code of its own. The review's script wrote its job key and then
@@ -188,7 +227,12 @@ def test_the_fleet_works_with_every_process_on_its_own_user(broker: AclBroker, t
                                "--hostname", f"acl-{uuid.uuid4().hex[:6]}@%h"],
                     {"FLEET_BROKER_URL": broker.url("fleet-worker"), "FLEET_PROJECTS": projects})
         settings = broker.settings_for(f"fleet-producer-{A}", A)
+        # jobs of A left queued by earlier tests of the module run first: count from their end
+        wait_until(lambda: _every_job_final(operator, broker.settings.key_prefix, A), 60,
+                   "earlier tests' jobs to end")
         with Client(settings) as client:
+            ledger = UsageLedger(client.redis, Keys(settings.key_prefix), settings.usage)
+            before = totals(ledger.read(A, time.time() - 7200, time.time() + 3600))
             job_id = client.submit({"project": A, "thinking_budget": 500, "messages": [
                 {"role": "user", "content": "Hello. [sim:think=50] [sim:answer=20]"}]})
             envelope = client.result(job_id, timeout=120)
@@ -199,6 +243,11 @@ def test_the_fleet_works_with_every_process_on_its_own_user(broker: AclBroker, t
             cancelled = client.result(queued, timeout=120)
             assert cancelled is not None and cancelled.code == Code.E_CANCELLED, cancelled
             _idempotent_submit_and_a_batch(client, tmp_path)
+            # the worker counted every model turn in A's ledger, which A's own user reads
+            after = totals(ledger.read(A, time.time() - 7200, time.time() + 3600))
+        counted = {name: after[name] - before.get(name, 0) for name in after}
+        assert counted["code:OK"] == 6, counted  # the jobs that answered, one turn each
+        assert counted["requests"] - counted["code:OK"] == counted.get("code:E_CANCELLED", 0) <= 1
         # the rules name every command the producer's path sends: the ACL refused it nothing
         # (but redis-py's CLIENT SETINFO on Redis 7.2 and later, which it ignores: fleet/cli/acl.py)
         refused = [(entry["username"], entry["object"]) for entry in operator.acl_log(count=100)
@@ -207,6 +256,11 @@ def test_the_fleet_works_with_every_process_on_its_own_user(broker: AclBroker, t
     finally:
         operator.close()
         fleet.close()
+
+
+def _every_job_final(operator: redis.Redis, prefix: str, project: str) -> bool:
+    records = [operator.hget(key, "state") for key in operator.scan_iter(f"{prefix}job:{{{project}/*")]
+    return all(state == b"final" for state in records)
 
 
 def _idempotent_submit_and_a_batch(client: Client, folder: Path) -> None:

@@ -25,6 +25,7 @@ from fleet.core.keys import Keys
 from fleet.core.lua import source
 from fleet.core.models import Envelope
 from fleet.core.results import ResultStore
+from fleet.core.usage import TurnUsage, UsageLedger
 from fleet.infer.retrying import RetryBudget
 from fleet.prep.watchdog import PrepClaim, watch_once
 from fleet.worker.heartbeat import beat, live_workers
@@ -124,6 +125,9 @@ def _workload(client: redis.Redis, prefix: str) -> None:
     budget = RetryBudget(client, keys, "p", ratio=0.5, clock=lambda: now[0])
     budget.first_attempt()
     assert budget.try_spend()
+
+    ledger = UsageLedger(client, keys, settings.usage)
+    assert ledger.count([TurnUsage("p", "j5", 1, 1, "OK", prompt_tokens=5)]) == 1
 
 
 def _all_shas() -> dict[str, str]:

@@ -12,6 +12,7 @@ fail the schema where asked (``[sim:bad_args/K]``).
 
 from __future__ import annotations
 
+import json
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,6 +78,7 @@ def ask(project: str, text: str, *tools: str, **extra: Any) -> dict[str, Any]:
 def test_three_tool_rounds_run_with_the_slot_free_then_the_answer(
         fleet: Harness, probe: FleetProbe) -> None:
     client = fleet.client
+    before = _usage_rows(probe)
     job = client.submit(ask("assistant", "Find the March invoice. [sim:tool=search_docs/3]",
                             "search_docs"))
     envelope = client.result(job, timeout=90)
@@ -98,6 +100,19 @@ def test_three_tool_rounds_run_with_the_slot_free_then_the_answer(
     shown = probe.cli("tail", job, "--no-follow", "--project", "assistant").stdout
     assert "tool round 3: search_docs; timeout 20.0 s" in shown
     assert "continuation: slot given up, back in line (tools running" in shown
+    # the usage ledger: four model turns of the project, three of them tool rounds
+    after = _usage_rows(probe)
+    assert [row["key"] for row in after] == ["queue"]
+    counted = {name: after[0][name] - (before[0][name] if before else 0)
+               for name in ("requests", "tool_rounds")}
+    assert counted == {"requests": 4, "tool_rounds": 3}
+
+
+def _usage_rows(probe: FleetProbe) -> list[dict[str, Any]]:
+    """``fleet usage`` of the project, by key (a real CLI process)."""
+    shown = probe.cli("usage", "--project", "assistant", "--by", "key", "--json")
+    assert shown.returncode == 0, shown.stderr
+    return json.loads(shown.stdout)
 
 
 def test_invalid_arguments_go_back_to_the_model_then_e_tool_invalid(

@@ -62,11 +62,11 @@ def paused_create(routes: BatchRoutes, lines: int, pause_at: int) -> tuple[Futur
     paused, resume = threading.Event(), threading.Event()
     submit = routes._submit
 
-    def pausing(line: BatchLine, expires_at: int) -> tuple[str, str] | None:
+    def pausing(line: BatchLine, expires_at: int, caller: Caller | None) -> tuple[str, str] | None:
         if line.number == pause_at + 1:
             paused.set()
             assert resume.wait(WAIT_S)
-        return submit(line, expires_at)
+        return submit(line, expires_at, caller)
 
     routes._submit = pausing  # type: ignore[method-assign]
     file_id = routes.files.put("a", "in.jsonl", "batch", batch_file(lines))["id"]
@@ -103,11 +103,11 @@ def test_a_reader_ending_a_stalled_create_never_fails_a_line_the_create_sent(
         paused_again, reader_done = threading.Event(), threading.Event()
         submit, load = creating._submit, reading._load
 
-        def pause_again(line: BatchLine, expires_at: int) -> tuple[str, str] | None:
+        def pause_again(line: BatchLine, expires_at: int, caller: Caller | None) -> tuple[str, str] | None:
             if line.number == 3:
                 paused_again.set()
                 assert reader_done.wait(WAIT_S)
-            return submit(line, expires_at)
+            return submit(line, expires_at, caller)
 
         def load_then_let_the_create_go_on(project: str, batch_id: str) -> State:
             state = load(project, batch_id)

@@ -41,9 +41,11 @@ from fleet.core.errors import AuthError
 from fleet.core.keys import job_ref, split_ref
 from fleet.core.models import Envelope, Job, Timings
 from fleet.core.outagelog import BROKER_LOST
-from fleet.core.seal import cancel_valid, check_seal, seal_turn
+from fleet.core.seal import cancel_valid, check_seal, seal_turn, tagged_key
+from fleet.core.usage import QUEUE_KEY
 from fleet.infer.attempts import Continuation, InferenceContext, run_inference
 from fleet.infer.budget import Plan
+from fleet.infer.turnusage import TurnProgress
 from fleet.worker.jobs.common import cancel_requested, current_turn, end_unleased, event_sink, new_owner
 from fleet.worker.jobs.tool import send_round
 from fleet.worker.lease import LeaseKeeper
@@ -83,15 +85,16 @@ def run_turn(rt: Runtime, ref: str, project: str, fence: int) -> TurnOutcome:
         store.release(ref, fence)  # ours: claimed above
         return TurnOutcome("already-final")
     cancel_key, result_key = rt.keys.cancel(ref), rt.keys.result(ref)
+    progress = TurnProgress(owner, job_id, fence, rt.settings.backend.model)
     keeper = LeaseKeeper(  # a cancel request, or a final result published meanwhile, stops it
         rt.lease_store,
         lambda: (cancel_valid(rt.settings, owner, job_id, rt.lease_redis.get(cancel_key))
                  or bool(rt.lease_redis.exists(result_key))),
-        ref, fence, rt.settings.admission.lease_ttl_s)
+        ref, fence, rt.settings.admission.lease_ttl_s, on_renew=lambda: _checkpoint(rt, progress))
     try:
         with keeper:
             rt.results.record(ref, state="running", running_at=time.time(), fence=fence)
-            envelope, turn = _run(rt, ref, project, keeper)
+            envelope, turn = _run(rt, ref, project, keeper, progress)
     except BROKER_LOST as exc:
         # Not the job's fault: its lease expires (or is given back here) and it runs again.
         log.warning("redis lost while running job=%s (%r); the job goes back in line", ref, exc)
@@ -173,7 +176,26 @@ def _sealed_job(rt: Runtime, ref: str, project: str, record: dict[str, str]) -> 
     return job
 
 
-def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> tuple[Envelope | Continuation, int]:
+def _settle(rt: Runtime, job: Job, fence: int) -> None:
+    """Count the turn of an earlier delivery whose worker died mid-stream (fleet/core/usage.py
+    ``settle``); a Redis error leaves it for the job's next turn."""
+    try:
+        if rt.ledger.settle(job.project, job.id, fence):
+            log.info("usage: counted the turn a dead worker left of job=%s", job_ref(job.project, job.id))
+    except redis.RedisError as exc:
+        log.warning("usage: the turn a dead worker left of job=%s not settled (%r)", job.id, exc)
+
+
+def _checkpoint(rt: Runtime, progress: TurnProgress) -> None:
+    """The streaming turn's progress into the usage ledger (at each lease renewal), on the lease
+    keeper's client: a worker killed mid-stream leaves what it saw for the next turn to count."""
+    seen = progress.snapshot()
+    if seen is not None:
+        rt.ledger.checkpoint(seen, rt.lease_redis)
+
+
+def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper,
+         progress: TurnProgress) -> tuple[Envelope | Continuation, int]:
     """The turn's envelope or continuation, and the turn's number (0: the first)."""
     owner, job_id = split_ref(ref)
     record = rt.results.job_record(ref)
@@ -189,6 +211,8 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> tuple[Enve
     number = 0 if turn is None else int(turn["number"])
     if cancel_requested(rt, ref):  # asked between two turns (the keeper checks only from now on)
         return Envelope.failure(job_id, owner, Code.E_CANCELLED, "cancelled between turns"), number
+    _settle(rt, job, progress.fence)
+    progress.key = tagged_key(rt.settings, ref, record) or QUEUE_KEY
     admitted_at = time.time()
     events = event_sink(rt, ref)
     events.emit("admitted", queued_s=round(admitted_at - job.submitted_at, 3))
@@ -196,6 +220,7 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper) -> tuple[Enve
         settings=rt.settings, project=rt.settings.projects[job.project], redis=rt.redis,
         keys=rt.keys, events=events, cancel=keeper.cancel, client=rt.vllm,
         fence_tag=record.get("fence_tag") or None, count_prompt=rt.counter.count_messages,
+        ledger=rt.ledger, fence=progress.fence, progress=progress, usage_key=progress.key,
     )
     envelope = run_inference(job, plan, ctx, turn)
     if not isinstance(envelope, Envelope):
