@@ -67,12 +67,13 @@ from schedulers.store.records import Item, Lease
 log = logging.getLogger(__name__)
 
 SCRIPTS = ("add", "admit", "claim", "renew", "release", "reap", "requeue", "cancel", "expire",
-           "readmit", "promote", "undefer", "grow", "gwadmit", "gateway")
+           "readmit", "promote", "undefer", "grow", "gwadmit", "gateway", "recount")
 COMPOSED = {"gwadmit": ("admit",),  # scripts that call others (fleet/core/lua.py)
             "gateway": ("add", "admit", "gwadmit", "claim")}  # scripts that call others (fleet/core/lua.py)
 _ROUNDS = 4  # ADMIT calls when the projects set keeps changing under us
 _BATCH = 200  # expired leases or due deadlines handled by one script call
 MAX_BLOCK_S = 4.0  # longest BLPOP; below redis-py 8's default 5 s socket timeout
+RECOUNT_S = 10.0  # how often reap_expired also puts the lease counters right (recount.lua)
 
 
 class RedisStore:
@@ -90,6 +91,7 @@ class RedisStore:
         self._max_block_s = max_block_s(client)
         self._scripts = Scripts(client, "schedulers.store", SCRIPTS, prelude="prelude", uses=COMPOSED)
         self._projects: list[str] = []  # every project ADMIT has found in the projects set
+        self._next_recount = 0.0  # reap_expired's next recount (RECOUNT_S)
 
     # -- keys (all under D, one hash tag) -------------------------------------------------------
     def _key(self, name: str) -> str:
@@ -388,6 +390,9 @@ class RedisStore:
         return None if lease is None else lease.project
 
     def reap_expired(self, now: float) -> list[str]:
+        if now >= self._next_recount:
+            self._next_recount = now + RECOUNT_S
+            self.recount()
         due = [_text(i) for i in self._client.zrangebyscore(self._key("leases"), "-inf", f"({now!r}", 0, _BATCH)]
         if not due:
             return []
@@ -400,6 +405,17 @@ class RedisStore:
         if expired:
             log.warning("leases expired, jobs back in line: %s", ", ".join(expired))
         return expired
+
+    def recount(self) -> dict[str, tuple[int, int]]:
+        """Put the lease counters right (recount.lua); returns the ones that were off, as
+        (was, now), and logs them: a counter off means a process of another version released a
+        lease (docs/operations.md, upgrades)."""
+        raw = [_text(v) for v in self._run("recount", [self._key("state"), self._key("lease")], [])]
+        off = {raw[i]: (int(raw[i + 1]), int(raw[i + 2])) for i in range(0, len(raw), 3)}
+        if off:
+            log.warning("lease counters put right from the live leases: %s",
+                        ", ".join(f"{k} {was} -> {now}" for k, (was, now) in off.items()))
+        return off
 
     def next_expiry(self) -> float | None:
         first = self._client.zrange(self._key("leases"), 0, 0, withscores=True)
