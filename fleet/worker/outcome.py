@@ -39,6 +39,13 @@ CONTINUED = ("continued", "tools-unsent")  # outcomes of a turn that handed its 
 CONTINUED_EVENT = "task-continued"
 CLOSING_EVENTS = ("task-succeeded", "task-failed")
 TURN_NUMBER = re.compile(r" turn=(\d+)\b")
+ID_CHARS = 80  # of a job id as a task shows it: the sender's value, cut there (as queues.SHOWN_CHARS)
+
+
+def printable(text: str) -> str:
+    """``text`` with every unprintable character escaped (a newline as ``\\n``): one log line,
+    whatever a sender put in a field that reaches it."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class JobEnded(Exception):
@@ -46,7 +53,7 @@ class JobEnded(Exception):
     also its repr (what Celery's events and Flower show as the exception)."""
 
     def __repr__(self) -> str:
-        return str(self)
+        return printable(str(self))
 
 
 def backend_label(settings: Settings) -> str:
@@ -70,6 +77,7 @@ def task_outcome(outcome: str, job_id: str, detail: str = "") -> str:
     """A task's return value, ``"<outcome> job=<id> <detail>"``; raises ``JobEnded`` when
     ``outcome`` is a non-OK code (its text: code, job, the code's meaning, detail)."""
     tail = f" {detail}" if detail else ""
+    job_id = printable(job_id[:ID_CHARS])
     if outcome in Code._value2member_map_ and not Code(outcome).ok:
         raise JobEnded(f"{outcome} job={job_id}: {Code(outcome).info.meaning}{tail}")
     return f"{outcome} job={job_id}{tail}"

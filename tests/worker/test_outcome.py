@@ -71,3 +71,15 @@ def test_a_model_turn_closes_naming_which_turn_it_was() -> None:
     # a prep task keeps its kind; a turn dropped as stale names no number and keeps "turn"
     assert "args" not in ended_event("task-succeeded", {"result": "'pending job=j5'"}, None, "prep")[1]
     assert "args" not in ended_event("task-succeeded", {"result": "'stale job=j5'"}, None, "turn")[1]
+
+
+def test_a_sender_s_job_id_stays_one_short_line() -> None:
+    """A raw prep message's job id is the sender's: a newline in it must not start a forged log
+    line (Celery logs the failure's repr), nor a megabyte of it fill the log and the events."""
+    forged = "x\n2026-12-02 10:00:00,000 ERROR Task fleet.infer failed project=research" + "y" * 10_000
+    with pytest.raises(JobEnded) as ended:
+        task_outcome(Code.E_AUTH.value, forged)
+    shown = repr(ended.value)
+    assert "\n" not in shown and "\\n" in shown
+    assert len(shown) < 400
+    assert "\n" not in task_outcome("pending", forged) and len(task_outcome("pending", forged)) < 120
