@@ -131,7 +131,9 @@ def producer_rules(settings: Settings, project: str) -> list[str]:
     # kombu's declare counts the priority sub-queues (LLEN "<queue>\x06\x16<n>"): any key that
     # continues the queue's name with a character no queue name has
     readable += [f"{q}{name}[^-a-zA-Z0-9_.]*" for name in queues]
-    channels = [f"{q}/{_db(settings.broker_url)}.celeryev/*"]
+    # the "sent" event of its own task only: a channel pattern would let it publish any event
+    # (a worker's heartbeat, another project's task failing or handed on, as Flower shows them)
+    channels = [f"{q}/{_db(settings.broker_url)}.celeryev/task.sent"]
     return ([f"~{k}" for k in writable + broker] + [f"%R~{k}" for k in readable]
             + ["resetchannels"] + [f"&{c}" for c in channels] + PRODUCER_COMMANDS)
 

@@ -204,4 +204,4 @@ def test_acl_urls_and_channels_of_a_sentinel_broker(tmp_path) -> None:
     assert user.url(url) == "sentinel://fleet-worker:pw@s1:26379/4;sentinel://s2:26379;sentinel://s3:26379"
     assert parse_sentinel_url(user.url(url)).password == "pw"
     settings = load_settings(make_config(tmp_path), env={"FLEET_BROKER_URL": url})
-    assert f"&{settings.key_prefix}q:/4.celeryev/*" in producer_rules(settings, "triage")
+    assert f"&{settings.key_prefix}q:/4.celeryev/task.sent" in producer_rules(settings, "triage")
