@@ -127,12 +127,17 @@ def test_given_state_page_is_used() -> None:
 runner = CliRunner()
 
 
+def plan_writing(toml: Path) -> list[str]:
+    """``fleet plan`` of the deployment's tp2pp2 layout (fp8 KV cache) writing into ``toml``."""
+    return ["plan", str(CONFIG_PATH), "--layout", "tp2pp2", "--kv-cache-dtype", "fp8",
+            "--kv-memory-gib", str(TP2PP2_KV_GIB), "--write", str(toml)]
+
+
 def test_plan_command_prints_and_writes(tmp_path: Path) -> None:
     toml = tmp_path / "fleet.toml"
     toml.write_text('# mine\nbroker_url = "redis://x:1/0"\n\n[backend]\nurl = "http://gpu:8100"\n'
                     "block_tokens = 16\n\n[retry]\nmax_attempts = 5\n", encoding="utf-8")
-    args = ["plan", str(CONFIG_PATH), "--layout", "tp2pp2", "--kv-cache-dtype", "fp8",
-            "--kv-memory-gib", str(TP2PP2_KV_GIB), "--write", str(toml)]
+    args = plan_writing(toml)
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "530,640" in result.output and "1,072" in result.output
@@ -287,8 +292,7 @@ def test_plan_writes_the_backends_entry(tmp_path: Path) -> None:
     toml = tmp_path / "fleet.toml"
     toml.write_text('[[backends]]\nname = "gpu-a"\nurl = "http://gpu:8100"\nblock_tokens = 16\n\n'
                     "[retry]\nmax_attempts = 5\n", encoding="utf-8")
-    args = ["plan", str(CONFIG_PATH), "--layout", "tp2pp2", "--kv-cache-dtype", "fp8",
-            "--kv-memory-gib", str(TP2PP2_KV_GIB), "--write", str(toml)]
+    args = plan_writing(toml)
     assert runner.invoke(app, [*args, "--backend", "gpu-b"]).exit_code == 2
     result = runner.invoke(app, [*args, "--backend", "gpu-a"])
     assert result.exit_code == 0, result.output

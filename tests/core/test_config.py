@@ -36,6 +36,15 @@ def test_fleet_config_variable_picks_the_file(tmp_path: Path):
     assert settings.key_prefix == "other:" and list(settings.projects) == ["solo"]
 
 
+def assert_refused_naming(tmp_path: Path, toml: str, named: str) -> None:
+    """Loading ``toml`` as fleet.toml is a ConfigError whose text contains ``named``."""
+    path = tmp_path / "fleet.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path, env={})
+    assert named in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("toml", "named"),
     [
@@ -49,11 +58,7 @@ def test_fleet_config_variable_picks_the_file(tmp_path: Path):
     ],
 )
 def test_bad_file_values_name_the_key(tmp_path: Path, toml: str, named: str):
-    path = tmp_path / "fleet.toml"
-    path.write_text(toml)
-    with pytest.raises(ConfigError) as caught:
-        load_settings(path, env={})
-    assert named in str(caught.value)
+    assert_refused_naming(tmp_path, toml, named)
 
 
 def test_unknown_or_bad_environment_variables_are_named():
@@ -185,8 +190,4 @@ def test_backends_variable_beside_a_backend_table_is_refused():
     ],
 )
 def test_bad_backend_and_model_settings_name_the_key(tmp_path: Path, toml: str, named: str):
-    path = tmp_path / "fleet.toml"
-    path.write_text(toml)
-    with pytest.raises(ConfigError) as caught:
-        load_settings(path, env={})
-    assert named in str(caught.value)
+    assert_refused_naming(tmp_path, toml, named)
