@@ -429,3 +429,16 @@ def test_the_fleets_own_users_get_no_warning(broker: AclBroker) -> None:
             assert not unrestricted_default_user(client), user
     assert not warn_shared_broker(broker.settings_for("fleet-worker"), broker.client("fleet-worker"),
                                   local_broker=False, role="worker")
+
+
+def test_a_producer_publishes_its_tasks_sent_events_only(broker: AclBroker) -> None:
+    """Flower believes every event on the celeryev channels: a producer may send the "sent"
+    event of its own tasks and nothing else (no task failing or handed on, no worker)."""
+    producer = broker.client(f"fleet-producer-{B}")
+    events = f"{broker.settings.key_prefix}q:/{broker.settings.broker_url.rsplit('/', 1)[-1]}.celeryev/"
+    try:
+        assert not denied(lambda: producer.publish(events + "task.sent", "{}"))
+        for forged in ("task.failed", "task.succeeded", "task.continued", "worker.heartbeat"):
+            assert denied(lambda channel=events + forged: producer.publish(channel, "{}")), forged
+    finally:
+        producer.close()
