@@ -82,16 +82,19 @@ def raw_message(task: str, kwargs: dict[str, Any], embed: dict[str, Any] | None 
 
 def pushed_and_taken(broker: AclBroker, task: str, kwargs: dict[str, Any],
                      embed: dict[str, Any] | None = None, headers: dict[str, Any] | None = None) -> str:
-    """LPUSH the message onto B's collect queue as B's producer, wait until the worker took it and
-    acknowledged it (whatever it then published is in the broker by then); its task id."""
+    """LPUSH the message onto B's collect queue as B's producer, wait until the worker took it,
+    refused it and acknowledged it (whatever it then published is in the broker by then); its
+    task id. Every message these tests push is one the screen refuses."""
     q = f"{broker.settings.key_prefix}q:"
     task_id, tag, message = raw_message(task, kwargs, embed, headers)
     producer, operator = broker.client(f"fleet-producer-{B}"), broker.client("fleet-operator")
     try:
         producer.lpush(f"{q}{collect_queue(B)}", message)
-        wait_until(lambda: not operator.hexists(f"{q}unacked", tag)
+        # the refusal first: a message just popped is in neither the list nor the unacked
+        # hash until kombu records it, which looks like acknowledged
+        wait_until(lambda: refusals(broker, task_id) and not operator.hexists(f"{q}unacked", tag)
                    and message.encode() not in operator.lrange(f"{q}{collect_queue(B)}", 0, -1),
-                   60, "the pushed message taken and acknowledged")
+                   60, "the pushed message taken, refused and acknowledged")
     finally:
         producer.close()
         operator.close()
