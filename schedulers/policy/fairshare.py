@@ -28,7 +28,7 @@ Queues of one project
 
 Bands and aging across projects
   While some project has interactive work, a project is in tier 0 when it has an interactive job
-  or a batch head that has waited ``aging_s``, else in tier 1; tier 0 goes first, by virtual
+  or a candidate that has waited ``aging_s`` (the oldest of its candidates counts), else in tier 1; tier 0 goes first, by virtual
   time. So fresh interactive work is strictly first, and batch work that has waited ``aging_s``
   competes with it by weight: a stream of interactive jobs cannot starve batch. With no
   interactive work anywhere there is one tier (age does not put one project's batch before
@@ -121,10 +121,14 @@ def project_candidates(view: ProjectView) -> list[Head]:
 
 
 def tier(candidates: Sequence[Head], now: float, aging_s: float) -> int:
-    first = candidates[0]
-    if first.band == "interactive" or now - first.enqueued_at >= aging_s:
+    """0 for a project whose first candidate is interactive or whose oldest candidate has waited
+    ``aging_s``, else 1. The oldest, not the first: in the batch band a fresh long head goes before
+    an aged short one, and taking the age from it would cost the short job its aging lift (the
+    project would sit in tier 1 for as long as fresh long prompts keep arriving)."""
+    if candidates[0].band == "interactive":
         return 0
-    return 1
+    oldest = min(c.enqueued_at for c in candidates)
+    return 0 if now - oldest >= aging_s else 1
 
 
 def order(snapshot: FairSnapshot, aging_s: float) -> list[Head]:

@@ -499,6 +499,19 @@ def test_interactive_and_priority_order(make_store: StoreFactory) -> None:
     assert admit_ids(store, 1_010.0) == ["i3", "b2", "b1"]
 
 
+def test_an_aged_short_job_behind_a_fresh_long_one_keeps_its_aging_lift(make_store: StoreFactory) -> None:
+    """Batch puts a project's fresh long prompt before its short job that has waited past
+    ``aging_s``: the project's tier comes from the oldest of the two, so it competes with another
+    project's interactive work by fair share (its long prompt goes first, on its lower start tag),
+    instead of waiting in tier 1 for as long as fresh long prompts keep coming."""
+    store = make_store(limits(max_num_seqs=10))
+    store.add_pending(job("s0"))  # enqueued at 1,000: 70 s old at 1,070
+    store.add_pending(job("l65", prompt=12_000, new=0))
+    store.add_pending(ijob("i66", project="b"))
+    store.add_pending(job("x1", project="b"))  # b's finish tag moves ahead once i66 goes
+    assert admit_ids(store, 1_070.0)[:2] == ["l65", "i66"]
+
+
 def test_blocking_wait_stays_under_the_socket_timeout(redis_url: str, key_prefix: str) -> None:
     assert max_block_s(redis.Redis.from_url(redis_url)) == 4.0  # redis-py 8 default: 5 s
     assert max_block_s(redis.Redis.from_url(redis_url, socket_timeout=None)) == 4.0

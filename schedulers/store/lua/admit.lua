@@ -118,10 +118,11 @@ local function order(V)
       if c[1].band == 'interactive' then banded = true end
     end
   end
-  for _, r in ipairs(ranked) do
-    local first = r.c[1]
+  for _, r in ipairs(ranked) do  -- fairshare.tier: the oldest candidate's age counts
+    local oldest = r.c[1].enq
+    for _, c in ipairs(r.c) do oldest = math.min(oldest, c.enq) end
     r.tier = 0
-    if banded and first.band ~= 'interactive' and now - first.enq < aging then r.tier = 1 end
+    if banded and r.c[1].band ~= 'interactive' and now - oldest < aging then r.tier = 1 end
   end
   table.sort(ranked, function(x, y)
     if x.tier ~= y.tier then return x.tier < y.tier end
