@@ -128,6 +128,11 @@ class StoreCollector(Collector):
             "Live leases with a long prompt",
             value=snap.long_in_flight,
         )
+        yield GaugeMetricFamily(
+            "fleet_dispatch_interactive_in_flight",
+            "Live leases of interactive-band jobs (while any lives, long prefills get quiet windows)",
+            value=snap.interactive_in_flight,
+        )
         yield CounterMetricFamily(
             "fleet_dispatch_admissions", "Jobs admitted", value=snap.admissions
         )

@@ -46,7 +46,7 @@ def queues_table(settings: Settings, client: redis.Redis) -> Table:
     table.caption = "\n".join(
         (
             f"in flight {snap.in_flight}/{limits.max_num_seqs}, "
-            f"long {snap.long_in_flight}/{limits.max_long}",
+            f"long {snap.long_in_flight}/{limits.max_long}, interactive {snap.interactive_in_flight}",
             f"KV {snap.reserved_kv_tokens:,}/{limits.kv_budget_tokens:,}",
             f"admissions {snap.admissions}",
             f"holds {holds}",

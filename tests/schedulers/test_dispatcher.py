@@ -113,6 +113,7 @@ def test_metrics_endpoint(running, redis_client: redis.Redis) -> None:
     assert granted.job_id == "j2"
     assert 'fleet_dispatch_pending{band="batch",project="a"} 2.0' in text
     assert "fleet_dispatch_in_flight 1.0" in text
+    assert "fleet_dispatch_interactive_in_flight 1.0" in text  # j2 is interactive
     assert f"fleet_dispatch_reserved_kv_tokens {granted.kv_tokens:.1f}" in text
     assert "fleet_dispatch_admissions_total 1.0" in text
     assert 'fleet_dispatch_holds_total{reason="seqs"}' in text
