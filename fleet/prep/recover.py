@@ -125,16 +125,22 @@ def _still_waiting(results: ResultStore, ref: str) -> bool:
 
 def run_prep_watchdog(settings: Settings, results: ResultStore,
                       resend: Callable[[dict[str, Any]], None], stop: threading.Event,
-                      in_broker: Callable[[], set[str]] | None = None) -> None:
+                      in_broker: Callable[[], set[str]] | None = None,
+                      on_return: Callable[[float], Any] | None = None) -> None:
     """Every ``WATCH_INTERVAL_S`` a pass; with ``in_broker`` (the refs whose prep message the
     broker holds), first a look for messages the broker lost whenever it came back
-    (``look_for_lost``), so those jobs go again now instead of after ``prep_unclaimed_s``."""
+    (``look_for_lost``), so those jobs go again now instead of after ``prep_unclaimed_s``; and
+    ``on_return(when)`` then too (the dispatcher's look for lost grants,
+    fleet/worker/lostgrants.py)."""
     returns = BrokerReturns(results.client)
     outage = OutageLog(log, "prep watchdog", "passes missed")
     while not stop.wait(WATCH_INTERVAL_S):
         try:
             if in_broker is not None and returns.came_back():
-                look_for_lost(results, in_broker, time.time())
+                now = time.time()
+                look_for_lost(results, in_broker, now)
+                if on_return is not None:
+                    on_return(now)
             watch_once(results, resend, time.time(), settings.prep_unclaimed_s)
             outage.answered()
         except BROKER_LOST as exc:

@@ -13,7 +13,8 @@ the outside world.
 - ``on_expired``: a job whose deadline passed while it waited for admission gets its final
   E_DEADLINE envelope here, without ever taking a slot.
 - the prep watchdog (fleet/prep/watchdog.py) runs beside the loop, sending again the prep messages
-  of jobs whose prep worker died before handing them over.
+  of jobs whose prep worker died before handing them over; when it sees the broker come back it
+  also gives back the grants whose inference message the broker lost (fleet/worker/lostgrants.py).
 - ``gate``: queued jobs are held ("no_workers") while no inference worker's heartbeat is live
   (fleet/worker/heartbeat.py; ``admission.worker_gate``); gateway requests are still admitted
   (they stream in the gateway), their grants pushed to the gateway by ``send``.
@@ -45,8 +46,18 @@ from fleet.core.seal import SEALED_FIELDS, seal_valid
 from fleet.prep.recover import run_prep_watchdog
 from fleet.worker.app import create_app
 from fleet.worker.heartbeat import WorkerGate, live_workers
-from fleet.worker.queues import INFER_TASK, PREP_TASK, prep_backlog, prep_kind, prep_refs_in_broker, shown
+from fleet.worker.lostgrants import give_back_lost_grants
+from fleet.worker.queues import (
+    INFER_TASK,
+    PREP_TASK,
+    infer_grants_in_broker,
+    prep_backlog,
+    prep_kind,
+    prep_refs_in_broker,
+    shown,
+)
 from schedulers.dispatcher import run_dispatcher
+from schedulers.store import make_store
 from schedulers.store.base import Grant
 
 log = logging.getLogger(__name__)
@@ -70,9 +81,15 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
                                             "job_id": signed["job"]["id"], "signed": signed},
                          **shown(signed["project"], signed["job"]["id"], prep_kind(signed)))
 
+    store = make_store(settings, client)
+
+    def give_back(returned_at: float) -> None:
+        give_back_lost_grants(store, client, Keys(settings.key_prefix),
+                              lambda: infer_grants_in_broker(settings, client), returned_at)
+
     threading.Thread(target=run_prep_watchdog, name="prep-watchdog", daemon=True,
                      args=(settings, results, resend_prep, stop,
-                           lambda: prep_refs_in_broker(settings, client))).start()
+                           lambda: prep_refs_in_broker(settings, client), give_back)).start()
     gate = WorkerGate(client, Keys(settings.key_prefix)) if settings.admission.worker_gate else None
     run_dispatcher(settings, client, send, stop=stop, on_expired=on_expired,
                    shared_metrics=[PrepBacklogCollector(settings, client), LiveWorkersCollector(client, settings)],

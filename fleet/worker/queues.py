@@ -204,46 +204,75 @@ def prep_backlog(settings: Settings, client: Any) -> dict[str, int]:
 PAGE = 500  # messages read per LRANGE / HSCAN call: a deep queue is never one huge reply
 
 
-def _prep_lists(settings: Settings) -> list[str]:
-    """Every Redis list a prep message of a configured project can wait in (both queues of each
-    project, every priority level kombu keeps apart), under kombu's key prefix."""
+def _lists(settings: Settings, queues: list[str]) -> list[str]:
+    """Every Redis list a message of these queues can wait in (every priority level kombu keeps
+    apart), under kombu's key prefix."""
     steps = [""] + [f"{Channel.sep}{step}" for step in PRIORITY_STEPS if step]
-    return [f"{settings.key_prefix}q:{queue}{step}" for project in settings.projects
-            for queue in (project_queue(project), collect_queue(project)) for step in steps]
+    return [f"{settings.key_prefix}q:{queue}{step}" for queue in queues for step in steps]
+
+
+def _prep_lists(settings: Settings) -> list[str]:
+    """Every list a prep message of a configured project can wait in (both queues of each)."""
+    return _lists(settings, [queue for project in settings.projects
+                             for queue in (project_queue(project), collect_queue(project))])
+
+
+def _stored_messages(client: Any, settings: Settings, lists: list[str]) -> list[bytes]:
+    """The raw messages waiting in ``lists`` and every entry of kombu's unacked hash (a worker's
+    reserved and running messages, [message, exchange, routing key]). Reads every message once:
+    meant for the rare look after a broker restart, not for every pass."""
+    found: list[bytes] = []
+    for key in lists:
+        start = 0
+        while page := client.lrange(key, start, start + PAGE - 1):
+            found += page
+            start += PAGE
+    found += [entry for _tag, entry in client.hscan_iter(f"{settings.key_prefix}q:unacked", count=PAGE)]
+    return found
 
 
 def prep_refs_in_broker(settings: Settings, client: Any) -> set[str]:
     """The refs of every job with a prep message in the broker: waiting in a queue or delivered
-    and not yet acknowledged (kombu's unacked hash, where a worker's reserved and running messages
-    are). A message that is not a readable prep task is passed over. Reads every message once:
-    meant for the rare look after a broker restart, not for every pass."""
-    refs: set[str] = set()
-    for key in _prep_lists(settings):
-        start = 0
-        while page := client.lrange(key, start, start + PAGE - 1):
-            refs.update(filter(None, map(_prep_ref, page)))
-            start += PAGE
-    for _tag, entry in client.hscan_iter(f"{settings.key_prefix}q:unacked", count=PAGE):
-        refs.update(filter(None, [_prep_ref(entry)]))
-    return refs
+    and not yet acknowledged. A message that is not a readable prep task is passed over."""
+    return {job_ref(str(kwargs["project"]), str(kwargs["job_id"]))
+            for kwargs in stored_task_kwargs(_stored_messages(client, settings, _prep_lists(settings)), PREP_TASK)}
 
 
-def _prep_ref(raw: bytes) -> str | None:
-    """The job ref of a stored kombu message (an unacked entry is [message, exchange, routing
-    key]) if it is a prep task, else None (another task, or bytes that do not parse)."""
-    try:
-        message = json.loads(raw)
-        if isinstance(message, list):
-            message = message[0]
-        if message["headers"]["task"] != PREP_TASK:
-            return None
-        body = message["body"]
-        if message.get("properties", {}).get("body_encoding") == "base64":
-            body = base64.b64decode(body)
-        kwargs = json.loads(body)[1]
-        return job_ref(str(kwargs["project"]), str(kwargs["job_id"]))
-    except (ValueError, TypeError, KeyError, IndexError):
-        return None
+def infer_grants_in_broker(settings: Settings, client: Any) -> set[tuple[str, int]]:
+    """(job ref, fence) of every ``fleet.infer`` message in the broker: waiting in the inference
+    queue or delivered and not yet acknowledged (fleet/worker/lostgrants.py)."""
+    found = set()
+    for kwargs in stored_task_kwargs(_stored_messages(client, settings, _lists(settings, [INFER_QUEUE])), INFER_TASK):
+        try:
+            found.add((str(kwargs["ref"]), int(kwargs["fence"])))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return found
+
+
+def stored_task_kwargs(raws: list[bytes], task: str) -> list[dict[str, Any]]:
+    """The keyword arguments of each stored kombu message that is a ``task`` (an unacked entry is
+    [message, exchange, routing key]); another task, or bytes that do not parse, are passed over."""
+    found = []
+    for raw in raws:
+        try:
+            message = json.loads(raw)
+            if isinstance(message, list):
+                message = message[0]
+            if message["headers"]["task"] != task:
+                continue
+            body = message["body"]
+            if message.get("properties", {}).get("body_encoding") == "base64":
+                body = base64.b64decode(body)
+            kwargs = json.loads(body)[1]
+            if isinstance(kwargs, dict) and all(name in kwargs for name in _NEEDED[task]):
+                found.append(kwargs)
+        except (ValueError, TypeError, KeyError, IndexError):
+            continue
+    return found
+
+
+_NEEDED = {PREP_TASK: ("project", "job_id"), INFER_TASK: ("ref", "fence")}
 
 
 def make_router(settings: Settings):  # type: ignore[no-untyped-def]

@@ -28,9 +28,9 @@ Queues of one project
 
 Bands and aging across projects
   While some project has interactive work, a project is in tier 0 when it has an interactive job
-  or a candidate that has waited ``aging_s`` (the oldest of its candidates counts), else in tier 1; tier 0 goes first, by virtual
-  time. So fresh interactive work is strictly first, and batch work that has waited ``aging_s``
-  competes with it by weight: a stream of interactive jobs cannot starve batch. With no
+  or a candidate that has waited ``aging_s`` (the oldest of its candidates counts), else in tier
+  1; tier 0 goes first, by virtual time. So fresh interactive work is strictly first, and batch
+  work that has waited ``aging_s`` competes with it by weight: a stream of interactive jobs cannot starve batch. With no
   interactive work anywhere there is one tier (age does not put one project's batch before
   another's: that would make a newly arrived project wait ``aging_s`` behind a backlog). Inside
   one project the interactive band is strictly first (a project flooding its own interactive

@@ -165,7 +165,16 @@ class AdmissionStore(Protocol):
 
     def reap_expired(self, now: float) -> list[str]: ...
 
-    def requeue(self, job_id: str, fence: int) -> bool: ...
+    def requeue(self, job_id: str, fence: int, unclaimed_only: bool = False) -> bool:
+        """Give the lease up at once and put the job back at its place (a grant that could not be
+        sent); with ``unclaimed_only``, only while no worker has claimed it (a grant whose message
+        the broker lost: a worker that did get it keeps it). False for a stale fence."""
+        ...
+
+    def unclaimed_leases(self, admitted_before: float) -> dict[str, int]:
+        """Live leases no worker has claimed yet, granted before ``admitted_before`` (job id ->
+        fence): what a broker that lost its messages may have left with no message."""
+        ...
 
     def cancel_pending(self, job_id: str) -> bool: ...
 

@@ -42,6 +42,7 @@ class _Lease:
     long: bool
     expires_at: float
     owner: str | None = None  # set by the first claim
+    admitted_at: float = 0.0
 
 
 class MemoryStore:
@@ -212,7 +213,7 @@ class MemoryStore:
         fence = self._fences[head.project] = self._fences.get(head.project, 0) + 1
         expires_at = now + self.config.lease_ttl_s
         self._leases[head.job_id] = _Lease(
-            entry, fence, cost.kv_tokens, cost.long, expires_at
+            entry, fence, cost.kv_tokens, cost.long, expires_at, admitted_at=now
         )
         return Grant(
             job_id=head.job_id,
@@ -256,10 +257,10 @@ class MemoryStore:
             self._signal()
             return True
 
-    def requeue(self, job_id: str, fence: int) -> bool:
+    def requeue(self, job_id: str, fence: int, unclaimed_only: bool = False) -> bool:
         with self._lock:
             lease = self._leases.get(job_id)
-            if lease is None or lease.fence != fence:
+            if lease is None or lease.fence != fence or (unclaimed_only and lease.owner is not None):
                 return False
             self._free_lease(job_id)
             if job_id not in self._pending:
@@ -450,6 +451,11 @@ class MemoryStore:
                 admissions=self._admissions,
                 holds=dict(self._holds),
             )
+
+    def unclaimed_leases(self, admitted_before: float) -> dict[str, int]:
+        with self._lock:
+            return {job_id: lease.fence for job_id, lease in self._leases.items()
+                    if lease.owner is None and lease.admitted_at < admitted_before}
 
     def lease_fences(self) -> dict[str, int]:
         """Live leases (job id -> fence), for invariant checks."""

@@ -298,11 +298,21 @@ class RedisStore:
             self._run("release", keys, [job_id, fence], client=pipe)
         return [bool(done) for done in pipe.execute()]
 
-    def requeue(self, job_id: str, fence: int) -> bool:
+    def requeue(self, job_id: str, fence: int, unclaimed_only: bool = False) -> bool:
         where = self._where([job_id])[0]
         keys = [self._key("lease"), self._key("leases"), self._key("state"), self._key("items"),
                 self._queue(*where), *map(self._key, ("projects", "deadlines", "wake"))]
-        return bool(self._run("requeue", keys, [job_id, fence, *where]))
+        return bool(self._run("requeue", keys, [job_id, fence, *where, "1" if unclaimed_only else "0"]))
+
+    def unclaimed_leases(self, admitted_before: float) -> dict[str, int]:
+        """Live leases no worker has claimed, granted before ``admitted_before`` (job id ->
+        fence): one HGETALL of the lease hash (at most ``max_num_seqs`` entries)."""
+        found = {}
+        for job_id, raw in self._client.hgetall(self._key("lease")).items():
+            lease = Lease.unpack(_text(raw))
+            if lease.owner is None and float(lease.admitted_at) < admitted_before:
+                found[_text(job_id)] = int(lease.fence)
+        return found
 
     def _lease(self, job_id: str) -> Lease | None:
         value = self._client.hget(self._key("lease"), job_id)

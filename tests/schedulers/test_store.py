@@ -408,6 +408,24 @@ def test_requeue_gives_the_lease_back_at_once(make_store: StoreFactory) -> None:
     assert store.pending_ids() == {"j1", "j2"}
 
 
+def test_a_grant_whose_message_was_lost_is_given_back_only_while_unclaimed(make_store: StoreFactory) -> None:
+    """What the dispatcher does at the broker's return (fleet/worker/lostgrants.py): the leases no
+    worker claimed, granted before the return, are listed; giving one back with ``unclaimed_only``
+    puts the job back at its place; a claimed lease is never given back that way."""
+    store = make_store()
+    for i in range(3):
+        store.add_pending(job(f"j{i}"))
+    grants = [store.admit_next(1_010.0).grant for _ in range(2)]
+    late = store.admit_next(1_020.0).grant
+    assert all(grants) and late is not None
+    assert store.claim("j1", grants[1].fence, "worker-1", 1_011.0)
+    assert store.unclaimed_leases(admitted_before=1_015.0) == {"j0": grants[0].fence}
+    assert not store.requeue("j1", grants[1].fence, unclaimed_only=True)  # claimed: kept
+    assert store.requeue("j0", grants[0].fence, unclaimed_only=True)
+    assert set(store.lease_fences()) == {"j1", "j2"} and store.pending_ids() == {"j0"}
+    assert store.snapshot().in_flight == 2 and store.snapshot().claimed == 1
+
+
 def test_deadlines_expire_pending_jobs_only(make_store: StoreFactory) -> None:
     store = make_store(limits(max_num_seqs=1))
     store.add_pending(job("j0", deadline=1_020.0))  # admitted first: in flight, not touched
@@ -620,6 +638,18 @@ class StoreMachine(RuleBasedStateMachine):
         job_id, fence = lease
         ok = self.store.requeue(job_id, fence)
         assert ok == (self.live.get(job_id) == fence)
+        if ok:
+            del self.live[job_id]
+
+    @rule(lease=leases)
+    def give_back_a_lost_grant(self, lease) -> None:
+        """The broker's return: an unclaimed lease is given back, a claimed one is kept."""
+        job_id, fence = lease
+        live = self.live.get(job_id) == fence
+        unclaimed = self.store.unclaimed_leases(admitted_before=self.clock.now + 1)
+        assert (job_id in unclaimed) == (live and (job_id, fence) not in self.owners)
+        ok = self.store.requeue(job_id, fence, unclaimed_only=True)
+        assert ok == (job_id in unclaimed)
         if ok:
             del self.live[job_id]
 

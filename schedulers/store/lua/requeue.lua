@@ -7,10 +7,12 @@
 -- KEYS[6] projects                         set
 -- KEYS[7] deadlines                        zset
 -- KEYS[8] wake                             list
--- ARGV: id, fence, project, band, size (of the item as read; '' when it had none)
--- Returns 1 when the lease was given up, 0 for a stale fence.
+-- ARGV: id, fence, project, band, size (of the item as read; '' when it had none), unclaimed
+--       only (1: give the lease up only while no worker has claimed it)
+-- Returns 1 when the lease was given up, 0 for a stale fence (or a claimed lease, with ARGV[6]).
 local f = lease_get(KEYS[1], ARGV[1])
 if not f or f.fence ~= ARGV[2] then return 0 end
+if ARGV[6] == '1' and f.owner then return 0 end
 free_lease(KEYS[3], KEYS[2], KEYS[1], ARGV[1])
 requeue_item(KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], ARGV[1], ARGV[3], ARGV[4], ARGV[5])
 wake(KEYS[8])
