@@ -767,6 +767,23 @@ class Settings(BaseSettings):
         backend = self.backend.model_copy(update=changes)
         return self.model_copy(update={"backend": backend, "backends": [backend]})
 
+    def backend_named(self, name: str) -> BackendSettings:
+        """The ``[[backends]]`` entry called ``name`` ('': the first); KeyError for none."""
+        if not name:
+            return self.backends[0]
+        for entry in self.backends:
+            if entry.name == name:
+                return entry
+        raise KeyError(f"no backend named {name!r} (configured: {', '.join(e.name for e in self.backends)})")
+
+    def on_backend(self, name: str) -> Settings:
+        """These settings as a turn granted on backend ``name`` reads them: ``backend`` is that
+        entry ('' or the first entry's name: these settings themselves). Everything downstream of
+        a grant reads ``settings.backend`` (url, model, limits), so a turn streams to the backend
+        its grant names. KeyError for a name no entry has."""
+        entry = self.backend_named(name)
+        return self if entry is self.backend else self.model_copy(update={"backend": entry})
+
     def served_models(self) -> list[str]:
         """Every model name some backend serves, each once, in the order of the backends."""
         return list(dict.fromkeys(name for entry in self.backends for name in entry.served_models))

@@ -196,6 +196,7 @@ class Attempt(_Strict):
     carried: list[str] = Field(default_factory=list)
     started_at: float = 0.0
     duration_s: float = 0.0
+    backend: str = ""  # the name of the backend it ran on ([[backends]]); '' in older envelopes
 
 
 class Envelope(_Strict):
@@ -221,6 +222,8 @@ class Envelope(_Strict):
     warnings: list[str] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
     finished_at: float = Field(default_factory=time.time)
+    # the backend that served its last model turn ('' when none ran: refused before admission)
+    backend: str = ""
 
     @property
     def ok(self) -> bool:

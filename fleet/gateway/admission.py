@@ -84,6 +84,7 @@ class Ticket:
     project: str
     fence: int
     waited_s: float
+    backend: str = ""  # the [[backends]] entry the grant names ('': the first)
 
 
 class Admission:
@@ -208,7 +209,7 @@ class Admission:
             self.store.claim, job_id, fence, self.owner, time.time())
         if not claimed:
             raise UpstreamUnavailable("the admission lease expired before the gateway claimed it")
-        return Ticket(job_id, project, fence, time.time() - enqueued_at)
+        return Ticket(job_id, project, fence, time.time() - enqueued_at, str(grant.get("backend") or ""))
 
     async def release(self, ticket: Ticket) -> None:
         await self.run(self.store.release, ticket.job_id, ticket.fence)
@@ -228,7 +229,7 @@ class Admission:
 
 def _grant_dict(grant: Grant) -> dict[str, Any]:
     """A grant as the listener gets it from the list (fleet/worker/dispatch.py ``hand_to_gateway``)."""
-    return {"job_id": grant.job_id, "fence": grant.fence,
+    return {"job_id": grant.job_id, "fence": grant.fence, "backend": grant.backend,
             "lease_expires_at": grant.lease_expires_at, "waited_s": grant.waited_s}
 
 

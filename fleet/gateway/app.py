@@ -186,7 +186,8 @@ class Gateway:
         await self.aredis.aclose()
         for executor in (self.executor, self.batch_executor, self.streams):
             executor.shutdown(wait=False, cancel_futures=True)
-        self.vllm.close()
+        for client in self.runtime.backend_clients():
+            client.close()
         self.counter.close()
 
     def build_body(self, req: ChatRequest, caller: Caller, job_id: str) -> Built:

@@ -37,7 +37,7 @@ import redis
 from starlette.requests import Request
 
 from fleet.core.codes import Code
-from fleet.core.errors import Cancelled, FleetError, NotFound, ThinkLoop
+from fleet.core.errors import Cancelled, FleetError, NotFound, ThinkLoop, UpstreamUnavailable
 from fleet.core.keys import job_ref
 from fleet.core.models import Envelope, Timings, Usage
 from fleet.core.routing import backends_serving
@@ -64,6 +64,7 @@ from fleet.infer.requestbody import retry_body
 from fleet.infer.turnusage import turn_usage
 from fleet.infer.vllm import Delta, StreamResult
 from fleet.worker.lease import LeaseKeeper
+from fleet.worker.runtime import OnBackend
 
 if TYPE_CHECKING:
     from fleet.gateway.app import Built, Gateway
@@ -128,6 +129,7 @@ class _Session:
         self.last_write = self.started
         self.disconnected = asyncio.Event()
         self.keeper: LeaseKeeper | None = None
+        self.on: OnBackend | None = None  # the backend the grant names, once admitted
         self.keeper_running = False
         self.waited_s: float | None = None
         self.result: StreamResult | None = None
@@ -243,6 +245,13 @@ class _Session:
     async def _stream(self, ticket: Ticket) -> Code:
         gw = self.gw
         rt = gw.runtime
+        try:
+            self.on = rt.on_backend(ticket.backend)
+        except KeyError as exc:  # a dispatcher with other settings granted it
+            raise UpstreamUnavailable(f"the grant names {exc}") from exc
+        # every answer says which backend served it; the chunks carry its model's name
+        self.headers.append((b"x-fleet-backend", self.on.settings.backend.name.encode()))
+        self.chunks.model = self.on.settings.backend.model
         # A chat request is cancelled by its client leaving (self.disconnected), never by a request.
         self.keeper = LeaseKeeper(rt.lease_store, lambda: False, ticket.job_id, ticket.fence,
                                   rt.settings.admission.lease_ttl_s)
@@ -267,7 +276,8 @@ class _Session:
         body = self.body
         if attempt > 1:  # a new seed, as a worker's retry has
             body = retry_body(body, self.job_id, attempt)
-        upstream = UpstreamStream(self.gw.vllm, body, self.gw.live.settings.watcher,
+        assert self.on is not None
+        upstream = UpstreamStream(self.on.vllm, body, self.gw.live.settings.watcher,
                                   self.keeper.cancel, asyncio.get_running_loop(),  # type: ignore[union-attr]
                                   self.gw.streams).start()
         if attempt == 1:  # the request is on its way to vLLM before anything else is done
@@ -286,7 +296,8 @@ class _Session:
             result, code = outcome.partial, outcome.error.code
         self.turns.append(turn_usage(
             self.caller.project, self.job_id, self.fence, attempt, code.value, result,
-            self.prompt_tokens, key=key_label(self.caller.key_id), model=self.gw.model,
+            self.prompt_tokens, key=key_label(self.caller.key_id),
+            model=self.on.settings.backend.model if self.on else self.gw.model,
             tool_round=bool(result is not None and result.tool_calls)))
 
     async def _started(self) -> None:

@@ -466,7 +466,7 @@ class _Run:
             finish_reason=result.finish_reason if result else None,
             thinking_budget=self.plan.thinking_budget, max_tokens=self.plan.max_tokens,
             temperature=temperature, seed=seed, usage=usage, carried=list(carried),
-            started_at=started, duration_s=round(ctx.clock() - started, 3),
+            started_at=started, duration_s=round(ctx.clock() - started, 3), backend=self.s.backend.name,
         )
         self.attempts.append(attempt)
         self._record(attempt, self._conclusions_of(outcome), body, result, self._turn_usage(number, outcome))

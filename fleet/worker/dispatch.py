@@ -133,7 +133,7 @@ def make_send(settings: Settings, client: redis.Redis, celery: Celery) -> Callab
         if hand_to_gateway(client, settings, grant):
             return
         celery.send_task(INFER_TASK, kwargs={"ref": grant.job_id, "project": grant.project,
-                                             "fence": grant.fence},
+                                             "fence": grant.fence, "backend": grant.backend},
                          expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC),
                          **shown(grant.project, split_ref(grant.job_id)[1], "turn"))
 
@@ -162,7 +162,7 @@ def hand_to_gateway(client: redis.Redis, settings: Settings, grant: Grant) -> bo
         return False
     key = keys.gateway_grants(record["gateway"])
     ttl_s = settings.admission.lease_ttl_s
-    payload = json.dumps({"job_id": grant.job_id, "fence": grant.fence,
+    payload = json.dumps({"job_id": grant.job_id, "fence": grant.fence, "backend": grant.backend,
                           "lease_expires_at": grant.lease_expires_at, "waited_s": grant.waited_s})
     pipe = client.pipeline(transaction=False)
     pipe.lpush(key, payload)

@@ -28,6 +28,15 @@ if TYPE_CHECKING:  # the heavy modules are imported on first use, in the worker 
     from schedulers.store.redis_store import RedisStore
 
 
+@dataclass(frozen=True)
+class OnBackend:
+    """One backend as a turn sees it (``Runtime.on_backend``)."""
+
+    settings: Settings
+    vllm: VllmClient
+    counter: TokenCounter
+
+
 @dataclass
 class Runtime:
     settings: Settings
@@ -79,6 +88,30 @@ class Runtime:
 
         backend = self.settings.backend
         return TokenCounter(backend.url, backend.model, self.redis, self.keys)
+
+    def on_backend(self, name: str) -> OnBackend:
+        """What a turn granted on backend ``name`` streams with: its settings (``backend`` is that
+        entry), its HTTP client and its token counter, each built once per process and backend.
+        KeyError for a name the settings do not have ('': the first backend)."""
+        settings = self.settings.on_backend(name)
+        if settings is self.settings:
+            return OnBackend(settings, self.vllm, self.counter)
+        views = self.__dict__.setdefault("_backends", {})
+        if settings.backend.name not in views:
+            from fleet.infer.vllm import VllmClient
+            from fleet.prep.tokens import TokenCounter
+
+            backend = settings.backend
+            views[backend.name] = OnBackend(
+                settings,
+                VllmClient(backend.url, backend.model, api_key=backend.api_key, timeouts=settings.timeouts),
+                TokenCounter(backend.url, backend.model, self.redis, self.keys))
+        return views[settings.backend.name]
+
+    def backend_clients(self) -> list[VllmClient]:
+        """Every backend client this process built (to close them)."""
+        views = self.__dict__.get("_backends", {})
+        return [self.vllm, *(view.vllm for view in views.values())]
 
     @cached_property
     def collector(self) -> Collector:

@@ -148,8 +148,8 @@ def register_tasks(app: Celery, tools: bool = True) -> None:
 
     @app.task(name=INFER_TASK, base=OnInferQueue, bind=True, acks_late=True, throws=(JobEnded,),
               Request=ShownRequest)
-    def infer(task: Task, *, ref: str, project: str, fence: int) -> str:
-        turn = run_turn(runtime, ref, project, fence)
+    def infer(task: Task, *, ref: str, project: str, fence: int, backend: str = "") -> str:
+        turn = run_turn(runtime, ref, project, fence, backend)
         return task_outcome(turn.outcome, split_ref(ref)[1], turn.detail)
 
     names = [PREP_TASK, CANCEL_TASK, INFER_TASK] + ([TOOL_TASK] if tools else [])

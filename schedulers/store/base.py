@@ -81,6 +81,7 @@ class Grant:
     long: bool
     lease_expires_at: float
     waited_s: float
+    backend: str = ""  # the [[backends]] entry it runs on ('': the first)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ def test_round_trip_for_every_project(fleet):
         assert envelope.project == project and envelope.content
         assert envelope.usage.completion_tokens > 0 and envelope.usage.prompt_tokens > 0
         assert envelope.attempts and envelope.timings.total_s is not None
+        # the backend that served it: the one [backend] of these settings
+        assert envelope.backend == fleet.settings.backend.name == "default"
+        assert {attempt.backend for attempt in envelope.attempts} == {"default"}
         status = fleet.client.status(job_id)
         assert status["state"] == "final" and status["code"] == "OK"
 

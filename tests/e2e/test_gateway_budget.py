@@ -65,6 +65,7 @@ def test_max_tokens_lowers_the_thinking_budget_so_the_answer_fits(
     assert (sent["thinking_token_budget"], sent["max_completion_tokens"]) == (1500 - RESERVE, 1500)
     assert answer.choices[0].message.content and answer.choices[0].finish_reason == "stop"
     assert raw.headers["x-fleet-code"] == "OK"
+    assert raw.headers["x-fleet-backend"] == "default"  # the backend that served it
     assert (answer.model_extra or {})["fleet"] == {"code": "OK"}
 
 

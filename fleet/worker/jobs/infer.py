@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import redis
 
 from fleet.core.codes import Code
+from fleet.core.config import Settings
 from fleet.core.errors import AuthError
 from fleet.core.keys import job_ref, split_ref
 from fleet.core.models import Envelope, Job, Timings
@@ -50,7 +51,7 @@ from fleet.worker.jobs.common import cancel_requested, current_turn, end_unlease
 from fleet.worker.jobs.tool import send_round
 from fleet.worker.lease import LeaseKeeper
 from fleet.worker.outcome import CONTINUED, backend_label, continued_detail, ended_detail
-from fleet.worker.runtime import Runtime
+from fleet.worker.runtime import OnBackend, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +66,21 @@ class TurnOutcome:
     detail: str = ""
 
 
-def infer_job(rt: Runtime, ref: str, project: str, fence: int) -> str:
+def infer_job(rt: Runtime, ref: str, project: str, fence: int, backend: str = "") -> str:
     """``run_turn``'s outcome alone."""
-    return run_turn(rt, ref, project, fence).outcome
+    return run_turn(rt, ref, project, fence, backend).outcome
 
 
-def run_turn(rt: Runtime, ref: str, project: str, fence: int) -> TurnOutcome:
+def run_turn(rt: Runtime, ref: str, project: str, fence: int, backend: str = "") -> TurnOutcome:
+    """One model turn of the job, on the backend its grant names (``backend``, '' the first); a
+    name the settings do not have (a dispatcher with other settings) gives the lease back."""
     store = rt.store
+    try:
+        on = rt.on_backend(backend)
+    except KeyError as exc:
+        log.error("grant of job=%s names %s: the lease is given back", ref, exc)
+        store.requeue(ref, fence)
+        return TurnOutcome("unknown-backend")
     # Claim first (it checks the fence itself: one round trip on the way to the backend); only a
     # refused claim reads the lease, to tell a stale delivery from a duplicate one.
     if not store.claim(ref, fence, new_owner(), time.time()):
@@ -85,7 +94,7 @@ def run_turn(rt: Runtime, ref: str, project: str, fence: int) -> TurnOutcome:
         store.release(ref, fence)  # ours: claimed above
         return TurnOutcome("already-final")
     cancel_key, result_key = rt.keys.cancel(ref), rt.keys.result(ref)
-    progress = TurnProgress(owner, job_id, fence, rt.settings.backend.model)
+    progress = TurnProgress(owner, job_id, fence, on.settings.backend.model)
     keeper = LeaseKeeper(  # a cancel request, or a final result published meanwhile, stops it
         rt.lease_store,
         lambda: (cancel_valid(rt.settings, owner, job_id, rt.lease_redis.get(cancel_key))
@@ -94,7 +103,7 @@ def run_turn(rt: Runtime, ref: str, project: str, fence: int) -> TurnOutcome:
     try:
         with keeper:
             rt.results.record(ref, state="running", running_at=time.time(), fence=fence)
-            envelope, turn = _run(rt, ref, project, keeper, progress)
+            envelope, turn = _run(rt, on, ref, project, keeper, progress)
     except BROKER_LOST as exc:
         # Not the job's fault: its lease expires (or is given back here) and it runs again.
         log.warning("redis lost while running job=%s (%r); the job goes back in line", ref, exc)
@@ -112,10 +121,11 @@ def run_turn(rt: Runtime, ref: str, project: str, fence: int) -> TurnOutcome:
         # the job is pending again anyway); its next attempt will publish.
         store.requeue(ref, fence)
         return TurnOutcome("lease-lost")
-    return _finish(rt, ref, fence, envelope, turn)
+    return _finish(rt, on.settings, ref, fence, envelope, turn)
 
 
-def _finish(rt: Runtime, ref: str, fence: int, envelope: Envelope | Continuation, turn: int) -> TurnOutcome:
+def _finish(rt: Runtime, settings: Settings, ref: str, fence: int, envelope: Envelope | Continuation,
+            turn: int) -> TurnOutcome:
     """A turn that ran to its end: the next turn saved and in line, or the final envelope out."""
     if not isinstance(envelope, Envelope):
         outcome = _continue(rt, ref, fence, envelope)
@@ -124,11 +134,13 @@ def _finish(rt: Runtime, ref: str, fence: int, envelope: Envelope | Continuation
                            if handed_on else f"turn={turn}")
     # Publish first, then release: a crash or a Redis error in between leaves the lease to
     # expire and the job to run again (which finds its result and stops), never a lost job.
+    if envelope.attempts:  # a turn ran: the backend it ran on
+        envelope = envelope.model_copy(update={"backend": settings.backend.name})
     published = rt.results.publish(envelope)
     rt.store.release(ref, fence)
     if not published:
         return TurnOutcome("already-final")
-    return TurnOutcome(envelope.code.value, ended_detail(envelope, turn, backend_label(rt.settings)))
+    return TurnOutcome(envelope.code.value, ended_detail(envelope, turn, backend_label(settings)))
 
 
 def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
@@ -194,7 +206,7 @@ def _checkpoint(rt: Runtime, progress: TurnProgress) -> None:
         rt.ledger.checkpoint(seen, rt.lease_redis)
 
 
-def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper,
+def _run(rt: Runtime, on: OnBackend, ref: str, project: str, keeper: LeaseKeeper,
          progress: TurnProgress) -> tuple[Envelope | Continuation, int]:
     """The turn's envelope or continuation, and the turn's number (0: the first)."""
     owner, job_id = split_ref(ref)
@@ -217,9 +229,9 @@ def _run(rt: Runtime, ref: str, project: str, keeper: LeaseKeeper,
     events = event_sink(rt, ref)
     events.emit("admitted", queued_s=round(admitted_at - job.submitted_at, 3))
     ctx = InferenceContext(
-        settings=rt.settings, project=rt.settings.projects[job.project], redis=rt.redis,
-        keys=rt.keys, events=events, cancel=keeper.cancel, client=rt.vllm,
-        fence_tag=record.get("fence_tag") or None, count_prompt=rt.counter.count_messages,
+        settings=on.settings, project=rt.settings.projects[job.project], redis=rt.redis,
+        keys=rt.keys, events=events, cancel=keeper.cancel, client=on.vllm,
+        fence_tag=record.get("fence_tag") or None, count_prompt=on.counter.count_messages,
         ledger=rt.ledger, fence=progress.fence, progress=progress, usage_key=progress.key,
     )
     envelope = run_inference(job, plan, ctx, turn)
