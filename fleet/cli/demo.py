@@ -30,7 +30,7 @@ from fleet.core.config import Settings
 from fleet.core.models import Envelope
 from fleet.core.redisconn import mask_url, redis_client
 from fleet.core.results import ResultFollower
-from fleet.local.processes import ChildExited, LocalFleet
+from fleet.local.processes import ChildExited, LocalFleet, shown_backends
 
 TOPICS = [
     "Summarise the main risks in migrating our billing service to the new message broker.",
@@ -108,7 +108,7 @@ def run_demo(settings: Settings, *, jobs: int, speed: float, console: Console,
         with fleet:
             run_settings = settings.model_copy(update={"broker_url": fleet.env["FLEET_BROKER_URL"]})
             console.print(f"logs {logs}\nbroker {mask_url(run_settings.broker_url)}  "
-                          f"backend {mask_url(fleet.env['FLEET_BACKEND_URL'])}", soft_wrap=True)
+                          f"backend {shown_backends(fleet)}", soft_wrap=True)
             console.print(f"projects {', '.join(settings.projects)}", soft_wrap=True)
             envelopes = _push_supervised(fleet, run_settings, jobs, console)
     except ChildExited:

@@ -276,7 +276,7 @@ def up(
     SIGINT (Ctrl-C), SIGTERM or SIGHUP stops every child and exits 0; a child that exits on its
     own stops the rest and exits 1, printing its name, exit code and last lines to stderr. A
     configured broker that does not answer is one E_BROKER_UNAVAILABLE line (exit 2)."""
-    from fleet.local.processes import LocalFleet, backend_for_up
+    from fleet.local.processes import LocalFleet, backend_for_up, shown_backends
 
     settings = settings_or_exit()
     backend = backend_for_up(settings, sim)
@@ -287,7 +287,7 @@ def up(
         source = "backend.url" if backend else (
             "fleet sim, --sim" if sim else "fleet sim: backend.url is the example's default; --no-sim uses it")
         console.print(f"broker  {mask_url(fleet.env['FLEET_BROKER_URL'])}\n"
-                      f"backend {mask_url(fleet.env['FLEET_BACKEND_URL'])} ({source})\n"
+                      f"backend {shown_backends(fleet)} ({source})\n"
                       "Ctrl-C to stop.", markup=False, highlight=False)
         fleet.supervise()
 

@@ -50,6 +50,7 @@ Not covered: a parent killed with SIGKILL cannot stop its children; stop them by
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -60,6 +61,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import IO, Any
 
 import httpx
@@ -68,7 +70,7 @@ from fleet.core.codes import Code
 from fleet.core.config import EXAMPLE_CONFIG, BackendSettings, Settings
 from fleet.core.errors import FleetError
 from fleet.core.exposure import LOCAL_BROKER_ENV
-from fleet.core.redisconn import sentinel_target
+from fleet.core.redisconn import mask_url, sentinel_target
 from fleet.local.embedded import STOP_SIGNALS, EmbeddedRedis, ensure_broker, free_port, start_redis, track
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,7 @@ class LocalFleet:
     handle_signals: bool = False  # turn SIGINT/SIGTERM/SIGHUP into Stopped (main thread only)
     gateway_port: int | None = None  # start ``fleet gateway`` on this port (None: no gateway)
     backend_url: str | None = None  # the backend the children use (None: start ``fleet sim``)
+    sim_urls: dict[str, str] = field(default_factory=dict)  # backend name -> its simulator's url
     inherit_env: bool = True  # False: children get OS_ENV and what is set here only (benches)
     env: dict[str, str] = field(default_factory=dict)
     broker: EmbeddedRedis | None = None
@@ -151,7 +154,8 @@ class LocalFleet:
         if self.broker.started or self.local_broker:
             self.env[LOCAL_BROKER_ENV] = self.broker.url
         if self.backend_url:
-            self.env["FLEET_BACKEND_URL"] = self.backend_url
+            if len(self.settings.backends) == 1:  # several: each entry's own url, as configured
+                self.env["FLEET_BACKEND_URL"] = self.backend_url
         else:
             self._start_sim()
         for n in range(self.dispatchers):
@@ -183,20 +187,44 @@ class LocalFleet:
         return bool(tool_queues(self.settings))
 
     def _start_sim(self) -> None:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        self.env["FLEET_BACKEND_URL"] = url
-        # The simulator's access log is a line per request (two per dispatcher scrape): quiet
-        # unless sim_args ask otherwise (the last --log-level wins). It serves the backend's model
-        # names, so the fleet's requests name a model it serves.
-        names = [arg for name in self.settings.backend.served_models
-                 for arg in ("--served-model-name", name)]
-        self.spawn("sim", ["sim", "--port", str(port), "--speed", str(self.sim_speed),
-                           "--log-level", "warning", *names, *self.sim_args])
-        process = self.children[-1][1]
-        wait_http(f"{url}/health", timeout_s=30, alive=lambda: process.poll() is None)
-        if process.poll() is not None:
-            raise self._exited("sim", process)
+        """One ``fleet sim`` per backend entry: ``sim`` for the first, ``sim-<name>`` for each
+        other. With one backend the children find it in FLEET_BACKEND_URL; with several, in
+        FLEET_BACKENDS (every entry as configured, each with its simulator's url), and each
+        simulator takes its entry's sizes (sequences, context, pool, block), so the server check
+        agrees with it."""
+        entries = self.settings.backends
+        urls: dict[str, str] = {}
+        for index, entry in enumerate(entries):
+            name = "sim" if index == 0 else f"sim-{entry.name}"
+            port = free_port()
+            urls[entry.name] = url = f"http://127.0.0.1:{port}"
+            # The simulator's access log is a line per request (two per dispatcher scrape): quiet
+            # unless sim_args ask otherwise (the last --log-level wins). It serves the backend's
+            # model names, so the fleet's requests name a model it serves.
+            names = [arg for served in entry.served_models for arg in ("--served-model-name", served)]
+            sizes = [] if len(entries) == 1 else [
+                "--max-num-seqs", str(entry.max_num_seqs), "--max-model-len", str(entry.max_model_len),
+                "--kv-pool-tokens", str(entry.kv_pool_tokens), "--block-tokens", str(entry.block_tokens)]
+            self.spawn(name, ["sim", "--port", str(port), "--speed", str(self.sim_speed),
+                              "--log-level", "warning", *names, *sizes, *self.sim_args])
+            process = self.children[-1][1]
+            wait_http(f"{url}/health", timeout_s=30, alive=partial(_alive, process))
+            if process.poll() is not None:
+                raise self._exited(name, process)
+        self.sim_urls = urls
+        if len(entries) == 1:
+            self.env["FLEET_BACKEND_URL"] = urls[entries[0].name]
+        else:  # (FLEET_BACKEND_URL would override the first entry alone)
+            self.env["FLEET_BACKENDS"] = json.dumps(
+                [{**entry.model_dump(mode="json"), "url": urls[entry.name]} for entry in entries])
+
+    def backend_urls(self) -> dict[str, str]:
+        """Backend name -> the url the children use (a simulator's, or the configured one)."""
+        if self.sim_urls:
+            return dict(self.sim_urls)
+        if len(self.settings.backends) == 1:
+            return {self.settings.backend.name: self.env.get("FLEET_BACKEND_URL", self.settings.backend.url)}
+        return {entry.name: entry.url for entry in self.settings.backends}
 
     def spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
         env = {**self.env, **(extra_env or {})}
@@ -295,6 +323,19 @@ def backend_for_up(settings: Settings, sim: bool | None) -> str | None:
     if sim is None:
         sim = settings.backend.url == BackendSettings().url
     return None if sim else settings.backend.url
+
+
+def shown_backends(fleet: LocalFleet) -> str:
+    """The backends for a console line: the url alone for one, ``name url`` pairs for several
+    (credentials masked)."""
+    urls = fleet.backend_urls()
+    if len(urls) == 1:
+        return mask_url(next(iter(urls.values())))
+    return ", ".join(f"{name} {mask_url(url)}" for name, url in urls.items())
+
+
+def _alive(process: subprocess.Popen) -> bool:
+    return process.poll() is None
 
 
 def os_env() -> dict[str, str]:
