@@ -25,6 +25,10 @@ Queues of one project
   waits on either, and a long prefill then runs early, beside many decoding sequences, instead of
   being left for the end of a backlog where the long prompts prefill one after another beside
   few (the project's fair share is the same either way).
+  With several backends each of the four is split by eligibility class (the bit mask of the
+  backends a job may run on): a band's candidates are every class's head (and short fallback), in
+  line order, so a job only one full backend can take never holds up its project's jobs behind it
+  that another backend could run.
 
 Bands and aging across projects
   While some project has interactive work, a project is in tier 0 when it has an interactive job
@@ -59,6 +63,7 @@ class Head:
     score: float  # pending_score(), milliseconds
     long: bool = False
     uncached_tokens: int | None = None  # prep's estimate of the prompt's prefix-cache misses
+    eligible: int = 1  # bit mask of the backends it may run on (its queue's class): bit b = backend b
 
     @property
     def cost(self) -> int:
@@ -104,16 +109,26 @@ def charge(vtime: float, finish_tag: float, weight: float, cost: int) -> tuple[f
 
 
 def band_candidates(heads: Iterable[Head], band: str) -> list[Head]:
-    """The band's head in line, then (if that head is long) the first short job as fallback. In
-    the batch band a long head is first whatever its place (module docstring)."""
-    in_band = sorted((h for h in heads if h.band == band), key=lambda h: (h.score, h.job_id))
-    if not in_band:
-        return []
-    if band == "batch":
-        in_band.sort(key=lambda h: not h.long)  # stable: each size keeps its order
-    first = in_band[0]
-    fallback = [h for h in in_band[1:] if not h.long] if first.long else []
-    return [first, *fallback[:1]]
+    """Per eligibility class of the band (one queue pair each): its head in line, then (if that
+    head is long) its first short job as fallback; all classes' together in line order. In the
+    batch band long heads are first whatever their places (module docstring)."""
+    by_class: dict[int, list[Head]] = {}
+    for h in heads:
+        if h.band == band:
+            by_class.setdefault(h.eligible, []).append(h)
+    out: list[Head] = []
+    for in_class in by_class.values():
+        in_class.sort(key=lambda h: _line_key(h, band))
+        first = in_class[0]
+        fallback = [h for h in in_class[1:] if not h.long] if first.long else []
+        out += [first, *fallback[:1]]
+    out.sort(key=lambda h: _line_key(h, band))
+    return out
+
+
+def _line_key(head: Head, band: str) -> tuple[bool, float, str]:
+    """A band's line order: by score (then id); in the batch band long prompts first."""
+    return (band == "batch" and not head.long, head.score, head.job_id)
 
 
 def project_candidates(view: ProjectView) -> list[Head]:

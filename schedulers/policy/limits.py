@@ -1,8 +1,10 @@
 """Admission limits for one backend, as pure functions of a small state and a clock.
 
-The Redis store (schedulers/store/redis_store.py) repeats exactly these rules inside its admission
-Lua script; the in-memory twin (schedulers/store/memory_store.py) calls them directly. The shared
-store test suite keeps the two in step.
+Each backend has its own ``Limits`` and ``LimitState``; schedulers/policy/placement.py applies
+these rules to every backend of a candidate's eligibility mask and picks one. The Redis store
+(schedulers/store/redis_store.py) repeats exactly these rules inside its admission Lua script; the
+in-memory twin (schedulers/store/memory_store.py) calls them directly. The shared store test suite
+keeps the two in step.
 
 Limits, checked in this order for every candidate job:
 
@@ -61,18 +63,18 @@ Per-candidate failures (``kv``, ``long``, ``bucket``) let the next candidate in 
 holds a reservation: once it has been blocked by ``kv`` or ``bucket`` for ``hol_bypass_s``,
 nobody may pass it any more until it fits, so a big job is delayed by at most that window plus
 the drain, never starved. ``long`` needs no reservation: a project whose long head is blocked
-does not advance its virtual time, so it is first in line when a long slot frees.
+does not advance its virtual time, so it is first in line when a long slot frees. (The
+reservation is kept per backend: placement.py.)
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fleet.core.config import Settings
+    from fleet.core.config import BackendSettings, Settings
 
 RESERVING_REASONS = ("kv", "bucket", "prefill")  # "prefill": the short-sequences rule, not the window
 
@@ -94,8 +96,10 @@ class Limits:
     short_job_s: float = 0.0  # a short job's time at the backend, what a drain waits for; 0: always drain
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Limits:
-        backend, admission = settings.backend, settings.admission
+    def from_settings(cls, settings: Settings, backend: BackendSettings | None = None) -> Limits:
+        """The limits of ``backend``, one of ``settings.backends`` (default: the first), with the
+        fleet's admission settings."""
+        backend, admission = backend or settings.backend, settings.admission
         return cls(
             max_num_seqs=backend.max_num_seqs,
             kv_budget_tokens=int(backend.kv_pool_tokens * admission.kv_overcommit),
@@ -108,15 +112,16 @@ class Limits:
             hol_bypass_s=admission.hol_bypass_s,
             long_prefill_tokens_per_s=backend.prefill_tokens_per_s if admission.quiet_long_prefill else 0.0,
             short_beside_long=admission.short_beside_long_prefill,
-            long_prefills=long_prefills_at_once(settings),
+            long_prefills=long_prefills_at_once(settings, backend),
             short_job_s=admission.short_job_s,
         )
 
 
-def long_prefills_at_once(settings: Settings) -> int:
+def long_prefills_at_once(settings: Settings, backend: BackendSettings | None = None) -> int:
     """How many long prompts the server prefills side by side: vLLM's --max-long-partial-prefills
-    counts only when --max-num-partial-prefills > 1 (otherwise one prompt prefills at a time)."""
-    backend = settings.backend
+    counts only when --max-num-partial-prefills > 1 (otherwise one prompt prefills at a time).
+    ``backend``: one of ``settings.backends`` (default: the first)."""
+    backend = backend or settings.backend
     if backend.max_num_partial_prefills <= 1:
         return 1
     return min(backend.max_long_partial_prefills, backend.max_num_partial_prefills)
@@ -201,7 +206,8 @@ def check_job(
     limits: Limits, state: LimitState, cost: Cost, now: float, protect: bool = True
 ) -> tuple[str | None, float | None]:
     """Limits of one candidate: ``(reason, retry_in_s)`` or ``(None, None)`` when it fits.
-    ``protect``: interactive work is in flight or waiting (``protects``), so quiet windows hold."""
+    ``protect``: interactive work is in flight on this backend or among the candidates that may run
+    on it (placement.py), so quiet windows hold."""
     quiet = limits.long_prefill_tokens_per_s > 0 and protect
     window = state.prefill_until - now
     if quiet and window > 0 and (not cost.long_prefill or state.prefill_longs >= limits.long_prefills):
@@ -220,11 +226,6 @@ def check_job(
     if level < need:
         return "bucket", (need - level) / limits.prefill_tokens_per_s
     return None, None
-
-
-def protects(state: LimitState, costs: Sequence[Cost]) -> bool:
-    """Do quiet windows protect anything: interactive work in flight or among the candidates?"""
-    return state.interactive_in_flight > 0 or any(cost.interactive for cost in costs)
 
 
 def drain_pays(limits: Limits, short_in_flight: int, cost: Cost) -> bool:
@@ -257,53 +258,3 @@ def free(state: LimitState, kv: int, long: bool, interactive: bool = False) -> N
     state.reserved_kv_tokens -= kv
     state.long_in_flight -= 1 if long else 0
     state.interactive_in_flight -= 1 if interactive else 0
-
-
-@dataclass(frozen=True)
-class Choice:
-    """Which candidate to admit (``index``), or why none (``reason``, ``retry_in_s``)."""
-
-    index: int | None
-    reason: str | None = None
-    retry_in_s: float | None = None
-
-
-def choose(
-    limits: Limits, state: LimitState, costs: Sequence[Cost], now: float, outside: float = 0.0
-) -> Choice:
-    """Try candidates in fair order; the first that fits wins. Updates the reservation fields.
-    ``outside``: sequences outside clients hold at the backend (module docstring).
-
-    The reason reported when nothing fits is the first candidate's; ``retry_in_s`` is the
-    soonest time-based lift among the candidates tried.
-    """
-    if not costs:
-        return Choice(None, "empty")
-    reason, retry_in_s = check_global(limits, state, now, outside)
-    if reason:
-        return Choice(None, reason, retry_in_s)
-    first_reason: str | None = None
-    soonest: float | None = None
-    protect = protects(state, costs)
-    for index, cost in enumerate(costs):
-        why, retry = check_job(limits, state, cost, now, protect)
-        if why is None:
-            if index == 0:
-                state.blocked_job = None
-            return Choice(index)
-        if retry is not None:
-            soonest = retry if soonest is None else min(soonest, retry)
-        if index == 0:
-            first_reason = why
-            if not _may_bypass(limits, state, cost, why, now):
-                return Choice(None, why, retry)
-    return Choice(None, first_reason, soonest)
-
-
-def _may_bypass(limits: Limits, state: LimitState, top: Cost, why: str, now: float) -> bool:
-    """May jobs behind the blocked first candidate go ahead of it? (see module docstring)"""
-    if why not in RESERVING_REASONS or (why == "prefill" and state.prefill_until > now):
-        return True  # the window lifts by itself: nothing to reserve
-    if state.blocked_job != top.job_id:
-        state.blocked_job, state.blocked_since = top.job_id, now
-    return now - state.blocked_since < limits.hol_bypass_s

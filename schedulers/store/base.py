@@ -41,12 +41,22 @@ the store keeps the number of that turn (``turn_of``). With ``not_before`` in th
 meanwhile. ``cancel_pending`` removes a waiting continuation as well. A continuation has no
 deadline entry while it waits (its deadline comes back when it is promoted; the worker never
 schedules a not-before time at or past the deadline).
+
+Backends: the store admits into every backend of ``StoreConfig.backends`` (docs/backends.md,
+sections 4 to 6). Each has its own limits, lease counters, prefill bucket, head-of-line
+reservation and gate (``record_backend`` per name); fair share, the line and the virtual times
+are one for all. A ``PendingItem`` names the backends it may run on (``eligible``, a bit mask in
+the backends' order) and waits in the queue of that class; admission tries each candidate, in
+fair order, on the backends of its mask and grants it on the least loaded that can take it
+(schedulers/policy/placement.py); a candidate none can take is passed over. A grant names its
+backend, and its lease frees that backend's counters only, whichever way it ends.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from schedulers.policy.limits import Limits
 
@@ -69,6 +79,9 @@ class PendingItem:
     # prompt tokens expected to miss the prefix cache (fleet/prep/cachehint.py); None = all of
     # them. What a long prefill and the prefill bucket count (schedulers/policy/limits.py).
     uncached_tokens: int | None = None
+    # the backends it may run on, a bit mask (bit b: backend b of StoreConfig.backends); its
+    # eligibility class: a queue of its own (module docstring, Backends). 1: backend 0 only.
+    eligible: int = 1
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,7 @@ class Grant:
     long: bool
     lease_expires_at: float
     waited_s: float
-    backend: str = ""  # the [[backends]] entry it runs on ('': the first)
+    backend: str = ""  # the name of the backend it was granted on (the lease's); '': the first
 
 
 @dataclass(frozen=True)
@@ -99,7 +112,21 @@ class AdmitResult:
 
 
 @dataclass
+class BackendSnapshot:
+    """One backend's lease counters (sums over the live leases granted on it)."""
+
+    in_flight: int = 0
+    reserved_kv_tokens: int = 0
+    long_in_flight: int = 0
+    interactive_in_flight: int = 0
+    claimed: int = 0
+
+
+@dataclass
 class StoreSnapshot:
+    """The figures summed over every backend, and ``backends``: each one's own (by name, in the
+    settings' order)."""
+
     pending: dict[str, dict[str, int]] = field(default_factory=dict)  # project -> band -> count
     in_flight: int = 0
     reserved_kv_tokens: int = 0
@@ -108,11 +135,42 @@ class StoreSnapshot:
     claimed: int = 0  # live leases whose worker has claimed them (requests at the backend)
     admissions: int = 0
     holds: dict[str, int] = field(default_factory=dict)
+    backends: dict[str, BackendSnapshot] = field(default_factory=dict)
+
+
+def snapshot_totals(pending: dict[str, dict[str, int]], backends: dict[str, BackendSnapshot],
+                    admissions: int, holds: dict[str, int]) -> StoreSnapshot:
+    """A snapshot whose totals are the sums over ``backends``."""
+    each = list(backends.values())
+    return StoreSnapshot(
+        pending=pending,
+        in_flight=sum(b.in_flight for b in each),
+        reserved_kv_tokens=sum(b.reserved_kv_tokens for b in each),
+        long_in_flight=sum(b.long_in_flight for b in each),
+        interactive_in_flight=sum(b.interactive_in_flight for b in each),
+        claimed=sum(b.claimed for b in each),
+        admissions=admissions,
+        holds=holds,
+        backends=backends,
+    )
+
+
+@dataclass(frozen=True)
+class BackendLimits:
+    """A backend as the store knows it: its name (key names, grants) and its limits."""
+
+    name: str
+    limits: Limits
 
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Everything a store needs to decide; built from Settings by ``StoreConfig.from_settings``."""
+    """Everything a store needs to decide; built from Settings by ``StoreConfig.from_settings``.
+
+    Backend 0 is ``limits`` and ``backend_name`` (so a one-backend config is written as before);
+    ``more_backends`` are backends 1, 2, ... in the settings' order; ``backends`` lists them all.
+    Two fields, not one list, so that ``replace(config, limits=...)`` changes backend 0 and
+    nothing else."""
 
     limits: Limits = field(default_factory=Limits)
     lease_ttl_s: float = 30.0
@@ -120,17 +178,46 @@ class StoreConfig:
     weights: dict[str, float] = field(default_factory=dict)  # project -> weight (default 1.0)
     gate: bool = True  # False: ignore the backend gate (unit tests without a scraper)
     scrape_stale_s: float = 5.0
+    backend_name: str = "default"
+    more_backends: tuple[BackendLimits, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [b.name for b in self.backends]
+        if len(set(names)) != len(names):
+            raise ValueError(f"backend names must be unique: {names}")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> StoreConfig:
+        first, *more = settings.backends
         return cls(
-            limits=Limits.from_settings(settings),
+            limits=Limits.from_settings(settings, first),
             lease_ttl_s=settings.admission.lease_ttl_s,
             aging_s=settings.admission.aging_s,
             weights={name: p.weight for name, p in settings.projects.items()},
             gate=settings.admission.backend_gate,
             scrape_stale_s=settings.admission.scrape_stale_s,
+            backend_name=first.name,
+            more_backends=tuple(BackendLimits(b.name, Limits.from_settings(settings, b)) for b in more),
         )
+
+    @classmethod
+    def with_backends(cls, backends: Sequence[BackendLimits], **fields: Any) -> StoreConfig:
+        """A config of these backends (settings' order; at least one) and ``fields``."""
+        first, *more = backends
+        return cls(limits=first.limits, backend_name=first.name, more_backends=tuple(more), **fields)
+
+    @property
+    def backends(self) -> tuple[BackendLimits, ...]:
+        return (BackendLimits(self.backend_name, self.limits), *self.more_backends)
+
+    def backend_index(self, name: str | None) -> int:
+        """The index of the backend called ``name`` (None: backend 0); KeyError for no such one."""
+        if name is None:
+            return 0
+        for index, backend in enumerate(self.backends):
+            if backend.name == name:
+                return index
+        raise KeyError(f"no backend {name!r} (backends: {', '.join(b.name for b in self.backends)})")
 
     def weight(self, project: str) -> float:
         return self.weights.get(project, 1.0)
@@ -242,9 +329,14 @@ class AdmissionStore(Protocol):
 
     def next_expiry(self) -> float | None: ...
 
-    def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str]) -> None: ...
+    def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str],
+                       name: str | None = None) -> None:
+        """Store one scrape of the backend ``name`` (None: backend 0): the gate's verdict."""
+        ...
 
-    def backend(self) -> dict[str, str]: ...
+    def backend(self, name: str | None = None) -> dict[str, str]:
+        """The last scrape recorded for the backend ``name`` (None: backend 0)."""
+        ...
 
     def oldest_pending(self) -> dict[str, float]:
         """Per project with jobs pending: the earliest enqueue time (unix s) among the heads of

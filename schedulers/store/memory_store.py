@@ -9,6 +9,10 @@ Queues are heaps with lazy deletion: a cancelled or admitted job stays in its he
 reaches the top, where it is recognised (no live item, or a different score) and dropped. The
 deadline heap works the same way (a popped deadline counts only if the job is still pending
 with that deadline).
+
+Backends: one ``LimitState`` and one gate verdict per backend of ``config.backends``; queues are
+keyed by eligibility class too; a lease remembers its backend's index and frees that backend's
+counters only. Admission is schedulers/policy/placement.py over the fair order.
 """
 
 from __future__ import annotations
@@ -19,11 +23,19 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from schedulers.policy import fairshare, limits
+from schedulers.policy import fairshare, limits, placement
 from schedulers.policy.backend_gate import gate_reason
-from schedulers.store.base import AdmitResult, Grant, PendingItem, StoreConfig, StoreSnapshot
+from schedulers.store.base import (
+    AdmitResult,
+    BackendSnapshot,
+    Grant,
+    PendingItem,
+    StoreConfig,
+    StoreSnapshot,
+    snapshot_totals,
+)
 
-QueueKey = tuple[str, str, str]  # project, band, size
+QueueKey = tuple[str, str, str, int]  # project, band, size, eligibility mask
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,7 @@ class _Lease:
     expires_at: float
     owner: str | None = None  # set by the first claim
     admitted_at: float = 0.0
+    backend: int = 0  # the index of the backend it was granted on
 
 
 class MemoryStore:
@@ -58,17 +71,20 @@ class MemoryStore:
         self._deferred: dict[str, tuple[float, _Entry]] = {}  # continuations before not-before
         self._not_before: list[tuple[float, str]] = []
         self._leases: dict[str, _Lease] = {}
-        self._state = limits.LimitState()
+        count = len(config.backends)
+        self._states = [limits.LimitState() for _ in range(count)]  # per backend
         self._vtime = 0.0
         self._finish: dict[str, float] = {}
         self._fences: dict[str, int] = {}  # per project (base.py: fencing tokens)
         self._admissions = 0
         self._holds: dict[str, int] = {}
-        self._backend: tuple[float, str] | None = None
-        self._figures: dict[str, str] = {}
+        self._scrapes: list[tuple[float, str] | None] = [None] * count  # per backend
+        self._figures: list[dict[str, str]] = [{} for _ in range(count)]
 
     # -- submit / cancel ---------------------------------------------------------------------
     def add_pending(self, item: PendingItem) -> None:
+        if item.eligible < 1:
+            raise ValueError(f"{item.job_id}: eligible {item.eligible} names no backend")
         if not item.enqueued_at:
             item = replace(item, enqueued_at=self._clock())
         size = "long" if item.prompt_tokens > self.config.limits.long_prompt_tokens else "short"
@@ -76,7 +92,7 @@ class MemoryStore:
         with self._lock:
             if item.job_id in self._pending or item.job_id in self._leases or item.job_id in self._deferred:
                 return  # pending, in flight or a waiting continuation: each comes back itself
-            if not self._pending and self._state.in_flight == 0:
+            if not self._pending and not self._leases:
                 self._vtime = fairshare.forgive(self._vtime, self._finish.values())
             self._push(_Entry(item, score, size))
             self._signal()
@@ -151,25 +167,28 @@ class MemoryStore:
         heads = self._heads(now)
         if not heads:
             return AdmitResult(None, "empty")
+        views = [placement.BackendView(b.limits, state) for b, state in zip(self.config.backends, self._states,
+                                                                              strict=True)]
         if self.config.gate:
-            scraped_at, hold = self._backend or (None, "")
-            reason = gate_reason(scraped_at, hold, now, self.config.scrape_stale_s)
-            if reason:
-                return AdmitResult(None, reason)
-        costs = [
-            limits.cost_of(h.job_id, h.prompt_tokens, h.max_new_tokens, self.config.limits, h.uncached_tokens,
-                           h.band == "interactive")
-            for h in heads
-        ]
-        outside = float(self._figures.get("outside", 0.0)) if self.config.gate else 0.0
-        choice = limits.choose(self.config.limits, self._state, costs, now, outside)
-        if choice.index is None:
-            return AdmitResult(None, choice.reason, choice.retry_in_s)
-        return AdmitResult(self._grant(heads[0], heads[choice.index], costs[choice.index], now))
+            for view, scrape, figures in zip(views, self._scrapes, self._figures, strict=True):
+                scraped_at, hold = scrape or (None, "")
+                view.gate = gate_reason(scraped_at, hold, now, self.config.scrape_stale_s)
+                view.outside = float(figures.get("outside", 0.0))
+
+        def cost(index: int, backend: int) -> limits.Cost:
+            h = heads[index]
+            return limits.cost_of(h.job_id, h.prompt_tokens, h.max_new_tokens, views[backend].limits,
+                                  h.uncached_tokens, h.band == "interactive")
+
+        chosen = placement.place(views, heads, cost, now)
+        if chosen.index is None or chosen.backend is None:
+            return AdmitResult(None, chosen.reason, chosen.retry_in_s)
+        index, backend = chosen.index, chosen.backend
+        return AdmitResult(self._grant(heads[0], heads[index], cost(index, backend), backend, now))
 
     def _heads(self, now: float) -> list[fairshare.Head]:
         views: dict[str, list[fairshare.Head]] = {}
-        for (project, band, _size), heap in self._queues.items():
+        for (project, band, _size, _mask), heap in self._queues.items():
             entry = self._top(heap)
             if entry is not None:
                 views.setdefault(project, []).append(_head(entry, band))
@@ -198,11 +217,11 @@ class MemoryStore:
         return None
 
     def _grant(
-        self, top: fairshare.Head, head: fairshare.Head, cost: limits.Cost, now: float
+        self, top: fairshare.Head, head: fairshare.Head, cost: limits.Cost, backend: int, now: float
     ) -> Grant:
         entry = self._pending.pop(head.job_id)
         self._free_lease(head.job_id)  # a superseded attempt of the same job
-        limits.admit(self.config.limits, self._state, cost, now)
+        limits.admit(self.config.backends[backend].limits, self._states[backend], cost, now)
         self._vtime = max(self._vtime, self._finish.get(top.project, 0.0))
         _, self._finish[head.project] = fairshare.charge(
             self._vtime,
@@ -213,7 +232,7 @@ class MemoryStore:
         fence = self._fences[head.project] = self._fences.get(head.project, 0) + 1
         expires_at = now + self.config.lease_ttl_s
         self._leases[head.job_id] = _Lease(
-            entry, fence, cost.kv_tokens, cost.long, expires_at, admitted_at=now
+            entry, fence, cost.kv_tokens, cost.long, expires_at, admitted_at=now, backend=backend
         )
         return Grant(
             job_id=head.job_id,
@@ -224,6 +243,7 @@ class MemoryStore:
             long=cost.long,
             lease_expires_at=expires_at,
             waited_s=max(0.0, now - entry.item.enqueued_at),
+            backend=self.config.backends[backend].name,
         )
 
     # -- leases ------------------------------------------------------------------------------
@@ -235,7 +255,7 @@ class MemoryStore:
             if lease.owner is not None and lease.owner != owner:
                 return False
             if lease.owner is None:
-                self._state.claimed += 1
+                self._states[lease.backend].claimed += 1
             expires_at = now + self.config.lease_ttl_s
             self._leases[job_id] = replace(lease, owner=owner, expires_at=expires_at)
             return True
@@ -383,31 +403,35 @@ class MemoryStore:
     def _free_lease(self, job_id: str) -> None:
         lease = self._leases.pop(job_id, None)
         if lease is not None:
-            limits.free(self._state, lease.kv_tokens, lease.long, lease.entry.item.band == "interactive")
-            self._state.claimed -= 1 if lease.owner is not None else 0
+            state = self._states[lease.backend]
+            limits.free(state, lease.kv_tokens, lease.long, lease.entry.item.band == "interactive")
+            state.claimed -= 1 if lease.owner is not None else 0
 
     def _push(self, entry: _Entry) -> None:
         item = entry.item
         self._pending[item.job_id] = entry
-        key = (item.project, item.band, entry.size)
+        key = (item.project, item.band, entry.size, item.eligible)
         heapq.heappush(self._queues.setdefault(key, []), (entry.score, item.job_id))
         if item.deadline is not None:
             heapq.heappush(self._deadlines, (item.deadline, item.job_id))
 
     # -- backend gate, wakes, observation ----------------------------------------------------
-    def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str]) -> None:
+    def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str],
+                       name: str | None = None) -> None:
+        index = self.config.backend_index(name)
         with self._lock:
-            self._backend = (scraped_at, hold)
-            self._figures = {**figures, "scraped_at": repr(scraped_at), "hold": hold}
+            self._scrapes[index] = (scraped_at, hold)
+            self._figures[index] = {**figures, "scraped_at": repr(scraped_at), "hold": hold}
 
-    def backend(self) -> dict[str, str]:
+    def backend(self, name: str | None = None) -> dict[str, str]:
+        index = self.config.backend_index(name)
         with self._lock:
-            return dict(self._figures)
+            return dict(self._figures[index])
 
     def oldest_pending(self) -> dict[str, float]:
         with self._lock:
             found: dict[str, float] = {}
-            for (project, _band, _size), queue in self._queues.items():
+            for (project, _band, _size, _mask), queue in self._queues.items():
                 live = [(score, job_id) for score, job_id in queue if job_id in self._pending]
                 if live:
                     enqueued_at = self._pending[min(live)[1]].item.enqueued_at
@@ -441,16 +465,12 @@ class MemoryStore:
             for entry in self._pending.values():
                 bands = pending.setdefault(entry.item.project, {})
                 bands[entry.item.band] = bands.get(entry.item.band, 0) + 1
-            return StoreSnapshot(
-                pending=pending,
-                in_flight=self._state.in_flight,
-                reserved_kv_tokens=self._state.reserved_kv_tokens,
-                long_in_flight=self._state.long_in_flight,
-                interactive_in_flight=self._state.interactive_in_flight,
-                claimed=self._state.claimed,
-                admissions=self._admissions,
-                holds=dict(self._holds),
-            )
+            backends = {
+                b.name: BackendSnapshot(state.in_flight, state.reserved_kv_tokens, state.long_in_flight,
+                                        state.interactive_in_flight, state.claimed)
+                for b, state in zip(self.config.backends, self._states, strict=True)
+            }
+            return snapshot_totals(pending, backends, self._admissions, dict(self._holds))
 
     def unclaimed_leases(self, admitted_before: float) -> dict[str, int]:
         with self._lock:
@@ -479,4 +499,5 @@ def _head(entry: _Entry, band: str) -> fairshare.Head:
         score=entry.score,
         long=entry.size == "long",
         uncached_tokens=item.uncached_tokens,
+        eligible=item.eligible,
     )

@@ -13,6 +13,16 @@ markers for "none" become ``None`` (an item's deadline and deferred ``-``, a lea
 and an item written before ``uncached`` existed counts its whole prompt as uncached. Readers
 convert the few numbers they need themselves, so a decode costs one ``split``.
 
+Backends: an item's ``elig`` (the bit mask of the backends it may run on) and a lease's
+``backend`` (the index of the backend it was granted on) are written only when they are not
+backend 0's (elig ``1``, backend ``0``), so the records of a one-backend fleet are the strings
+they were before backends existed, and a record written before reads as backend 0's (a field
+added after ``elig`` must have it written always). A lease's
+owner is the rest of its string (it may hold spaces), so its ``backend`` is written before the
+owner, and read as the backend when that word is a bare number: the owners the fleet writes
+never are one (``host:pid:nonce``, ``gateway-<id>``), and an owner whose first word is one gets
+its backend written even when it is 0, so the string stays unambiguous.
+
 Failure cases: ``unpack`` raises ValueError for a string that has too few fields to be a record
 of its kind (what no script writes); a missing record is the caller's ``None`` (HGET's nil), never
 passed here. Extra trailing item fields (written by a newer version) are ignored.
@@ -44,14 +54,19 @@ class Item(NamedTuple):
     # the prompt tokens prep expects to miss the prefix cache (absent in items written before it
     # existed: the whole prompt)
     uncached: str
+    # the bit mask of the backends the job may run on, its eligibility class (bit b: backend b);
+    # not written when it is 1 (backend 0 only), and absent in items written before it existed
+    elig: str = "1"
 
     @classmethod
     def unpack(cls, raw: str) -> Item:
         fields: list[Any] = raw.split(" ", _ITEM_LEN)
         if len(fields) > _ITEM_LEN:  # fields of a newer version
             del fields[_ITEM_LEN:]
-        elif len(fields) == _ITEM_LEN - 1:  # written before `uncached` existed
-            fields.append("")
+        elif len(fields) == _ITEM_LEN - 2:  # written before `uncached` existed
+            fields += ["", "1"]
+        elif len(fields) == _ITEM_LEN - 1:  # elig 1, or written before it existed
+            fields.append("1")
         elif len(fields) != _ITEM_LEN:
             raise ValueError(f"not a packed item: {raw!r}")
         if fields[_DEADLINE] == "-":
@@ -64,12 +79,21 @@ class Item(NamedTuple):
 
     def pack(self) -> str:
         """The stored string, as ``item_put`` writes it (for tests and tools: only Lua writes)."""
-        return " ".join("-" if value is None else value for value in self)
+        values = ["-" if value is None else value for value in self]
+        if self.elig == "1":
+            del values[-1]
+        return " ".join(values)
 
     @property
     def queue(self) -> tuple[str, str, str]:
-        """(project, band, size): which pending queue the job is (or goes back) in."""
+        """(project, band, size) of the pending queue the job is (or goes back) in; ``where``
+        adds its eligibility class, the rest of the queue's name."""
         return self.project, self.band, self.size
+
+    @property
+    def where(self) -> tuple[str, str, str, str]:
+        """(project, band, size, elig): which pending queue the job is (or goes back) in."""
+        return self.project, self.band, self.size, self.elig
 
 
 class Lease(NamedTuple):
@@ -81,22 +105,33 @@ class Lease(NamedTuple):
     expires: str  # unix s
     admitted_at: str  # unix s
     project: str
+    backend: str = "0"  # the index of the backend it was granted on (module docstring)
     owner: str | None = None  # set by the first claim; the rest of the string (it may hold spaces)
 
     @classmethod
     def unpack(cls, raw: str) -> Lease:
-        fields: list[Any] = raw.split(" ", _LEASE_LEN - 1)
-        if len(fields) == _LEASE_LEN - 1:  # no owner and no space before it
-            fields.append(None)
-        elif len(fields) != _LEASE_LEN:
+        fields: list[Any] = raw.split(" ", _OWNER - 1)
+        if len(fields) == _OWNER - 1:  # no backend, no owner and no space before them
+            fields.append("")
+        elif len(fields) != _OWNER:
             raise ValueError(f"not a packed lease: {raw!r}")
-        if not fields[-1]:
-            fields[-1] = None
-        return cls._make(fields)
+        rest = fields.pop()
+        word, _, after = rest.partition(" ")
+        backend, owner = (word, after) if _number(word) else ("0", rest)
+        return cls._make([*fields, backend, owner or None])
 
     def pack(self) -> str:
         """The stored string, as ``lease_put`` writes it (for tests and tools: only Lua writes)."""
-        return " ".join("" if value is None else value for value in self)
+        values = [str(value) for value in self[:_BACKEND]]
+        owner = self.owner or ""
+        if self.backend != "0" or _number(owner.partition(" ")[0]):
+            values.append(self.backend)
+        return " ".join([*values, owner])
+
+
+def _number(word: str) -> bool:
+    """A bare decimal number (what a lease's backend is, and what Lua's ``%d+`` matches)."""
+    return word.isascii() and word.isdigit()
 
 
 # Positions, derived from the declarations above (never written twice).
@@ -105,4 +140,5 @@ _DEADLINE = Item._fields.index("deadline")
 _DEFERRED = Item._fields.index("deferred")
 _PROMPT = Item._fields.index("prompt")
 _UNCACHED = Item._fields.index("uncached")
-_LEASE_LEN = len(Lease._fields)
+_BACKEND = Lease._fields.index("backend")
+_OWNER = Lease._fields.index("owner")

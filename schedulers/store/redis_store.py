@@ -46,6 +46,14 @@ blocking past it raises TimeoutError.
 
 Times come from the caller (``now``), not from Redis TIME, so tests can drive a fake clock;
 dispatchers on several hosts need synchronised clocks (NTP) for lease expiry to mean the same.
+
+Backends (schedulers/store/base.py): backend 0's counters stay in ``state`` and its scrape in
+``backend``, backend b's are ``bstate:<name>`` and ``backend:<name>``; every script that frees or
+claims a lease is given the bstate keys of backends 1, 2, ... (none with one backend, so a
+one-backend fleet's calls are the calls of before) and frees the counters of the backend the
+lease names. Queues are per (project, band, size, eligibility class); the projects set names
+(project, class) groups, ``<project>`` for class 1 and ``<project>:<mask>`` otherwise, and
+ADMIT reads the four queues of every group it is told about.
 """
 
 from __future__ import annotations
@@ -61,7 +69,15 @@ from fleet.core.keys import Keys
 from fleet.core.lua import Scripts
 from schedulers.policy import fairshare
 from schedulers.policy.limits import kv_tokens
-from schedulers.store.base import AdmitResult, Grant, PendingItem, StoreConfig, StoreSnapshot
+from schedulers.store.base import (
+    AdmitResult,
+    BackendSnapshot,
+    Grant,
+    PendingItem,
+    StoreConfig,
+    StoreSnapshot,
+    snapshot_totals,
+)
 from schedulers.store.records import Item, Lease
 
 log = logging.getLogger(__name__)
@@ -90,25 +106,40 @@ class RedisStore:
         self._clock = clock
         self._max_block_s = max_block_s(client)
         self._scripts = Scripts(client, "schedulers.store", SCRIPTS, prelude="prelude", uses=COMPOSED)
-        self._projects: list[str] = []  # every project ADMIT has found in the projects set
+        self._groups: list[str] = []  # every group ADMIT has found in the projects set
         self._next_recount = 0.0  # reap_expired's next recount (RECOUNT_S)
+        names = [b.name for b in config.backends]
+        self._names = names
+        # per backend: its counters' hash and its scrape's (backend 0: the keys of one backend)
+        self._states = [self._key("state"), *(self._key(f"bstate:{n}") for n in names[1:])]
+        self._scrapes = [self._key("backend"), *(self._key(f"backend:{n}") for n in names[1:])]
+        self._more_states = self._states[1:]  # what the lease scripts get after their own keys
 
     # -- keys (all under D, one hash tag) -------------------------------------------------------
     def _key(self, name: str) -> str:
         return self._d + name
 
-    def _queue(self, project: str, band: str, size: str) -> str:
-        return f"{self._d}pending:{project}:{band}:{size}"
+    def _queue(self, project: str, band: str, size: str, elig: str = "1") -> str:
+        """A pending queue: ``pending:<project>:<band>:<size>``, ``:<elig>`` after it for an
+        eligibility class other than 1 (so a one-backend fleet's queues keep their names)."""
+        name = f"{self._d}pending:{project}:{band}:{size}"
+        return name if elig in ("1", "") else f"{name}:{elig}"
+
+    def _group_queues(self, group: str) -> list[str]:
+        """The four queues of a projects-set member, in ADMIT's order."""
+        project, _, elig = group.partition(":")
+        return [self._queue(project, b, z, elig or "1") for b in fairshare.BANDS for z in fairshare.SIZES]
 
     def _run(self, name: str, keys: list[str], args: list[Any], client: Any = None) -> Any:
         return self._scripts[name](keys=keys, args=args, client=client)
 
-    def _where(self, job_ids: list[str]) -> list[tuple[str, str, str]]:
-        """(project, band, size) of each job's item as it is now; '' for a missing item."""
+    def _where(self, job_ids: list[str]) -> list[tuple[str, str, str, str]]:
+        """(project, band, size, elig) of each job's item as it is now: its queue; '' for a
+        missing item."""
         if not job_ids:
             return []
         found = self._client.hmget(self._key("items"), job_ids)
-        return [Item.unpack(_text(f)).queue if f else ("", "", "") for f in found]
+        return [Item.unpack(_text(f)).where if f else ("", "", "", "") for f in found]
 
     # -- submit / cancel ---------------------------------------------------------------------
     def add_pending(self, item: PendingItem) -> None:
@@ -122,12 +153,15 @@ class RedisStore:
         pipe.execute()
 
     def _add_call(self, item: PendingItem) -> tuple[list[str], list[Any]]:
+        if item.eligible < 1:
+            raise ValueError(f"{item.job_id}: eligible {item.eligible} names no backend")
         enqueued_at = item.enqueued_at or self._clock()
         limits = self.config.limits
         long = item.prompt_tokens > limits.long_prompt_tokens
         size = "long" if long else "short"
         score = fairshare.pending_score(enqueued_at, item.priority, self.config.aging_s)
-        keys = [self._key("items"), self._queue(item.project, item.band, size),
+        elig = str(item.eligible)
+        keys = [self._key("items"), self._queue(item.project, item.band, size, elig),
                 *map(self._key, ("deadlines", "projects", "state", "vtime", "wake", "lease"))]
         return keys, [
             item.job_id,
@@ -142,6 +176,7 @@ class RedisStore:
             repr(score),
             "" if item.deadline is None else repr(float(item.deadline)),
             _uncached(item),
+            elig,
         ]
 
     def cancel_pending(self, job_id: str) -> bool:
@@ -191,8 +226,9 @@ class RedisStore:
         in the same round trip ahead of the script (the gateway's job record, which must exist
         before any dispatcher can admit the job). ``item.deadline`` is required."""
         assert item.deadline is not None, "a gateway request always has a deadline"
-        if item.project not in self._projects:  # else the first call would only learn of it
-            self._projects = sorted({*self._projects, item.project})
+        group = _group(item.project, str(item.eligible))
+        if group not in self._groups:  # else the first call would only learn of it
+            self._groups = sorted({*self._groups, group})
         add_keys, add_args = self._add_call(item)
         keys = [*add_keys, *(self._key(k) for k in ("lease", "leases", "state", "workers", "gateway"))]
         args = [owner, repr(now), "1" if worker_gate else "0", *add_args]
@@ -212,18 +248,19 @@ class RedisStore:
                 continue
             before = None
             if _text(reply[0]) == "stale":
-                self._projects = sorted(set(self._projects) | {_text(p) for p in reply[1]})
+                self._groups = sorted(set(self._groups) | {_text(p) for p in reply[1]})
                 continue
-            return _admit_results(reply), int(fence)
+            return self._admit_results(reply), int(fence)
         return [AdmitResult(None, "conflict", 0.0)], 0
 
     def admit_many(self, now: float, max_grants: int) -> list[AdmitResult]:
         """Up to ``max_grants`` grants in one ADMIT call, then the hold that stopped it (if any).
 
-        The call names every project this store has seen in the projects set (projects come
-        from the configuration: a short list); when the set holds another one, ADMIT decides
-        nothing and returns the set, and the call is made again with it. A project that drained
-        stays named, so its next job costs no extra call."""
+        The call names every group (a project and an eligibility class) this store has seen in
+        the projects set (projects come from the configuration, classes from the backends: a short
+        list); when the set holds another one, ADMIT decides nothing and returns the set, and the
+        call is made again with it. A group that drained stays named, so its next job costs no
+        extra call."""
         return self._admit_rounds(lambda keys, args: self._run("admit", keys, args), now, max_grants)
 
     def admit_gateway_only(self, now: float, max_grants: int) -> list[AdmitResult]:
@@ -242,9 +279,9 @@ class RedisStore:
         for _ in range(_ROUNDS):
             reply = call(*self._admit_call(now, max_grants))
             if _text(reply[0]) == "stale":
-                self._projects = sorted(set(self._projects) | {_text(p) for p in reply[1]})
+                self._groups = sorted(set(self._groups) | {_text(p) for p in reply[1]})
                 continue
-            return _admit_results(reply)
+            return self._admit_results(reply)
         return [AdmitResult(None, "conflict", 0.0)]
 
     def _admit_call(self, now: float, max_grants: int) -> tuple[list[str], list[Any]]:
@@ -270,15 +307,45 @@ class RedisStore:
             limits.long_prefills,
             limits.long_prompt_tokens,
             repr(limits.short_job_s),
+            len(config.more_backends),
         ]
-        for project in self._projects:
-            keys += [self._queue(project, b, z) for b in fairshare.BANDS for z in fairshare.SIZES]
-            args += [project, repr(config.weight(project))]
+        for b, backend in enumerate(config.more_backends, start=1):
+            keys += [self._states[b], self._scrapes[b]]
+            more = backend.limits
+            args += [more.max_num_seqs, more.kv_budget_tokens, more.max_long, repr(more.prefill_tokens_per_s),
+                     more.prefill_burst_tokens, repr(more.min_spacing_s), repr(more.hol_bypass_s),
+                     repr(more.long_prefill_tokens_per_s), more.short_beside_long, more.long_prefills,
+                     more.long_prompt_tokens, repr(more.short_job_s), more.block_tokens]
+        for group in self._groups:
+            keys += self._group_queues(group)
+            args += [group, repr(config.weight(group.partition(":")[0]))]
         return keys, args
+
+    def _admit_results(self, reply: list[Any]) -> list[AdmitResult]:
+        """ADMIT's 'ok' reply: a result per grant, then the hold that stopped the round (if any)."""
+        results = [AdmitResult(self._grant(reply[i : i + 9])) for i in range(3, len(reply), 9)]
+        reason, retry = _text(reply[1]), _text(reply[2])
+        if reason:
+            results.append(AdmitResult(None, reason, float(retry) if retry else None))
+        return results
+
+    def _grant(self, fields: list[Any]) -> Grant:
+        job_id, project, fence, prompt, kv, long, expires, waited, backend = (_text(f) for f in fields)
+        return Grant(
+            job_id=job_id,
+            project=project,
+            fence=int(fence),
+            prompt_tokens=int(prompt),
+            kv_tokens=int(kv),
+            long=long == "1",
+            lease_expires_at=float(expires),
+            waited_s=float(waited),
+            backend=self._names[int(backend)],
+        )
 
     # -- leases ------------------------------------------------------------------------------
     def claim(self, job_id: str, fence: int, owner: str, now: float) -> bool:
-        keys = [self._key("lease"), self._key("leases"), self._key("state")]
+        keys = [self._key("lease"), self._key("leases"), self._key("state"), *self._more_states]
         return bool(self._run("claim", keys, [job_id, fence, owner, repr(now), repr(self.config.lease_ttl_s)]))
 
     def renew(self, job_id: str, fence: int, now: float) -> bool:
@@ -286,22 +353,25 @@ class RedisStore:
         return bool(self._run("renew", keys, [job_id, fence, repr(now), repr(self.config.lease_ttl_s)]))
 
     def release(self, job_id: str, fence: int) -> bool:
-        keys = [self._key(k) for k in ("lease", "leases", "state", "items", "wake", "continuations")]
-        return bool(self._run("release", keys, [job_id, fence]))
+        return bool(self._run("release", self._release_keys(), [job_id, fence]))
+
+    def _release_keys(self) -> list[str]:
+        return [*(self._key(k) for k in ("lease", "leases", "state", "items", "wake", "continuations")),
+                *self._more_states]
 
     def release_many(self, leases: Iterable[tuple[str, int]]) -> list[bool]:
         """``release`` for several (job id, fence) pairs in one pipelined round trip, each release
         atomic on its own: what many workers finishing at once amount to (``fleet bench``)."""
         pipe = self._client.pipeline(transaction=False)
+        keys = self._release_keys()
         for job_id, fence in leases:
-            keys = [self._key(k) for k in ("lease", "leases", "state", "items", "wake", "continuations")]
             self._run("release", keys, [job_id, fence], client=pipe)
         return [bool(done) for done in pipe.execute()]
 
     def requeue(self, job_id: str, fence: int, unclaimed_only: bool = False) -> bool:
         where = self._where([job_id])[0]
         keys = [self._key("lease"), self._key("leases"), self._key("state"), self._key("items"),
-                self._queue(*where), *map(self._key, ("projects", "deadlines", "wake"))]
+                self._queue(*where), *map(self._key, ("projects", "deadlines", "wake")), *self._more_states]
         return bool(self._run("requeue", keys, [job_id, fence, *where, "1" if unclaimed_only else "0"]))
 
     def unclaimed_leases(self, admitted_before: float) -> dict[str, int]:
@@ -332,10 +402,11 @@ class RedisStore:
         size = "long" if prompt > limits.long_prompt_tokens else "short"
         kv = kv_tokens(prompt, max_new_tokens, limits.block_tokens)
         keys = [self._key("lease"), self._key("leases"), self._key("state"), self._key("items"),
-                self._queue(project, band, size),
-                *map(self._key, ("projects", "deadlines", "wake", "deferred", "continuations"))]
+                self._queue(project, band, size, item.elig),
+                *map(self._key, ("projects", "deadlines", "wake", "deferred", "continuations")),
+                *self._more_states]
         args = [job_id, fence, project, band, size, max_new_tokens, kv, repr(not_before), repr(now),
-                prompt, uncached, turn]
+                prompt, uncached, turn, item.elig]
         return bool(self._run("readmit", keys, args))
 
     def grow(self, job_id: str, prompt_tokens: int) -> bool:
@@ -411,7 +482,7 @@ class RedisStore:
         for job_id, where in zip(due, self._where(due), strict=True):
             keys.append(self._queue(*where))
             args += [job_id, *where]
-        expired = [_text(job_id) for job_id in self._run("reap", keys, args)]
+        expired = [_text(job_id) for job_id in self._run("reap", [*keys, *self._more_states], args)]
         if expired:
             log.warning("leases expired, jobs back in line: %s", ", ".join(expired))
         return expired
@@ -420,32 +491,38 @@ class RedisStore:
         """Put the lease counters right (recount.lua); returns the ones that were off, as
         (was, now), and logs them: a counter off means a process of another version released a
         lease (docs/operations.md, upgrades)."""
-        raw = [_text(v) for v in self._run("recount", [self._key("state"), self._key("lease")], [])]
-        off = {raw[i]: (int(raw[i + 1]), int(raw[i + 2])) for i in range(0, len(raw), 3)}
+        keys = [self._key("state"), self._key("lease"), *self._more_states]
+        raw = [_text(v) for v in self._run("recount", keys, [])]
+        off = {self._counter(raw[i]): (int(raw[i + 1]), int(raw[i + 2])) for i in range(0, len(raw), 3)}
         if off:
             log.warning("lease counters put right from the live leases: %s",
                         ", ".join(f"{k} {was} -> {now}" for k, (was, now) in off.items()))
         return off
+
+    def _counter(self, field: str) -> str:
+        """RECOUNT's name of a counter (``<b>:<field>`` for backend b > 0) with the backend's name."""
+        index, sep, name = field.partition(":")
+        return f"{self._names[int(index)]}:{name}" if sep else field
 
     def next_expiry(self) -> float | None:
         first = self._client.zrange(self._key("leases"), 0, 0, withscores=True)
         return float(first[0][1]) if first else None
 
     # -- backend gate, wakes, observation ----------------------------------------------------
-    def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str]) -> None:
+    def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str],
+                       name: str | None = None) -> None:
         mapping: dict[Any, Any] = {**figures, "scraped_at": repr(scraped_at), "hold": hold}
-        self._client.hset(self._d + "backend", mapping=mapping)
+        self._client.hset(self._scrapes[self.config.backend_index(name)], mapping=mapping)
 
-    def backend(self) -> dict[str, str]:
-        return _texts(self._client.hgetall(self._d + "backend"))
+    def backend(self, name: str | None = None) -> dict[str, str]:
+        return _texts(self._client.hgetall(self._scrapes[self.config.backend_index(name)]))
 
     def oldest_pending(self) -> dict[str, float]:
-        projects = sorted(_text(p) for p in self._client.smembers(self._d + "projects"))
+        groups = sorted(_text(p) for p in self._client.smembers(self._d + "projects"))
         pipe = self._client.pipeline(transaction=False)
-        for project in projects:
-            for band in fairshare.BANDS:
-                for size in fairshare.SIZES:
-                    pipe.zrange(self._queue(project, band, size), 0, 0)
+        for group in groups:
+            for queue in self._group_queues(group):
+                pipe.zrange(queue, 0, 0)
         heads = [_text(ids[0]) for ids in pipe.execute() if ids]
         found: dict[str, float] = {}
         for raw in self._client.hmget(self._key("items"), heads) if heads else []:
@@ -469,33 +546,37 @@ class RedisStore:
         self._client.hincrby(self._d + "stats", f"hold:{reason}", 1)
 
     def snapshot(self) -> StoreSnapshot:
-        projects = sorted(_text(p) for p in self._client.smembers(self._d + "projects"))
+        groups = sorted(_text(p) for p in self._client.smembers(self._d + "projects"))
         pipe = self._client.pipeline(transaction=False)
-        for project in projects:
-            for band in fairshare.BANDS:
-                for size in fairshare.SIZES:
-                    pipe.zcard(f"{self._d}pending:{project}:{band}:{size}")
-        pipe.hgetall(self._d + "state")
+        for group in groups:
+            for queue in self._group_queues(group):
+                pipe.zcard(queue)
+        for state_key in self._states:
+            pipe.hgetall(state_key)
         pipe.hgetall(self._d + "stats")
-        *counts, state, stats = pipe.execute()
+        *found, raw_stats = pipe.execute()
+        counts, states = found[: 4 * len(groups)], found[4 * len(groups) :]
         pending: dict[str, dict[str, int]] = {}
-        for index, project in enumerate(projects):
+        for index, group in enumerate(groups):
+            project = group.partition(":")[0]
             for b, band in enumerate(fairshare.BANDS):
                 n = counts[index * 4 + b * 2] + counts[index * 4 + b * 2 + 1]
                 if n:
-                    pending.setdefault(project, {})[band] = n
-        state, stats = _texts(state), _texts(stats)
+                    bands = pending.setdefault(project, {})
+                    bands[band] = bands.get(band, 0) + n
+        stats = _texts(raw_stats)
         holds = {k[5:]: int(v) for k, v in stats.items() if k.startswith("hold:")}
-        return StoreSnapshot(
-            pending=pending,
-            in_flight=int(state.get("in_flight", 0)),
-            reserved_kv_tokens=int(state.get("kv", 0)),
-            long_in_flight=int(state.get("long", 0)),
-            interactive_in_flight=int(state.get("inter", 0)),
-            claimed=int(state.get("claimed", 0)),
-            admissions=int(stats.get("admissions", 0)),
-            holds=holds,
-        )
+        backends = {}
+        for name, raw in zip(self._names, states, strict=True):
+            state = _texts(raw)
+            backends[name] = BackendSnapshot(
+                in_flight=int(state.get("in_flight", 0)),
+                reserved_kv_tokens=int(state.get("kv", 0)),
+                long_in_flight=int(state.get("long", 0)),
+                interactive_in_flight=int(state.get("inter", 0)),
+                claimed=int(state.get("claimed", 0)),
+            )
+        return snapshot_totals(pending, backends, int(stats.get("admissions", 0)), holds)
 
     def lease_fences(self) -> dict[str, int]:
         """Live leases (job id -> fence), for invariant checks and ``fleet queues``."""
@@ -537,24 +618,6 @@ def _texts(mapping: Any) -> dict[str, str]:
     return {_text(k): _text(v) for k, v in mapping.items()}
 
 
-def _admit_results(reply: list[Any]) -> list[AdmitResult]:
-    """ADMIT's 'ok' reply: a result per grant, then the hold that stopped the round (if any)."""
-    results = [AdmitResult(_grant(reply[i : i + 8])) for i in range(3, len(reply), 8)]
-    reason, retry = _text(reply[1]), _text(reply[2])
-    if reason:
-        results.append(AdmitResult(None, reason, float(retry) if retry else None))
-    return results
-
-
-def _grant(fields: list[Any]) -> Grant:
-    job_id, project, fence, prompt, kv, long, expires, waited = (_text(f) for f in fields)
-    return Grant(
-        job_id=job_id,
-        project=project,
-        fence=int(fence),
-        prompt_tokens=int(prompt),
-        kv_tokens=int(kv),
-        long=long == "1",
-        lease_expires_at=float(expires),
-        waited_s=float(waited),
-    )
+def _group(project: str, elig: str) -> str:
+    """The projects set's member for a project's queues of one eligibility class."""
+    return project if elig == "1" else f"{project}:{elig}"

@@ -1,111 +1,173 @@
 -- ADMIT: up to max_grants grants in one call. Each grant reads the head of every queue of every
 -- project (one ZRANGE 0 0 each: O(log n) in the backlog), orders them with the fair policy
--- (schedulers/policy/fairshare.py ``order``, the same keys), applies the backend gate and every
--- limit (schedulers/policy/limits.py, same order) and grants the first that fits: pop from
--- pending, counters, bucket, virtual times, fence, lease. It stops at the first hold.
--- KEYS[1]  state      hash    in_flight kv long queued bucket bucket_at last_admit blocked_job
---                             blocked_since vtime prefill_until prefill_longs inter (interactive
---                             leases)
+-- (schedulers/policy/fairshare.py ``order``, the same keys), tries each candidate on the backends
+-- of its eligibility mask with the backend gate and every limit of each (schedulers/policy/
+-- placement.py ``place``, applying limits.py's rules in the same order) and grants the first
+-- that one of them can take, on the least loaded of those: pop from pending, that backend's
+-- counters and bucket, virtual times, fence, lease. It stops at the first hold.
+-- KEYS[1]  state      hash    backend 0's in_flight kv long bucket bucket_at last_admit blocked_job
+--                             blocked_since prefill_until prefill_longs inter (interactive leases)
+--                             claimed; the fleet's queued and vtime (V)
 -- KEYS[2]  stats      hash    admissions, hold:<reason>
--- KEYS[3]  backend    hash    scraped_at, hold (the gate's verdict), outside (sequences outside
---                             clients hold at the server, schedulers/scrape.py)
+-- KEYS[3]  backend    hash    backend 0's scrape: scraped_at, hold (the gate's verdict), outside
+--                             (sequences outside clients hold at the server, schedulers/scrape.py)
 -- KEYS[4]  vtime      hash    project -> finish tag
 -- KEYS[5]  fences     hash    project -> its fencing token counter (a project's own sequence:
 --                             its grants' numbers say nothing of other projects' admissions)
 -- KEYS[6]  leases     zset    in-flight job ids by lease expiry
 -- KEYS[7]  deadlines  zset    pending jobs with a deadline
--- KEYS[8]  projects   set     projects that may have pending work (pruned here when empty)
+-- KEYS[8]  projects   set     (project, class) groups that may have pending work (prelude;
+--                             pruned here when empty)
 -- KEYS[9]  items      hash    job id -> admission facts (prelude)
 -- KEYS[10] lease      hash    job id -> lease (prelude)
--- then four per project p = 0, 1, ... (the caller's list of projects, in ARGV):
--- KEYS[11+4p .. 14+4p] pending:<project>:<band>:<size>  zset  interactive short, interactive
---                             long, batch short, batch long
--- ARGV: now, ttl, max_seqs, kv_budget, max_long, rate, burst, spacing, bypass, gate (1|0), stale,
---       aging, max_grants, prefill_rate (the server's; 0: no quiet long prefills), beside (short
---       sequences in flight at most when a long prefill goes), long_prefills (long prefills one
---       window may take), long_threshold, short_job_s (what a drain waits for; 0: always drain),
---       then (project, weight) per project, in the same order as the keys.
+-- then two per backend b = 1 .. m (ARGV[19]; none with one backend):
+-- KEYS[9+2b]  bstate:<name>   hash  backend b's counters, as backend 0's in KEYS[1]
+-- KEYS[10+2b] backend:<name>  hash  backend b's scrape, as backend 0's in KEYS[3]
+-- then four per group g = 0, 1, ... (a project and an eligibility class: the caller's list, in
+-- ARGV):
+-- KEYS[11+2m+4g .. 14+2m+4g] pending:<project>:<band>:<size>[:<elig>]  zset  interactive short,
+--                             interactive long, batch short, batch long
+-- ARGV: now, ttl, then backend 0's max_seqs, kv_budget, max_long, rate, burst, spacing, bypass,
+--       then gate (1|0), stale, aging, max_grants, then backend 0's prefill_rate (the server's; 0:
+--       no quiet long prefills), beside (short sequences in flight at most when a long prefill
+--       goes), long_prefills (long prefills one window may take), long_threshold, short_job_s
+--       (what a drain waits for; 0: always drain), then m (ARGV[19]: backends beside backend 0),
+--       then 13 per backend b = 1 .. m: max_seqs, kv_budget, max_long, rate, burst, spacing,
+--       bypass, prefill_rate, beside, long_prefills, long_threshold, short_job_s, block_tokens;
+--       then (group, weight) per group, in the same order as the keys: the group is the projects
+--       set's member (`<project>` or `<project>:<elig>`), the weight its project's.
 -- A candidate the prelude's `admit_only` refuses (when a calling script set it) is passed over with
 -- the reason 'no_workers'; a queue's head is the prelude's `admit_head` (when set) instead of its
 -- first member.
--- A long prefill is a head whose uncached tokens (the item's last field) are above the long
--- threshold (`long_threshold`, ARGV[17]). Quiet windows hold only while an interactive lease
--- lives or an interactive head is a candidate, and a drain only when it pays (limits.drain_pays).
--- Returns {'stale', members} when the projects set holds a project the caller did not name
+-- A candidate's KV reservation and size on backend 0 are its item's (ADD computed them with
+-- backend 0's block and long threshold); on backend b they follow from its prompt and output
+-- limit with b's block_tokens and long_threshold. A long prefill is a candidate whose uncached
+-- tokens (the item's field) are above the backend's long threshold. Quiet windows hold only
+-- while an interactive lease lives on the backend or an interactive candidate may run on it,
+-- and a drain only when it pays (limits.drain_pays).
+-- Returns {'stale', members} when the projects set holds a group the caller did not name
 -- (nothing was decided; call again with them), else {'ok', reason, retry_in, grant fields...}:
--- reason '' when max_grants were granted, else the hold that stopped it; each grant is 8 fields:
--- id, project, fence, prompt, kv, long (1|0), expires, waited. A named project whose queues are
--- all empty leaves the set; the caller may keep naming it (it costs four empty reads).
+-- reason '' when max_grants were granted, else the hold that stopped it; each grant is 9 fields:
+-- id, project, fence, prompt, kv, long (1|0), expires, waited, backend (its number). A named
+-- group whose queues are all empty leaves the set; the caller may keep naming it (it costs four
+-- empty reads).
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
-local max_seqs, kv_budget, max_long = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local rate, burst, spacing = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-local bypass, gate, stale = tonumber(ARGV[9]), ARGV[10] == '1', tonumber(ARGV[11])
+local gate, stale = ARGV[10] == '1', tonumber(ARGV[11])
 local aging, max_grants = tonumber(ARGV[12]), tonumber(ARGV[13])
-local prefill_rate, beside, long_prefills = tonumber(ARGV[14]), tonumber(ARGV[15]), tonumber(ARGV[16])
-local long_threshold, short_job_s = tonumber(ARGV[17]), tonumber(ARGV[18])
+local m = tonumber(ARGV[19])
 local st, stats, vtime, items, lease_info = KEYS[1], KEYS[2], KEYS[4], KEYS[9], KEYS[10]
 local BANDS, SIZES = {'interactive', 'batch'}, {'short', 'long'}
 
-local projects, named = {}, {}
-for p = 0, (#ARGV - 18) / 2 - 1 do
-  local name = ARGV[19 + 2 * p]
-  projects[p + 1] = {name = name, weight = tonumber(ARGV[20 + 2 * p]), k = 11 + 4 * p}
-  named[name] = true
+-- backends[b]: its limits and keys (b = 0 .. m, the settings' order); states: its counters' hash.
+local backends = {[0] = {index = 0, st = st, scrape = KEYS[3], max_seqs = tonumber(ARGV[3]),
+  kv_budget = tonumber(ARGV[4]), max_long = tonumber(ARGV[5]), rate = tonumber(ARGV[6]),
+  burst = tonumber(ARGV[7]), spacing = tonumber(ARGV[8]), bypass = tonumber(ARGV[9]),
+  prefill_rate = tonumber(ARGV[14]), beside = tonumber(ARGV[15]), long_prefills = tonumber(ARGV[16]),
+  long_threshold = tonumber(ARGV[17]), short_job_s = tonumber(ARGV[18])}}
+local states = {[0] = st}
+for b = 1, m do
+  local a = 20 + 13 * (b - 1)
+  backends[b] = {index = b, st = KEYS[9 + 2 * b], scrape = KEYS[10 + 2 * b],
+    max_seqs = tonumber(ARGV[a]), kv_budget = tonumber(ARGV[a + 1]), max_long = tonumber(ARGV[a + 2]),
+    rate = tonumber(ARGV[a + 3]), burst = tonumber(ARGV[a + 4]), spacing = tonumber(ARGV[a + 5]),
+    bypass = tonumber(ARGV[a + 6]), prefill_rate = tonumber(ARGV[a + 7]), beside = tonumber(ARGV[a + 8]),
+    long_prefills = tonumber(ARGV[a + 9]), long_threshold = tonumber(ARGV[a + 10]),
+    short_job_s = tonumber(ARGV[a + 11]), block = tonumber(ARGV[a + 12])}
+  states[b] = backends[b].st
+end
+local long_threshold = backends[0].long_threshold
+
+-- projects: each with its groups (one per eligibility class), in the caller's order.
+local projects, by_name, named = {}, {}, {}
+local first_arg, first_key = 20 + 13 * m, 11 + 2 * m
+for g = 0, (#ARGV - first_arg + 1) / 2 - 1 do
+  local member = ARGV[first_arg + 2 * g]
+  local name, elig = string.match(member, '^([^:]+):?(%d*)$')
+  if elig == '' then elig = '1' end
+  local pr = by_name[name]
+  if not pr then
+    pr = {name = name, weight = tonumber(ARGV[first_arg + 2 * g + 1]), groups = {}}
+    by_name[name] = pr
+    projects[#projects + 1] = pr
+  end
+  table.insert(pr.groups, {member = member, elig = elig, mask = tonumber(elig), k = first_key + 4 * g})
+  named[member] = true
 end
 local members = redis.call('SMEMBERS', KEYS[8])
-for _, m in ipairs(members) do
-  if not named[m] then return {'stale', members} end
+for _, m_ in ipairs(members) do
+  if not named[m_] then return {'stale', members} end
 end
 
--- The head of each of a project's queues: {band = {short = head, long = head}}.
+-- Is backend b in the mask?
+local function on(mask, b) return math.floor(mask / 2 ^ b) % 2 == 1 end
+
+-- The heads of a project's queues: {band = {{short = head, long = head}, ...}}, a pair per group.
 local function read_heads(pr)
   local heads, any = {}, false
-  for b, band in ipairs(BANDS) do
-    heads[band] = {}
-    for z, size in ipairs(SIZES) do
-      local queue = KEYS[pr.k + 2 * (b - 1) + (z - 1)]
-      local top
-      if admit_head then top = admit_head(queue, pr.name, band, size)
-      else top = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES') end
-      if top[1] then
-        local f = item_get(items, top[1])
-        local uncached = tonumber(f.uncached)
-        heads[band][size] = {id = top[1], score = tonumber(top[2]), queue = queue, band = band,
-          long = size == 'long', prompt = tonumber(f.prompt), max_new = tonumber(f.max_new),
-          uncached = uncached, long_prefill = uncached > long_threshold,
-          kv = tonumber(f.kv), enq = tonumber(f.enq), project = pr.name, weight = pr.weight}
-        any = true
+  for b, band in ipairs(BANDS) do heads[band] = {} end
+  for _, g in ipairs(pr.groups) do
+    g.any = false
+    for b, band in ipairs(BANDS) do
+      local pair = {}
+      for z, size in ipairs(SIZES) do
+        local queue = KEYS[g.k + 2 * (b - 1) + (z - 1)]
+        local top
+        if admit_head then top = admit_head(queue, pr.name, band, size, g.elig)
+        else top = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES') end
+        if top[1] then
+          local f = item_get(items, top[1])
+          local uncached = tonumber(f.uncached)
+          pair[size] = {id = top[1], score = tonumber(top[2]), queue = queue, band = band,
+            long = size == 'long', prompt = tonumber(f.prompt), max_new = tonumber(f.max_new),
+            uncached = uncached, long_prefill = uncached > long_threshold, mask = g.mask,
+            kv = tonumber(f.kv), enq = tonumber(f.enq), project = pr.name, weight = pr.weight}
+          any, g.any = true, true
+        end
       end
+      table.insert(heads[band], pair)
     end
   end
   pr.heads = any and heads or nil
 end
 
--- fairshare.project_candidates: per band the head in line and, behind a long head, the short one;
--- in the batch band the long head first.
+-- fairshare._line_key: a band's line order (by score, then id; in the batch band longs first).
+local function line_before(x, y, band)
+  local xs, ys = band == 'batch' and not x.long, band == 'batch' and not y.long
+  if xs ~= ys then return ys end
+  if x.score ~= y.score then return x.score < y.score end
+  return x.id < y.id
+end
+
+-- fairshare.project_candidates: per band and class the head in line and, behind a long head, the
+-- short one; a band's candidates of every class together in line order.
 local function candidates(pr)
   local out = {}
   for _, band in ipairs(BANDS) do
-    local s, l = pr.heads[band].short, pr.heads[band].long
-    local first = s
-    if l and (not s or band == 'batch' or l.score < s.score or (l.score == s.score and l.id < s.id)) then
-      first = l
+    local in_band = {}
+    for _, pair in ipairs(pr.heads[band]) do
+      local s, l = pair.short, pair.long
+      local first = s
+      if l and (not s or line_before(l, s, band)) then first = l end
+      if first then
+        table.insert(in_band, first)
+        if first.long and s then table.insert(in_band, s) end
+      end
     end
-    if first then
-      table.insert(out, first)
-      if first.long and s then table.insert(out, s) end
-    end
+    table.sort(in_band, function(x, y) return line_before(x, y, band) end)
+    for _, c in ipairs(in_band) do table.insert(out, c) end
   end
   return out
 end
 
 local tags = {}
 local in_set = {}
-for _, m in ipairs(members) do in_set[m] = true end
+for _, m_ in ipairs(members) do in_set[m_] = true end
 for _, pr in ipairs(projects) do
   tags[pr.name] = num(redis.call('HGET', vtime, pr.name), 0)
   read_heads(pr)
-  if not pr.heads and in_set[pr.name] then redis.call('SREM', KEYS[8], pr.name) end
+  for _, g in ipairs(pr.groups) do
+    if not g.any and in_set[g.member] then redis.call('SREM', KEYS[8], g.member) end
+  end
 end
 
 -- fairshare.order: (tier, start tag, first candidate's score, project), candidates flattened.
@@ -143,83 +205,175 @@ local function hold(reason, retry)
 end
 
 -- limits.drain_pays: (S - b)^2 x short_job_s / 2S idle slot-seconds against S x U / rate.
-local function drains(shorts, uncached)
-  local drained = shorts - beside
-  return drained * drained * short_job_s * prefill_rate <= 2.0 * shorts * shorts * uncached
+local function drains(B, shorts, uncached)
+  local drained = shorts - B.beside
+  return drained * drained * B.short_job_s * B.prefill_rate <= 2.0 * shorts * shorts * uncached
 end
 
--- One decision: the candidate to grant, or the hold reason and when it lifts.
-local function decide(cands)
-  if #cands == 0 then return nil, hold('empty') end
+-- A candidate's KV reservation, long flag and long-prefill flag on backend B (limits.cost_of).
+local function cost(B, c)
+  if B.index == 0 then return c.kv, c.long, c.long_prefill end
+  local kv = math.max(1, math.ceil((c.prompt + c.max_new) / B.block)) * B.block
+  return kv, c.prompt > B.long_threshold, c.uncached > B.long_threshold
+end
+
+-- placement.load: max(in flight / max_num_seqs, reserved KV / KV budget).
+local function load(B)
+  local kv = 0
+  if B.kv_budget > 0 then kv = B.kv_used / B.kv_budget end
+  return math.max(B.in_flight / B.max_seqs, kv)
+end
+
+-- placement.pick: the least loaded, then the settings' order (the prefix-cache hint and the
+-- imbalance thresholds of docs/backends.md section 6 go here).
+local function pick(usable)
+  local best_b, best_load = nil, nil
+  for _, b in ipairs(usable) do
+    local l = load(backends[b])
+    if not best_b or l < best_load then best_b, best_load = b, l end
+  end
+  return best_b
+end
+
+-- placement.best: the backend whose reason a passed-over candidate reports (and may reserve):
+-- the least loaded whose gate passes, else the least loaded, then the settings' order.
+local function best(tried)
+  local best_b, best_key1, best_load = nil, nil, nil
+  for _, b in ipairs(tried) do
+    local B = backends[b]
+    local k1, l = B.gated and 1 or 0, load(B)
+    if not best_b or k1 < best_key1 or (k1 == best_key1 and l < best_load) then
+      best_b, best_key1, best_load = b, k1, l
+    end
+  end
+  return best_b
+end
+
+-- Backend B as this decision sees it: its gate and counters (placement._global: the gate, then
+-- limits.check_global) and whether its quiet windows protect anything (an interactive lease on
+-- it, or an interactive candidate that may run on it).
+local function view(B, cands)
+  B.why, B.retry, B.gated = nil, nil, false
   local outside = 0
   if gate then
-    local b = redis.call('HMGET', KEYS[3], 'scraped_at', 'hold', 'outside')
-    if not b[1] or now - tonumber(b[1]) > stale then return nil, hold('backend_stale') end
-    if b[2] and b[2] ~= '' then return nil, hold('backend_' .. b[2]) end
-    outside = num(b[3], 0)
+    local g = redis.call('HMGET', B.scrape, 'scraped_at', 'hold', 'outside')
+    if not g[1] or now - tonumber(g[1]) > stale then B.why, B.gated = 'backend_stale', true
+    elseif g[2] and g[2] ~= '' then B.why, B.gated = 'backend_' .. g[2], true end
+    outside = num(g[3], 0)
   end
-  local s = redis.call('HMGET', st, 'in_flight', 'kv', 'long', 'bucket', 'bucket_at', 'last_admit',
+  local s = redis.call('HMGET', B.st, 'in_flight', 'kv', 'long', 'bucket', 'bucket_at', 'last_admit',
     'blocked_job', 'blocked_since', 'prefill_until', 'prefill_longs', 'inter')
-  local in_flight, kv_used, long_used = num(s[1], 0), num(s[2], 0), num(s[3], 0)
-  if in_flight >= max_seqs then return nil, hold('seqs') end
-  if in_flight + outside >= max_seqs then return nil, hold('outside') end
-  if s[6] and spacing > 0 then
-    local wait = tonumber(s[6]) + spacing - now
-    if wait > 0 then return nil, hold('spacing', wait) end
+  B.in_flight, B.kv_used, B.long_used = num(s[1], 0), num(s[2], 0), num(s[3], 0)
+  B.blocked_job, B.blocked_since = s[7], num(s[8], 0)
+  B.prefill_until, B.prefill_longs = num(s[9], 0), num(s[10], 0)
+  if not B.why then
+    if B.in_flight >= B.max_seqs then B.why = 'seqs'
+    elseif B.in_flight + outside >= B.max_seqs then B.why = 'outside'
+    elseif s[6] and B.spacing > 0 then
+      local wait = tonumber(s[6]) + B.spacing - now
+      if wait > 0 then B.why, B.retry = 'spacing', wait end
+    end
   end
-  local prefill_until, prefill_longs = num(s[9], 0), num(s[10], 0)
-  local quiet = num(s[11], 0) > 0  -- limits.protects: an interactive lease, or a candidate below
-  for _, c in ipairs(cands) do quiet = quiet or c.band == 'interactive' end
-  quiet = quiet and prefill_rate > 0
-  local level = burst
-  if s[4] then level = math.min(burst, tonumber(s[4]) + math.max(0, now - tonumber(s[5])) * rate) end
+  local quiet = num(s[11], 0) > 0
+  for _, c in ipairs(cands) do quiet = quiet or (c.band == 'interactive' and on(c.mask, B.index)) end
+  B.quiet = quiet and B.prefill_rate > 0
+  B.level = B.burst
+  if s[4] then B.level = math.min(B.burst, tonumber(s[4]) + math.max(0, now - tonumber(s[5])) * B.rate) end
+end
+
+-- limits.check_job on backend B: the reason candidate c does not fit (and when it lifts), or nil.
+local function check_job(B, c)
+  local kv, long, long_prefill = cost(B, c)
+  if B.quiet and now < B.prefill_until and (not long_prefill or B.prefill_longs >= B.long_prefills) then
+    return 'prefill', B.prefill_until - now
+  elseif B.kv_used + kv > B.kv_budget and B.in_flight > 0 then return 'kv'
+  elseif long and B.long_used >= B.max_long then return 'long'
+  elseif long_prefill and B.quiet and B.in_flight - B.long_used > B.beside
+    and drains(B, B.in_flight - B.long_used, c.uncached) then return 'prefill'
+  end
+  local need = math.min(c.uncached, B.burst)
+  if B.level < need then return 'bucket', (need - B.level) / B.rate end
+  return nil
+end
+
+-- placement._reserves: does c, blocked on B by `why`, close B to the candidates behind it?
+local function reserves(B, c, why)
+  if not (why == 'kv' or why == 'bucket' or (why == 'prefill' and not (B.prefill_until > now))) then
+    return false  -- a window hold lifts by itself: nothing to reserve
+  end
+  if B.blocked_job ~= c.id then
+    B.blocked_job, B.blocked_since = c.id, now
+    redis.call('HSET', B.st, 'blocked_job', c.id, 'blocked_since', fmt(now))
+  end
+  return now - B.blocked_since >= B.bypass
+end
+
+-- One decision (placement.place): the candidate to grant and its backend, or the hold reason and
+-- when it lifts.
+local function decide(cands)
+  if #cands == 0 then return nil, hold('empty') end
+  for b = 0, m do view(backends[b], cands) end
+  local headed, closed, open = {}, {}, m + 1
   local first_reason, soonest = nil, nil
   for i, c in ipairs(cands) do
-    local why, retry = nil, nil
-    if admit_only and not admit_only(c) then why = 'no_workers'
-    elseif quiet and now < prefill_until and (not c.long_prefill or prefill_longs >= long_prefills) then
-      why, retry = 'prefill', prefill_until - now
-    elseif kv_used + c.kv > kv_budget and in_flight > 0 then why = 'kv'
-    elseif c.long and long_used >= max_long then why = 'long'
-    elseif c.long_prefill and quiet and in_flight - long_used > beside
-      and drains(in_flight - long_used, c.uncached) then why = 'prefill'
+    local tried = {}
+    for b = 0, m do
+      if on(c.mask, b) and not closed[b] then tried[#tried + 1] = b end
+    end
+    if #tried == 0 then
+      if i == 1 then first_reason = 'no_backend' end
     else
-      local need = math.min(c.uncached, burst)
-      if level < need then why, retry = 'bucket', (need - level) / rate end
-    end
-    if not why then
-      if i == 1 then redis.call('HDEL', st, 'blocked_job', 'blocked_since') end
-      return {c = c, level = level, prefill_until = prefill_until, prefill_longs = prefill_longs}
-    end
-    if retry and (not soonest or retry < soonest) then soonest = retry end
-    if i == 1 then
-      first_reason = why
-      -- a window hold lifts by itself: nothing to reserve (limits._may_bypass)
-      if why == 'kv' or why == 'bucket' or (why == 'prefill' and not (prefill_until > now)) then
-        if s[7] ~= c.id then
-          s[8] = fmt(now)
-          redis.call('HSET', st, 'blocked_job', c.id, 'blocked_since', s[8])
+      local refused = nil  -- admit_only's answer, asked once a backend's global limits pass
+      local verdicts, usable = {}, {}
+      for _, b in ipairs(tried) do
+        local B = backends[b]
+        local why, retry = B.why, B.retry
+        if not why then
+          if refused == nil then refused = admit_only ~= nil and not admit_only(c) end
+          if refused then why = 'no_workers' else why, retry = check_job(B, c) end
         end
-        if now - tonumber(s[8]) >= bypass then return nil, hold(why, retry) end
+        verdicts[b] = {why = why, retry = retry}
+        if not why then usable[#usable + 1] = b end
       end
+      if #usable > 0 then
+        for _, b in ipairs(tried) do
+          if not headed[b] then redis.call('HDEL', backends[b].st, 'blocked_job', 'blocked_since') end
+        end
+        return {c = c, b = pick(usable)}
+      end
+      for _, b in ipairs(tried) do
+        local retry = verdicts[b].retry
+        if retry and (not soonest or retry < soonest) then soonest = retry end
+      end
+      local target = best(tried)
+      local why = verdicts[target].why
+      if i == 1 then first_reason = why end
+      if not headed[target] and reserves(backends[target], c, why) then
+        closed[target], open = true, open - 1
+      end
+      for _, b in ipairs(tried) do headed[b] = true end
+      if open == 0 then break end
     end
   end
   return nil, hold(first_reason, soonest)
 end
 
-local function grant(c, top, level, prefill_until, prefill_longs)
-  free_lease(st, KEYS[6], lease_info, c.id)
-  redis.call('HINCRBY', st, 'in_flight', 1)
-  redis.call('HINCRBY', st, 'kv', c.kv)
-  if c.long then redis.call('HINCRBY', st, 'long', 1) end
-  if c.band == 'interactive' then redis.call('HINCRBY', st, 'inter', 1) end
-  if c.long_prefill and prefill_rate > 0 then
-    if now >= prefill_until then prefill_longs = 0 end
-    redis.call('HSET', st, 'prefill_until', fmt(math.max(now, prefill_until) + c.uncached / prefill_rate),
-      'prefill_longs', prefill_longs + 1)
+local function grant(c, top, b)
+  local B = backends[b]
+  local kv, long, long_prefill = cost(B, c)
+  free_lease(states, KEYS[6], lease_info, c.id)
+  redis.call('HINCRBY', B.st, 'in_flight', 1)
+  redis.call('HINCRBY', B.st, 'kv', kv)
+  if long then redis.call('HINCRBY', B.st, 'long', 1) end
+  if c.band == 'interactive' then redis.call('HINCRBY', B.st, 'inter', 1) end
+  if long_prefill and B.prefill_rate > 0 then
+    local prefill_longs = B.prefill_longs
+    if now >= B.prefill_until then prefill_longs = 0 end
+    redis.call('HSET', B.st, 'prefill_until',
+      fmt(math.max(now, B.prefill_until) + c.uncached / B.prefill_rate), 'prefill_longs', prefill_longs + 1)
   end
   redis.call('HINCRBY', st, 'queued', -1)
-  redis.call('HSET', st, 'bucket', fmt(level - c.uncached), 'bucket_at', fmt(now),
+  redis.call('HSET', B.st, 'bucket', fmt(B.level - c.uncached), 'bucket_at', fmt(now),
     'last_admit', fmt(now))
   local V = math.max(num(redis.call('HGET', st, 'vtime'), 0), tags[top.project])
   local start = math.max(V, tags[c.project])
@@ -228,9 +382,9 @@ local function grant(c, top, level, prefill_until, prefill_longs)
   redis.call('HSET', st, 'vtime', fmt(V))
   local fence = redis.call('HINCRBY', KEYS[5], c.project, 1)
   local expires = now + ttl
-  lease_put(lease_info, c.id, {fence = fence, kv = c.kv,
-    long = (c.long and '1' or '0') .. (c.band == 'interactive' and 'i' or ''),
-    expires = fmt(expires), admitted_at = fmt(now), project = c.project})
+  lease_put(lease_info, c.id, {fence = fence, kv = kv,
+    long = (long and '1' or '0') .. (c.band == 'interactive' and 'i' or ''),
+    expires = fmt(expires), admitted_at = fmt(now), project = c.project, backend = b})
   redis.call('ZADD', KEYS[6], fmt(expires), c.id)
   redis.call('ZREM', c.queue, c.id)
   redis.call('ZREM', KEYS[7], c.id)
@@ -238,23 +392,23 @@ local function grant(c, top, level, prefill_until, prefill_longs)
   f.pending = '0'
   item_put(items, c.id, f)
   redis.call('HINCRBY', stats, 'admissions', 1)
-  return {c.id, c.project, fence, c.prompt, c.kv, c.long and 1 or 0, fmt(expires),
-    fmt(math.max(0, now - c.enq))}
+  return {c.id, c.project, fence, c.prompt, kv, long and 1 or 0, fmt(expires),
+    fmt(math.max(0, now - c.enq)), b}
 end
 
 local out = {'ok', '', ''}
 local granted = 0
 while granted < max_grants do
   local cands = order(num(redis.call('HGET', st, 'vtime'), 0))
-  local pick, reason, retry = decide(cands)
-  if not pick then
+  local pick_, reason, retry = decide(cands)
+  if not pick_ then
     out[2], out[3] = reason, retry
     break
   end
-  for _, field in ipairs(grant(pick.c, cands[1], pick.level, pick.prefill_until, pick.prefill_longs)) do table.insert(out, field) end
+  for _, field in ipairs(grant(pick_.c, cands[1], pick_.b)) do table.insert(out, field) end
   granted = granted + 1
   for _, pr in ipairs(projects) do
-    if pr.name == pick.c.project then read_heads(pr) end
+    if pr.name == pick_.c.project then read_heads(pr) end
   end
 end
 return out

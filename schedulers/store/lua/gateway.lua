@@ -3,7 +3,8 @@
 -- CLAIM its own lease when that round granted it. ADD, ADMIT, GWADMIT and CLAIM are the scripts
 -- of this folder, unchanged (the loader puts them in front as local functions).
 -- KEYS[1..8]   ADD's keys: items, the item's queue, deadlines, projects, state, vtime, wake, lease
--- KEYS[9..11]  CLAIM's keys: lease, leases, state
+-- KEYS[9..11]  CLAIM's keys: lease, leases, state (and the bstate key of each backend b = 1, 2,
+--              ...: ADMIT's, here KEYS[22+2b])
 -- KEYS[12]     workers  zset  live inference workers (GWADMIT's KEYS[1])
 -- KEYS[13]     gateway  zset  gateway requests that may be pending, score = their deadline by
 --                             Redis's clock (the caller's deadline - now, added to Redis TIME:
@@ -11,12 +12,12 @@
 --                             live entries); an entry is pruned once that passed: the job can
 --                             be pending no more (GWADMIT's KEYS[2])
 -- KEYS[14..]   ADMIT's keys (GWADMIT's KEYS[3..])
--- ARGV: owner, now, worker_gate (1|0), ADD's 12 arguments (the deadline is required), then
+-- ARGV: owner, now, worker_gate (1|0), ADD's 13 arguments (the deadline is required), then
 --       ADMIT's arguments (max_grants 0: no round)
 -- Returns {fence of the own claimed lease or 0, ADMIT's reply...}; with max_grants 0 the reply
 -- is {'ok', '', ''}.
 local owner, now = ARGV[1], ARGV[2]
-local add_argv, admit_argv = slice(ARGV, 4, 15), slice(ARGV, 16)
+local add_argv, admit_argv = slice(ARGV, 4, 16), slice(ARGV, 17)
 local id = add_argv[1]
 local rnow = redis_now()
 redis.call('ZREMRANGEBYSCORE', KEYS[13], '-inf', rnow)
@@ -27,10 +28,12 @@ if tonumber(admit_argv[13]) == 0 then return {0, 'ok', '', ''} end
 local reply = GWADMIT(slice(KEYS, 12), {ARGV[3], unpack(admit_argv)})
 local claimed = 0
 if reply[1] == 'ok' then
-  for i = 4, #reply, 8 do
+  local claim_keys = slice(KEYS, 9, 11)
+  for b = 1, tonumber(admit_argv[19]) do claim_keys[3 + b] = KEYS[22 + 2 * b] end
+  for i = 4, #reply, 9 do
     if reply[i] == id then
       local fence = tostring(reply[i + 2])
-      if CLAIM(slice(KEYS, 9, 11), {id, fence, owner, now, admit_argv[2]}) == 1 then
+      if CLAIM(claim_keys, {id, fence, owner, now, admit_argv[2]}) == 1 then
         claimed = reply[i + 2]
       end
     end

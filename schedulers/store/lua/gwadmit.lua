@@ -21,13 +21,13 @@
 local admit_keys, admit_argv = slice(KEYS, 3), slice(ARGV, 2)
 local items = admit_keys[9]
 
--- The gateway requests still in line, grouped by their queue ('project band size').
+-- The gateway requests still in line, grouped by their queue ('project band size elig').
 local function gateway_requests_by_queue()
   local by_queue = {}
   for _, g in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
     local f = item_get(items, g)
     if f and f.pending == '1' then
-      local queue = f.project .. ' ' .. f.band .. ' ' .. f.size
+      local queue = f.project .. ' ' .. f.band .. ' ' .. f.size .. ' ' .. f.elig
       by_queue[queue] = by_queue[queue] or {}
       table.insert(by_queue[queue], g)
     end
@@ -42,9 +42,9 @@ end
 if ARGV[1] == '1' and not workers_live() then
   admit_only = function(c) return redis.call('ZSCORE', KEYS[2], c.id) ~= false end
   local by_queue = gateway_requests_by_queue()
-  admit_head = function(queue, project, band, size)
+  admit_head = function(queue, project, band, size, elig)
     local best, best_score = nil, nil
-    for _, g in ipairs(by_queue[project .. ' ' .. band .. ' ' .. size] or {}) do
+    for _, g in ipairs(by_queue[project .. ' ' .. band .. ' ' .. size .. ' ' .. elig] or {}) do
       local score = redis.call('ZSCORE', queue, g)  -- false once granted in this round
       if score then
         score = tonumber(score)

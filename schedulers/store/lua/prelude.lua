@@ -8,13 +8,21 @@
 -- jobs in one call. item_get/item_put and lease_get/lease_put below are the only Lua that knows
 -- their field order, the same as schedulers/store/records.py (what each field means is there;
 -- tests/test_store_records.py runs these accessors against it). A field added later goes at the
--- end, on both sides.
+-- end, on both sides. An item's `elig` and a lease's `backend` are written only when they are not
+-- backend 0's (records.py says why and how a lease's backend is told from its owner).
+--
+-- Backends: backend 0's lease counters are in `state` (with the fleet-wide `queued` and `vtime`),
+-- backend b's in `bstate:<name>`; a script that frees or claims leases gets them all as a table
+-- `states` indexed by the backend's number (0, 1, ...: `backend_states`), and a lease names its
+-- backend. A job's queue is `pending:<project>:<band>:<size>`, and `...:<size>:<elig>` for an
+-- eligibility class other than 1; the projects set names each (project, class) with a queue that
+-- may hold work: `<project>`, or `<project>:<elig>` (`group_of`).
 
 -- ADMIT grants only candidates this predicate accepts, when a script that calls ADMIT sets it
 -- (GWADMIT: only gateway requests while no inference worker is live); nil: every candidate.
 local admit_only = nil
 -- ADMIT reads the head of a queue with this function, when a script that calls ADMIT sets it:
--- admit_head(queue, project, band, size) -> {id, score} or {} (GWADMIT, while no inference worker
+-- admit_head(queue, project, band, size, elig) -> {id, score} or {} (GWADMIT, while no inference worker
 -- is live: the first gateway request in that queue, which may wait behind queued jobs); nil: the
 -- queue's first member.
 local admit_head = nil
@@ -44,62 +52,97 @@ local function item_get(items, id)
   local s = redis.call('HGET', items, id)
   if not s then return nil end
   local project, band, size, prompt, max_new, kv, long, enq, score, pending, deadline, cont, deferred,
-    uncached = string.match(s,
-      '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) ?(%S*)$')
+    uncached, elig = string.match(s,
+      '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
   return {project = project, band = band, size = size, prompt = prompt, max_new = max_new, kv = kv,
     long = long, enq = enq, score = score, pending = pending,
     deadline = deadline ~= '-' and deadline or nil, cont = cont,
     deferred = deferred ~= '-' and deferred or nil,
-    uncached = uncached ~= '' and uncached or prompt}
+    uncached = uncached ~= '' and uncached or prompt, elig = elig ~= '' and elig or '1'}
 end
 
 local function item_put(items, id, f)
-  redis.call('HSET', items, id, table.concat({f.project, f.band, f.size, f.prompt, f.max_new, f.kv,
-    f.long, f.enq, f.score, f.pending, f.deadline or '-', f.cont or '0', f.deferred or '-',
-    f.uncached or f.prompt}, ' '))
+  local fields = {f.project, f.band, f.size, f.prompt, f.max_new, f.kv, f.long, f.enq, f.score,
+    f.pending, f.deadline or '-', f.cont or '0', f.deferred or '-', f.uncached or f.prompt}
+  if f.elig and f.elig ~= '1' then fields[#fields + 1] = f.elig end
+  redis.call('HSET', items, id, table.concat(fields, ' '))
 end
 
 local function lease_get(leases_info, id)
   local s = redis.call('HGET', leases_info, id)
   if not s then return nil end
-  local fence, kv, long, expires, admitted_at, project, owner =
+  local fence, kv, long, expires, admitted_at, project, rest =
     string.match(s, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) ?(.*)$')
+  local backend, owner = string.match(rest, '^(%d+) (.*)$')
+  if not backend then
+    backend = string.match(rest, '^(%d+)$')
+    owner = backend and '' or rest
+  end
   return {fence = fence, kv = kv, long = long, expires = expires, admitted_at = admitted_at,
-    project = project, owner = owner ~= '' and owner or nil}
+    project = project, backend = backend or '0', owner = owner ~= '' and owner or nil}
 end
 
 local function lease_put(leases_info, id, f)
-  redis.call('HSET', leases_info, id, table.concat({f.fence, f.kv, f.long, f.expires, f.admitted_at,
-    f.project, f.owner or ''}, ' '))
+  local fields = {f.fence, f.kv, f.long, f.expires, f.admitted_at, f.project}
+  local backend, owner = tostring(f.backend or '0'), f.owner or ''
+  if backend ~= '0' or string.match(owner, '^%d+ ') or string.match(owner, '^%d+$') then
+    fields[#fields + 1] = backend
+  end
+  fields[#fields + 1] = owner
+  redis.call('HSET', leases_info, id, table.concat(fields, ' '))
 end
 
--- Give back what a lease holds; the counters always equal the sum over live leases.
-local function free_lease(state, leases, leases_info, id)
+-- The projects set's member for a (project, eligibility class): its queues' common name part.
+local function group_of(project, elig)
+  if elig == '1' then return project end
+  return project .. ':' .. elig
+end
+
+-- The lease counters' hashes by backend number: `state` (backend 0), then keys[from .. to]
+-- (backends 1, 2, ...: the caller's bstate keys, in the settings' order).
+local function backend_states(state, keys, from, to)
+  local states = {[0] = state}
+  for i = from, to do states[i - from + 1] = keys[i] end
+  return states
+end
+
+-- Give back what a lease holds to the counters of its backend (`states`: backend_states); the
+-- counters always equal the sum over the live leases of their backend. A lease of a backend
+-- the caller has no hash for (one no longer in the settings) only goes.
+local function free_lease(states, leases, leases_info, id)
   local f = lease_get(leases_info, id)
   if not f then return false end
-  redis.call('HINCRBY', state, 'in_flight', -1)
-  redis.call('HINCRBY', state, 'kv', -tonumber(f.kv))
-  if f.long:sub(1, 1) == '1' then redis.call('HINCRBY', state, 'long', -1) end
-  if f.long:sub(2) == 'i' then redis.call('HINCRBY', state, 'inter', -1) end
-  if f.owner then redis.call('HINCRBY', state, 'claimed', -1) end
+  local state = states[tonumber(f.backend)]
+  if state then
+    redis.call('HINCRBY', state, 'in_flight', -1)
+    redis.call('HINCRBY', state, 'kv', -tonumber(f.kv))
+    if f.long:sub(1, 1) == '1' then redis.call('HINCRBY', state, 'long', -1) end
+    if f.long:sub(2) == 'i' then redis.call('HINCRBY', state, 'inter', -1) end
+    if f.owner then redis.call('HINCRBY', state, 'claimed', -1) end
+  end
   redis.call('HDEL', leases_info, id)
   redis.call('ZREM', leases, id)
   return true
 end
 
+-- Is the item in the queue the caller read from it (project, band, size, elig)?
+local function in_queue(f, project, band, size, elig)
+  return f.project == project and f.band == band and f.size == size and f.elig == elig
+end
+
 -- Put a job whose lease is gone (or a continuation whose not-before time came) back in line at
 -- its original score (and its deadline back). `pending` is the queue the caller read from the
--- item (project, band, size); only ADD rewrites those fields and it marks the item pending, so a
--- job that is not pending still has them.
-local function requeue_item(state, items, pending, projects, deadlines, id, project, band, size)
+-- item (project, band, size, elig); only ADD rewrites those fields and it marks the item pending,
+-- so a job that is not pending still has them. `state` is the one with `queued` (backend 0's).
+local function requeue_item(state, items, pending, projects, deadlines, id, project, band, size, elig)
   local f = item_get(items, id)
   if not f or f.pending == '1' then return false end
-  if f.project ~= project or f.band ~= band or f.size ~= size then return false end
+  if not in_queue(f, project, band, size, elig) then return false end
   redis.call('ZADD', pending, f.score, id)
   f.pending, f.deferred = '1', nil
   item_put(items, id, f)
   redis.call('HINCRBY', state, 'queued', 1)
-  redis.call('SADD', projects, f.project)
+  redis.call('SADD', projects, group_of(f.project, f.elig))
   if f.deadline then redis.call('ZADD', deadlines, f.deadline, id) end
   return true
 end
@@ -107,9 +150,9 @@ end
 -- Take a pending job out of line (cancel, deadline); keep its item while a lease needs it.
 -- A pending item whose queue is not the one the caller read (it was added again in between)
 -- is left alone: the caller's view is stale, nothing is removed.
-local function unqueue(state, items, leases_info, pending, deadlines, id, project, band, size)
+local function unqueue(state, items, leases_info, pending, deadlines, id, project, band, size, elig)
   local f = item_get(items, id)
-  if f and f.pending == '1' and (f.project ~= project or f.band ~= band or f.size ~= size) then
+  if f and f.pending == '1' and not in_queue(f, project, band, size, elig) then
     return false
   end
   redis.call('ZREM', deadlines, id)

@@ -8,18 +8,19 @@
 -- KEYS[5] wake       list
 -- KEYS[6] items      hash  job id -> admission facts (prelude)
 -- then one per job j = 0, 1, ...:
--- KEYS[7+j] pending:<project>:<band>:<size>  zset  (the job's queue, as the caller read the item)
--- ARGV: now, then (id, project, band, size) per job, in the same order as the keys.
+-- KEYS[7+j] pending:<project>:<band>:<size>[:<elig>]  zset  (the job's queue, as the caller read
+--                                                    the item)
+-- ARGV: now, then (id, project, band, size, elig) per job, in the same order as the keys.
 -- Returns the ids put in line.
 local now, out = tonumber(ARGV[1]), {}
 for j = 0, #KEYS - 7 do
-  local a = 2 + 4 * j
+  local a = 2 + 5 * j
   local id = ARGV[a]
   local due = redis.call('ZSCORE', KEYS[1], id)
   if due and tonumber(due) <= now then
     redis.call('ZREM', KEYS[1], id)
     if requeue_item(KEYS[2], KEYS[6], KEYS[7 + j], KEYS[3], KEYS[4], id, ARGV[a + 1], ARGV[a + 2],
-        ARGV[a + 3]) then
+        ARGV[a + 3], ARGV[a + 4]) then
       table.insert(out, id)
     end
   end

@@ -7,22 +7,26 @@
 -- inference worker runs only the saved turn that carries it (fleet/worker/jobs/common.py).
 -- KEYS[1]  lease                            hash  job id -> lease (prelude)
 -- KEYS[2]  leases                           zset  in-flight job ids by lease expiry
--- KEYS[3]  state                            hash  in_flight kv long claimed queued
+-- KEYS[3]  state                            hash  backend 0's in_flight kv long inter claimed;
+--                                                 queued
 -- KEYS[4]  items                            hash  job id -> admission facts (prelude)
--- KEYS[5]  pending:<project>:<band>:<size>  zset  the job's queue for its new prompt's size
+-- KEYS[5]  pending:<project>:<band>:<size>[:<elig>]  zset  the job's queue for its new prompt's
+--                                                 size
 -- KEYS[6]  projects                         set
 -- KEYS[7]  deadlines                        zset
 -- KEYS[8]  wake                             list
 -- KEYS[9]  deferred                         zset  continuations waiting for their not-before time
 -- KEYS[10] continuations                    set   ids of jobs that were readmitted (a hint list)
+-- KEYS[11..] bstate:<name>                    hash  backends 1, 2, ...'s counters (prelude:
+--                                                 backend_states): the lease frees its backend's
 -- ARGV: id, fence, project, band, size (of the new prompt), max_new, kv, not_before, now,
---       prompt, uncached, turn
+--       prompt, uncached, turn, elig (of the item as read)
 -- Returns 1 when the job was readmitted, 0 for a stale fence or a job without its item.
 local id = ARGV[1]
 local lease = lease_get(KEYS[1], id)
 local f = item_get(KEYS[4], id)
 if not lease or lease.fence ~= ARGV[2] or not f then return 0 end
-free_lease(KEYS[3], KEYS[2], KEYS[1], id)
+free_lease(backend_states(KEYS[3], KEYS, 11, #KEYS), KEYS[2], KEYS[1], id)
 f.max_new, f.kv, f.cont = ARGV[6], ARGV[7], ARGV[12]
 f.size, f.prompt, f.uncached = ARGV[5], ARGV[10], ARGV[11]
 f.long = ARGV[5] == 'long' and '1' or '0'
@@ -33,7 +37,7 @@ if tonumber(ARGV[8]) > tonumber(ARGV[9]) then
   redis.call('ZADD', KEYS[9], ARGV[8], id)
 else
   item_put(KEYS[4], id, f)
-  requeue_item(KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], id, ARGV[3], ARGV[4], ARGV[5])
+  requeue_item(KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], id, ARGV[3], ARGV[4], ARGV[5], ARGV[13])
 end
 wake(KEYS[8])
 return 1

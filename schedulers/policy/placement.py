@@ -1,0 +1,155 @@
+"""Which candidate goes next, and to which backend: the admission limits of every backend applied to
+the candidates in fair order (docs/backends.md, sections 5 and 6).
+
+Pure, like limits.py, whose rules it applies to each backend on its own; the Redis store's
+admission script repeats it (schedulers/store/lua/admit.lua ``decide``), the in-memory twin calls
+it. With one backend it is limits.py's admission of one server: the first candidate in fair order
+that fits, and the first candidate's reservation.
+
+For each candidate in fair order, the backends of its eligibility mask (bit b: backend b, in the
+settings' order) are tried. A backend is usable for it when its gate passes (its scrape is fresh
+and holds nothing: ``gates``), its global limits pass (sequences, outside clients, spacing) and
+every limit of one job holds on it for this candidate (``limits.check_job`` with the candidate's
+cost on that backend: its KV blocks, long threshold and prefill figures). Among the usable ones
+the least loaded wins, load = max(in flight / max_num_seqs, reserved KV / KV budget), ties by the
+settings' order (``pick``: where the prefix-cache hint and the imbalance thresholds of section 6
+come in later). A candidate no backend can take is passed over and the next one is tried, so a
+full backend never stalls another; its reason is the one of its *best* backend: the least loaded
+whose gate passes (else the least loaded), ties by order.
+
+The head-of-line reservation (limits.py: ``hol_bypass_s``) is per backend. A backend's *head* is
+the first candidate in fair order whose mask names it. A head no backend takes reserves its best
+backend when that is one of the backends it heads and the reason there is a reserving one (kv,
+bucket, the drain): once it has been blocked there for that backend's ``hol_bypass_s``, the
+backend is closed to every candidate behind it until the head fits; its other backends stay open.
+A head granted anywhere clears the reservation of every backend it headed.
+
+The reason of a round that grants nothing is the first candidate's (its best backend's, or
+``no_backend`` when its mask names no configured backend), with the soonest time-based lift of
+any candidate on any backend tried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from schedulers.policy.fairshare import Head
+from schedulers.policy.limits import RESERVING_REASONS, Cost, Limits, LimitState, check_global, check_job
+
+NO_BACKEND = "no_backend"
+
+
+@dataclass
+class BackendView:
+    """One backend as admission sees it: its limits, its counters (changed by the reservation) and
+    what its gate said (``gate``: a hold reason, or None) and its outside clients hold."""
+
+    limits: Limits
+    state: LimitState
+    gate: str | None = None
+    outside: float = 0.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The candidate to admit (``index``) on ``backend``, or why none (``reason``, ``retry_in_s``)."""
+
+    index: int | None
+    backend: int | None = None
+    reason: str | None = None
+    retry_in_s: float | None = None
+
+
+def eligible_on(mask: int, backend: int) -> bool:
+    return (mask >> backend) & 1 == 1
+
+
+def load(view: BackendView) -> float:
+    """How full a backend is: its busier share of sequences or of the KV budget."""
+    seqs = view.state.in_flight / view.limits.max_num_seqs
+    kv = view.state.reserved_kv_tokens / view.limits.kv_budget_tokens if view.limits.kv_budget_tokens > 0 else 0.0
+    return max(seqs, kv)
+
+
+def pick(views: Sequence[BackendView], usable: Sequence[int]) -> int:
+    """The backend a candidate goes to among those that can take it: the least loaded, then the
+    settings' order. (Section 6's prefix-cache hint and imbalance thresholds go here.)"""
+    return min(usable, key=lambda b: (load(views[b]), b))
+
+
+def best(views: Sequence[BackendView], tried: Sequence[int]) -> int:
+    """The backend whose reason a passed-over candidate reports (and which it may reserve)."""
+    return min(tried, key=lambda b: (views[b].gate is not None, load(views[b]), b))
+
+
+def place(
+    views: Sequence[BackendView],
+    heads: Sequence[Head],
+    costs: Callable[[int, int], Cost],
+    now: float,
+    only: Callable[[Head], bool] | None = None,
+) -> Placement:
+    """Try ``heads`` (fair order) on ``views`` (settings' order); ``costs(i, b)`` is candidate i's
+    cost on backend b; ``only``: candidates it refuses are passed over ('no_workers'). Updates the
+    reservation fields of the states (module docstring)."""
+    if not heads:
+        return Placement(None, reason="empty")
+    blocked = [_global(view, now) for view in views]
+    protect = [
+        view.state.interactive_in_flight > 0
+        or any(h.band == "interactive" and eligible_on(h.eligible, b) for h in heads)
+        for b, view in enumerate(views)
+    ]
+    headed = [False] * len(views)  # the backend's head was tried
+    closed = [False] * len(views)  # reserved by its head: nobody behind it goes there
+    first_reason: str | None = None
+    soonest: float | None = None
+    for index, head in enumerate(heads):
+        tried = [b for b in range(len(views)) if eligible_on(head.eligible, b) and not closed[b]]
+        if not tried:
+            if index == 0:
+                first_reason = NO_BACKEND
+            continue
+        refused = only is not None and not only(head)
+        verdicts = {b: blocked[b] if blocked[b][0] is not None
+                    else ("no_workers", None) if refused
+                    else check_job(views[b].limits, views[b].state, costs(index, b), now, protect[b])
+                    for b in tried}
+        usable = [b for b in tried if verdicts[b][0] is None]
+        if usable:
+            for b in tried:
+                if not headed[b]:
+                    views[b].state.blocked_job = None
+            return Placement(index, pick(views, usable))
+        soonest = min([r for _why, r in verdicts.values() if r is not None] + ([] if soonest is None else [soonest]),
+                      default=None)
+        target = best(views, tried)
+        why = verdicts[target][0]
+        if index == 0:
+            first_reason = why
+        if not headed[target] and _reserves(views[target], head, why, now):
+            closed[target] = True
+        for b in tried:
+            headed[b] = True
+        if all(closed):
+            break
+    return Placement(None, reason=first_reason, retry_in_s=soonest)
+
+
+def _global(view: BackendView, now: float) -> tuple[str | None, float | None]:
+    """What stops every candidate on this backend: its gate, then ``limits.check_global``."""
+    if view.gate is not None:
+        return view.gate, None
+    return check_global(view.limits, view.state, now, view.outside)
+
+
+def _reserves(view: BackendView, head: Head, why: str | None, now: float) -> bool:
+    """Does ``head``, blocked on this backend by ``why``, close it to the candidates behind it?
+    (limits.py's reservation, on this backend's state and ``hol_bypass_s``)"""
+    state = view.state
+    if why not in RESERVING_REASONS or (why == "prefill" and state.prefill_until > now):
+        return False  # the window lifts by itself: nothing to reserve
+    if state.blocked_job != head.job_id:
+        state.blocked_job, state.blocked_since = head.job_id, now
+    return now - state.blocked_since >= view.limits.hol_bypass_s
