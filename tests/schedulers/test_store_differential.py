@@ -18,6 +18,13 @@ A second run of the same machine draws only configurations with quiet long prefi
 for long prompts (``quiet_configs``), so that its admissions reach the window, the drain (paying
 or not) and the protection of interactive work, rather than stopping at the KV budget.
 
+Both draw one to three backends (gpu-a, gpu-b, small), each with limits of its own (the others'
+block size and long threshold may differ from gpu-a's), and each job an eligibility mask that
+makes sense for them: with three, "small" serves another model (mask 4) and gpu-a and gpu-b the
+same one (either: 3, or one of them: 1, 2); with two, either or one; now and then a mask naming
+a backend the config does not have. Backend verdicts are drawn per backend, and the snapshots
+compared include each backend's counters.
+
 The order of ``reap_expired``'s ids is not part of the contract (the caller only logs them), so
 they are compared as sorted lists. Resubmissions happen at any time, in flight too.
 """
@@ -43,7 +50,7 @@ from hypothesis.stateful import (
 
 from fleet.core.keys import Keys
 from schedulers.policy.limits import Limits
-from schedulers.store.base import PendingItem, StoreConfig
+from schedulers.store.base import BackendLimits, PendingItem, StoreConfig
 from schedulers.store.memory_store import MemoryStore
 from schedulers.store.redis_store import RedisStore
 from tests.support.store_cases import FakeClock
@@ -70,9 +77,29 @@ small_limits = st.builds(
     long_prefills=st.integers(1, 2),
     short_job_s=st.sampled_from([0.0, 0.0, 2.0, 60.0]),
 )
+NAMES = ("gpu-a", "gpu-b", "small")
+# Backends beside the first: another block size and long threshold now and then (the queues are
+# split by the first's threshold; each backend's KV and long cap count its own).
+more_limits = st.builds(
+    lambda limits, block, threshold: replace(limits, block_tokens=block, long_prompt_tokens=threshold),
+    small_limits, st.sampled_from([1000, 1000, 500]), st.sampled_from([LONG_PROMPT_TOKENS, 8_000, 20_000]))
+
+
+def with_backends(first: Limits, more: list[Limits], **fields: Any) -> StoreConfig:
+    """A config of ``first`` and ``more`` (gpu-a, gpu-b, small, in that order)."""
+    return StoreConfig.with_backends(
+        [BackendLimits(name, limits) for name, limits in zip(NAMES, [first, *more], strict=False)], **fields)
+
+
+def masks_for(count: int) -> tuple[int, ...]:
+    """Eligibility masks of a fleet of ``count`` backends (module docstring)."""
+    return {1: (1,), 2: (3, 3, 1, 2), 3: (3, 3, 1, 2, 4)}[count]
+
+
 configs = st.builds(
-    StoreConfig,
-    limits=small_limits,
+    with_backends,
+    first=small_limits,
+    more=st.lists(more_limits, max_size=2),
     lease_ttl_s=st.just(30.0),
     aging_s=st.sampled_from([10.0, 60.0]),
     weights=st.dictionaries(st.sampled_from(PROJECTS), st.sampled_from([0.5, 1.0, 3.0])),
@@ -82,8 +109,18 @@ configs = st.builds(
 # Quiet long prefills in play all along: room for long prompts (KV, bucket), so that admissions
 # reach the window, the drain (paying or not) and the bands' protection instead of stopping at kv.
 quiet_configs = st.builds(
-    StoreConfig,
-    limits=st.builds(
+    with_backends,
+    more=st.lists(st.builds(
+        lambda limits, threshold: replace(limits, long_prompt_tokens=threshold),
+        st.builds(Limits, max_num_seqs=st.integers(1, 4), kv_budget_tokens=st.just(200_000),
+                  block_tokens=st.sampled_from([1000, 500]), max_long=st.integers(1, 2),
+                  prefill_tokens_per_s=st.just(1e9), prefill_burst_tokens=st.just(10**9),
+                  hol_bypass_s=st.sampled_from([0.0, 3.0, 10.0]),
+                  long_prefill_tokens_per_s=st.sampled_from([0.0, 5_000.0]),
+                  short_beside_long=st.integers(0, 1), long_prefills=st.integers(1, 2),
+                  short_job_s=st.sampled_from([0.0, 2.0, 60.0])),
+        st.sampled_from([LONG_PROMPT_TOKENS, 8_000])), max_size=2),
+    first=st.builds(
         Limits,
         max_num_seqs=st.integers(2, 4),
         kv_budget_tokens=st.just(200_000),
@@ -114,6 +151,8 @@ jobs = st.fixed_dictionaries(
         # prep's prefix-cache estimate: none (the whole prompt), mostly cached, around the long
         # threshold, more than the prompt (clamped)
         "uncached_tokens": st.sampled_from([None, 0, 800, LONG_PROMPT_TOKENS + 1, 30_000]),
+        # the job's eligibility class: masks_for(backends)[cls], or 29: a backend not configured
+        "cls": st.integers(0, 29),
     }
 )
 
@@ -131,7 +170,7 @@ other_ops = st.one_of(
     st.tuples(st.just("promote")),
     st.tuples(st.just("hurry")),
     st.tuples(st.just("verdict"), st.sampled_from([0.0, 0.0, 6.0]), st.sampled_from(["", "", "waiting", "kv_usage"]),
-              st.sampled_from(["0.0", "1.0", "3.0"])),
+              st.sampled_from(["0.0", "1.0", "3.0"]), st.integers(0, 2)),
 )
 
 
@@ -156,7 +195,11 @@ class Differential(RuleBasedStateMachine):
         self.keys = Keys(f"{self.prefix}{uuid.uuid4().hex[:12]}:")
         self.memory = MemoryStore(config, clock=self.clock)
         self.redis = RedisStore(self.client, self.keys, config, clock=self.clock)
-        self.both("record_backend", self.clock.now, "", {})
+        self.names = [b.name for b in config.backends]
+        self.masks = masks_for(len(self.names))
+        event(f"backends: {len(self.names)}")
+        for name in self.names:
+            self.both("record_backend", self.clock.now, "", {}, name)
 
     def teardown(self) -> None:
         if hasattr(self, "keys"):
@@ -174,11 +217,12 @@ class Differential(RuleBasedStateMachine):
         now = self.clock.now
         for spec in jobs:
             fields = dict(spec)
-            age_s, deadline_in_s = fields.pop("age_s"), fields.pop("deadline_in_s")
+            age_s, deadline_in_s, cls = fields.pop("age_s"), fields.pop("deadline_in_s"), fields.pop("cls")
             item = PendingItem(
                 f"j{len(self.submitted)}", **fields,
                 enqueued_at=0.0 if age_s is None else now - age_s,
                 deadline=None if deadline_in_s is None else now + deadline_in_s,
+                eligible=1 << len(self.names) if cls == 29 else self.masks[cls % len(self.masks)],
             )
             self.submitted.append(item)
             self.both("add_pending", item)
@@ -235,8 +279,9 @@ class Differential(RuleBasedStateMachine):
             self.both("hurry", f"j{index % (len(self.submitted) + 1)}", self.clock.now)
         elif name == "verdict":
             figures = {"waiting": "0", "outside": extra[2]}  # outside clients hold sequences
-            self.both("record_backend", self.clock.now - extra[0], extra[1], figures)
-            assert self.memory.backend() == self.redis.backend()
+            name = self.names[extra[3] % len(self.names)]
+            self.both("record_backend", self.clock.now - extra[0], extra[1], figures, name)
+            assert self.memory.backend(name) == self.redis.backend(name)
 
     @rule(seconds=st.sampled_from([0.3, 0.7, 5.0, 12.0, 31.0]))
     def time_passes(self, seconds: float) -> None:
@@ -253,12 +298,21 @@ class Differential(RuleBasedStateMachine):
         for call in ("snapshot", "lease_fences", "pending_ids", "next_deadline", "next_expiry",
                      "next_not_before", "continuations"):
             self.both(call)
+        assert self.redis.recount() == {}  # each backend's counters are the sums over its leases
 
 
 class QuietDifferential(Differential):
     """The same machine on ``quiet_configs``."""
 
     @initialize(config=quiet_configs)
+    def start(self, config: StoreConfig) -> None:
+        Differential.start(self, config)
+
+
+class BackendsDifferential(Differential):
+    """The same machine on ``configs`` of two or three backends only."""
+
+    @initialize(config=configs.filter(lambda config: len(config.backends) > 1))
     def start(self, config: StoreConfig) -> None:
         Differential.start(self, config)
 
@@ -270,6 +324,11 @@ def test_memory_and_redis_stores_agree(key_prefix: str) -> None:
 def test_memory_and_redis_stores_agree_on_quiet_long_prefills(key_prefix: str) -> None:
     """Quiet windows, drains that pay or not, interactive and batch work side by side."""
     _agree(QuietDifferential, key_prefix)
+
+
+def test_memory_and_redis_stores_agree_across_backends(key_prefix: str) -> None:
+    """Two or three backends, one of another model: placement, per-backend limits and gates."""
+    _agree(BackendsDifferential, key_prefix)
 
 
 def _agree(base: type[Differential], key_prefix: str) -> None:

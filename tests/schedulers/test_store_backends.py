@@ -1,0 +1,319 @@
+"""Admission across several backends (docs/backends.md, sections 4 to 6), on the in-memory twin and
+on Redis (Lua): every limit held per backend, a job only a full backend can take holding up
+nobody, a lease freeing only its own backend's counters however it ends, the gate per backend,
+the head-of-line reservation per backend, and the keys of a one-backend fleet unchanged.
+
+Backends here are "gpu-a" (0), "gpu-b" (1) and "small" (2); a job's ``eligible`` is the bit mask
+of the backends it may run on (1: gpu-a, 2: gpu-b, 3: either, 4: small).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import redis
+
+from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.keys import Keys
+from schedulers.policy.limits import Limits, kv_tokens
+from schedulers.store.base import BackendLimits, BackendSnapshot, PendingItem, StoreConfig
+from schedulers.store.records import Item, Lease
+from schedulers.store.redis_store import RedisStore
+from tests.support.store_cases import BASE, FakeClock, StoreFactory, admit_ids, job, make_store
+
+__all__ = ["make_store"]  # the parametrised fixture, memory and Redis
+
+NOW = 1_010.0
+
+
+def backends(*caps: int, **changes: object) -> StoreConfig:
+    """A config of len(caps) backends (gpu-a, gpu-b, small), each BASE's limits with that
+    max_num_seqs; ``changes``: ``<index>_<field>`` of one backend's limits."""
+    names = ("gpu-a", "gpu-b", "small")
+    entries = []
+    for index, cap in enumerate(caps):
+        mine = {k.split("_", 1)[1]: v for k, v in changes.items() if k.startswith(f"b{index}_")}
+        entries.append(BackendLimits(names[index], replace(BASE.limits, max_num_seqs=cap, **mine)))
+    return StoreConfig.with_backends(entries, lease_ttl_s=30.0, aging_s=60.0, gate=False)
+
+
+def on(store, name: str) -> BackendSnapshot:
+    return store.snapshot().backends[name]
+
+
+def granted(store, now: float = NOW) -> list[tuple[str, str]]:
+    """(job, backend) of every grant until a hold."""
+    out = []
+    while (result := store.admit_next(now)).grant:
+        out.append((result.grant.job_id, result.grant.backend))
+    return out
+
+
+# -- caps per backend -------------------------------------------------------------------------
+@pytest.mark.parametrize("caps", [(2, 3), (2, 3, 1)], ids=["2 backends", "3 backends"])
+def test_each_backend_holds_its_own_sequence_cap(make_store: StoreFactory, caps: tuple[int, ...]) -> None:
+    store = make_store(backends(*caps))
+    every = (1 << len(caps)) - 1
+    for i in range(10):
+        store.add_pending(job(f"j{i}", project="abc"[i % 3], eligible=every))
+    grants = granted(store)
+    assert len(grants) == sum(caps)
+    assert store.admit_next(NOW).hold_reason == "seqs"
+    snap = store.snapshot()
+    assert {name: b.in_flight for name, b in snap.backends.items()} == dict(
+        zip(("gpu-a", "gpu-b", "small"), caps, strict=False))
+    assert snap.in_flight == sum(caps)
+    assert snap.reserved_kv_tokens == sum(b.reserved_kv_tokens for b in snap.backends.values())
+
+
+def test_the_least_loaded_backend_gets_the_job_ties_in_settings_order(make_store: StoreFactory) -> None:
+    """gpu-a seats 2, gpu-b 4: a half-full gpu-a counts as loaded as a half-full gpu-b."""
+    store = make_store(backends(2, 4))
+    for i in range(6):
+        store.add_pending(job(f"j{i}", eligible=3))
+    assert granted(store) == [("j0", "gpu-a"), ("j1", "gpu-b"), ("j2", "gpu-b"), ("j3", "gpu-a"),
+                              ("j4", "gpu-b"), ("j5", "gpu-b")]
+
+
+def test_kv_long_and_block_size_are_each_backends_own(make_store: StoreFactory) -> None:
+    """gpu-b has 500-token blocks, a 6,000-token long threshold and room for one long prompt;
+    a job's KV reservation and long flag are those of the backend it runs on."""
+    store = make_store(backends(4, 4, b1_block_tokens=500, b1_long_prompt_tokens=6_000, b1_max_long=1,
+                                b0_kv_budget_tokens=3_000))
+    store.add_pending(job("a0", prompt=2_001, new=0, eligible=1))  # gpu-a: 3 blocks of 1,000
+    store.add_pending(job("b1", prompt=2_001, new=0, eligible=2))  # gpu-b: 5 blocks of 500
+    store.add_pending(job("b2", prompt=7_000, new=0, eligible=2))  # long on gpu-b
+    store.add_pending(job("b3", prompt=7_000, new=0, eligible=2))  # the second long one waits
+    store.add_pending(job("a4", prompt=500, new=0, eligible=1))  # gpu-a's KV budget is full
+    results = store.admit_many(NOW, 8)
+    grants = {r.grant.job_id: r.grant for r in results if r.grant}
+    assert sorted(grants) == ["a0", "b1", "b2"]
+    assert (grants["a0"].kv_tokens, grants["a0"].backend) == (3_000, "gpu-a")
+    assert (grants["b1"].kv_tokens, grants["b1"].long) == (2_500, False)
+    assert (grants["b2"].kv_tokens, grants["b2"].long) == (kv_tokens(7_000, 0, 500), True)
+    # b3, first in line now, is held by gpu-b's long cap (and a4 behind it by gpu-a's KV budget)
+    assert results[-1].hold_reason == "long"
+    assert store.pending_ids() == {"b3", "a4"}
+    assert store.cancel_pending("b3")
+    assert store.admit_next(NOW).hold_reason == "kv"
+    assert on(store, "gpu-a") == BackendSnapshot(1, 3_000, 0, 0, 0)
+    assert on(store, "gpu-b") == BackendSnapshot(2, 2_500 + 7_000, 1, 0, 0)
+
+
+# -- a full backend blocks nobody else --------------------------------------------------------
+@pytest.mark.parametrize("caps", [(1, 3), (1, 3, 2)], ids=["2 backends", "3 backends"])
+def test_a_job_only_a_full_backend_can_take_holds_up_no_one(make_store: StoreFactory,
+                                                            caps: tuple[int, ...]) -> None:
+    """gpu-a is full: project a's next job, only for gpu-a, waits first in line, and both the
+    same project's job for gpu-b behind it and project b's (behind it in fair order: b was
+    served before) go."""
+    store = make_store(backends(*caps))
+    store.add_pending(job("z0", project="z", eligible=1))
+    store.add_pending(job("b0", project="b", eligible=2))
+    assert sorted(granted(store)) == [("b0", "gpu-b"), ("z0", "gpu-a")]
+    assert store.release("b0", store.lease_fences()["b0"])
+    store.add_pending(job("a1", eligible=1))  # first in line, only gpu-a
+    store.add_pending(job("a2", eligible=2))
+    store.add_pending(job("b3", project="b", eligible=2))
+    results = store.admit_many(NOW, 8)
+    assert [(r.grant.job_id, r.grant.backend) for r in results if r.grant] == [("a2", "gpu-b"), ("b3", "gpu-b")]
+    assert results[-1].hold_reason == "seqs"  # a1's, on gpu-a
+    assert store.pending_ids() == {"a1"}
+
+
+def test_a_reservation_drains_only_the_backend_it_is_on(make_store: StoreFactory) -> None:
+    """A big job first in line, blocked by gpu-a's KV budget for hol_bypass_s, keeps gpu-a for
+    itself (short jobs stop passing it there) while gpu-b goes on admitting."""
+    store = make_store(backends(4, 4, b0_kv_budget_tokens=5_000, b1_kv_budget_tokens=5_000))
+    store.add_pending(job("s0", project="b", prompt=1_500, new=0, eligible=1))
+    assert granted(store, 1_000.0) == [("s0", "gpu-a")]
+    store.add_pending(job("big", prompt=4_000, new=0, eligible=1, enqueued_at=990.0))
+    store.add_pending(job("s1", project="b", prompt=500, new=0, eligible=1))
+    store.add_pending(job("t1", project="c", prompt=500, new=0, eligible=2))
+    assert granted(store, 1_000.0) == [("t1", "gpu-b"), ("s1", "gpu-a")]  # within the window
+    store.add_pending(job("s2", project="b", prompt=500, new=0, eligible=1))
+    store.add_pending(job("t2", project="c", prompt=500, new=0, eligible=2))
+    assert granted(store, 1_006.0) == [("t2", "gpu-b")]  # gpu-a reserved for big: s2 waits
+    assert store.admit_next(1_006.0).hold_reason == "kv"
+    for name in ("s0", "s1"):
+        assert store.release(name, store.lease_fences()[name])
+    assert granted(store, 1_006.0) == [("big", "gpu-a"), ("s2", "gpu-a")]
+
+
+def test_a_mask_naming_no_configured_backend_holds_up_no_one(make_store: StoreFactory) -> None:
+    store = make_store(backends(2, 2))
+    store.add_pending(job("x0", eligible=4))  # a third backend this config does not have
+    store.add_pending(job("b1", project="b"))
+    assert granted(store) == [("b1", "gpu-a")]
+    assert store.admit_next(NOW).hold_reason == "no_backend"
+    with pytest.raises(ValueError, match="names no backend"):
+        store.add_pending(job("z", eligible=0))
+
+
+# -- a lease frees its own backend only ---------------------------------------------------------
+def _one_on_each(store) -> dict[str, int]:
+    store.add_pending(job("a0", prompt=12_000, new=0, eligible=1, band="interactive"))
+    store.add_pending(job("b1", project="b", prompt=700, new=300, eligible=2))
+    assert sorted(granted(store)) == [("a0", "gpu-a"), ("b1", "gpu-b")]
+    return store.lease_fences()
+
+
+@pytest.mark.parametrize("end", ["release", "requeue", "readmit", "reap"])
+@pytest.mark.parametrize("caps", [(4, 4), (4, 4, 4)], ids=["2 backends", "3 backends"])
+def test_a_lease_frees_only_its_own_backends_counters(make_store: StoreFactory, end: str,
+                                                      caps: tuple[int, ...]) -> None:
+    clock = FakeClock(NOW)
+    store = make_store(backends(*caps), clock)
+    fences = _one_on_each(store)
+    assert store.claim("a0", fences["a0"], "w1", NOW) and store.claim("b1", fences["b1"], "w2", NOW)
+    a_before = on(store, "gpu-a")
+    assert a_before == BackendSnapshot(1, 12_000, 1, 1, 1)
+    assert on(store, "gpu-b") == BackendSnapshot(1, 1_000, 0, 0, 1)
+    if end == "release":
+        assert store.release("b1", fences["b1"])
+    elif end == "requeue":
+        assert store.requeue("b1", fences["b1"])
+    elif end == "readmit":
+        assert store.readmit("b1", fences["b1"], 300, NOW, NOW)
+    else:
+        assert store.renew("a0", fences["a0"], NOW + 20)
+        assert store.reap_expired(NOW + 31) == ["b1"]
+    assert on(store, "gpu-b") == BackendSnapshot()
+    assert on(store, "gpu-a") == a_before
+    if len(caps) == 3:
+        assert on(store, "small") == BackendSnapshot()
+    if end != "release":  # back in line, for gpu-b again
+        assert granted(store, NOW + 31) == [("b1", "gpu-b")]
+
+
+# -- the gate per backend ---------------------------------------------------------------------
+def test_a_stale_backend_is_passed_over_and_used_again_once_fresh(make_store: StoreFactory) -> None:
+    clock = FakeClock(NOW)
+    store = make_store(replace(backends(2, 2, 2), gate=True, scrape_stale_s=5.0), clock)
+    store.record_backend(NOW, "", {})  # gpu-a
+    store.record_backend(NOW, "waiting", {}, "small")
+    store.record_backend(NOW - 6, "", {"outside": "1"}, "gpu-b")  # stale
+    store.add_pending(job("b0", eligible=2))  # only gpu-b
+    store.add_pending(job("e1", project="b", eligible=3))
+    store.add_pending(job("s2", project="c", eligible=4))
+    assert granted(store) == [("e1", "gpu-a")]
+    assert store.admit_next(NOW).hold_reason == "backend_stale"  # b0 first in line, on gpu-b
+    assert store.backend("gpu-b")["outside"] == "1" and store.backend()["hold"] == ""
+    store.record_backend(NOW, "", {"outside": "1"}, "gpu-b")  # fresh, outside clients hold one
+    assert granted(store) == [("b0", "gpu-b")]
+    store.record_backend(NOW, "", {}, "small")
+    assert granted(store) == [("s2", "small")]
+    store.add_pending(job("b3", eligible=2))
+    assert store.admit_next(NOW).hold_reason == "outside"
+    with pytest.raises(KeyError):
+        store.record_backend(NOW, "", {}, "gpu-z")
+
+
+# -- continuations keep their class ----------------------------------------------------------------
+def test_a_continuation_goes_back_to_its_own_class(make_store: StoreFactory) -> None:
+    clock = FakeClock(NOW)
+    store = make_store(backends(2, 2), clock)
+    store.add_pending(job("j0", eligible=2))
+    fence = store.admit_next(NOW).grant.fence
+    assert store.readmit("j0", fence, 500, NOW + 5, NOW, prompt_tokens=700, turn=2)
+    assert store.continuations() == {"a": {"deferred": 1}}
+    assert store.promote_due(NOW + 5) == ["j0"]
+    store.add_pending(job("j1", eligible=1))
+    again = store.admit_many(NOW + 5, 4)
+    assert [(r.grant.job_id, r.grant.backend) for r in again if r.grant] == [("j0", "gpu-b"), ("j1", "gpu-a")]
+    assert store.turn_of("j0") == 2
+
+
+# -- Redis: keys, records, recount, gateway ---------------------------------------------------------
+def _redis(redis_client: redis.Redis, key_prefix: str, config: StoreConfig, clock: FakeClock | None = None
+           ) -> tuple[RedisStore, str]:
+    store = RedisStore(redis_client, Keys(key_prefix), config, clock=clock or FakeClock(NOW))
+    return store, Keys(key_prefix).dispatch
+
+
+def test_one_backend_keeps_its_keys_and_records(redis_client: redis.Redis, key_prefix: str) -> None:
+    store, d = _redis(redis_client, key_prefix, BASE)
+    store.add_pending(job("j0"))
+    store.add_pending(job("j1"))
+    grant = store.admit_next(NOW).grant
+    assert grant is not None and grant.backend == "default"
+    assert store.claim(grant.job_id, grant.fence, "w1", NOW)
+    keys = {k.decode().removeprefix(d) for k in redis_client.scan_iter(match=f"{d}*")}
+    assert keys == {"items", "pending:a:batch:short", "projects", "state", "vtime", "wake", "leases", "lease",
+                    "fences", "stats"}
+    raw_item = redis_client.hget(d + "items", "j1").decode()
+    assert len(raw_item.split(" ")) == 14 and Item.unpack(raw_item).elig == "1"  # no elig written
+    raw_lease = redis_client.hget(d + "lease", "j0").decode()
+    assert raw_lease.endswith(" a w1") and Lease.unpack(raw_lease).backend == "0"  # no backend written
+    assert redis_client.smembers(d + "projects") == {b"a"}
+
+
+def test_several_backends_keys_and_records(redis_client: redis.Redis, key_prefix: str) -> None:
+    store, d = _redis(redis_client, key_prefix, replace(backends(2, 2), gate=True))
+    store.record_backend(NOW, "", {})
+    store.record_backend(NOW, "", {}, "gpu-b")
+    store.add_pending(job("j0", eligible=2))
+    store.add_pending(job("j1", eligible=3))
+    assert redis_client.smembers(d + "projects") == {b"a:2", b"a:3"}
+    assert redis_client.zrange(d + "pending:a:batch:short:2", 0, -1) == [b"j0"]
+    assert Item.unpack(redis_client.hget(d + "items", "j1").decode()).where == ("a", "batch", "short", "3")
+    assert granted(store) == [("j0", "gpu-b"), ("j1", "gpu-a")]
+    assert Lease.unpack(redis_client.hget(d + "lease", "j0").decode()).backend == "1"
+    assert store.claim("j0", store.lease_fences()["j0"], "w1", NOW)
+    assert redis_client.hget(d + "bstate:gpu-b", "claimed") == b"1"
+    assert redis_client.hget(d + "state", "claimed") in (None, b"0")
+    assert redis_client.hget(d + "backend:gpu-b", "hold") == b""
+    assert store.cancel_pending("nothing") is False
+    store.add_pending(job("j2", eligible=2))
+    assert store.cancel_pending("j2") and store.pending_ids() == set()
+
+
+def test_recount_puts_each_backends_counters_right(redis_client: redis.Redis, key_prefix: str) -> None:
+    store, d = _redis(redis_client, key_prefix, backends(4, 4, 4))
+    store.add_pending(job("a0", prompt=12_000, eligible=1))
+    store.add_pending(job("c1", project="c", prompt=12_000, eligible=4, band="interactive"))
+    assert len(granted(store)) == 2
+    assert store.recount() == {}
+    redis_client.hincrby(d + "bstate:small", "long", 1)
+    redis_client.hincrby(d + "bstate:gpu-b", "in_flight", 2)
+    redis_client.hincrby(d + "state", "kv", -1)
+    assert store.recount() == {"small:long": (2, 1), "gpu-b:in_flight": (2, 0), "kv": (12_999, 13_000)}
+    assert on(store, "small") == BackendSnapshot(1, 13_000, 1, 1, 0)
+    assert store.recount() == {}
+
+
+def test_a_gateway_request_is_granted_and_claimed_on_its_backend(redis_client: redis.Redis,
+                                                                 key_prefix: str) -> None:
+    store, d = _redis(redis_client, key_prefix, backends(1, 2))
+    store.add_pending(job("q0", eligible=3))
+    assert granted(store) == [("q0", "gpu-a")]
+    request = PendingItem("g1", "g", 100, 100, band="interactive", deadline=NOW + 30, eligible=3)
+    results, fence = store.enter_gateway(request, "gateway-1", NOW, False, 8)
+    assert fence and [(r.grant.job_id, r.grant.backend) for r in results if r.grant] == [("g1", "gpu-b")]
+    assert redis_client.hget(d + "bstate:gpu-b", "claimed") == b"1"
+    assert on(store, "gpu-b").claimed == 1 and on(store, "gpu-a").claimed == 0
+
+
+def test_from_settings_lists_every_backend_in_order() -> None:
+    settings = load_settings(EXAMPLE_CONFIG, env={})
+    first = settings.backend
+    second = first.model_copy(update={"name": "gpu-b", "max_num_seqs": 7, "block_tokens": 512})
+    several = settings.model_copy(update={"backends": [first, second]})  # past the refusal at load
+    config = StoreConfig.from_settings(several)
+    assert [b.name for b in config.backends] == [first.name, "gpu-b"]
+    assert config.limits == Limits.from_settings(settings) == config.backends[0].limits
+    assert (config.backends[1].limits.max_num_seqs, config.backends[1].limits.block_tokens) == (7, 512)
+    one = StoreConfig.from_settings(settings)
+    assert one.more_backends == () and one.backend_name == first.name
+    assert replace(config, limits=replace(config.limits, max_num_seqs=1)).backends[1] == config.backends[1]
+    with pytest.raises(ValueError, match="unique"):
+        StoreConfig.with_backends([BackendLimits("x", Limits()), BackendLimits("x", Limits())])
+
+
+def test_admit_ids_helper_still_sees_one_backend(make_store: StoreFactory) -> None:
+    """The one-backend config of the other store tests: grants name backend 0, "default"."""
+    store = make_store()
+    store.add_pending(job("j0"))
+    assert admit_ids(store, NOW) == ["j0"]
+    assert list(store.snapshot().backends) == ["default"]
