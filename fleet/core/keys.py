@@ -107,41 +107,54 @@ Broker (kombu, fleet/worker/app.py)
 Dispatcher (schedulers/store/redis_store.py, its scripts in schedulers/store/lua/; D =
 ``{p}{d}:``, one hash tag for all, so a script may touch the shared counters and any job's keys)
   (the dispatcher knows a job by its ref, ``<project>/<id>``, written <id> below)
-  D pending:<project>:<band>:<size>
+  D pending:<project>:<band>:<size>[:<elig>]
                               zset   pending job refs; band interactive|batch, size short|long
-                                     (prompt over backend.long_prompt_tokens); score =
-                                     enqueued_at - priority * aging_s, in ms
+                                     (prompt over the first backend's long_prompt_tokens); elig
+                                     the job's eligibility class, the bit mask of the backends it
+                                     may run on (bit b: backend b in the settings' order), left
+                                     out for 1 (the first backend only: a one-backend fleet's
+                                     names); score = enqueued_at - priority * aging_s, in ms
                                      (fairshare.pending_score); enqueued_at is the prep
                                      worker's clock at hand-over (never the producer's submitted_at);
                                      an expired lease puts the job back at its original place
   D items                     hash   job id -> admission facts of a pending, in-flight or waiting
                                      job, one packed string "project band size prompt ..."
                                      (schedulers/store/records.py ``Item``: its fields in order,
-                                     read by name in Python and Lua); a field lives while the job
-                                     is pending, leased (a lease needs it to requeue) or waiting
-  D projects                  set    projects that may have pending work (pruned when found empty)
+                                     read by name in Python and Lua; its last field, elig, only
+                                     when it is not 1); a field lives while the job is pending,
+                                     leased (a lease needs it to requeue) or waiting
+  D projects                  set    (project, eligibility class) groups that may have pending
+                                     work: <project> for class 1, <project>:<elig> otherwise
+                                     (pruned when found empty)
   D vtime                     hash   project -> finish tag F_p (start-time fair queuing,
                                      tokens/weight)
   D leases                    zset   in-flight job ids, score = lease expiry (unix seconds)
   D lease                     hash   job id -> its lease, one packed string "fence kv long ..."
-                                     (schedulers/store/records.py ``Lease``); owner set by the
-                                     first claim, another owner's delivery is refused
+                                     (schedulers/store/records.py ``Lease``); the index of the
+                                     backend it was granted on (written when not 0) before the
+                                     owner, set by the first claim; another owner's delivery is
+                                     refused
   D deadlines                 zset   pending job ids with a deadline, score = deadline (unix s);
                                      removed at admission, cancel or expiry, back when an expired
                                      lease requeues the job
-  D state                     hash   in_flight, kv, long, inter (interactive-band), claimed (sums
-                                     over live leases), queued
-                                     (pending jobs, so a script can tell "nothing pending" without
-                                     reading queues it did not declare), bucket, bucket_at (prefill
-                                     token bucket), prefill_until, prefill_longs (quiet long
-                                     prefills: the window's end, long prefills in it), last_admit,
-                                     blocked_job, blocked_since (head-of-line reservation), vtime (V)
+  D state                     hash   the first backend's (backend 0's) in_flight, kv, long, inter
+                                     (interactive-band), claimed (sums over its live leases),
+                                     bucket, bucket_at (prefill token bucket), prefill_until,
+                                     prefill_longs (quiet long prefills: the window's end, long
+                                     prefills in it), last_admit, blocked_job, blocked_since
+                                     (head-of-line reservation); and the fleet's queued (pending
+                                     jobs, so a script can tell "nothing pending" without reading
+                                     queues it did not declare) and vtime (V)
+  D bstate:<name>             hash   the same per-backend fields for each further backend (the
+                                     second in the settings' order on): in_flight ... blocked_since
+                                     of the leases granted on it (docs/backends.md)
   D fences                    hash   project -> fencing token counter (HINCRBY; every grant gets a new,
                                      larger one of its project's own sequence)
   D wake                      list   pushed on submit/release/readmit/promotion/expiry (capped at
                                      100); dispatchers BLPOP it (no polling)
-  D backend                   hash   last /metrics + /health scrape: scraped_at, hold (the gate's
-                                     verdict), raw figures (schedulers/scrape.py)
+  D backend                   hash   the first backend's last /metrics + /health scrape: scraped_at,
+                                     hold (the gate's verdict), raw figures (schedulers/scrape.py)
+  D backend:<name>            hash   the same for each further backend
   D stats                     hash   admissions, hold:<reason>
   D deferred                  zset   continuations waiting for their not-before time (a backoff,
                                      a tool round's timeout, brought forward by its last result),

@@ -29,7 +29,8 @@ from fleet.core.usage import TurnUsage, UsageLedger
 from fleet.infer.retrying import RetryBudget
 from fleet.prep.watchdog import PrepClaim, watch_once
 from fleet.worker.heartbeat import beat, live_workers
-from schedulers.store.base import PendingItem, StoreConfig
+from schedulers.policy.limits import Limits
+from schedulers.store.base import BackendLimits, PendingItem, StoreConfig
 from schedulers.store.redis_store import COMPOSED, RedisStore
 
 LUA_FOLDERS = ("schedulers.store", "fleet.core", "fleet.prep", "fleet.infer", "fleet.worker")
@@ -128,6 +129,49 @@ def _workload(client: redis.Redis, prefix: str) -> None:
 
     ledger = UsageLedger(client, keys, settings.usage)
     assert ledger.count([TurnUsage("p", "j5", 1, 1, "OK", prompt_tokens=5)]) == 1
+
+
+def _backends_workload(client: redis.Redis, prefix: str) -> None:
+    """The dispatcher store's scripts with three backends: per-backend counters (bstate), scrapes
+    and eligibility-class queues, each lease ending another way."""
+    now = [1_000.0]
+    config = StoreConfig.with_backends(
+        [BackendLimits(name, Limits(max_num_seqs=2)) for name in ("gpu-a", "gpu-b", "small")],
+        gate=True, lease_ttl_s=10.0)
+    store = RedisStore(client, Keys(prefix), config, clock=lambda: now[0])
+    for name in ("gpu-a", "gpu-b", "small"):
+        store.record_backend(now[0], "", {}, name)
+    store.add_pending_many([PendingItem(f"j{i}", "abc"[i % 3], 500, 400, eligible=(3, 2, 4)[i % 3],
+                                        deadline=5_000.0) for i in range(6)])
+    grants = [r.grant for r in store.admit_many(now[0], 8) if r.grant is not None]
+    assert {g.backend for g in grants} == {"gpu-a", "gpu-b", "small"}
+    first, second, third, fourth, *_ = grants
+    assert store.claim(first.job_id, first.fence, "w1", now[0])
+    assert store.release(first.job_id, first.fence)
+    assert store.requeue(second.job_id, second.fence)
+    assert store.readmit(third.job_id, third.fence, 300, now[0] + 5.0, now[0])
+    assert store.grow(third.job_id, 2_000)
+    now[0] += 20.0
+    for name in ("gpu-a", "gpu-b", "small"):
+        store.record_backend(now[0], "", {}, name)
+    assert store.promote_due(now[0]) == [third.job_id]
+    assert fourth.job_id in store.reap_expired(now[0])
+    store.add_pending(PendingItem("d1", "d", 100, 100, deadline=now[0] - 1, eligible=2))
+    assert store.expire_deadlines(now[0]) == ["d1"]
+    assert store.cancel_pending(second.job_id)
+    results, fence = store.enter_gateway(PendingItem("g1", "g", 100, 100, deadline=now[0] + 30, eligible=6),
+                                         "gateway-1", now[0], True, 8)
+    assert fence
+    store.admit_gateway_only(now[0], 8)
+    assert store.recount() == {}
+
+
+def test_every_script_touches_only_the_keys_it_declares_with_several_backends(fresh_client, key_prefix) -> None:
+    after = _script_lines_follow_evalsha(fresh_client, key_prefix)
+    lines = _monitor_lines(fresh_client, key_prefix, lambda c: _backends_workload(c, key_prefix))
+    problems, _ran = undeclared_keys(fresh_client, lines, after)
+    assert problems == []
+    assert cross_slot_keys(lines) == []
 
 
 def _all_shas() -> dict[str, str]:
