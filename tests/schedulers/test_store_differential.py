@@ -4,15 +4,18 @@ A hypothesis state machine draws a small configuration (few sequences, a small K
 two long prompts at a time, one or two long prefills per quiet window, drains that pay or not
 (``short_job_s``), a tight prefill bucket,
 spacing, project weights, the backend gate on or off) and jobs with and without prep's
-uncached-token estimate, then feeds the same submits, resubmits, admissions (one at a time and several per call),
-claims, renewals, releases, requeues, readmits (continuations, with and without a not-before
-time), promotions, hurries, cancels, deadline expiries, backend verdicts and clock steps (which
-reap unrenewed leases) to a ``MemoryStore`` and a ``RedisStore`` sharing one fake clock. Every
+uncached-token estimate, then feeds the same submits, resubmits, admissions (one at a time and
+several per call), claims, renewals, releases, requeues (of any lease, or of unclaimed ones only),
+readmits (continuations, with and without a not-before time), promotions, hurries, cancels,
+deadline expiries, backend verdicts and clock steps (which reap unrenewed leases) to a
+``MemoryStore`` and a ``RedisStore`` sharing one fake clock. Every
 answer must be equal - grants (job, fence, project, sizes, expiry, wait), hold reasons and their
 retry times, booleans, reaped, expired and promoted ids - and after every step so must the
-snapshots (pending per project and band, in flight, reserved KV, long and interactive in flight, claimed leases,
-admissions, holds), the live leases, the pending ids, the next deadline, expiry and not-before
-time, and the continuations waiting per project.
+snapshots (pending per project and band, in flight, reserved KV, long and interactive in flight,
+claimed leases, admissions, holds, and each backend's counters), the live leases, the pending
+ids, the next deadline, expiry and not-before time, and the continuations waiting per project;
+and Redis's counters must be the sums over the live leases (``recount`` finds nothing to put
+right).
 
 A second run of the same machine draws only configurations with quiet long prefills on and room
 for long prompts (``quiet_configs``), so that its admissions reach the window, the drain (paying
@@ -160,7 +163,7 @@ lease_ops = st.one_of(
     st.tuples(st.just("claim"), st.sampled_from(["w1", "w2"])),
     st.tuples(st.just("renew")),
     st.tuples(st.just("release")),
-    st.tuples(st.just("requeue")),
+    st.tuples(st.just("requeue"), st.booleans()),  # unclaimed only, or any
     st.tuples(st.just("readmit"), st.sampled_from([400, 3_000]), st.sampled_from([0.0, 0.0, 4.0, 20.0])),
 )
 other_ops = st.one_of(
@@ -253,7 +256,7 @@ class Differential(RuleBasedStateMachine):
         carry a dead fence (a late or duplicate worker)."""
         name, *extra = op
         now = self.clock.now
-        args = {"claim": (*extra, now), "renew": (now,)}.get(name, ())
+        args = {"claim": (*extra, now), "renew": (now,), "requeue": tuple(extra)}.get(name, ())
         if name == "readmit":  # max_new_tokens, a not-before time (now: straight back in line)
             args = (extra[0], now + extra[1], now)
         self.both(name, *lease, *args)
