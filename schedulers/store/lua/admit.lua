@@ -94,8 +94,8 @@ for g = 0, (#ARGV - first_arg + 1) / 2 - 1 do
   named[member] = true
 end
 local members = redis.call('SMEMBERS', KEYS[8])
-for _, m_ in ipairs(members) do
-  if not named[m_] then return {'stale', members} end
+for _, member in ipairs(members) do
+  if not named[member] then return {'stale', members} end
 end
 
 -- Is backend b in the mask?
@@ -104,7 +104,7 @@ local function on(mask, b) return math.floor(mask / 2 ^ b) % 2 == 1 end
 -- The heads of a project's queues: {band = {{short = head, long = head}, ...}}, a pair per group.
 local function read_heads(pr)
   local heads, any = {}, false
-  for b, band in ipairs(BANDS) do heads[band] = {} end
+  for _, band in ipairs(BANDS) do heads[band] = {} end
   for _, g in ipairs(pr.groups) do
     g.any = false
     for b, band in ipairs(BANDS) do
@@ -161,7 +161,7 @@ end
 
 local tags = {}
 local in_set = {}
-for _, m_ in ipairs(members) do in_set[m_] = true end
+for _, member in ipairs(members) do in_set[member] = true end
 for _, pr in ipairs(projects) do
   tags[pr.name] = num(redis.call('HGET', vtime, pr.name), 0)
   read_heads(pr)
