@@ -122,8 +122,7 @@ def place(
                 if not headed[b]:
                     views[b].state.blocked_job = None
             return Placement(index, pick(views, usable))
-        soonest = min([r for _why, r in verdicts.values() if r is not None] + ([] if soonest is None else [soonest]),
-                      default=None)
+        soonest = _soonest(soonest, [retry for _why, retry in verdicts.values()])
         target = best(views, tried)
         why = verdicts[target][0]
         if index == 0:
@@ -135,6 +134,12 @@ def place(
         if all(closed):
             break
     return Placement(None, reason=first_reason, retry_in_s=soonest)
+
+
+def _soonest(soonest: float | None, retries: Sequence[float | None]) -> float | None:
+    """The soonest of ``soonest`` and ``retries`` (None: no time-based lift)."""
+    found = [r for r in (soonest, *retries) if r is not None]
+    return min(found) if found else None
 
 
 def _global(view: BackendView, now: float) -> tuple[str | None, float | None]:
