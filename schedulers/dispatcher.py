@@ -235,7 +235,7 @@ def run_dispatcher(
     admission = settings.admission
     server = serve_metrics(metrics, admission.metrics_port, settings.metrics_host)
     scraper_stop = threading.Event()
-    scraper = _start_scraper(settings, store, scraper_stop, clock)
+    scrapers = _start_scrapers(settings, store, scraper_stop, clock)
     activity = Activity(store, clock)
 
     def counted_send(grant: Grant) -> None:
@@ -243,7 +243,8 @@ def run_dispatcher(
         activity.admitted += 1
 
     log.info(
-        "dispatcher running: cap=%d, prefix=%s", settings.backend.max_num_seqs, settings.key_prefix
+        "dispatcher running: %s, prefix=%s",
+        ", ".join(f"{b.name} cap={b.max_num_seqs}" for b in settings.backends), settings.key_prefix
     )
     reap_at = -float("inf")  # no lease expires before this (module docstring: the wait)
     try:
@@ -272,7 +273,7 @@ def run_dispatcher(
                 stop.wait(pause_s)
     finally:
         scraper_stop.set()
-        if scraper is not None:
+        for scraper in scrapers:
             scraper.join(timeout=5)
         if server is not None:
             server.shutdown()
@@ -280,18 +281,24 @@ def run_dispatcher(
         log.info("dispatcher stopped")
 
 
-def _start_scraper(
+def _start_scrapers(
     settings: Settings, store: AdmissionStore, stop: threading.Event, clock: Callable[[], float]
-) -> threading.Thread | None:
-    check = ServerCheck(settings)
-    if not settings.admission.backend_gate:
-        check.check_once(make_http(settings))  # no scraper to hold admissions: refusing = not starting
-        return None
+) -> list[threading.Thread]:
+    """A scraper thread per backend entry, each with its own server check; none (only the checks,
+    once) without the backend gate."""
+    threads = []
+    for entry in settings.backends:
+        on = settings.on_backend(entry.name)
+        check = ServerCheck(on)
+        if not settings.admission.backend_gate:
+            check.check_once(make_http(on))  # no scraper to hold admissions: refusing = not starting
+            continue
 
-    def scrape() -> None:
-        with make_http(settings) as http:
-            run_scraper(settings, store, http, stop, clock, check)
+        def scrape(on: Settings = on, check: ServerCheck = check) -> None:
+            with make_http(on) as http:
+                run_scraper(on, store, http, stop, clock, check, backend=on.backend.name)
 
-    thread = threading.Thread(target=scrape, name="backend-scraper", daemon=True)
-    thread.start()
-    return thread
+        thread = threading.Thread(target=scrape, name=f"scraper-{entry.name}", daemon=True)
+        thread.start()
+        threads.append(thread)
+    return threads

@@ -97,19 +97,28 @@ def outside_peak(previous: str, estimate: float, now: float, window_s: float) ->
     return max(v for _, v in kept), json.dumps(kept[-32:])
 
 
+def claimed_on(store: AdmissionStore, backend: str | None) -> int:
+    """The fleet's claimed leases on ``backend`` (None: the first)."""
+    snap = store.snapshot()
+    if backend is None or backend not in snap.backends:
+        return snap.claimed if len(snap.backends) <= 1 else next(iter(snap.backends.values())).claimed
+    return snap.backends[backend].claimed
+
+
 def record(
     store: AdmissionStore,
     sample: BackendSample,
     admission: AdmissionSettings,
     server_hold: str = "",
     claimed_before: int | None = None,
+    backend: str | None = None,
 ) -> str:
     """Judge ``sample`` against the previous scrape and store the verdict; returns the hold.
 
     ``server_hold`` (schedulers/serverinfo.py) holds when the sample alone would not;
     ``claimed_before`` is the fleet's claimed count read just before the scrape (module
     docstring: the smaller of it and the count read now is subtracted)."""
-    previous = store.backend()
+    previous = store.backend(backend)
     preemptions, waiting = previous.get("preemptions"), previous.get("waiting")
     hold = decide(
         sample,
@@ -120,7 +129,7 @@ def record(
     hold = hold or server_hold
     found = figures(sample)
     if sample.running is not None:
-        claimed = store.snapshot().claimed
+        claimed = claimed_on(store, backend)
         if claimed_before is not None:
             claimed = min(claimed, claimed_before)
         estimate = outside(sample.running, claimed)
@@ -129,7 +138,7 @@ def record(
             outside_window(admission.scrape_interval_s))
         found["outside_now"] = repr(estimate)
         found["outside"] = repr(peak)
-    store.record_backend(sample.scraped_at, hold, found)
+    store.record_backend(sample.scraped_at, hold, found, backend)
     if not hold:
         store.wake()
     return hold
@@ -150,25 +159,28 @@ def run_scraper(
     stop: threading.Event,
     clock: Callable[[], float] = time.time,
     check: ServerCheck | None = None,
+    backend: str | None = None,
 ) -> None:
     """Scrape until ``stop`` is set. Logs when the verdict changes, not on every scrape.
 
-    ``check`` compares the server's own figures with ``[backend]`` on the first healthy scrape and
-    on the first after every unhealthy one."""
+    ``settings.backend`` is the backend scraped (``Settings.on_backend``), recorded as
+    ``backend`` (None: the first). ``check`` compares the server's own figures with that entry on
+    the first healthy scrape and on the first after every unhealthy one."""
+    who = "backend" if len(settings.backends) == 1 or not backend else f"backend {backend}"
     last_hold: str | None = None
     while not stop.is_set():
         try:
-            claimed_before = store.snapshot().claimed
+            claimed_before = claimed_on(store, backend)
             sample = scrape_once(http, clock())
             server_hold = check.after_scrape(sample.healthy, http) if check is not None else ""
-            hold = record(store, sample, settings.admission, server_hold, claimed_before)
+            hold = record(store, sample, settings.admission, server_hold, claimed_before, backend)
         except (redis.RedisError, ValueError):  # keep scraping: a dead scraper means "stale"
-            log.exception("recording the backend scrape failed")
+            log.exception("recording the %s scrape failed", who)
             hold = "error"
         except Exception:  # a bug must not end the thread either (module docstring)
-            log.exception("backend scrape round failed")
+            log.exception("%s scrape round failed", who)
             hold = "error"
         if hold != last_hold:
-            log.info("backend gate: %s", hold or "open")
+            log.info("%s gate: %s", who, hold or "open")
             last_hold = hold
         stop.wait(settings.admission.scrape_interval_s)

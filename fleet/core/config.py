@@ -56,6 +56,9 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
+MAX_BACKENDS = 32  # [[backends]] entries at most
+
+
 class BackendSettings(_Section):
     """One vLLM OpenAI-compatible server. Defaults are docs/deployment.md's server. ``[backend]``
     is the one server of a fleet; a ``[[backends]]`` entry takes the same keys (docs/backends.md)."""
@@ -686,9 +689,10 @@ class Settings(BaseSettings):
     backend: BackendSettings = BackendSettings()
     backends: list[BackendSettings] = Field(default_factory=list)
     """The vLLM servers as ``[[backends]]`` entries, each with the keys of [backend]; one entry is
-    the same as [backend] (give one or the other). More than one is refused for now: admission is
-    one domain, across several backends it is not built yet (docs/backends.md). Read back, this
-    is always the list of backends (``[backend]`` as its one entry)."""
+    the same as [backend] (give one or the other). Each has its own admission limits; fair share
+    is one across all; a job runs on a backend that serves its model and fits it
+    (docs/backends.md). Read back, this is always the list of backends, and ``backend`` is the
+    first (``[backend]`` as the one entry)."""
     admission: AdmissionSettings = AdmissionSettings()
     timeouts: TimeoutSettings = TimeoutSettings()
     retry: RetrySettings = RetrySettings()
@@ -728,8 +732,13 @@ class Settings(BaseSettings):
         entries = data.get("backends")
         if not entries:  # [backend] (or its defaults) is the one entry
             return {**data, "backends": [data.get("backend", {})]}
-        if not isinstance(entries, list) or len(entries) != 1:
-            return data  # validation names what is wrong (several: _backends_buildable)
+        if not isinstance(entries, list) or not entries:
+            return data  # validation names what is wrong
+        if len(entries) > 1:
+            if data.get("backend"):
+                raise ValueError(f"backend: [backend] or FLEET_BACKEND_* set beside {len(entries)} "
+                                 "[[backends]] entries; with several, change an entry (FLEET_BACKENDS)")
+            return {**data, "backend": entries[0]}
         entry, top = entries[0], data.get("backend", {})
         if isinstance(entry, BackendSettings):
             entry = entry.model_dump(exclude_unset=True)
@@ -745,11 +754,8 @@ class Settings(BaseSettings):
         names = [entry.name for entry in value]
         if len(set(names)) != len(names):
             raise ValueError(f"backend names must be unique, got {', '.join(names)}")
-        if len(value) > 1:
-            raise ValueError(
-                f"{len(value)} [[backends]] entries ({', '.join(names)}), but admission across "
-                "several backends is not built yet: the fleet admits into one server only "
-                "(docs/backends.md); give one [[backends]] entry or [backend]")
+        if len(value) > MAX_BACKENDS:  # a job's eligibility is a bit mask of them
+            raise ValueError(f"{len(value)} [[backends]] entries: at most {MAX_BACKENDS}")
         return value
 
     @model_validator(mode="after")
@@ -782,7 +788,7 @@ class Settings(BaseSettings):
         a grant reads ``settings.backend`` (url, model, limits), so a turn streams to the backend
         its grant names. KeyError for a name no entry has."""
         entry = self.backend_named(name)
-        return self if entry is self.backend else self.model_copy(update={"backend": entry})
+        return self if entry.name == self.backend.name else self.model_copy(update={"backend": entry})
 
     def served_models(self) -> list[str]:
         """Every model name some backend serves, each once, in the order of the backends."""

@@ -126,13 +126,13 @@ class Admission:
 
     # -- one request --------------------------------------------------------------------------
     async def enqueue(self, job_id: str, project: str, band: Band, prompt_tokens: int,
-                      max_tokens: int, max_wait_s: float) -> float:
+                      max_tokens: int, max_wait_s: float, eligible: int = 1) -> float:
         now = time.time()
         loop = asyncio.get_running_loop()
         waiter = self._waiting[job_id] = loop.create_future()
         item = PendingItem(job_id=job_id, project=project, prompt_tokens=prompt_tokens,
                            max_new_tokens=max_tokens, band=band, enqueued_at=now,
-                           deadline=now + max_wait_s + DEADLINE_MARGIN_S)
+                           deadline=now + max_wait_s + DEADLINE_MARGIN_S, eligible=eligible)
         fields = sealed(self.results.settings, job_id, project=project, kind="infer",
                         origin="gateway", gateway=self.gateway_id)
 

@@ -46,6 +46,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, Mount, Route
 
 from fleet.client import Client
+from fleet.core import routing
 from fleet.core.codes import Code
 from fleet.core.errors import AuthError, BrokerUnavailable, Busy, FleetError, PromptTooLong
 from fleet.core.keys import job_ref
@@ -193,7 +194,9 @@ class Gateway:
     def build_body(self, req: ChatRequest, caller: Caller, job_id: str) -> Built:
         """The vLLM request body of one chat request, its prompt and max tokens, and its
         warnings (tools removed)."""
-        settings, project, rt = self.live.settings, caller.settings, self.runtime
+        fleet_settings, project, rt = self.live.settings, caller.settings, self.runtime
+        # built against the largest backend of its model (fleet/core/routing.py ``route``)
+        settings = fleet_settings.on_backend(routing.route(fleet_settings, project, req.model).name)
         job = req.to_job(job_id, caller.project, caller.band).model_copy(update={"allow_trim": False})
         sampling = req.passthrough()
         switches = template_kwargs(req.chat_template_kwargs, settings.gateway.chat_template_kwargs,
@@ -216,7 +219,8 @@ class Gateway:
                             cache_salt=cache_salt(settings, caller.project), sampling=sampling,
                             response_format=response_format(job, project) or req.response_format,
                             tools=tools, tool_choice=tool_choice)
-        return Built(body, prepared.prompt_tokens, max_tokens, warnings)
+        mask = routing.eligible(fleet_settings, req.model, prepared.prompt_tokens + max_tokens)
+        return Built(body, prepared.prompt_tokens, max_tokens, warnings, mask)
 
 
 def chat_too_long(exc: PromptTooLong, max_model_len: int, max_tokens: int) -> PromptTooLong:
@@ -238,6 +242,7 @@ class Built(NamedTuple):
     prompt_tokens: int
     max_tokens: int
     warnings: list[str]
+    eligible: int = 1  # the backends it may run on (fleet/core/routing.py ``eligible``)
 
 
 async def _off_loop(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

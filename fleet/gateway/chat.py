@@ -119,6 +119,7 @@ class _Session:
         self.gw, self.caller, self.req, self.job_id = gw, caller, req, job_id
         self.ref = job_ref(caller.project, job_id)  # the job's identity in the store and in Redis keys
         self.body, self.prompt_tokens, self.max_tokens = built.body, built.prompt_tokens, built.max_tokens
+        self.eligible = built.eligible
         self.warnings = built.warnings
         # Every answer's headers say what the gateway changed (tools removed), visible to any client.
         self.headers = warning_headers(built.warnings)
@@ -217,7 +218,8 @@ class _Session:
         gw, settings = self.gw, self.gw.live.settings.gateway
         adm = gw.admission
         enqueued_at = await adm.enqueue(self.ref, self.caller.project, self.caller.band,
-                                        self.prompt_tokens, self.max_tokens, settings.max_queue_wait_s)
+                                        self.prompt_tokens, self.max_tokens, settings.max_queue_wait_s,
+                                        self.eligible)
         give_up_at = self.started + settings.max_queue_wait_s
         while True:
             now = time.monotonic()

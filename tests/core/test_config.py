@@ -160,15 +160,31 @@ def test_backend_table_reads_back_as_the_one_entry():
     assert settings.served_models() == ["local"]
 
 
-@pytest.mark.parametrize("env", [{}, {"FLEET_BACKENDS": '[{"name": "a"}, {"name": "b"}]'}])
-def test_several_backends_are_refused_until_admission_spans_them(tmp_path: Path, env: dict):
+SEVERAL = ('[[backends]]\nname = "a"\nurl = "http://a:1"\n\n'
+           '[[backends]]\nname = "b"\nurl = "http://b:1"\nserved_model_names = ["small"]\nmax_num_seqs = 8\n')
+
+
+@pytest.mark.parametrize("env", [{}, {"FLEET_BACKENDS": '[{"name": "a", "url": "http://a:1"}, {"name": "b", '
+                                      '"url": "http://b:1", "served_model_names": ["small"], "max_num_seqs": 8}]'}])
+def test_several_backends_read_back_in_order_with_the_first_as_backend(tmp_path: Path, env: dict):
     path = tmp_path / "fleet.toml"
-    path.write_text("" if env else '[[backends]]\nname = "a"\n\n[[backends]]\nname = "b"\n')
-    with pytest.raises(ConfigError) as caught:
-        load_settings(path, env=env)
-    message = str(caught.value)
-    assert message.count("backends") >= 2 and "(a, b)" in message
-    assert "admission across several backends is not built yet" in message
+    path.write_text("" if env else SEVERAL)
+    settings = load_settings(path, env=env)
+    assert [b.name for b in settings.backends] == ["a", "b"] and settings.backend == settings.backends[0]
+    assert settings.served_models() == ["local", "small"]
+    on_b = settings.on_backend("b")
+    assert (on_b.backend.url, on_b.backend.max_num_seqs, on_b.backends) == ("http://b:1", 8, settings.backends)
+    assert settings.on_backend("") is settings and settings.on_backend("a") is settings
+    with pytest.raises(KeyError, match="no backend named 'c'"):
+        settings.on_backend("c")
+
+
+def test_a_backend_variable_beside_several_entries_is_refused(tmp_path: Path):
+    """FLEET_BACKEND_URL names no entry when there are several: refused, not applied to one."""
+    path = tmp_path / "fleet.toml"
+    path.write_text(SEVERAL)
+    with pytest.raises(ConfigError, match=r"FLEET_BACKEND_\* set beside 2 \[\[backends\]\] entries"):
+        load_settings(path, env={"FLEET_BACKEND_URL": "http://x:1"})
 
 
 def test_backends_variable_beside_a_backend_table_is_refused():

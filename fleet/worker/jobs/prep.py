@@ -34,6 +34,7 @@ from fleet.core.keys import job_ref
 from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, describe_invalid
 from fleet.core.outagelog import BROKER_LOST
+from fleet.core.routing import eligible, model_asked, route
 from fleet.core.seal import digest, sealed
 from fleet.core.signing import verify
 from fleet.infer.budget import plan as plan_budget
@@ -130,8 +131,12 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
         return fail(rt, job.id, job.project, Code.E_CANCELLED, "cancelled before preparation")
     if job.deadline is not None and job.deadline <= time.time():
         return fail(rt, job.id, job.project, Code.E_DEADLINE, "deadline passed while queued")
+    # Prepared against the largest backend of its model (a model no backend serves: UnknownModel,
+    # E_INPUT_INVALID, before any work); it may then run on any backend of that model it fits.
+    on = rt.on_backend(route(settings, project, job.model).name)
+    settings = on.settings
     first = plan_budget(job, project, settings, 0)
-    prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, rt.counter,
+    prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, on.counter,
                        collector=rt.collector)
     if job.kind in ("collect", "trim"):
         envelope = Envelope(
@@ -156,6 +161,8 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
         job_id=ref, project=job.project, prompt_tokens=prepared.prompt_tokens,
         max_new_tokens=plan.max_tokens, band=job.band, priority=job.priority,
         enqueued_at=handed_over, deadline=job.deadline, uncached_tokens=uncached,
+        eligible=eligible(settings, model_asked(settings, project, job.model),
+                          prepared.prompt_tokens + plan.max_tokens),
     ))
     # Only now "pending": had this task died before add_pending, the job would still read
     # "submitted", and a redelivery or the prep watchdog would prepare it again.
