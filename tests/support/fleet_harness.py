@@ -72,7 +72,8 @@ def write_config(path: Path, data: dict[str, Any]) -> None:
 def make_config(tmp: Path, **sections: Any) -> Path:
     """The example config on the test broker under a fresh prefix, with secrets of its own (workers
     refuse the example's public ones there); a dict argument updates that section
-    (``backend={"max_num_seqs": 4}``), anything else sets a top-level key."""
+    (``backend={"max_num_seqs": 4}``), anything else sets a top-level key (``backends=[...]``
+    replaces the example's [backend] with those entries)."""
     data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
     data["broker_url"] = TEST_BROKER
     data["key_prefix"] = f"t-{uuid.uuid4().hex[:10]}:"
@@ -80,6 +81,8 @@ def make_config(tmp: Path, **sections: Any) -> Path:
         project["secret"] = f"test-{name}-{uuid.uuid4().hex}"
     data.setdefault("admission", {})["metrics_port"] = 0
     data.setdefault("gateway", {})["port"] = free_port()  # ``fleet up`` starts a gateway on it
+    if "backends" in sections:  # [[backends]] entries stand in for the example's [backend]
+        data.pop("backend", None)
     for name, values in sections.items():
         if isinstance(values, dict):
             data.setdefault(name, {}).update(values)
@@ -102,8 +105,14 @@ class Harness:
 
     def __enter__(self) -> Harness:
         self.fleet.start()
-        self.backend_url = self.fleet.env["FLEET_BACKEND_URL"]
-        self.settings = self.settings.with_backend(url=self.backend_url)
+        self.sim_urls = self.fleet.backend_urls()  # backend name -> its simulator
+        self.backend_url = next(iter(self.sim_urls.values()))  # the first backend's
+        if len(self.settings.backends) == 1:
+            self.settings = self.settings.with_backend(url=self.backend_url)
+        else:
+            entries = [entry.model_copy(update={"url": self.sim_urls[entry.name]})
+                       for entry in self.settings.backends]
+            self.settings = self.settings.model_copy(update={"backends": entries, "backend": entries[0]})
         self.client = Client(self.settings)
         return self
 

@@ -1,0 +1,112 @@
+"""Several backends behind one fleet (docs/backends.md): a REAL fleet with one ``fleet sim`` per
+backend entry, each started with its entry's names and sizes.
+
+- Routing by model and caps per backend: a big server (model ``local``, 4 sequences) and a small
+  one (model ``small``, 2 sequences, 32K context). Jobs naming each model end on their model's
+  server, a job too long for the small one's context ends E_PROMPT_TOO_LONG naming it, and neither
+  simulator ever had a request waiting (the fleet never sent past a server's own cap: every
+  simulator runs with its entry's ``max_num_seqs``).
+- Failover: two replicas of one model under a backlog; one simulator is killed with SIGKILL. Every
+  job still ends with exactly one envelope, the survivor runs the rest, and once the killed one
+  is back it is used again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from fleet.core.codes import Code
+from tests.support.fleet_harness import FleetProbe, Harness, make_config
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.slow
+
+SIM_ARGS = ["--answer-min-tokens", "20", "--answer-max-tokens", "40"]
+
+
+def backend(name: str, **sizes: Any) -> dict[str, Any]:
+    return {"name": name, "url": "http://127.0.0.1:1", "max_num_batched_tokens": 2048,
+            "block_tokens": 1072, "long_prompt_tokens": 32768, "max_long": 3, **sizes}
+
+
+def ask(model: str | None, text: str, **extra: Any) -> dict[str, Any]:
+    job: dict[str, Any] = {"project": "assistant", "messages": [{"role": "user", "content": text}],
+                           "thinking_budget": 2000, **extra}
+    if model:
+        job["model"] = model
+    return job
+
+
+def stats(fleet: Harness, name: str) -> dict[str, Any]:
+    return httpx.get(f"{fleet.sim_urls[name]}/sim/stats", timeout=10).json()
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def finals(fleet: Harness, ids: list[str], within_s: float = 180.0) -> dict[str, Any]:
+    out = {}
+    for job_id in ids:
+        envelope = fleet.client.result(job_id, timeout=within_s)
+        assert envelope is not None, job_id
+        out[job_id] = envelope
+    return out
+
+
+def test_jobs_run_on_their_models_backend_and_no_backend_passes_its_cap(tmp_path) -> None:
+    config = make_config(tmp_path, backends=[
+        backend("big", served_model_names=["local"], max_num_seqs=4, max_model_len=262144,
+                kv_pool_tokens=530000),
+        backend("small", served_model_names=["small"], max_num_seqs=2, max_model_len=32768,
+                kv_pool_tokens=64 * 1072),
+    ])
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS) as fleet:
+        big = [fleet.client.submit(ask(None, f"[sim:think=600] big {i}")) for i in range(10)]
+        small = [fleet.client.submit(ask("small", f"[sim:think=600] small {i}")) for i in range(6)]
+        too_long = fleet.client.submit(ask("small", "word " * 40_000, allow_trim=False))
+        ended = finals(fleet, [*big, *small, too_long])
+        for job_id in big:
+            assert ended[job_id].code == Code.OK and ended[job_id].backend == "big"
+        for job_id in small:
+            assert ended[job_id].code == Code.OK and ended[job_id].backend == "small"
+        refused = ended[too_long]
+        assert refused.code == Code.E_PROMPT_TOO_LONG and "max_model_len 32768" in refused.message
+        for name, cap in (("big", 4), ("small", 2)):
+            seen = stats(fleet, name)
+            assert seen["max_running_seen"] <= cap and seen["max_waiting_seen"] == 0, (name, seen)
+        assert stats(fleet, "small")["max_running_seen"] == 2  # its cap was used, not the big one's
+        assert FleetProbe(fleet).envelope_counts() == {job_id: 1 for job_id in [*big, *small, too_long]}
+
+
+def test_a_killed_backend_loses_nothing_and_is_used_again_once_back(tmp_path) -> None:
+    replica = {"served_model_names": ["local"], "max_num_seqs": 3, "max_model_len": 262144,
+               "kv_pool_tokens": 530000}
+    config = make_config(tmp_path, backends=[backend("a", **replica), backend("b", **replica)],
+                         retry={"max_outage_returns": 10})
+    with Harness(config, sim_speed=20, sim_args=SIM_ARGS) as fleet:
+        first = [fleet.client.submit(ask(None, f"[sim:think=1500] job {i}")) for i in range(24)]
+        wait_until(lambda: stats(fleet, "b")["running"] >= 2, 60, "backend b busy")
+        sim_b = next(process for name, process in fleet.fleet.children if name == "sim-b")
+        os.killpg(sim_b.pid, signal.SIGKILL)
+        killed_at = time.time()
+        ended = finals(fleet, first)
+        assert all(envelope.code == Code.OK for envelope in ended.values()), \
+            {j: (e.code, e.message) for j, e in ended.items() if e.code != Code.OK}
+        after = [e for e in ended.values() if e.finished_at > killed_at + 10]
+        assert after and all(e.backend == "a" for e in after)  # the survivor carried the rest
+        fleet.fleet.restart("sim-b")  # same port: the fleet finds it at its url again
+        wait_until(lambda: answers(f"{fleet.sim_urls['b']}/health"), 30, "backend b back")
+        second = [fleet.client.submit(ask(None, f"[sim:think=1500] again {i}")) for i in range(12)]
+        again = finals(fleet, second)
+        assert {e.backend for e in again.values()} == {"a", "b"}  # b takes work again
+        assert FleetProbe(fleet).envelope_counts() == {job_id: 1 for job_id in [*first, *second]}
