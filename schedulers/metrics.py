@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 
 from fleet.core.keys import Keys
 from fleet.core.persistence import unsafe_settings
-from schedulers.store.base import AdmissionStore, Grant
+from schedulers.store.base import AdmissionStore, BackendSnapshot, Grant, StoreSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,7 @@ class StoreCollector(Collector):
         yield CounterMetricFamily(
             "fleet_dispatch_admissions", "Jobs admitted", value=snap.admissions
         )
+        yield from self._per_backend(snap)
         yield from self._backend()
         oldest = GaugeMetricFamily(
             "fleet_dispatch_oldest_pending_seconds",
@@ -153,28 +154,58 @@ class StoreCollector(Collector):
             holds.add_metric([reason], count)
         yield holds
 
+    def _per_backend(self, snap: StoreSnapshot) -> Iterable[Metric]:
+        """Each backend's own lease counters and limits, labelled with its configured name (a
+        bounded set: never a request's input)."""
+        labels = ["backend"]
+        in_flight = GaugeMetricFamily("fleet_dispatch_backend_in_flight", "Live leases on the backend",
+                                      labels=labels)
+        cap = GaugeMetricFamily("fleet_dispatch_backend_cap", "Most leases at once on the backend "
+                                "(its max_num_seqs)", labels=labels)
+        kv = GaugeMetricFamily("fleet_dispatch_backend_reserved_kv_tokens",
+                               "KV tokens reserved by the backend's live leases (whole blocks)", labels=labels)
+        long = GaugeMetricFamily("fleet_dispatch_backend_long_in_flight",
+                                 "Live leases with a long prompt on the backend", labels=labels)
+        for backend in self._store.config.backends:
+            counts = snap.backends.get(backend.name, BackendSnapshot())
+            in_flight.add_metric([backend.name], counts.in_flight)
+            cap.add_metric([backend.name], backend.limits.max_num_seqs)
+            kv.add_metric([backend.name], counts.reserved_kv_tokens)
+            long.add_metric([backend.name], counts.long_in_flight)
+        yield from (in_flight, cap, kv, long)
+
     def _backend(self) -> Iterable[Metric]:
-        """The backend as the dispatchers' scrapers last saw it (schedulers/scrape.py): no family
-        before the first scrape was recorded."""
-        backend = self._store.backend()
-        if "scraped_at" in backend:
-            age = max(0.0, time.time() - float(backend["scraped_at"]))
-            yield GaugeMetricFamily("fleet_backend_up",
-                                    "1 if the backend's /health answered 200 at the last scrape",
-                                    value=1 if backend.get("healthy") == "1" else 0)
-            yield GaugeMetricFamily("fleet_backend_scrape_age_seconds",
-                                    "Seconds since a dispatcher last scraped the backend", value=age)
-            stale = age > self._store.config.scrape_stale_s
-            yield GaugeMetricFamily("fleet_backend_held",
-                                    "1 while the backend gate holds admissions (a hold or a stale scrape)",
-                                    value=1 if backend.get("hold") or stale else 0)
-        outside = backend.get("outside")
-        if outside is not None:
-            yield GaugeMetricFamily(
-                "fleet_backend_outside_sequences",
-                "Sequences running at the backend that are not the fleet's (last scrape)",
-                value=float(outside),
-            )
+        """Each backend as the dispatchers' scrapers last saw it (schedulers/scrape.py), labelled
+        with its name: no series for a backend before its first scrape was recorded."""
+        labels = ["backend"]
+        up = GaugeMetricFamily("fleet_backend_up", "1 if the backend's /health answered 200 at the last scrape",
+                               labels=labels)
+        age_family = GaugeMetricFamily("fleet_backend_scrape_age_seconds",
+                                       "Seconds since a dispatcher last scraped the backend", labels=labels)
+        held = GaugeMetricFamily("fleet_backend_held",
+                                 "1 while the backend gate holds admissions (a hold or a stale scrape)",
+                                 labels=labels)
+        outside_family = GaugeMetricFamily(
+            "fleet_backend_outside_sequences",
+            "Sequences running at the backend that are not the fleet's (last scrape)", labels=labels)
+        hit_rate = GaugeMetricFamily(
+            "fleet_backend_prefix_cache_hit_rate",
+            "The backend's own prefix cache hits / queries, in tokens, since it started (last scrape)",
+            labels=labels)
+        for entry in self._store.config.backends:
+            backend = self._store.backend(entry.name)
+            if "scraped_at" in backend:
+                age = max(0.0, time.time() - float(backend["scraped_at"]))
+                up.add_metric([entry.name], 1 if backend.get("healthy") == "1" else 0)
+                age_family.add_metric([entry.name], age)
+                stale = age > self._store.config.scrape_stale_s
+                held.add_metric([entry.name], 1 if backend.get("hold") or stale else 0)
+            if backend.get("outside") is not None:
+                outside_family.add_metric([entry.name], float(backend["outside"]))
+            queries, hits = backend.get("prefix_cache_queries"), backend.get("prefix_cache_hits")
+            if queries and hits and float(queries) > 0:
+                hit_rate.add_metric([entry.name], float(hits) / float(queries))
+        yield from (up, age_family, held, outside_family, hit_rate)
 
 
 class ResultCodeCollector(Collector):

@@ -65,6 +65,8 @@ def figures(sample: BackendSample) -> dict[str, str]:
         "waiting": sample.waiting,
         "kv_usage": sample.kv_usage,
         "preemptions": sample.preemptions,
+        "prefix_cache_queries": sample.prefix_cache_queries,
+        "prefix_cache_hits": sample.prefix_cache_hits,
     }
     out = {name: repr(value) for name, value in fields.items() if value is not None}
     out["healthy"] = "1" if sample.healthy else "0"

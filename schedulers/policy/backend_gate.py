@@ -32,6 +32,9 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 PREEMPTIONS = "vllm:num_preemptions_total"
+# the server's own prefix cache counters, in tokens (shown per backend, never a hold reason)
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class BackendSample:
     kv_usage: float | None = None
     preemptions: float | None = None
     error: str = ""
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
 
 
 def parse_metrics(text: str) -> dict[str, list[float]]:
@@ -78,6 +83,8 @@ def sample_from(text: str, healthy: bool, scraped_at: float) -> BackendSample:
         waiting=total(WAITING),
         kv_usage=max(values[KV_USAGE]) if KV_USAGE in values else None,
         preemptions=total(PREEMPTIONS),
+        prefix_cache_queries=total(PREFIX_QUERIES),
+        prefix_cache_hits=total(PREFIX_HITS),
     )
 
 
