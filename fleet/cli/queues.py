@@ -16,6 +16,8 @@ from fleet.core.keys import Keys
 from fleet.worker.heartbeat import live_worker_names, shown_workers
 from fleet.worker.queues import prep_backlog
 from schedulers.store import make_store
+from schedulers.store.base import BackendSnapshot, StoreSnapshot
+from schedulers.store.redis_store import RedisStore
 
 
 def queues_table(settings: Settings, client: redis.Redis) -> Table:
@@ -43,6 +45,16 @@ def queues_table(settings: Settings, client: redis.Redis) -> Table:
     names = live_worker_names(client, Keys(settings.key_prefix))
     held = settings.admission.worker_gate and not names
     holds = ", ".join(f"{reason}={count}" for reason, count in sorted(snap.holds.items())) or "-"
+    if len(store.config.backends) > 1:
+        table.caption = "\n".join((
+            *(backend_line(store, snap, entry.name) for entry in store.config.backends),
+            f"in flight {snap.in_flight} in all, interactive {snap.interactive_in_flight}",
+            f"admissions {snap.admissions}",
+            f"holds {holds}",
+            f"live inference workers {shown_workers(names)}"
+            + (" (admissions held: no_workers)" if held else ""),
+        ))
+        return table
     table.caption = "\n".join(
         (
             f"in flight {snap.in_flight}/{limits.max_num_seqs}, "
@@ -58,3 +70,16 @@ def queues_table(settings: Settings, client: redis.Redis) -> Table:
     )
     return table
 
+
+def backend_line(store: RedisStore, snap: StoreSnapshot, name: str) -> str:
+    """One backend's line: its leases against its limits, its gate and its server's figures."""
+    limits = store.config.backends[store.config.backend_index(name)].limits
+    counts = snap.backends.get(name, BackendSnapshot())
+    scrape = store.backend(name)
+    gate = scrape.get("hold") or ("open" if scrape else "no scrape yet")
+    queries, hits = float(scrape.get("prefix_cache_queries") or 0), float(scrape.get("prefix_cache_hits") or 0)
+    hit_rate = f", prefix cache hits {hits / queries:.0%}" if queries else ""
+    return (f"backend {name}: in flight {counts.in_flight}/{limits.max_num_seqs}, "
+            f"long {counts.long_in_flight}/{limits.max_long}, "
+            f"KV {counts.reserved_kv_tokens:,}/{limits.kv_budget_tokens:,}, gate: {gate}, "
+            f"running {scrape.get('running', '?')}, waiting {scrape.get('waiting', '?')}{hit_rate}")

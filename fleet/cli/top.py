@@ -28,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fleet.cli.outage import Outage
+from fleet.cli.queues import backend_line
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
 from fleet.core.redisconn import UNREACHABLE
@@ -59,6 +60,7 @@ class TopFrame:
     rows: list[ProjectRow] = field(default_factory=list)
     holds: dict[str, int] = field(default_factory=dict)  # since the previous frame, or totals
     workers: list[str] = field(default_factory=list)  # node names of the live inference workers
+    backend_lines: list[str] = field(default_factory=list)  # with several backends: one each
 
 
 def read_frame(settings: Settings, client: redis.Redis, now: float,
@@ -74,7 +76,9 @@ def read_frame(settings: Settings, client: redis.Redis, now: float,
         holds = {r: n for r, n in holds.items() if n > 0}
     return TopFrame(at=now, snapshot=snap, cap=limits.max_num_seqs, max_long=limits.max_long,
                     kv_budget_tokens=limits.kv_budget_tokens, backend=store.backend(), rows=rows,
-                    holds=holds, workers=live_worker_names(client, keys))
+                    holds=holds, workers=live_worker_names(client, keys),
+                    backend_lines=[backend_line(store, snap, entry.name) for entry in store.config.backends]
+                    if len(store.config.backends) > 1 else [])
 
 
 def _project_row(client: redis.Redis, keys: Keys, project: str, snap: StoreSnapshot,
@@ -126,7 +130,8 @@ def render(frame: TopFrame, live: bool) -> Group:
         f"preemptions {b.get('preemptions', '?')}",
     )
     workers = Text.assemble(("inference workers ", "bold"), shown_workers(frame.workers))
-    return Group(head, table, Text.assemble((label + ": ", "bold"), holds), backend, workers)
+    backends = [Text(line) for line in frame.backend_lines] or [backend]
+    return Group(head, table, Text.assemble((label + ": ", "bold"), holds), *backends, workers)
 
 
 def _percent(value: str | None) -> str:

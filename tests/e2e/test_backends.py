@@ -13,6 +13,7 @@ backend entry, each started with its entry's names and sizes.
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import time
@@ -20,7 +21,10 @@ from typing import Any
 
 import httpx
 import pytest
+from rich.console import Console
 
+from fleet.cli.queues import queues_table
+from fleet.cli.top import read_frame, render
 from fleet.core.codes import Code
 from tests.support.fleet_harness import FleetProbe, Harness, make_config
 from tests.support.waiting import wait_until
@@ -45,6 +49,12 @@ def ask(model: str | None, text: str, **extra: Any) -> dict[str, Any]:
 
 def stats(fleet: Harness, name: str) -> dict[str, Any]:
     return httpx.get(f"{fleet.sim_urls[name]}/sim/stats", timeout=10).json()
+
+
+def rendered(thing: Any) -> str:
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(thing)
+    return console.export_text()
 
 
 def answers(url: str) -> bool:
@@ -86,6 +96,10 @@ def test_jobs_run_on_their_models_backend_and_no_backend_passes_its_cap(tmp_path
             assert seen["max_running_seen"] <= cap and seen["max_waiting_seen"] == 0, (name, seen)
         assert stats(fleet, "small")["max_running_seen"] == 2  # its cap was used, not the big one's
         assert FleetProbe(fleet).envelope_counts() == {job_id: 1 for job_id in [*big, *small, too_long]}
+        shown = rendered(queues_table(fleet.settings, fleet.client.redis))
+        shown += rendered(render(read_frame(fleet.settings, fleet.client.redis, time.time()), live=False))
+        for line in ("backend big: in flight 0/4", "backend small: in flight 0/2"):
+            assert shown.count(line) == 2, shown  # fleet queues and fleet top, a line each
 
 
 def test_a_killed_backend_loses_nothing_and_is_used_again_once_back(tmp_path) -> None:
