@@ -176,6 +176,29 @@ def _draw(charts: Charts, folder: str) -> None:
         console.print(f"chart: {path}")
 
 
+@bench_app.command("backends")
+def backends(
+    jobs: Annotated[int, typer.Option(help="backlog size")] = 1_000_000,
+    count: Annotated[int, typer.Option("--backends", help="backends of the many-backend store")] = 16,
+    redis_url: RedisUrl = "",
+    force: Force = False,
+) -> None:
+    """Several backends: admission pairs/s at a backlog with one backend against many (the
+    same total room), and Redis bytes per pending job (fleet/bench/backends.py)."""
+    from rich.table import Table
+
+    from fleet.bench.backends import many_backends_cost
+
+    with _redis_url(redis_url, force) as broker:
+        figures = many_backends_cost(broker.url, jobs=jobs, backends=count)
+    table = Table(title="fleet bench backends")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in figures.items():
+        table.add_row(key, f"{value:,.2f}")
+    console.print(table)
+
+
 @bench_app.command("continuations")
 def continuations(
     redis_url: RedisUrl = "",

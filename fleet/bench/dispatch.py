@@ -57,19 +57,20 @@ def _rss_mb() -> float:
 class _Backlog:
     """A steady backlog of ``jobs`` pending jobs in one RedisStore under its own prefix."""
 
-    def __init__(self, client: redis.Redis, jobs: int) -> None:
-        self.client, self.jobs, self.next = client, jobs, jobs
+    def __init__(self, client: redis.Redis, jobs: int, config: StoreConfig | None = None,
+                 eligible: int = 1) -> None:
+        self.client, self.jobs, self.next, self.eligible = client, jobs, jobs, eligible
         self.prefix = f"bench-{uuid.uuid4().hex[:8]}:"
-        self.store = RedisStore(client, Keys(self.prefix), StoreConfig(gate=False))
+        self.store = RedisStore(client, Keys(self.prefix), config or StoreConfig(gate=False))
         started = time.perf_counter()
         for start in range(0, jobs, 1000):
             self.store.add_pending_many(self.item(i) for i in range(start, min(jobs, start + 1000)))
         self.submit_s = time.perf_counter() - started
         self.bytes = _key_bytes(client, self.prefix)
 
-    @staticmethod
-    def item(i: int) -> PendingItem:
-        return PendingItem(f"j{i}", PROJECTS[i % 5], 500 + i % 4000, 1000, enqueued_at=1e9 + i)
+    def item(self, i: int) -> PendingItem:
+        return PendingItem(f"j{i}", PROJECTS[i % 5], 500 + i % 4000, 1000, enqueued_at=1e9 + i,
+                           eligible=self.eligible)
 
     def decide(self, decisions: int, per_call: int, pipelined: bool) -> tuple[float, float]:
         """Seconds per admit+release pair, over ``decisions`` pairs, end to end (the client's
