@@ -247,9 +247,13 @@ def run_dispatcher(
         ", ".join(f"{b.name} cap={b.max_num_seqs}" for b in settings.backends), settings.key_prefix
     )
     reap_at = -float("inf")  # no lease expires before this (module docstring: the wait)
+    registered = False  # the backends' order checked against the store's (once Redis answers)
     try:
         while not stop.is_set():
             try:
+                if not registered:  # a reordered [[backends]] while jobs hold positions: exits
+                    store.register_backends()
+                    registered = True
                 if server is not None:  # one without /metrics must never take the lead
                     leader.renew()
                 hold = gate() if gate is not None else ""

@@ -171,6 +171,8 @@ class ServerCheck:
 
     def __init__(self, settings: Settings) -> None:
         self.backend = settings.backend
+        # how the log lines name it: [backend] alone, or the entry with several
+        self.label = "[backend]" if len(settings.backends) == 1 else f"backend {settings.backend.name}"
         self.refuse = settings.admission.on_server_mismatch == "refuse"
         self.hold = ""
         self._due = True
@@ -205,10 +207,10 @@ class ServerCheck:
         self._due, self._failure_logged = False, False
         found = model_disagreement(self.backend, info) + disagreements(self.backend, info)
         for line in found:
-            log.error("server check: [backend] disagrees with the server at %s: %s%s",
-                      http.base_url, line, " - admissions held" if self.refuse else "")
+            log.error("server check: %s disagrees with the server at %s: %s%s",
+                      self.label, http.base_url, line, " - admissions held" if self.refuse else "")
         if not found:
-            log.info("server check: [backend] agrees with the server (block %s, pool %s, max_model_len %s)",
-                     info.block_size, info.pool_tokens, info.max_model_len)
+            log.info("server check: %s agrees with the server (block %s, pool %s, max_model_len %s)",
+                     self.label, info.block_size, info.pool_tokens, info.max_model_len)
         self.hold = HOLD if found and self.refuse else ""
         return found

@@ -217,7 +217,11 @@ def dispatcher(log_level: Annotated[str, typer.Option()] = "INFO") -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
-    serve_dispatcher(settings, stop)
+    try:
+        serve_dispatcher(settings, stop)
+    except ConfigError as exc:  # the store's backends in another order (docs/backends.md)
+        typer.echo(f"{exc.code.value} {exc.message}", err=True)
+        raise typer.Exit(2) from exc
 
 
 @app.command()

@@ -8,6 +8,8 @@ line (counted in their band too), ``waiting`` wait outside it for a backoff or t
 
 from __future__ import annotations
 
+import time
+
 import redis
 from rich.table import Table
 
@@ -77,6 +79,8 @@ def backend_line(store: RedisStore, snap: StoreSnapshot, name: str) -> str:
     counts = snap.backends.get(name, BackendSnapshot())
     scrape = store.backend(name)
     gate = scrape.get("hold") or ("open" if scrape else "no scrape yet")
+    if "scraped_at" in scrape and time.time() - float(scrape["scraped_at"]) > store.config.scrape_stale_s:
+        gate = "stale (no scrape recorded lately: admissions held)"
     queries, hits = float(scrape.get("prefix_cache_queries") or 0), float(scrape.get("prefix_cache_hits") or 0)
     hit_rate = f", prefix cache hits {hits / queries:.0%}" if queries else ""
     return (f"backend {name}: in flight {counts.in_flight}/{limits.max_num_seqs}, "

@@ -194,8 +194,12 @@ class Gateway:
     def build_body(self, req: ChatRequest, caller: Caller, job_id: str) -> Built:
         """The vLLM request body of one chat request, its prompt and max tokens, and its
         warnings (tools removed)."""
-        fleet_settings, project, rt = self.live.settings, caller.settings, self.runtime
-        # built against the largest backend of its model (fleet/core/routing.py ``route``)
+        project, rt = caller.settings, self.runtime
+        fleet_settings = self.live.settings.model_copy(
+            update={"backends": rt.settings.backends, "backend": rt.settings.backend})
+        # Built against the largest backend of its model (fleet/core/routing.py ``route``), with
+        # the backends this process started with: its store and its backend clients know those
+        # (a reload that changes [[backends]] needs a restart, docs/backends.md).
         settings = fleet_settings.on_backend(routing.route(fleet_settings, project, req.model).name)
         job = req.to_job(job_id, caller.project, caller.band).model_copy(update={"allow_trim": False})
         sampling = req.passthrough()

@@ -84,7 +84,7 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
     store = make_store(settings, client)
 
     def give_back(returned_at: float) -> None:
-        give_back_lost_grants(store, client, Keys(settings.key_prefix),
+        give_back_lost_grants(store, client, settings,
                               lambda: infer_grants_in_broker(settings, client), returned_at)
 
     threading.Thread(target=run_prep_watchdog, name="prep-watchdog", daemon=True,
@@ -129,11 +129,15 @@ class LiveWorkersCollector(Collector):
 def make_send(settings: Settings, client: redis.Redis, celery: Celery) -> Callable[[Grant], None]:
     """Where a grant goes: to the gateway that holds the request, else to an inference worker.
     The gateway runs an admission round with the same function (fleet/gateway/admission.py)."""
+    several = len(settings.backends) > 1
+
     def send(grant: Grant) -> None:
         if hand_to_gateway(client, settings, grant):
             return
-        celery.send_task(INFER_TASK, kwargs={"ref": grant.job_id, "project": grant.project,
-                                             "fence": grant.fence, "backend": grant.backend},
+        kwargs: dict[str, Any] = {"ref": grant.job_id, "project": grant.project, "fence": grant.fence}
+        if several:  # one backend: the message a worker of before several backends reads
+            kwargs["backend"] = grant.backend
+        celery.send_task(INFER_TASK, kwargs=kwargs,
                          expires=datetime.fromtimestamp(grant.lease_expires_at, tz=UTC),
                          **shown(grant.project, split_ref(grant.job_id)[1], "turn"))
 

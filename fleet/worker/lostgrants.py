@@ -30,7 +30,9 @@ from collections.abc import Callable
 
 import redis
 
+from fleet.core.config import Settings
 from fleet.core.keys import Keys
+from fleet.core.seal import SEALED_FIELDS, seal_valid
 from schedulers.store.base import AdmissionStore
 
 log = logging.getLogger(__name__)
@@ -38,13 +40,13 @@ log = logging.getLogger(__name__)
 SETTLE_S = 1.0  # between the two reads of the broker
 
 
-def give_back_lost_grants(store: AdmissionStore, client: redis.Redis, keys: Keys,
+def give_back_lost_grants(store: AdmissionStore, client: redis.Redis, settings: Settings,
                           in_broker: Callable[[], set[tuple[str, int]]], returned_at: float,
                           settle_s: float = SETTLE_S, sleep: Callable[[float], None] = time.sleep) -> list[str]:
     """Give back the unclaimed leases granted before ``returned_at`` whose message is nowhere in
     the broker (module docstring); returns their job refs."""
     unclaimed = store.unclaimed_leases(admitted_before=returned_at)
-    unclaimed = {ref: fence for ref, fence in unclaimed.items() if not _gateway_request(client, keys, ref)}
+    unclaimed = {ref: fence for ref, fence in unclaimed.items() if not _gateway_request(client, settings, ref)}
     if not unclaimed:
         return []
     missing = set(unclaimed.items()) - in_broker()
@@ -59,5 +61,10 @@ def give_back_lost_grants(store: AdmissionStore, client: redis.Redis, keys: Keys
     return lost
 
 
-def _gateway_request(client: redis.Redis, keys: Keys, ref: str) -> bool:
-    return client.hget(keys.job(ref), "origin") == b"gateway"
+def _gateway_request(client: redis.Redis, settings: Settings, ref: str) -> bool:
+    """A gateway request by its record under the workers' seal, as the dispatcher's ``send``
+    decides where its grant goes (the producer may write its own job hashes)."""
+    values = client.hmget(Keys(settings.key_prefix).job(ref), [*SEALED_FIELDS, "seal"])
+    record = {name: value.decode("utf-8", "replace")
+              for name, value in zip([*SEALED_FIELDS, "seal"], values, strict=True) if isinstance(value, bytes)}
+    return record.get("origin") == "gateway" and seal_valid(settings, ref, record)

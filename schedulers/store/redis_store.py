@@ -58,6 +58,7 @@ ADMIT reads the four queues of every group it is told about.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -65,6 +66,7 @@ from typing import Any
 
 import redis
 
+from fleet.core.config import ConfigError
 from fleet.core.keys import Keys
 from fleet.core.lua import Scripts
 from schedulers.policy import fairshare
@@ -90,6 +92,10 @@ _ROUNDS = 4  # ADMIT calls when the projects set keeps changing under us
 _BATCH = 200  # expired leases or due deadlines handled by one script call
 MAX_BLOCK_S = 4.0  # longest BLPOP; below redis-py 8's default 5 s socket timeout
 RECOUNT_S = 10.0  # how often reap_expired also puts the lease counters right (recount.lua)
+
+
+class BackendOrderChanged(ConfigError):
+    """The settings' backends are not the stored order with entries appended (``register_backends``)."""
 
 
 class RedisStore:
@@ -507,6 +513,35 @@ class RedisStore:
     def next_expiry(self) -> float | None:
         first = self._client.zrange(self._key("leases"), 0, 0, withscores=True)
         return float(first[0][1]) if first else None
+
+    # -- the backends' order ------------------------------------------------------------------
+    def register_backends(self) -> None:
+        """Check this store's backends against the order the store was written with, and record
+        it: a job's eligibility bits and a lease's backend are positions in that order, so the
+        backends may only be appended to. A store with no job in line, waiting or in flight
+        takes any order (nothing holds a position). ``BackendOrderChanged`` otherwise, naming
+        both lists. Key ``D backends``: the names, JSON, in order."""
+        names = [backend.name for backend in self.config.backends]
+        key = self._key("backends")
+        raw = self._client.get(key)
+        stored = json.loads(_text(raw)) if raw is not None else None
+        if stored is not None and names[:len(stored)] != stored and not self._drained():
+            raise BackendOrderChanged(
+                f"the dispatcher store's jobs were admitted with the backends {', '.join(stored)} in "
+                f"this order, these settings have {', '.join(names)}: backends may only be added at "
+                "the end while jobs are in the fleet (their backends are positions in that order). "
+                "Put them back in that order, or let the fleet drain (no job pending, waiting or in "
+                "flight) and start again")
+        if stored != names:
+            self._client.set(key, json.dumps(names))
+
+    def _drained(self) -> bool:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hlen(self._key("lease"))
+        pipe.zcard(self._key("deferred"))
+        pipe.hget(self._key("state"), "queued")
+        leases, deferred, queued = pipe.execute()
+        return leases == 0 and deferred == 0 and int(queued or 0) == 0
 
     # -- backend gate, wakes, observation ----------------------------------------------------
     def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str],

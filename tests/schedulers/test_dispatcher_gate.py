@@ -116,11 +116,12 @@ class BrokenOnce(MemoryStore):
         super().__init__(StoreConfig(gate=True))
         self.stop, self.calls = stop, 0
 
-    def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str]) -> None:
+    def record_backend(self, scraped_at: float, hold: str, figures: dict[str, str],
+                       name: str | None = None) -> None:
         self.calls += 1
         if self.calls == 1:
             raise RuntimeError("a bug")
-        super().record_backend(scraped_at, hold, figures)
+        super().record_backend(scraped_at, hold, figures, name)
         if self.calls == 3:
             self.stop.set()
 

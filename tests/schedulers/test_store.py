@@ -647,9 +647,9 @@ class StoreMachine(RuleBasedStateMachine):
         job_id, fence = lease
         live = self.live.get(job_id) == fence
         unclaimed = self.store.unclaimed_leases(admitted_before=self.clock.now + 1)
-        assert (job_id in unclaimed) == (live and (job_id, fence) not in self.owners)
+        assert (unclaimed.get(job_id) == fence) == (live and (job_id, fence) not in self.owners)
         ok = self.store.requeue(job_id, fence, unclaimed_only=True)
-        assert ok == (job_id in unclaimed)
+        assert ok == (unclaimed.get(job_id) == fence)
         if ok:
             del self.live[job_id]
 

@@ -317,3 +317,26 @@ def test_admit_ids_helper_still_sees_one_backend(make_store: StoreFactory) -> No
     store.add_pending(job("j0"))
     assert admit_ids(store, NOW) == ["j0"]
     assert list(store.snapshot().backends) == ["default"]
+
+
+def test_backends_may_be_appended_but_not_reordered_while_jobs_hold_positions(
+        redis_client: redis.Redis, key_prefix: str) -> None:
+    """A job's eligibility bits and a lease's backend are positions in the backends' order: the
+    store refuses another order while anything is in line or in flight, takes an appended
+    backend at any time and any order once drained."""
+    from schedulers.store.redis_store import BackendOrderChanged
+
+    def store(config: StoreConfig) -> RedisStore:
+        return RedisStore(redis_client, Keys(key_prefix), config, clock=FakeClock())
+
+    two = store(backends(2, 2))
+    two.register_backends()
+    two.add_pending(job("j1", eligible=0b10))
+    store(backends(2, 2, 2)).register_backends()  # small appended: fine
+    names = ["gpu-b", "gpu-a"]
+    swapped = StoreConfig.with_backends([BackendLimits(n, BASE.limits) for n in names], gate=False)
+    with pytest.raises(BackendOrderChanged, match="gpu-a, gpu-b, small in this order"):
+        store(swapped).register_backends()
+    assert two.cancel_pending("j1")
+    store(swapped).register_backends()  # drained: any order
+    assert redis_client.get(f"{Keys(key_prefix).dispatch}backends") == b'["gpu-b", "gpu-a"]'

@@ -32,7 +32,7 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis
 
@@ -72,14 +72,16 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int, backend: str = ""
 
 
 def run_turn(rt: Runtime, ref: str, project: str, fence: int, backend: str = "") -> TurnOutcome:
-    """One model turn of the job, on the backend its grant names (``backend``, '' the first); a
-    name the settings do not have (a dispatcher with other settings) gives the lease back."""
+    """One model turn of the job, on the backend its grant names (``backend``, '' the first). A
+    name these settings do not have (a dispatcher with other settings) runs nothing: the lease,
+    never claimed, expires and the job is admitted again (a grant given back at once would come
+    straight back to the same dispatcher)."""
     store = rt.store
     try:
         on = rt.on_backend(backend)
     except KeyError as exc:
-        log.error("grant of job=%s names %s: the lease is given back", ref, exc)
-        store.requeue(ref, fence)
+        log.error("grant of job=%s names %s: nothing run, the lease expires; the dispatcher's "
+                  "[[backends]] and this worker's differ", ref, exc)
         return TurnOutcome("unknown-backend")
     # Claim first (it checks the fence itself: one round trip on the way to the backend); only a
     # refused claim reads the lease, to tell a stale delivery from a duplicate one.
@@ -214,6 +216,8 @@ def _run(rt: Runtime, on: OnBackend, ref: str, project: str, keeper: LeaseKeeper
     try:
         job = _sealed_job(rt, ref, project, record)
         plan = Plan(**json.loads(record["plan"]))
+        if plan.max_model_len > on.settings.backend.max_model_len:  # prepared for a larger one
+            plan = replace(plan, max_model_len=on.settings.backend.max_model_len)
         turn = current_turn(rt, ref, record)
     except AuthError as exc:
         log.warning("refused to run job=%s: %s", ref, exc.message)
