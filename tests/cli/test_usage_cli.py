@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from rich.console import Console
 from typer.testing import CliRunner
 
 from fleet.cli.main import app
@@ -27,6 +28,9 @@ def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-
     path = make_config(tmp_path, broker_url=TEST_REDIS_URL)
     monkeypatch.setenv("FLEET_CONFIG", str(path))
     monkeypatch.setenv("COLUMNS", "250")
+    # the CLI's console is made at import and keeps a COLUMNS it saw then (pytest-xdist's
+    # workers set 80): the table is drawn 250 wide whatever ran first
+    monkeypatch.setattr("fleet.cli.main.console", Console(width=250))
     settings = load_settings(path, env={})
     yield settings
     delete_prefix(redis.Redis.from_url(TEST_REDIS_URL), settings.key_prefix)

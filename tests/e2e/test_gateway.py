@@ -409,10 +409,12 @@ def test_chat_keeps_flowing_while_large_batches_are_created(
     """A chat request is answered while more large batches are being created than the gateway
     has threads for chat. Before, batch work ran on those same 32 threads: the creates held every
     one, and the chat request waited until some batch was in. The creates still waiting once the
-    chat is answered end at once: their input files are deleted."""
+    chat is answered end at once: their input files are deleted. A create of 4,000 lines (a line
+    costs a submit) holds its batch thread for seconds, several times the chat's round trip; the
+    test waits for the two under way to end."""
     harness, keys = fleet
     client = sdk(fleet, "research")
-    creates, lines = 34, harness.settings.gateway.max_batch_lines
+    creates, lines = 34, 4_000
     files = []
     for n in range(creates):  # a line costs a submit; the same idempotency key makes one job of all
         text = "".join(json.dumps({"custom_id": f"r{i}", "idempotency_key": f"load-{n}", "messages": [

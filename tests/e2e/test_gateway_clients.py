@@ -21,9 +21,11 @@ from tests.support.gateway_support import config_with_keys
 pytestmark = pytest.mark.slow
 
 CAP = 4
-# A wait shorter than the default (so the crowd's test runs in seconds) but longer than the
-# keep-alive period, so a waiting stream would have had its 200 if comments were on.
-MAX_QUEUE_WAIT_S = 8
+# A wait far shorter than the default (so the crowd's test runs in seconds) but longer than the
+# keep-alive period, so a waiting stream would have had its 200 if comments were on; a 429's
+# Retry-After is one such wait.
+MAX_QUEUE_WAIT_S = 3
+KEEPALIVE_S = 1
 SIM_ARGS = ["--think-min-tokens", "20", "--think-max-tokens", "40",
             "--answer-min-tokens", "5", "--answer-max-tokens", "15"]
 TOOL_COUNT = 63
@@ -36,7 +38,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Harness, d
         projects={"triage": {"disallowed_tools": "refuse"}, "research": {"prompt_budget_tokens": 2000}},
         backend={"max_num_seqs": CAP},
         admission={"backend_gate": False},
-        gateway={"max_queue_wait_s": MAX_QUEUE_WAIT_S},
+        gateway={"max_queue_wait_s": MAX_QUEUE_WAIT_S, "keepalive_s": KEEPALIVE_S},
     )
     with Harness(config, sim_speed=2, sim_args=SIM_ARGS, gateway=True) as harness:
         yield harness, keys
@@ -155,8 +157,9 @@ def test_a_developer_message_is_sent_as_system_instructions(
 def test_forty_streams_at_cap_four_end_answered_or_with_a_retryable_429(
     fleet: tuple[Harness, dict[str, str]],
 ) -> None:
-    """Default retries; each stream holds its slot about a second and a half (speed 2), so the
-    crowd waits longer than a keep-alive period and some past the wait."""
+    """Default retries; each stream holds its slot about half a second (speed 2), so the crowd of
+    40 at cap 4 takes about five seconds: it waits longer than a keep-alive period and some past
+    the wait."""
     client = sdk(fleet, "translate", timeout=120)  # the SDK's default retries
     outcomes: list[str] = []
     lock = threading.Lock()
@@ -165,7 +168,7 @@ def test_forty_streams_at_cap_four_end_answered_or_with_a_retryable_429(
         try:
             content, _, _ = stream_text(client.chat.completions.create(
                 model="local", stream=True,
-                messages=[{"role": "user", "content": f"crowd {n} [sim:think=120] [sim:answer=30]"}]))
+                messages=[{"role": "user", "content": f"crowd {n} [sim:think=40] [sim:answer=10]"}]))
             outcome = "answered" if content else "empty"
         except openai.RateLimitError:
             outcome = "429"

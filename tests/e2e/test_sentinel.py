@@ -36,6 +36,12 @@ from tests.support.waiting import wait_until
 CAP = 4
 
 
+def sentinel_group() -> SentinelGroup:
+    """The topology's master, replica and Sentinels, the replica's first full sync started at once
+    (Redis waits ``repl-diskless-sync-delay``, 5 s by default, for more replicas to share it)."""
+    return SentinelGroup(data_args=["--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0"])
+
+
 def test_a_sentinel_url_names_its_sentinels_db_and_the_masters_credentials() -> None:
     parsed = parse_sentinel_url("sentinel://app:s%40cret@10.0.0.1:26379/3;sentinel://10.0.0.2;"
                                 "sentinel://10.0.0.3:26380")
@@ -77,7 +83,7 @@ def test_celery_gets_the_master_name_only_for_a_sentinel_url(tmp_path) -> None:
 def test_the_fleets_clients_follow_a_failover_and_reload_their_scripts(tmp_path) -> None:
     """A client from the factory writes through a Lua script, the master dies, and the same client
     (same Script objects) goes on against the promoted replica."""
-    with SentinelGroup() as group:
+    with sentinel_group() as group:
         settings = load_settings(make_config(tmp_path, broker_url=group.url,
                                              redis={"master_name": MASTER_NAME}))
         client = redis_client(settings)
@@ -141,7 +147,7 @@ def test_kill_9_of_the_master_mid_batch_every_job_ends_once_under_the_cap(tmp_pa
     """Every client finds the new master, nothing is done twice, the cap holds, and no process
     exits: the workers ride the failover out on fleet/worker/transport.py's SentinelTransport (the
     supervisor, a deploy's restart policy, only counts what would have needed it)."""
-    with SentinelGroup() as sentinels:
+    with sentinel_group() as sentinels:
         config = make_config(tmp_path, broker_url=sentinels.url, redis={"master_name": MASTER_NAME},
                              backend={"max_num_seqs": CAP}, admission={"lease_ttl_s": 3},
                              retry={"backoff_base_s": 0.2, "backoff_max_s": 0.5})

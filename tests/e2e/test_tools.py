@@ -194,7 +194,8 @@ def test_parallel_calls_of_one_answer_run_at_once(fleet: Harness, probe: FleetPr
 
 def test_a_hung_tool_is_killed_at_its_time_limit(fleet: Harness, probe: FleetProbe) -> None:
     """Before, the waiting side timed out but the tool task ran on for ever, holding a tool
-    worker. Celery's hard time limit (the tool's timeout + 2 s) now kills its process."""
+    worker. Celery's hard time limit (the tool's timeout + KILL_GRACE_S + SETTLE_S of
+    fleet/infer/tools.py: 15 s here) now kills its process."""
     pid_file = hang_pid_file(fleet.settings.key_prefix)
     pid_file.unlink(missing_ok=True)
     job = fleet.client.submit(ask("assistant", "Wait for it. [sim:tool=hang/1]", "hang"))

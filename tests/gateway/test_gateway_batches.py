@@ -441,13 +441,14 @@ def test_a_create_cut_by_a_stopped_gateway_is_ended_by_the_next_retrieve(tmp_pat
 def test_one_projects_flood_of_batch_calls_does_not_hold_up_another(tmp_path: Path) -> None:
     """Before, every project's batch calls shared one queue in front of gateway.batch_threads:
     a project creating large batches (or listing, which refreshed every batch) held every
-    thread, and another project's retrieve waited behind all of it."""
+    thread, and another project's retrieve waited behind all of it. A create of 800 lines holds
+    its thread for seconds (a line costs a submit), many times a retrieve's round trip."""
     with own_door(tmp_path, max_file_bytes=400_000, max_project_bytes=1_000_000, batch_threads=4,
                   batch_calls_per_project=2) as door:
         other = door.sdk("assistant")
         mine = create(other, [line("mine")])
         hostile = door.sdk("translate")
-        big = hostile.files.create(file=("in.jsonl", jsonl([line(str(i)) for i in range(3000)])),
+        big = hostile.files.create(file=("in.jsonl", jsonl([line(str(i)) for i in range(800)])),
                                    purpose="batch")
         order = itertools.count()
         done: list[tuple[int, str, Any]] = []
