@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/fleet demo
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check fleet schedulers tests
