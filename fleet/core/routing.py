@@ -48,6 +48,15 @@ def route(settings: Settings, project: ProjectSettings | None, asked: str | None
     return max(serving, key=lambda entry: entry.max_model_len)  # max keeps the first of equals
 
 
+def counting_backend(settings: Settings, project: ProjectSettings | None, asked: str | None) -> BackendSettings:
+    """The backend whose ``/tokenize`` counts a job's prompt: the first serving its model that is
+    not a long-context tier (the same model's tokenizer; the tier need not carry every job's
+    preparation), else ``route``'s."""
+    model = model_asked(settings, project, asked)
+    general = [entry for entry in backends_serving(settings, model) if not entry.only_unfit_elsewhere]
+    return general[0] if general else route(settings, project, asked)
+
+
 def eligible(settings: Settings, model: str, need_tokens: int) -> int:
     """The backends a job of ``model`` needing ``need_tokens`` (prompt + output limit) may run on,
     as a bit mask in the settings' order (bit i: ``settings.backends[i]``; the dispatcher store's

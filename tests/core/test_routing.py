@@ -5,7 +5,7 @@ import pytest
 
 from fleet.core.codes import Code
 from fleet.core.config import load_settings
-from fleet.core.routing import UnknownModel, eligible, model_asked, route
+from fleet.core.routing import UnknownModel, counting_backend, eligible, model_asked, route
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +71,9 @@ def test_a_job_is_prepared_against_the_largest_backend_of_its_model(several):
     plain = several.projects["plain"]
     assert route(several, plain, None).name == "long"  # qwen3-next: up to 524K may be held
     assert route(several, plain, "small").name == "small"
+    # its prompt is counted by a general backend of the model, not by the long-context tier
+    assert counting_backend(several, plain, None).name == "gpu-a"
+    assert counting_backend(several, plain, "small").name == "small"
 
 
 def test_a_job_may_run_on_every_backend_of_its_model_that_holds_it(several):

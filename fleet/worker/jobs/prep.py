@@ -34,7 +34,7 @@ from fleet.core.keys import job_ref
 from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, describe_invalid
 from fleet.core.outagelog import BROKER_LOST
-from fleet.core.routing import eligible, model_asked, route
+from fleet.core.routing import counting_backend, eligible, model_asked, route
 from fleet.core.seal import digest, sealed
 from fleet.core.signing import verify
 from fleet.infer.budget import plan as plan_budget
@@ -133,10 +133,10 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
         return fail(rt, job.id, job.project, Code.E_DEADLINE, "deadline passed while queued")
     # Prepared against the largest backend of its model (a model no backend serves: UnknownModel,
     # E_INPUT_INVALID, before any work); it may then run on any backend of that model it fits.
-    on = rt.on_backend(route(settings, project, job.model).name)
-    settings = on.settings
+    counter = rt.on_backend(counting_backend(settings, project, job.model).name).counter
+    settings = settings.on_backend(route(settings, project, job.model).name)
     first = plan_budget(job, project, settings, 0)
-    prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, on.counter,
+    prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, counter,
                        collector=rt.collector)
     if job.kind in ("collect", "trim"):
         envelope = Envelope(
