@@ -190,7 +190,7 @@ class StoreCollector(Collector):
             "Sequences running at the backend that are not the fleet's (last scrape)", labels=labels)
         hit_rate = GaugeMetricFamily(
             "fleet_backend_prefix_cache_hit_rate",
-            "The backend's own prefix cache hits / queries, in tokens, since it started (last scrape)",
+            "The backend's own prefix cache hits / queries in tokens since it started (last scrape; 0: none yet)",
             labels=labels)
         for entry in self._store.config.backends:
             backend = self._store.backend(entry.name)
@@ -203,8 +203,8 @@ class StoreCollector(Collector):
             if backend.get("outside") is not None:
                 outside_family.add_metric([entry.name], float(backend["outside"]))
             queries, hits = backend.get("prefix_cache_queries"), backend.get("prefix_cache_hits")
-            if queries and hits and float(queries) > 0:
-                hit_rate.add_metric([entry.name], float(hits) / float(queries))
+            if queries is not None and hits is not None:  # the server exports its counters
+                hit_rate.add_metric([entry.name], float(hits) / float(queries) if float(queries) > 0 else 0.0)
         yield from (up, age_family, held, outside_family, hit_rate)
 
 
