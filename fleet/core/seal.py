@@ -65,6 +65,7 @@ from typing import Any
 
 from fleet.core.config import Settings
 from fleet.core.errors import AuthError, ConfigError
+from fleet.core.keys import Keys
 from fleet.core.signing import canonical, sign, signature_valid
 
 SEAL_VERSION = "fleet-seal-v2"
@@ -108,6 +109,17 @@ def seal_valid(settings: Settings, ref: str, record: Mapping[str, str]) -> bool:
         return False
     expected = seal(settings, ref, record)
     return hmac.compare_digest(expected.encode(), given.encode("utf-8", "replace"))
+
+
+def sealed_gateway(client: Any, settings: Settings, ref: str) -> str | None:
+    """The gateway process a job's record names, when the record says ``origin=gateway`` under
+    the workers' seal (a producer may write its own job hashes); None for any other record."""
+    values = client.hmget(Keys(settings.key_prefix).job(ref), [*SEALED_FIELDS, "seal"])
+    record = {name: value.decode("utf-8", "replace")
+              for name, value in zip([*SEALED_FIELDS, "seal"], values, strict=True) if isinstance(value, bytes)}
+    if record.get("origin") != "gateway" or not record.get("gateway") or not seal_valid(settings, ref, record):
+        return None
+    return record["gateway"]
 
 
 def check_seal(settings: Settings, ref: str, record: Mapping[str, str]) -> None:

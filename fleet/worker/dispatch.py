@@ -42,7 +42,7 @@ from fleet.core.keys import Keys, split_ref
 from fleet.core.models import Envelope
 from fleet.core.redisconn import redis_client
 from fleet.core.results import ResultStore
-from fleet.core.seal import SEALED_FIELDS, seal_valid
+from fleet.core.seal import sealed_gateway
 from fleet.prep.recover import run_prep_watchdog
 from fleet.worker.app import create_app
 from fleet.worker.heartbeat import WorkerGate, live_workers
@@ -156,15 +156,12 @@ def hand_to_gateway(client: redis.Redis, settings: Settings, grant: Grant) -> bo
     keys = Keys(settings.key_prefix)
     if client.hget(keys.job(grant.job_id), "origin") != GATEWAY_ORIGIN:
         return False  # one small read for a queued job: its prepared job is not fetched
-    values = client.hmget(keys.job(grant.job_id), [*SEALED_FIELDS, "seal"])
-    record = {name: value.decode("utf-8", "replace")
-              for name, value in zip([*SEALED_FIELDS, "seal"], values, strict=True)
-              if isinstance(value, bytes)}
-    if not seal_valid(settings, grant.job_id, record) or not record.get("gateway"):
+    gateway = sealed_gateway(client, settings, grant.job_id)
+    if gateway is None:
         log.warning("job %s claims origin=gateway without the workers' seal: sent to the "
                     "inference workers, which refuse it", grant.job_id)
         return False
-    key = keys.gateway_grants(record["gateway"])
+    key = keys.gateway_grants(gateway)
     ttl_s = settings.admission.lease_ttl_s
     payload = json.dumps({"job_id": grant.job_id, "fence": grant.fence, "backend": grant.backend,
                           "lease_expires_at": grant.lease_expires_at, "waited_s": grant.waited_s})

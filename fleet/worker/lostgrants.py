@@ -31,8 +31,7 @@ from collections.abc import Callable
 import redis
 
 from fleet.core.config import Settings
-from fleet.core.keys import Keys
-from fleet.core.seal import SEALED_FIELDS, seal_valid
+from fleet.core.seal import sealed_gateway
 from schedulers.store.base import AdmissionStore
 
 log = logging.getLogger(__name__)
@@ -62,9 +61,6 @@ def give_back_lost_grants(store: AdmissionStore, client: redis.Redis, settings: 
 
 
 def _gateway_request(client: redis.Redis, settings: Settings, ref: str) -> bool:
-    """A gateway request by its record under the workers' seal, as the dispatcher's ``send``
-    decides where its grant goes (the producer may write its own job hashes)."""
-    values = client.hmget(Keys(settings.key_prefix).job(ref), [*SEALED_FIELDS, "seal"])
-    record = {name: value.decode("utf-8", "replace")
-              for name, value in zip([*SEALED_FIELDS, "seal"], values, strict=True) if isinstance(value, bytes)}
-    return record.get("origin") == "gateway" and seal_valid(settings, ref, record)
+    """A gateway request by its sealed record, as the dispatcher's ``send`` decides where its
+    grant goes."""
+    return sealed_gateway(client, settings, ref) is not None
