@@ -373,6 +373,21 @@ class LimitsSettings(_Section):
     """Tools in one job."""
 
 
+class RoutingSettings(_Section):
+    """How admission picks a backend for a job among those of its model that can take it
+    (docs/backends.md, section 6)."""
+
+    policy: Literal["fleet", "least_loaded", "round_robin"] = "fleet"
+    """``fleet``: the backend expected to hold the job's longest cached prefix, unless it is
+    loaded past both imbalance thresholds, else the least loaded; ``least_loaded`` and
+    ``round_robin`` are the benchmark's baselines."""
+    balance_abs_seqs: int = Field(4, ge=0)
+    """Load wins over the cached prefix when the prefix's backend has more than this many
+    sequences in flight beyond the least loaded one ..."""
+    balance_rel: float = Field(1.5, ge=1.0)
+    """... and its load is above this multiple of the least loaded one's."""
+
+
 class UsageSettings(_Section):
     """The usage ledger (fleet/core/usage.py, docs/usage.md): per project, key, model and hour."""
 
@@ -704,6 +719,7 @@ class Settings(BaseSettings):
     redis: RedisSettings = RedisSettings()
     gateway: GatewaySettings = GatewaySettings()
     usage: UsageSettings = UsageSettings()
+    routing: RoutingSettings = RoutingSettings()
     projects: dict[str, ProjectSettings] = Field(default_factory=dict)
 
     @field_validator("broker_url")

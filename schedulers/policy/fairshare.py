@@ -64,6 +64,9 @@ class Head:
     long: bool = False
     uncached_tokens: int | None = None  # prep's estimate of the prompt's prefix-cache misses
     eligible: int = 1  # bit mask of the backends it may run on (its queue's class): bit b = backend b
+    # the backend expected to hold its longest cached prefix (its uncached tokens count there; on
+    # any other the whole prompt does), or None: no backend holds any (placement.pick)
+    hint: int | None = None
 
     @property
     def cost(self) -> int:

@@ -10,12 +10,18 @@ For each candidate in fair order, the backends of its eligibility mask (bit b: b
 settings' order) are tried. A backend is usable for it when its gate passes (its scrape is fresh
 and holds nothing: ``gates``), its global limits pass (sequences, outside clients, spacing) and
 every limit of one job holds on it for this candidate (``limits.check_job`` with the candidate's
-cost on that backend: its KV blocks, long threshold and prefill figures). Among the usable ones
-the least loaded wins, load = max(in flight / max_num_seqs, reserved KV / KV budget), ties by the
-settings' order (``pick``: where the prefix-cache hint and the imbalance thresholds of section 6
-come in later). A candidate no backend can take is passed over and the next one is tried, so a
-full backend never stalls another; its reason is the one of its *best* backend: the least loaded
-whose gate passes (else the least loaded), ties by order.
+cost on that backend: its KV blocks, long threshold and prefill figures; its uncached tokens on
+its ``hint`` backend, its whole prompt on the others). Among the usable ones ``pick`` chooses by
+the routing policy (``Routing``): ``fleet`` takes the candidate's hint (the backend prep expects
+to hold its longest cached prefix) unless the hint is loaded past both imbalance thresholds
+against the least loaded (more than ``balance_abs_seqs`` sequences more, and a load above
+``balance_rel`` times its load: SGLang's two thresholds), else the least loaded; load =
+max(in flight / max_num_seqs, reserved KV / KV budget), ties by the settings' order.
+``least_loaded`` ignores the hint; ``round_robin`` takes the first usable backend after the one
+of the last grant (``Routing.last``; the benchmark's baselines). A candidate no backend can take
+is passed over and the next one is tried, so a full backend never stalls another; its reason is
+the one of its *best* backend: the least loaded whose gate passes (else the least loaded), ties
+by order.
 
 The head-of-line reservation (limits.py: ``hol_bypass_s``) is per backend. A backend's *head* is
 the first candidate in fair order whose mask names it. A head no backend takes reserves its best
@@ -38,6 +44,22 @@ from schedulers.policy.fairshare import Head
 from schedulers.policy.limits import RESERVING_REASONS, Cost, Limits, LimitState, check_global, check_job
 
 NO_BACKEND = "no_backend"
+POLICIES = ("fleet", "least_loaded", "round_robin")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How ``pick`` chooses among the backends that can take a candidate (module docstring);
+    ``last``: the backend of the last grant (round robin's position; -1: none yet)."""
+
+    policy: str = "fleet"
+    balance_abs_seqs: int = 4
+    balance_rel: float = 1.5
+    last: int = -1
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"routing policy {self.policy!r}: one of {', '.join(POLICIES)}")
 
 
 @dataclass
@@ -65,6 +87,14 @@ def eligible_on(mask: int, backend: int) -> bool:
     return (mask >> backend) & 1 == 1
 
 
+def uncached_on(head: Head, backend: int) -> int | None:
+    """The candidate's prompt tokens expected to miss the prefix cache on ``backend``: prep's
+    estimate on its hint backend (or everywhere when it has none), its whole prompt elsewhere."""
+    if head.hint is None or head.hint == backend:
+        return head.uncached_tokens
+    return head.prompt_tokens
+
+
 def load(view: BackendView) -> float:
     """How full a backend is: its busier share of sequences or of the KV budget."""
     seqs = view.state.in_flight / view.limits.max_num_seqs
@@ -72,10 +102,24 @@ def load(view: BackendView) -> float:
     return max(seqs, kv)
 
 
-def pick(views: Sequence[BackendView], usable: Sequence[int]) -> int:
-    """The backend a candidate goes to among those that can take it: the least loaded, then the
-    settings' order. (Section 6's prefix-cache hint and imbalance thresholds go here.)"""
-    return min(usable, key=lambda b: (load(views[b]), b))
+def pick(views: Sequence[BackendView], usable: Sequence[int], hint: int | None,
+         routing: Routing = Routing()) -> int:
+    """The backend a candidate whose prefix is expected on ``hint`` goes to among ``usable``
+    (the backends that can take it, in the settings' order): module docstring."""
+    if routing.policy == "round_robin":
+        after = [b for b in usable if b > routing.last]
+        return after[0] if after else usable[0]
+    least = min(usable, key=lambda b: (load(views[b]), b))
+    if routing.policy == "least_loaded" or hint is None or hint not in usable or hint == least:
+        return least
+    return least if imbalanced(views[hint], views[least], routing) else hint
+
+
+def imbalanced(busy: BackendView, idle: BackendView, routing: Routing) -> bool:
+    """Is ``busy`` loaded past both thresholds against ``idle``, so that load wins over a cached
+    prefix? (more than ``balance_abs_seqs`` sequences more, and above ``balance_rel`` x its load)"""
+    return (busy.state.in_flight - idle.state.in_flight > routing.balance_abs_seqs
+            and load(busy) > routing.balance_rel * load(idle))
 
 
 def best(views: Sequence[BackendView], tried: Sequence[int]) -> int:
@@ -89,10 +133,11 @@ def place(
     costs: Callable[[int, int], Cost],
     now: float,
     only: Callable[[Head], bool] | None = None,
+    routing: Routing = Routing(),
 ) -> Placement:
     """Try ``heads`` (fair order) on ``views`` (settings' order); ``costs(i, b)`` is candidate i's
-    cost on backend b; ``only``: candidates it refuses are passed over ('no_workers'). Updates the
-    reservation fields of the states (module docstring)."""
+    cost on backend b; ``only``: candidates it refuses are passed over ('no_workers'); ``routing``:
+    how ``pick`` chooses. Updates the reservation fields of the states (module docstring)."""
     if not heads:
         return Placement(None, reason="empty")
     blocked = [_global(view, now) for view in views]
@@ -121,7 +166,7 @@ def place(
             for b in tried:
                 if not headed[b]:
                     views[b].state.blocked_job = None
-            return Placement(index, pick(views, usable))
+            return Placement(index, pick(views, usable, head.hint, routing))
         soonest = _soonest(soonest, [retry for _why, retry in verdicts.values()])
         target = best(views, tried)
         why = verdicts[target][0]

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from schedulers.policy.limits import Limits
+from schedulers.policy.placement import Routing
 
 if TYPE_CHECKING:
     from fleet.core.config import Settings
@@ -82,6 +83,11 @@ class PendingItem:
     # the backends it may run on, a bit mask (bit b: backend b of StoreConfig.backends); its
     # eligibility class: a queue of its own (module docstring, Backends). 1: backend 0 only.
     eligible: int = 1
+    # the backend (index) prep expects to hold the longest cached prefix of its prompt: its
+    # ``uncached_tokens`` are counted there, the whole prompt on any other, and routing prefers it
+    # (schedulers/policy/placement.py ``pick``). None: no backend holds any, ``uncached_tokens``
+    # count everywhere.
+    hint: int | None = None
 
 
 @dataclass(frozen=True)
@@ -180,6 +186,8 @@ class StoreConfig:
     scrape_stale_s: float = 5.0
     backend_name: str = "default"
     more_backends: tuple[BackendLimits, ...] = ()
+    # how a candidate's backend is chosen among those that can take it (placement.Routing)
+    routing: Routing = field(default_factory=Routing)
 
     def __post_init__(self) -> None:
         names = [b.name for b in self.backends]
@@ -198,6 +206,8 @@ class StoreConfig:
             scrape_stale_s=settings.admission.scrape_stale_s,
             backend_name=first.name,
             more_backends=tuple(BackendLimits(b.name, Limits.from_settings(settings, b)) for b in more),
+            routing=Routing(settings.routing.policy, settings.routing.balance_abs_seqs,
+                            settings.routing.balance_rel),
         )
 
     @classmethod

@@ -74,6 +74,7 @@ class MemoryStore:
         count = len(config.backends)
         self._states = [limits.LimitState() for _ in range(count)]  # per backend
         self._vtime = 0.0
+        self._last_backend = -1  # the backend of the last grant (round robin's position)
         self._finish: dict[str, float] = {}
         self._fences: dict[str, int] = {}  # per project (base.py: fencing tokens)
         self._admissions = 0
@@ -178,12 +179,14 @@ class MemoryStore:
         def cost(index: int, backend: int) -> limits.Cost:
             h = heads[index]
             return limits.cost_of(h.job_id, h.prompt_tokens, h.max_new_tokens, views[backend].limits,
-                                  h.uncached_tokens, h.band == "interactive")
+                                  placement.uncached_on(h, backend), h.band == "interactive")
 
-        chosen = placement.place(views, heads, cost, now)
+        routing = replace(self.config.routing, last=self._last_backend)
+        chosen = placement.place(views, heads, cost, now, routing=routing)
         if chosen.index is None or chosen.backend is None:
             return AdmitResult(None, chosen.reason, chosen.retry_in_s)
         index, backend = chosen.index, chosen.backend
+        self._last_backend = backend
         return AdmitResult(self._grant(heads[0], heads[index], cost(index, backend), backend, now))
 
     def _heads(self, now: float) -> list[fairshare.Head]:
@@ -500,4 +503,5 @@ def _head(entry: _Entry, band: str) -> fairshare.Head:
         long=entry.size == "long",
         uncached_tokens=item.uncached_tokens,
         eligible=item.eligible,
+        hint=item.hint,
     )

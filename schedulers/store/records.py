@@ -13,7 +13,8 @@ markers for "none" become ``None`` (an item's deadline and deferred ``-``, a lea
 and an item written before ``uncached`` existed counts its whole prompt as uncached. Readers
 convert the few numbers they need themselves, so a decode costs one ``split``.
 
-Backends: an item's ``elig`` (the bit mask of the backends it may run on) and a lease's
+Backends: an item's ``elig`` (the bit mask of the backends it may run on; with its ``hint``, the
+backend expected to hold its cached prefix, written only when there is one) and a lease's
 ``backend`` (the index of the backend it was granted on) are written only when they are not
 backend 0's (elig ``1``, backend ``0``), so the records of a one-backend fleet are the strings
 they were before backends existed, and a record written before reads as backend 0's (a field
@@ -57,16 +58,21 @@ class Item(NamedTuple):
     # the bit mask of the backends the job may run on, its eligibility class (bit b: backend b);
     # not written when it is 1 (backend 0 only), and absent in items written before it existed
     elig: str = "1"
+    # the index of the backend expected to hold its longest cached prefix (placement.pick);
+    # written only when there is one (then elig is written too, even 1)
+    hint: str | None = None
 
     @classmethod
     def unpack(cls, raw: str) -> Item:
         fields: list[Any] = raw.split(" ", _ITEM_LEN)
         if len(fields) > _ITEM_LEN:  # fields of a newer version
             del fields[_ITEM_LEN:]
-        elif len(fields) == _ITEM_LEN - 2:  # written before `uncached` existed
-            fields += ["", "1"]
-        elif len(fields) == _ITEM_LEN - 1:  # elig 1, or written before it existed
-            fields.append("1")
+        elif len(fields) == _ITEM_LEN - 3:  # written before `uncached` existed
+            fields += ["", "1", None]
+        elif len(fields) == _ITEM_LEN - 2:  # elig 1 and no hint, or written before they existed
+            fields += ["1", None]
+        elif len(fields) == _ITEM_LEN - 1:  # no hint
+            fields.append(None)
         elif len(fields) != _ITEM_LEN:
             raise ValueError(f"not a packed item: {raw!r}")
         if fields[_DEADLINE] == "-":
@@ -80,8 +86,10 @@ class Item(NamedTuple):
     def pack(self) -> str:
         """The stored string, as ``item_put`` writes it (for tests and tools: only Lua writes)."""
         values = ["-" if value is None else value for value in self]
-        if self.elig == "1":
+        if self.hint is None:
             del values[-1]
+            if self.elig == "1":
+                del values[-1]
         return " ".join(values)
 
     @property

@@ -183,6 +183,7 @@ class RedisStore:
             "" if item.deadline is None else repr(float(item.deadline)),
             _uncached(item),
             elig,
+            "" if item.hint is None else item.hint,
         ]
 
     def cancel_pending(self, job_id: str) -> bool:
@@ -322,6 +323,8 @@ class RedisStore:
                      more.prefill_burst_tokens, repr(more.min_spacing_s), repr(more.hol_bypass_s),
                      repr(more.long_prefill_tokens_per_s), more.short_beside_long, more.long_prefills,
                      more.long_prompt_tokens, repr(more.short_job_s), more.block_tokens]
+        routing = config.routing
+        args += [routing.policy, routing.balance_abs_seqs, repr(routing.balance_rel)]
         for group in self._groups:
             keys += self._group_queues(group)
             args += [group, repr(config.weight(group.partition(":")[0]))]

@@ -17,6 +17,7 @@ import redis
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
 from fleet.core.keys import Keys
 from schedulers.policy.limits import Limits, kv_tokens
+from schedulers.policy.placement import Routing
 from schedulers.store.base import BackendLimits, BackendSnapshot, PendingItem, StoreConfig
 from schedulers.store.records import Item, Lease
 from schedulers.store.redis_store import RedisStore
@@ -149,6 +150,73 @@ def test_a_mask_naming_no_configured_backend_holds_up_no_one(make_store: StoreFa
     assert store.admit_next(NOW).hold_reason == "no_backend"
     with pytest.raises(ValueError, match="names no backend"):
         store.add_pending(job("z", eligible=0))
+
+
+# -- routing: the prefix-cache hint, the imbalance thresholds, the baselines --------------------
+def test_a_job_goes_to_its_hint_backend_while_the_load_is_near(make_store: StoreFactory) -> None:
+    """gpu-b holds the prefix of h*: they go there although gpu-a is as idle, until gpu-b has more
+    than balance_abs_seqs (2) sequences beyond gpu-a at a load above 1.5x its: then load wins."""
+    config = replace(backends(8, 8), routing=Routing(balance_abs_seqs=2, balance_rel=1.5))
+    store = make_store(config)
+    for i in range(5):
+        store.add_pending(job(f"h{i}", eligible=3, hint=1, uncached_tokens=0))
+    assert granted(store) == [("h0", "gpu-b"), ("h1", "gpu-b"), ("h2", "gpu-b"),
+                              ("h3", "gpu-a"), ("h4", "gpu-b")]
+
+
+def test_a_hint_outside_the_usable_backends_falls_back_to_the_least_loaded(make_store: StoreFactory) -> None:
+    store = make_store(backends(1, 4))
+    store.add_pending(job("x0", eligible=1))  # fills gpu-a
+    store.add_pending(job("h1", project="b", eligible=3, hint=0, uncached_tokens=0))
+    store.add_pending(job("h2", project="c", eligible=2, hint=0))  # the hint is not in its mask
+    assert granted(store) == [("x0", "gpu-a"), ("h1", "gpu-b"), ("h2", "gpu-b")]
+
+
+def test_uncached_tokens_count_on_the_hint_backend_only(make_store: StoreFactory) -> None:
+    """Both prefill buckets (6,000 tokens) are left at 2,000 by a 4,000-token prompt each. A
+    9,000-token prompt cached on gpu-b (1,000 uncached) fits gpu-b's; on gpu-a its whole prompt
+    counts (up to the burst), which the bucket refuses, though least_loaded would pick gpu-a."""
+    config = backends(4, 4, b0_prefill_burst_tokens=6_000, b1_prefill_burst_tokens=6_000,
+                      b0_prefill_tokens_per_s=1.0, b1_prefill_tokens_per_s=1.0)
+    store = make_store(replace(config, routing=Routing(policy="least_loaded")))
+    store.add_pending(job("p0", prompt=4_000, new=0, eligible=1))
+    store.add_pending(job("p1", project="b", prompt=4_000, new=0, eligible=2))
+    assert granted(store) == [("p0", "gpu-a"), ("p1", "gpu-b")]
+    store.add_pending(job("c2", prompt=9_000, eligible=3, hint=1, uncached_tokens=1_000))
+    assert granted(store) == [("c2", "gpu-b")]
+    store.add_pending(job("c3", prompt=9_000, eligible=1, hint=1, uncached_tokens=1_000))
+    result = store.admit_next(NOW)
+    assert result.grant is None and result.hold_reason == "bucket"
+
+
+def test_least_loaded_ignores_the_hint(make_store: StoreFactory) -> None:
+    store = make_store(replace(backends(4, 4), routing=Routing(policy="least_loaded")))
+    for i in range(3):
+        store.add_pending(job(f"h{i}", eligible=3, hint=1, uncached_tokens=0))
+    assert granted(store) == [("h0", "gpu-a"), ("h1", "gpu-b"), ("h2", "gpu-a")]
+
+
+def test_round_robin_takes_the_next_usable_backend(make_store: StoreFactory) -> None:
+    store = make_store(replace(backends(4, 1, 4), routing=Routing(policy="round_robin")))
+    for i in range(6):
+        store.add_pending(job(f"r{i}", project="abc"[i % 3], eligible=7, hint=2))
+    assert granted(store) == [("r0", "gpu-a"), ("r1", "gpu-b"), ("r2", "small"),
+                              ("r3", "gpu-a"), ("r4", "small"), ("r5", "gpu-a")]
+
+
+def test_a_hint_is_kept_in_the_record_and_through_a_continuation(redis_client: redis.Redis,
+                                                                 key_prefix: str) -> None:
+    store = RedisStore(redis_client, Keys(key_prefix), backends(4, 4))
+    store.add_pending(job("h0", eligible=3, hint=1, uncached_tokens=200))
+    store.add_pending(job("n1", project="b", eligible=3))
+    raw = {k.decode(): Item.unpack(v.decode()) for k, v in redis_client.hgetall(key_prefix + "{d}:items").items()}
+    assert (raw["h0"].elig, raw["h0"].hint, raw["n1"].hint) == ("3", "1", None)
+    grants = granted(store)
+    assert ("h0", "gpu-b") in grants
+    fence = store.lease_fences()["h0"]
+    assert store.readmit("h0", fence, 300, NOW, NOW)
+    again = Item.unpack(redis_client.hget(key_prefix + "{d}:items", "h0").decode())
+    assert (again.elig, again.hint) == ("3", "1")
 
 
 # -- a lease frees its own backend only ---------------------------------------------------------

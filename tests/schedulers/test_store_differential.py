@@ -26,7 +26,9 @@ block size and long threshold may differ from gpu-a's), and each job an eligibil
 makes sense for them: with three, "small" serves another model (mask 4) and gpu-a and gpu-b the
 same one (either: 3, or one of them: 1, 2); with two, either or one; now and then a mask naming
 a backend the config does not have. Backend verdicts are drawn per backend, and the snapshots
-compared include each backend's counters.
+compared include each backend's counters. Each job may carry a prefix-cache hint (a backend of
+its mask or not, or none), and each config a routing policy (fleet with tight or loose imbalance
+thresholds, least loaded, round robin), so the two ``pick``s are compared on every grant.
 
 The order of ``reap_expired``'s ids is not part of the contract (the caller only logs them), so
 they are compared as sorted lists. Resubmissions happen at any time, in flight too.
@@ -53,6 +55,7 @@ from hypothesis.stateful import (
 
 from fleet.core.keys import Keys
 from schedulers.policy.limits import Limits
+from schedulers.policy.placement import Routing
 from schedulers.store.base import BackendLimits, PendingItem, StoreConfig
 from schedulers.store.memory_store import MemoryStore
 from schedulers.store.redis_store import RedisStore
@@ -99,6 +102,9 @@ def masks_for(count: int) -> tuple[int, ...]:
     return {1: (1,), 2: (3, 3, 1, 2), 3: (3, 3, 1, 2, 4)}[count]
 
 
+routings = st.builds(
+    Routing, policy=st.sampled_from(["fleet", "fleet", "least_loaded", "round_robin"]),
+    balance_abs_seqs=st.sampled_from([0, 1, 4]), balance_rel=st.sampled_from([1.0, 1.5]))
 configs = st.builds(
     with_backends,
     first=small_limits,
@@ -108,6 +114,7 @@ configs = st.builds(
     weights=st.dictionaries(st.sampled_from(PROJECTS), st.sampled_from([0.5, 1.0, 3.0])),
     gate=st.sampled_from([False, False, True]),
     scrape_stale_s=st.just(5.0),
+    routing=routings,
 )
 # Quiet long prefills in play all along: room for long prompts (KV, bucket), so that admissions
 # reach the window, the drain (paying or not) and the bands' protection instead of stopping at kv.
@@ -141,6 +148,7 @@ quiet_configs = st.builds(
     lease_ttl_s=st.just(30.0),
     aging_s=st.sampled_from([10.0, 60.0]),
     gate=st.just(False),
+    routing=routings,
 )
 jobs = st.fixed_dictionaries(
     {
@@ -156,6 +164,9 @@ jobs = st.fixed_dictionaries(
         "uncached_tokens": st.sampled_from([None, 0, 800, LONG_PROMPT_TOKENS + 1, 30_000]),
         # the job's eligibility class: masks_for(backends)[cls], or 29: a backend not configured
         "cls": st.integers(0, 29),
+        # the backend prep expects to hold its cached prefix: none, one of up to three (in its
+        # mask or not)
+        "hint": st.sampled_from([None, 0, 1, 1, 2]),
     }
 )
 
@@ -230,6 +241,13 @@ class Differential(RuleBasedStateMachine):
             self.submitted.append(item)
             self.both("add_pending", item)
 
+    def _routed(self, grant: Any) -> None:
+        """Count how a grant was routed, so a run shows that hints were followed and passed."""
+        item = next(i for i in reversed(self.submitted) if i.job_id == grant.job_id)
+        if item.hint is not None and bin(item.eligible).count("1") > 1:
+            followed = self.names.index(grant.backend or self.names[0]) == item.hint
+            event(f"routed: hint {'followed' if followed else 'passed'}")
+
     @rule(target=leases, rounds=st.integers(1, 3))
     def admit(self, rounds: int) -> Any:
         """Admission rounds at one instant, as a dispatcher loops until it is told to hold."""
@@ -239,6 +257,7 @@ class Differential(RuleBasedStateMachine):
             event(f"admit: {result.hold_reason or 'grant'}")
             if result.grant is None:
                 break
+            self._routed(result.grant)
             grants.append((result.grant.job_id, result.grant.fence))
         return multiple(*grants)
 
@@ -248,6 +267,9 @@ class Differential(RuleBasedStateMachine):
         results = self.both("admit_many", self.clock.now, max_grants)
         assert len(results) <= max_grants + 1
         event(f"admit_many: {len(results)} results")
+        for r in results:
+            if r.grant is not None:
+                self._routed(r.grant)
         return multiple(*[(r.grant.job_id, r.grant.fence) for r in results if r.grant is not None])
 
     @rule(lease=leases, op=lease_ops)

@@ -10,7 +10,7 @@
 -- KEYS[8] lease            hash    job id -> lease (prelude)
 -- ARGV: id, project, band, size, prompt, max_new, kv, long (1|0), enq, score, deadline ('' = none),
 --       uncached (prompt tokens expected to miss the prefix cache), elig (the bit mask of the
---       backends it may run on)
+--       backends it may run on), hint (the backend expected to hold its cached prefix; '': none)
 -- Returns 1 when added, 0 when the job was already pending, in flight or waiting.
 local items, id = KEYS[1], ARGV[1]
 local old = item_get(items, id)
@@ -27,7 +27,8 @@ end
 local deadline = ARGV[11] ~= '' and ARGV[11] or nil
 item_put(items, id, {project = ARGV[2], band = ARGV[3], size = ARGV[4], prompt = ARGV[5],
   max_new = ARGV[6], kv = ARGV[7], long = ARGV[8], enq = ARGV[9], score = ARGV[10], pending = '1',
-  deadline = deadline, uncached = ARGV[12], elig = ARGV[13]})
+  deadline = deadline, uncached = ARGV[12], elig = ARGV[13],
+  hint = ARGV[14] ~= '' and ARGV[14] or nil})
 redis.call('ZADD', KEYS[2], ARGV[10], id)
 redis.call('HINCRBY', KEYS[5], 'queued', 1)
 if deadline then

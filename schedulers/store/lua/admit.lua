@@ -34,15 +34,19 @@
 --       (what a drain waits for; 0: always drain), then m (ARGV[19]: backends beside backend 0),
 --       then 13 per backend b = 1 .. m: max_seqs, kv_budget, max_long, rate, burst, spacing,
 --       bypass, prefill_rate, beside, long_prefills, long_threshold, short_job_s, block_tokens;
---       then (group, weight) per group, in the same order as the keys: the group is the projects
+--       then the routing policy (fleet | least_loaded | round_robin), balance_abs_seqs,
+--       balance_rel (placement.Routing); then (group, weight) per group, in the same order as the keys: the group is the projects
 --       set's member (`<project>` or `<project>:<elig>`), the weight its project's.
 -- A candidate the prelude's `admit_only` refuses (when a calling script set it) is passed over with
 -- the reason 'no_workers'; a queue's head is the prelude's `admit_head` (when set) instead of its
 -- first member.
 -- A candidate's KV reservation and size on backend 0 are its item's (ADD computed them with
 -- backend 0's block and long threshold); on backend b they follow from its prompt and output
--- limit with b's block_tokens and long_threshold. A long prefill is a candidate whose uncached
--- tokens (the item's field) are above the backend's long threshold. Quiet windows hold only
+-- limit with b's block_tokens and long_threshold. Its uncached tokens are the item's on its hint
+-- backend (or everywhere when it has no hint), its whole prompt elsewhere (placement.uncached_on);
+-- a long prefill is a candidate whose uncached tokens there are above the backend's long
+-- threshold. Among the backends that can take it, `pick` chooses by the routing policy (the
+-- round robin's position is the state's `rr`, written only under that policy). Quiet windows hold only
 -- while an interactive lease lives on the backend or an interactive candidate may run on it,
 -- and a drain only when it pays (limits.drain_pays).
 -- Returns {'stale', members} when the projects set holds a group the caller did not name
@@ -75,11 +79,14 @@ for b = 1, m do
     short_job_s = tonumber(ARGV[a + 11]), block = tonumber(ARGV[a + 12])}
   states[b] = backends[b].st
 end
-local long_threshold = backends[0].long_threshold
+local policy = ARGV[20 + 13 * m]
+local balance_abs, balance_rel = tonumber(ARGV[21 + 13 * m]), tonumber(ARGV[22 + 13 * m])
+local rr_last = -1
+if policy == 'round_robin' then rr_last = num(redis.call('HGET', st, 'rr'), -1) end
 
 -- projects: each with its groups (one per eligibility class), in the caller's order.
 local projects, by_name, named = {}, {}, {}
-local first_arg, first_key = 20 + 13 * m, 11 + 2 * m
+local first_arg, first_key = 23 + 13 * m, 11 + 2 * m
 for g = 0, (#ARGV - first_arg + 1) / 2 - 1 do
   local member = ARGV[first_arg + 2 * g]
   local name, elig = string.match(member, '^([^:]+):?(%d*)$')
@@ -116,10 +123,9 @@ local function read_heads(pr)
         else top = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES') end
         if top[1] then
           local f = item_get(items, top[1])
-          local uncached = tonumber(f.uncached)
           pair[size] = {id = top[1], score = tonumber(top[2]), queue = queue, band = band,
             long = size == 'long', prompt = tonumber(f.prompt), max_new = tonumber(f.max_new),
-            uncached = uncached, long_prefill = uncached > long_threshold, mask = g.mask,
+            uncached = tonumber(f.uncached), hint = tonumber(f.hint), mask = g.mask,
             kv = tonumber(f.kv), enq = tonumber(f.enq), project = pr.name, weight = pr.weight}
           any, g.any = true, true
         end
@@ -210,11 +216,20 @@ local function drains(B, shorts, uncached)
   return drained * drained * B.short_job_s * B.prefill_rate <= 2.0 * shorts * shorts * uncached
 end
 
--- A candidate's KV reservation, long flag and long-prefill flag on backend B (limits.cost_of).
+-- placement.uncached_on: c's uncached tokens on backend B.
+local function uncached_on(B, c)
+  if c.hint == nil or c.hint == B.index then return c.uncached end
+  return c.prompt
+end
+
+-- A candidate's KV reservation, long flag, long-prefill flag and uncached tokens on backend B
+-- (limits.cost_of).
 local function cost(B, c)
-  if B.index == 0 then return c.kv, c.long, c.long_prefill end
+  local uncached = uncached_on(B, c)
+  local long_prefill = uncached > B.long_threshold
+  if B.index == 0 then return c.kv, c.long, long_prefill, uncached end
   local kv = math.max(1, math.ceil((c.prompt + c.max_new) / B.block)) * B.block
-  return kv, c.prompt > B.long_threshold, c.uncached > B.long_threshold
+  return kv, c.prompt > B.long_threshold, long_prefill, uncached
 end
 
 -- placement.load: max(in flight / max_num_seqs, reserved KV / KV budget).
@@ -224,15 +239,30 @@ local function load(B)
   return math.max(B.in_flight / B.max_seqs, kv)
 end
 
--- placement.pick: the least loaded, then the settings' order (the prefix-cache hint and the
--- imbalance thresholds of docs/backends.md section 6 go here).
-local function pick(usable)
-  local best_b, best_load = nil, nil
+-- placement.pick: by the routing policy among `usable` (in the settings' order): round robin's
+-- next; else the least loaded (then the settings' order), or under `fleet` c's hint unless it is
+-- loaded past both imbalance thresholds against the least loaded (placement.imbalanced).
+local function pick(usable, c)
+  if policy == 'round_robin' then
+    for _, b in ipairs(usable) do
+      if b > rr_last then return b end
+    end
+    return usable[1]
+  end
+  local least, least_load = nil, nil
   for _, b in ipairs(usable) do
     local l = load(backends[b])
-    if not best_b or l < best_load then best_b, best_load = b, l end
+    if not least or l < least_load then least, least_load = b, l end
   end
-  return best_b
+  if policy ~= 'fleet' or c.hint == nil or c.hint == least then return least end
+  local H = nil
+  for _, b in ipairs(usable) do
+    if b == c.hint then H = backends[b] end
+  end
+  if not H then return least end
+  local L = backends[least]
+  if H.in_flight - L.in_flight > balance_abs and load(H) > balance_rel * least_load then return least end
+  return c.hint
 end
 
 -- placement.best: the backend whose reason a passed-over candidate reports (and may reserve):
@@ -283,15 +313,15 @@ end
 
 -- limits.check_job on backend B: the reason candidate c does not fit (and when it lifts), or nil.
 local function check_job(B, c)
-  local kv, long, long_prefill = cost(B, c)
+  local kv, long, long_prefill, uncached = cost(B, c)
   if B.quiet and now < B.prefill_until and (not long_prefill or B.prefill_longs >= B.long_prefills) then
     return 'prefill', B.prefill_until - now
   elseif B.kv_used + kv > B.kv_budget and B.in_flight > 0 then return 'kv'
   elseif long and B.long_used >= B.max_long then return 'long'
   elseif long_prefill and B.quiet and B.in_flight - B.long_used > B.beside
-    and drains(B, B.in_flight - B.long_used, c.uncached) then return 'prefill'
+    and drains(B, B.in_flight - B.long_used, uncached) then return 'prefill'
   end
-  local need = math.min(c.uncached, B.burst)
+  local need = math.min(uncached, B.burst)
   if B.level < need then return 'bucket', (need - B.level) / B.rate end
   return nil
 end
@@ -339,7 +369,7 @@ local function decide(cands)
         for _, b in ipairs(tried) do
           if not headed[b] then redis.call('HDEL', backends[b].st, 'blocked_job', 'blocked_since') end
         end
-        return {c = c, b = pick(usable)}
+        return {c = c, b = pick(usable, c)}
       end
       for _, b in ipairs(tried) do
         local retry = verdicts[b].retry
@@ -360,7 +390,7 @@ end
 
 local function grant(c, top, b)
   local B = backends[b]
-  local kv, long, long_prefill = cost(B, c)
+  local kv, long, long_prefill, uncached = cost(B, c)
   free_lease(states, KEYS[6], lease_info, c.id)
   redis.call('HINCRBY', B.st, 'in_flight', 1)
   redis.call('HINCRBY', B.st, 'kv', kv)
@@ -370,11 +400,15 @@ local function grant(c, top, b)
     local prefill_longs = B.prefill_longs
     if now >= B.prefill_until then prefill_longs = 0 end
     redis.call('HSET', B.st, 'prefill_until',
-      fmt(math.max(now, B.prefill_until) + c.uncached / B.prefill_rate), 'prefill_longs', prefill_longs + 1)
+      fmt(math.max(now, B.prefill_until) + uncached / B.prefill_rate), 'prefill_longs', prefill_longs + 1)
   end
   redis.call('HINCRBY', st, 'queued', -1)
-  redis.call('HSET', B.st, 'bucket', fmt(B.level - c.uncached), 'bucket_at', fmt(now),
+  redis.call('HSET', B.st, 'bucket', fmt(B.level - uncached), 'bucket_at', fmt(now),
     'last_admit', fmt(now))
+  if policy == 'round_robin' then
+    rr_last = b
+    redis.call('HSET', st, 'rr', b)
+  end
   local V = math.max(num(redis.call('HGET', st, 'vtime'), 0), tags[top.project])
   local start = math.max(V, tags[c.project])
   tags[c.project] = start + (c.prompt + c.max_new) / c.weight

@@ -9,7 +9,8 @@
 -- their field order, the same as schedulers/store/records.py (what each field means is there;
 -- tests/test_store_records.py runs these accessors against it). A field added later goes at the
 -- end, on both sides. An item's `elig` and a lease's `backend` are written only when they are not
--- backend 0's (records.py says why and how a lease's backend is told from its owner).
+-- backend 0's, an item's `hint` only when it has one, with `elig` before it (records.py says why
+-- and how a lease's backend is told from its owner).
 --
 -- Backends: backend 0's lease counters are in `state` (with the fleet-wide `queued` and `vtime`),
 -- backend b's in `bstate:<name>`; a script that frees or claims leases gets them all as a table
@@ -52,19 +53,23 @@ local function item_get(items, id)
   local s = redis.call('HGET', items, id)
   if not s then return nil end
   local project, band, size, prompt, max_new, kv, long, enq, score, pending, deadline, cont, deferred,
-    uncached, elig = string.match(s,
-      '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
+    uncached, elig, hint = string.match(s,
+      '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) ?(%S*) ?(%S*) ?(%S*)$')
   return {project = project, band = band, size = size, prompt = prompt, max_new = max_new, kv = kv,
     long = long, enq = enq, score = score, pending = pending,
     deadline = deadline ~= '-' and deadline or nil, cont = cont,
     deferred = deferred ~= '-' and deferred or nil,
-    uncached = uncached ~= '' and uncached or prompt, elig = elig ~= '' and elig or '1'}
+    uncached = uncached ~= '' and uncached or prompt, elig = elig ~= '' and elig or '1',
+    hint = hint ~= '' and hint or nil}
 end
 
 local function item_put(items, id, f)
   local fields = {f.project, f.band, f.size, f.prompt, f.max_new, f.kv, f.long, f.enq, f.score,
     f.pending, f.deadline or '-', f.cont or '0', f.deferred or '-', f.uncached or f.prompt}
-  if f.elig and f.elig ~= '1' then fields[#fields + 1] = f.elig end
+  if f.hint then
+    fields[#fields + 1] = f.elig or '1'
+    fields[#fields + 1] = f.hint
+  elseif f.elig and f.elig ~= '1' then fields[#fields + 1] = f.elig end
   redis.call('HSET', items, id, table.concat(fields, ' '))
 end
 
