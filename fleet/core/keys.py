@@ -66,6 +66,8 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                                      backend.prefix_cache_s, written once an attempt that sent
                                      it got a token back (fleet/core/promptcache.py); tagged by
                                      project, so one MGET reads a job's lookups in one slot
+  {p}sent:{<project>}:<backend>:<sha256>  the same for what went to a backend other than the
+                                     first (by its name)
   {p}stats:codes              hash   final results counted by "<project>|<code>" (for /metrics)
   {p}usage:{<project>}:h:<YYYYMMDDHH>
                               hash   the usage ledger (fleet/core/usage.py, docs/usage.md): one
@@ -245,8 +247,12 @@ class Keys:
     def tokcache(self, digest: str) -> str:
         return f"{self.prefix}tokcache:{digest}"
 
-    def sent(self, project: str, digest: str) -> str:
-        return f"{self.prefix}sent:{{{project}}}:{digest}"
+    def sent(self, project: str, digest: str, backend: str | None = None) -> str:
+        """What ``project`` sent (fleet/core/promptcache.py): to the first backend, or to the one
+        named ``backend`` (``promptcache.backend_tag``)."""
+        if backend is None:
+            return f"{self.prefix}sent:{{{project}}}:{digest}"
+        return f"{self.prefix}sent:{{{project}}}:{backend}:{digest}"
 
     def gateway_grants(self, gateway: str) -> str:
         return f"{self.prefix}gwgrants:{gateway}"

@@ -1,7 +1,10 @@
 """What a project sent to the backend recently, by digest: the facts behind the uncached-token
 estimate (fleet/prep/cachehint.py), written only once the server has computed a prompt.
 
-Every key is ``{p}sent:{<project>}:<sha256>``, one of ``chained_digests`` of a request exactly as
+Every key is ``{p}sent:{<project>}:<sha256>`` (what went to the first backend) or
+``{p}sent:{<project>}:<backend>:<sha256>`` (to another one, by its name: each server has a prefix
+cache of its own, and routing prefers the one holding a prompt's prefix), one of
+``chained_digests`` of a request exactly as
 it went on the wire: the tools it carried, then its messages one by one (untrusted parts fenced
 with the job's own tag, the data note and any retry note in the leading system message, the tool
 rounds' conversation at the end). The value is a token count the server has computed at the start
@@ -50,6 +53,7 @@ from typing import Any
 
 import redis
 
+from fleet.core.config import Settings
 from fleet.core.keys import Keys
 from fleet.core.models import Job, Message
 
@@ -67,6 +71,14 @@ def chained_digests(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
         current = _digest(current, message)
         digests.append(current)
     return digests
+
+
+def backend_tag(settings: Settings, name: str | None = None) -> str | None:
+    """The backend part of a record's key for the backend ``name`` (default: the settings'
+    ``backend``, the one a turn streams to): None for the first backend (the keys of a
+    one-backend fleet), else its name."""
+    name = settings.backend.name if name is None else name
+    return None if name == settings.backends[0].name else name
 
 
 def leading_system(job: Job) -> list[Message]:
@@ -92,16 +104,18 @@ def record_sent(
     prefix: list[Message],
     prefix_tokens: int,
     remember_s: float,
+    backend: str | None = None,
 ) -> None:
     """Queue on ``pipe`` (the caller executes it) that ``project`` sent the request ``wire`` with
-    ``tools`` under ``salt`` (all as sent), of ``prompt_tokens`` (None: not known, not recorded), and its stable
-    ``prefix`` of ``prefix_tokens`` when the request starts with exactly those messages."""
+    ``tools`` under ``salt`` (all as sent) to ``backend`` (``backend_tag``), of ``prompt_tokens``
+    (None: not known, not recorded), and its stable ``prefix`` of ``prefix_tokens`` when the
+    request starts with exactly those messages."""
     if remember_s <= 0:
         return
     ttl = max(1, round(remember_s))
     digests = chained_digests(wire, tools, salt)
     leading = [m.to_openai() for m in prefix]
     if leading and prefix_tokens > 0 and wire[: len(leading)] == leading:
-        pipe.set(keys.sent(project, digests[len(leading) - 1]), prefix_tokens, ex=ttl)
+        pipe.set(keys.sent(project, digests[len(leading) - 1], backend), prefix_tokens, ex=ttl)
     if digests and prompt_tokens:  # after the prefix: a prompt of only the prefix keeps its count
-        pipe.set(keys.sent(project, digests[-1]), prompt_tokens, ex=ttl)
+        pipe.set(keys.sent(project, digests[-1], backend), prompt_tokens, ex=ttl)

@@ -68,7 +68,7 @@ from fleet.core.events import EventSink
 from fleet.core.keys import Keys, job_ref
 from fleet.core.models import Attempt, Envelope, Job, Timings, Usage
 from fleet.core.outagelog import BROKER_LOST
-from fleet.core.promptcache import leading_system, record_sent
+from fleet.core.promptcache import backend_tag, leading_system, record_sent
 from fleet.core.request import build_request_messages, fence, new_fence_tag, tools_allowed
 from fleet.core.seal import cache_salt
 from fleet.core.usage import QUEUE_KEY, TurnUsage, UsageLedger
@@ -291,7 +291,7 @@ class _Run:
             record_sent(pipe, self.ctx.keys, self.job.project, wire=body["messages"],
                         tools=body.get("tools"), salt=body["cache_salt"], prompt_tokens=self._sent_tokens(body, result),
                         prefix=leading_system(self.job), prefix_tokens=self.plan.prefix_tokens,
-                        remember_s=self.s.backend.prefix_cache_s)
+                        remember_s=self.s.backend.prefix_cache_s, backend=backend_tag(self.s))
         replies = pipe.execute()
         if ledger is not None and usage is not None:
             ledger.counted(usage, replies[0])

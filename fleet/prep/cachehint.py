@@ -16,7 +16,14 @@ prefix, byte-identical to the start of this one. That count is rounded down to w
 the rest is ``uncached_tokens``. Projects are kept apart: a project's prompts only ever match its own,
 sent under its own ``cache_salt`` (fleet/core/seal.py). Projects sharing a ``cache_group`` share
 the server's cache but not these records: a prompt another member sent counts in full (on the
-safe side). There is one backend and no routing by prefix, so nothing else follows the salt.
+safe side).
+
+Several backends: each has a cache of its own, and the records say which one a prompt went to.
+The estimate is made on every backend the job may run on (one MGET for them all); the backend
+with the most cached whole blocks is the job's *hint*, and the job's uncached tokens are its
+misses there. Admission counts them on the hint backend only (the whole prompt on any other) and
+routes the job there while its load is near the least loaded one's
+(schedulers/policy/placement.py ``pick``).
 
 Only a prompt the server computed counts, never one that was merely prepared: N jobs sharing a
 new long prompt, prepared before the first one's attempt ended, all count it in full, and a
@@ -28,11 +35,12 @@ in one direction only: a prompt counted in full may find its prefix cached by th
 window of its own), while a prompt counted as cached is cached unless the server evicted the
 blocks meanwhile (a busy pool, a restart).
 
-One round trip per job (an MGET of the lookups); nothing is written here.
+One round trip per job (an MGET of the lookups, every backend's); nothing is written here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -40,10 +48,27 @@ import redis
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
 from fleet.core.models import Job
-from fleet.core.promptcache import chained_digests
+from fleet.core.promptcache import backend_tag, chained_digests
 from fleet.core.request import build_request_messages
 from fleet.core.seal import cache_salt
 from fleet.prep.prepare import Prepared
+
+
+@dataclass(frozen=True)
+class CacheEstimate:
+    """A prepared prompt's expected prefix-cache misses (``uncached_tokens``) on ``hint``: the
+    backend expected to hold its longest cached prefix (its index in the settings' order), kept
+    only when the job may run on more than one (None: none holds any, or there is no choice)."""
+
+    uncached_tokens: int
+    hint: int | None = None
+
+
+def _cached(values: list[bytes | str | None], prompt_tokens: int, block_tokens: int) -> int:
+    """The tokens a backend's records (one per leading part; None: no record) say are cached, in
+    whole blocks of ``block_tokens``."""
+    seen = [int(v) for v in values if v is not None]
+    return min(max(seen, default=0), prompt_tokens) // block_tokens * block_tokens
 
 
 def estimate_uncached(
@@ -57,30 +82,59 @@ def estimate_uncached(
     prompt_tokens: int,
     block_tokens: int,
     remember_s: float,
+    backend: str | None = None,
 ) -> int:
-    """The prompt tokens expected to miss the prefix cache, by what the project sent under
-    ``salt`` (its requests' ``cache_salt``)."""
+    """The prompt tokens expected to miss the prefix cache of one backend (``backend``: its
+    ``promptcache.backend_tag``), by what the project sent there under ``salt``."""
     if remember_s <= 0:
         return prompt_tokens
-    lookups = [keys.sent(project, d) for d in chained_digests(wire, tools, salt)]
+    lookups = [keys.sent(project, d, backend) for d in chained_digests(wire, tools, salt)]
     if not lookups:
         return prompt_tokens
-    seen = [int(v) for v in client.mget(lookups) if v is not None]
-    cached = min(max(seen, default=0), prompt_tokens)
-    return prompt_tokens - cached // block_tokens * block_tokens
+    return prompt_tokens - _cached(client.mget(lookups), prompt_tokens, block_tokens)
+
+
+def estimate_routed(
+    client: redis.Redis,
+    keys: Keys,
+    settings: Settings,
+    project: str,
+    *,
+    wire: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    salt: str,
+    prompt_tokens: int,
+    eligible: int,
+) -> CacheEstimate:
+    """The estimate on every backend of the mask ``eligible`` at once (one MGET): the backend
+    with the most cached whole blocks (the first of equals) is the hint, and its misses are the
+    job's uncached tokens; with no record anywhere, the whole prompt and no hint."""
+    entries = [(i, entry) for i, entry in enumerate(settings.backends)
+               if (eligible >> i) & 1 and entry.prefix_cache_s > 0]
+    digests = chained_digests(wire, tools, salt)
+    if not entries or not digests:
+        return CacheEstimate(prompt_tokens)
+    lookups = [keys.sent(project, d, backend_tag(settings, entry.name)) for _, entry in entries for d in digests]
+    values = client.mget(lookups)
+    hint, most = None, 0
+    for n, (i, entry) in enumerate(entries):
+        cached = _cached(values[n * len(digests):(n + 1) * len(digests)], prompt_tokens, entry.block_tokens)
+        if cached > most:
+            hint, most = i, cached
+    choice = eligible & (eligible - 1) != 0  # more than one backend
+    return CacheEstimate(prompt_tokens - most, hint if choice else None)
 
 
 def uncached_of(
     client: redis.Redis, keys: Keys, settings: Settings, ready: Job, prepared: Prepared, *,
-    tools: list[dict[str, Any]] | None,
-) -> int:
-    """``estimate_uncached`` for a prepared job (``ready``: the job with its prepared messages),
-    its messages as fleet/infer/attempts.py sends them (the fence tag prep drew) with ``tools``,
-    those its turns send (fleet/infer/tools.py ``as_sent``)."""
+    tools: list[dict[str, Any]] | None, eligible: int = 1,
+) -> CacheEstimate:
+    """``estimate_routed`` for a prepared job (``ready``: the job with its prepared messages)
+    that may run on the backends of ``eligible``, its messages as fleet/infer/attempts.py sends
+    them (the fence tag prep drew) with ``tools``, those its turns send (fleet/infer/tools.py
+    ``as_sent``)."""
     wire, _ = build_request_messages(ready, prepared.fence_tag)
-    return estimate_uncached(
-        client, keys, ready.project, wire=wire, tools=tools,
-        salt=cache_salt(settings, ready.project), prompt_tokens=prepared.prompt_tokens,
-        block_tokens=settings.backend.block_tokens,
-        remember_s=settings.backend.prefix_cache_s,
+    return estimate_routed(
+        client, keys, settings, ready.project, wire=wire, tools=tools,
+        salt=cache_salt(settings, ready.project), prompt_tokens=prepared.prompt_tokens, eligible=eligible,
     )

@@ -124,3 +124,34 @@ def test_a_killed_backend_loses_nothing_and_is_used_again_once_back(tmp_path) ->
         again = finals(fleet, second)
         assert {e.backend for e in again.values()} == {"a", "b"}  # b takes work again
         assert FleetProbe(fleet).envelope_counts() == {job_id: 1 for job_id in [*first, *second]}
+
+
+def test_jobs_sharing_a_cached_prefix_go_to_the_backend_that_holds_it(tmp_path) -> None:
+    """Two replicas. Two warm-up jobs with different long system prompts run side by side, one on
+    each (least loaded, nothing cached yet). Then eight jobs, four per system prompt, arrive at
+    once: each goes where its prefix was sent (the hint), not where least-loaded would spread
+    them, and each simulator serves its four from its prefix cache."""
+    replica = {"served_model_names": ["local"], "max_num_seqs": 8, "max_model_len": 262144,
+               "kv_pool_tokens": 530000}
+    config = make_config(tmp_path, backends=[backend("a", **replica), backend("b", **replica)],
+                         routing={"balance_abs_seqs": 8})
+    systems = {"one": "rules one " * 3000, "two": "rules two " * 3000}  # about 6,000 tokens each
+
+    def sharing(name: str, question: str) -> dict[str, Any]:
+        return ask(None, f"[sim:think=200] {question}",
+                   messages=[{"role": "system", "content": systems[name]},
+                             {"role": "user", "content": f"[sim:think=200] {question}"}])
+
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS) as fleet:
+        warm = {name: fleet.client.submit(sharing(name, f"warm {name}")) for name in systems}
+        warmed = finals(fleet, list(warm.values()))
+        home = {name: warmed[job_id].backend for name, job_id in warm.items()}
+        assert sorted(home.values()) == ["a", "b"], home
+        before = {name: stats(fleet, name)["prefix_cache_hits"] for name in ("a", "b")}
+        later = {fleet.client.submit(sharing(name, f"question {i} on {name}")): name
+                 for i in range(4) for name in systems}
+        ended = finals(fleet, list(later))
+        assert all(e.code == Code.OK for e in ended.values())
+        assert {job_id: e.backend for job_id, e in ended.items()} == {j: home[n] for j, n in later.items()}
+        for name in ("a", "b"):  # four prompts of about 5 cached blocks each
+            assert stats(fleet, name)["prefix_cache_hits"] - before[name] >= 4 * 5 * 1072, name

@@ -112,7 +112,7 @@ def test_untrusted_material_never_matches_another_jobs(redis_client: redis.Redis
     found = []
     for tag in ("tag-one", "tag-two"):
         prepared = Prepared(messages, 40_000, True, [], prefix_tokens=4_000, fence_tag=tag)
-        found.append(uncached_of(redis_client, keys, settings, job, prepared, tools=None))
+        found.append(uncached_of(redis_client, keys, settings, job, prepared, tools=None).uncached_tokens)
         send(redis_client, keys, build_request_messages(job, tag)[0], 40_000, prefix_tokens=4_000)
     assert found == [40_000, 40_000]
 

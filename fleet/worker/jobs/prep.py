@@ -154,15 +154,16 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
         settings, ref, project=job.project, kind=job.kind, job=job_json, plan=plan_json,
         warnings=json.dumps(prepared.warnings), fence_tag=prepared.fence_tag,
     ))
-    uncached = uncached_of(rt.redis, rt.keys, settings, ready, prepared,
-                           tools=first_turn_tools(project, ready))
+    mask = eligible(settings, model_asked(settings, project, job.model), prepared.prompt_tokens + plan.max_tokens)
+    cache = uncached_of(rt.redis, rt.keys, settings, ready, prepared,
+                        tools=first_turn_tools(project, ready), eligible=mask)
+    uncached = cache.uncached_tokens
     handed_over = time.time()  # the fleet's clock orders the queue, never the producer's
     rt.store.add_pending(PendingItem(
         job_id=ref, project=job.project, prompt_tokens=prepared.prompt_tokens,
         max_new_tokens=plan.max_tokens, band=job.band, priority=job.priority,
         enqueued_at=handed_over, deadline=job.deadline, uncached_tokens=uncached,
-        eligible=eligible(settings, model_asked(settings, project, job.model),
-                          prepared.prompt_tokens + plan.max_tokens),
+        eligible=mask, hint=cache.hint,
     ))
     # Only now "pending": had this task died before add_pending, the job would still read
     # "submitted", and a redelivery or the prep watchdog would prepare it again.
