@@ -38,8 +38,10 @@ prepared while that attempt still runs counts it in full: on the safe side). Pre
 (``chained_digests`` of the new prompt, one lookup per leading part).
 
 Failure cases: a Redis error while recording is a Redis error of the inference task (the job goes
-back in line, as for its history entry); a gateway request (fleet/gateway) records nothing, so
-later prompts never count what a gateway client sent as cached (on the safe side). A record's
+back in line, as for its history entry). A gateway chat request (fleet/gateway/chat.py) records
+its whole prompt (no stable prefix) once its stream ended with a first token, off the client's
+path; a Redis error there is logged and nothing else happens (the next request counts its prompt
+whole). A record's
 count includes the closing template tokens of its last message (and, for a prompt, the assistant
 header), which a longer prompt does not share: a few tokens too many, so the estimate can count
 one block more than vLLM finds when they cross a block boundary.

@@ -65,6 +65,7 @@ from fleet.core.keys import Keys
 from fleet.core.models import Band
 from fleet.core.results import ResultStore
 from fleet.core.seal import sealed
+from fleet.prep.cachehint import CacheEstimate
 from schedulers.dispatcher import GRANTS_PER_CALL, send_grants
 from schedulers.store.base import Grant, PendingItem
 from schedulers.store.redis_store import RedisStore
@@ -126,13 +127,16 @@ class Admission:
 
     # -- one request --------------------------------------------------------------------------
     async def enqueue(self, job_id: str, project: str, band: Band, prompt_tokens: int,
-                      max_tokens: int, max_wait_s: float, eligible: int = 1) -> float:
+                      max_tokens: int, max_wait_s: float, eligible: int = 1,
+                      cache: CacheEstimate | None = None) -> float:
         now = time.time()
         loop = asyncio.get_running_loop()
         waiter = self._waiting[job_id] = loop.create_future()
         item = PendingItem(job_id=job_id, project=project, prompt_tokens=prompt_tokens,
                            max_new_tokens=max_tokens, band=band, enqueued_at=now,
-                           deadline=now + max_wait_s + DEADLINE_MARGIN_S, eligible=eligible)
+                           deadline=now + max_wait_s + DEADLINE_MARGIN_S, eligible=eligible,
+                           uncached_tokens=None if cache is None else cache.uncached_tokens,
+                           hint=None if cache is None else cache.hint)
         fields = sealed(self.results.settings, job_id, project=project, kind="infer",
                         origin="gateway", gateway=self.gateway_id)
 

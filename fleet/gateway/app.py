@@ -68,6 +68,7 @@ from fleet.infer.budget import plan as plan_budget
 from fleet.infer.requestbody import base_temperature, request_body
 from fleet.infer.retrying import RetryBudget
 from fleet.infer.validate import response_format
+from fleet.prep.cachehint import CacheEstimate, estimate_routed
 from fleet.prep.prepare import prepare
 from fleet.prep.tokens import TokenCounter
 from fleet.worker.app import create_app as create_celery_app
@@ -224,7 +225,12 @@ class Gateway:
                             response_format=response_format(job, project) or req.response_format,
                             tools=tools, tool_choice=tool_choice)
         mask = routing.eligible(fleet_settings, req.model, prepared.prompt_tokens + max_tokens)
-        return Built(body, prepared.prompt_tokens, max_tokens, warnings, mask)
+        # what this project sent recently, per backend of the mask (fleet/prep/cachehint.py): the
+        # uncached tokens the prefill limits count, and the backend that holds the prefix
+        cache = estimate_routed(rt.redis, rt.keys, fleet_settings, caller.project, wire=body["messages"],
+                                tools=body.get("tools"), salt=body["cache_salt"],
+                                prompt_tokens=prepared.prompt_tokens, eligible=mask)
+        return Built(body, prepared.prompt_tokens, max_tokens, warnings, mask, cache)
 
 
 def chat_too_long(exc: PromptTooLong, max_model_len: int, max_tokens: int) -> PromptTooLong:
@@ -247,6 +253,7 @@ class Built(NamedTuple):
     max_tokens: int
     warnings: list[str]
     eligible: int = 1  # the backends it may run on (fleet/core/routing.py ``eligible``)
+    cache: CacheEstimate | None = None  # its expected prefix-cache misses and hint backend
 
 
 async def _off_loop(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

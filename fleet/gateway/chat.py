@@ -40,6 +40,7 @@ from fleet.core.codes import Code
 from fleet.core.errors import Cancelled, FleetError, NotFound, ThinkLoop, UpstreamUnavailable
 from fleet.core.keys import job_ref
 from fleet.core.models import Envelope, Timings, Usage
+from fleet.core.promptcache import backend_tag, record_sent
 from fleet.core.routing import backends_serving
 from fleet.core.usage import TurnUsage, key_label
 from fleet.gateway.admission import Ticket
@@ -63,6 +64,7 @@ from fleet.gateway.wire import (
 from fleet.infer.requestbody import retry_body
 from fleet.infer.turnusage import turn_usage
 from fleet.infer.vllm import Delta, StreamResult
+from fleet.prep.cachehint import CacheEstimate
 from fleet.worker.lease import LeaseKeeper
 from fleet.worker.runtime import OnBackend
 
@@ -120,6 +122,7 @@ class _Session:
         self.ref = job_ref(caller.project, job_id)  # the job's identity in the store and in Redis keys
         self.body, self.prompt_tokens, self.max_tokens = built.body, built.prompt_tokens, built.max_tokens
         self.eligible = built.eligible
+        self.cache = built.cache or CacheEstimate(built.prompt_tokens)
         self.warnings = built.warnings
         # Every answer's headers say what the gateway changed (tools removed), visible to any client.
         self.headers = warning_headers(built.warnings)
@@ -219,7 +222,7 @@ class _Session:
         adm = gw.admission
         enqueued_at = await adm.enqueue(self.ref, self.caller.project, self.caller.band,
                                         self.prompt_tokens, self.max_tokens, settings.max_queue_wait_s,
-                                        self.eligible)
+                                        self.eligible, self.cache)
         give_up_at = self.started + settings.max_queue_wait_s
         while True:
             now = time.monotonic()
@@ -393,6 +396,11 @@ class _Session:
         self.gw.metrics.request(project, code, self.waited_s, self.first_token_s, usage)
         if self.turns:
             await self.gw.run(self.gw.runtime.ledger.count, self.turns)
+        if r is not None and self.first_token_s is not None and self.on is not None:
+            try:
+                await self.gw.run(self._record_sent, r)
+            except redis.RedisError:  # an estimate only: the next request counts its prompt whole
+                log.warning("chat job=%s: recording what was sent failed", self.job_id)
         log.info("chat job=%s project=%s code=%s stream=%s waited=%s ttft=%s total=%.3fs "
                  "prompt=%d completion=%d", self.job_id, project, code.value, self.req.stream,
                  _secs(self.waited_s), _secs(self.first_token_s), total_s, usage.prompt_tokens,
@@ -405,6 +413,20 @@ class _Session:
             await self.gw.run(self.gw.runtime.results.publish, envelope, stream="gateway")
         except redis.RedisError:  # accounting only: the client has its answer
             log.exception("publishing the envelope of gateway job %s failed", self.job_id)
+
+
+    def _record_sent(self, result: StreamResult) -> None:
+        """What this request sent to its backend (fleet/core/promptcache.py), once the server
+        computed its prompt: a later request of the project that starts with it (the next turn of
+        the conversation, with the same tools) counts that part as cached there and is routed
+        there. The whole prompt only: a chat request has no stable prefix of its own."""
+        assert self.on is not None
+        settings, rt = self.on.settings, self.gw.runtime
+        pipe = rt.redis.pipeline(transaction=False)
+        record_sent(pipe, rt.keys, self.caller.project, wire=self.body["messages"], tools=self.body.get("tools"),
+                    salt=self.body["cache_salt"], prompt_tokens=result.prompt_tokens, prefix=[], prefix_tokens=0,
+                    remember_s=settings.backend.prefix_cache_s, backend=backend_tag(settings))
+        pipe.execute()
 
 
 def _secs(value: float | None) -> str:

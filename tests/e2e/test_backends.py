@@ -17,9 +17,11 @@ import io
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from rich.console import Console
 
@@ -27,6 +29,7 @@ from fleet.cli.queues import queues_table
 from fleet.cli.top import read_frame, render
 from fleet.core.codes import Code
 from tests.support.fleet_harness import FleetProbe, Harness, make_config
+from tests.support.gateway_support import config_with_keys
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -155,3 +158,40 @@ def test_jobs_sharing_a_cached_prefix_go_to_the_backend_that_holds_it(tmp_path) 
         assert {job_id: e.backend for job_id, e in ended.items()} == {j: home[n] for j, n in later.items()}
         for name in ("a", "b"):  # four prompts of about 5 cached blocks each
             assert stats(fleet, name)["prefix_cache_hits"] - before[name] >= 4 * 5 * 1072, name
+
+
+def test_a_gateway_conversation_stays_on_the_backend_that_holds_it(tmp_path) -> None:
+    """Two chat conversations through the gateway (the official SDK), started together, land one
+    on each replica; every next turn of each (the conversation so far plus a question) is routed
+    to the backend that computed the turns before it, and finds them in its prefix cache."""
+    replica = {"served_model_names": ["local"], "max_num_seqs": 8, "max_model_len": 262144,
+               "kv_pool_tokens": 530000}
+    config, keys = config_with_keys(tmp_path, backends=[backend("a", **replica), backend("b", **replica)],
+                                    routing={"balance_abs_seqs": 8}, gateway={"max_queue_wait_s": 60})
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as fleet:
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{fleet.settings.gateway.port}/v1",
+                            api_key=keys["assistant"], max_retries=0)
+
+        def turn(history: list[dict[str, str]]) -> tuple[str, str, int]:
+            raw = sdk.chat.completions.with_raw_response.create(model="local", messages=history)
+            answer = raw.parse()
+            details = answer.usage.prompt_tokens_details if answer.usage else None
+            return (raw.headers["x-fleet-backend"], answer.choices[0].message.content or "",
+                    (details.cached_tokens or 0) if details else 0)
+
+        chats = {name: [{"role": "system", "content": f"conversation {name} " * 3000},
+                        {"role": "user", "content": f"[sim:think=400] first question of {name}"}]
+                 for name in ("one", "two")}
+        with sdk, ThreadPoolExecutor(2) as pool:
+            first = dict(zip(chats, pool.map(turn, chats.values()), strict=True))
+            home = {name: found[0] for name, found in first.items()}
+            assert sorted(home.values()) == ["a", "b"], home
+            for round_ in range(3):
+                for name, history in chats.items():
+                    history += [{"role": "assistant", "content": first[name][1]},
+                                {"role": "user", "content": f"[sim:think=50] question {round_} of {name}"}]
+                later = dict(zip(chats, pool.map(turn, chats.values()), strict=True))
+                for name, (served_by, text, cached) in later.items():
+                    assert served_by == home[name], (round_, name, served_by)
+                    assert cached >= 5 * 1072, (round_, name, cached)  # the system prompt, at least
+                    first[name] = (served_by, text, cached)
