@@ -180,23 +180,40 @@ def _draw(charts: Charts, folder: str) -> None:
 def backends(
     jobs: Annotated[int, typer.Option(help="backlog size")] = 1_000_000,
     count: Annotated[int, typer.Option("--backends", help="backends of the many-backend store")] = 16,
+    cost: Annotated[bool, typer.Option(help="measure the store's cost of many backends")] = True,
+    routing: Annotated[bool, typer.Option(help="compare routing policies on real simulators")] = True,
+    sizes: Annotated[str, typer.Option(help="simulators per routing run, comma-separated")] = "2,4",
+    loads: Annotated[str, typer.Option(help="loads (share of the seats), comma-separated")] = "0.5,0.9",
+    policies: Annotated[str, typer.Option(help="routing policies, comma-separated")] = "round_robin,least_loaded,fleet",
+    seats: Annotated[int, typer.Option(help="sequences per simulator")] = 8,
+    duration: Annotated[float, typer.Option(help="seconds of load per routing run")] = 40.0,
+    speed: Annotated[float, typer.Option(help="simulator speed")] = 20.0,
     redis_url: RedisUrl = "",
     force: Force = False,
 ) -> None:
     """Several backends: admission pairs/s at a backlog with one backend against many (the
-    same total room), and Redis bytes per pending job (fleet/bench/backends.py)."""
+    same total room) and Redis bytes per pending job (fleet/bench/backends.py); then the routing
+    policies side by side on real simulators: prefix hit rate against a one-server oracle, time to
+    first token, output tokens/s and Jain's index (fleet/bench/routing.py)."""
     from rich.table import Table
 
     from fleet.bench.backends import many_backends_cost
+    from fleet.bench.routing import markdown, routing_bench
 
     with _redis_url(redis_url, force) as broker:
-        figures = many_backends_cost(broker.url, jobs=jobs, backends=count)
-    table = Table(title="fleet bench backends")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for key, value in figures.items():
-        table.add_row(key, f"{value:,.2f}")
-    console.print(table)
+        if cost:
+            figures = many_backends_cost(broker.url, jobs=jobs, backends=count)
+            table = Table(title="fleet bench backends: the cost of many backends")
+            table.add_column("figure")
+            table.add_column("value", justify="right")
+            for key, value in figures.items():
+                table.add_row(key, f"{value:,.2f}")
+            console.print(table)
+        if routing:
+            runs = routing_bench(broker.url, sizes=tuple(int(x) for x in sizes.split(",")),
+                                 loads=tuple(float(x) for x in loads.split(",")), seats=seats,
+                                 duration_s=duration, speed=speed, policies=tuple(policies.split(",")))
+            console.print(markdown(runs), markup=False)
 
 
 @bench_app.command("continuations")

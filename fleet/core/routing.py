@@ -57,6 +57,12 @@ def counting_backend(settings: Settings, project: ProjectSettings | None, asked:
     return general[0] if general else route(settings, project, asked)
 
 
+def job_eligible(settings: Settings, project: str, model: str | None, need_tokens: int) -> int:
+    """``eligible`` for a job of ``project`` that names ``model`` (or none): a continuation's
+    mask once its prompt grew (READMIT and GROW take it)."""
+    return eligible(settings, model_asked(settings, settings.projects.get(project), model), need_tokens)
+
+
 def eligible(settings: Settings, model: str, need_tokens: int) -> int:
     """The backends a job of ``model`` needing ``need_tokens`` (prompt + output limit) may run on,
     as a bit mask in the settings' order (bit i: ``settings.backends[i]``; the dispatcher store's

@@ -70,6 +70,7 @@ from fleet.core.models import Attempt, Envelope, Job, Timings, Usage
 from fleet.core.outagelog import BROKER_LOST
 from fleet.core.promptcache import backend_tag, leading_system, record_sent
 from fleet.core.request import build_request_messages, fence, new_fence_tag, tools_allowed
+from fleet.core.routing import job_eligible
 from fleet.core.seal import cache_salt
 from fleet.core.usage import QUEUE_KEY, TurnUsage, UsageLedger
 from fleet.infer import carryover
@@ -134,6 +135,9 @@ class Continuation:
     how: RetryKind
     cause: Code
     tool_calls: list[ToolTask] = field(default_factory=list)  # RetryKind.TOOL: the calls to run
+    # the backends the next turn may run on (fleet/core/routing.py): a prompt grown by its
+    # conversation may fit fewer, or only the long-context tier
+    eligible: int = 1
 
 
 class _LoopDetected(ThinkLoop):
@@ -264,8 +268,10 @@ class _Run:
         return len(history)
 
     def resume(self, turn: Turn) -> None:
-        """Continue from the state the previous turn handed over (``Continuation.turn``)."""
-        self.number, self.plan = turn.number, turn.plan
+        """Continue from the state the previous turn handed over (``Continuation.turn``), on the
+        backend this turn was granted: its ``max_model_len`` bounds the turn (the last turn may
+        have run on a smaller one, before its tool rounds grew the prompt past it)."""
+        self.number, self.plan = turn.number, replace(turn.plan, max_model_len=self.s.backend.max_model_len)
         for name in CARRIED:
             setattr(self, name, getattr(turn, name))
 
@@ -334,7 +340,9 @@ class _Run:
         return Continuation(turn=self.turn().record(), not_before=self.ctx.clock() + delay_s,
                             delay_s=delay_s, max_tokens=self.plan.max_tokens,
                             prompt_tokens=self.plan.prompt_tokens, how=how, cause=cause,
-                            tool_calls=calls or [])
+                            tool_calls=calls or [],
+                            eligible=job_eligible(self.s, self.job.project, self.job.model,
+                                                  self.plan.prompt_tokens + self.plan.max_tokens))
 
     def _count_prompt(self, extra: list[dict[str, Any]]) -> int:
         """Prompt tokens of this turn's request with ``extra`` messages appended (exact when the

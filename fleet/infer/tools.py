@@ -257,17 +257,20 @@ def next_prompt_tokens(turn: TurnRecord, results: dict[str, ToolResult]) -> int:
     return int(turn["plan"]["prompt_tokens"]) + sum(int(r.get("tokens") or 0) for r in results.values())
 
 
-def never_sent(turn: TurnRecord, results: dict[str, ToolResult]) -> str | None:
+def never_sent(turn: TurnRecord, results: dict[str, ToolResult], max_model_len: int | None = None) -> str | None:
     """Why the next turn can never be sent, whatever else comes in (None: it may be): the least
     its prompt will be (the prompt so far and each result's text, without the framing allowance)
-    next to the plan's max tokens passes max_model_len (the next turn's own check, done early)."""
+    next to the plan's max tokens passes ``max_model_len`` (the largest of the backends serving
+    the job's model: the next turn may run on any of them; None: the plan's, the backend the
+    last turn ran on) - the next turn's own check, done early."""
     plan = turn["plan"]
+    limit = int(plan["max_model_len"]) if max_model_len is None else max_model_len
     least = next_prompt_tokens(turn, results) - RESULT_FRAMING_TOKENS * len(results)
-    if least + int(plan["max_tokens"]) <= int(plan["max_model_len"]):
+    if least + int(plan["max_tokens"]) <= limit:
         return None
     return (f"with the results of tool round {turn['tool_rounds'][-1]['number']} so far the prompt "
             f"is at least {least} tokens: with max_tokens {plan['max_tokens']} it passes "
-            f"max_model_len {plan['max_model_len']}")
+            f"max_model_len {limit}")
 
 
 def timeout_error(timeout_s: float) -> str:

@@ -299,17 +299,20 @@ class AdmissionStore(Protocol):
     def lease_valid(self, job_id: str, fence: int) -> bool: ...
 
     def readmit(self, job_id: str, fence: int, max_new_tokens: int, not_before: float,
-                now: float, *, prompt_tokens: int | None = None, turn: int = 1) -> bool:
+                now: float, *, prompt_tokens: int | None = None, turn: int = 1,
+                eligible: int | None = None) -> bool:
         """Another model turn (see Continuations above): give the lease up and re-enter
         admission with the new plan's ``max_new_tokens`` and the next turn's ``prompt_tokens``
         (None: unchanged; never smaller), at the job's original place in line, once
         ``not_before`` has come; the store keeps ``turn``, the number of that turn
-        (``turn_of``). False for a stale fence."""
+        (``turn_of``), and ``eligible`` as the backends it may run on now (None: unchanged; a
+        grown prompt may fit fewer, or only the long-context tier). False for a stale fence."""
         ...
 
-    def grow(self, job_id: str, prompt_tokens: int) -> bool:
+    def grow(self, job_id: str, prompt_tokens: int, eligible: int | None = None) -> bool:
         """A waiting continuation's next prompt grows to ``prompt_tokens`` (a tool result came
-        in; never smaller), its uncached tokens by as much, KV and size follow; False when the
+        in; never smaller), its uncached tokens by as much, KV and size follow, and with it its
+        eligibility (``eligible``: the backends that hold it now; None: unchanged); False when the
         job is not waiting or its prompt is already that large. No cap: an item whose KV
         reservation passes the whole KV budget is admitted alone, when nothing else is in
         flight, like a new job of that size (admission's rule, ``limits.check_job``)."""

@@ -293,14 +293,19 @@ class MemoryStore:
 
     # -- continuations -----------------------------------------------------------------------
     def readmit(self, job_id: str, fence: int, max_new_tokens: int, not_before: float,
-                now: float, *, prompt_tokens: int | None = None, turn: int = 1) -> bool:
+                now: float, *, prompt_tokens: int | None = None, turn: int = 1,
+                eligible: int | None = None) -> bool:
         with self._lock:
             lease = self._leases.get(job_id)
             if lease is None or lease.fence != fence:
                 return False
             self._free_lease(job_id)
             entry = self._grown(lease.entry, prompt_tokens)
-            entry = replace(entry, item=replace(entry.item, max_new_tokens=max_new_tokens), turn=turn)
+            item = replace(entry.item, max_new_tokens=max_new_tokens)
+            if eligible is not None:
+                _check_mask(job_id, eligible)
+                item = replace(item, eligible=eligible)
+            entry = replace(entry, item=item, turn=turn)
             if not_before > now:
                 self._deferred[job_id] = (not_before, entry)
                 heapq.heappush(self._not_before, (not_before, job_id))
@@ -321,12 +326,16 @@ class MemoryStore:
         size = "long" if prompt_tokens > self.config.limits.long_prompt_tokens else "short"
         return replace(entry, item=item, size=size)
 
-    def grow(self, job_id: str, prompt_tokens: int) -> bool:
+    def grow(self, job_id: str, prompt_tokens: int, eligible: int | None = None) -> bool:
         with self._lock:
             waiting = self._deferred.get(job_id)
             if waiting is None or prompt_tokens <= waiting[1].item.prompt_tokens:
                 return False
-            self._deferred[job_id] = (waiting[0], self._grown(waiting[1], prompt_tokens))
+            entry = self._grown(waiting[1], prompt_tokens)
+            if eligible is not None:
+                _check_mask(job_id, eligible)
+                entry = replace(entry, item=replace(entry.item, eligible=eligible))
+            self._deferred[job_id] = (waiting[0], entry)
             return True
 
     def turn_of(self, job_id: str) -> int:
@@ -488,6 +497,11 @@ class MemoryStore:
     def pending_ids(self) -> set[str]:
         with self._lock:
             return set(self._pending)
+
+
+def _check_mask(job_id: str, eligible: int) -> None:
+    if eligible < 1:
+        raise ValueError(f"{job_id}: eligible {eligible} names no backend")
 
 
 def _head(entry: _Entry, band: str) -> fairshare.Head:

@@ -399,7 +399,8 @@ class RedisStore:
 
     # -- continuations -----------------------------------------------------------------------
     def readmit(self, job_id: str, fence: int, max_new_tokens: int, not_before: float,
-                now: float, *, prompt_tokens: int | None = None, turn: int = 1) -> bool:
+                now: float, *, prompt_tokens: int | None = None, turn: int = 1,
+                eligible: int | None = None) -> bool:
         raw = self._client.hget(self._key("items"), job_id)
         if raw is None:
             return False
@@ -410,18 +411,20 @@ class RedisStore:
         limits = self.config.limits
         size = "long" if prompt > limits.long_prompt_tokens else "short"
         kv = kv_tokens(prompt, max_new_tokens, limits.block_tokens)
+        elig = item.elig if eligible is None else _mask(job_id, eligible)
         keys = [self._key("lease"), self._key("leases"), self._key("state"), self._key("items"),
-                self._queue(project, band, size, item.elig),
+                self._queue(project, band, size, elig),
                 *map(self._key, ("projects", "deadlines", "wake", "deferred", "continuations")),
                 *self._more_states]
         args = [job_id, fence, project, band, size, max_new_tokens, kv, repr(not_before), repr(now),
-                prompt, uncached, turn, item.elig]
+                prompt, uncached, turn, elig]
         return bool(self._run("readmit", keys, args))
 
-    def grow(self, job_id: str, prompt_tokens: int) -> bool:
+    def grow(self, job_id: str, prompt_tokens: int, eligible: int | None = None) -> bool:
         limits = self.config.limits
         keys = [self._key("deferred"), self._key("items")]
-        args = [job_id, prompt_tokens, limits.block_tokens, limits.long_prompt_tokens]
+        args = [job_id, prompt_tokens, limits.block_tokens, limits.long_prompt_tokens,
+                "" if eligible is None else _mask(job_id, eligible)]
         return bool(self._run("grow", keys, args))
 
     def turn_of(self, job_id: str) -> int:
@@ -654,6 +657,13 @@ def _text(value: Any) -> str:
 
 def _texts(mapping: Any) -> dict[str, str]:
     return {_text(k): _text(v) for k, v in mapping.items()}
+
+
+def _mask(job_id: str, eligible: int) -> str:
+    """An eligibility mask as the records keep it; ValueError for one naming no backend."""
+    if eligible < 1:
+        raise ValueError(f"{job_id}: eligible {eligible} names no backend")
+    return str(eligible)
 
 
 def _group(project: str, elig: str) -> str:

@@ -17,12 +17,14 @@ import io
 import os
 import signal
 import time
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import tomli_w
 from rich.console import Console
 
 from fleet.cli.queues import queues_table
@@ -195,3 +197,31 @@ def test_a_gateway_conversation_stays_on_the_backend_that_holds_it(tmp_path) -> 
                     assert served_by == home[name], (round_, name, served_by)
                     assert cached >= 5 * 1072, (round_, name, cached)  # the system prompt, at least
                     first[name] = (served_by, text, cached)
+
+
+def test_a_turn_grown_past_its_backend_runs_on_the_one_that_holds_it(tmp_path) -> None:
+    """Two backends of one model: "short" (6K context) takes what it holds, "long" (the
+    long-context tier) only what no other holds. A job fits "short"; its tool returns about 5K
+    tokens (a result's cap: 20,000 characters), so its next turn (prompt + output limit) no
+    longer fits there: that turn is readmitted with its new mask and runs on "long"."""
+    config = make_config(tmp_path, backends=[
+        backend("short", served_model_names=["local"], max_num_seqs=4, max_model_len=6144,
+                kv_pool_tokens=530000),
+        backend("long", served_model_names=["local"], max_num_seqs=2, max_model_len=262144,
+                kv_pool_tokens=530000, only_unfit_elsewhere=True),
+    ], tool_imports=["tests.support.tool_tasks"])
+    data = tomllib.loads(config.read_text(encoding="utf-8"))
+    data["projects"]["assistant"].update(
+        tools="run", allowed_tools=["big_result"], max_tool_rounds=2,
+        tool_registry={"big_result": {"task": "tests.big_result", "untrusted": False, "timeout_s": 20}})
+    config.write_text(tomli_w.dumps(data), encoding="utf-8")
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS) as fleet:
+        job_id = fleet.client.submit(ask(None, "[sim:think=100] [sim:tool=big_result/1] look it up",
+                                         tools=[{"type": "function", "function": {
+                                             "name": "big_result", "parameters": {"type": "object"}}}],
+                                         tool_choice="auto", thinking_budget=1000, content_reserve=1000))
+        envelope = finals(fleet, [job_id])[job_id]
+        assert envelope.code == Code.OK, (envelope.code, envelope.message)
+        served = [a.backend for a in envelope.attempts]
+        assert served[0] == "short" and served[-1] == "long", served
+        assert envelope.backend == "long"

@@ -293,6 +293,37 @@ def test_a_continuation_goes_back_to_its_own_class(make_store: StoreFactory) -> 
     assert store.turn_of("j0") == 2
 
 
+@pytest.mark.parametrize("how", ["readmit", "readmit later", "grow"])
+def test_a_grown_continuation_moves_to_the_class_it_fits_now(make_store: StoreFactory, how: str) -> None:
+    """gpu-a is full (j9); j0 ran on gpu-b and its next prompt fits only gpu-a now (its new mask,
+    1): it waits for gpu-a, and j1 (either) takes gpu-b."""
+    clock = FakeClock(NOW)
+    store = make_store(backends(1, 2), clock)
+    store.add_pending(job("j0", eligible=2))
+    assert granted(store) == [("j0", "gpu-b")]
+    fence = store.lease_fences()["j0"]
+    store.add_pending(job("j9", project="c", eligible=1))
+    assert granted(store) == [("j9", "gpu-a")]
+    if how == "readmit":
+        assert store.readmit("j0", fence, 500, NOW, NOW, prompt_tokens=900, turn=2, eligible=1)
+    else:
+        assert store.readmit("j0", fence, 500, NOW + 5, NOW, prompt_tokens=700, turn=2)
+        if how == "grow":
+            assert store.grow("j0", 900, eligible=1)
+            assert not store.grow("j0", 800, eligible=3)  # never smaller, the mask stays
+        else:
+            store.grow("j0", 900)
+            assert not store.readmit("j0", fence, 500, NOW, NOW, eligible=1)  # its lease is gone
+        assert store.promote_due(NOW + 5) == ["j0"]
+    store.add_pending(job("j1", project="b", eligible=3))
+    if how == "readmit later":  # grown without a new mask: still gpu-b's, beside j1
+        assert sorted(granted(store, NOW + 5)) == [("j0", "gpu-b"), ("j1", "gpu-b")]
+    else:
+        assert granted(store, NOW + 5) == [("j1", "gpu-b")]
+        assert store.release("j9", store.lease_fences()["j9"])
+        assert granted(store, NOW + 5) == [("j0", "gpu-a")]
+
+
 # -- Redis: keys, records, recount, gateway ---------------------------------------------------------
 def _redis(redis_client: redis.Redis, key_prefix: str, config: StoreConfig, clock: FakeClock | None = None
            ) -> tuple[RedisStore, str]:

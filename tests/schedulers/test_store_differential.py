@@ -175,7 +175,10 @@ lease_ops = st.one_of(
     st.tuples(st.just("renew")),
     st.tuples(st.just("release")),
     st.tuples(st.just("requeue"), st.booleans()),  # unclaimed only, or any
-    st.tuples(st.just("readmit"), st.sampled_from([400, 3_000]), st.sampled_from([0.0, 0.0, 4.0, 20.0])),
+    # max_new_tokens, not-before, and the mask of its grown prompt (None: unchanged, else an
+    # index into masks_for)
+    st.tuples(st.just("readmit"), st.sampled_from([400, 3_000]), st.sampled_from([0.0, 0.0, 4.0, 20.0]),
+              st.sampled_from([None, None, 0, 1, 4])),
 )
 other_ops = st.one_of(
     st.tuples(st.just("resubmit"), st.sampled_from([None, 5.0])),
@@ -219,9 +222,9 @@ class Differential(RuleBasedStateMachine):
         if hasattr(self, "keys"):
             delete_prefix(self.client, self.keys.prefix)
 
-    def both(self, call: str, *args: Any) -> Any:
-        mine, theirs = (getattr(store, call)(*args) for store in (self.memory, self.redis))
-        assert mine == theirs, f"{call}{args}: memory {mine!r} != redis {theirs!r}"
+    def both(self, call: str, *args: Any, **kwargs: Any) -> Any:
+        mine, theirs = (getattr(store, call)(*args, **kwargs) for store in (self.memory, self.redis))
+        assert mine == theirs, f"{call}{args}{kwargs}: memory {mine!r} != redis {theirs!r}"
         return mine
 
     # -- submit / cancel ---------------------------------------------------------------------
@@ -280,7 +283,9 @@ class Differential(RuleBasedStateMachine):
         now = self.clock.now
         args = {"claim": (*extra, now), "renew": (now,), "requeue": tuple(extra)}.get(name, ())
         if name == "readmit":  # max_new_tokens, a not-before time (now: straight back in line)
-            args = (extra[0], now + extra[1], now)
+            mask = None if extra[2] is None else self.masks[extra[2] % len(self.masks)]
+            self.both(name, *lease, extra[0], now + extra[1], now, eligible=mask)
+            return
         self.both(name, *lease, *args)
 
     @rule(op=other_ops, index=st.integers(0, 30))

@@ -5,6 +5,8 @@ this module (``tool_imports``), which registers them as Celery tasks.
 then: the proof that the job's inference slot is free while its tool runs. ``run_query`` outlasts
 its timeout, ``open_ticket`` fails, ``crash_worker`` kills the worker process that runs it, ``hang``
 hangs past its timeout whatever it is told (only Celery's hard time limit stops it).
+``big_result`` returns about ``BIG_RESULT_WORDS`` words (tests/e2e/test_backends.py: a tool
+round that grows a prompt past one backend's context).
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
 
 SEARCH_SLEEP_S = 0.5
+BIG_RESULT_WORDS = 12_000
+
+
+@shared_task(name="tests.big_result")
+def big_result(**arguments: Any) -> str:
+    return " ".join(f"row{n % 997:03d}" for n in range(BIG_RESULT_WORDS))
 
 
 @shared_task(name="tests.search_docs")

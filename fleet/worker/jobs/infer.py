@@ -157,7 +157,8 @@ def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
         rt.results.record(ref, state="pending", pending_at=time.time(), turn=turn_json,
                           turn_seal=seal_turn(rt.settings, ref, turn_json))
         if not rt.store.readmit(ref, fence, cont.max_tokens, cont.not_before, time.time(),
-                                prompt_tokens=cont.prompt_tokens, turn=cont.turn["number"]):
+                                prompt_tokens=cont.prompt_tokens, turn=cont.turn["number"],
+                                eligible=cont.eligible):
             return "lease-lost"  # reaped meanwhile: pending again, resuming from the saved turn
     except redis.RedisError as exc:
         log.warning("continuation of job=%s not readmitted (%r): its lease will expire", ref, exc)

@@ -20,6 +20,7 @@ Celery's soft time limit landing after the tool returned is ridden out (``_past_
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from fleet.core.errors import AuthError
 from fleet.core.keys import split_ref
 from fleet.core.models import Job
 from fleet.core.request import tools_allowed
+from fleet.core.routing import job_eligible, route
 from fleet.infer import tools as tools_mod
 from fleet.infer.turns import ToolCall, ToolResult, ToolRound, TurnRecord
 from fleet.worker.jobs.common import current_turn, end_unleased, event_sink
@@ -96,7 +98,8 @@ def _counted(rt: Runtime, result: ToolResult) -> ToolResult:
 def tool_job(rt: Runtime, tasks: Any, ref: str, round_number: int, call_id: str) -> str:
     """Run one call of a tool round (module docstring); returns what became of it."""
     try:
-        turn = current_turn(rt, ref, rt.results.job_record(ref))
+        record = rt.results.job_record(ref)
+        turn = current_turn(rt, ref, record)
     except AuthError as exc:
         log.warning("tool call %s of job=%s refused: %s", call_id, ref, exc.message)
         return "refused"
@@ -114,11 +117,19 @@ def tool_job(rt: Runtime, tasks: Any, ref: str, round_number: int, call_id: str)
         result: ToolResult = {"ok": False, "error": f"the tool task {tool.task!r} is not registered on this worker"}
     else:
         result = tools_mod.run_tool(task, call["arguments"], tool.timeout_s)
-    return _settle_result(rt, ref, turn, pending, call, result)
+    return _settle_result(rt, ref, turn, pending, call, result, _model_of(record))
+
+
+def _model_of(record: dict[str, str]) -> str | None:
+    """The model the job named (None: its project's default), from its sealed record."""
+    try:
+        return json.loads(record.get("job") or "{}").get("model")
+    except ValueError:
+        return None
 
 
 def _settle_result(rt: Runtime, ref: str, turn: TurnRecord, round_: ToolRound, call: ToolCall,
-                   result: ToolResult) -> str:
+                   result: ToolResult, model: str | None = None) -> str:
     """After the tool returned: store its result FIRST (the tool has run and its effects are
     done: a limit or a kill landing later must not turn them into a timeout), then count it
     where the text is (the next turn's admission reserves for it), grow the waiting job by it
@@ -142,10 +153,14 @@ def _settle_result(rt: Runtime, ref: str, turn: TurnRecord, round_: ToolRound, c
         "tool_result", number=number, call=call_id, name=call["name"], ok=result["ok"],
         duration_s=result.get("duration_s")))
     results = _past_soft_limit(lambda: tools_mod.load_results(rt.redis, rt.keys, rt.settings, ref, round_))
-    why = tools_mod.never_sent(turn, results)
+    project = split_ref(ref)[0]
+    largest = route(rt.settings, rt.settings.projects.get(project), model).max_model_len
+    why = tools_mod.never_sent(turn, results, largest)
     if why is not None:
         return _end_waiting(rt, ref, turn, Code.E_PROMPT_TOO_LONG, why)
-    _past_soft_limit(lambda: rt.store.grow(ref, tools_mod.next_prompt_tokens(turn, results)))
+    grown = tools_mod.next_prompt_tokens(turn, results)
+    mask = job_eligible(rt.settings, project, model, grown + int(turn["plan"]["max_tokens"]))
+    _past_soft_limit(lambda: rt.store.grow(ref, grown, eligible=mask))
     if tools_mod.round_complete(round_, results):  # in line now, not at the round's timeout
         _past_soft_limit(lambda: rt.store.hurry(ref, time.time()))
     return "ok" if result["ok"] else "failed"

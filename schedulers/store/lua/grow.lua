@@ -7,7 +7,8 @@
 -- KEYS[2] items     hash  job id -> admission facts (prelude)
 -- No cap: an item whose KV reservation passes the whole KV budget is admitted alone, when
 -- nothing else is in flight (admit.lua), exactly like a new job of that size.
--- ARGV: id, prompt, block_tokens, long_prompt_tokens
+-- ARGV: id, prompt, block_tokens, long_prompt_tokens, elig (the backends the grown prompt fits;
+--       '': unchanged). PROMOTE puts it in the queue of that class.
 -- Returns 1 when the item grew, 0 otherwise.
 local id, prompt = ARGV[1], tonumber(ARGV[2])
 if not redis.call('ZSCORE', KEYS[1], id) then return 0 end
@@ -20,5 +21,6 @@ f.prompt = fmt(prompt)
 f.kv = fmt(kv)
 f.size = prompt > tonumber(ARGV[4]) and 'long' or 'short'
 f.long = f.size == 'long' and '1' or '0'
+if ARGV[5] and ARGV[5] ~= '' then f.elig = ARGV[5] end
 item_put(KEYS[2], id, f)
 return 1

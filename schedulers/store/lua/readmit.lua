@@ -20,7 +20,8 @@
 -- KEYS[11..] bstate:<name>                    hash  backends 1, 2, ...'s counters (prelude:
 --                                                 backend_states): the lease frees its backend's
 -- ARGV: id, fence, project, band, size (of the new prompt), max_new, kv, not_before, now,
---       prompt, uncached, turn, elig (of the item as read)
+--       prompt, uncached, turn, elig (the backends it may run on now: the item's, or the one its
+--       grown prompt fits)
 -- Returns 1 when the job was readmitted, 0 for a stale fence or a job without its item.
 local id = ARGV[1]
 local lease = lease_get(KEYS[1], id)
@@ -30,6 +31,7 @@ free_lease(backend_states(KEYS[3], KEYS, 11, #KEYS), KEYS[2], KEYS[1], id)
 f.max_new, f.kv, f.cont = ARGV[6], ARGV[7], ARGV[12]
 f.size, f.prompt, f.uncached = ARGV[5], ARGV[10], ARGV[11]
 f.long = ARGV[5] == 'long' and '1' or '0'
+f.elig = ARGV[13]
 redis.call('SADD', KEYS[10], id)
 if tonumber(ARGV[8]) > tonumber(ARGV[9]) then
   f.deferred = ARGV[8]
