@@ -79,6 +79,7 @@ class RoutingRun:
     tokens_per_s: float = 0.0
     jain: float = 0.0
     per_backend: dict[str, int] = field(default_factory=dict)  # jobs each backend served
+    prefix: str = ""  # the run's key prefix (deleted at its end)
 
 
 def _words(tag: str, count: int) -> str:
@@ -161,7 +162,7 @@ def one_run(redis_url: str, policy: str, backends: int, seats: int, load: float,
     fleet = LocalFleet(settings, sim_speed=speed, sim_args=[*SIM_ARGS, *sizes], workers=1, worker_concurrency=64,
                        dispatchers=1, config_path=str(path), log_dir=str(folder), local_broker=True,
                        inherit_env=False)
-    run = RoutingRun(policy, backends, load)
+    run = RoutingRun(policy, backends, load, prefix=settings.key_prefix)
     try:
         fleet.start()
         urls = fleet.backend_urls()

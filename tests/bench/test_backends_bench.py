@@ -1,12 +1,14 @@
 """``fleet bench backends`` on a small backlog (fleet/bench/backends.py): both stores admit (the
 bench's own loop asserts every round granted), the figures are there and the bench leaves no key
-behind."""
+behind; and a short routing comparison on real fleets (fleet/bench/routing.py)."""
 
 from __future__ import annotations
 
+import pytest
 import redis
 
 from fleet.bench.backends import many_backends_cost
+from fleet.bench.routing import markdown, routing_bench
 
 
 def test_the_many_backend_cost_runs_both_stores_and_cleans_up(redis_url: str) -> None:
@@ -17,3 +19,24 @@ def test_the_many_backend_cost_runs_both_stores_and_cleans_up(redis_url: str) ->
     assert figures["admission pairs/s, 1 backend (baseline)"] > 0 and figures["admission pairs/s, 4 backends"] > 0
     assert 100 < figures["Redis bytes per pending job, 4 backends"] < 1_000
     assert {key for key in client.scan_iter(match="bench-*")} == before
+
+
+@pytest.mark.slow
+def test_the_routing_comparison_runs_real_fleets_and_accounts_for_every_job(redis_url: str) -> None:
+    """A short routing run on two simulators and its one-server oracle: every job has its one
+    envelope, the figures come from the simulators' counters, both replicas served, and no key
+    of either fleet is left behind."""
+    client = redis.Redis.from_url(redis_url)
+    runs = routing_bench(redis_url, sizes=(2,), loads=(0.5,), seats=4, duration_s=6.0, speed=40.0,
+                         policies=("fleet",))
+    assert [r.policy for r in runs] == ["oracle (one server)", "fleet"]
+    for run in runs:
+        assert run.jobs > 0 and run.lost == 0, run
+        assert 0.0 < run.hit_rate < 1.0 and run.ttft_p90 >= run.ttft_p50 > 0 and run.tokens_per_s > 0, run
+        assert 0.0 < run.jain <= 1.0, run
+    assert sorted(runs[1].per_backend) == ["gpu-a", "gpu-b"] and sum(runs[1].per_backend.values()) == runs[1].jobs
+    assert list(runs[0].per_backend) == ["gpu-a"]
+    table = markdown(runs)
+    assert table.count("\n") == 3 and "| 2 | 50% | fleet |" in table
+    for run in runs:
+        assert run.prefix and not list(client.scan_iter(match=f"{run.prefix}*"))
