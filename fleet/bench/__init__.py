@@ -213,7 +213,7 @@ def backends(
             runs = routing_bench(broker.url, sizes=tuple(int(x) for x in sizes.split(",")),
                                  loads=tuple(float(x) for x in loads.split(",")), seats=seats,
                                  duration_s=duration, speed=speed, policies=tuple(policies.split(",")))
-            console.print(markdown(runs), markup=False)
+            console.print(markdown(runs), markup=False, soft_wrap=True)
 
 
 @bench_app.command("continuations")

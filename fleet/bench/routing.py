@@ -10,20 +10,25 @@ prefix once, which is what perfect routing with no eviction would reach; routing
 given as a share of it.
 
 Workload (closed loop, the deployment's shapes): every project of the example config runs
-conversation clients in proportion to its weight, so a fair fleet serves each the same tokens per
-weight. A conversation starts with the editor's tool block (about 26K tokens, the assistant's 63
-tools written out as text: one block per project, never shared across projects since every
-project has its own ``cache_salt``) and its project's stable system prompt plus glossary (2K to
-8K tokens, by project); each turn adds the last answer and a new question, and after
-``turns_per_conversation`` turns the client starts a new conversation. One turn in ten is instead
-a 60K-token report nobody sent before. A client sends its next job once the last one ended.
+clients in proportion to its weight, each sending its next job once the last one ended. The
+assistant's clients are the editor's conversations: a 26K-token first prompt (its 63 tools
+written out as text and its system prompt), each turn adding the last answer and about 2K tokens
+of question and pasted material, a new conversation after ``turns`` turns (so up to about 42K
+tokens: many conversations at once hold more than one server's pool, which is where sending each
+to the server that holds it pays). The other projects send one-shot jobs: their stable system
+prompt plus glossary (2K to 8K tokens, by project) and a question of about 1K tokens. One job in
+ten, of every client, is instead a 60K-token report nobody sent before. Prefixes are never shared
+across projects (each has its own ``cache_salt``).
 
 Figures, per run (the simulators' own counters and the envelopes):
 
 * prefix hit rate: ``prefix_cache_hits`` / ``prefix_cache_queries`` summed over the simulators;
 * time to first token, p50 and p90: from submission (queue wait included) to the first token;
 * output tokens/s over the run;
-* Jain's index over the projects' served tokens (prompt + output) per weight;
+* Jain's index over each project's served tokens (prompt + output) relative to what least-loaded
+  served it in the same size and load (closed-loop demand differs by project, so shares per
+  weight say nothing here; 1.000: routing took no project's share, whatever it gave the others);
+* ``stayed``: of the editor's later turns, the share that ran on the backend of the turn before;
 * jobs without exactly one final envelope (must be 0).
 
 Load: ``load`` x the seats in all as concurrent clients (0.5 and 0.9 of the joint capacity).
@@ -60,10 +65,13 @@ log = logging.getLogger(__name__)
 POLICIES = ("round_robin", "least_loaded", "fleet")
 SIM_ARGS = ["--answer-min-tokens", "30", "--answer-max-tokens", "60"]
 THINK = 150  # reasoning tokens per turn ([sim:think=N])
-TOOL_BLOCK_WORDS = 21_000  # about 26K tokens as the simulator counts them (six-letter words)
-SYSTEM_WORDS = {"assistant": 6_400, "reports": 4_800, "translate": 3_200, "triage": 1_600, "research": 2_400}
-REPORT_WORDS = 48_000  # about 60K tokens
-QUESTION_WORDS = 300
+# Texts are made of five-letter words, one token each as the simulator counts them.
+EDITOR = "assistant"  # the project whose clients are the editor's conversations
+TOOL_BLOCK_WORDS = 20_000  # its 63 tools, beside a 6K system prompt: a 26K-token first prompt
+SYSTEM_WORDS = {"assistant": 6_000, "reports": 8_000, "translate": 5_000, "triage": 2_000, "research": 3_500}
+REPORT_WORDS = 60_000
+TURN_WORDS = 2_000  # an editor turn's question and the file or tool output pasted in
+QUESTION_WORDS = 1_000  # a one-shot job's question
 
 
 @dataclass
@@ -79,29 +87,33 @@ class RoutingRun:
     tokens_per_s: float = 0.0
     jain: float = 0.0
     per_backend: dict[str, int] = field(default_factory=dict)  # jobs each backend served
+    stayed: float = 0.0  # of the editor's later turns, the share on the previous turn's backend
+    served: dict[str, float] = field(default_factory=dict)  # project -> tokens served (prompt + output)
     prefix: str = ""  # the run's key prefix (deleted at its end)
 
 
 def _words(tag: str, count: int) -> str:
     """``count`` words of a text named by ``tag`` (the same tag, the same text)."""
     local = random.Random(tag)
-    vocabulary = [f"{tag[:3]}{n:03d}" for n in range(997)]
+    vocabulary = [f"{tag[:2]}{n:03d}" for n in range(997)]
     return " ".join(local.choice(vocabulary) for _ in range(count))
 
 
 class Conversation:
-    """One client's conversation (module docstring): its messages so far."""
+    """One client's jobs (module docstring): the editor's conversation so far, or a project's
+    one-shot jobs on its stable prefix (a conversation that restarts every turn)."""
 
     def __init__(self, project: str, rng: random.Random, turns: int) -> None:
         self.project, self.rng, self.turns = project, rng, turns
         self.start()
 
     def start(self) -> None:
-        tools = _words(f"tools-{self.project}", TOOL_BLOCK_WORDS)
         system = _words(f"system-{self.project}", SYSTEM_WORDS.get(self.project, 3_000))
-        self.messages: list[dict[str, str]] = [
-            {"role": "system", "content": f"Tools you may call:\n{tools}\n\nProject rules:\n{system}"}]
+        if self.project == EDITOR:
+            system = f"Tools you may call:\n{_words('tools', TOOL_BLOCK_WORDS)}\n\nRules:\n{system}"
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}]
         self.turn = 0
+        self.last_backend: str | None = None
 
     def next_job(self) -> tuple[dict[str, Any], bool]:
         """The next job, and whether it belongs to the conversation (False: a report)."""
@@ -109,20 +121,25 @@ class Conversation:
         if self.rng.random() < 0.1:
             report = _words(f"report-{nonce}", REPORT_WORDS)
             return self._job([{"role": "user", "content": f"[sim:think={THINK}] summarise: {report}"}]), False
-        if self.turn >= self.turns:
+        if self.turn >= (self.turns if self.project == EDITOR else 1):
             self.start()
-        question = _words(f"q-{nonce}", QUESTION_WORDS)
+        question = _words(f"q-{nonce}", TURN_WORDS if self.project == EDITOR else QUESTION_WORDS)
         self.messages.append({"role": "user", "content": f"[sim:think={THINK}] {question}"})
         self.turn += 1
         return self._job(list(self.messages)), True
 
-    def answered(self, envelope: Envelope | None, in_conversation: bool) -> None:
-        if not in_conversation:
-            return
+    def answered(self, envelope: Envelope | None, in_conversation: bool) -> bool | None:
+        """Take the answer in; for a later turn of the conversation, whether it ran on the
+        backend of the turn before it (None: a first turn, a report or no answer)."""
+        if not in_conversation or self.project != EDITOR:
+            return None
         if envelope is None or not envelope.content:
             self.start()  # lost or failed: a new conversation
-            return
+            return None
         self.messages.append({"role": "assistant", "content": envelope.content})
+        stayed = None if self.turn == 1 else envelope.backend == self.last_backend
+        self.last_backend = envelope.backend
+        return stayed
 
     def _job(self, messages: list[dict[str, str]]) -> dict[str, Any]:
         return {"project": self.project, "messages": messages, "thinking_budget": THINK + 50,
@@ -138,8 +155,9 @@ def _settings_toml(redis_url: str, speed: float, backends: int, seats: int, poli
         data["backends"] = [{**entry, "name": f"gpu-{chr(97 + i)}", "max_num_seqs": seats,
                              "served_model_names": [entry.get("model", "local")]}
                             for i in range(backends)]
-        for backend in data["backends"]:
+        for backend in data["backends"]:  # the oracle's one server: every backend's pool and longs
             backend["kv_pool_tokens"] = int(entry.get("kv_pool_tokens", 530_000)) * pools
+            backend["max_long"] = int(entry.get("max_long", 3)) * pools
         data["routing"] = {"policy": policy}
         for project in data["projects"].values():
             project.pop("allowed_tools", None)  # no tool rounds: one turn per job
@@ -179,10 +197,11 @@ def one_run(redis_url: str, policy: str, backends: int, seats: int, load: float,
 def _measure(run: RoutingRun, settings: Any, urls: dict[str, str], seats_in_all: int, duration_s: float,
              turns: int, seed: int) -> None:
     weights = {name: p.weight for name, p in settings.projects.items()}
-    per_weight = max(1, round(run.load * seats_in_all / sum(weights.values())))
-    clients = [(project, i) for project, w in weights.items() for i in range(max(1, round(w * per_weight)))]
+    clients = [(project, i) for project, count in client_counts(weights, round(run.load * seats_in_all)).items()
+               for i in range(count)]
     before = {name: _stats(url) for name, url in urls.items()}
     ended: list[tuple[str, Envelope | None]] = []
+    stays: list[bool] = []
     lock = threading.Lock()
     stop_at = time.time() + duration_s
     started = time.time()
@@ -195,9 +214,11 @@ def _measure(run: RoutingRun, settings: Any, urls: dict[str, str], seats_in_all:
                 job, in_conversation = conversation.next_job()
                 job_id = client.submit(job)
                 envelope = client.result(job_id, timeout=240)
-                conversation.answered(envelope, in_conversation)
+                stayed = conversation.answered(envelope, in_conversation)
                 with lock:
                     ended.append((project, envelope))
+                    if stayed is not None:
+                        stays.append(stayed)
 
     threads = [threading.Thread(target=client_loop, args=c, daemon=True) for c in clients]
     for thread in threads:
@@ -219,11 +240,23 @@ def _measure(run: RoutingRun, settings: Any, urls: dict[str, str], seats_in_all:
     for project, e in ended:
         if e is not None:
             served[project] += (e.usage.prompt_tokens or 0) + e.usage.completion_tokens
-    run.jain = jain([served[p] / w for p, w in weights.items()])
+    run.served = dict(served)
     counts: dict[str, int] = defaultdict(int)
     for e in envelopes:
         counts[e.backend or settings.backends[0].name] += 1
     run.per_backend = dict(counts)
+    run.stayed = sum(stays) / len(stays) if stays else 0.0
+
+
+def client_counts(weights: dict[str, float], total: int) -> dict[str, int]:
+    """``total`` clients shared by weight (largest remainder), at least one per project."""
+    whole = sum(weights.values())
+    exact = {p: max(1.0, total * w / whole) for p, w in weights.items()}
+    counts = {p: int(x) for p, x in exact.items()}
+    by_remainder = sorted(exact, key=lambda p: (counts[p] - exact[p], p))
+    for p in by_remainder[: max(0, total - sum(counts.values()))]:
+        counts[p] += 1
+    return counts
 
 
 def _stats(url: str) -> dict[str, Any]:
@@ -243,7 +276,7 @@ def _delete_prefix(redis_url: str, prefix: str) -> None:
 
 
 def routing_bench(redis_url: str, sizes: tuple[int, ...] = (2, 4), loads: tuple[float, ...] = (0.5, 0.9),
-                  seats: int = 8, duration_s: float = 40.0, speed: float = 20.0, turns: int = 6,
+                  seats: int = 8, duration_s: float = 40.0, speed: float = 20.0, turns: int = 8,
                   seed: int = 7, policies: tuple[str, ...] = POLICIES) -> list[RoutingRun]:
     """Every policy on every size and load, and the one-server oracle of each (module docstring);
     the same seed, so every policy of a size and load gets the same clients and first prompts."""
@@ -259,10 +292,16 @@ def routing_bench(redis_url: str, sizes: tuple[int, ...] = (2, 4), loads: tuple[
     return runs
 
 
+def relative_jain(run: RoutingRun, baseline: RoutingRun) -> float:
+    """Jain's index over each project's served tokens in ``run`` relative to ``baseline``'s."""
+    shares = [run.served.get(p, 0.0) / baseline.served[p] for p in baseline.served if baseline.served[p] > 0]
+    return jain(shares) if shares else 0.0
+
+
 def markdown(runs: list[RoutingRun]) -> str:
     lines = ["| backends | load | policy | hit rate | of oracle | TTFT p50 s | TTFT p90 s | p90 / least-loaded "
-             "| out tok/s | / least-loaded | Jain | jobs | lost |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| out tok/s | / least-loaded | Jain | stayed | jobs | lost |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         group = [r for r in runs if r.backends == run.backends and r.load == run.load]
         oracle = next((r for r in group if r.policy.startswith("oracle")), None)
@@ -270,7 +309,8 @@ def markdown(runs: list[RoutingRun]) -> str:
         of_oracle = run.hit_rate / oracle.hit_rate if oracle and oracle.hit_rate else 0.0
         p90_ratio = run.ttft_p90 / least.ttft_p90 if least and least.ttft_p90 else 0.0
         tok_ratio = run.tokens_per_s / least.tokens_per_s if least and least.tokens_per_s else 0.0
+        run.jain = relative_jain(run, least) if least else 0.0
         lines.append(f"| {run.backends} | {run.load:.0%} | {run.policy} | {run.hit_rate:.3f} | {of_oracle:.2f} "
                      f"| {run.ttft_p50:.2f} | {run.ttft_p90:.2f} | {p90_ratio:.2f} | {run.tokens_per_s:.0f} "
-                     f"| {tok_ratio:.2f} | {run.jain:.3f} | {run.jobs} | {run.lost} |")
+                     f"| {tok_ratio:.2f} | {run.jain:.3f} | {run.stayed:.2f} | {run.jobs} | {run.lost} |")
     return "\n".join(lines)
