@@ -176,7 +176,9 @@ class StoreCollector(Collector):
 
     def _backend(self) -> Iterable[Metric]:
         """Each backend as the dispatchers' scrapers last saw it (schedulers/scrape.py), labelled
-        with its name: no series for a backend before its first scrape was recorded."""
+        with its name. A backend no scrape was recorded for yet (never reached since the store's
+        keys began) is down and held (the gate holds it: no verdict is a stale one), so its
+        alerts fire as for one that went away; it has no age series until its first scrape."""
         labels = ["backend"]
         up = GaugeMetricFamily("fleet_backend_up", "1 if the backend's /health answered 200 at the last scrape",
                                labels=labels)
@@ -200,6 +202,9 @@ class StoreCollector(Collector):
                 age_family.add_metric([entry.name], age)
                 stale = age > self._store.config.scrape_stale_s
                 held.add_metric([entry.name], 1 if backend.get("hold") or stale else 0)
+            else:
+                up.add_metric([entry.name], 0)
+                held.add_metric([entry.name], 1)
             if backend.get("outside") is not None:
                 outside_family.add_metric([entry.name], float(backend["outside"]))
             queries, hits = backend.get("prefix_cache_queries"), backend.get("prefix_cache_hits")

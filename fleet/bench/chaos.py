@@ -12,6 +12,9 @@ Rounds (``ROUNDS``; ``--rounds`` picks some):
   backend-faults    ``fleet sim --fault-rate`` (500, 503, dropped streams, error events)
   backend-dead      one job carries ``[sim:dead=S/1]``: the engine dies for S seconds, every
                     stream in flight fails, /health answers 503
+  backends-storm    two backends (one ``fleet sim`` each, ``cap`` sequences each): kill -9 of the
+                    second simulator, the kill storm while it is down, the simulator started
+                    again on its port; every simulator's peak is checked against its own cap
 
 What runs per round: its own Redis (fleet/local/topology.py: a ``RedisNode`` on a free loopback
 port, or a ``SentinelGroup``), ``fleet sim``, two dispatchers, two inference workers
@@ -28,7 +31,9 @@ What it reports (``RoundResult``):
                       submission) and ``stuck`` (a record that never reached its final state)
   doubled             jobs with more than one envelope (distinct results-stream entries, collected
                       as they appear, so a Redis that forgets its streams does not hide them)
-  max in flight       the simulator's own peak of running requests, against the cap
+  max in flight       the simulator's own peak of running requests, against the cap (with several
+                      backends the highest of their peaks, each against its own cap, which is
+                      the same; "fault -> full" then watches the first backend)
   fault -> full       seconds from the end of each fault (Redis answering again, the new master
                       promoted, the engine alive, the process restarted) until the simulator runs
                       ``min(full, jobs still open)`` requests again, ``full`` being the median it ran
@@ -85,7 +90,7 @@ log = logging.getLogger(__name__)
 AOF = ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
 NO_PERSISTENCE = ["--appendonly", "no", "--save", ""]
 ROUNDS = ("storm", "redis-aof-clean", "redis-aof-kill9", "redis-none-clean", "redis-none-kill9",
-          "sentinel", "backend-faults", "backend-dead")
+          "sentinel", "backend-faults", "backend-dead", "backends-storm")
 OUTAGE_S = 1.0  # how long Redis stays down in the restart rounds
 DEAD_S = 3.0  # how long the engine stays dead in backend-dead
 
@@ -176,7 +181,7 @@ class ChaosFleet:
     """One round's fleet, its observers and its supervisor."""
 
     def __init__(self, broker: Broker, jobs: int, cap: int, speed: float, sim_args: list[str],
-                 lease_ttl_s: float) -> None:
+                 lease_ttl_s: float, backends: int = 1) -> None:
         self.broker, self.jobs, self.cap = broker, jobs, cap
         self.tmp = Path(tempfile.mkdtemp(prefix="fleet-chaos-"))
         data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
@@ -185,6 +190,10 @@ class ChaosFleet:
         for project in data["projects"].values():
             project["secret"] = f"chaos-{uuid.uuid4().hex}"
         data["backend"]["max_num_seqs"] = cap
+        if backends > 1:  # replicas of the example's server, each with the round's cap
+            entry = data.pop("backend")
+            data["backends"] = [{**entry, "name": f"gpu-{chr(97 + i)}",
+                                 "served_model_names": [entry.get("model", "local")]} for i in range(backends)]
         data.setdefault("admission", {}).update(metrics_port=0, lease_ttl_s=lease_ttl_s)
         data.setdefault("retry", {}).update(backoff_base_s=0.2, backoff_max_s=1.0)
         # a killed prep worker's jobs come back after these (the defaults, 60 s and 600 s, suit a
@@ -210,8 +219,10 @@ class ChaosFleet:
         for name, role, threads in (("infer-0", "infer", 16), ("infer-1", "infer", 16), ("prep-0", "prep", 8)):
             self.fleet.spawn(name, ["worker", "--role", role, "--concurrency", str(threads),
                                     "--hostname", f"{name}-{uuid.uuid4().hex[:6]}@%h", "--log-level", "WARNING"])
-        self.base_url = self.fleet.env["FLEET_BACKEND_URL"]
-        self.settings = self.settings.with_backend(url=self.base_url)
+        self.urls = self.fleet.backend_urls()  # backend name -> its simulator
+        self.base_url = next(iter(self.urls.values()))
+        entries = [e.model_copy(update={"url": self.urls[e.name]}) for e in self.settings.backends]
+        self.settings = self.settings.model_copy(update={"backends": entries, "backend": entries[0]})
         self.client = Client(self.settings)
         self.reader = redis_client(self.settings, socket_timeout=2, socket_connect_timeout=2)
         for target in (self._supervise, self._collect, self._measure_rss):
@@ -262,6 +273,16 @@ class ChaosFleet:
     def kill_and_restart(self, name: str) -> None:
         with self.lock:
             self.fleet.restart(name)
+
+    def kill(self, name: str) -> None:
+        """kill -9 of ``name``, which stays down (the supervisor does not see it) until
+        ``start_again``."""
+        with self.lock:
+            self.fleet.kill(name)
+
+    def start_again(self, name: str) -> None:
+        with self.lock:
+            self.fleet.start_again(name)
 
     def submit(self, specs: list[Spec]) -> tuple[list[str], int]:
         """Submit each job, retrying a broker error for up to 30 s; (ids, submissions given up)."""
@@ -338,6 +359,22 @@ def _restart_redis(cf: ChaosFleet, clean: bool) -> list[float]:
     return [time.time()]
 
 
+def _backends_storm(cf: ChaosFleet, kills: int) -> list[float]:
+    """The second simulator killed, the storm while it is down, the simulator back."""
+    name = f"sim-{cf.settings.backends[1].name}"
+    cf.kill(name)
+    ends = _storm(cf, kills)
+    cf.start_again(name)
+    with httpx.Client(timeout=2) as http:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if http.get(f"{cf.urls[cf.settings.backends[1].name]}/health").status_code == 200:
+                    break
+            time.sleep(0.1)
+    return [*ends, time.time()]
+
+
 def _failover(cf: ChaosFleet) -> list[float]:
     assert cf.broker.group is not None
     cf.broker.group.kill_master()
@@ -364,6 +401,7 @@ class RoundPlan:
     broker: Callable[[], Broker]
     inject: Callable[[ChaosFleet], list[float]]
     sim_args: list[str] = field(default_factory=list)
+    backends: int = 1
 
 
 def plans(kills: int) -> dict[str, RoundPlan]:
@@ -384,6 +422,8 @@ def plans(kills: int) -> dict[str, RoundPlan]:
                                     lambda: Broker(AOF), lambda cf: [], sim_args=["--fault-rate", "0.2"]),
         "backend-dead": RoundPlan(f"[sim:dead={DEAD_S:g}/1]: the engine dies for {DEAD_S:g} s",
                                   lambda: Broker(AOF), lambda cf: _engine_death(cf, PROJECTS[0])),
+        "backends-storm": RoundPlan(f"2 backends: kill -9 of one, {kills} x kill -9 while it is down, it returns",
+                                    lambda: Broker(AOF), lambda cf: _backends_storm(cf, kills), backends=2),
     }
 
 
@@ -397,9 +437,12 @@ def run_round(name: str, plan: RoundPlan, jobs: int, cap: int, speed: float, thi
     try:
         broker = plan.broker()  # named before it starts: the finally below stops what it started
         broker.start()
-        cf = ChaosFleet(broker, jobs, cap, speed, plan.sim_args, lease_ttl_s)
+        cf = ChaosFleet(broker, jobs, cap, speed, plan.sim_args, lease_ttl_s, plan.backends)
         cf.start()
-        with Sampler(cf.base_url, interval_s=0.1) as sampler:
+        others = [Sampler(url, interval_s=0.1) for url in list(cf.urls.values())[1:]]
+        with Sampler(cf.base_url, interval_s=0.1) as sampler, contextlib.ExitStack() as stack:
+            for other in others:
+                stack.enter_context(other)
             ids, result.submit_failures = cf.submit(short_mix(jobs, think, answer))
             _wait(lambda: sum(1 for c in cf.envelope_counts().values() if c) >= max(1, jobs // 5), 300)
             cf.warm.set()
@@ -412,7 +455,8 @@ def run_round(name: str, plan: RoundPlan, jobs: int, cap: int, speed: float, thi
             targets = [min(full, cf.open_jobs([j for j in ids if j not in lost], end)) for end in ends]
             result.recoveries = [_back_to_full(sampler, end, target) for end, target in zip(ends, targets, strict=True)]
             result.all_final = [cf.last_final([j for j in ids if j not in lost], end) for end in ends]
-            result.max_running = max((s["max_running_seen"] for s in sampler.samples), default=0)
+            result.max_running = max((s["max_running_seen"] for each in (sampler, *others) for s in each.samples),
+                                     default=0)
         ended = True
     except Exception as exc:  # a round that cannot run is reported, never the end of the bench
         ended = True

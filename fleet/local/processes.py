@@ -244,10 +244,20 @@ class LocalFleet:
     def restart(self, name: str) -> None:
         """Start child ``name`` again with its command, as a supervisor with a restart policy does
         (systemd ``Restart=always``): the old process, dead or alive, is killed first."""
+        self.kill(name)
+        self.start_again(name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL child ``name`` (its process group) and forget the process, keeping its command
+        for ``start_again``: a process that stays down until told (a supervisor never restarts it:
+        it is no longer a child)."""
         old = next(p for n, p in self.children if n == name)
         _signal_group(old, signal.SIGKILL)
         old.wait(timeout=10)
         self.children = [(n, p) for n, p in self.children if n != name]
+
+    def start_again(self, name: str) -> None:
+        """Start child ``name`` with the command it was started with (same port, same env)."""
         args, extra_env = self._commands[name]
         self.spawn(name, args, extra_env)
 

@@ -30,6 +30,23 @@ def test_a_small_kill_storm_keeps_every_invariant() -> None:
 
 
 @pytest.mark.slow
+def test_a_backend_killed_during_a_storm_keeps_every_invariant_on_both() -> None:
+    """Two backends of 4 sequences: the second simulator is killed, three kills hit the fleet
+    while it is down, it comes back: every job one envelope, no simulator ever ran more than 4,
+    no process exited by itself (the killed simulator is not an exit)."""
+    [result] = chaos_bench(["backends-storm"], jobs=24, cap=4, speed=20.0, think=200, answer=20, kills=3,
+                           stall_s=30.0)
+    assert result.error == ""
+    assert (result.jobs, result.envelopes) == (24, 24)
+    assert result.lost == [] and result.stuck == [] and result.doubled == []
+    assert 0 < result.max_running <= 4
+    assert not result.exited
+    assert len(result.all_final) == 4 and None not in result.all_final
+    assert result.verdict() == "ok"
+    assert {"sim", "sim-gpu-b"} <= set(result.rss_mb)
+
+
+@pytest.mark.slow
 def test_a_redis_without_persistence_loses_its_jobs_and_nothing_else() -> None:
     # the bench's own sizes: the backend is busy when Redis goes (a tiny round may be idle by then)
     [result] = chaos_bench(["redis-none-kill9"], stall_s=10.0)

@@ -26,7 +26,8 @@ def samples(store: RedisStore) -> dict[tuple[str, str], float]:
 
 def test_each_backend_has_its_own_labelled_series(redis_client: redis.Redis, key_prefix: str) -> None:
     config = StoreConfig.with_backends(
-        [BackendLimits("big", Limits(max_num_seqs=4)), BackendLimits("small", Limits(max_num_seqs=2))],
+        [BackendLimits("big", Limits(max_num_seqs=4)), BackendLimits("small", Limits(max_num_seqs=2)),
+         BackendLimits("never", Limits(max_num_seqs=2))],
         gate=False)
     store = RedisStore(redis_client, Keys(key_prefix), config, clock=lambda: 1_000.0)
     store.add_pending(PendingItem("a/1", "a", 100, 100, enqueued_at=1_000.0, eligible=0b10))
@@ -45,3 +46,6 @@ def test_each_backend_has_its_own_labelled_series(redis_client: redis.Redis, key
     assert found[("fleet_backend_held", "big")] == 1
     assert found[("fleet_backend_prefix_cache_hit_rate", "small")] == 0.25
     assert ("fleet_backend_prefix_cache_hit_rate", "big") not in found  # its scrape had no counters
+    # never scraped: down and held, so its alerts fire as for a backend that went away
+    assert (found[("fleet_backend_up", "never")], found[("fleet_backend_held", "never")]) == (0, 1)
+    assert ("fleet_backend_scrape_age_seconds", "never") not in found
