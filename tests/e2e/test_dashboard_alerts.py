@@ -247,7 +247,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
             found = exported_by(families)
             leader = any(s.value == 1 for f in families if f.name == "fleet_metrics_leader" for s in f.samples)
             # the leader's fleet-wide figures, the backend scraped once, the waiting job
-            ready = leader and "fleet_backend_scrape_age_seconds" in found and "fleet_dispatch_oldest_pending_seconds" in found
+            ready = (leader and "fleet_backend_scrape_age_seconds" in found
+                     and "fleet_dispatch_oldest_pending_seconds" in found)
             return found if ready else None
 
         found = wait_until(scraped, 60, "the metrics leader's figures with the backend scraped and a job in line")
