@@ -286,9 +286,12 @@ def routing_bench(redis_url: str, sizes: tuple[int, ...] = (2, 4), loads: tuple[
             oracle = one_run(redis_url, "least_loaded", 1, seats * backends, load, duration_s, speed, turns, seed,
                              pools=backends)
             oracle.policy, oracle.backends = "oracle (one server)", backends
-            runs.append(oracle)
-            for policy in policies:
-                runs.append(one_run(redis_url, policy, backends, seats, load, duration_s, speed, turns, seed))
+            group = [oracle, *(one_run(redis_url, policy, backends, seats, load, duration_s, speed, turns, seed)
+                               for policy in policies)]
+            least = next((r for r in group if r.policy == "least_loaded"), None)
+            for run in group:  # 0 without a least-loaded run to compare with
+                run.jain = relative_jain(run, least) if least else 0.0
+            runs += group
     return runs
 
 
@@ -309,7 +312,6 @@ def markdown(runs: list[RoutingRun]) -> str:
         of_oracle = run.hit_rate / oracle.hit_rate if oracle and oracle.hit_rate else 0.0
         p90_ratio = run.ttft_p90 / least.ttft_p90 if least and least.ttft_p90 else 0.0
         tok_ratio = run.tokens_per_s / least.tokens_per_s if least and least.tokens_per_s else 0.0
-        run.jain = relative_jain(run, least) if least else 0.0
         lines.append(f"| {run.backends} | {run.load:.0%} | {run.policy} | {run.hit_rate:.3f} | {of_oracle:.2f} "
                      f"| {run.ttft_p50:.2f} | {run.ttft_p90:.2f} | {p90_ratio:.2f} | {run.tokens_per_s:.0f} "
                      f"| {tok_ratio:.2f} | {run.jain:.3f} | {run.stayed:.2f} | {run.jobs} | {run.lost} |")

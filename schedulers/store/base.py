@@ -306,7 +306,8 @@ class AdmissionStore(Protocol):
         (None: unchanged; never smaller), at the job's original place in line, once
         ``not_before`` has come; the store keeps ``turn``, the number of that turn
         (``turn_of``), and ``eligible`` as the backends it may run on now (None: unchanged; a
-        grown prompt may fit fewer, or only the long-context tier). False for a stale fence."""
+        grown prompt may fit fewer, or only the long-context tier); its hint becomes the backend
+        the lease was on, when it may run on several. False for a stale fence."""
         ...
 
     def grow(self, job_id: str, prompt_tokens: int, eligible: int | None = None) -> bool:

@@ -299,12 +299,16 @@ class MemoryStore:
             lease = self._leases.get(job_id)
             if lease is None or lease.fence != fence:
                 return False
+            if eligible is not None:
+                _check_mask(job_id, eligible)
             self._free_lease(job_id)
             entry = self._grown(lease.entry, prompt_tokens)
             item = replace(entry.item, max_new_tokens=max_new_tokens)
             if eligible is not None:
-                _check_mask(job_id, eligible)
                 item = replace(item, eligible=eligible)
+            # the next turn's prompt starts with this one's, now cached where it ran
+            several = item.eligible & (item.eligible - 1) != 0
+            item = replace(item, hint=lease.backend if several else None)
             entry = replace(entry, item=item, turn=turn)
             if not_before > now:
                 self._deferred[job_id] = (not_before, entry)

@@ -28,15 +28,17 @@ def test_the_routing_comparison_runs_real_fleets_and_accounts_for_every_job(redi
     of either fleet is left behind."""
     client = redis.Redis.from_url(redis_url)
     runs = routing_bench(redis_url, sizes=(2,), loads=(0.5,), seats=4, duration_s=6.0, speed=40.0,
-                         policies=("fleet",))
-    assert [r.policy for r in runs] == ["oracle (one server)", "fleet"]
+                         policies=("least_loaded", "fleet"))
+    assert [r.policy for r in runs] == ["oracle (one server)", "least_loaded", "fleet"]
     for run in runs:
         assert run.jobs > 0 and run.lost == 0, run
         assert 0.0 < run.hit_rate < 1.0 and run.ttft_p90 >= run.ttft_p50 > 0 and run.tokens_per_s > 0, run
         assert 0.0 < run.jain <= 1.0, run
-    assert sorted(runs[1].per_backend) == ["gpu-a", "gpu-b"] and sum(runs[1].per_backend.values()) == runs[1].jobs
+    assert runs[1].jain == 1.0  # least-loaded against itself
+    for run in runs[1:]:
+        assert sorted(run.per_backend) == ["gpu-a", "gpu-b"] and sum(run.per_backend.values()) == run.jobs
     assert list(runs[0].per_backend) == ["gpu-a"]
     table = markdown(runs)
-    assert table.count("\n") == 3 and "| 2 | 50% | fleet |" in table
+    assert table.count("\n") == 4 and "| 2 | 50% | fleet |" in table
     for run in runs:
         assert run.prefix and not list(client.scan_iter(match=f"{run.prefix}*"))

@@ -324,6 +324,41 @@ def test_a_grown_continuation_moves_to_the_class_it_fits_now(make_store: StoreFa
         assert granted(store, NOW + 5) == [("j0", "gpu-a")]
 
 
+def test_a_continuation_is_hinted_to_the_backend_it_ran_on(make_store: StoreFactory) -> None:
+    """j1 ran on gpu-b (gpu-a was busy); readmitted, its next turn goes back to gpu-b, where its
+    prompt is cached, though gpu-a is as idle and first in order."""
+    clock = FakeClock(NOW)
+    store = make_store(backends(4, 4), clock)
+    store.add_pending(job("x0", eligible=1))
+    store.add_pending(job("j1", project="b", eligible=3))
+    assert granted(store) == [("x0", "gpu-a"), ("j1", "gpu-b")]
+    fences = store.lease_fences()
+    assert store.release("x0", fences["x0"])
+    assert store.readmit("j1", fences["j1"], 500, NOW, NOW, prompt_tokens=900, turn=2)
+    assert granted(store) == [("j1", "gpu-b")]
+
+
+def test_promote_leaves_a_continuation_whose_class_changed_since_it_was_read(
+        redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GROW moves a waiting continuation to another class between promote_due's read of its item
+    and the script: the script leaves it waiting (it is in no queue of the class it was read in),
+    and the next call puts it in the queue of its new class."""
+    clock = FakeClock(NOW)
+    store = RedisStore(redis_client, Keys(key_prefix), backends(2, 2), clock=clock)
+    store.add_pending(job("j0", eligible=3))
+    [(_, where_it_ran)] = granted(store)
+    assert store.readmit("j0", store.lease_fences()["j0"], 500, NOW + 5, NOW, prompt_tokens=700, turn=2)
+    read_before = store._where(["j0"])
+    assert store.grow("j0", 900, eligible=2)
+    monkeypatch.setattr(store, "_where", lambda ids: read_before)
+    assert store.promote_due(NOW + 5) == []
+    assert store.continuations() == {"a": {"deferred": 1}}
+    monkeypatch.undo()
+    assert store.promote_due(NOW + 5) == ["j0"]
+    assert granted(store, NOW + 5) == [("j0", "gpu-b")]
+    assert where_it_ran == "gpu-a"
+
+
 # -- Redis: keys, records, recount, gateway ---------------------------------------------------------
 def _redis(redis_client: redis.Redis, key_prefix: str, config: StoreConfig, clock: FakeClock | None = None
            ) -> tuple[RedisStore, str]:

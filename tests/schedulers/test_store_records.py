@@ -40,6 +40,8 @@ return redis.call('HGET', KEYS[1], 'job')
 ITEM = Item(project="proj-a", band="batch", size="long", prompt="9001", max_new="257", kv="9472",
             long="1", enq="1712345678.25", score="1712345000123.5", pending="0", deadline="1712349999.5",
             cont="3", deferred="1712346000.75", uncached="4242")
+ROUTED = ITEM._replace(elig="6", hint="2")  # several backends: its class and its prefix-cache hint
+HINTED_ON_ONE = ITEM._replace(hint="0")  # elig 1 written before a hint
 LEASE = Lease(fence="77", kv="9472", long="1", expires="1712345999.5", admitted_at="1712345690.125",
               project="proj-a", owner="celery@host-1 #4711-ab")
 
@@ -67,13 +69,15 @@ def named(record: Any) -> dict[str, str]:
     return {name: value for name, value in record._asdict().items() if value is not None}
 
 
-@pytest.mark.parametrize("record", [ITEM, LEASE], ids=["item", "lease"])
+@pytest.mark.parametrize("record", [ITEM, ROUTED, HINTED_ON_ONE, LEASE],
+                         ids=["item", "routed item", "hinted class-1 item", "lease"])
 def test_lua_reads_what_python_packs(redis_client: redis.Redis, items_key: str, record: Any) -> None:
     kind = type(record).__name__.lower()
     assert lua_get(redis_client, items_key, kind, record.pack()) == named(record)
 
 
-@pytest.mark.parametrize("record", [ITEM, LEASE], ids=["item", "lease"])
+@pytest.mark.parametrize("record", [ITEM, ROUTED, HINTED_ON_ONE, LEASE],
+                         ids=["item", "routed item", "hinted class-1 item", "lease"])
 def test_python_reads_what_lua_packs(redis_client: redis.Redis, items_key: str, record: Any) -> None:
     kind = type(record).__name__.lower()
     raw = lua_put(redis_client, items_key, kind, named(record))
@@ -95,6 +99,13 @@ def test_an_item_written_before_uncached_counts_its_whole_prompt(redis_client: r
     raw = ITEM.pack().rsplit(" ", 1)[0]
     assert Item.unpack(raw).uncached == ITEM.prompt
     assert named(Item.unpack(raw)) == lua_get(redis_client, items_key, "item", raw)
+
+
+def test_fields_of_a_later_version_are_ignored_on_both_sides(redis_client: redis.Redis,
+                                                            items_key: str) -> None:
+    raw = ROUTED.pack() + " 17 future"
+    assert Item.unpack(raw) == ROUTED
+    assert lua_get(redis_client, items_key, "item", raw) == named(ROUTED)
 
 
 def test_a_lease_written_without_an_owner_has_none(redis_client: redis.Redis, items_key: str) -> None:

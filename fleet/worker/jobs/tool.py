@@ -36,6 +36,7 @@ from fleet.core.keys import split_ref
 from fleet.core.models import Job
 from fleet.core.request import tools_allowed
 from fleet.core.routing import job_eligible, route
+from fleet.core.seal import check_seal
 from fleet.infer import tools as tools_mod
 from fleet.infer.turns import ToolCall, ToolResult, ToolRound, TurnRecord
 from fleet.worker.jobs.common import current_turn, end_unleased, event_sink
@@ -99,6 +100,7 @@ def tool_job(rt: Runtime, tasks: Any, ref: str, round_number: int, call_id: str)
     """Run one call of a tool round (module docstring); returns what became of it."""
     try:
         record = rt.results.job_record(ref)
+        check_seal(rt.settings, ref, record)  # the job's model (below) only from the prep worker's seal
         turn = current_turn(rt, ref, record)
     except AuthError as exc:
         log.warning("tool call %s of job=%s refused: %s", call_id, ref, exc.message)
@@ -121,7 +123,8 @@ def tool_job(rt: Runtime, tasks: Any, ref: str, round_number: int, call_id: str)
 
 
 def _model_of(record: dict[str, str]) -> str | None:
-    """The model the job named (None: its project's default), from its sealed record."""
+    """The model the job named (None: its project's default), from its record, whose seal the
+    caller checked."""
     try:
         return json.loads(record.get("job") or "{}").get("model")
     except ValueError:

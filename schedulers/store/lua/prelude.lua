@@ -10,7 +10,9 @@
 -- tests/test_store_records.py runs these accessors against it). A field added later goes at the
 -- end, on both sides. An item's `elig` and a lease's `backend` are written only when they are not
 -- backend 0's, an item's `hint` only when it has one, with `elig` before it (records.py says why
--- and how a lease's backend is told from its owner).
+-- and how a lease's backend is told from its owner). `item_get` ignores fields after `hint` (a
+-- later version's); the versions before `hint` existed read an item that has one as no item at
+-- all, so dispatchers and workers are upgraded before the writers of hints (docs/backends.md).
 --
 -- Backends: backend 0's lease counters are in `state` (with the fleet-wide `queued` and `vtime`),
 -- backend b's in `bstate:<name>`; a script that frees or claims leases gets them all as a table
@@ -54,7 +56,7 @@ local function item_get(items, id)
   if not s then return nil end
   local project, band, size, prompt, max_new, kv, long, enq, score, pending, deadline, cont, deferred,
     uncached, elig, hint = string.match(s,
-      '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) ?(%S*) ?(%S*) ?(%S*)$')
+      '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) ?(%S*) ?(%S*) ?(%S*).*$')
   return {project = project, band = band, size = size, prompt = prompt, max_new = max_new, kv = kv,
     long = long, enq = enq, score = score, pending = pending,
     deadline = deadline ~= '-' and deadline or nil, cont = cont,

@@ -11,13 +11,17 @@
 -- KEYS[7+j] pending:<project>:<band>:<size>[:<elig>]  zset  (the job's queue, as the caller read
 --                                                    the item)
 -- ARGV: now, then (id, project, band, size, elig) per job, in the same order as the keys.
+-- A job whose item no longer names that queue (a GROW changed its size or class after the
+-- caller read it) stays in `deferred`: the next call reads its item again.
 -- Returns the ids put in line.
 local now, out = tonumber(ARGV[1]), {}
 for j = 0, #KEYS - 7 do
   local a = 2 + 5 * j
   local id = ARGV[a]
   local due = redis.call('ZSCORE', KEYS[1], id)
-  if due and tonumber(due) <= now then
+  local f = item_get(KEYS[6], id)
+  local moved = f and f.pending ~= '1' and not in_queue(f, ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4])
+  if due and tonumber(due) <= now and not moved then
     redis.call('ZREM', KEYS[1], id)
     if requeue_item(KEYS[2], KEYS[6], KEYS[7 + j], KEYS[3], KEYS[4], id, ARGV[a + 1], ARGV[a + 2],
         ARGV[a + 3], ARGV[a + 4]) then

@@ -2,6 +2,7 @@
 -- continuation: with its new plan's size, at its original place in line (it keeps its score, so
 -- it is ahead of its project's newer work and still inside fair share), and not before
 -- `not_before` (a backoff): until then it waits in `deferred`, and PROMOTE puts it in line.
+-- Its hint becomes the backend its lease was on (where the turn's prompt is now cached).
 -- The next turn's prompt (grown by the conversation of its tool rounds) replaces the item's,
 -- its growth is added to the uncached tokens, and `cont` records the turn's number: the
 -- inference worker runs only the saved turn that carries it (fleet/worker/jobs/common.py).
@@ -32,6 +33,11 @@ f.max_new, f.kv, f.cont = ARGV[6], ARGV[7], ARGV[12]
 f.size, f.prompt, f.uncached = ARGV[5], ARGV[10], ARGV[11]
 f.long = ARGV[5] == 'long' and '1' or '0'
 f.elig = ARGV[13]
+-- the next turn's prompt starts with this one's, now cached on the lease's backend: its hint
+-- when the job may run on several (placement.py), none otherwise
+local mask, bit = tonumber(f.elig), 1
+while bit < mask do bit = bit * 2 end
+if bit ~= mask then f.hint = lease.backend else f.hint = nil end
 redis.call('SADD', KEYS[10], id)
 if tonumber(ARGV[8]) > tonumber(ARGV[9]) then
   f.deferred = ARGV[8]
