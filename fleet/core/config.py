@@ -75,6 +75,10 @@ class BackendSettings(_Section):
     """Every name the server answers to (vLLM's --served-model-name takes several, the first is the
     one its responses carry); empty: just ``model``. Jobs and gateway requests may name any of
     them; ``model`` must be one of them."""
+    charge_per_token: float = Field(1.0, gt=0)
+    """Fair-share tokens one token run on this server counts for (docs/backends.md, section 5):
+    1.0 counts every backend's tokens alike; a small model's server set to its GPU time per token
+    over the big model's leaves a project that sends its cheap steps there more of its share."""
     only_unfit_elsewhere: bool = False
     """Take only jobs no other backend can hold (prompt + output limit past their max_model_len,
     or a model only this one serves): a long-context tier whose short-prompt quality is worse.

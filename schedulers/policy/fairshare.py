@@ -105,8 +105,9 @@ def forgive(vtime: float, finish_tags: Iterable[float]) -> float:
     return max([vtime, *finish_tags])
 
 
-def charge(vtime: float, finish_tag: float, weight: float, cost: int) -> tuple[float, float]:
-    """Virtual time and the project's finish tag after admitting a job of ``cost`` tokens."""
+def charge(vtime: float, finish_tag: float, weight: float, cost: float) -> tuple[float, float]:
+    """Virtual time and the project's finish tag after admitting a job of ``cost`` tokens (its
+    prompt and output limit, times its backend's ``charge_per_token``)."""
     start = start_tag(vtime, finish_tag)
     return start, start + cost / weight
 

@@ -167,6 +167,7 @@ class BackendLimits:
 
     name: str
     limits: Limits
+    charge_per_token: float = 1.0  # fair-share tokens one of its tokens counts for
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,7 @@ class StoreConfig:
     gate: bool = True  # False: ignore the backend gate (unit tests without a scraper)
     scrape_stale_s: float = 5.0
     backend_name: str = "default"
+    charge_per_token: float = 1.0  # backend 0's (BackendLimits.charge_per_token)
     more_backends: tuple[BackendLimits, ...] = ()
     # how a candidate's backend is chosen among those that can take it (placement.Routing)
     routing: Routing = field(default_factory=Routing)
@@ -205,7 +207,9 @@ class StoreConfig:
             gate=settings.admission.backend_gate,
             scrape_stale_s=settings.admission.scrape_stale_s,
             backend_name=first.name,
-            more_backends=tuple(BackendLimits(b.name, Limits.from_settings(settings, b)) for b in more),
+            charge_per_token=first.charge_per_token,
+            more_backends=tuple(BackendLimits(b.name, Limits.from_settings(settings, b), b.charge_per_token)
+                                for b in more),
             routing=Routing(settings.routing.policy, settings.routing.balance_abs_seqs,
                             settings.routing.balance_rel),
         )
@@ -214,11 +218,12 @@ class StoreConfig:
     def with_backends(cls, backends: Sequence[BackendLimits], **fields: Any) -> StoreConfig:
         """A config of these backends (settings' order; at least one) and ``fields``."""
         first, *more = backends
-        return cls(limits=first.limits, backend_name=first.name, more_backends=tuple(more), **fields)
+        return cls(limits=first.limits, backend_name=first.name, charge_per_token=first.charge_per_token,
+                   more_backends=tuple(more), **fields)
 
     @property
     def backends(self) -> tuple[BackendLimits, ...]:
-        return (BackendLimits(self.backend_name, self.limits), *self.more_backends)
+        return (BackendLimits(self.backend_name, self.limits, self.charge_per_token), *self.more_backends)
 
     def backend_index(self, name: str | None) -> int:
         """The index of the backend called ``name`` (None: backend 0); KeyError for no such one."""

@@ -230,7 +230,7 @@ class MemoryStore:
             self._vtime,
             self._finish.get(head.project, 0.0),
             self.config.weight(head.project),
-            head.cost,
+            head.cost * self.config.backends[backend].charge_per_token,
         )
         fence = self._fences[head.project] = self._fences.get(head.project, 0) + 1
         expires_at = now + self.config.lease_ttl_s

@@ -325,6 +325,7 @@ class RedisStore:
                      more.long_prompt_tokens, repr(more.short_job_s), more.block_tokens]
         routing = config.routing
         args += [routing.policy, routing.balance_abs_seqs, repr(routing.balance_rel)]
+        args += [repr(backend.charge_per_token) for backend in config.backends]
         for group in self._groups:
             keys += self._group_queues(group)
             args += [group, repr(config.weight(group.partition(":")[0]))]

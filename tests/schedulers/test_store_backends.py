@@ -359,6 +359,22 @@ def test_promote_leaves_a_continuation_whose_class_changed_since_it_was_read(
     assert where_it_ran == "gpu-a"
 
 
+@pytest.mark.parametrize(("charge", "a_first"), [(1.0, 3), (0.25, 4)])
+def test_a_backends_charge_per_token_counts_in_fair_share(make_store: StoreFactory, charge: float,
+                                                          a_first: int) -> None:
+    """Project a runs on "small" only, b on gpu-a only, jobs of one size. With "small" charging
+    a token as one, fair share alternates them (3 of the first 5 grants are a's); charging a
+    quarter, a's jobs cost a quarter of its share: four of a's for one of b's."""
+    entries = [BackendLimits("gpu-a", replace(BASE.limits, max_num_seqs=8)),
+               BackendLimits("small", replace(BASE.limits, max_num_seqs=8), charge_per_token=charge)]
+    store = make_store(StoreConfig.with_backends(entries, lease_ttl_s=30.0, aging_s=60.0, gate=False))
+    for i in range(8):
+        store.add_pending(job(f"a{i}", project="a", eligible=2))
+        store.add_pending(job(f"b{i}", project="b", eligible=1))
+    order = [job_id for job_id, _backend in granted(store)]
+    assert sum(1 for job_id in order[:5] if job_id.startswith("a")) == a_first, order
+
+
 # -- Redis: keys, records, recount, gateway ---------------------------------------------------------
 def _redis(redis_client: redis.Redis, key_prefix: str, config: StoreConfig, clock: FakeClock | None = None
            ) -> tuple[RedisStore, str]:

@@ -28,7 +28,9 @@ same one (either: 3, or one of them: 1, 2); with two, either or one; now and the
 a backend the config does not have. Backend verdicts are drawn per backend, and the snapshots
 compared include each backend's counters. Each job may carry a prefix-cache hint (a backend of
 its mask or not, or none), and each config a routing policy (fleet with tight or loose imbalance
-thresholds, least loaded, round robin), so the two ``pick``s are compared on every grant.
+thresholds, least loaded, round robin), so the two ``pick``s are compared on every grant; and
+each backend a ``charge_per_token`` (1, a quarter, three times), so the finish tags differ by
+where a job ran.
 
 The order of ``reap_expired``'s ids is not part of the contract (the caller only logs them), so
 they are compared as sorted lists. Resubmissions happen at any time, in flight too.
@@ -91,10 +93,13 @@ more_limits = st.builds(
     small_limits, st.sampled_from([1000, 1000, 500]), st.sampled_from([LONG_PROMPT_TOKENS, 8_000, 20_000]))
 
 
-def with_backends(first: Limits, more: list[Limits], **fields: Any) -> StoreConfig:
-    """A config of ``first`` and ``more`` (gpu-a, gpu-b, small, in that order)."""
+def with_backends(first: Limits, more: list[Limits], charges: tuple[float, ...] = (1.0, 1.0, 1.0),
+                  **fields: Any) -> StoreConfig:
+    """A config of ``first`` and ``more`` (gpu-a, gpu-b, small, in that order), each backend's
+    tokens charged to fair share at ``charges``."""
     return StoreConfig.with_backends(
-        [BackendLimits(name, limits) for name, limits in zip(NAMES, [first, *more], strict=False)], **fields)
+        [BackendLimits(name, limits, charge)
+         for name, limits, charge in zip(NAMES, [first, *more], charges, strict=False)], **fields)
 
 
 def masks_for(count: int) -> tuple[int, ...]:
@@ -115,6 +120,7 @@ configs = st.builds(
     gate=st.sampled_from([False, False, True]),
     scrape_stale_s=st.just(5.0),
     routing=routings,
+    charges=st.tuples(*[st.sampled_from([1.0, 1.0, 0.25, 3.0])] * 3),
 )
 # Quiet long prefills in play all along: room for long prompts (KV, bucket), so that admissions
 # reach the window, the drain (paying or not) and the bands' protection instead of stopping at kv.

@@ -35,7 +35,8 @@
 --       then 13 per backend b = 1 .. m: max_seqs, kv_budget, max_long, rate, burst, spacing,
 --       bypass, prefill_rate, beside, long_prefills, long_threshold, short_job_s, block_tokens;
 --       then the routing policy (fleet | least_loaded | round_robin), balance_abs_seqs,
---       balance_rel (placement.Routing); then (group, weight) per group, in the same order as the keys: the group is the projects
+--       balance_rel (placement.Routing); then each backend's charge_per_token (b = 0 .. m: the
+--       fair-share tokens one of its tokens counts for); then (group, weight) per group, in the same order as the keys: the group is the projects
 --       set's member (`<project>` or `<project>:<elig>`), the weight its project's.
 -- A candidate the prelude's `admit_only` refuses (when a calling script set it) is passed over with
 -- the reason 'no_workers'; a queue's head is the prelude's `admit_head` (when set) instead of its
@@ -81,12 +82,13 @@ for b = 1, m do
 end
 local policy = ARGV[20 + 13 * m]
 local balance_abs, balance_rel = tonumber(ARGV[21 + 13 * m]), tonumber(ARGV[22 + 13 * m])
+for b = 0, m do backends[b].charge = tonumber(ARGV[23 + 13 * m + b]) end
 local rr_last = -1
 if policy == 'round_robin' then rr_last = num(redis.call('HGET', st, 'rr'), -1) end
 
 -- projects: each with its groups (one per eligibility class), in the caller's order.
 local projects, by_name, named = {}, {}, {}
-local first_arg, first_key = 23 + 13 * m, 11 + 2 * m
+local first_arg, first_key = 24 + 14 * m, 11 + 2 * m
 for g = 0, (#ARGV - first_arg + 1) / 2 - 1 do
   local member = ARGV[first_arg + 2 * g]
   local name, elig = string.match(member, '^([^:]+):?(%d*)$')
@@ -411,7 +413,7 @@ local function grant(c, top, b)
   end
   local V = math.max(num(redis.call('HGET', st, 'vtime'), 0), tags[top.project])
   local start = math.max(V, tags[c.project])
-  tags[c.project] = start + (c.prompt + c.max_new) / c.weight
+  tags[c.project] = start + (c.prompt + c.max_new) * B.charge / c.weight
   redis.call('HSET', vtime, c.project, fmt(tags[c.project]))
   redis.call('HSET', st, 'vtime', fmt(V))
   local fence = redis.call('HINCRBY', KEYS[5], c.project, 1)
