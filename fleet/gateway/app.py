@@ -48,6 +48,7 @@ from starlette.routing import Match, Mount, Route
 from fleet.client import Client
 from fleet.core import routing
 from fleet.core.codes import Code
+from fleet.core.config import BackendSettings
 from fleet.core.errors import AuthError, BrokerUnavailable, Busy, FleetError, PromptTooLong
 from fleet.core.keys import job_ref
 from fleet.core.redisconn import async_redis_client
@@ -111,9 +112,11 @@ class Gateway:
         # Only the process's own count cache, not the shared Redis one: a chat prompt is new
         # nearly every time (each turn adds to the conversation), so the Redis tier would cost a
         # GET that misses and a SET, two round trips per request, for little reuse. An empty
-        # base URL makes an estimate-only counter (fleet/prep/tokens.py).
-        backend_url = settings.backend.url if settings.gateway.exact_prompt_count else ""
-        self.counter = TokenCounter(backend_url, settings.backend.model, None, self.runtime.keys)
+        # base URL makes an estimate-only counter (fleet/prep/tokens.py). One counter per backend
+        # that counts a model's prompts (routing.counting_backend: each model's own tokenizer).
+        self._counters: dict[str, TokenCounter] = {}
+        self._counters_lock = threading.Lock()
+        self.counter = self.counter_for(self.runtime.settings.backend)
         self.events = EventHub(settings, self.runtime.keys, self.admission.gateway_id)
 
     def tag_key(self, caller: Caller, job_id: str) -> None:
@@ -190,7 +193,18 @@ class Gateway:
             executor.shutdown(wait=False, cancel_futures=True)
         for client in self.runtime.backend_clients():
             client.close()
-        self.counter.close()
+        for counter in self._counters.values():
+            counter.close()
+
+    def counter_for(self, entry: BackendSettings) -> TokenCounter:
+        """The token counter of backend ``entry`` (made on first use): its ``/tokenize`` with
+        ``gateway.exact_prompt_count``, else the estimate."""
+        with self._counters_lock:
+            counter = self._counters.get(entry.name)
+            if counter is None:
+                url = entry.url if self.live.settings.gateway.exact_prompt_count else ""
+                counter = self._counters[entry.name] = TokenCounter(url, entry.model, None, self.runtime.keys)
+            return counter
 
     def build_body(self, req: ChatRequest, caller: Caller, job_id: str) -> Built:
         """The vLLM request body of one chat request, its prompt and max tokens, and its
@@ -210,7 +224,8 @@ class Gateway:
             sampling["chat_template_kwargs"] = switches
         first = plan_budget(job, project, settings, 0)
         try:
-            prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, self.counter)
+            counter = self.counter_for(routing.counting_backend(fleet_settings, project, req.model))
+            prepared = prepare(job, settings, project, rt.redis, rt.keys, first.room_tokens, counter)
         except PromptTooLong as exc:
             raise chat_too_long(exc, settings.backend.max_model_len, first.max_tokens) from exc
         plan = plan_budget(job, project, settings, prepared.prompt_tokens)
