@@ -414,7 +414,6 @@ class _Session:
         except redis.RedisError:  # accounting only: the client has its answer
             log.exception("publishing the envelope of gateway job %s failed", self.job_id)
 
-
     def _record_sent(self, result: StreamResult) -> None:
         """What this request sent to its backend (fleet/core/promptcache.py), once the server
         computed its prompt: a later request of the project that starts with it (the next turn of
