@@ -71,6 +71,9 @@ def test_a_producer_reaches_nothing_of_another_project_nor_the_fleet(broker: Acl
         "write the dispatcher store": lambda: producer_b.hset(f"{keys.dispatch}item:x", "prompt", 1),
         "read the dispatcher store": lambda: producer_b.hgetall(f"{keys.dispatch}state"),
         "claim a nonce": lambda: producer_b.set(keys.nonce(A, "n"), "x"),
+        # what A sent to a backend: read (did A send this prompt?) or forged (steer A's routing)
+        "read what A sent": lambda: producer_b.get(keys.sent(A, "0" * 64, "gpu-b")),
+        "forge what A sent": lambda: producer_b.set(keys.sent(A, "0" * 64, "gpu-b"), "99999"),
         "read the rejections": lambda: producer_b.xrange(keys.rejections),
         "list keys": lambda: producer_b.keys("*"),
         "flush": lambda: producer_b.flushdb(),
