@@ -579,6 +579,32 @@ class ToolSettings(_Section):
         return self.queue or f"fleet.tools.{project}"
 
 
+class QuotaSettings(_Section):
+    """What a project may spend (docs/usage.md, Quotas): enforced inside admission, so every
+    dispatcher and gateway together never admit past it. Every limit 0 = none."""
+
+    tokens_per_minute: int = Field(0, ge=0)
+    """Cost (below) of the turns admitted in one UTC minute."""
+    tokens_per_day: int = Field(0, ge=0)
+    """Cost of the turns admitted in one UTC day."""
+    tokens_per_month: int = Field(0, ge=0)
+    """Cost of the turns admitted in one UTC calendar month."""
+    requests_per_minute: int = Field(0, ge=0)
+    """Turns (model requests) admitted in one UTC minute."""
+    max_in_flight: int = Field(0, ge=0)
+    """The project's turns running at once, on every backend together."""
+    cost_prompt: float = Field(1.0, ge=0)
+    """Cost of a prompt token that missed the prefix cache."""
+    cost_cached: float = Field(1.0, ge=0)
+    """Cost of a prompt token the server had cached (vLLM's ``cached_tokens``)."""
+    cost_output: float = Field(1.0, ge=0)
+    """Cost of an output token (reasoning and answer)."""
+    over: Literal["wait", "refuse"] = "wait"
+    """A turn that would pass the quota: waits in line until the window resets (keeping its
+    place), or, when it is a new job or gateway request, is refused with E_QUOTA_EXCEEDED
+    (gateway: 429 with Retry-After). A turn larger than a token limit is refused either way."""
+
+
 class ProjectSettings(_Section):
     weight: float = Field(1.0, gt=0)
     """Fair-share weight (tokens admitted are shared in proportion)."""
@@ -630,6 +656,8 @@ class ProjectSettings(_Section):
     tool_invalid_max: int = Field(2, ge=0)
     """Rounds with invalid calls that are answered with the validation error, before
     E_TOOL_INVALID."""
+    quota: QuotaSettings = Field(default_factory=QuotaSettings)
+    """Spending limits of the project (none by default)."""
 
     @field_validator("api_keys")
     @classmethod

@@ -134,10 +134,14 @@ def place(
     now: float,
     only: Callable[[Head], bool] | None = None,
     routing: Routing = Routing(),
+    quota: Callable[[Head], tuple[str, float | None] | None] | None = None,
 ) -> Placement:
     """Try ``heads`` (fair order) on ``views`` (settings' order); ``costs(i, b)`` is candidate i's
     cost on backend b; ``only``: candidates it refuses are passed over ('no_workers'); ``routing``:
-    how ``pick`` chooses. Updates the reservation fields of the states (module docstring)."""
+    how ``pick`` chooses; ``quota(head)``: why its project's quota holds it and when that lifts
+    (schedulers/policy/quota.py ``check``), or None: a held candidate is passed over before any
+    backend is tried, so it neither reserves nor closes one. Updates the reservation fields of
+    the states (module docstring)."""
     if not heads:
         return Placement(None, reason="empty")
     blocked = [_global(view, now) for view in views]
@@ -151,10 +155,12 @@ def place(
     first_reason: str | None = None
     soonest: float | None = None
     for index, head in enumerate(heads):
-        tried = [b for b in range(len(views)) if eligible_on(head.eligible, b) and not closed[b]]
-        if not tried:
+        over = quota(head) if quota is not None else None
+        tried = [] if over else [b for b in range(len(views)) if eligible_on(head.eligible, b) and not closed[b]]
+        if not tried:  # over its quota (tried nowhere), or no backend left to try
             if index == 0:
-                first_reason = NO_BACKEND
+                first_reason = over[0] if over else NO_BACKEND
+            soonest = _soonest(soonest, [over[1]] if over else [])
             continue
         refused = only is not None and not only(head)
         verdicts = {b: blocked[b] if blocked[b][0] is not None

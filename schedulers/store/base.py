@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from schedulers.policy.limits import Limits
 from schedulers.policy.placement import Routing
+from schedulers.policy.quota import Quota, Usage
 
 if TYPE_CHECKING:
     from fleet.core.config import Settings
@@ -190,6 +191,8 @@ class StoreConfig:
     more_backends: tuple[BackendLimits, ...] = ()
     # how a candidate's backend is chosen among those that can take it (placement.Routing)
     routing: Routing = field(default_factory=Routing)
+    # project -> its quota (schedulers/policy/quota.py); a project not named has none
+    quotas: dict[str, Quota] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         names = [b.name for b in self.backends]
@@ -212,6 +215,7 @@ class StoreConfig:
                                 for b in more),
             routing=Routing(settings.routing.policy, settings.routing.balance_abs_seqs,
                             settings.routing.balance_rel),
+            quotas=quotas_from_settings(settings),
         )
 
     @classmethod
@@ -236,6 +240,23 @@ class StoreConfig:
 
     def weight(self, project: str) -> float:
         return self.weights.get(project, 1.0)
+
+    def quota(self, project: str) -> Quota | None:
+        """The project's quota, None when it has no limit."""
+        quota = self.quotas.get(project)
+        return quota if quota is not None and quota.limited else None
+
+
+def quotas_from_settings(settings: Settings) -> dict[str, Quota]:
+    """Every project's ``quota`` settings that limit anything, as the store's ``Quota``."""
+    out = {}
+    for name, project in settings.projects.items():
+        q = project.quota
+        quota = Quota(q.tokens_per_minute, q.requests_per_minute, q.tokens_per_day, q.tokens_per_month,
+                      q.max_in_flight, q.cost_prompt, q.cost_cached, q.cost_output)
+        if quota.limited:
+            out[name] = quota
+    return out
 
 
 class AdmissionStore(Protocol):
@@ -291,6 +312,16 @@ class AdmissionStore(Protocol):
         ...
 
     def next_deadline(self) -> float | None: ...
+
+    def settle(self, job_id: str, fence: int, spent: int) -> bool:
+        """The turn of this grant is over and cost ``spent``: give back what its quota
+        reservation held beyond that (never more than it held). False when there is nothing to
+        settle (no quota, another grant's, settled already)."""
+        ...
+
+    def quota_usage(self, project: str, now: float) -> Usage:
+        """What the project's admitted turns hold in the windows ``now`` falls in."""
+        ...
 
     def snapshot(self) -> StoreSnapshot: ...
 

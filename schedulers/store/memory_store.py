@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from schedulers.policy import fairshare, limits, placement
+from schedulers.policy import fairshare, limits, placement, quota
 from schedulers.policy.backend_gate import gate_reason
 from schedulers.store.base import (
     AdmitResult,
@@ -81,6 +81,10 @@ class MemoryStore:
         self._holds: dict[str, int] = {}
         self._scrapes: list[tuple[float, str] | None] = [None] * count  # per backend
         self._figures: list[dict[str, str]] = [{} for _ in range(count)]
+        # quotas: (project, window kind, window) -> tokens or requests held; job id -> its
+        # grant's reservation (fence, cost, project, windows)
+        self._quota_used: dict[tuple[str, str, str], int] = {}
+        self._reserved: dict[str, tuple[int, int, str, quota.Windows]] = {}
 
     # -- submit / cancel ---------------------------------------------------------------------
     def add_pending(self, item: PendingItem) -> None:
@@ -182,12 +186,65 @@ class MemoryStore:
                                   placement.uncached_on(h, backend), h.band == "interactive")
 
         routing = replace(self.config.routing, last=self._last_backend)
-        chosen = placement.place(views, heads, cost, now, routing=routing)
+        windows = quota.Windows.at(now)
+
+        def over(head: fairshare.Head) -> tuple[str, float | None] | None:
+            q = self.config.quota(head.project)
+            if q is None:
+                return None
+            return quota.check(q, self._usage(head.project, windows), q.reserve(head.prompt_tokens,
+                                                                                head.max_new_tokens), windows)
+
+        chosen = placement.place(views, heads, cost, now, routing=routing, quota=over)
         if chosen.index is None or chosen.backend is None:
             return AdmitResult(None, chosen.reason, chosen.retry_in_s)
         index, backend = chosen.index, chosen.backend
         self._last_backend = backend
-        return AdmitResult(self._grant(heads[0], heads[index], cost(index, backend), backend, now))
+        grant = self._grant(heads[0], heads[index], cost(index, backend), backend, now)
+        self._reserve(heads[index], grant.fence, windows)
+        return AdmitResult(grant)
+
+    # -- quotas (schedulers/policy/quota.py) ----------------------------------------------------
+    def _usage(self, project: str, windows: quota.Windows) -> quota.Usage:
+        used = self._quota_used
+        return quota.Usage(
+            tokens_minute=used.get((project, "m", str(windows.minute)), 0),
+            requests_minute=used.get((project, "r", str(windows.minute)), 0),
+            tokens_day=used.get((project, "d", windows.day), 0),
+            tokens_month=used.get((project, "mo", windows.month), 0),
+            in_flight=sum(1 for lease in self._leases.values() if lease.entry.item.project == project),
+        )
+
+    def _windows_of(self, project: str, windows: quota.Windows) -> list[tuple[str, str, str]]:
+        return [(project, "m", str(windows.minute)), (project, "d", windows.day), (project, "mo", windows.month)]
+
+    def _reserve(self, head: fairshare.Head, fence: int, windows: quota.Windows) -> None:
+        q = self.config.quota(head.project)
+        if q is None:
+            return
+        cost = q.reserve(head.prompt_tokens, head.max_new_tokens)
+        used = self._quota_used
+        for key in self._windows_of(head.project, windows):
+            used[key] = used.get(key, 0) + cost
+        requests = (head.project, "r", str(windows.minute))
+        used[requests] = used.get(requests, 0) + 1
+        self._reserved[head.job_id] = (fence, cost, head.project, windows)
+
+    def settle(self, job_id: str, fence: int, spent: int) -> bool:
+        with self._lock:
+            held = self._reserved.get(job_id)
+            if held is None or held[0] != fence:
+                return False
+            _, cost, project, windows = self._reserved.pop(job_id)
+            back = max(0, cost - max(0, spent))
+            for key in self._windows_of(project, windows):
+                if key in self._quota_used:
+                    self._quota_used[key] -= back
+            return True
+
+    def quota_usage(self, project: str, now: float) -> quota.Usage:
+        with self._lock:
+            return self._usage(project, quota.Windows.at(now))
 
     def _heads(self, now: float) -> list[fairshare.Head]:
         views: dict[str, list[fairshare.Head]] = {}

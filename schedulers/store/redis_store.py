@@ -71,6 +71,7 @@ from fleet.core.keys import Keys
 from fleet.core.lua import Scripts
 from schedulers.policy import fairshare
 from schedulers.policy.limits import kv_tokens
+from schedulers.policy.quota import Usage, Windows
 from schedulers.store.base import (
     AdmitResult,
     BackendSnapshot,
@@ -85,7 +86,7 @@ from schedulers.store.records import Item, Lease
 log = logging.getLogger(__name__)
 
 SCRIPTS = ("add", "admit", "claim", "renew", "release", "reap", "requeue", "cancel", "expire",
-           "readmit", "promote", "undefer", "grow", "gwadmit", "gateway", "recount")
+           "readmit", "promote", "undefer", "grow", "gwadmit", "gateway", "recount", "settle")
 COMPOSED = {"gwadmit": ("admit",),  # scripts that call others (fleet/core/lua.py)
             "gateway": ("add", "admit", "gwadmit", "claim")}  # scripts that call others (fleet/core/lua.py)
 _ROUNDS = 4  # ADMIT calls when the projects set keeps changing under us
@@ -326,10 +327,54 @@ class RedisStore:
         routing = config.routing
         args += [routing.policy, routing.balance_abs_seqs, repr(routing.balance_rel)]
         args += [repr(backend.charge_per_token) for backend in config.backends]
+        quotas = [(name, quota) for name, quota in sorted(config.quotas.items()) if quota.limited]
+        windows = Windows.at(now)
+        args += [len(quotas), windows.minute, repr(windows.minute_end), windows.day, repr(windows.day_end),
+                 windows.month, repr(windows.month_end)]
+        for name, quota in quotas:
+            args += [name, quota.tokens_per_minute, quota.requests_per_minute, quota.tokens_per_day,
+                     quota.tokens_per_month, quota.max_in_flight, repr(quota.cost_prompt),
+                     repr(quota.cost_cached), repr(quota.cost_output)]
         for group in self._groups:
             keys += self._group_queues(group)
             args += [group, repr(config.weight(group.partition(":")[0]))]
+        if quotas:
+            keys.append(self._key("qres"))
+            for name, _quota in quotas:
+                keys += self._quota_keys(name, str(windows.minute), windows.day, windows.month)
         return keys, args
+
+    # -- quotas (schedulers/policy/quota.py) ----------------------------------------------------
+    def _quota_keys(self, project: str, minute: str, day: str, month: str) -> list[str]:
+        """A project's quota windows: the minute's hash (t, r), the day's and the month's cost."""
+        return [self._key(f"quota:{project}:m:{minute}"), self._key(f"quota:{project}:d:{day}"),
+                self._key(f"quota:{project}:mo:{month}")]
+
+    def settle(self, job_id: str, fence: int, spent: int) -> bool:
+        """Two round trips (the reservation, then SETTLE with its windows' keys); one HGET when
+        the grant reserved nothing."""
+        raw = self._client.hget(self._key("qres"), job_id)
+        if raw is None:
+            return False
+        held = _text(raw)
+        project, held_fence, _cost, minute, day, month = held.split(" ")
+        if int(held_fence) != fence:
+            return False
+        keys = [self._key("qres"), *self._quota_keys(project, minute, day, month)]
+        return bool(self._run("settle", keys, [job_id, held, spent]))
+
+    def quota_usage(self, project: str, now: float) -> Usage:
+        windows = Windows.at(now)
+        minute, day, month = self._quota_keys(project, str(windows.minute), windows.day, windows.month)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hmget(minute, "t", "r")
+        pipe.get(day)
+        pipe.get(month)
+        pipe.hvals(self._key("lease"))
+        (t, r), d, mo, leases = pipe.execute()
+        in_flight = sum(1 for raw in leases if Lease.unpack(_text(raw)).project == project)
+        return Usage(tokens_minute=int(t or 0), requests_minute=int(r or 0), tokens_day=int(d or 0),
+                     tokens_month=int(mo or 0), in_flight=in_flight)
 
     def _admit_results(self, reply: list[Any]) -> list[AdmitResult]:
         """ADMIT's 'ok' reply: a result per grant, then the hold that stopped the round (if any)."""

@@ -30,7 +30,10 @@ compared include each backend's counters. Each job may carry a prefix-cache hint
 its mask or not, or none), and each config a routing policy (fleet with tight or loose imbalance
 thresholds, least loaded, round robin), so the two ``pick``s are compared on every grant; and
 each backend a ``charge_per_token`` (1, a quarter, three times), so the finish tags differ by
-where a job ran.
+where a job ran. Each config may give one or two projects a quota (tokens per minute or day,
+requests per minute, an in-flight cap, cheaper cached or dearer output tokens), and a worker may
+settle its grant's turn with what it spent: the quota holds, reservations and refunds, and each
+project's usage in the current windows must agree too.
 
 The order of ``reap_expired``'s ids is not part of the contract (the caller only logs them), so
 they are compared as sorted lists. Resubmissions happen at any time, in flight too.
@@ -58,6 +61,7 @@ from hypothesis.stateful import (
 from fleet.core.keys import Keys
 from schedulers.policy.limits import Limits
 from schedulers.policy.placement import Routing
+from schedulers.policy.quota import Quota
 from schedulers.store.base import BackendLimits, PendingItem, StoreConfig
 from schedulers.store.memory_store import MemoryStore
 from schedulers.store.redis_store import RedisStore
@@ -107,6 +111,11 @@ def masks_for(count: int) -> tuple[int, ...]:
     return {1: (1,), 2: (3, 3, 1, 2), 3: (3, 3, 1, 2, 4)}[count]
 
 
+quota_specs = st.builds(
+    Quota, tokens_per_minute=st.sampled_from([0, 8_000, 30_000]), requests_per_minute=st.sampled_from([0, 0, 2]),
+    tokens_per_day=st.sampled_from([0, 0, 50_000]), max_in_flight=st.sampled_from([0, 0, 1, 2]),
+    cost_cached=st.sampled_from([1.0, 0.5]), cost_output=st.sampled_from([1.0, 2.0]))
+quota_maps = st.one_of(st.just({}), st.dictionaries(st.sampled_from(PROJECTS), quota_specs, min_size=1, max_size=2))
 routings = st.builds(
     Routing, policy=st.sampled_from(["fleet", "fleet", "least_loaded", "round_robin"]),
     balance_abs_seqs=st.sampled_from([0, 1, 4]), balance_rel=st.sampled_from([1.0, 1.5]))
@@ -121,6 +130,7 @@ configs = st.builds(
     scrape_stale_s=st.just(5.0),
     routing=routings,
     charges=st.tuples(*[st.sampled_from([1.0, 1.0, 0.25, 3.0])] * 3),
+    quotas=quota_maps,
 )
 # Quiet long prefills in play all along: room for long prompts (KV, bucket), so that admissions
 # reach the window, the drain (paying or not) and the bands' protection instead of stopping at kv.
@@ -155,6 +165,7 @@ quiet_configs = st.builds(
     aging_s=st.sampled_from([10.0, 60.0]),
     gate=st.just(False),
     routing=routings,
+    quotas=quota_maps,
 )
 jobs = st.fixed_dictionaries(
     {
@@ -185,6 +196,7 @@ lease_ops = st.one_of(
     # index into masks_for)
     st.tuples(st.just("readmit"), st.sampled_from([400, 3_000]), st.sampled_from([0.0, 0.0, 4.0, 20.0]),
               st.sampled_from([None, None, 0, 1, 4])),
+    st.tuples(st.just("settle"), st.sampled_from([0, 700, 10**6])),  # what the turn spent
 )
 other_ops = st.one_of(
     st.tuples(st.just("resubmit"), st.sampled_from([None, 5.0])),
@@ -292,6 +304,9 @@ class Differential(RuleBasedStateMachine):
             mask = None if extra[2] is None else self.masks[extra[2] % len(self.masks)]
             self.both(name, *lease, extra[0], now + extra[1], now, eligible=mask)
             return
+        if name == "settle":
+            self.both(name, *lease, *extra)
+            return
         self.both(name, *lease, *args)
 
     @rule(op=other_ops, index=st.integers(0, 30))
@@ -334,6 +349,8 @@ class Differential(RuleBasedStateMachine):
         for call in ("snapshot", "lease_fences", "pending_ids", "next_deadline", "next_expiry",
                      "next_not_before", "continuations"):
             self.both(call)
+        for project in PROJECTS:
+            self.both("quota_usage", project, self.clock.now)
         assert self.redis.recount() == {}  # each backend's counters are the sums over its leases
 
 

@@ -36,8 +36,19 @@
 --       bypass, prefill_rate, beside, long_prefills, long_threshold, short_job_s, block_tokens;
 --       then the routing policy (fleet | least_loaded | round_robin), balance_abs_seqs,
 --       balance_rel (placement.Routing); then each backend's charge_per_token (b = 0 .. m: the
---       fair-share tokens one of its tokens counts for); then (group, weight) per group, in the same order as the keys: the group is the projects
---       set's member (`<project>` or `<project>:<elig>`), the weight its project's.
+--       fair-share tokens one of its tokens counts for); then the quotas (schedulers/policy/
+--       quota.py): nq (projects with one), the windows of `now` (minute, its end, day YYYYMMDD,
+--       its end, month YYYYMM, its end), and 9 per such project: its name, tokens_per_minute,
+--       requests_per_minute, tokens_per_day, tokens_per_month, max_in_flight (0: no limit),
+--       cost_prompt, cost_cached, cost_output; then (group, weight) per group, in the same order
+--       as the keys: the group is the projects set's member (`<project>` or `<project>:<elig>`),
+--       the weight its project's.
+-- then, after the groups' keys, when nq > 0: qres (hash: job id -> its grant's reservation,
+-- "project fence cost minute day month"), and three per quota project, in the ARGV's order:
+-- quota:<project>:m:<minute> (hash t: cost held, r: requests), quota:<project>:d:<day> and
+-- quota:<project>:mo:<month> (strings: cost held). A candidate over its project's quota is passed
+-- over (reason 'quota', lifting when the window that holds it ends) before any backend is tried;
+-- a grant adds its reservation to all three.
 -- A candidate the prelude's `admit_only` refuses (when a calling script set it) is passed over with
 -- the reason 'no_workers'; a queue's head is the prelude's `admit_head` (when set) instead of its
 -- first member.
@@ -86,10 +97,18 @@ for b = 0, m do backends[b].charge = tonumber(ARGV[23 + 13 * m + b]) end
 local rr_last = -1
 if policy == 'round_robin' then rr_last = num(redis.call('HGET', st, 'rr'), -1) end
 
+-- quotas: by project, with their window keys (schedulers/policy/quota.py)
+local q0 = 24 + 14 * m
+local nq = tonumber(ARGV[q0])
+local win = {minute = ARGV[q0 + 1], minute_end = tonumber(ARGV[q0 + 2]), day = ARGV[q0 + 3],
+  day_end = tonumber(ARGV[q0 + 4]), month = ARGV[q0 + 5], month_end = tonumber(ARGV[q0 + 6])}
+local quotas = {}
+
 -- projects: each with its groups (one per eligibility class), in the caller's order.
 local projects, by_name, named = {}, {}, {}
-local first_arg, first_key = 24 + 14 * m, 11 + 2 * m
-for g = 0, (#ARGV - first_arg + 1) / 2 - 1 do
+local first_arg, first_key = q0 + 7 + 9 * nq, 11 + 2 * m
+local ngroups = (#ARGV - first_arg + 1) / 2
+for g = 0, ngroups - 1 do
   local member = ARGV[first_arg + 2 * g]
   local name, elig = string.match(member, '^([^:]+):?(%d*)$')
   if elig == '' then elig = '1' end
@@ -102,6 +121,64 @@ for g = 0, (#ARGV - first_arg + 1) / 2 - 1 do
   table.insert(pr.groups, {member = member, elig = elig, mask = tonumber(elig), k = first_key + 4 * g})
   named[member] = true
 end
+local qres = KEYS[first_key + 4 * ngroups]
+local counts_flight = false
+for i = 0, nq - 1 do
+  local a, k = q0 + 7 + 9 * i, first_key + 4 * ngroups + 1 + 3 * i
+  local q = {tpm = tonumber(ARGV[a + 1]), rpm = tonumber(ARGV[a + 2]), tpd = tonumber(ARGV[a + 3]),
+    tpmo = tonumber(ARGV[a + 4]), flight = tonumber(ARGV[a + 5]), cost_prompt = tonumber(ARGV[a + 6]),
+    cost_cached = tonumber(ARGV[a + 7]), cost_output = tonumber(ARGV[a + 8]),
+    kmin = KEYS[k], kday = KEYS[k + 1], kmonth = KEYS[k + 2]}
+  local mh = redis.call('HMGET', q.kmin, 't', 'r')
+  q.tokens_minute, q.requests_minute = num(mh[1], 0), num(mh[2], 0)
+  q.tokens_day = num(redis.call('GET', q.kday), 0)
+  q.tokens_month = num(redis.call('GET', q.kmonth), 0)
+  q.in_flight = 0
+  if q.flight > 0 then counts_flight = true end
+  quotas[ARGV[a]] = q
+end
+if counts_flight then  -- the projects' live leases (at most every backend's max_num_seqs)
+  for _, s in ipairs(redis.call('HVALS', lease_info)) do
+    local project = string.match(s, '^%S+ %S+ %S+ %S+ %S+ (%S+)')
+    if quotas[project] then quotas[project].in_flight = quotas[project].in_flight + 1 end
+  end
+end
+
+-- quota.Quota.reserve: a turn's worst case
+local function reserve_cost(q, c)
+  return math.ceil(c.prompt * math.max(q.cost_prompt, q.cost_cached) + c.max_new * q.cost_output - 1e-9)
+end
+
+-- quota.check: why c's project's quota holds it and when that lifts (nil: no time), or nil
+local function over_quota(c)
+  local q = quotas[c.project]
+  if not q then return nil end
+  local cost = reserve_cost(q, c)
+  if q.flight > 0 and q.in_flight + 1 > q.flight then return 'quota', nil end
+  if q.rpm > 0 and q.requests_minute + 1 > q.rpm then return 'quota', win.minute_end - now end
+  if q.tpm > 0 and q.tokens_minute + cost > q.tpm then return 'quota', win.minute_end - now end
+  if q.tpd > 0 and q.tokens_day + cost > q.tpd then return 'quota', win.day_end - now end
+  if q.tpmo > 0 and q.tokens_month + cost > q.tpmo then return 'quota', win.month_end - now end
+  return nil
+end
+
+-- quota.take, in Redis: the grant's reservation in its windows and in qres
+local function reserve(c, fence)
+  local q = quotas[c.project]
+  if not q then return end
+  local cost = reserve_cost(q, c)
+  q.tokens_minute, q.requests_minute = q.tokens_minute + cost, q.requests_minute + 1
+  q.tokens_day, q.tokens_month, q.in_flight = q.tokens_day + cost, q.tokens_month + cost, q.in_flight + 1
+  redis.call('HINCRBY', q.kmin, 't', cost)
+  redis.call('HINCRBY', q.kmin, 'r', 1)
+  redis.call('EXPIRE', q.kmin, 180)
+  redis.call('INCRBY', q.kday, cost)
+  redis.call('EXPIRE', q.kday, 3 * 86400)
+  redis.call('INCRBY', q.kmonth, cost)
+  redis.call('EXPIRE', q.kmonth, 33 * 86400)
+  redis.call('HSET', qres, c.id, table.concat({c.project, fence, cost, win.minute, win.day, win.month}, ' '))
+end
+
 local members = redis.call('SMEMBERS', KEYS[8])
 for _, member in ipairs(members) do
   if not named[member] then return {'stale', members} end
@@ -349,10 +426,17 @@ local function decide(cands)
   local first_reason, soonest = nil, nil
   for i, c in ipairs(cands) do
     local tried = {}
-    for b = 0, m do
-      if on(c.mask, b) and not closed[b] then tried[#tried + 1] = b end
+    local qwhy, qretry = over_quota(c)
+    if qwhy then
+      if i == 1 then first_reason = qwhy end
+      if qretry and (not soonest or qretry < soonest) then soonest = qretry end
+    else
+      for b = 0, m do
+        if on(c.mask, b) and not closed[b] then tried[#tried + 1] = b end
+      end
     end
-    if #tried == 0 then
+    if qwhy then  -- passed over: nothing tried, nothing reserved
+    elseif #tried == 0 then
       if i == 1 then first_reason = 'no_backend' end
     else
       local refused = nil  -- admit_only's answer, asked once a backend's global limits pass
@@ -428,6 +512,7 @@ local function grant(c, top, b)
   f.pending = '0'
   item_put(items, c.id, f)
   redis.call('HINCRBY', stats, 'admissions', 1)
+  reserve(c, fence)
   return {c.id, c.project, fence, c.prompt, kv, long and 1 or 0, fmt(expires),
     fmt(math.max(0, now - c.enq)), b}
 end

@@ -1,0 +1,138 @@
+"""Quotas inside admission (schedulers/policy/quota.py, docs/usage.md "Quotas"), on the in-memory
+twin and on Redis (Lua): a grant reserves its worst case in the minute, day and month of its
+admission; a candidate that does not fit is passed over (reason ``quota``) while other projects
+go on; settling gives back what the turn did not spend, once; the in-flight and request caps;
+several stores on one Redis never pass a quota together."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import redis
+
+from fleet.core.keys import Keys
+from schedulers.policy.quota import Quota, Windows, check, remaining
+from schedulers.store.redis_store import RedisStore
+from tests.support.store_cases import BASE, FakeClock, StoreFactory, admit_ids, job, make_store
+
+__all__ = ["make_store"]
+
+NOW = 1_800_000_030.0  # 30 s into a UTC minute
+
+
+def quota_config(**quotas: Quota):
+    """BASE with room for every job of these tests (16 sequences, a large KV pool)."""
+    return replace(BASE, quotas=dict(quotas),
+                   limits=replace(BASE.limits, max_num_seqs=16, kv_budget_tokens=10**6))
+
+
+def test_a_project_over_its_minute_quota_waits_and_others_go_on(make_store: StoreFactory) -> None:
+    # each job reserves 500 + 400 = 900; 2,000 a minute holds two of them
+    store = make_store(quota_config(a=Quota(tokens_per_minute=2000)))
+    for i in range(4):
+        store.add_pending(job(f"a{i}", project="a"))
+    store.add_pending(job("b9", project="b"))
+    ids = admit_ids(store, NOW)
+    assert sorted(ids) == ["a0", "a1", "b9"]
+    held = store.admit_next(NOW)
+    assert held.hold_reason == "quota"
+    assert held.retry_in_s == pytest.approx(30.0)
+    assert store.quota_usage("a", NOW).tokens_minute == 1800
+    # the next minute has room again: the waiting jobs kept their place
+    assert admit_ids(store, NOW + 30.0) == ["a2", "a3"]
+
+
+def test_settle_gives_back_what_the_turn_did_not_spend_once(make_store: StoreFactory) -> None:
+    store = make_store(quota_config(a=Quota(tokens_per_minute=2000)))
+    for i in range(3):
+        store.add_pending(job(f"a{i}", project="a"))
+    grants = [r.grant for r in store.admit_many(NOW, 8) if r.grant]
+    assert [g.job_id for g in grants] == ["a0", "a1"]
+    first = grants[0]
+    assert not store.settle(first.job_id, first.fence + 1, 100)  # another grant's fence
+    assert store.settle(first.job_id, first.fence, 100)
+    assert not store.settle(first.job_id, first.fence, 100)  # settled already
+    assert store.quota_usage("a", NOW).tokens_minute == 900 + 100
+    assert store.quota_usage("a", NOW).tokens_day == 1000
+    assert [r.grant.job_id for r in store.admit_many(NOW, 8) if r.grant] == ["a2"]
+
+
+def test_settle_never_charges_more_than_the_reservation(make_store: StoreFactory) -> None:
+    store = make_store(quota_config(a=Quota(tokens_per_minute=2000)))
+    store.add_pending(job("a0", project="a"))
+    grant = store.admit_next(NOW).grant
+    assert store.settle(grant.job_id, grant.fence, 5000)
+    assert store.quota_usage("a", NOW).tokens_minute == 900
+
+
+def test_a_grant_of_a_project_without_quota_reserves_nothing(make_store: StoreFactory) -> None:
+    store = make_store(quota_config(a=Quota(tokens_per_minute=2000)))
+    store.add_pending(job("b0", project="b"))
+    grant = store.admit_next(NOW).grant
+    assert not store.settle(grant.job_id, grant.fence, 1)
+    assert store.quota_usage("b", NOW).tokens_minute == 0
+
+
+def test_requests_per_minute_and_the_in_flight_cap(make_store: StoreFactory) -> None:
+    store = make_store(quota_config(a=Quota(max_in_flight=2), c=Quota(requests_per_minute=1)))
+    for i in range(3):
+        store.add_pending(job(f"a{i}", project="a"))
+        store.add_pending(job(f"c{i}", project="c"))
+    grants = {r.grant.job_id: r.grant for r in store.admit_many(NOW, 8) if r.grant}
+    assert sorted(grants) == ["a0", "a1", "c0"]
+    assert store.admit_next(NOW).hold_reason == "quota"
+    assert store.quota_usage("a", NOW).in_flight == 2
+    store.release("a0", grants["a0"].fence)  # a turn of a ends: its seat is free
+    assert [r.grant.job_id for r in store.admit_many(NOW, 8) if r.grant] == ["a2"]
+
+
+def test_cost_rates_the_day_window_and_its_reset(make_store: StoreFactory) -> None:
+    # output tokens cost 2: each job reserves 500 + 2 x 400 = 1,300; 3,000 a day holds two
+    store = make_store(quota_config(a=Quota(tokens_per_day=3000, cost_output=2.0)))
+    for i in range(3):
+        store.add_pending(job(f"a{i}", project="a"))
+    assert admit_ids(store, NOW) == ["a0", "a1"]
+    held = store.admit_next(NOW + 120)
+    windows = Windows.at(NOW + 120)
+    assert held.hold_reason == "quota"
+    assert held.retry_in_s == pytest.approx(windows.day_end - (NOW + 120))
+    assert admit_ids(store, windows.day_end + 1) == ["a2"]
+
+
+def test_check_and_the_headers_figures() -> None:
+    q = Quota(tokens_per_minute=1000, requests_per_minute=5, cost_cached=0.5)
+    assert q.reserve(100, 50) == 150
+    assert q.spent(100, 60, 10) == 40 + 30 + 10
+    windows = Windows.at(NOW)
+    from schedulers.policy.quota import Usage
+    assert check(q, Usage(tokens_minute=900), 150, windows) == ("quota", pytest.approx(30.0))
+    assert check(q, Usage(tokens_minute=850), 150, windows) is None
+    left = remaining(q, Usage(tokens_minute=850, requests_minute=2), windows)
+    assert (left.remaining_tokens, left.remaining_requests, left.reset_s) == (150, 3, pytest.approx(30.0))
+    assert q.never_fits(1001) and not q.never_fits(1000)
+
+
+def test_month_window_names_and_ends() -> None:
+    w = Windows.at(1_798_761_599.0)  # 2026-12-31T23:59:59Z
+    assert (w.day, w.month) == ("20261231", "202612")
+    assert w.month_end == w.day_end == 1_798_761_600.0
+
+
+def test_several_dispatchers_never_pass_the_quota_together(redis_client: redis.Redis, key_prefix: str) -> None:
+    """Three stores on one Redis, admitting in turn with settles between: the minute's reservations
+    never pass it, whoever admits."""
+    config = quota_config(a=Quota(tokens_per_minute=5000))
+    stores = [RedisStore(redis_client, Keys(key_prefix), config, clock=FakeClock(NOW)) for _ in range(3)]
+    for i in range(30):
+        stores[0].add_pending(job(f"a{i}", project="a"))
+    granted = []
+    for rnd in range(6):
+        for store in stores:
+            granted += [r.grant for r in store.admit_many(NOW, 8) if r.grant]
+        assert stores[rnd % 3].quota_usage("a", NOW).tokens_minute <= 5000
+        for grant in granted[-2:]:
+            stores[(rnd + 1) % 3].settle(grant.job_id, grant.fence, 300)
+    # 5 reservations fit (4,500); each settle frees 600, so more go, never past the quota
+    assert len(granted) > 5
+    assert stores[1].quota_usage("a", NOW).tokens_minute <= 5000
