@@ -46,6 +46,7 @@ class Code(StrEnum):
     E_DEADLINE = "E_DEADLINE"
     E_QUEUE_TIMEOUT = "E_QUEUE_TIMEOUT"
     E_BUSY = "E_BUSY"
+    E_QUOTA_EXCEEDED = "E_QUOTA_EXCEEDED"
     E_INTERNAL = "E_INTERNAL"
     E_BROKER_UNAVAILABLE = "E_BROKER_UNAVAILABLE"
     E_BROKER_UNSAFE = "E_BROKER_UNSAFE"
@@ -172,6 +173,12 @@ CATALOGUE: dict[Code, CodeInfo] = {
         "in flight (429 with Retry-After): its other batch calls wait for none of them; or a "
         "gateway connection over gateway.max_connections_per_address (429) or "
         "gateway.max_connections (503), answered and closed at once."
+    ),
+    Code.E_QUOTA_EXCEEDED: CodeInfo(
+        404, True, "The project's quota (projects.<name>.quota) has no room for the turn: with "
+        "over = \"refuse\" a new job or gateway request while its window is full (429 with "
+        "Retry-After and x-ratelimit-* headers), or a turn larger than a token limit, whatever "
+        "over says; the message names the limit and when its window resets."
     ),
     Code.E_INTERNAL: CodeInfo(
         500, True, "A fault inside the fleet; the job was closed so nothing is lost."

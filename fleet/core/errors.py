@@ -18,6 +18,8 @@
      |                               such task for this project)
      +-- Busy                        E_BUSY (too much of one caller's work in flight; carries
      |                               retry_after_s)
+     +-- QuotaExceeded               E_QUOTA_EXCEEDED (the project's quota has no room; carries
+     |                               retry_after_s when waiting helps)
      +-- AnswerError                 the model's answer
      |    +-- ThinkLoop              E_THINK_LOOP
      +-- UpstreamError               the backend (translated at the vLLM client boundary)
@@ -114,6 +116,16 @@ class Busy(FleetError):
     code = Code.E_BUSY
 
     def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QuotaExceeded(FleetError):
+    """The project's quota has no room for this request (schedulers/policy/quota.py ``refusal``)."""
+
+    code = Code.E_QUOTA_EXCEEDED
+
+    def __init__(self, message: str, *, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ import redis
 from starlette.requests import Request
 
 from fleet.core.codes import Code
-from fleet.core.errors import Cancelled, FleetError, NotFound, ThinkLoop, UpstreamUnavailable
+from fleet.core.errors import Cancelled, FleetError, NotFound, QuotaExceeded, ThinkLoop, UpstreamUnavailable
 from fleet.core.keys import job_ref
 from fleet.core.models import Envelope, Timings, Usage
 from fleet.core.promptcache import backend_tag, record_sent
@@ -55,6 +56,7 @@ from fleet.gateway.wire import (
     error_body,
     error_headers,
     parse_chat,
+    ratelimit_headers,
     read_body,
     redis_failure,
     sse,
@@ -67,6 +69,7 @@ from fleet.infer.vllm import Delta, StreamResult
 from fleet.prep.cachehint import CacheEstimate
 from fleet.worker.lease import LeaseKeeper
 from fleet.worker.runtime import OnBackend
+from schedulers.store.base import quota_entry
 
 if TYPE_CHECKING:
     from fleet.gateway.app import Built, Gateway
@@ -214,12 +217,45 @@ class _Session:
             if self.keeper is not None and self.keeper_running:
                 await self.gw.run(self.keeper.__exit__, None, None, None)
             if ticket is not None:
+                await self._settle_quota(ticket)
                 await self.gw.admission.release(ticket)
             await self._account(code, message)
+
+    async def _quota(self) -> None:
+        """The project's quota before admission (schedulers/store/base.py ``quota_entry``): the
+        ``x-ratelimit-*`` headers of what remains this minute on every answer, and 429
+        E_QUOTA_EXCEEDED (Retry-After when waiting helps) for a request it refuses."""
+        project = self.caller.project
+        store = self.gw.runtime.store
+        if store.config.quota(project) is None:
+            return
+        over = self.gw.live.settings.projects[project].quota.over
+        entry = await self.gw.run(quota_entry, store, project, over, self.prompt_tokens, self.max_tokens,
+                                  time.time(), headers=True)
+        if entry.remaining is not None:
+            self.headers += ratelimit_headers(entry.remaining)
+        if entry.refused is not None:
+            message, retry_s = entry.refused
+            raise QuotaExceeded(message, retry_after_s=None if retry_s is None else max(1, math.ceil(retry_s)))
+
+    async def _settle_quota(self, ticket: Ticket) -> None:
+        """The grant's quota reservation meets what its attempts spent (nothing without a quota);
+        a Redis error leaves the reservation standing (the window keeps the worst case)."""
+        store = self.gw.runtime.store
+        quota = store.config.quota(self.caller.project)
+        if quota is None:
+            return
+        spent = sum(quota.spent(t.prompt_tokens, t.cached_tokens, t.reasoning_tokens + t.answer_tokens)
+                    for t in self.turns)
+        try:
+            await self.gw.run(store.settle, self.ref, ticket.fence, spent)
+        except redis.RedisError as exc:
+            log.warning("chat job=%s: quota reservation not settled (%r); it stands", self.job_id, exc)
 
     async def _admit(self) -> Ticket | None:
         gw, settings = self.gw, self.gw.live.settings.gateway
         adm = gw.admission
+        await self._quota()
         enqueued_at = await adm.enqueue(self.ref, self.caller.project, self.caller.band,
                                         self.prompt_tokens, self.max_tokens, settings.max_queue_wait_s,
                                         self.eligible, self.cache)

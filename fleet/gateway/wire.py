@@ -29,6 +29,7 @@ request's ``after``, ``limit`` and ``order``, ``list_body`` answers one page.
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, Literal
 
@@ -41,6 +42,7 @@ from fleet.core.errors import BrokerUnavailable, FleetError, InputInvalid, TooLa
 from fleet.core.limits import NestedTooDeep, loads
 from fleet.core.models import Band, Job, Message, describe_invalid
 from fleet.core.redisconn import UNAVAILABLE
+from schedulers.policy.quota import Remaining
 
 LIST_LIMIT = 20  # a list's page when the request sets no limit
 # Sampling fields sent on to vLLM unchanged when the client sets them. ``chat_template_kwargs``
@@ -75,6 +77,7 @@ HTTP_STATUS: dict[Code, int] = {
     Code.E_TOO_LARGE: 413,
     Code.E_QUEUE_TIMEOUT: 429,
     Code.E_BUSY: 429,
+    Code.E_QUOTA_EXCEEDED: 429,
     Code.E_CANCELLED: 499,
     Code.E_UPSTREAM_UNAVAILABLE: 503,
     Code.E_BROKER_UNAVAILABLE: 503,
@@ -219,6 +222,24 @@ def error_headers(exc: FleetError) -> list[tuple[bytes, bytes]]:
     if seconds is None and exc.code is Code.E_BROKER_UNAVAILABLE:
         seconds = BROKER_RETRY_AFTER_S
     return [] if seconds is None else [(b"retry-after", str(seconds).encode())]
+
+
+def ratelimit_headers(left: Remaining) -> list[tuple[bytes, bytes]]:
+    """OpenAI's ``x-ratelimit-*`` headers from what remains of the project's quota this minute
+    (schedulers/policy/quota.py ``remaining``): the requests trio when it has requests_per_minute,
+    the tokens trio when it has tokens_per_minute (its cost units); resets as OpenAI writes
+    them ("12s")."""
+    reset = f"{math.ceil(left.reset_s)}s".encode()
+    out = []
+    if left.limit_requests:
+        out += [(b"x-ratelimit-limit-requests", str(left.limit_requests).encode()),
+                (b"x-ratelimit-remaining-requests", str(left.remaining_requests).encode()),
+                (b"x-ratelimit-reset-requests", reset)]
+    if left.limit_tokens:
+        out += [(b"x-ratelimit-limit-tokens", str(left.limit_tokens).encode()),
+                (b"x-ratelimit-remaining-tokens", str(left.remaining_tokens).encode()),
+                (b"x-ratelimit-reset-tokens", reset)]
+    return out
 
 
 WARNINGS_HEADER = b"x-fleet-warnings"

@@ -115,6 +115,9 @@ class InferenceContext:
     usage_key: str = QUEUE_KEY  # the API key the gateway submitted the job for (its sealed tag)
     # The turn's progress, which the lease keeper records at each renewal (None: not recorded).
     progress: TurnProgress | None = None
+    # Called with the attempt's usage once it is counted: the worker settles the grant's quota
+    # reservation with it (schedulers/policy/quota.py). None: the project has no quota.
+    settle: Callable[[TurnUsage], None] | None = None
 
 
 # Without a token counter (the in-process benchmark) a prompt is estimated from its JSON size,
@@ -301,6 +304,8 @@ class _Run:
         replies = pipe.execute()
         if ledger is not None and usage is not None:
             ledger.counted(usage, replies[0])
+        if self.ctx.settle is not None and usage is not None:
+            self.ctx.settle(usage)
 
     def _sent_tokens(self, body: dict[str, Any], result: StreamResult) -> int | None:
         """The prompt tokens of the request ``body``: the server's count (its usage chunk); for a

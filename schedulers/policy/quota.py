@@ -111,21 +111,49 @@ class Usage:
     in_flight: int = 0
 
 
-def check(quota: Quota, usage: Usage, cost: int, windows: Windows) -> tuple[str, float | None] | None:
-    """Why a turn of ``cost`` cannot be admitted now, and in how many seconds that lifts (None: when
-    a turn of the project ends), or None when it fits. The order is the Lua's."""
+def blocking(quota: Quota, usage: Usage, cost: int, windows: Windows) -> tuple[str, int, float | None] | None:
+    """The first limit a turn of ``cost`` would pass now: its setting's name, its value and in
+    how many seconds its window ends (None: when a turn of the project ends); None when it fits.
+    The order is the Lua's."""
     now = windows.now
     if quota.max_in_flight and usage.in_flight + 1 > quota.max_in_flight:
-        return QUOTA, None
+        return "max_in_flight", quota.max_in_flight, None
     if quota.requests_per_minute and usage.requests_minute + 1 > quota.requests_per_minute:
-        return QUOTA, windows.minute_end - now
+        return "requests_per_minute", quota.requests_per_minute, windows.minute_end - now
     if quota.tokens_per_minute and usage.tokens_minute + cost > quota.tokens_per_minute:
-        return QUOTA, windows.minute_end - now
+        return "tokens_per_minute", quota.tokens_per_minute, windows.minute_end - now
     if quota.tokens_per_day and usage.tokens_day + cost > quota.tokens_per_day:
-        return QUOTA, windows.day_end - now
+        return "tokens_per_day", quota.tokens_per_day, windows.day_end - now
     if quota.tokens_per_month and usage.tokens_month + cost > quota.tokens_per_month:
-        return QUOTA, windows.month_end - now
+        return "tokens_per_month", quota.tokens_per_month, windows.month_end - now
     return None
+
+
+def check(quota: Quota, usage: Usage, cost: int, windows: Windows) -> tuple[str, float | None] | None:
+    """Admission's verdict: (``QUOTA``, when it lifts) while a limit holds the turn, else None."""
+    held = blocking(quota, usage, cost, windows)
+    return None if held is None else (QUOTA, held[2])
+
+
+def refusal(quota: Quota, over: str, usage: Usage, prompt_tokens: int, max_new_tokens: int,
+            windows: Windows) -> tuple[str, float | None] | None:
+    """Whether a new job or gateway request is refused before it enters admission: a message for
+    E_QUOTA_EXCEEDED and in how many seconds asking again may succeed (None: not by waiting), or
+    None to let it in. A turn larger than a token limit is refused whatever ``over`` says (it
+    would wait for ever); a turn that does not fit now, only when ``over`` is "refuse" (with
+    "wait" it waits in line). Exactness is admission's (``check``): this is read outside it, so a
+    request let in here may still wait there."""
+    cost = quota.reserve(prompt_tokens, max_new_tokens)
+    if quota.never_fits(cost):
+        return (f"quota: this request may cost {cost:,} (prompt and output limit), more than the "
+                f"project's smallest token quota ({quota.smallest_tokens:,}); ask for fewer tokens"), None
+    held = blocking(quota, usage, cost, windows)
+    if held is None or over != "refuse":
+        return None
+    name, limit, retry = held
+    when = ("when one of its turns in flight ends" if retry is None
+            else f"in {math.ceil(retry)} s")
+    return f"quota: {name} = {limit:,} has no room for this request (cost {cost:,}); room again {when}", retry
 
 
 def take(usage: Usage, cost: int) -> None:

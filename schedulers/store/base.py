@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from schedulers.policy.limits import Limits
 from schedulers.policy.placement import Routing
-from schedulers.policy.quota import Quota, Usage
+from schedulers.policy.quota import Quota, Remaining, Usage, Windows, refusal, remaining
 
 if TYPE_CHECKING:
     from fleet.core.config import Settings
@@ -245,6 +245,29 @@ class StoreConfig:
         """The project's quota, None when it has no limit."""
         quota = self.quotas.get(project)
         return quota if quota is not None and quota.limited else None
+
+
+@dataclass(frozen=True)
+class QuotaEntry:
+    """What a project's quota says of a new job or gateway request (``quota_entry``)."""
+
+    refused: tuple[str, float | None] | None = None  # E_QUOTA_EXCEEDED's message, Retry-After
+    remaining: Remaining | None = None  # for the x-ratelimit-* headers (when usage was read)
+
+
+def quota_entry(store: AdmissionStore, project: str, over: str, prompt_tokens: int, max_new_tokens: int,
+                now: float, *, headers: bool = False) -> QuotaEntry:
+    """Whether the project's quota refuses a new job or gateway request before admission
+    (schedulers/policy/quota.py ``refusal``) and, with ``headers``, what remains of its minute.
+    Reads the project's usage (one round trip) only when ``over`` is "refuse" or ``headers``;
+    nothing at all for a project without a quota."""
+    quota = store.config.quota(project)
+    if quota is None:
+        return QuotaEntry()
+    windows = Windows.at(now)
+    usage = store.quota_usage(project, now) if over == "refuse" or headers else Usage()
+    return QuotaEntry(refused=refusal(quota, over, usage, prompt_tokens, max_new_tokens, windows),
+                      remaining=remaining(quota, usage, windows) if headers else None)
 
 
 def quotas_from_settings(settings: Settings) -> dict[str, Quota]:

@@ -30,6 +30,7 @@ from fleet.infer.retrying import RetryBudget
 from fleet.prep.watchdog import PrepClaim, watch_once
 from fleet.worker.heartbeat import beat, live_workers
 from schedulers.policy.limits import Limits
+from schedulers.policy.quota import Quota
 from schedulers.store.base import BackendLimits, PendingItem, StoreConfig
 from schedulers.store.redis_store import COMPOSED, RedisStore
 
@@ -62,7 +63,8 @@ def _workload(client: redis.Redis, prefix: str) -> None:
     """Every script at least once: the dispatcher store's life cycle, heartbeats, publish, prep,
     retry budget."""
     now = [1_000.0]
-    store = RedisStore(client, Keys(prefix), StoreConfig(gate=True, lease_ttl_s=10.0),
+    quotas = {"a": Quota(tokens_per_minute=10**6, max_in_flight=5), "b": Quota(requests_per_minute=100)}
+    store = RedisStore(client, Keys(prefix), StoreConfig(gate=True, lease_ttl_s=10.0, quotas=quotas),
                        clock=lambda: now[0])
     store.record_backend(now[0], "", {})
     store.add_pending(PendingItem("a1", "a", 500, 400, deadline=5_000.0))
@@ -73,6 +75,7 @@ def _workload(client: redis.Redis, prefix: str) -> None:
     first, second = (g for g in grants if g is not None)
     assert store.claim(first.job_id, first.fence, "w1", now[0])
     assert store.renew(first.job_id, first.fence, now[0])
+    assert store.settle(first.job_id, first.fence, 10)  # its quota reservation (SETTLE)
     assert store.release(first.job_id, first.fence)
     assert store.requeue(second.job_id, second.fence)
     third = store.admit_next(now[0]).grant
@@ -137,7 +140,7 @@ def _backends_workload(client: redis.Redis, prefix: str) -> None:
     now = [1_000.0]
     config = StoreConfig.with_backends(
         [BackendLimits(name, Limits(max_num_seqs=2)) for name in ("gpu-a", "gpu-b", "small")],
-        gate=True, lease_ttl_s=10.0)
+        gate=True, lease_ttl_s=10.0, quotas={"a": Quota(tokens_per_minute=10**6, max_in_flight=4)})
     store = RedisStore(client, Keys(prefix), config, clock=lambda: now[0])
     for name in ("gpu-a", "gpu-b", "small"):
         store.record_backend(now[0], "", {}, name)

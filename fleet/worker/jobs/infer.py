@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import redis
@@ -43,7 +44,7 @@ from fleet.core.keys import job_ref, split_ref
 from fleet.core.models import Envelope, Job, Timings
 from fleet.core.outagelog import BROKER_LOST
 from fleet.core.seal import cancel_valid, check_seal, seal_turn, tagged_key
-from fleet.core.usage import QUEUE_KEY
+from fleet.core.usage import QUEUE_KEY, TurnUsage
 from fleet.infer.attempts import Continuation, InferenceContext, run_inference
 from fleet.infer.budget import Plan
 from fleet.infer.turnusage import TurnProgress
@@ -93,6 +94,7 @@ def run_turn(rt: Runtime, ref: str, project: str, fence: int, backend: str = "")
         return TurnOutcome("duplicate")
     owner, job_id = split_ref(ref)  # envelopes go to the ref's own job, whatever the task says
     if rt.results.get(ref) is not None:
+        _settle_quota(rt, ref, fence, 0)
         store.release(ref, fence)  # ours: claimed above
         return TurnOutcome("already-final")
     cancel_key, result_key = rt.keys.cancel(ref), rt.keys.result(ref)
@@ -129,6 +131,8 @@ def run_turn(rt: Runtime, ref: str, project: str, fence: int, backend: str = "")
 def _finish(rt: Runtime, settings: Settings, ref: str, fence: int, envelope: Envelope | Continuation,
             turn: int) -> TurnOutcome:
     """A turn that ran to its end: the next turn saved and in line, or the final envelope out."""
+    if not isinstance(envelope, Envelope):
+        envelope = _within_quota(rt, ref, envelope)
     if not isinstance(envelope, Envelope):
         outcome = _continue(rt, ref, fence, envelope)
         handed_on = outcome in CONTINUED  # else ended between turns, or not readmitted
@@ -201,6 +205,42 @@ def _settle(rt: Runtime, job: Job, fence: int) -> None:
         log.warning("usage: the turn a dead worker left of job=%s not settled (%r)", job.id, exc)
 
 
+def _within_quota(rt: Runtime, ref: str, cont: Continuation) -> Envelope | Continuation:
+    """The continuation, or E_QUOTA_EXCEEDED when its next turn (a prompt grown by tool rounds)
+    could never fit the project's smallest token quota: it would wait in line for ever."""
+    project, job_id = split_ref(ref)
+    quota = rt.store.config.quota(project)
+    if quota is None or cont.prompt_tokens is None:
+        return cont
+    cost = quota.reserve(cont.prompt_tokens, cont.max_tokens)
+    if not quota.never_fits(cost):
+        return cont
+    return Envelope.failure(job_id, project, Code.E_QUOTA_EXCEEDED,
+                            f"quota: the next turn may cost {cost:,} (prompt {cont.prompt_tokens:,} and "
+                            f"output limit), more than the project's smallest token quota "
+                            f"({quota.smallest_tokens:,})")
+
+
+def _quota_settler(rt: Runtime, ref: str, fence: int, project: str) -> Callable[[TurnUsage], None] | None:
+    """What settles this grant's quota reservation with its attempt's usage (None: no quota)."""
+    quota = rt.store.config.quota(project)
+    if quota is None:
+        return None
+    return lambda usage: _settle_quota(rt, ref, fence, quota.spent(
+        usage.prompt_tokens, usage.cached_tokens, usage.reasoning_tokens + usage.answer_tokens))
+
+
+def _settle_quota(rt: Runtime, ref: str, fence: int, spent: int) -> None:
+    """Give back what the grant's reservation held beyond ``spent`` (nothing to do without one);
+    a Redis error leaves the reservation standing: the window keeps the turn's worst case."""
+    if rt.store.config.quota(split_ref(ref)[0]) is None:
+        return
+    try:
+        rt.store.settle(ref, fence, spent)
+    except redis.RedisError as exc:
+        log.warning("quota: the reservation of job=%s fence=%d not settled (%r); it stands", ref, fence, exc)
+
+
 def _checkpoint(rt: Runtime, progress: TurnProgress) -> None:
     """The streaming turn's progress into the usage ledger (at each lease renewal), on the lease
     keeper's client: a worker killed mid-stream leaves what it saw for the next turn to count."""
@@ -222,11 +262,14 @@ def _run(rt: Runtime, on: OnBackend, ref: str, project: str, keeper: LeaseKeeper
         turn = current_turn(rt, ref, record)
     except AuthError as exc:
         log.warning("refused to run job=%s: %s", ref, exc.message)
+        _settle_quota(rt, ref, progress.fence, 0)
         return Envelope.failure(job_id, owner, Code.E_AUTH, exc.message), 0
     except (KeyError, ValueError) as exc:
+        _settle_quota(rt, ref, progress.fence, 0)
         return Envelope.failure(job_id, owner, Code.E_INTERNAL, f"job record unreadable: {exc}"), 0
     number = 0 if turn is None else int(turn["number"])
     if cancel_requested(rt, ref):  # asked between two turns (the keeper checks only from now on)
+        _settle_quota(rt, ref, progress.fence, 0)
         return Envelope.failure(job_id, owner, Code.E_CANCELLED, "cancelled between turns"), number
     _settle(rt, job, progress.fence)
     progress.key = tagged_key(rt.settings, ref, record) or QUEUE_KEY
@@ -238,6 +281,7 @@ def _run(rt: Runtime, on: OnBackend, ref: str, project: str, keeper: LeaseKeeper
         keys=rt.keys, events=events, cancel=keeper.cancel, client=on.vllm,
         fence_tag=record.get("fence_tag") or None, count_prompt=on.counter.count_messages,
         ledger=rt.ledger, fence=progress.fence, progress=progress, usage_key=progress.key,
+        settle=_quota_settler(rt, ref, progress.fence, job.project),
     )
     envelope = run_inference(job, plan, ctx, turn)
     if not isinstance(envelope, Envelope):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from fleet.core.codes import Code
-from fleet.core.errors import AuthError, FleetError, InputInvalid
+from fleet.core.errors import AuthError, FleetError, InputInvalid, QuotaExceeded
 from fleet.core.keys import job_ref
 from fleet.core.limits import check_job, check_message
 from fleet.core.models import Envelope, Job, describe_invalid
@@ -45,7 +46,7 @@ from fleet.worker.jobs.common import cancel_requested, end_unleased, event_sink,
 from fleet.worker.jobs.tool import first_turn_tools
 from fleet.worker.runtime import Runtime
 from schedulers.backoff import Backoff
-from schedulers.store.base import PendingItem
+from schedulers.store.base import PendingItem, quota_entry
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,11 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
         rt.results.publish(envelope)
         return envelope.code.value
     plan = plan_budget(job, project, settings, prepared.prompt_tokens, prepared.prefix_tokens)
+    entry = quota_entry(rt.store, job.project, project.quota.over, prepared.prompt_tokens, plan.max_tokens,
+                        time.time())
+    if entry.refused is not None:  # before the record: a refused job never runs
+        message, retry_s = entry.refused
+        raise QuotaExceeded(message, retry_after_s=None if retry_s is None else math.ceil(retry_s))
     ready = job.model_copy(update={"messages": prepared.messages, "sources": []})
     job_json, plan_json = ready.model_dump_json(), json.dumps(plan.__dict__)
     rt.results.record(ref, **sealed(
