@@ -74,6 +74,11 @@ def test_a_producer_reaches_nothing_of_another_project_nor_the_fleet(broker: Acl
         # what A sent to a backend: read (did A send this prompt?) or forged (steer A's routing)
         "read what A sent": lambda: producer_b.get(keys.sent(A, "0" * 64, "gpu-b")),
         "forge what A sent": lambda: producer_b.set(keys.sent(A, "0" * 64, "gpu-b"), "99999"),
+        # quotas (the dispatcher store): spend A's, give its own back, drop a reservation
+        "spend A's quota": lambda: producer_b.hincrby(f"{keys.dispatch}quota:{A}:m:1", "t", 10**6),
+        "free its own quota": lambda: producer_b.decrby(f"{keys.dispatch}quota:{B}:d:20261202", 10**6),
+        "drop its own reservation": lambda: producer_b.hdel(f"{keys.dispatch}qres", f"{B}/j"),
+        "read A's quota": lambda: producer_b.get(f"{keys.dispatch}quota:{A}:mo:202612"),
         "read the rejections": lambda: producer_b.xrange(keys.rejections),
         "list keys": lambda: producer_b.keys("*"),
         "flush": lambda: producer_b.flushdb(),

@@ -1,0 +1,146 @@
+"""Quotas in a real fleet: ``fleet sim``, a dispatcher, an inference worker and ``fleet gateway``
+as processes on the test Redis, clients on the official ``openai`` SDK and the fleet's own.
+
+- research (``over = "refuse"``, 3 requests a minute): each answer carries OpenAI's
+  ``x-ratelimit-*`` headers counting down; the fourth request in the minute is a 429 the SDK
+  raises as ``RateLimitError``, with ``Retry-After`` and code E_QUOTA_EXCEEDED; a request larger
+  than the token quota is refused at once, without Retry-After; another project's key spends none
+  of research's quota.
+- triage (``over = "wait"``, 2,900 a minute, jobs reserving ~1,250 and spending ~80): two jobs go
+  at once, the third waits (hold ``quota``) until the first one's turn settles and gives back
+  what it did not spend, then runs in the same minute; the minute's counter then equals what the
+  usage ledger counted for the three turns.
+- translate (1,000 tokens a day, jobs reserving more than 8,000): refused by prep,
+  E_QUOTA_EXCEEDED, never admitted.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from fleet.core.codes import Code
+from fleet.core.usage import UsageLedger
+from fleet.core.usagereport import totals
+from schedulers.policy.quota import Windows
+from tests.support.fleet_harness import Harness
+from tests.support.gateway_support import config_with_keys
+
+pytestmark = pytest.mark.slow
+
+SIM_ARGS = ["--think-min-tokens", "20", "--think-max-tokens", "40",
+            "--answer-min-tokens", "5", "--answer-max-tokens", "10"]
+TRIAGE_TPM = 2_900
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Harness, dict[str, str]]]:
+    config, keys = config_with_keys(
+        tmp_path_factory.mktemp("fleet-quota"),
+        projects={
+            "research": {"quota": {"requests_per_minute": 3, "tokens_per_minute": 10_000, "over": "refuse"}},
+            "triage": {"thinking_budget": 1000, "content_reserve": 200,
+                       "quota": {"tokens_per_minute": TRIAGE_TPM}},
+            "translate": {"quota": {"tokens_per_day": 1_000}},
+        },
+        backend={"max_num_seqs": 8},
+        admission={"backend_gate": False},
+    )
+    with Harness(config, sim_speed=100, sim_args=SIM_ARGS, workers=1, gateway=True) as harness:
+        yield harness, keys
+
+
+def _early_in_a_minute(margin_s: float = 40.0) -> None:
+    """Wait until at least ``margin_s`` of the current UTC minute are left, so that what a test
+    counts falls in one quota window."""
+    left = Windows.at(time.time()).minute_end - time.time()
+    if left < margin_s:
+        time.sleep(left + 0.2)
+
+
+def _quota_minute(harness: Harness, project: str) -> dict[bytes, bytes]:
+    minute = Windows.at(time.time()).minute
+    return harness.client.redis.hgetall(f"{harness.client.keys.dispatch}quota:{project}:m:{minute}")
+
+
+def test_the_gateway_counts_down_then_answers_429_with_retry_after(fleet: tuple[Harness, dict[str, str]]) -> None:
+    harness, keys = fleet
+    base = f"http://127.0.0.1:{harness.settings.gateway.port}/v1"
+    client = openai.OpenAI(base_url=base, api_key=keys["research"], max_retries=0)
+    other = openai.OpenAI(base_url=base, api_key=keys["assistant"], max_retries=0)
+    _early_in_a_minute()
+    messages = [{"role": "user", "content": f"Quota {uuid.uuid4().hex}. [sim:think=20] [sim:answer=5]"}]
+    remaining = []
+    for _ in range(3):
+        raw = client.chat.completions.with_raw_response.create(model="local", messages=messages, max_tokens=300)
+        assert raw.parse().choices[0].message.content
+        assert raw.headers["x-ratelimit-limit-requests"] == "3"
+        assert raw.headers["x-ratelimit-limit-tokens"] == "10000"
+        assert raw.headers["x-ratelimit-reset-requests"].endswith("s")
+        remaining.append(int(raw.headers["x-ratelimit-remaining-requests"]))
+        # another project's key, in between: research's quota does not move
+        assert other.chat.completions.create(model="local", messages=messages, max_tokens=50).choices
+    assert remaining == [3, 2, 1]
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(model="local", messages=messages, max_tokens=300)
+    response = refused.value.response
+    assert response.headers["x-fleet-code"] == Code.E_QUOTA_EXCEEDED.value
+    assert response.json()["error"]["code"] == Code.E_QUOTA_EXCEEDED.value
+    assert "requests_per_minute" in response.json()["error"]["message"]
+    assert 1 <= int(response.headers["retry-after"]) <= 60
+    assert response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert int(_quota_minute(harness, "research")[b"r"]) == 3
+    assert _quota_minute(harness, "assistant") == {}  # no quota, nothing reserved
+
+
+def test_a_request_larger_than_the_token_quota_is_refused_without_retry_after(
+        fleet: tuple[Harness, dict[str, str]]) -> None:
+    harness, keys = fleet
+    response = httpx.post(f"http://127.0.0.1:{harness.settings.gateway.port}/v1/chat/completions",
+                          headers={"Authorization": f"Bearer {keys['research']}"}, timeout=30,
+                          json={"model": "local", "max_tokens": 70_000,
+                                "messages": [{"role": "user", "content": "a long answer, please"}]})
+    assert response.status_code == 429
+    assert response.json()["error"]["code"] == Code.E_QUOTA_EXCEEDED.value
+    assert "smallest token quota" in response.json()["error"]["message"]
+    assert "retry-after" not in response.headers
+
+
+def test_a_job_over_the_minute_waits_for_a_settle_and_the_window_equals_the_ledger(
+        fleet: tuple[Harness, dict[str, str]]) -> None:
+    harness, _keys = fleet
+    _early_in_a_minute(45.0)
+    text = "Sort this ticket {}. [sim:think=30] [sim:answer=8]"
+    ids = [harness.client.submit({"project": "triage", "messages": [
+        {"role": "user", "content": text.format(uuid.uuid4().hex)}]}) for _ in range(3)]
+    envelopes = [harness.client.result(job_id, timeout=60) for job_id in ids]
+    assert [e.code for e in envelopes] == [Code.OK] * 3
+    stats = harness.client.redis.hgetall(f"{harness.client.keys.dispatch}stats")
+    assert int(stats.get(b"hold:quota", 0)) >= 1  # the third waited for room
+    minute = _quota_minute(harness, "triage")
+    ledger = UsageLedger(harness.client.redis, harness.client.keys, harness.settings.usage)
+    now = time.time()
+    counted = totals(ledger.read("triage", now - 3600, now + 3600))
+    spent = counted["prompt_tokens"] + counted["reasoning_tokens"] + counted["answer_tokens"]
+    assert counted["requests"] == 3
+    assert int(minute[b"t"]) == spent  # reservations settled to the ledger's own figures
+    assert int(minute[b"r"]) == 3
+    # the setup: two worst cases (prompt + 1,200 each) fit the minute, three do not, so the
+    # third ran in this minute only because a settle gave room back
+    prompt = counted["prompt_tokens"] / 3
+    assert 2 * (prompt + 1_200) <= TRIAGE_TPM < 3 * (prompt + 1_200)
+
+
+def test_a_job_larger_than_the_day_quota_is_refused_before_admission(fleet: tuple[Harness, dict[str, str]]) -> None:
+    harness, _keys = fleet
+    job_id = harness.client.submit({"project": "translate", "messages": [
+        {"role": "user", "content": "Translate: bonjour"}]})
+    envelope = harness.client.result(job_id, timeout=30)
+    assert envelope.code == Code.E_QUOTA_EXCEEDED
+    assert "smallest token quota (1,000)" in envelope.message
+    assert not envelope.attempts
