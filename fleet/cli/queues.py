@@ -22,6 +22,32 @@ from schedulers.store.base import BackendSnapshot, StoreSnapshot
 from schedulers.store.redis_store import RedisStore
 
 
+def quota_cell(store: RedisStore, project: str, now: float) -> str:
+    """A project's quota as its current windows hold it ("-": none): tokens and requests this
+    minute, tokens today and this month, turns in flight, each against its limit."""
+    quota = store.config.quota(project)
+    if quota is None:
+        return "-"
+    used = store.quota_usage(project, now)
+    parts = [(used.tokens_minute, quota.tokens_per_minute, "t/min"),
+             (used.requests_minute, quota.requests_per_minute, "req/min"),
+             (used.tokens_day, quota.tokens_per_day, "t/day"),
+             (used.tokens_month, quota.tokens_per_month, "t/month"),
+             (used.in_flight, quota.max_in_flight, "in flight")]
+    return " · ".join(f"{value:,}/{limit:,} {unit}" for value, limit, unit in parts if limit)
+
+
+def quota_holds(client: redis.Redis, settings: Settings) -> dict[str, int]:
+    """Admission calls that passed a project's work over for its quota (stats' quota_held:<p>)."""
+    stats: dict[bytes | str, bytes | str] = client.hgetall(Keys(settings.key_prefix).dispatch + "stats")  # type: ignore[assignment]
+    found = {}
+    for key, value in stats.items():
+        name = key.decode() if isinstance(key, bytes) else key
+        if name.startswith("quota_held:"):
+            found[name.removeprefix("quota_held:")] = int(value)
+    return found
+
+
 def queues_table(settings: Settings, client: redis.Redis) -> Table:
     """What ``fleet queues`` prints: pending per project and band, then the limits in use."""
     store = make_store(settings, client)
@@ -30,18 +56,24 @@ def queues_table(settings: Settings, client: redis.Redis) -> Table:
     table = Table(title="Dispatcher queues")
     backlog = prep_backlog(settings, client)
     continuing = store.continuations()
-    for column in ("project", "weight", "interactive", "batch", "continuing", "waiting",
-                   "prep queue"):
-        table.add_column(column, justify="left" if column == "project" else "right")
+    quota_held, now = quota_holds(client, settings), time.time()
+    columns = ["project", "weight", "interactive", "batch", "continuing", "waiting", "prep queue"]
+    if store.config.quotas:
+        columns += ["quota", "quota holds"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("project", "quota") else "right")
     for project in sorted(set(snap.pending) | set(settings.projects) | set(continuing)):
         bands = snap.pending.get(project, {})
         weight = store.config.weight(project)
         cont = continuing.get(project, {})
-        table.add_row(
+        cells = [
             project, f"{weight:g}", str(bands.get("interactive", 0)), str(bands.get("batch", 0)),
             str(cont.get("pending", 0)), str(cont.get("deferred", 0)),
             str(backlog.get(project, "-")),
-        )
+        ]
+        if store.config.quotas:
+            cells += [quota_cell(store, project, now), str(quota_held.get(project, 0))]
+        table.add_row(*cells)
     backend = store.backend()
     gate = backend.get("hold") or ("open" if backend else "no scrape yet")
     names = live_worker_names(client, Keys(settings.key_prefix))

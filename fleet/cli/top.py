@@ -4,7 +4,9 @@ One frame shows in flight against the cap (and long prompts, reserved KV), per p
 waiting for admission, the mean queue wait and the tokens per second of the jobs and gateway
 requests that finished in the last ``WINDOW_S`` seconds (read from the projects' results streams
 and their gateway results streams, so it covers every worker and every gateway),
-admission holds by reason (since the previous frame when live, totals with ``--once``), the
+admission holds by reason (since the previous frame when live, totals with ``--once``), each
+project's quota windows against its limits and the admission calls its quota held it (same
+counting), the
 backend as the dispatchers last scraped it (running, waiting, KV usage, preemptions) and the live
 inference workers by node name (fleet/worker/heartbeat.py).
 
@@ -28,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fleet.cli.outage import Outage
-from fleet.cli.queues import backend_line
+from fleet.cli.queues import backend_line, quota_cell, quota_holds
 from fleet.core.config import Settings
 from fleet.core.keys import Keys
 from fleet.core.redisconn import UNREACHABLE
@@ -47,6 +49,9 @@ class ProjectRow:
     finished: int = 0
     mean_wait_s: float | None = None
     tokens_per_s: float = 0.0
+    quota: str = "-"  # its windows against its limits (fleet queues' quota_cell)
+    quota_held: int = 0  # admission calls that passed it over for its quota (since the last frame)
+    quota_held_total: int = 0
 
 
 @dataclass
@@ -70,6 +75,13 @@ def read_frame(settings: Settings, client: redis.Redis, now: float,
     keys = Keys(settings.key_prefix)
     rows = [_project_row(client, keys, p, snap, now)
             for p in sorted(set(snap.pending) | set(settings.projects))]
+    quota_held = quota_holds(client, settings)
+    for row in rows:
+        row.quota = quota_cell(store, row.project, now)
+        row.quota_held = quota_held.get(row.project, 0)
+        if previous is not None:
+            row.quota_held -= next((r.quota_held_total for r in previous.rows if r.project == row.project), 0)
+        row.quota_held_total = quota_held.get(row.project, 0)
     holds = dict(snap.holds)
     if previous is not None:
         holds = {r: n - previous.snapshot.holds.get(r, 0) for r, n in snap.holds.items()}
@@ -116,11 +128,16 @@ def render(frame: TopFrame, live: bool) -> Group:
         ("   admissions ", "bold"), str(snap.admissions),
     )
     table = Table(title=f"projects (finished in the last {WINDOW_S:g} s)")
-    for column in ("project", "pending", "finished", "mean wait s", "tokens/s"):
-        table.add_column(column, justify="left" if column == "project" else "right")
+    quotas = any(r.quota != "-" for r in frame.rows)
+    columns = ["project", "pending", "finished", "mean wait s", "tokens/s"] + (["quota"] if quotas else [])
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("project", "quota") else "right")
     for r in frame.rows:
         wait = "-" if r.mean_wait_s is None else f"{r.mean_wait_s:.1f}"
-        table.add_row(r.project, str(r.pending), str(r.finished), wait, f"{r.tokens_per_s:.1f}")
+        cells = [r.project, str(r.pending), str(r.finished), wait, f"{r.tokens_per_s:.1f}"]
+        if quotas:
+            cells.append(r.quota + (f" (held {r.quota_held}x)" if r.quota_held > 0 else ""))
+        table.add_row(*cells)
     label = "holds since the last frame" if live else "holds (totals)"
     holds = ", ".join(f"{reason}={n}" for reason, n in sorted(frame.holds.items())) or "-"
     gate = b.get("hold") or ("open" if b else "no scrape yet")

@@ -13,7 +13,6 @@ backend entry, each started with its entry's names and sizes.
 
 from __future__ import annotations
 
-import io
 import os
 import signal
 import time
@@ -25,13 +24,13 @@ import httpx
 import openai
 import pytest
 import tomli_w
-from rich.console import Console
 
 from fleet.cli.queues import queues_table
 from fleet.cli.top import read_frame, render
 from fleet.core.codes import Code
 from tests.support.fleet_harness import FleetProbe, Harness, make_config
 from tests.support.gateway_support import config_with_keys
+from tests.support.rendering import rendered
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -54,12 +53,6 @@ def ask(model: str | None, text: str, **extra: Any) -> dict[str, Any]:
 
 def stats(fleet: Harness, name: str) -> dict[str, Any]:
     return httpx.get(f"{fleet.sim_urls[name]}/sim/stats", timeout=10).json()
-
-
-def rendered(thing: Any) -> str:
-    console = Console(record=True, width=200, file=io.StringIO())
-    console.print(thing)
-    return console.export_text()
 
 
 def answers(url: str) -> bool:

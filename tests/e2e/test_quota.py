@@ -24,12 +24,15 @@ import httpx
 import openai
 import pytest
 
+from fleet.cli.queues import queues_table
+from fleet.cli.top import read_frame, render
 from fleet.core.codes import Code
 from fleet.core.usage import UsageLedger
 from fleet.core.usagereport import totals
 from schedulers.policy.quota import Windows
 from tests.support.fleet_harness import Harness
 from tests.support.gateway_support import config_with_keys
+from tests.support.rendering import rendered
 
 pytestmark = pytest.mark.slow
 
@@ -134,6 +137,13 @@ def test_a_job_over_the_minute_waits_for_a_settle_and_the_window_equals_the_ledg
     # third ran in this minute only because a settle gave room back
     prompt = counted["prompt_tokens"] / 3
     assert 2 * (prompt + 1_200) <= TRIAGE_TPM < 3 * (prompt + 1_200)
+    # what the operator sees: fleet queues and fleet top name the project's window and its holds
+    held = int(stats[b"quota_held:triage"])
+    queues = rendered(queues_table(harness.settings, harness.client.redis), width=300)
+    row = next(line for line in queues.splitlines() if line.strip("│ ").startswith("triage"))
+    assert f"{spent:,}/2,900 t/min" in row and row.rstrip(" │").endswith(str(held)), row
+    top = rendered(render(read_frame(harness.settings, harness.client.redis, time.time()), live=False), width=300)
+    assert f"{spent:,}/2,900 t/min (held {held}x)" in top, top
 
 
 def test_a_job_larger_than_the_day_quota_is_refused_before_admission(fleet: tuple[Harness, dict[str, str]]) -> None:

@@ -150,9 +150,7 @@ local function reserve_cost(q, c)
 end
 
 -- quota.check: why c's project's quota holds it and when that lifts (nil: no time), or nil
-local function over_quota(c)
-  local q = quotas[c.project]
-  if not q then return nil end
+local function quota_verdict(q, c)
   local cost = reserve_cost(q, c)
   if q.flight > 0 and q.in_flight + 1 > q.flight then return 'quota', nil end
   if q.rpm > 0 and q.requests_minute + 1 > q.rpm then return 'quota', win.minute_end - now end
@@ -160,6 +158,20 @@ local function over_quota(c)
   if q.tpd > 0 and q.tokens_day + cost > q.tpd then return 'quota', win.day_end - now end
   if q.tpmo > 0 and q.tokens_month + cost > q.tpmo then return 'quota', win.month_end - now end
   return nil
+end
+
+-- over_quota: quota_verdict of c's project (nil without a quota); a project held counts once per
+-- call in stats' quota_held:<project> (fleet queues, fleet top)
+local held_projects = {}
+local function over_quota(c)
+  local q = quotas[c.project]
+  if not q then return nil end
+  local why, retry = quota_verdict(q, c)
+  if why and not held_projects[c.project] then
+    held_projects[c.project] = true
+    redis.call('HINCRBY', stats, 'quota_held:' .. c.project, 1)
+  end
+  return why, retry
 end
 
 -- quota.take, in Redis: the grant's reservation in its windows and in qres
