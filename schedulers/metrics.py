@@ -153,6 +153,35 @@ class StoreCollector(Collector):
         for reason, count in sorted(snap.holds.items()):
             holds.add_metric([reason], count)
         yield holds
+        yield from self._quotas(snap, now)
+
+    def _quotas(self, snap: StoreSnapshot, now: float) -> Iterable[Metric]:
+        """Each project's quota windows against its limits (schedulers/policy/quota.py), and the
+        admission calls its quota held it; nothing for a fleet without quotas."""
+        config = self._store.config
+        if not config.quotas:
+            return
+        used = GaugeMetricFamily("fleet_quota_used", "What the project's turns hold in the current quota "
+                                 "window (cost units; requests; turns in flight)", labels=["project", "window"])
+        limit = GaugeMetricFamily("fleet_quota_limit", "The project's quota for the window",
+                                  labels=["project", "window"])
+        held = CounterMetricFamily("fleet_quota_held", "Admission calls that passed the project's work "
+                                   "over for its quota", labels=["project"])
+        for project in sorted(config.quotas):
+            quota = config.quota(project)
+            if quota is None:
+                continue
+            usage = self._store.quota_usage(project, now)
+            for window, value, cap in (("tokens_minute", usage.tokens_minute, quota.tokens_per_minute),
+                                       ("requests_minute", usage.requests_minute, quota.requests_per_minute),
+                                       ("tokens_day", usage.tokens_day, quota.tokens_per_day),
+                                       ("tokens_month", usage.tokens_month, quota.tokens_per_month),
+                                       ("in_flight", usage.in_flight, quota.max_in_flight)):
+                if cap:
+                    used.add_metric([project, window], value)
+                    limit.add_metric([project, window], cap)
+            held.add_metric([project], snap.quota_held.get(project, 0))
+        yield from (used, limit, held)
 
     def _per_backend(self, snap: StoreSnapshot) -> Iterable[Metric]:
         """Each backend's own lease counters and limits, labelled with its configured name (a

@@ -172,6 +172,13 @@ Dispatcher (schedulers/store/redis_store.py, its scripts in schedulers/store/lua
   D gateway                   zset   gateway requests that may be pending, score = deadline by
                                      Redis's clock (GATEWAY adds each and prunes those past it);
                                      with no live inference worker GWADMIT grants only these
+  D quota:<project>:m:<minute> hash  t: quota cost held by the project's turns admitted in that
+                                     minute (floor(unix / 60)), r: their number; TTL 180 s
+                                     (schedulers/policy/quota.py, docs/usage.md "Quotas")
+  D quota:<project>:d:<YYYYMMDD>, D quota:<project>:mo:<YYYYMM>
+                              string the same cost for the UTC day (TTL 3 days) and month (33 days)
+  D qres                      hash   job id -> its grant's quota reservation "project fence cost
+                                     minute day month", until the turn settles (SETTLE)
   D workers                   zset   inference worker instances (``<node name>#<pid>-<nonce>``),
                                      score = when the entry lapses by Redis's clock
                                      (fleet/worker/heartbeat.py); no live entry holds admissions

@@ -143,10 +143,13 @@ class StoreSnapshot:
     admissions: int = 0
     holds: dict[str, int] = field(default_factory=dict)
     backends: dict[str, BackendSnapshot] = field(default_factory=dict)
+    # admission calls that passed a project's work over for its quota (once per call and project)
+    quota_held: dict[str, int] = field(default_factory=dict)
 
 
 def snapshot_totals(pending: dict[str, dict[str, int]], backends: dict[str, BackendSnapshot],
-                    admissions: int, holds: dict[str, int]) -> StoreSnapshot:
+                    admissions: int, holds: dict[str, int], quota_held: dict[str, int] | None = None
+                    ) -> StoreSnapshot:
     """A snapshot whose totals are the sums over ``backends``."""
     each = list(backends.values())
     return StoreSnapshot(
@@ -159,6 +162,7 @@ def snapshot_totals(pending: dict[str, dict[str, int]], backends: dict[str, Back
         admissions=admissions,
         holds=holds,
         backends=backends,
+        quota_held=quota_held or {},
     )
 
 

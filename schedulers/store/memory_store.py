@@ -85,6 +85,8 @@ class MemoryStore:
         # grant's reservation (fence, cost, project, windows)
         self._quota_used: dict[tuple[str, str, str], int] = {}
         self._reserved: dict[str, tuple[int, int, str, quota.Windows]] = {}
+        self._quota_held: dict[str, int] = {}  # as the Redis store's quota_held:<project>
+        self._held_now: set[str] = set()  # projects held in the current admit_many call
 
     # -- submit / cancel ---------------------------------------------------------------------
     def add_pending(self, item: PendingItem) -> None:
@@ -151,6 +153,7 @@ class MemoryStore:
     def admit_many(self, now: float, max_grants: int) -> list[AdmitResult]:
         results: list[AdmitResult] = []
         with self._lock:
+            self._held_now = set()  # a project held counts once per call, as in ADMIT
             while len(results) < max_grants:
                 result = self._admit(now)
                 if result.grant is None:
@@ -192,8 +195,12 @@ class MemoryStore:
             q = self.config.quota(head.project)
             if q is None:
                 return None
-            return quota.check(q, self._usage(head.project, windows), q.reserve(head.prompt_tokens,
-                                                                                head.max_new_tokens), windows)
+            verdict = quota.check(q, self._usage(head.project, windows),
+                                  q.reserve(head.prompt_tokens, head.max_new_tokens), windows)
+            if verdict is not None and head.project not in self._held_now:
+                self._held_now.add(head.project)
+                self._quota_held[head.project] = self._quota_held.get(head.project, 0) + 1
+            return verdict
 
         chosen = placement.place(views, heads, cost, now, routing=routing, quota=over)
         if chosen.index is None or chosen.backend is None:
@@ -543,7 +550,7 @@ class MemoryStore:
                                         state.interactive_in_flight, state.claimed)
                 for b, state in zip(self.config.backends, self._states, strict=True)
             }
-            return snapshot_totals(pending, backends, self._admissions, dict(self._holds))
+            return snapshot_totals(pending, backends, self._admissions, dict(self._holds), dict(self._quota_held))
 
     def unclaimed_leases(self, admitted_before: float) -> dict[str, int]:
         with self._lock:

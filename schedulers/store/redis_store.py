@@ -663,7 +663,8 @@ class RedisStore:
                 interactive_in_flight=int(state.get("inter", 0)),
                 claimed=int(state.get("claimed", 0)),
             )
-        return snapshot_totals(pending, backends, int(stats.get("admissions", 0)), holds)
+        quota_held = {k.removeprefix("quota_held:"): int(v) for k, v in stats.items() if k.startswith("quota_held:")}
+        return snapshot_totals(pending, backends, int(stats.get("admissions", 0)), holds, quota_held)
 
     def lease_fences(self) -> dict[str, int]:
         """Live leases (job id -> fence), for invariant checks and ``fleet queues``."""

@@ -136,3 +136,24 @@ def test_several_dispatchers_never_pass_the_quota_together(redis_client: redis.R
     # 5 reservations fit (4,500); each settle frees 600, so more go, never past the quota
     assert len(granted) > 5
     assert stores[1].quota_usage("a", NOW).tokens_minute <= 5000
+
+
+def test_the_metrics_show_each_window_against_its_limit_and_the_holds(make_store: StoreFactory) -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from schedulers.metrics import DispatcherMetrics
+
+    store = make_store(quota_config(a=Quota(tokens_per_minute=2000, max_in_flight=5)))
+    for i in range(3):
+        store.add_pending(job(f"a{i}", project="a"))
+    store.admit_many(NOW, 8)  # two granted, the third held once
+    store.admit_many(NOW, 8)  # held again
+    text = generate_latest(DispatcherMetrics(store).registry).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    # the figures are read at scrape time (wall clock): the grants' minute is long past
+    assert samples[("fleet_quota_limit", (("project", "a"), ("window", "tokens_minute")))] == 2000
+    assert samples[("fleet_quota_used", (("project", "a"), ("window", "in_flight")))] == 2
+    assert samples[("fleet_quota_held_total", (("project", "a"),))] == 2
+    assert store.snapshot().quota_held == {"a": 2}
