@@ -216,6 +216,45 @@ def backends(
             console.print(markdown(runs), markup=False, soft_wrap=True)
 
 
+@bench_app.command("quota")
+def quota(
+    exact: Annotated[bool, typer.Option(help="run the exactness measurement on real processes")] = True,
+    cost: Annotated[bool, typer.Option(help="measure admission pairs/s with quotas against without")] = True,
+    clients: Annotated[int, typer.Option(help="concurrent clients per project")] = 16,
+    gateways: Annotated[int, typer.Option(help="gateway processes")] = 3,
+    dispatchers: Annotated[int, typer.Option(help="dispatcher processes")] = 3,
+    duration: Annotated[float, typer.Option(help="seconds of load with the quotas on")] = 150.0,
+    baseline: Annotated[float, typer.Option(help="seconds of load without quotas (the baseline)")] = 60.0,
+    speed: Annotated[float, typer.Option(help="simulator speed")] = 20.0,
+    jobs: Annotated[int, typer.Option(help="backlog of the cost measurement")] = 100_000,
+    redis_url: RedisUrl = "",
+    force: Force = False,
+) -> None:
+    """Quotas: tokens served and reserved per minute against each project's quota with several
+    gateways and dispatchers admitting at once, the unlimited project's output against a run
+    without quotas, and admission pairs/s with quotas on against off (fleet/bench/quota.py)."""
+    from rich.table import Table
+
+    from fleet.bench.quota import minutes_markdown, quota_cost, quota_exactness
+
+    with _redis_url(redis_url, force) as broker:
+        if exact:
+            figures = quota_exactness(broker.url, clients=clients, gateways=gateways, dispatchers=dispatchers,
+                                      duration_s=duration, baseline_s=baseline, speed=speed)
+            console.print(minutes_markdown(figures), markup=False, soft_wrap=True)
+            for key, value in figures.items():
+                if key != "minutes":
+                    console.print(f"{key}: {value:,.3f}" if isinstance(value, float) else f"{key}: {value}",
+                                  markup=False)
+        if cost:
+            table = Table(title="fleet bench quota: what quotas cost admission")
+            table.add_column("figure")
+            table.add_column("value", justify="right")
+            for key, value in quota_cost(broker.url, jobs=jobs).items():
+                table.add_row(key, f"{value:,.2f}")
+            console.print(table)
+
+
 @bench_app.command("continuations")
 def continuations(
     redis_url: RedisUrl = "",

@@ -72,15 +72,18 @@ class _Backlog:
         return PendingItem(f"j{i}", PROJECTS[i % 5], 500 + i % 4000, 1000, enqueued_at=1e9 + i,
                            eligible=self.eligible)
 
-    def decide(self, decisions: int, per_call: int, pipelined: bool) -> tuple[float, float]:
+    def decide(self, decisions: int, per_call: int, pipelined: bool, settle: bool = False) -> tuple[float, float]:
         """Seconds per admit+release pair, over ``decisions`` pairs, end to end (the client's
         clock) and inside Redis (the scripts' own time, ``_script_s``); admitted jobs come back,
-        untimed."""
+        untimed. ``settle``: each grant's quota reservation is settled before its release, as an
+        inference worker does (fleet bench quota)."""
         decide_s, server_s, done = 0.0, 0.0, 0
         while done < decisions:
             server_before = _script_s(self.client)
             started = time.perf_counter()
             grants = [r.grant for r in self.store.admit_many(2e9 + self.next, per_call) if r.grant]
+            for grant in grants if settle else ():
+                self.store.settle(grant.job_id, grant.fence, 100)
             if pipelined:
                 self.store.release_many((grant.job_id, grant.fence) for grant in grants)
             else:

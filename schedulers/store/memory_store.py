@@ -226,16 +226,22 @@ class MemoryStore:
         return [(project, "m", str(windows.minute)), (project, "d", windows.day), (project, "mo", windows.month)]
 
     def _reserve(self, head: fairshare.Head, fence: int, windows: quota.Windows) -> None:
+        """As ADMIT: only the windows the quota limits count (so a project without a day limit
+        shows 0 for its day, as on Redis)."""
         q = self.config.quota(head.project)
         if q is None:
             return
         cost = q.reserve(head.prompt_tokens, head.max_new_tokens)
         used = self._quota_used
-        for key in self._windows_of(head.project, windows):
-            used[key] = used.get(key, 0) + cost
-        requests = (head.project, "r", str(windows.minute))
-        used[requests] = used.get(requests, 0) + 1
-        self._reserved[head.job_id] = (fence, cost, head.project, windows)
+        tokens = (q.tokens_per_minute, q.tokens_per_day, q.tokens_per_month)
+        for key, limit in zip(self._windows_of(head.project, windows), tokens, strict=True):
+            if limit:
+                used[key] = used.get(key, 0) + cost
+        if q.requests_per_minute:
+            requests = (head.project, "r", str(windows.minute))
+            used[requests] = used.get(requests, 0) + 1
+        if any(tokens):
+            self._reserved[head.job_id] = (fence, cost, head.project, windows)
 
     def settle(self, job_id: str, fence: int, spent: int) -> bool:
         with self._lock:

@@ -44,7 +44,7 @@ def test_a_project_over_its_minute_quota_waits_and_others_go_on(make_store: Stor
 
 
 def test_settle_gives_back_what_the_turn_did_not_spend_once(make_store: StoreFactory) -> None:
-    store = make_store(quota_config(a=Quota(tokens_per_minute=2000)))
+    store = make_store(quota_config(a=Quota(tokens_per_minute=2000, tokens_per_day=10**6)))
     for i in range(3):
         store.add_pending(job(f"a{i}", project="a"))
     grants = [r.grant for r in store.admit_many(NOW, 8) if r.grant]
@@ -55,6 +55,7 @@ def test_settle_gives_back_what_the_turn_did_not_spend_once(make_store: StoreFac
     assert not store.settle(first.job_id, first.fence, 100)  # settled already
     assert store.quota_usage("a", NOW).tokens_minute == 900 + 100
     assert store.quota_usage("a", NOW).tokens_day == 1000
+    assert store.quota_usage("a", NOW).tokens_month == 0  # no month limit: not counted
     assert [r.grant.job_id for r in store.admit_many(NOW, 8) if r.grant] == ["a2"]
 
 

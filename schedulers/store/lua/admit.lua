@@ -174,21 +174,29 @@ local function over_quota(c)
   return why, retry
 end
 
--- quota.take, in Redis: the grant's reservation in its windows and in qres
+-- Add n to a window counter (a hash field, or the string when field is nil); a counter this
+-- write created gets its TTL (a settle never creates one: it gives back only where one exists).
+local function add_to(key, field, n, ttl)
+  local now_held
+  if field then now_held = redis.call('HINCRBY', key, field, n) else now_held = redis.call('INCRBY', key, n) end
+  if now_held == n and redis.call('TTL', key) < 0 then redis.call('EXPIRE', key, ttl) end
+end
+
+-- quota.take, in Redis: the grant's reservation in the windows its quota limits, and in qres
+-- when it holds tokens there (what SETTLE gives back)
 local function reserve(c, fence)
   local q = quotas[c.project]
   if not q then return end
   local cost = reserve_cost(q, c)
   q.tokens_minute, q.requests_minute = q.tokens_minute + cost, q.requests_minute + 1
   q.tokens_day, q.tokens_month, q.in_flight = q.tokens_day + cost, q.tokens_month + cost, q.in_flight + 1
-  redis.call('HINCRBY', q.kmin, 't', cost)
-  redis.call('HINCRBY', q.kmin, 'r', 1)
-  redis.call('EXPIRE', q.kmin, 180)
-  redis.call('INCRBY', q.kday, cost)
-  redis.call('EXPIRE', q.kday, 3 * 86400)
-  redis.call('INCRBY', q.kmonth, cost)
-  redis.call('EXPIRE', q.kmonth, 33 * 86400)
-  redis.call('HSET', qres, c.id, table.concat({c.project, fence, cost, win.minute, win.day, win.month}, ' '))
+  if q.tpm > 0 then add_to(q.kmin, 't', cost, 180) end
+  if q.rpm > 0 then add_to(q.kmin, 'r', 1, 180) end
+  if q.tpd > 0 then add_to(q.kday, nil, cost, 3 * 86400) end
+  if q.tpmo > 0 then add_to(q.kmonth, nil, cost, 33 * 86400) end
+  if q.tpm > 0 or q.tpd > 0 or q.tpmo > 0 then
+    redis.call('HSET', qres, c.id, table.concat({c.project, fence, cost, win.minute, win.day, win.month}, ' '))
+  end
 end
 
 local members = redis.call('SMEMBERS', KEYS[8])
