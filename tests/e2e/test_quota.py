@@ -48,7 +48,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Harness, d
         projects={
             "research": {"quota": {"requests_per_minute": 3, "tokens_per_minute": 10_000, "over": "refuse"}},
             "triage": {"thinking_budget": 1000, "content_reserve": 200,
-                       "quota": {"tokens_per_minute": TRIAGE_TPM}},
+                       "quota": {"tokens_per_minute": TRIAGE_TPM, "requests_per_minute": 100}},
             "translate": {"quota": {"tokens_per_day": 1_000}},
         },
         backend={"max_num_seqs": 8},
@@ -58,7 +58,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Harness, d
         yield harness, keys
 
 
-def _early_in_a_minute(margin_s: float = 40.0) -> None:
+def _early_in_a_minute(margin_s: float = 12.0) -> None:
     """Wait until at least ``margin_s`` of the current UTC minute are left, so that what a test
     counts falls in one quota window."""
     left = Windows.at(time.time()).minute_end - time.time()
@@ -117,7 +117,7 @@ def test_a_request_larger_than_the_token_quota_is_refused_without_retry_after(
 def test_a_job_over_the_minute_waits_for_a_settle_and_the_window_equals_the_ledger(
         fleet: tuple[Harness, dict[str, str]]) -> None:
     harness, _keys = fleet
-    _early_in_a_minute(45.0)
+    _early_in_a_minute(15.0)
     text = "Sort this ticket {}. [sim:think=30] [sim:answer=8]"
     ids = [harness.client.submit({"project": "triage", "messages": [
         {"role": "user", "content": text.format(uuid.uuid4().hex)}]}) for _ in range(3)]
@@ -143,7 +143,7 @@ def test_a_job_over_the_minute_waits_for_a_settle_and_the_window_equals_the_ledg
     row = next(line for line in queues.splitlines() if line.strip("│ ").startswith("triage"))
     assert f"{spent:,}/2,900 t/min" in row and row.rstrip(" │").endswith(str(held)), row
     top = rendered(render(read_frame(harness.settings, harness.client.redis, time.time()), live=False), width=300)
-    assert f"{spent:,}/2,900 t/min (held {held}x)" in top, top
+    assert f"{spent:,}/2,900 t/min · 3/100 req/min (held {held}x)" in top, top
 
 
 def test_a_job_larger_than_the_day_quota_is_refused_before_admission(fleet: tuple[Harness, dict[str, str]]) -> None:
