@@ -63,7 +63,8 @@ def _workload(client: redis.Redis, prefix: str) -> None:
     """Every script at least once: the dispatcher store's life cycle, heartbeats, publish, prep,
     retry budget."""
     now = [1_000.0]
-    quotas = {"a": Quota(tokens_per_minute=10**6, max_in_flight=5), "b": Quota(requests_per_minute=100, tokens_per_day=10**9)}
+    quotas = {"a": Quota(tokens_per_minute=10**6, max_in_flight=5),
+              "b": Quota(requests_per_minute=100, tokens_per_day=10**9)}
     store = RedisStore(client, Keys(prefix), StoreConfig(gate=True, lease_ttl_s=10.0, quotas=quotas),
                        clock=lambda: now[0])
     store.record_backend(now[0], "", {})
