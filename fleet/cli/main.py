@@ -568,6 +568,43 @@ def usage(
         console.print(render_table(rows, by))
 
 
+cache_app = typer.Typer(add_completion=False, no_args_is_help=True)
+
+
+@cache_app.command("stats")
+def cache_stats(
+    project: Annotated[str | None, typer.Option("--project", "-p",
+                                                help="one project (default: every configured one)")] = None,
+) -> None:
+    """Entries and bytes held, hits, misses, waits for an identical request, stores, evictions."""
+    from fleet.cli.cache import projects_named, stats_table
+
+    settings = settings_or_exit()
+    try:
+        projects = projects_named(settings, project)
+    except FleetError as exc:
+        fail(exc, 2)
+    with broker_errors(settings):
+        console.print(stats_table(settings, projects))
+
+
+@cache_app.command("clear")
+def cache_clear(
+    project: Annotated[str, typer.Option("--project", "-p", help="the project whose answers go")],
+) -> None:
+    """Forget every kept answer of one project (its counters stay)."""
+    from fleet.cli.cache import clear, projects_named
+
+    settings = settings_or_exit()
+    try:
+        projects_named(settings, project)
+    except FleetError as exc:
+        fail(exc, 2)
+    with broker_errors(settings):
+        dropped = clear(settings, project)
+    console.print(f"{project}: {dropped} kept answers dropped")
+
+
 @app.command()
 def top(once: Annotated[bool, typer.Option(help="print one frame and exit")] = False) -> None:
     """Live view: in flight vs cap, per-project pending, waits and tokens/s, holds, backend."""
@@ -662,6 +699,7 @@ def _register_external() -> None:
         plan_command)
     app.add_typer(bench_app, name="bench", help="Benchmarks (ratios against same-run baselines).")
     app.add_typer(keys_app, name="keys", help="Gateway API keys: mint one for a project.")
+    app.add_typer(cache_app, name="cache", help="The projects' exact-repeat caches: stats, clear.")
 
 
 _register_external()

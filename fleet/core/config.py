@@ -605,6 +605,27 @@ class QuotaSettings(_Section):
     (gateway: 429 with Retry-After). A turn larger than a token limit is refused either way."""
 
 
+class RepeatCacheSettings(_Section):
+    """The project's exact-repeat cache (docs/usage.md, "Exact-repeat cache"): a gateway chat
+    request identical to an earlier one (what would go to vLLM, byte for byte but its request id
+    and fence tag) is answered from the earlier answer, with no slot, no quota and no model turn."""
+
+    enabled: bool = False
+    """Off by default: a project opts in."""
+    ttl_s: int = Field(3600, gt=0)
+    """How long an answer is served again."""
+    max_entries: int = Field(1000, gt=0)
+    """Answers kept per project; the oldest go first."""
+    max_entry_bytes: int = Field(256 * 1024, gt=0)
+    """A larger answer is not kept (so a project's cache holds at most max_entries x this)."""
+    sampled: bool = False
+    """Serve repeats of requests that sample (temperature above 0 and no seed) too; off, only a
+    request with temperature 0 or a fixed seed is served from the cache."""
+    wait_s: float = Field(60.0, ge=0)
+    """How long a request waits for an identical one already running to finish (no stampede);
+    past it, it runs itself."""
+
+
 class ProjectSettings(_Section):
     weight: float = Field(1.0, gt=0)
     """Fair-share weight (tokens admitted are shared in proportion)."""
@@ -658,6 +679,8 @@ class ProjectSettings(_Section):
     E_TOOL_INVALID."""
     quota: QuotaSettings = Field(default_factory=QuotaSettings)
     """Spending limits of the project (none by default)."""
+    repeat_cache: RepeatCacheSettings = Field(default_factory=RepeatCacheSettings)
+    """Answering identical gateway requests again from the first answer (off by default)."""
 
     @field_validator("api_keys")
     @classmethod

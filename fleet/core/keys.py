@@ -84,6 +84,15 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                               string the marker of one counted model turn, SET NX by the same
                                      script as the increments (a count happens once); TTL
                                      usage.turn_marker_s; no project user may read or write it
+  {p}rcache:{<project>}:e     hash   the project's exact-repeat cache (fleet/core/repeatcache.py,
+                                     docs/usage.md): digest of a gateway request as it would go to
+                                     vLLM -> the answer (JSON, with its expiry); TTL repeat_cache.ttl_s
+  {p}rcache:{<project>}:x     zset   digest -> the entry's expiry (pruning, the max_entries bound)
+  {p}rcache:{<project>}:s     hash   hits, misses, waits, stores, evictions
+  {p}rcache:{<project>}:run:<digest>
+                              string the gateway request computing that answer now (a redis-py
+                                     Lock token, PX 30 s renewed): identical requests wait for it
+                                     instead of running too; no project user may read any rcache key
   {p}metrics:leader           string the dispatcher exporting the fleet-wide metrics (redis-py
                                      Lock token; PX 15 s, extended by its owner)
   {p}gwgrants:<gateway>       list   grants (JSON: job id, fence, lease expiry) of one gateway process's
@@ -297,6 +306,11 @@ class Keys:
 
     def usage_turn(self, project: str, job_id: str, fence: int, turn: int) -> str:
         return f"{self.prefix}usage:{{{project}}}:t:{job_id}:{fence}:{turn}"
+
+    def rcache(self, project: str, part: str) -> str:
+        """The project's exact-repeat cache: ``e`` (entries), ``x`` (expiries), ``s`` (stats),
+        ``run:<digest>`` (the request computing that answer now)."""
+        return f"{self.prefix}rcache:{{{project}}}:{part}"
 
     @property
     def code_counts(self) -> str:

@@ -224,6 +224,8 @@ class Envelope(_Strict):
     finished_at: float = Field(default_factory=time.time)
     # the backend that served its last model turn ('' when none ran: refused before admission)
     backend: str = ""
+    # answered from the project's exact-repeat cache: no model turn ran for it (fleet/core/repeatcache.py)
+    cached: bool = False
 
     @property
     def ok(self) -> bool:

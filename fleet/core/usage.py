@@ -95,8 +95,13 @@ class TurnUsage:
     crashed: bool = False  # its worker died mid-stream: counted from its last progress entry
     tool_round: bool = False
     ended_at: float = 0.0
+    # a gateway request answered from the project's exact-repeat cache: no model request, counted
+    # as ``cache_hits`` only (fleet/core/repeatcache.py)
+    cache_hit: bool = False
 
     def fields(self) -> dict[str, int]:
+        if self.cache_hit:
+            return {f"{self.key}|{self.model.replace('|', '_')}|cache_hits": 1}
         loop = self.code == LOOP_CODE
         spent = self.reasoning_tokens + self.answer_tokens
         values = {

@@ -245,7 +245,7 @@ class Gateway:
         cache = estimate_routed(rt.redis, rt.keys, fleet_settings, caller.project, wire=body["messages"],
                                 tools=body.get("tools"), salt=body["cache_salt"],
                                 prompt_tokens=prepared.prompt_tokens, eligible=mask)
-        return Built(body, prepared.prompt_tokens, max_tokens, warnings, mask, cache)
+        return Built(body, prepared.prompt_tokens, max_tokens, warnings, mask, cache, prepared.fence_tag)
 
 
 def chat_too_long(exc: PromptTooLong, max_model_len: int, max_tokens: int) -> PromptTooLong:
@@ -269,6 +269,7 @@ class Built(NamedTuple):
     warnings: list[str]
     eligible: int = 1  # the backends it may run on (fleet/core/routing.py ``eligible``)
     cache: CacheEstimate | None = None  # its expected prefix-cache misses and hint backend
+    fence_tag: str | None = None  # the random tag marking its untrusted content (repeat cache key)
 
 
 async def _off_loop(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

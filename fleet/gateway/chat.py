@@ -27,6 +27,7 @@ released as soon as the stream thread has let go of the connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -35,6 +36,8 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import redis
+from redis.exceptions import LockError
+from redis.lock import Lock
 from starlette.requests import Request
 
 from fleet.core.codes import Code
@@ -42,6 +45,7 @@ from fleet.core.errors import Cancelled, FleetError, NotFound, QuotaExceeded, Th
 from fleet.core.keys import job_ref
 from fleet.core.models import Envelope, Timings, Usage
 from fleet.core.promptcache import backend_tag, record_sent
+from fleet.core.repeatcache import FIRST_POLL_S, LAST_POLL_S, LOCK_S, Entry, RepeatCache, repeatable, request_digest
 from fleet.core.routing import backends_serving
 from fleet.core.usage import TurnUsage, key_label
 from fleet.gateway.admission import Ticket
@@ -127,6 +131,10 @@ class _Session:
         self.eligible = built.eligible
         self.cache = built.cache or CacheEstimate(built.prompt_tokens)
         self.warnings = built.warnings
+        self.fence_tag = built.fence_tag
+        self.cache_hit: Entry | None = None  # answered from the project's exact-repeat cache
+        self.cache_lock: Lock | None = None  # this request computes the answer identical ones wait for
+        self.cache_digest = ""
         # Every answer's headers say what the gateway changed (tools removed), visible to any client.
         self.headers = warning_headers(built.warnings)
         self._receive, self._send = receive, send
@@ -193,12 +201,21 @@ class _Session:
         ticket: Ticket | None = None
         code = Code.E_INTERNAL
         message = ""
+        renewer: asyncio.Task[None] | None = None
         try:
-            ticket = await self._admit()
-            if ticket is None:
-                code, message = Code.E_CANCELLED, "the client went away while waiting"
+            self.cache_hit = await self._repeat()
+            if self.cache_hit is not None:
+                code = await self._serve_cached(self.cache_hit)
             else:
-                code = await self._stream(ticket)
+                if self.cache_lock is not None:
+                    renewer = asyncio.create_task(self._renew_cache_lock(self.cache_lock))
+                ticket = await self._admit()
+                if ticket is None:
+                    code, message = Code.E_CANCELLED, "the client went away while waiting"
+                else:
+                    code = await self._stream(ticket)
+                    if code is Code.OK and self.cache_lock is not None:
+                        await self._keep()
         except FleetError as exc:
             code, message = exc.code, exc.message
             await self._fail(exc)
@@ -209,6 +226,10 @@ class _Session:
             await self._fail(failure)
         finally:
             watcher.cancel()
+            if renewer is not None:
+                renewer.cancel()
+            if self.cache_lock is not None:
+                await self._release_cache_lock(self.cache_lock)
             self.gw.admission.forget(self.ref)
             if self.keeper is not None:
                 # Ends the stream thread's read if this task was cancelled mid-stream (uvicorn's
@@ -220,6 +241,90 @@ class _Session:
                 await self._settle_quota(ticket)
                 await self.gw.admission.release(ticket)
             await self._account(code, message)
+
+    # -- the exact-repeat cache (fleet/core/repeatcache.py) -------------------------------------
+    def _repeat_cache(self) -> RepeatCache | None:
+        project = self.caller.project
+        settings = self.gw.live.settings.projects[project].repeat_cache
+        if not repeatable(settings, self.req.temperature, self.req.seed):
+            return None
+        return RepeatCache(self.gw.runtime.redis, self.gw.runtime.keys, project, settings)
+
+    async def _repeat(self) -> Entry | None:
+        """The kept answer of an identical request, waiting for one running now (no stampede);
+        None: this request runs, holding the computing lock when it got it. A Redis error here
+        only skips the cache."""
+        cache = self._repeat_cache()
+        if cache is None:
+            return None
+        self.cache_digest = request_digest(self.req.model, self.body, self.fence_tag)
+        try:
+            entry = await self.gw.run(cache.get, self.cache_digest)
+            if entry is not None:
+                return entry
+            lock = cache.lock(self.cache_digest)
+            if await self.gw.run(lock.acquire):
+                self.cache_lock = lock
+                return None
+            await self.gw.run(cache.count, "waits")
+            until, pause = time.monotonic() + cache.settings.wait_s, FIRST_POLL_S
+            while time.monotonic() < until and not self.disconnected.is_set():
+                await asyncio.sleep(pause)
+                pause = min(LAST_POLL_S, pause * 2)
+                entry = await self.gw.run(cache.get, self.cache_digest, count=False)
+                if entry is not None:
+                    await self.gw.run(cache.count, "hits")
+                    return entry
+                if await self.gw.run(lock.acquire):  # the first one ended without an answer
+                    self.cache_lock = lock
+                    return None
+        except redis.RedisError as exc:
+            log.warning("chat job=%s: repeat cache skipped (%r)", self.job_id, exc)
+        return None
+
+    async def _renew_cache_lock(self, lock: Lock) -> None:
+        with contextlib.suppress(redis.RedisError, LockError):
+            while True:
+                await asyncio.sleep(LOCK_S / 3)
+                await self.gw.run(lock.reacquire)
+
+    async def _release_cache_lock(self, lock: Lock) -> None:
+        with contextlib.suppress(redis.RedisError, LockError):
+            await self.gw.run(lock.release)
+
+    async def _keep(self) -> None:
+        """This request's OK answer, for the identical requests to come."""
+        cache, r = self._repeat_cache(), self.result
+        if cache is None or r is None:
+            return
+        now = time.time()
+        entry = Entry(content=r.content, reasoning=r.reasoning, tool_calls=r.tool_calls,
+                      finish_reason=r.finish_reason or "stop", usage=r.usage or {},
+                      backend=self.on.settings.backend.name if self.on else "", created_at=now,
+                      expires_at=now + cache.settings.ttl_s)
+        try:
+            await self.gw.run(cache.put, self.cache_digest, entry)
+        except redis.RedisError as exc:
+            log.warning("chat job=%s: answer not kept in the repeat cache (%r)", self.job_id, exc)
+
+    async def _serve_cached(self, entry: Entry) -> Code:
+        """The kept answer, as the first request got it (stream or not), marked ``cached``."""
+        code = Code.OK
+        self.headers += [(b"x-fleet-cache", b"hit"), (b"x-fleet-backend", entry.backend.encode())]
+        if self.req.stream:
+            calls = [{**call, "index": i} for i, call in enumerate(entry.tool_calls)]
+            data = self.chunks.role() + self.chunks.delta(entry.reasoning, entry.content, calls)
+            data += self.chunks.finish(entry.finish_reason, code)
+            if self.req.include_usage:
+                data += self.chunks.usage(entry.usage, code)
+            await self._write(data + DONE, more=False)
+        elif not self.disconnected.is_set():
+            body = self.chunks.full(entry.content, entry.reasoning, entry.tool_calls, entry.finish_reason,
+                                    entry.usage, code)
+            body["cached"] = True
+            self.headers_sent = True
+            await send_json(self._send, 200, _json(body), [code_header(code), *self.headers])
+        return code
 
     async def _quota(self) -> None:
         """The project's quota before admission (schedulers/store/base.py ``quota_entry``): the
@@ -429,6 +534,12 @@ class _Session:
                       reasoning_tokens=r.reasoning_tokens if r else 0,
                       cached_tokens=r.cached_tokens if r else 0)
         project = self.caller.project
+        hit = self.cache_hit
+        if hit is not None:  # what the first request was told; no model turn ran for this one
+            usage = Usage(prompt_tokens=int(hit.usage.get("prompt_tokens", 0)),
+                          completion_tokens=int(hit.usage.get("completion_tokens", 0)))
+            self.turns = [TurnUsage(project, self.job_id, 0, 0, code.value, key=key_label(self.caller.key_id),
+                                    model=self.req.model, cache_hit=True, ended_at=time.time())]
         self.gw.metrics.request(project, code, self.waited_s, self.first_token_s, usage)
         if self.turns:
             await self.gw.run(self.gw.runtime.ledger.count, self.turns)
@@ -444,7 +555,8 @@ class _Session:
         envelope = Envelope.failure(self.job_id, project, code, message, usage=usage,
                                     timings=Timings(queued_s=self.waited_s, first_token_s=self.first_token_s,
                                                     total_s=round(total_s, 4)),
-                                    metadata={"origin": "gateway"}, warnings=self.warnings)
+                                    metadata={"origin": "gateway"}, warnings=self.warnings,
+                                    cached=hit is not None, backend=hit.backend if hit is not None else "")
         try:
             await self.gw.run(self.gw.runtime.results.publish, envelope, stream="gateway")
         except redis.RedisError:  # accounting only: the client has its answer

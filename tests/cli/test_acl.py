@@ -79,6 +79,11 @@ def test_a_producer_reaches_nothing_of_another_project_nor_the_fleet(broker: Acl
         "free its own quota": lambda: producer_b.decrby(f"{keys.dispatch}quota:{B}:d:20261202", 10**6),
         "drop its own reservation": lambda: producer_b.hdel(f"{keys.dispatch}qres", f"{B}/j"),
         "read A's quota": lambda: producer_b.get(f"{keys.dispatch}quota:{A}:mo:202612"),
+        # the exact-repeat cache: read A's answers, plant one for A, or for itself
+        "read A's kept answers": lambda: producer_b.hgetall(keys.rcache(A, "e")),
+        "plant an answer for A": lambda: producer_b.hset(keys.rcache(A, "e"), "0" * 64, "{}"),
+        "plant an answer for itself": lambda: producer_b.hset(keys.rcache(B, "e"), "0" * 64, "{}"),
+        "hold A's computing lock": lambda: producer_b.set(keys.rcache(A, "run:" + "0" * 64), "x"),
         "read the rejections": lambda: producer_b.xrange(keys.rejections),
         "list keys": lambda: producer_b.keys("*"),
         "flush": lambda: producer_b.flushdb(),
