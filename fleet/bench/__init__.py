@@ -255,6 +255,28 @@ def quota(
             console.print(table)
 
 
+@bench_app.command("cache")
+def cache(
+    requests: Annotated[int, typer.Option(help="request pairs (a model turn, then its repeat)")] = 40,
+    speed: Annotated[float, typer.Option(help="simulator speed")] = 20.0,
+    redis_url: RedisUrl = "",
+    force: Force = False,
+) -> None:
+    """The exact-repeat cache: a hit's end-to-end latency against the model turn it repeats,
+    the model requests made and the slots used (fleet/bench/quota.py ``cache_latency``)."""
+    from rich.table import Table
+
+    from fleet.bench.quota import cache_latency
+
+    with _redis_url(redis_url, force) as broker:
+        table = Table(title="fleet bench cache: a repeat answered from the cache")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        for key, value in cache_latency(broker.url, requests=requests, speed=speed).items():
+            table.add_row(key, f"{value:,.2f}")
+        console.print(table)
+
+
 @bench_app.command("continuations")
 def continuations(
     redis_url: RedisUrl = "",

@@ -15,6 +15,10 @@
    which later requests take. What the quota bounds is cost held at any moment, settled turns
    plus running reservations, and so what was served.) And ``triage``'s output tokens/s with
    the quotas on against the baseline (its share must not fall: the quotas only hold the others).
+3. A cache hit (``cache_latency``, ``fleet bench cache``): a new temperature-0 request (a model
+   turn) and its identical repeat (answered from the project's exact-repeat cache), one after the
+   other through one gateway, end to end; the model requests the simulator saw and the sequences
+   in flight in the store after each hit.
 2. Cost (``quota_cost``). Admission pairs/s at a steady backlog (admit up to 8 grants per ADMIT
    call, release one by one, as ``fleet bench dispatch``) without quotas, with a quota on every
    project (limits high enough that none holds: every grant reserves, every call reads the
@@ -53,6 +57,7 @@ from fleet.local.processes import LocalFleet, wait_http
 from schedulers.dispatcher import GRANTS_PER_CALL
 from schedulers.policy.limits import Limits
 from schedulers.policy.quota import Quota
+from schedulers.store import make_store
 from schedulers.store.base import StoreConfig
 
 QUOTA_PROJECTS = ("reports", "translate")
@@ -84,7 +89,7 @@ class QuotaFleet:
     """The processes of one run (module docstring), under a fresh prefix."""
 
     def __init__(self, redis_url: str, quotas: dict[str, int], gateways: int, dispatchers: int,
-                 speed: float) -> None:
+                 speed: float, cache: bool = False) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="fleet-bench-quota-"))
         data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
         data.update(broker_url=redis_url, key_prefix=f"qbench-{uuid.uuid4().hex[:8]}:")
@@ -100,6 +105,8 @@ class QuotaFleet:
             self.keys[name] = key
             if name in quotas:
                 project["quota"] = {"tokens_per_minute": quotas[name]}
+            if cache:
+                project["repeat_cache"] = {"enabled": True}
         path = self.tmp / "fleet.toml"
         path.write_text(tomli_w.dumps(data), encoding="utf-8")
         self.settings = load_settings(path, env={})
@@ -266,3 +273,46 @@ def minutes_markdown(figures: dict[str, Any]) -> str:
         lines.append(f"| {r['project']} | {r['minute']} | {'yes' if r['whole minute in the run'] else 'no'} | "
                      f"{r['requests']} | {r['served tokens']:,} | {r['quota']:,} | {r['served / quota']:.3f} |")
     return "\n".join(lines)
+
+
+
+def cache_latency(redis_url: str, requests: int = 40, speed: float = 20.0, think: int = 100,
+                  answer: int = 40) -> dict[str, float]:
+    """A cache hit against a model turn, through one gateway and the machine otherwise idle:
+    ``requests`` new temperature-0 requests (each a model turn: the miss), each followed by its
+    identical repeat (the hit); end-to-end latency of both (p50, p99), the model requests the
+    simulator saw, and the sequences in flight in the store while each hit was answered."""
+    with QuotaFleet(redis_url, {}, gateways=1, dispatchers=1, speed=speed, cache=True) as fleet:
+        store = make_store(fleet.settings, redis_client(fleet.settings))
+        url = f"http://127.0.0.1:{fleet.ports[0]}/v1/chat/completions"
+        auth = {"Authorization": f"Bearer {fleet.keys[FREE_PROJECT]}"}
+        misses, hits, in_flight, cached = [], [], 0, 0
+        with httpx.Client(timeout=120) as http:
+            before = http.get(f"{fleet.sim_url}/sim/stats").json()["total_requests"]
+            for n in range(requests + 2):
+                body = {"model": "local", "temperature": 0, "max_tokens": 4000, "messages": [
+                    {"role": "user", "content": f"repeat {uuid.uuid4().hex} "
+                                                f"[sim:think={think}] [sim:answer={answer}]"}]}
+                times = []
+                for _ in range(2):
+                    started = time.perf_counter()
+                    response = http.post(url, json=body, headers=auth)
+                    times.append(time.perf_counter() - started)
+                    response.raise_for_status()
+                in_flight = max(in_flight, store.snapshot().in_flight)
+                cached += int(response.headers.get("x-fleet-cache") == "hit")
+                if n >= 2:  # the first two warm connections and caches
+                    misses.append(times[0])
+                    hits.append(times[1])
+            model_requests = http.get(f"{fleet.sim_url}/sim/stats").json()["total_requests"] - before
+    return {
+        "request pairs": float(requests + 2),
+        "repeats answered from the cache": float(cached),
+        "model requests the simulator saw": float(model_requests),
+        "model turn (miss) p50 ms": 1000 * percentile(misses, 50),
+        "model turn (miss) p99 ms": 1000 * percentile(misses, 99),
+        "cache hit p50 ms": 1000 * percentile(hits, 50),
+        "cache hit p99 ms": 1000 * percentile(hits, 99),
+        "hit / miss, p50": percentile(hits, 50) / percentile(misses, 50),
+        "sequences in flight after a hit (most seen)": float(in_flight),
+    }

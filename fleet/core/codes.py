@@ -177,8 +177,10 @@ CATALOGUE: dict[Code, CodeInfo] = {
     Code.E_QUOTA_EXCEEDED: CodeInfo(
         404, True, "The project's quota (projects.<name>.quota) has no room for the turn: with "
         "over = \"refuse\" a new job or gateway request while its window is full (429 with "
-        "Retry-After and x-ratelimit-* headers), or a turn larger than a token limit, whatever "
-        "over says; the message names the limit and when its window resets."
+        "Retry-After and x-ratelimit-* headers), a gateway request still held by its quota after "
+        "gateway.max_queue_wait_s, or a job whose next turn grew past a token limit; the message "
+        "names the limit and when its window resets. A request larger than a token limit is "
+        "E_INPUT_INVALID (400)."
     ),
     Code.E_INTERNAL: CodeInfo(
         500, True, "A fault inside the fleet; the job was closed so nothing is lost."

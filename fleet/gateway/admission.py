@@ -61,7 +61,7 @@ import redis
 from redis.asyncio import Redis as AsyncRedis
 
 from fleet.core.errors import QueueTimeout, UpstreamUnavailable
-from fleet.core.keys import Keys
+from fleet.core.keys import Keys, split_ref
 from fleet.core.models import Band
 from fleet.core.results import ResultStore
 from fleet.core.seal import sealed
@@ -123,7 +123,14 @@ class Admission:
             waiter.set_result(grant)
             return
         log.info("grant of %s came after its request left; released", grant["job_id"])
-        await self.run(self.store.release, grant["job_id"], int(grant["fence"]))
+        await self._unused(grant["job_id"], int(grant["fence"]))
+
+    async def _unused(self, job_id: str, fence: int) -> None:
+        """A grant no turn will use: its quota reservation goes back whole (none without a
+        quota), its slot is freed."""
+        if self.store.config.quota(split_ref(job_id)[0]) is not None:
+            await self.run(self.store.settle, job_id, fence, 0)
+        await self.run(self.store.release, job_id, fence)
 
     # -- one request --------------------------------------------------------------------------
     async def enqueue(self, job_id: str, project: str, band: Band, prompt_tokens: int,
@@ -212,6 +219,8 @@ class Admission:
         claimed = grant["claimed"] if "claimed" in grant else await self.run(
             self.store.claim, job_id, fence, self.owner, time.time())
         if not claimed:
+            if self.store.config.quota(project) is not None:
+                await self.run(self.store.settle, job_id, fence, 0)
             raise UpstreamUnavailable("the admission lease expired before the gateway claimed it")
         return Ticket(job_id, project, fence, time.time() - enqueued_at, str(grant.get("backend") or ""))
 
@@ -220,7 +229,7 @@ class Admission:
 
     async def give_back(self, job_id: str, grant: dict[str, Any]) -> None:
         """A grant nobody will use (the client left): free the slot at once."""
-        await self.run(self.store.release, job_id, int(grant["fence"]))
+        await self._unused(job_id, int(grant["fence"]))
 
     @staticmethod
     def timeout_error(max_wait_s: float) -> QueueTimeout:

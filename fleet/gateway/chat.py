@@ -41,7 +41,15 @@ from redis.lock import Lock
 from starlette.requests import Request
 
 from fleet.core.codes import Code
-from fleet.core.errors import Cancelled, FleetError, NotFound, QuotaExceeded, ThinkLoop, UpstreamUnavailable
+from fleet.core.errors import (
+    Cancelled,
+    FleetError,
+    InputInvalid,
+    NotFound,
+    QuotaExceeded,
+    ThinkLoop,
+    UpstreamUnavailable,
+)
 from fleet.core.keys import job_ref
 from fleet.core.models import Envelope, Timings, Usage
 from fleet.core.promptcache import backend_tag, record_sent
@@ -73,6 +81,7 @@ from fleet.infer.vllm import Delta, StreamResult
 from fleet.prep.cachehint import CacheEstimate
 from fleet.worker.lease import LeaseKeeper
 from fleet.worker.runtime import OnBackend
+from schedulers.policy.quota import NEVER_FITS
 from schedulers.store.base import quota_entry
 
 if TYPE_CHECKING:
@@ -326,21 +335,26 @@ class _Session:
             await send_json(self._send, 200, _json(body), [code_header(code), *self.headers])
         return code
 
-    async def _quota(self) -> None:
+    async def _quota(self, waited: bool = False) -> None:
         """The project's quota before admission (schedulers/store/base.py ``quota_entry``): the
-        ``x-ratelimit-*`` headers of what remains this minute on every answer, and 429
-        E_QUOTA_EXCEEDED (Retry-After when waiting helps) for a request it refuses."""
+        ``x-ratelimit-*`` headers of what remains this minute on every answer, 429
+        E_QUOTA_EXCEEDED (Retry-After when waiting helps) for a request it refuses, 400
+        E_INPUT_INVALID for one no window could ever hold. ``waited``: the request waited its
+        whole ``max_queue_wait_s`` in line (``over = "wait"``); if its quota still has no room,
+        that is why, whatever ``over`` says."""
         project = self.caller.project
         store = self.gw.runtime.store
         if store.config.quota(project) is None:
             return
-        over = self.gw.live.settings.projects[project].quota.over
+        over = "refuse" if waited else self.gw.live.settings.projects[project].quota.over
         entry = await self.gw.run(quota_entry, store, project, over, self.prompt_tokens, self.max_tokens,
-                                  time.time(), headers=True)
+                                  time.time(), headers=not waited)
         if entry.remaining is not None:
             self.headers += ratelimit_headers(entry.remaining)
         if entry.refused is not None:
             message, retry_s = entry.refused
+            if retry_s is None and message.startswith(NEVER_FITS):
+                raise InputInvalid(message, param="max_tokens")
             raise QuotaExceeded(message, retry_after_s=None if retry_s is None else max(1, math.ceil(retry_s)))
 
     async def _settle_quota(self, ticket: Ticket) -> None:
@@ -350,8 +364,10 @@ class _Session:
         quota = store.config.quota(self.caller.project)
         if quota is None:
             return
-        spent = sum(quota.spent(t.prompt_tokens, t.cached_tokens, t.reasoning_tokens + t.answer_tokens)
-                    for t in self.turns)
+        # a prompt sent counts whole even when the attempt was cut before its first token (vLLM
+        # computed some of it; a client hanging up mid-prefill gets nothing back)
+        spent = sum(quota.spent(max(t.prompt_tokens, self.prompt_tokens), t.cached_tokens,
+                                t.reasoning_tokens + t.answer_tokens) for t in self.turns)
         try:
             await self.gw.run(store.settle, self.ref, ticket.fence, spent)
         except redis.RedisError as exc:
@@ -374,6 +390,7 @@ class _Session:
                         await adm.give_back(self.ref, grant)
                     return None
                 if grant is None:
+                    await self._quota(waited=True)  # held by its quota: say so, not "busy"
                     raise adm.timeout_error(settings.max_queue_wait_s)
                 break
             wait_s = min(give_up_at - now, self.last_write + settings.keepalive_s - now)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 QUOTA = "quota"  # the hold reason of a candidate over its project's quota
+NEVER_FITS = "quota: larger than the quota"  # how ``refusal`` starts for a turn no window holds
 
 MINUTE_S = 60
 
@@ -145,8 +146,8 @@ def refusal(quota: Quota, over: str, usage: Usage, prompt_tokens: int, max_new_t
     request let in here may still wait there."""
     cost = quota.reserve(prompt_tokens, max_new_tokens)
     if quota.never_fits(cost):
-        return (f"quota: this request may cost {cost:,} (prompt and output limit), more than the "
-                f"project's smallest token quota ({quota.smallest_tokens:,}); ask for fewer tokens"), None
+        return (f"{NEVER_FITS}: this request may cost {cost:,} (prompt and output limit), more than "
+                f"the project's smallest token quota ({quota.smallest_tokens:,}); ask for fewer tokens"), None
     held = blocking(quota, usage, cost, windows)
     if held is None or over != "refuse":
         return None

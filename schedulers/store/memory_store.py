@@ -84,7 +84,8 @@ class MemoryStore:
         # quotas: (project, window kind, window) -> tokens or requests held; job id -> its
         # grant's reservation (fence, cost, project, windows)
         self._quota_used: dict[tuple[str, str, str], int] = {}
-        self._reserved: dict[str, tuple[int, int, str, quota.Windows]] = {}
+        # job id -> (fence, cost, project, windows, the window kinds it wrote)
+        self._reserved: dict[str, tuple[int, int, str, quota.Windows, tuple[str, ...]]] = {}
         self._quota_held: dict[str, int] = {}  # as the Redis store's quota_held:<project>
         self._held_now: set[str] = set()  # projects held in the current admit_many call
 
@@ -219,8 +220,15 @@ class MemoryStore:
             requests_minute=used.get((project, "r", str(windows.minute)), 0),
             tokens_day=used.get((project, "d", windows.day), 0),
             tokens_month=used.get((project, "mo", windows.month), 0),
-            in_flight=sum(1 for lease in self._leases.values() if lease.entry.item.project == project),
+            in_flight=self._in_flight(project, windows),
         )
+
+    def _in_flight(self, project: str, windows: quota.Windows) -> int:
+        """The project's live leases, counted only when its quota caps them (as on Redis)."""
+        q = self.config.quota(project)
+        if q is None or not q.max_in_flight:
+            return 0
+        return sum(1 for lease in self._leases.values() if lease.entry.item.project == project)
 
     def _windows_of(self, project: str, windows: quota.Windows) -> list[tuple[str, str, str]]:
         return [(project, "m", str(windows.minute)), (project, "d", windows.day), (project, "mo", windows.month)]
@@ -234,25 +242,30 @@ class MemoryStore:
         cost = q.reserve(head.prompt_tokens, head.max_new_tokens)
         used = self._quota_used
         tokens = (q.tokens_per_minute, q.tokens_per_day, q.tokens_per_month)
+        wrote = []
         for key, limit in zip(self._windows_of(head.project, windows), tokens, strict=True):
             if limit:
                 used[key] = used.get(key, 0) + cost
+                wrote.append(key[1])
         if q.requests_per_minute:
             requests = (head.project, "r", str(windows.minute))
             used[requests] = used.get(requests, 0) + 1
-        if any(tokens):
-            self._reserved[head.job_id] = (fence, cost, head.project, windows)
+        if wrote:
+            self._reserved[head.job_id] = (fence, cost, head.project, windows, tuple(wrote))
+        if len(used) > 4096:  # minutes long past (Redis lets them lapse after 180 s)
+            for old in [k for k in used if k[1] in ("m", "r") and int(k[2]) < windows.minute - 3]:
+                del used[old]
 
     def settle(self, job_id: str, fence: int, spent: int) -> bool:
         with self._lock:
             held = self._reserved.get(job_id)
             if held is None or held[0] != fence:
                 return False
-            _, cost, project, windows = self._reserved.pop(job_id)
-            back = max(0, cost - max(0, spent))
+            _, cost, project, windows, wrote = self._reserved.pop(job_id)
+            change = max(0, spent) - cost  # what it spent beyond the reservation counts too
             for key in self._windows_of(project, windows):
-                if key in self._quota_used:
-                    self._quota_used[key] -= back
+                if key[1] in wrote and key in self._quota_used:
+                    self._quota_used[key] += change
             return True
 
     def quota_usage(self, project: str, now: float) -> quota.Usage:

@@ -357,7 +357,7 @@ class RedisStore:
         if raw is None:
             return False
         held = _text(raw)
-        project, held_fence, _cost, minute, day, month = held.split(" ")
+        project, held_fence, _cost, minute, day, month, *_flags = held.split(" ")
         if int(held_fence) != fence:
             return False
         keys = [self._key("qres"), *self._quota_keys(project, minute, day, month)]
@@ -370,9 +370,12 @@ class RedisStore:
         pipe.hmget(minute, "t", "r")
         pipe.get(day)
         pipe.get(month)
-        pipe.hvals(self._key("lease"))
-        (t, r), d, mo, leases = pipe.execute()
-        in_flight = sum(1 for raw in leases if Lease.unpack(_text(raw)).project == project)
+        quota = self.config.quota(project)
+        flight = quota is not None and quota.max_in_flight > 0  # else no lease is read
+        if flight:
+            pipe.hvals(self._key("lease"))
+        (t, r), d, mo, *leases = pipe.execute()
+        in_flight = sum(1 for raw in (leases[0] if flight else ()) if Lease.unpack(_text(raw)).project == project)
         return Usage(tokens_minute=int(t or 0), requests_minute=int(r or 0), tokens_day=int(d or 0),
                      tokens_month=int(mo or 0), in_flight=in_flight)
 

@@ -20,10 +20,11 @@ import redis
 from redis.crc import key_slot
 
 from fleet.core.codes import Code
-from fleet.core.config import EXAMPLE_CONFIG, load_settings
+from fleet.core.config import EXAMPLE_CONFIG, RepeatCacheSettings, load_settings
 from fleet.core.keys import Keys
 from fleet.core.lua import source
 from fleet.core.models import Envelope
+from fleet.core.repeatcache import Entry, RepeatCache
 from fleet.core.results import ResultStore
 from fleet.core.usage import TurnUsage, UsageLedger
 from fleet.infer.retrying import RetryBudget
@@ -133,6 +134,11 @@ def _workload(client: redis.Redis, prefix: str) -> None:
 
     ledger = UsageLedger(client, keys, settings.usage)
     assert ledger.count([TurnUsage("p", "j5", 1, 1, "OK", prompt_tokens=5)]) == 1
+
+    cache = RepeatCache(client, keys, "p", RepeatCacheSettings(enabled=True, max_entries=1))
+    for digest in ("d1", "d2"):  # the second evicts the first (max_entries)
+        assert cache.put(digest, Entry("a", "", [], "stop", {}, "", now[0], now[0] + 60))
+    assert cache.stats()["evictions"] == 1
 
 
 def _backends_workload(client: redis.Redis, prefix: str) -> None:

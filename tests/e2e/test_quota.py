@@ -3,15 +3,14 @@ as processes on the test Redis, clients on the official ``openai`` SDK and the f
 
 - research (``over = "refuse"``, 3 requests a minute): each answer carries OpenAI's
   ``x-ratelimit-*`` headers counting down; the fourth request in the minute is a 429 the SDK
-  raises as ``RateLimitError``, with ``Retry-After`` and code E_QUOTA_EXCEEDED; a request larger
-  than the token quota is refused at once, without Retry-After; another project's key spends none
-  of research's quota.
+  raises as ``RateLimitError``, with ``Retry-After`` and code E_QUOTA_EXCEEDED; another
+  project's key spends none of research's quota. A request larger than the token quota is a 400 (asking again never helps).
 - triage (``over = "wait"``, 2,900 a minute, jobs reserving ~1,250 and spending ~80): two jobs go
   at once, the third waits (hold ``quota``) until the first one's turn settles and gives back
   what it did not spend, then runs in the same minute; the minute's counter then equals what the
   usage ledger counted for the three turns.
 - translate (1,000 tokens a day, jobs reserving more than 8,000): refused by prep,
-  E_QUOTA_EXCEEDED, never admitted.
+  E_INPUT_INVALID naming the quota, never admitted.
 """
 
 from __future__ import annotations
@@ -101,15 +100,17 @@ def test_the_gateway_counts_down_then_answers_429_with_retry_after(fleet: tuple[
     assert _quota_minute(harness, "assistant") == {}  # no quota, nothing reserved
 
 
-def test_a_request_larger_than_the_token_quota_is_refused_without_retry_after(
+def test_a_request_larger_than_the_token_quota_is_a_400(
         fleet: tuple[Harness, dict[str, str]]) -> None:
     harness, keys = fleet
     response = httpx.post(f"http://127.0.0.1:{harness.settings.gateway.port}/v1/chat/completions",
                           headers={"Authorization": f"Bearer {keys['research']}"}, timeout=30,
                           json={"model": "local", "max_tokens": 70_000,
                                 "messages": [{"role": "user", "content": "a long answer, please"}]})
-    assert response.status_code == 429
-    assert response.json()["error"]["code"] == Code.E_QUOTA_EXCEEDED.value
+    # asking again never helps: a 400 the SDKs do not retry, not a 429
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == Code.E_INPUT_INVALID.value
+    assert response.json()["error"]["param"] == "max_tokens"
     assert "smallest token quota" in response.json()["error"]["message"]
     assert "retry-after" not in response.headers
 
@@ -151,6 +152,6 @@ def test_a_job_larger_than_the_day_quota_is_refused_before_admission(fleet: tupl
     job_id = harness.client.submit({"project": "translate", "messages": [
         {"role": "user", "content": "Translate: bonjour"}]})
     envelope = harness.client.result(job_id, timeout=30)
-    assert envelope.code == Code.E_QUOTA_EXCEEDED
+    assert envelope.code == Code.E_INPUT_INVALID
     assert "smallest token quota (1,000)" in envelope.message
     assert not envelope.attempts

@@ -59,12 +59,33 @@ def test_settle_gives_back_what_the_turn_did_not_spend_once(make_store: StoreFac
     assert [r.grant.job_id for r in store.admit_many(NOW, 8) if r.grant] == ["a2"]
 
 
-def test_settle_never_charges_more_than_the_reservation(make_store: StoreFactory) -> None:
+def test_settle_charges_what_the_turn_spent_beyond_its_reservation(make_store: StoreFactory) -> None:
+    """A prompt the fleet counted short: the window holds what was spent, and holds the next."""
     store = make_store(quota_config(a=Quota(tokens_per_minute=2000)))
     store.add_pending(job("a0", project="a"))
+    store.add_pending(job("a1", project="a"))
     grant = store.admit_next(NOW).grant
-    assert store.settle(grant.job_id, grant.fence, 5000)
-    assert store.quota_usage("a", NOW).tokens_minute == 900
+    assert store.settle(grant.job_id, grant.fence, 1500)
+    assert store.quota_usage("a", NOW).tokens_minute == 1500
+    assert store.admit_next(NOW).hold_reason == "quota"
+
+
+def test_settle_changes_only_the_windows_its_reservation_wrote(make_store: StoreFactory) -> None:
+    """A day limit added between a grant and its settle (a restart with new settings): the day's
+    counter, which the reservation never added to, gets nothing back."""
+    store = make_store(quota_config(a=Quota(requests_per_minute=10)))
+    store.add_pending(job("a0", project="a"))
+    grant = store.admit_next(NOW).grant
+    store.config = replace(store.config, quotas={"a": Quota(requests_per_minute=10, tokens_per_day=5000)})
+    assert not store.settle(grant.job_id, grant.fence, 0)  # it reserved no tokens: nothing to settle
+    assert store.quota_usage("a", NOW).tokens_day == 0
+    store.config = replace(store.config, quotas={"a": Quota(tokens_per_minute=2000)})
+    store.add_pending(job("a1", project="a"))
+    second = store.admit_next(NOW).grant
+    store.config = replace(store.config, quotas={"a": Quota(tokens_per_minute=2000, tokens_per_day=5000)})
+    assert store.settle(second.job_id, second.fence, 0)
+    usage = store.quota_usage("a", NOW)
+    assert (usage.tokens_minute, usage.tokens_day) == (0, 0)
 
 
 def test_a_grant_of_a_project_without_quota_reserves_nothing(make_store: StoreFactory) -> None:

@@ -221,13 +221,17 @@ def _within_quota(rt: Runtime, ref: str, cont: Continuation) -> Envelope | Conti
                             f"({quota.smallest_tokens:,})")
 
 
-def _quota_settler(rt: Runtime, ref: str, fence: int, project: str) -> Callable[[TurnUsage], None] | None:
+def _quota_settler(rt: Runtime, ref: str, fence: int, project: str,
+                   progress: TurnProgress) -> Callable[[TurnUsage], None] | None:
     """What settles this grant's quota reservation with its attempt's usage (None: no quota)."""
     quota = rt.store.config.quota(project)
     if quota is None:
         return None
+    # a prompt sent counts whole even when the attempt was cut before its first token (the plan's
+    # count: vLLM computed some of it, a cancel mid-prefill gets nothing back)
     return lambda usage: _settle_quota(rt, ref, fence, quota.spent(
-        usage.prompt_tokens, usage.cached_tokens, usage.reasoning_tokens + usage.answer_tokens))
+        max(usage.prompt_tokens, progress.prompt_tokens), usage.cached_tokens,
+        usage.reasoning_tokens + usage.answer_tokens))
 
 
 def _settle_quota(rt: Runtime, ref: str, fence: int, spent: int) -> None:
@@ -281,9 +285,12 @@ def _run(rt: Runtime, on: OnBackend, ref: str, project: str, keeper: LeaseKeeper
         keys=rt.keys, events=events, cancel=keeper.cancel, client=on.vllm,
         fence_tag=record.get("fence_tag") or None, count_prompt=on.counter.count_messages,
         ledger=rt.ledger, fence=progress.fence, progress=progress, usage_key=progress.key,
-        settle=_quota_settler(rt, ref, progress.fence, job.project),
+        settle=_quota_settler(rt, ref, progress.fence, job.project, progress),
     )
     envelope = run_inference(job, plan, ctx, turn)
+    # a turn that ended without an attempt (cancelled or past its deadline before it sent, a
+    # tool round not sent): its reservation goes back whole; a no-op once an attempt settled
+    _settle_quota(rt, ref, progress.fence, 0)
     if not isinstance(envelope, Envelope):
         return envelope, number  # a Continuation
     warnings = json.loads(record.get("warnings", "[]"))

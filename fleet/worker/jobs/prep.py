@@ -46,6 +46,7 @@ from fleet.worker.jobs.common import cancel_requested, end_unleased, event_sink,
 from fleet.worker.jobs.tool import first_turn_tools
 from fleet.worker.runtime import Runtime
 from schedulers.backoff import Backoff
+from schedulers.policy.quota import NEVER_FITS
 from schedulers.store.base import PendingItem, quota_entry
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,8 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
                         time.time())
     if entry.refused is not None:  # before the record: a refused job never runs
         message, retry_s = entry.refused
+        if retry_s is None and message.startswith(NEVER_FITS):  # no window could ever hold it
+            raise InputInvalid(message)
         raise QuotaExceeded(message, retry_after_s=None if retry_s is None else math.ceil(retry_s))
     ready = job.model_copy(update={"messages": prepared.messages, "sources": []})
     job_json, plan_json = ready.model_dump_json(), json.dumps(plan.__dict__)

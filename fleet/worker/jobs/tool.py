@@ -162,6 +162,12 @@ def _settle_result(rt: Runtime, ref: str, turn: TurnRecord, round_: ToolRound, c
     if why is not None:
         return _end_waiting(rt, ref, turn, Code.E_PROMPT_TOO_LONG, why)
     grown = tools_mod.next_prompt_tokens(turn, results)
+    quota = rt.store.config.quota(project)
+    if quota is not None and quota.never_fits(quota.reserve(grown, int(turn["plan"]["max_tokens"]))):
+        return _end_waiting(rt, ref, turn, Code.E_QUOTA_EXCEEDED,
+                            f"quota: the next turn (prompt {grown:,} with the tool results, and its output "
+                            f"limit) may cost more than the project's smallest token quota "
+                            f"({quota.smallest_tokens:,}): it could never be admitted")
     mask = job_eligible(rt.settings, project, model, grown + int(turn["plan"]["max_tokens"]))
     _past_soft_limit(lambda: rt.store.grow(ref, grown, eligible=mask))
     if tools_mod.round_complete(round_, results):  # in line now, not at the round's timeout

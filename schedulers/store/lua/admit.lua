@@ -44,7 +44,7 @@
 --       as the keys: the group is the projects set's member (`<project>` or `<project>:<elig>`),
 --       the weight its project's.
 -- then, after the groups' keys, when nq > 0: qres (hash: job id -> its grant's reservation,
--- "project fence cost minute day month"), and three per quota project, in the ARGV's order:
+-- "project fence cost minute day month flags", flags naming the windows it wrote: t d m), and three per quota project, in the ARGV's order:
 -- quota:<project>:m:<minute> (hash t: cost held, r: requests), quota:<project>:d:<day> and
 -- quota:<project>:mo:<month> (strings: cost held). A candidate over its project's quota is passed
 -- over (reason 'quota', lifting when the window that holds it ends) before any backend is tried;
@@ -194,8 +194,9 @@ local function reserve(c, fence)
   if q.rpm > 0 then add_to(q.kmin, 'r', 1, 180) end
   if q.tpd > 0 then add_to(q.kday, nil, cost, 3 * 86400) end
   if q.tpmo > 0 then add_to(q.kmonth, nil, cost, 33 * 86400) end
-  if q.tpm > 0 or q.tpd > 0 or q.tpmo > 0 then
-    redis.call('HSET', qres, c.id, table.concat({c.project, fence, cost, win.minute, win.day, win.month}, ' '))
+  local flags = (q.tpm > 0 and 't' or '') .. (q.tpd > 0 and 'd' or '') .. (q.tpmo > 0 and 'm' or '')
+  if flags ~= '' then
+    redis.call('HSET', qres, c.id, table.concat({c.project, fence, cost, win.minute, win.day, win.month, flags}, ' '))
   end
 end
 
