@@ -54,7 +54,7 @@ QUEUE_KEY = "queue"
 HOUR_S = 3600
 METRICS = ("requests", "prompt_tokens", "cached_tokens", "reasoning_tokens", "answer_tokens",
            "cut_turns", "crashed_turns", "crashed_tokens", "loop_cuts", "loop_cut_tokens",
-           "tool_rounds")
+           "tool_rounds", "cache_hits")
 LOOP_CODE = "E_THINK_LOOP"
 # A turn whose worker died mid-stream ends with no code of its own: it counts under the code of a
 # stream that ended without its end, as the fleet names it when it sees one.
