@@ -17,8 +17,8 @@
    the quotas on against the baseline (its share must not fall: the quotas only hold the others).
 3. A cache hit (``cache_latency``, ``fleet bench cache``): a new temperature-0 request (a model
    turn) and its identical repeat (answered from the project's exact-repeat cache), one after the
-   other through one gateway, end to end; the model requests the simulator saw and the sequences
-   in flight in the store after each hit.
+   other through one gateway, end to end; the model requests the simulator saw and the admissions
+   the store made while the repeats were answered.
 2. Cost (``quota_cost``). Admission pairs/s at a steady backlog (admit up to 8 grants per ADMIT
    call, release one by one, as ``fleet bench dispatch``) without quotas, with a quota on every
    project (limits high enough that none holds: every grant reserves, every call reads the
@@ -281,7 +281,7 @@ def cache_latency(redis_url: str, requests: int = 40, speed: float = 20.0, think
     """A cache hit against a model turn, through one gateway and the machine otherwise idle:
     ``requests`` new temperature-0 requests (each a model turn: the miss), each followed by its
     identical repeat (the hit); end-to-end latency of both (p50, p99), the model requests the
-    simulator saw, and the sequences in flight in the store while each hit was answered."""
+    simulator saw, and the admissions the store made while the repeats were answered."""
     with QuotaFleet(redis_url, {}, gateways=1, dispatchers=1, speed=speed, cache=True) as fleet:
         store = make_store(fleet.settings, redis_client(fleet.settings))
         url = f"http://127.0.0.1:{fleet.ports[0]}/v1/chat/completions"
@@ -293,13 +293,14 @@ def cache_latency(redis_url: str, requests: int = 40, speed: float = 20.0, think
                 body = {"model": "local", "temperature": 0, "max_tokens": 4000, "messages": [
                     {"role": "user", "content": f"repeat {uuid.uuid4().hex} "
                                                 f"[sim:think={think}] [sim:answer={answer}]"}]}
-                times = []
+                times, admitted = [], []
                 for _ in range(2):
                     started = time.perf_counter()
                     response = http.post(url, json=body, headers=auth)
                     times.append(time.perf_counter() - started)
                     response.raise_for_status()
-                in_flight = max(in_flight, store.snapshot().in_flight)
+                    admitted.append(store.snapshot().admissions)
+                in_flight += admitted[1] - admitted[0]  # admissions while the repeat was answered
                 cached += int(response.headers.get("x-fleet-cache") == "hit")
                 if n >= 2:  # the first two warm connections and caches
                     misses.append(times[0])
@@ -314,5 +315,5 @@ def cache_latency(redis_url: str, requests: int = 40, speed: float = 20.0, think
         "cache hit p50 ms": 1000 * percentile(hits, 50),
         "cache hit p99 ms": 1000 * percentile(hits, 99),
         "hit / miss, p50": percentile(hits, 50) / percentile(misses, 50),
-        "sequences in flight after a hit (most seen)": float(in_flight),
+        "admissions made for the repeats": float(in_flight),
     }

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from fleet.bench.quota import minutes_markdown, quota_cost, quota_exactness
+from fleet.bench.quota import cache_latency, minutes_markdown, quota_cost, quota_exactness
 
 
 def test_the_quota_cost_runs_both_stores_and_cleans_up(redis_url: str) -> None:
@@ -31,3 +31,12 @@ def test_a_short_exactness_run_holds_every_minute_within_its_quota(redis_url: st
     assert figures["requests answered (quota run)"] == figures["of them found in the simulator's log"] > 0
     assert figures["triage output tok/s, with quotas"] > 0
     assert "| reports |" in minutes_markdown(figures)
+
+
+@pytest.mark.slow
+def test_the_cache_latency_bench_answers_every_repeat_from_the_cache(redis_url: str) -> None:
+    figures = cache_latency(redis_url, requests=2, speed=40.0, think=20, answer=10)
+    assert figures["repeats answered from the cache"] == figures["request pairs"] == 4
+    assert figures["model requests the simulator saw"] == 4  # the misses only
+    assert figures["admissions made for the repeats"] == 0
+    assert figures["cache hit p50 ms"] > 0 and figures["model turn (miss) p50 ms"] > 0
