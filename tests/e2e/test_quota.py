@@ -4,7 +4,8 @@ as processes on the test Redis, clients on the official ``openai`` SDK and the f
 - research (``over = "refuse"``, 3 requests a minute): each answer carries OpenAI's
   ``x-ratelimit-*`` headers counting down; the fourth request in the minute is a 429 the SDK
   raises as ``RateLimitError``, with ``Retry-After`` and code E_QUOTA_EXCEEDED; another
-  project's key spends none of research's quota. A request larger than the token quota is a 400 (asking again never helps).
+  project's key spends none of research's quota. A request larger than the token quota is a
+  400 (asking again never helps).
 - triage (``over = "wait"``, 2,900 a minute, jobs reserving ~1,250 and spending ~80): two jobs go
   at once, the third waits (hold ``quota``) until the first one's turn settles and gives back
   what it did not spend, then runs in the same minute; the minute's counter then equals what the
