@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 import tomllib
 from collections.abc import Mapping
@@ -679,8 +680,25 @@ class ProjectSettings(_Section):
     E_TOOL_INVALID."""
     quota: QuotaSettings = Field(default_factory=QuotaSettings)
     """Spending limits of the project (none by default)."""
+    key_quotas: dict[str, QuotaSettings] = Field(default_factory=dict)
+    """Spending limits of single gateway API keys, by the key's ledger name ("sha256:<first 8
+    hex of its digest>", as ``fleet usage --by key`` shows it), beside the project's own:
+    tokens and requests per window, the cost rates and ``over``; ``max_in_flight`` is the
+    project's only. They bind the key's chat requests."""
     repeat_cache: RepeatCacheSettings = Field(default_factory=RepeatCacheSettings)
     """Answering identical gateway requests again from the first answer (off by default)."""
+
+    @field_validator("key_quotas")
+    @classmethod
+    def _key_labels(cls, value: dict[str, QuotaSettings]) -> dict[str, QuotaSettings]:
+        for label, quota in value.items():
+            if re.fullmatch(r"sha256:[0-9a-f]{8}", label) is None:
+                raise ValueError(f"key_quotas: {label!r} is not a key's name (\"sha256:\" and the first 8 "
+                                 "hex digits of its digest, as fleet usage --by key shows it)")
+            if quota.max_in_flight:
+                raise ValueError(f"key_quotas.{label}: max_in_flight is the project's only (set it in "
+                                 "its quota)")
+        return value
 
     @field_validator("api_keys")
     @classmethod

@@ -84,6 +84,11 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                               string the marker of one counted model turn, SET NX by the same
                                      script as the increments (a count happens once); TTL
                                      usage.turn_marker_s; no project user may read or write it
+  {p}kquota:{<project>}:<key>:m:<minute>, ...:d:<YYYYMMDD>, ...:mo:<YYYYMM>
+                              hash/string  a gateway API key's own quota windows (<key> its ledger
+                                     name, sha256:<8 hex>), as the project's D quota:* keys
+                                     (schedulers/store/keyquota.py); TTL 180 s, 3 days, 33 days
+  {p}kquota:{<project>}:res   hash   gateway request ref -> its key quota reservation, until settled
   {p}rcache:{<project>}:e     hash   the project's exact-repeat cache (fleet/core/repeatcache.py,
                                      docs/usage.md): digest of a gateway request as it would go to
                                      vLLM -> the answer (JSON, with its expiry); TTL repeat_cache.ttl_s

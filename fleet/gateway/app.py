@@ -75,6 +75,7 @@ from fleet.prep.tokens import TokenCounter
 from fleet.worker.app import create_app as create_celery_app
 from fleet.worker.dispatch import make_send
 from fleet.worker.runtime import Runtime
+from schedulers.store.keyquota import KeyQuotas
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -107,6 +108,7 @@ class Gateway:
         send = make_send(settings, self.runtime.redis, create_celery_app(settings))
         self.admission = Admission(self.runtime.store, self.runtime.results, self.aredis,
                                    self.runtime.keys, self.run, send)
+        self.key_quotas = KeyQuotas(self.runtime.redis, self.runtime.keys)  # schedulers/store/keyquota.py
         self.client = Client(settings, redis_client=self.runtime.redis, retry_s=SUBMIT_RETRY_S)
         self._budgets: dict[str, RetryBudget] = {}
         # Only the process's own count cache, not the shared Redis one: a chat prompt is new

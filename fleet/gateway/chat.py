@@ -81,7 +81,8 @@ from fleet.infer.vllm import Delta, StreamResult
 from fleet.prep.cachehint import CacheEstimate
 from fleet.worker.lease import LeaseKeeper
 from fleet.worker.runtime import OnBackend
-from schedulers.policy.quota import NEVER_FITS
+from schedulers.policy.quota import NEVER_FITS, Quota, Windows, remaining
+from schedulers.policy.quota import Usage as QuotaUsage
 from schedulers.store.base import quota_entry
 
 if TYPE_CHECKING:
@@ -144,6 +145,7 @@ class _Session:
         self.cache_hit: Entry | None = None  # answered from the project's exact-repeat cache
         self.cache_lock: Lock | None = None  # this request computes the answer identical ones wait for
         self.cache_digest = ""
+        self.key_quota: Quota | None = None  # the API key's own quota, once reserved against
         # Every answer's headers say what the gateway changed (tools removed), visible to any client.
         self.headers = warning_headers(built.warnings)
         self._receive, self._send = receive, send
@@ -249,6 +251,7 @@ class _Session:
             if ticket is not None:
                 await self._settle_quota(ticket)
                 await self.gw.admission.release(ticket)
+            await self._settle_key_quota(admitted=ticket is not None)
             await self._account(code, message)
 
     # -- the exact-repeat cache (fleet/core/repeatcache.py) -------------------------------------
@@ -357,6 +360,53 @@ class _Session:
                 raise InputInvalid(message, param="max_tokens")
             raise QuotaExceeded(message, retry_after_s=None if retry_s is None else max(1, math.ceil(retry_s)))
 
+    async def _key_quota(self) -> None:
+        """The API key's own quota (schedulers/store/keyquota.py), before admission: reserve the
+        request's worst case, or wait for the window that holds it (``over = "wait"``, at most
+        ``gateway.max_queue_wait_s``) or answer 429 E_QUOTA_EXCEEDED; 400 when no window could
+        ever hold it. Its ``x-ratelimit-*`` headers then describe the key's quota."""
+        project, label = self.caller.project, key_label(self.caller.key_id)
+        limits = self.gw.live.settings.projects[project].key_quotas.get(label)
+        if limits is None:
+            return
+        quota = Quota(limits.tokens_per_minute, limits.requests_per_minute, limits.tokens_per_day,
+                      limits.tokens_per_month, 0, limits.cost_prompt, limits.cost_cached, limits.cost_output)
+        cost = quota.reserve(self.prompt_tokens, self.max_tokens)
+        if quota.never_fits(cost):
+            raise InputInvalid(f"{NEVER_FITS}: this request may cost {cost:,} (prompt and output limit), "
+                               f"more than its API key's smallest token quota ({quota.smallest_tokens:,})",
+                               param="max_tokens")
+        give_up = self.started + self.gw.live.settings.gateway.max_queue_wait_s
+        while True:
+            now = time.time()
+            used = await self.gw.run(self.gw.key_quotas.used, project, label, now)
+            held = await self.gw.run(self.gw.key_quotas.reserve, project, label, quota, self.ref,
+                                     self.prompt_tokens, self.max_tokens, now)
+            self.headers = [h for h in self.headers if not h[0].startswith(b"x-ratelimit-")]
+            self.headers += ratelimit_headers(remaining(quota, QuotaUsage(used[0], used[1]), Windows.at(now)))
+            if held is None:
+                self.key_quota = quota
+                return
+            name, limit, retry_s = held
+            wait_s = min(retry_s + 0.05, give_up - time.monotonic())
+            if limits.over == "refuse" or wait_s <= 0 or self.disconnected.is_set():
+                raise QuotaExceeded(f"quota: this API key's {name} = {limit:,} has no room for this request "
+                                    f"(cost {cost:,}); room again in {math.ceil(retry_s)} s",
+                                    retry_after_s=max(1, math.ceil(retry_s)))
+            await asyncio.sleep(wait_s)
+
+    async def _settle_key_quota(self, admitted: bool) -> None:
+        """The key's reservation meets what the request spent (0 when it was never admitted)."""
+        quota = self.key_quota
+        if quota is None:
+            return
+        spent = sum(quota.spent(max(t.prompt_tokens, self.prompt_tokens), t.cached_tokens,
+                                t.reasoning_tokens + t.answer_tokens) for t in self.turns) if admitted else 0
+        try:
+            await self.gw.run(self.gw.key_quotas.settle, self.caller.project, self.ref, spent)
+        except redis.RedisError as exc:
+            log.warning("chat job=%s: key quota reservation not settled (%r); it stands", self.job_id, exc)
+
     async def _settle_quota(self, ticket: Ticket) -> None:
         """The grant's quota reservation meets what its attempts spent (nothing without a quota);
         a Redis error leaves the reservation standing (the window keeps the worst case)."""
@@ -377,6 +427,7 @@ class _Session:
         gw, settings = self.gw, self.gw.live.settings.gateway
         adm = gw.admission
         await self._quota()
+        await self._key_quota()
         enqueued_at = await adm.enqueue(self.ref, self.caller.project, self.caller.band,
                                         self.prompt_tokens, self.max_tokens, settings.max_queue_wait_s,
                                         self.eligible, self.cache)

@@ -79,6 +79,10 @@ def test_a_producer_reaches_nothing_of_another_project_nor_the_fleet(broker: Acl
         "free its own quota": lambda: producer_b.decrby(f"{keys.dispatch}quota:{B}:d:20261202", 10**6),
         "drop its own reservation": lambda: producer_b.hdel(f"{keys.dispatch}qres", f"{B}/j"),
         "read A's quota": lambda: producer_b.get(f"{keys.dispatch}quota:{A}:mo:202612"),
+        # an API key's own quota (the gateway's KEYQUOTA): spend one of A's keys', free its own
+        "spend an A key's quota": lambda: producer_b.hincrby(
+            f"{keys.prefix}kquota:{{{A}}}:sha256:00000000:m:1", "t", 10**6),
+        "free its own key's quota": lambda: producer_b.delete(f"{keys.prefix}kquota:{{{B}}}:sha256:00000000:d:1"),
         # the exact-repeat cache: read A's answers, plant one for A, or for itself
         "read A's kept answers": lambda: producer_b.hgetall(keys.rcache(A, "e")),
         "plant an answer for A": lambda: producer_b.hset(keys.rcache(A, "e"), "0" * 64, "{}"),

@@ -33,6 +33,7 @@ from fleet.worker.heartbeat import beat, live_workers
 from schedulers.policy.limits import Limits
 from schedulers.policy.quota import Quota
 from schedulers.store.base import BackendLimits, PendingItem, StoreConfig
+from schedulers.store.keyquota import KeyQuotas
 from schedulers.store.redis_store import COMPOSED, RedisStore
 
 LUA_FOLDERS = ("schedulers.store", "fleet.core", "fleet.prep", "fleet.infer", "fleet.worker")
@@ -134,6 +135,11 @@ def _workload(client: redis.Redis, prefix: str) -> None:
 
     ledger = UsageLedger(client, keys, settings.usage)
     assert ledger.count([TurnUsage("p", "j5", 1, 1, "OK", prompt_tokens=5)]) == 1
+
+    key_quotas = KeyQuotas(client, keys)  # a gateway key's own quota: reserve, then settle
+    assert key_quotas.reserve("p", "sha256:00000000", Quota(tokens_per_minute=10_000), "p/g9", 100, 100,
+                              now[0]) is None
+    assert key_quotas.settle("p", "p/g9", 50)
 
     cache = RepeatCache(client, keys, "p", RepeatCacheSettings(enabled=True, max_entries=1))
     for digest in ("d1", "d2"):  # the second evicts the first (max_entries)

@@ -26,10 +26,12 @@ import pytest
 
 from fleet.cli.queues import queues_table
 from fleet.cli.top import read_frame, render
+from fleet.core.apikeys import digest, mint
 from fleet.core.codes import Code
-from fleet.core.usage import UsageLedger
+from fleet.core.usage import UsageLedger, key_label
 from fleet.core.usagereport import totals
 from schedulers.policy.quota import Windows
+from schedulers.store.keyquota import KeyQuotas
 from tests.support.fleet_harness import Harness
 from tests.support.gateway_support import config_with_keys
 from tests.support.rendering import rendered
@@ -41,11 +43,17 @@ SIM_ARGS = ["--think-min-tokens", "20", "--think-max-tokens", "40",
 TRIAGE_TPM = 2_900
 
 
+LIMITED_KEY, LIMITED_ENTRY = mint()  # an assistant key with a quota of its own
+FREE_KEY, FREE_ENTRY = mint()  # another assistant key, without one
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Harness, dict[str, str]]]:
     config, keys = config_with_keys(
         tmp_path_factory.mktemp("fleet-quota"),
         projects={
+            "assistant": {"api_keys": [LIMITED_ENTRY, FREE_ENTRY], "key_quotas": {
+                key_label(digest(LIMITED_KEY)): {"requests_per_minute": 2, "over": "refuse"}}},
             "research": {"quota": {"requests_per_minute": 3, "tokens_per_minute": 10_000, "over": "refuse"}},
             "triage": {"thinking_budget": 1000, "content_reserve": 200,
                        "quota": {"tokens_per_minute": TRIAGE_TPM, "requests_per_minute": 100}},
@@ -75,7 +83,7 @@ def test_the_gateway_counts_down_then_answers_429_with_retry_after(fleet: tuple[
     harness, keys = fleet
     base = f"http://127.0.0.1:{harness.settings.gateway.port}/v1"
     client = openai.OpenAI(base_url=base, api_key=keys["research"], max_retries=0)
-    other = openai.OpenAI(base_url=base, api_key=keys["assistant"], max_retries=0)
+    other = openai.OpenAI(base_url=base, api_key=FREE_KEY, max_retries=0)
     _early_in_a_minute()
     messages = [{"role": "user", "content": f"Quota {uuid.uuid4().hex}. [sim:think=20] [sim:answer=5]"}]
     remaining = []
@@ -156,3 +164,26 @@ def test_a_job_larger_than_the_day_quota_is_refused_before_admission(fleet: tupl
     assert envelope.code == Code.E_INPUT_INVALID
     assert "smallest token quota (1,000)" in envelope.message
     assert not envelope.attempts
+
+
+def test_an_api_key_quota_binds_that_key_only(fleet: tuple[Harness, dict[str, str]]) -> None:
+    """assistant's limited key: two requests a minute, the third a 429 naming the key's limit;
+    the project's other key goes on, and spends nothing of the limited key's quota."""
+    harness, _keys = fleet
+    base = f"http://127.0.0.1:{harness.settings.gateway.port}/v1"
+    limited = openai.OpenAI(base_url=base, api_key=LIMITED_KEY, max_retries=0)
+    free = openai.OpenAI(base_url=base, api_key=FREE_KEY, max_retries=0)
+    _early_in_a_minute()
+    messages = [{"role": "user", "content": f"Key {uuid.uuid4().hex}. [sim:think=10] [sim:answer=5]"}]
+    for _ in range(2):
+        raw = limited.chat.completions.with_raw_response.create(model="local", messages=messages, max_tokens=200)
+        assert raw.headers["x-ratelimit-limit-requests"] == "2"
+    with pytest.raises(openai.RateLimitError) as refused:
+        limited.chat.completions.create(model="local", messages=messages, max_tokens=200)
+    assert "this API key's requests_per_minute = 2" in refused.value.response.json()["error"]["message"]
+    assert 1 <= int(refused.value.response.headers["retry-after"]) <= 60
+    for _ in range(3):  # the other key of the same project: not held, and not counted
+        assert free.chat.completions.create(model="local", messages=messages, max_tokens=200).choices
+    quotas = KeyQuotas(harness.client.redis, harness.client.keys)
+    assert quotas.used("assistant", key_label(digest(LIMITED_KEY)), time.time())[1] == 2
+    assert quotas.used("assistant", key_label(digest(FREE_KEY)), time.time()) == (0, 0, 0, 0)
