@@ -608,8 +608,9 @@ class QuotaSettings(_Section):
 
 class RepeatCacheSettings(_Section):
     """The project's exact-repeat cache (docs/usage.md, "Exact-repeat cache"): a gateway chat
-    request identical to an earlier one (what would go to vLLM, byte for byte but its request id
-    and fence tag) is answered from the earlier answer, with no slot, no quota and no model turn."""
+    request or a queue job identical to an earlier one (what would go to vLLM, byte for byte but
+    its request id and fence tag) is answered from the earlier answer, with no slot, no quota and
+    no model turn."""
 
     enabled: bool = False
     """Off by default: a project opts in."""
@@ -623,8 +624,8 @@ class RepeatCacheSettings(_Section):
     """Serve repeats of requests that sample (temperature above 0 and no seed) too; off, only a
     request with temperature 0 or a fixed seed is served from the cache."""
     wait_s: float = Field(60.0, ge=0)
-    """How long a request waits for an identical one already running to finish (no stampede);
-    past it, it runs itself."""
+    """How long a request or queue job waits for an identical one already running to finish (no
+    stampede); past it, it runs itself. A waiting queue job holds no slot and no worker."""
 
 
 class ProjectSettings(_Section):

@@ -98,6 +98,11 @@ Jobs and results (fleet/core/results.py, fleet/client.py); <ref> = <project>/<id
                               string the gateway request computing that answer now (a redis-py
                                      Lock token, PX 30 s renewed): identical requests wait for it
                                      instead of running too; no project user may read any rcache key
+  {p}rcache:{<project>}:jrun:<digest>
+                              string the queue job computing that answer (its ref); PX wait_s
+  {p}rcache:{<project>}:jwait:<digest>
+                              set    queue jobs waiting for it (deferred in the store until then);
+                                     PX wait_s + 60 s (fleet/worker/repeats.py)
   {p}metrics:leader           string the dispatcher exporting the fleet-wide metrics (redis-py
                                      Lock token; PX 15 s, extended by its owner)
   {p}gwgrants:<gateway>       list   grants (JSON: job id, fence, lease expiry) of one gateway process's
@@ -314,7 +319,8 @@ class Keys:
 
     def rcache(self, project: str, part: str) -> str:
         """The project's exact-repeat cache: ``e`` (entries), ``x`` (expiries), ``s`` (stats),
-        ``run:<digest>`` (the request computing that answer now)."""
+        ``run:<digest>`` (the gateway request computing that answer now), ``jrun:<digest>`` and
+        ``jwait:<digest>`` (the queue job computing it, the queue jobs waiting for it)."""
         return f"{self.prefix}rcache:{{{project}}}:{part}"
 
     @property

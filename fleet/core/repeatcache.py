@@ -1,6 +1,7 @@
 """The exact-repeat cache of one project (docs/usage.md, "Exact-repeat cache"): a gateway chat
 request identical to an earlier one is answered from that answer, before admission: no slot, no
-quota, no model turn.
+quota, no model turn. Queue jobs use the same entries and stats with runs and waiters of their
+own (``take_run``, ``add_waiter``, ``end_run``; the flow is in fleet/worker/repeats.py).
 
 Identity. The key is a digest of what the gateway would send to vLLM (``request_digest``): the
 model name and the request body (messages after the project's system prompt and untrusted-content
@@ -84,7 +85,8 @@ class RepeatCache:
     def __init__(self, client: redis.Redis, keys: Keys, project: str, settings: RepeatCacheSettings,
                  clock: Any = time.time) -> None:
         self.client, self.keys, self.project, self.settings, self.clock = client, keys, project, settings, clock
-        self._put = Scripts(client, "fleet.core", ("rcache_put",))["rcache_put"]
+        scripts = Scripts(client, "fleet.core", ("rcache_put", "rcache_end"))
+        self._put, self._end = scripts["rcache_put"], scripts["rcache_end"]
 
     def _key(self, part: str) -> str:
         return self.keys.rcache(self.project, part)
@@ -117,6 +119,40 @@ class RepeatCache:
                   args=[digest, raw, repr(entry.expires_at), repr(self.clock()), self.settings.max_entries,
                         int(self.settings.ttl_s) + 60])
         return True
+
+    # -- queue jobs (fleet/worker/repeats.py): one job computes, the others wait in the store ----
+    def take_run(self, digest: str, ref: str) -> str | None:
+        """Make job ``ref`` the one computing ``digest`` (for ``wait_s``); None when it is (or
+        already was: a second delivery of its prep), else the ref of the job computing it."""
+        key = self._key(f"jrun:{digest}")
+        if self.client.set(key, ref, nx=True, px=self._run_ms()):
+            return None
+        runner = self.client.get(key)
+        found = runner.decode() if isinstance(runner, bytes) else runner
+        return None if found in (None, ref) else found
+
+    def add_waiter(self, digest: str, ref: str) -> None:
+        """Job ``ref`` waits for the job computing ``digest``."""
+        key = self._key(f"jwait:{digest}")
+        pipe = self.client.pipeline(transaction=True)
+        pipe.sadd(key, ref)
+        pipe.pexpire(key, self._run_ms() + 60_000)
+        pipe.hincrby(self._key("s"), "waits", 1)
+        pipe.execute()
+
+    def leave(self, digest: str, ref: str) -> None:
+        """Job ``ref`` waits for ``digest`` no more (it runs itself)."""
+        self.client.srem(self._key(f"jwait:{digest}"), ref)
+
+    def end_run(self, digest: str, ref: str, kept: bool) -> list[str]:
+        """Job ``ref``'s turn at ``digest`` ended, its answer ``kept`` or not: the waiters to serve
+        the kept answer, or the one waiter that computes it now (rcache_end.lua)."""
+        found = self._end(keys=[self._key(f"jrun:{digest}"), self._key(f"jwait:{digest}")],
+                          args=[ref, "kept" if kept else "lost", self._run_ms()])
+        return [w.decode() if isinstance(w, bytes) else str(w) for w in found]
+
+    def _run_ms(self) -> int:
+        return max(1000, int(self.settings.wait_s * 1000))
 
     def stats(self) -> dict[str, int]:
         """hits, misses, waits, stores, evictions, and the entries and bytes held now."""

@@ -51,6 +51,11 @@ verifies (``tagged_key``), else under ``queue``. A producer may write its own jo
 without the workers' key it can neither attribute its queue jobs to one of its project's API
 keys nor move a tag to another job.
 
+Repeat tag: a queue job of a project with the exact-repeat cache carries ``rcache`` (the digest
+of its request, fleet/worker/repeats.py) and ``rcache_seal`` = HMAC-SHA256 of
+``"fleet-repeat-v1\n" + ref + "\n" + rcache`` (``repeat_tag``); a worker stores the job's answer
+under that digest, or serves it one, only when the tag verifies (``tagged_repeat``).
+
 Digest: the sha256 of a whole signed message as received, which names its rejection (results.py).
 """
 
@@ -72,6 +77,7 @@ SEAL_VERSION = "fleet-seal-v2"
 SEALED_FIELDS = ("project", "kind", "origin", "gateway", "job", "plan", "fence_tag", "warnings")
 TURN_VERSION = "fleet-turn-v1"
 KEY_VERSION = "fleet-key-v1"
+REPEAT_VERSION = "fleet-repeat-v1"
 CACHE_SALT_VERSION = "fleet-cache-salt-v1"
 
 
@@ -149,9 +155,20 @@ def check_turn(settings: Settings, ref: str, record: Mapping[str, str]) -> str |
     return turn_json
 
 
-def seal_key(settings: Settings, ref: str, label: str) -> str:
-    message = "\n".join([KEY_VERSION, ref, label])
+def _seal_tag(settings: Settings, version: str, ref: str, value: str) -> str:
+    message = "\n".join([version, ref, value])
     return hmac.new(_worker_key(settings), message.encode(), hashlib.sha256).hexdigest()
+
+
+def _tagged(settings: Settings, version: str, ref: str, value: str | None, given: str | None) -> str | None:
+    if not value or not given:
+        return None
+    expected = _seal_tag(settings, version, ref, value)
+    return value if hmac.compare_digest(expected.encode(), given.encode("utf-8", "replace")) else None
+
+
+def seal_key(settings: Settings, ref: str, label: str) -> str:
+    return _seal_tag(settings, KEY_VERSION, ref, label)
 
 
 def key_tag(settings: Settings, ref: str, label: str) -> dict[str, str]:
@@ -161,11 +178,19 @@ def key_tag(settings: Settings, ref: str, label: str) -> dict[str, str]:
 
 def tagged_key(settings: Settings, ref: str, record: Mapping[str, str]) -> str | None:
     """The API key a job was submitted for, when its tag verifies (None: untagged or forged)."""
-    label, given = record.get("api_key"), record.get("api_key_seal")
-    if not label or not given:
-        return None
-    expected = seal_key(settings, ref, label)
-    return label if hmac.compare_digest(expected.encode(), given.encode("utf-8", "replace")) else None
+    return _tagged(settings, KEY_VERSION, ref, record.get("api_key"), record.get("api_key_seal"))
+
+
+def repeat_tag(settings: Settings, ref: str, request: str) -> dict[str, str]:
+    """The job hash fields that name the exact-repeat cache entry a queue job computes or waits
+    for (its request digest, fleet/worker/repeats.py), under the workers' seal: the producer may
+    write its job hash, and must not point its job's answer at another entry."""
+    return {"rcache": request, "rcache_seal": _seal_tag(settings, REPEAT_VERSION, ref, request)}
+
+
+def tagged_repeat(settings: Settings, ref: str, record: Mapping[str, str]) -> str | None:
+    """The request digest a job's record names, when its tag verifies (None: none or forged)."""
+    return _tagged(settings, REPEAT_VERSION, ref, record.get("rcache"), record.get("rcache_seal"))
 
 
 def digest(signed: Any) -> str:

@@ -50,6 +50,7 @@ from typing import Any
 from celery import Celery, Task
 
 from fleet.core.keys import job_ref, split_ref
+from fleet.core.models import Envelope
 from fleet.worker.heartbeat import beat_when_ready
 from fleet.worker.jobs.cancel import cancel_job
 from fleet.worker.jobs.common import new_owner
@@ -69,6 +70,7 @@ from fleet.worker.queues import (
     home_queues,
     tool_queues,
 )
+from fleet.worker.repeats import on_final
 from fleet.worker.runtime import Runtime
 from fleet.worker.screen import MessageScreen
 
@@ -127,8 +129,16 @@ def register_tasks(app: Celery, tools: bool = True) -> None:
     prep worker that knew it would run it for a message a producer pushed onto its own project
     queue (the call still had to be its own job's, but it ended as "task not registered")."""
     metrics = WorkerMetrics()
-    runtime = Runtime(app.fleet_settings, on_publish=metrics.observe,  # type: ignore[attr-defined]
-                      send_task=app.send_task, on_turn=metrics.observe_turn)
+    runtime = Runtime(app.fleet_settings, send_task=app.send_task,  # type: ignore[attr-defined]
+                      on_turn=metrics.observe_turn)
+
+    def published(envelope: Envelope) -> None:
+        """After each final envelope this worker wrote: its metrics, then the exact-repeat cache
+        (a job that computed an answer serves the jobs waiting for it: fleet/worker/repeats.py)."""
+        metrics.observe(envelope)
+        on_final(runtime, envelope)
+
+    runtime.on_publish = published  # before anything publishes: the result store takes it when built
     serve_when_started(app, metrics, runtime.settings.worker_metrics_port, runtime.settings.metrics_host)
     beat_when_ready(app, runtime.redis, runtime.keys, INFER_QUEUE)
 

@@ -40,7 +40,8 @@ the store keeps the number of that turn (``turn_of``). With ``not_before`` in th
 (a backoff) it waits outside the queues until ``promote_due(now)`` puts it in line; no slot is held
 meanwhile. ``cancel_pending`` removes a waiting continuation as well. A continuation has no
 deadline entry while it waits (its deadline comes back when it is promoted; the worker never
-schedules a not-before time at or past the deadline).
+schedules a not-before time at or past the deadline). A new job may wait the same way from the
+start (``PendingItem.not_before``: a job waiting for an identical job's answer).
 
 Backends: the store admits into every backend of ``StoreConfig.backends`` (docs/backends.md,
 sections 4 to 6). Each has its own limits, lease counters, prefill bucket, head-of-line
@@ -89,6 +90,10 @@ class PendingItem:
     # (schedulers/policy/placement.py ``pick``). None: no backend holds any, ``uncached_tokens``
     # count everywhere.
     hint: int | None = None
+    # not in line before this time (unix seconds): until then it waits as a continuation waits
+    # for its backoff, keeping its score (a job waiting for an identical job's answer,
+    # fleet/worker/repeats.py). None, or not after ``enqueued_at``: in line at once.
+    not_before: float | None = None
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,11 @@ class MemoryStore:
                 return  # pending, in flight or a waiting continuation: each comes back itself
             if not self._pending and not self._leases:
                 self._vtime = fairshare.forgive(self._vtime, self._finish.values())
-            self._push(_Entry(item, score, size))
+            if item.not_before is not None and item.not_before > item.enqueued_at:
+                self._deferred[item.job_id] = (item.not_before, _Entry(item, score, size))
+                heapq.heappush(self._not_before, (item.not_before, item.job_id))
+            else:
+                self._push(_Entry(item, score, size))
             self._signal()
 
     def add_pending_many(self, items: Iterable[PendingItem]) -> None:
@@ -467,7 +471,7 @@ class MemoryStore:
         with self._lock:
             found: dict[str, dict[str, int]] = {}
             waiting = [("pending", e) for e in self._pending.values() if e.turn]
-            waiting += [("deferred", e) for _due, e in self._deferred.values()]
+            waiting += [("deferred", e) for _due, e in self._deferred.values() if e.turn]
             for state, entry in waiting:
                 counts = found.setdefault(entry.item.project, {})
                 counts[state] = counts.get(state, 0) + 1

@@ -169,7 +169,7 @@ class RedisStore:
         score = fairshare.pending_score(enqueued_at, item.priority, self.config.aging_s)
         elig = str(item.eligible)
         keys = [self._key("items"), self._queue(item.project, item.band, size, elig),
-                *map(self._key, ("deadlines", "projects", "state", "vtime", "wake", "lease"))]
+                *map(self._key, ("deadlines", "projects", "state", "vtime", "wake", "lease", "deferred"))]
         return keys, [
             item.job_id,
             item.project,
@@ -185,6 +185,7 @@ class RedisStore:
             _uncached(item),
             elig,
             "" if item.hint is None else item.hint,
+            "" if item.not_before is None else repr(float(item.not_before)),
         ]
 
     def cancel_pending(self, job_id: str) -> bool:
@@ -237,7 +238,9 @@ class RedisStore:
         group = _group(item.project, str(item.eligible))
         if group not in self._groups:  # else the first call would only learn of it
             self._groups = sorted({*self._groups, group})
+        assert item.not_before is None, "a gateway request is in line at once"
         add_keys, add_args = self._add_call(item)
+        add_keys, add_args = add_keys[:8], add_args[:14]  # GATEWAY's ADD: no deferred key, no not_before
         keys = [*add_keys, *(self._key(k) for k in ("lease", "leases", "state", "workers", "gateway"))]
         args = [owner, repr(now), "1" if worker_gate else "0", *add_args]
         script = self._scripts["gateway"]

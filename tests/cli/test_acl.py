@@ -88,6 +88,10 @@ def test_a_producer_reaches_nothing_of_another_project_nor_the_fleet(broker: Acl
         "plant an answer for A": lambda: producer_b.hset(keys.rcache(A, "e"), "0" * 64, "{}"),
         "plant an answer for itself": lambda: producer_b.hset(keys.rcache(B, "e"), "0" * 64, "{}"),
         "hold A's computing lock": lambda: producer_b.set(keys.rcache(A, "run:" + "0" * 64), "x"),
+        # queue jobs' runs and waiters: name itself A's computing job, or wait for its answer
+        "take A's queue run": lambda: producer_b.set(keys.rcache(A, "jrun:" + "0" * 64), f"{B}/j"),
+        "wait on A's answer": lambda: producer_b.sadd(keys.rcache(A, "jwait:" + "0" * 64), f"{B}/j"),
+        "take its own run": lambda: producer_b.set(keys.rcache(B, "jrun:" + "0" * 64), f"{B}/j"),
         "read the rejections": lambda: producer_b.xrange(keys.rejections),
         "list keys": lambda: producer_b.keys("*"),
         "flush": lambda: producer_b.flushdb(),

@@ -145,6 +145,16 @@ def _workload(client: redis.Redis, prefix: str) -> None:
     for digest in ("d1", "d2"):  # the second evicts the first (max_entries)
         assert cache.put(digest, Entry("a", "", [], "stop", {}, "", now[0], now[0] + 60))
     assert cache.stats()["evictions"] == 1
+    # queue jobs' runs (RCACHE_END): a runner, two waiters; one takes over, then the answer is kept
+    assert cache.take_run("d3", "p/r") is None and cache.take_run("d3", "p/w1") == "p/r"
+    cache.add_waiter("d3", "p/w1")
+    cache.add_waiter("d3", "p/w2")
+    taken = cache.end_run("d3", "p/r", kept=False)
+    assert len(taken) == 1 and taken[0] in ("p/w1", "p/w2")
+    assert cache.end_run("d3", taken[0], kept=True) == [w for w in ("p/w1", "p/w2") if w != taken[0]]
+    # and a waiting job joins the store deferred (ADD with a not-before time)
+    store.add_pending(PendingItem("f1", "f", 100, 100, not_before=now[0] + 30))
+    assert store.promote_due(now[0] + 31) == ["f1"]
 
 
 def _backends_workload(client: redis.Redis, prefix: str) -> None:

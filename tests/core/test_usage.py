@@ -242,3 +242,22 @@ def test_an_api_key_tag_counts_only_with_the_workers_seal_and_on_its_own_job() -
     assert tagged_key(settings, "a/j1", key_tag(other, "a/j1", "sha256:0123abcd")) is None  # forged
     assert tagged_key(settings, "a/j1", {"api_key": "sha256:0123abcd"}) is None  # unsealed
     assert tagged_key(settings, "a/j1", {}) is None
+
+
+def test_a_repeat_tag_holds_only_with_the_workers_seal_and_on_its_own_job() -> None:
+    """The exact-repeat cache's tag in a queue job's record (fleet/worker/repeats.py): a producer
+    may write its job hash, so a tag it moved, relabelled or made itself names no entry."""
+    from fleet.core.config import EXAMPLE_CONFIG, load_settings
+    from fleet.core.seal import repeat_tag, tagged_repeat
+
+    settings = load_settings(EXAMPLE_CONFIG, env={})
+    other = settings.model_copy(update={"security": settings.security.model_copy(
+        update={"worker_secret": "another-workers-key-0123456789"})})
+    digest = "ab" * 32
+    tag = repeat_tag(settings, "a/j1", digest)
+    assert tagged_repeat(settings, "a/j1", tag) == digest
+    assert tagged_repeat(settings, "a/j2", tag) is None
+    assert tagged_repeat(settings, "b/j1", tag) is None
+    assert tagged_repeat(settings, "a/j1", {**tag, "rcache": "cd" * 32}) is None
+    assert tagged_repeat(settings, "a/j1", repeat_tag(other, "a/j1", digest)) is None
+    assert tagged_repeat(settings, "a/j1", {"rcache": digest}) is None

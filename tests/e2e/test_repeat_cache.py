@@ -36,7 +36,8 @@ CACHED = {"repeat_cache": {"enabled": True, "wait_s": 30}}
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Harness, dict[str, str]]]:
     config, keys = config_with_keys(tmp_path_factory.mktemp("fleet-rcache"),
-                                    projects={"assistant": CACHED, "research": CACHED},
+                                    projects={"assistant": CACHED, "research": CACHED,
+                                              "triage": {"repeat_cache": {"enabled": True, "wait_s": 1.5}}},
                                     backend={"max_num_seqs": 16}, admission={"backend_gate": False})
     with Harness(config, sim_speed=50, workers=1, gateway=True) as harness:
         yield harness, keys
@@ -125,3 +126,100 @@ def test_clear_drops_the_answers(fleet: tuple[Harness, dict[str, str]]) -> None:
     assert _sim_requests(harness) == before + 1
     unknown = FleetProbe(harness).cli("cache", "clear", "--project", "nobody")
     assert unknown.returncode == 2 and "E_INPUT_INVALID" in unknown.stderr + unknown.stdout
+
+
+# -- queue jobs (fleet/worker/repeats.py) ------------------------------------------------------
+def _job(text: str, project: str = "assistant", **extra: object) -> dict[str, object]:
+    return {"project": project, "messages": [{"role": "user", "content": text}], "max_tokens": 600,
+            "temperature": 0, **extra}
+
+
+def test_a_queue_job_repeat_ends_with_the_first_jobs_answer(fleet: tuple[Harness, dict[str, str]]) -> None:
+    harness, _ = fleet
+    client, text = harness.client, f"Tag invoice {uuid.uuid4().hex}. [sim:think=20] [sim:answer=12]"
+    before = _sim_requests(harness)
+    first = client.result(client.submit(_job(text, metadata={"n": 1})), timeout=60)
+    assert first is not None and first.code.ok and not first.cached and first.attempts
+    again_id = client.submit(_job(text, metadata={"n": 2}))
+    again = client.result(again_id, timeout=60)
+    assert again is not None and again.code == first.code and again.cached
+    assert again.job_id == again_id and again.metadata == {"n": 2} and again.attempts == []
+    assert again.content == first.content and again.usage.completion_tokens == first.usage.completion_tokens
+    assert _sim_requests(harness) == before + 1  # no model request, no slot for the repeat
+    # another project sending the very same job runs it; a sampling job is never served
+    other = client.result(client.submit(_job(text, project="research")), timeout=60)
+    assert other is not None and other.code.ok and not other.cached
+    sampled = client.result(client.submit(_job(text, temperature=0.7)), timeout=60)
+    assert sampled is not None and not sampled.cached
+    assert _sim_requests(harness) == before + 3
+
+
+def test_identical_queue_jobs_arriving_together_run_once(fleet: tuple[Harness, dict[str, str]]) -> None:
+    harness, _ = fleet
+    client = harness.client
+    text = f"Route {uuid.uuid4().hex}. [sim:think=400] [sim:answer=10]"  # long enough to overlap
+    before = _sim_requests(harness)
+    ids = [client.submit(_job(text, seed=11)) for _ in range(6)]
+    ends = [client.result(job_id, timeout=120) for job_id in ids]
+    assert all(e is not None and e.code.ok for e in ends)
+    assert len({e.content for e in ends if e is not None}) == 1
+    assert sum(1 for e in ends if e is not None and e.cached) == 5
+    assert _sim_requests(harness) == before + 1
+
+
+def test_when_the_computing_job_fails_a_waiting_one_computes(fleet: tuple[Harness, dict[str, str]]) -> None:
+    harness, _ = fleet
+    client, probe = harness.client, FleetProbe(harness)
+    text = f"Audit {uuid.uuid4().hex}. [sim:think=200] [sim:stall=200] [sim:answer=10]"  # ~4 s
+    before = _sim_requests(harness)
+    runner = client.submit(_job(text))
+    deadline = time.monotonic() + 60
+    while probe.state(runner) != "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    waiters = [client.submit(_job(text)) for _ in range(2)]
+    deadline = time.monotonic() + 60
+    while not all(probe.state(w) == "pending" for w in waiters) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.cancel(runner)
+    ended = client.result(runner, timeout=60)
+    assert ended is not None and ended.code.value == "E_CANCELLED"
+    ends = [client.result(w, timeout=120) for w in waiters]
+    assert all(e is not None and e.code.ok for e in ends)
+    assert sorted(bool(e.cached) for e in ends if e is not None) == [False, True]
+    assert _sim_requests(harness) == before + 2  # the cancelled runner's and one waiter's
+
+
+def test_a_waiter_nobody_served_is_served_at_its_claim_or_runs(fleet: tuple[Harness, dict[str, str]]) -> None:
+    """``wait_s`` bounds the wait whatever happens to the computing job: a waiter its worker never
+    served (here its entry in the waiters' set is gone, as when that worker dies between keeping
+    the answer and serving them) is promoted at its not-before time and finds the answer at its
+    claim; a waiter whose computing job outlives ``wait_s`` runs itself."""
+    harness, _ = fleet
+    client, probe, redis_client = harness.client, FleetProbe(harness), harness.client.redis
+    text = f"Sort {uuid.uuid4().hex}. [sim:think=100] [sim:stall=50] [sim:answer=10]"  # ~1 s
+    before = _sim_requests(harness)
+    runner = client.submit(_job(text, project="triage"))
+    while probe.state(runner) != "running":
+        time.sleep(0.02)
+    waiter = client.submit(_job(text, project="triage"))
+    deadline = time.monotonic() + 30
+    while not list(redis_client.scan_iter(match=harness.client.keys.rcache("triage", "jwait:*"))):
+        assert time.monotonic() < deadline, "the second job never waited"
+        time.sleep(0.02)
+    for key in redis_client.scan_iter(match=harness.client.keys.rcache("triage", "jwait:*")):
+        redis_client.delete(key)  # the waiters the computing job's worker would have served
+    first, second = client.result(runner, timeout=60), client.result(waiter, timeout=60)
+    assert first is not None and first.code.ok and not first.cached
+    assert second is not None and second.code == first.code and second.cached
+    assert _sim_requests(harness) == before + 1
+    # a computing job longer than wait_s: the waiter runs itself once its wait is over
+    slow = f"Sort {uuid.uuid4().hex}. [sim:think=100] [sim:stall=250] [sim:answer=10]"  # ~5 s
+    runner = client.submit(_job(slow, project="triage"))
+    while probe.state(runner) != "running":
+        time.sleep(0.02)
+    waiter = client.submit(_job(slow, project="triage"))
+    second = client.result(waiter, timeout=60)
+    first = client.result(runner, timeout=60)
+    assert second is not None and second.code.ok and not second.cached and second.attempts
+    assert first is not None and first.code.ok
+    assert _sim_requests(harness) == before + 3  # it ran, and the answer that came meanwhile did not cut it

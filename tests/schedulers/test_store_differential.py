@@ -184,6 +184,8 @@ jobs = st.fixed_dictionaries(
         # the backend prep expects to hold its cached prefix: none, one of up to three (in its
         # mask or not)
         "hint": st.sampled_from([None, 0, 1, 1, 2]),
+        # a job waiting for an identical job's answer joins deferred: not in line before then
+        "wait_s": st.sampled_from([None, None, None, 0.0, 5.0, 30.0]),
     }
 )
 
@@ -253,8 +255,10 @@ class Differential(RuleBasedStateMachine):
         for spec in jobs:
             fields = dict(spec)
             age_s, deadline_in_s, cls = fields.pop("age_s"), fields.pop("deadline_in_s"), fields.pop("cls")
+            wait_s = fields.pop("wait_s")
             item = PendingItem(
                 f"j{len(self.submitted)}", **fields,
+                not_before=None if wait_s is None else now + wait_s,
                 enqueued_at=0.0 if age_s is None else now - age_s,
                 deadline=None if deadline_in_s is None else now + deadline_in_s,
                 eligible=1 << len(self.names) if cls == 29 else self.masks[cls % len(self.masks)],

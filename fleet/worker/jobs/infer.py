@@ -52,6 +52,7 @@ from fleet.worker.jobs.common import cancel_requested, current_turn, end_unlease
 from fleet.worker.jobs.tool import send_round
 from fleet.worker.lease import LeaseKeeper
 from fleet.worker.outcome import CONTINUED, backend_label, continued_detail, ended_detail
+from fleet.worker.repeats import served
 from fleet.worker.runtime import OnBackend, Runtime
 
 log = logging.getLogger(__name__)
@@ -275,6 +276,9 @@ def _run(rt: Runtime, on: OnBackend, ref: str, project: str, keeper: LeaseKeeper
     if cancel_requested(rt, ref):  # asked between two turns (the keeper checks only from now on)
         _settle_quota(rt, ref, progress.fence, 0)
         return Envelope.failure(job_id, owner, Code.E_CANCELLED, "cancelled between turns"), number
+    if turn is None and (cached := served(rt, ref, record, job)) is not None:
+        _settle_quota(rt, ref, progress.fence, 0)  # the answer of an identical job: no turn
+        return cached, 0
     _settle(rt, job, progress.fence)
     progress.key = tagged_key(rt.settings, ref, record) or QUEUE_KEY
     admitted_at = time.time()

@@ -44,6 +44,7 @@ from fleet.prep.prepare import prepare
 from fleet.prep.watchdog import HANDED_OVER, PrepClaim
 from fleet.worker.jobs.common import cancel_requested, end_unleased, event_sink, fail, new_owner
 from fleet.worker.jobs.tool import first_turn_tools
+from fleet.worker.repeats import at_prep, job_digest
 from fleet.worker.runtime import Runtime
 from schedulers.backoff import Backoff
 from schedulers.policy.quota import NEVER_FITS
@@ -150,19 +151,24 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
         rt.results.publish(envelope)
         return envelope.code.value
     plan = plan_budget(job, project, settings, prepared.prompt_tokens, prepared.prefix_tokens)
-    entry = quota_entry(rt.store, job.project, project.quota.over, prepared.prompt_tokens, plan.max_tokens,
-                        time.time())
-    if entry.refused is not None:  # before the record: a refused job never runs
-        message, retry_s = entry.refused
-        if retry_s is None and message.startswith(NEVER_FITS):  # no window could ever hold it
-            raise InputInvalid(message)
-        raise QuotaExceeded(message, retry_after_s=None if retry_s is None else math.ceil(retry_s))
     ready = job.model_copy(update={"messages": prepared.messages, "sources": []})
+    # the exact-repeat cache (fleet/worker/repeats.py): an earlier identical job's answer ends it
+    # here, before any quota; a job identical to one running now waits for it (``not_before``)
+    request = job_digest(project, model_asked(settings, project, job.model), ready, plan, prepared.fence_tag)
+    tag: dict[str, str] = {}
+    not_before = None
+    if request is not None:
+        cached, tag, not_before = at_prep(rt, ready, request)
+        if cached is not None:
+            rt.results.publish(cached)
+            return cached.code.value
+    if not_before is None:  # a waiter is checked if it ever runs: admission holds it then
+        _refuse_over_quota(rt, job, prepared.prompt_tokens, plan.max_tokens)
     job_json, plan_json = ready.model_dump_json(), json.dumps(plan.__dict__)
     rt.results.record(ref, **sealed(
         settings, ref, project=job.project, kind=job.kind, job=job_json, plan=plan_json,
         warnings=json.dumps(prepared.warnings), fence_tag=prepared.fence_tag,
-    ))
+    ), **tag)
     mask = eligible(settings, model_asked(settings, project, job.model), prepared.prompt_tokens + plan.max_tokens)
     cache = uncached_of(rt.redis, rt.keys, settings, ready, prepared,
                         tools=first_turn_tools(project, ready), eligible=mask)
@@ -172,7 +178,7 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
         job_id=ref, project=job.project, prompt_tokens=prepared.prompt_tokens,
         max_new_tokens=plan.max_tokens, band=job.band, priority=job.priority,
         enqueued_at=handed_over, deadline=job.deadline, uncached_tokens=uncached,
-        eligible=mask, hint=cache.hint,
+        eligible=mask, hint=cache.hint, not_before=not_before,
     ))
     # Only now "pending": had this task died before add_pending, the job would still read
     # "submitted", and a redelivery or the prep watchdog would prepare it again.
@@ -184,3 +190,15 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
                              uncached_tokens=uncached, max_tokens=plan.max_tokens,
                              warnings=prepared.warnings)
     return "pending"
+
+
+def _refuse_over_quota(rt: Runtime, job: Job, prompt_tokens: int, max_tokens: int) -> None:
+    """QuotaExceeded (InputInvalid: no window could ever hold it) for a job its project's quota
+    refuses, before its record: a refused job never runs."""
+    over = rt.settings.projects[job.project].quota.over
+    entry = quota_entry(rt.store, job.project, over, prompt_tokens, max_tokens, time.time())
+    if entry.refused is not None:
+        message, retry_s = entry.refused
+        if retry_s is None and message.startswith(NEVER_FITS):
+            raise InputInvalid(message)
+        raise QuotaExceeded(message, retry_after_s=None if retry_s is None else math.ceil(retry_s))

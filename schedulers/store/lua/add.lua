@@ -8,9 +8,13 @@
 -- KEYS[6] vtime            hash    project -> finish tag
 -- KEYS[7] wake             list    dispatchers' wake-up list
 -- KEYS[8] lease            hash    job id -> lease (prelude)
+-- KEYS[9] deferred         zset    jobs waiting for their not-before time
 -- ARGV: id, project, band, size, prompt, max_new, kv, long (1|0), enq, score, deadline ('' = none),
 --       uncached (prompt tokens expected to miss the prefix cache), elig (the bit mask of the
---       backends it may run on), hint (the backend expected to hold its cached prefix; '': none)
+--       backends it may run on), hint (the backend expected to hold its cached prefix; '': none),
+--       not_before ('' or not after now: in line at once; later: it waits in `deferred` until then,
+--       as a continuation does, and PROMOTE puts it in line at its score: a job waiting for an
+--       identical one's answer, fleet/worker/repeats.py)
 -- Returns 1 when added, 0 when the job was already pending, in flight or waiting.
 local items, id = KEYS[1], ARGV[1]
 local old = item_get(items, id)
@@ -25,10 +29,17 @@ if num(redis.call('HGET', KEYS[5], 'queued'), 0) == 0 and redis.call('HLEN', KEY
   redis.call('HSET', KEYS[5], 'vtime', fmt(V))
 end
 local deadline = ARGV[11] ~= '' and ARGV[11] or nil
+local later = ARGV[15] ~= nil and ARGV[15] ~= '' and tonumber(ARGV[15]) > tonumber(ARGV[9])
 item_put(items, id, {project = ARGV[2], band = ARGV[3], size = ARGV[4], prompt = ARGV[5],
-  max_new = ARGV[6], kv = ARGV[7], long = ARGV[8], enq = ARGV[9], score = ARGV[10], pending = '1',
+  max_new = ARGV[6], kv = ARGV[7], long = ARGV[8], enq = ARGV[9], score = ARGV[10],
+  pending = later and '0' or '1', deferred = later and ARGV[15] or nil,
   deadline = deadline, uncached = ARGV[12], elig = ARGV[13],
   hint = ARGV[14] ~= '' and ARGV[14] or nil})
+if later then
+  redis.call('ZADD', KEYS[9], ARGV[15], id)
+  wake(KEYS[7])
+  return 1
+end
 redis.call('ZADD', KEYS[2], ARGV[10], id)
 redis.call('HINCRBY', KEYS[5], 'queued', 1)
 if deadline then

@@ -1,0 +1,215 @@
+"""The exact-repeat cache for queue jobs (docs/usage.md, "Exact-repeat cache"; the cache itself
+and the gateway's side are fleet/core/repeatcache.py): a job identical to an earlier one ends
+with that one's answer, before admission; identical jobs arriving together run once.
+
+Identity. A job's digest is ``request_digest`` over what its first attempt sends vLLM, after prep:
+the model, the messages as sent (untrusted parts fenced; the fence tag replaced by a fixed word),
+the tools and tool choice, the response schema, the sampling fields, the seed, the plan (token
+budgets, thinking budget), under a ``queue`` marker (a queue job's digest never equals a gateway
+request's: their answers are kept in different shapes). The job's id, metadata, priority, band,
+deadline and idempotency key are left out: they never reach vLLM. A job is not looked up when it
+could not be repeated (``repeatable``: temperature 0, a seed of its own, or the project's
+``sampled``), when the fleet runs its tools (its answer depends on what they return), or for the
+kinds that end at prep (collect, trim).
+
+Keys (fleet/core/keys.py, the project's own ``rcache`` keys; no project user may read or write any)
+  rcache:{<project>}:e, x, s             the entries, their expiries, the stats (the gateway's too)
+  rcache:{<project>}:jrun:<digest>       string  the job computing that answer; PX wait_s
+  rcache:{<project>}:jwait:<digest>      set     the jobs waiting for it; PX wait_s + 60 s
+
+Flow
+  prep, once the plan is made (before the quota check: a job served from the cache spends none)
+    an entry        -> the job ends at once with it: its envelope, ``cached: true``, its own id
+                       and metadata, no attempt, no slot, no quota
+    SET jrun NX     -> this job computes it: its record carries the repeat tag (fleet/core/seal.py
+                       ``repeat_tag``); in line as ever
+    else            -> a waiter: SADD jwait; its record carries the tag; it joins the store with a
+                       not-before time ``wait_s`` ahead (schedulers/store/base.py, Continuations:
+                       deferred, holding no slot and not in line)
+  the computing job's final envelope (``on_final``: the on_publish hook of the worker process that
+  published it, fleet/worker/runtime.py)
+    OK or OK_THINKING_FORCED, not cached
+                    -> the answer is kept (at most max_entry_bytes); every waiter ends with it
+                       (published first, then taken out of the store: fleet/worker/jobs/common.py
+                       ``end_unleased``'s order)
+    anything else   -> one waiter computes it now (``jrun`` names it; ``hurry`` puts it in line);
+                       the others wait on
+  a tagged job's first claim (``served``, fleet/worker/jobs/infer.py): an entry found ends it with
+  that answer, its slot released and its quota reservation given back whole; else it leaves the
+  waiters (SREM jwait) and runs: an answer arriving meanwhile does not cut its turn.
+
+Failure cases. Nothing here loses a job: a waiter is a job in the store like any other, so if the
+worker publishing the computing job's envelope dies before it serves them, or the envelope is
+published by a process without the hook (a dispatcher ending a job past its deadline), or the
+computing job outlives ``wait_s``, each waiter is promoted at its not-before time and runs (and
+its claim finds the answer, if it came meanwhile). A Redis error in the hook is logged: the
+waiters go the same way. A job cancelled while it waits ends as any waiting job does.
+
+Trust. The digest is computed by the prep worker from the prepared job; the record's tag is sealed,
+so a producer that rewrites its job hash cannot have its job's answer kept under another digest,
+nor be served one; entries and waiters are keyed by the job's own project, whose name the ref
+and the lease carry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import redis
+
+from fleet.core.codes import Code
+from fleet.core.config import ProjectSettings
+from fleet.core.keys import job_ref
+from fleet.core.models import Envelope, Job, Timings
+from fleet.core.repeatcache import Entry, RepeatCache, repeatable, request_digest
+from fleet.core.request import build_request_messages, tools_allowed
+from fleet.core.routing import model_asked
+from fleet.core.seal import repeat_tag, tagged_repeat
+from fleet.core.usage import QUEUE_KEY, TurnUsage
+from fleet.infer.budget import Plan
+from fleet.infer.tools import as_sent
+
+if TYPE_CHECKING:
+    from fleet.worker.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+KEPT = (Code.OK, Code.OK_THINKING_FORCED)  # whole answers (never OK_TRUNCATED, never a failure)
+UNSENT = {"id", "project", "metadata", "priority", "band", "deadline", "idempotency_key", "submitted_at",
+          "messages", "sources"}  # job fields that never reach vLLM (messages go as sent)
+
+
+def job_digest(project: ProjectSettings, model: str, job: Job, plan: Plan, fence_tag: str) -> str | None:
+    """The digest of a prepared job's first request (module docstring), or None when the job is
+    not one the cache serves."""
+    settings = project.repeat_cache
+    if job.kind in ("collect", "trim") or not repeatable(settings, job.temperature, job.seed):
+        return None
+    allowed, _, _ = tools_allowed(job, project)
+    sent, runs, _ = as_sent(project, allowed)
+    if runs:
+        return None  # the fleet runs its tools: the answer depends on what they return
+    messages, _ = build_request_messages(job, fence_tag)
+    body = {"path": "queue", "messages": messages, "tools": sent, "plan": plan.__dict__,
+            "job": job.model_dump(mode="json", exclude=UNSENT)}
+    return request_digest(model, body, fence_tag)
+
+
+def cache_of(rt: Runtime, project: str) -> RepeatCache:
+    return RepeatCache(rt.redis, rt.keys, project, rt.settings.projects[project].repeat_cache)
+
+
+def served_envelope(entry: Entry, job: Job, submitted_at: float) -> Envelope:
+    """An earlier job's kept envelope as job ``job``'s own: its id and metadata, ``cached``, no
+    attempt, its own timings."""
+    kept = dict(entry.extra["envelope"])
+    kept.update(job_id=job.id, project=job.project, attempts=[], metadata=job.metadata, cached=True,
+                finished_at=time.time())
+    envelope = Envelope.model_validate(kept)
+    total = round(time.time() - submitted_at, 4)
+    return envelope.model_copy(update={"timings": Timings(queued_s=total, total_s=total)})
+
+
+def at_prep(rt: Runtime, job: Job, digest: str) -> tuple[Envelope | None, dict[str, str], float | None]:
+    """What prep does with a repeatable job: (the envelope it ends with: a hit; or None, the job
+    goes on), the record fields that tag it, and its not-before time (a waiter) or None."""
+    cache, ref = cache_of(rt, job.project), job_ref(job.project, job.id)
+    entry = cache.get(digest)
+    if entry is not None and "envelope" in entry.extra:
+        _count_hit(rt, job)
+        return served_envelope(entry, job, job.submitted_at), {}, None
+    tag = repeat_tag(rt.settings, ref, digest)
+    if cache.take_run(digest, ref) is None:
+        return None, tag, None
+    cache.add_waiter(digest, ref)
+    return None, tag, time.time() + cache.settings.wait_s
+
+
+def served(rt: Runtime, ref: str, record: dict[str, str], job: Job) -> Envelope | None:
+    """At a tagged job's first claim: the kept answer, if one came (module docstring)."""
+    digest = tagged_repeat(rt.settings, ref, record)
+    settings = rt.settings.projects[job.project].repeat_cache
+    if digest is None or not settings.enabled:
+        return None
+    cache = cache_of(rt, job.project)
+    try:
+        entry = cache.get(digest)
+        if entry is None or "envelope" not in entry.extra:
+            cache.leave(digest, ref)  # it runs: on its own from now on, never cut by another's answer
+            return None
+    except redis.RedisError as exc:
+        log.warning("repeat cache: job=%s not looked up (%r); it runs", ref, exc)
+        return None
+    _count_hit(rt, job)
+    return served_envelope(entry, job, job.submitted_at)
+
+
+def on_final(rt: Runtime, envelope: Envelope) -> None:
+    """The hook on every final envelope this process publishes: a job that computed an answer
+    keeps it and serves its waiters, or hands the run to one of them (module docstring). Never
+    raises: the envelope is out, and the waiters run by themselves at their not-before time."""
+    project = rt.settings.project(envelope.project)
+    if project is None or not project.repeat_cache.enabled:
+        return
+    ref = job_ref(envelope.project, envelope.job_id)
+    try:
+        raw = rt.redis.hmget(rt.keys.job(ref), ["rcache", "rcache_seal"])
+        tag = {name: value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+               for name, value in zip(("rcache", "rcache_seal"), raw, strict=True) if value}
+        digest = tagged_repeat(rt.settings, ref, tag)
+        if digest is not None:
+            _ended(rt, ref, digest, envelope)
+    except redis.RedisError as exc:
+        log.warning("repeat cache: job=%s ended, its waiters not served (%r): they run at their time",
+                    ref, exc)
+    except Exception:
+        log.exception("repeat cache: job=%s ended, its waiters not served", ref)
+
+
+def _ended(rt: Runtime, ref: str, digest: str, envelope: Envelope) -> None:
+    cache = cache_of(rt, envelope.project)
+    kept = envelope.code in KEPT and not envelope.cached and _keep(cache, digest, envelope)
+    if not kept and envelope.cached:
+        kept = True  # a waiter served at its claim: the answer is there for the others too
+    for other in cache.end_run(digest, ref, kept):
+        if kept:
+            _serve_waiter(rt, cache, other, digest)
+        elif rt.store.hurry(other, time.time()):
+            log.info("repeat cache: job=%s ended %s; job=%s computes the answer now", ref,
+                     envelope.code.value, other)
+
+
+def _keep(cache: RepeatCache, digest: str, envelope: Envelope) -> bool:
+    now = time.time()
+    whole = envelope.model_dump(mode="json")
+    entry = Entry(content=envelope.content or "", reasoning=envelope.reasoning or "",
+                  tool_calls=envelope.tool_calls, finish_reason="stop", usage=envelope.usage.model_dump(),
+                  backend=envelope.backend, created_at=now, expires_at=now + cache.settings.ttl_s,
+                  extra={"envelope": whole})
+    return cache.put(digest, entry)
+
+
+def _serve_waiter(rt: Runtime, cache: RepeatCache, ref: str, digest: str) -> None:
+    """End waiter ``ref`` with the kept answer: published first, then out of the store."""
+    record = rt.results.job_record(ref)
+    if tagged_repeat(rt.settings, ref, record) != digest or "job" not in record:
+        return  # its record says otherwise: it runs at its time
+    job = Job.model_validate_json(record["job"])
+    if job_ref(job.project, job.id) != ref:
+        return
+    entry = cache.get(digest, count=False)
+    if entry is None or "envelope" not in entry.extra:
+        return
+    if rt.results.publish(served_envelope(entry, job, job.submitted_at)):
+        cache.count("hits")
+        _count_hit(rt, job)
+    rt.store.cancel_pending(ref)
+
+
+def _count_hit(rt: Runtime, job: Job) -> None:
+    """The ledger's ``cache_hits`` for a job served from the cache (no model turn: nothing else)."""
+    model = model_asked(rt.settings, rt.settings.projects[job.project], job.model)
+    rt.ledger.count([TurnUsage(project=job.project, job_id=job.id, fence=0, turn=0, code=Code.OK.value,
+                               key=QUEUE_KEY, model=model, cache_hit=True, ended_at=time.time())])
