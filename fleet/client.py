@@ -109,7 +109,9 @@ class Client:
         self._projects[job_id] = project
 
     # -- submitting -------------------------------------------------------------------------
-    def submit(self, job: Job | Mapping[str, Any]) -> str:
+    def submit(self, job: Job | Mapping[str, Any], *, record: Mapping[str, str] | None = None) -> str:
+        """Send a job; its id. ``record``: more fields of its job hash, written with it (the
+        gateway's sealed API-key tag, before any worker can read the record)."""
         if not isinstance(job, Job):
             try:
                 job = Job.model_validate(job)
@@ -118,7 +120,7 @@ class Client:
         check_job(job, self.settings.limits)
         raw = job.model_dump(mode="json", exclude_none=True)
         if not job.idempotency_key:
-            return self.submit_raw(raw, project=job.project, job_id=job.id, kind=job.kind)
+            return self.submit_raw(raw, project=job.project, job_id=job.id, kind=job.kind, record=record)
         key = self.keys.idem(job.project, job.idempotency_key)
         try:
             claimed = self.redis.set(key, job.id, nx=True, ex=self.settings.result_ttl_s)
@@ -128,7 +130,7 @@ class Client:
         if not claimed:
             return existing.decode() if existing else job.id
         try:
-            return self.submit_raw(raw, project=job.project, job_id=job.id, kind=job.kind)
+            return self.submit_raw(raw, project=job.project, job_id=job.id, kind=job.kind, record=record)
         except BaseException:
             # The job never left: forget it entirely (the prep watchdog must not send it later),
             # so a retry with the same key sends it. (With the broker gone, the record is left to
@@ -140,7 +142,8 @@ class Client:
             raise
 
     def submit_raw(self, raw: Mapping[str, Any], *, project: str, job_id: str,
-                   kind: str = "infer", secret: str | None = None) -> str:
+                   kind: str = "infer", secret: str | None = None,
+                   record: Mapping[str, str] | None = None) -> str:
         """Sign and send a job dict as is (no local validation): the worker judges it.
 
         A broker that does not answer is tried again for ``retry_s`` (then BrokerUnavailable,
@@ -153,15 +156,16 @@ class Client:
         give_up_at = time.monotonic() + self.retry_s
         while True:
             try:
-                return self._send(signed, project, job_id, kind)
+                return self._send(signed, project, job_id, kind, record or {})
             except SEND_ERRORS as exc:
                 if time.monotonic() >= give_up_at:
                     raise broker_unavailable(self.settings.broker_url, exc) from exc
                 time.sleep(0.5)
 
-    def _send(self, signed: dict[str, Any], project: str, job_id: str, kind: str) -> str:
+    def _send(self, signed: dict[str, Any], project: str, job_id: str, kind: str,
+              record: Mapping[str, str]) -> str:
         now, ref, received = time.time(), job_ref(project, job_id), digest(signed)
-        if not self.results.create(ref, project, now + self.settings.prep_unclaimed_s,
+        if not self.results.create(ref, project, now + self.settings.prep_unclaimed_s, **record,
                                    state="submitted", project=project, kind=kind, submitted_at=now,
                                    digest=received, signed=json.dumps(signed)):
             record = self.results.job_record(ref)

@@ -51,6 +51,7 @@ from fleet.core.codes import Code
 from fleet.core.config import BackendSettings
 from fleet.core.errors import AuthError, BrokerUnavailable, Busy, FleetError, PromptTooLong
 from fleet.core.keys import job_ref
+from fleet.core.models import Job
 from fleet.core.redisconn import async_redis_client
 from fleet.core.request import build_request_messages, template_kwargs, tools_allowed
 from fleet.core.seal import cache_salt, key_tag
@@ -121,15 +122,13 @@ class Gateway:
         self.counter = self.counter_for(self.runtime.settings.backend)
         self.events = EventHub(settings, self.runtime.keys, self.admission.gateway_id)
 
-    def tag_key(self, caller: Caller, job_id: str) -> None:
-        """Name the caller's API key in the job hash of a job submitted for it (``/v1/tasks``, a
-        batch line), sealed (fleet/core/seal.py ``key_tag``): its turns count under that key in
-        the usage ledger. A Redis error here leaves the job counted under ``queue``."""
-        ref = job_ref(caller.project, job_id)
-        try:
-            self.runtime.results.record(ref, **key_tag(self.live.settings, ref, key_label(caller.key_id)))
-        except redis.RedisError as exc:
-            log.warning("job %s: its API key not recorded for the usage ledger (%r)", ref, exc)
+    def key_tag(self, caller: Caller, job: Job) -> dict[str, str]:
+        """The job hash fields naming the caller's API key, for a job submitted for it
+        (``/v1/tasks``, a batch line), sealed (fleet/core/seal.py ``key_tag``) and written with the
+        job's record (``Client.submit``'s ``record``): prep reserves the key's quota from it
+        (fleet/worker/keyquota.py) and its turns count under that key in the usage ledger."""
+        ref = job_ref(caller.project, job.id)
+        return key_tag(self.live.settings, ref, key_label(caller.key_id))
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A blocking call (Redis, /tokenize) off the event loop."""

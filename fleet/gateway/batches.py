@@ -242,13 +242,12 @@ class BatchLifecycle(BatchRecords):
         return {"object": "list", "data": data}
 
     def _submit(self, line: BatchLine, expires_at: int, caller: Caller | None) -> tuple[str, str] | None:
-        """Submit one line's job, tagged with the caller's key for the usage ledger; the line's
-        error and code if that failed."""
+        """Submit one line's job, tagged with the caller's key (its quota, the usage ledger); the
+        line's error and code if that failed."""
         assert line.job is not None
         try:
-            job_id = self.gw.client.submit(line.job.model_copy(update={"band": "batch", "deadline": expires_at}))
-            if caller is not None:
-                self.gw.tag_key(caller, job_id)
+            job = line.job.model_copy(update={"band": "batch", "deadline": expires_at})
+            self.gw.client.submit(job, record=None if caller is None else self.gw.key_tag(caller, job))
             return None
         except FleetError as exc:
             return f"line {line.number}: {exc.message}", exc.code.value

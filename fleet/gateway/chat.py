@@ -83,7 +83,7 @@ from fleet.worker.lease import LeaseKeeper
 from fleet.worker.runtime import OnBackend
 from schedulers.policy.quota import NEVER_FITS, Quota, Windows, remaining
 from schedulers.policy.quota import Usage as QuotaUsage
-from schedulers.store.base import quota_entry
+from schedulers.store.base import quota_entry, quota_of
 
 if TYPE_CHECKING:
     from fleet.gateway.app import Built, Gateway
@@ -369,8 +369,7 @@ class _Session:
         limits = self.gw.live.settings.projects[project].key_quotas.get(label)
         if limits is None:
             return
-        quota = Quota(limits.tokens_per_minute, limits.requests_per_minute, limits.tokens_per_day,
-                      limits.tokens_per_month, 0, limits.cost_prompt, limits.cost_cached, limits.cost_output)
+        quota = quota_of(limits)
         cost = quota.reserve(self.prompt_tokens, self.max_tokens)
         if quota.never_fits(cost):
             raise InputInvalid(f"{NEVER_FITS}: this request may cost {cost:,} (prompt and output limit), "

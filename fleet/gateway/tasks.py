@@ -70,8 +70,7 @@ class TaskRoutes:
 
     async def submit(self, request: Request, caller: Caller) -> Response:
         job = await _job_from(request, caller, self.gw.live.settings.gateway.max_body_bytes)
-        job_id = await self.gw.run(self.gw.client.submit, job)
-        await self.gw.run(self.gw.tag_key, caller, job_id)
+        job_id = await self.gw.run(self.gw.client.submit, job, record=self.gw.key_tag(caller, job))
         return JSONResponse(_task(job_id, status="queued"))
 
     async def get(self, request: Request, caller: Caller) -> Response:

@@ -64,7 +64,7 @@ from schedulers.policy.placement import Routing
 from schedulers.policy.quota import Quota, Remaining, Usage, Windows, refusal, remaining
 
 if TYPE_CHECKING:
-    from fleet.core.config import Settings
+    from fleet.core.config import QuotaSettings, Settings
 
 Band = Literal["interactive", "batch"]
 
@@ -279,13 +279,17 @@ def quota_entry(store: AdmissionStore, project: str, over: str, prompt_tokens: i
                       remaining=remaining(quota, usage, windows) if headers else None)
 
 
+def quota_of(q: QuotaSettings) -> Quota:
+    """A ``quota`` (or ``key_quotas``) settings section as the store's ``Quota``."""
+    return Quota(q.tokens_per_minute, q.requests_per_minute, q.tokens_per_day, q.tokens_per_month,
+                 q.max_in_flight, q.cost_prompt, q.cost_cached, q.cost_output)
+
+
 def quotas_from_settings(settings: Settings) -> dict[str, Quota]:
     """Every project's ``quota`` settings that limit anything, as the store's ``Quota``."""
     out = {}
     for name, project in settings.projects.items():
-        q = project.quota
-        quota = Quota(q.tokens_per_minute, q.requests_per_minute, q.tokens_per_day, q.tokens_per_month,
-                      q.max_in_flight, q.cost_prompt, q.cost_cached, q.cost_output)
+        quota = quota_of(project.quota)
         if quota.limited:
             out[name] = quota
     return out

@@ -15,9 +15,9 @@ Keys (each under the project's hash tag, one Cluster slot): ``kquota:{<project>}
 reservation). ``<key>`` is the key's ledger label, ``sha256:<8 hex>``. No project user may read or
 write them (fleet/cli/acl.py grants none).
 
-Not covered: ``max_in_flight`` per key (a key's requests in flight are its project's), and jobs
-the gateway enqueues for a key (``/v1/tasks``, ``/v1/batches``): those count against their
-project's quota only.
+Jobs the gateway enqueues for a key (``/v1/tasks``, ``/v1/batches`` lines) reserve with the same
+script at each turn's claim, in the inference worker (fleet/worker/keyquotas.py). Not covered:
+``max_in_flight`` per key (a key's requests in flight are its project's).
 """
 
 from __future__ import annotations

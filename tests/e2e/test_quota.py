@@ -45,6 +45,8 @@ TRIAGE_TPM = 2_900
 
 LIMITED_KEY, LIMITED_ENTRY = mint()  # an assistant key with a quota of its own
 FREE_KEY, FREE_ENTRY = mint()  # another assistant key, without one
+TASK_KEY, TASK_ENTRY = mint()  # a key whose tasks are refused past 2 requests a minute
+WAIT_KEY, WAIT_ENTRY = mint()  # a key whose tasks wait past 1 request a minute
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +54,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Harness, d
     config, keys = config_with_keys(
         tmp_path_factory.mktemp("fleet-quota"),
         projects={
-            "assistant": {"api_keys": [LIMITED_ENTRY, FREE_ENTRY], "key_quotas": {
-                key_label(digest(LIMITED_KEY)): {"requests_per_minute": 2, "over": "refuse"}}},
+            "assistant": {"api_keys": [LIMITED_ENTRY, FREE_ENTRY, TASK_ENTRY, WAIT_ENTRY], "key_quotas": {
+                key_label(digest(LIMITED_KEY)): {"requests_per_minute": 2, "over": "refuse"},
+                key_label(digest(TASK_KEY)): {"requests_per_minute": 2, "over": "refuse"},
+                key_label(digest(WAIT_KEY)): {"requests_per_minute": 1, "over": "wait"}}},
             "research": {"quota": {"requests_per_minute": 3, "tokens_per_minute": 10_000, "over": "refuse"}},
             "triage": {"thinking_budget": 1000, "content_reserve": 200,
                        "quota": {"tokens_per_minute": TRIAGE_TPM, "requests_per_minute": 100}},
@@ -187,3 +191,42 @@ def test_an_api_key_quota_binds_that_key_only(fleet: tuple[Harness, dict[str, st
     quotas = KeyQuotas(harness.client.redis, harness.client.keys)
     assert quotas.used("assistant", key_label(digest(LIMITED_KEY)), time.time())[1] == 2
     assert quotas.used("assistant", key_label(digest(FREE_KEY)), time.time()) == (0, 0, 0, 0)
+
+
+def _task(base: str, key: str, text: str) -> str:
+    reply = httpx.post(f"{base}/tasks", headers={"authorization": f"Bearer {key}"}, timeout=30,
+                       json={"messages": [{"role": "user", "content": text}], "max_tokens": 200})
+    assert reply.status_code == 200, reply.text
+    return str(reply.json()["id"])
+
+
+def test_a_keys_quota_binds_its_tasks_with_its_chat_requests(fleet: tuple[Harness, dict[str, str]]) -> None:
+    """Jobs the gateway submits for a key (/v1/tasks) reserve that key's quota at each turn's claim,
+    in the same windows as its chat requests: one chat request and one task fill a key's two
+    requests a minute, and its next task ends E_QUOTA_EXCEEDED naming the key's limit (``over =
+    "refuse"``); a key with ``over = "wait"`` has its second task wait, holding no slot, until
+    the minute resets, then run."""
+    harness, _keys = fleet
+    base = f"http://127.0.0.1:{harness.settings.gateway.port}/v1"
+    client, label = harness.client, key_label(digest(TASK_KEY))
+    _early_in_a_minute()
+    text = f"Task {uuid.uuid4().hex}. [sim:think=10] [sim:answer=5]"
+    chat = openai.OpenAI(base_url=base, api_key=TASK_KEY, max_retries=0)
+    assert chat.chat.completions.create(model="local", messages=[{"role": "user", "content": text}],
+                                        max_tokens=200).choices
+    first = client.result(_task(base, TASK_KEY, text), timeout=60, project="assistant")
+    assert first is not None and first.code.ok, first
+    second = client.result(_task(base, TASK_KEY, text), timeout=60, project="assistant")
+    assert second is not None and second.code == Code.E_QUOTA_EXCEEDED and not second.attempts
+    assert f"quota of API key {label}: requests_per_minute 2 reached" in second.message
+    assert KeyQuotas(client.redis, client.keys).used("assistant", label, time.time())[1] == 2
+    # over = "wait": the second task of the minute runs once the minute is over
+    minute_end = Windows.at(time.time()).minute_end
+    waited = client.result(_task(base, WAIT_KEY, text), timeout=60, project="assistant")
+    assert waited is not None and waited.code.ok
+    if time.time() >= minute_end - 1:  # the first crossed the minute itself: the next one's turn
+        minute_end = Windows.at(time.time()).minute_end
+    held_id = _task(base, WAIT_KEY, text)
+    held = client.result(held_id, timeout=90, project="assistant")
+    assert held is not None and held.code.ok and held.attempts
+    assert held.attempts[0].started_at >= minute_end  # sent to vLLM only in the next minute

@@ -48,8 +48,10 @@ from fleet.core.usage import QUEUE_KEY, TurnUsage
 from fleet.infer.attempts import Continuation, InferenceContext, run_inference
 from fleet.infer.budget import Plan
 from fleet.infer.turnusage import TurnProgress
+from fleet.worker import keyquotas as key_quotas
 from fleet.worker.jobs.common import cancel_requested, current_turn, end_unleased, event_sink, new_owner
 from fleet.worker.jobs.tool import send_round
+from fleet.worker.keyquotas import KeyQuotaHeld
 from fleet.worker.lease import LeaseKeeper
 from fleet.worker.outcome import CONTINUED, backend_label, continued_detail, ended_detail
 from fleet.worker.repeats import served
@@ -109,6 +111,8 @@ def run_turn(rt: Runtime, ref: str, project: str, fence: int, backend: str = "")
         with keeper:
             rt.results.record(ref, state="running", running_at=time.time(), fence=fence)
             envelope, turn = _run(rt, on, ref, project, keeper, progress)
+    except KeyQuotaHeld as held:  # its API key's window is full: back in line until it resets
+        return _wait_for_key_quota(rt, ref, fence, held)
     except BROKER_LOST as exc:
         # Not the job's fault: its lease expires (or is given back here) and it runs again.
         log.warning("redis lost while running job=%s (%r); the job goes back in line", ref, exc)
@@ -148,6 +152,20 @@ def _finish(rt: Runtime, settings: Settings, ref: str, fence: int, envelope: Env
     if not published:
         return TurnOutcome("already-final")
     return TurnOutcome(envelope.code.value, ended_detail(envelope, turn, backend_label(settings)))
+
+
+def _wait_for_key_quota(rt: Runtime, ref: str, fence: int, held: KeyQuotaHeld) -> TurnOutcome:
+    """Give the grant back (nothing was sent), the job at its place in line, not before its API
+    key's window resets (fleet/worker/keyquotas.py). A Redis error leaves the lease to expire."""
+    log.info("job=%s waits for its key's quota: %s", ref, held)
+    try:
+        rt.results.record(ref, state="pending", pending_at=time.time())
+        if not rt.store.readmit(ref, fence, held.max_tokens, held.not_before, time.time(), turn=held.turn):
+            return TurnOutcome("lease-lost")
+    except redis.RedisError as exc:
+        log.warning("job=%s not put back after its key's quota held it (%r): its lease will expire", ref, exc)
+        return TurnOutcome("readmit-failed")
+    return TurnOutcome("key-quota-held", f"turn={held.turn}")
 
 
 def _continue(rt: Runtime, ref: str, fence: int, cont: Continuation) -> str:
@@ -235,6 +253,19 @@ def _quota_settler(rt: Runtime, ref: str, fence: int, project: str,
         usage.reasoning_tokens + usage.answer_tokens))
 
 
+def _settlers(*settlers: Callable[[TurnUsage], None] | None) -> Callable[[TurnUsage], None] | None:
+    """One callback for an attempt's usage that gives it to each of ``settlers`` (None: none)."""
+    given = [s for s in settlers if s is not None]
+    if not given:
+        return None
+
+    def each(usage: TurnUsage) -> None:
+        for settle in given:
+            settle(usage)
+
+    return each
+
+
 def _settle_quota(rt: Runtime, ref: str, fence: int, spent: int) -> None:
     """Give back what the grant's reservation held beyond ``spent`` (nothing to do without one);
     a Redis error leaves the reservation standing: the window keeps the turn's worst case."""
@@ -279,6 +310,16 @@ def _run(rt: Runtime, on: OnBackend, ref: str, project: str, keeper: LeaseKeeper
     if turn is None and (cached := served(rt, ref, record, job)) is not None:
         _settle_quota(rt, ref, progress.fence, 0)  # the answer of an identical job: no turn
         return cached, 0
+    turn_plan = plan if turn is None else Plan(**turn["plan"])
+    try:
+        ticket = key_quotas.reserve(rt, ref, progress.fence, record, turn_plan)
+    except KeyQuotaHeld as held:
+        _settle_quota(rt, ref, progress.fence, 0)
+        held.max_tokens, held.turn = turn_plan.max_tokens, number
+        raise
+    if isinstance(ticket, Envelope):  # over its API key's quota, and not to wait
+        _settle_quota(rt, ref, progress.fence, 0)
+        return ticket, number
     _settle(rt, job, progress.fence)
     progress.key = tagged_key(rt.settings, ref, record) or QUEUE_KEY
     admitted_at = time.time()
@@ -289,12 +330,14 @@ def _run(rt: Runtime, on: OnBackend, ref: str, project: str, keeper: LeaseKeeper
         keys=rt.keys, events=events, cancel=keeper.cancel, client=on.vllm,
         fence_tag=record.get("fence_tag") or None, count_prompt=on.counter.count_messages,
         ledger=rt.ledger, fence=progress.fence, progress=progress, usage_key=progress.key,
-        settle=_quota_settler(rt, ref, progress.fence, job.project, progress),
+        settle=_settlers(_quota_settler(rt, ref, progress.fence, job.project, progress),
+                         None if ticket is None else ticket.add),
     )
     envelope = run_inference(job, plan, ctx, turn)
     # a turn that ended without an attempt (cancelled or past its deadline before it sent, a
     # tool round not sent): its reservation goes back whole; a no-op once an attempt settled
     _settle_quota(rt, ref, progress.fence, 0)
+    key_quotas.settle(rt, ticket)
     if not isinstance(envelope, Envelope):
         return envelope, number  # a Continuation
     warnings = json.loads(record.get("warnings", "[]"))
