@@ -216,6 +216,23 @@ def backends(
             console.print(markdown(runs), markup=False, soft_wrap=True)
 
 
+@bench_app.command("locality")
+def locality(
+    loads: Annotated[str, typer.Option(help="clients per sequence, comma-separated")] = "1.5,3",
+    admissions: Annotated[int, typer.Option(help="admissions per replay (the first fifth warms up)")] = 4_000,
+    deficit: Annotated[float, typer.Option(help="dlpm's fairness bound, tokens per unit of weight")] = 32_000.0,
+    seeds: Annotated[str, typer.Option(help="workload seeds, comma-separated (figures averaged)")] = "1,2,3",
+) -> None:
+    """One backend: the prefix hit rate of the fleet's admission order against an oracle order
+    (longest prefix first), and locality-aware fair scheduling (DLPM) side by side with its
+    fairness and time to first token; a replay in simulated time (fleet/bench/locality.py)."""
+    from fleet.bench.locality import locality_bench, markdown
+
+    runs = locality_bench(loads=tuple(float(x) for x in loads.split(",")), admissions=admissions,
+                          deficit=deficit, seeds=tuple(int(x) for x in seeds.split(",")))
+    console.print(markdown(runs), markup=False, soft_wrap=True)
+
+
 @bench_app.command("quota")
 def quota(
     exact: Annotated[bool, typer.Option(help="run the exactness measurement on real processes")] = True,

@@ -74,6 +74,14 @@ class PrefixCache:
         self.hits += hit
         return hit
 
+    def peek(self, hashes: list[int], prompt_len: int) -> int:
+        """The tokens ``lookup`` would serve from cache, without counting or touching the LRU."""
+        limit = min(len(hashes), (prompt_len - 1) // self.block_tokens)
+        n = 0
+        while n < limit and hashes[n] in self._lru:
+            n += 1
+        return n * self.block_tokens
+
     def insert(self, hashes: list[int]) -> None:
         for h in hashes:
             self._lru[h] = None
