@@ -12,6 +12,8 @@ the outside world.
   verifies). Dispatchers therefore hold ``security.worker_secret`` too.
 - ``on_expired``: a job whose deadline passed while it waited for admission gets its final
   E_DEADLINE envelope here, without ever taking a slot.
+- at start, ``end_never_fitting``: a waiting job its project's quota (as these settings have it)
+  can never admit ends E_QUOTA_EXCEEDED.
 - the prep watchdog (fleet/prep/watchdog.py) runs beside the loop, sending again the prep messages
   of jobs whose prep worker died before handing them over; when it sees the broker come back it
   also gives back the grants whose inference message the broker lost (fleet/worker/lostgrants.py).
@@ -58,7 +60,7 @@ from fleet.worker.queues import (
 )
 from schedulers.dispatcher import run_dispatcher
 from schedulers.store import make_store
-from schedulers.store.base import Grant
+from schedulers.store.base import AdmissionStore, Grant
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +93,40 @@ def serve_dispatcher(settings: Settings, stop: threading.Event | None = None) ->
                      args=(settings, results, resend_prep, stop,
                            lambda: prep_refs_in_broker(settings, client), give_back)).start()
     gate = WorkerGate(client, Keys(settings.key_prefix)) if settings.admission.worker_gate else None
+    try:
+        end_never_fitting(store, results)
+    except redis.RedisError as exc:  # the next start sweeps again; the loop rides the outage out
+        log.warning("quota sweep at start skipped (%r)", exc)
     run_dispatcher(settings, client, send, stop=stop, on_expired=on_expired,
                    shared_metrics=[PrepBacklogCollector(settings, client), LiveWorkersCollector(client, settings)],
                    gate=gate)
+
+
+def end_never_fitting(store: AdmissionStore, results: ResultStore) -> list[str]:
+    """End every waiting job that its project's quota can never admit (its worst case above the
+    smallest token limit: a quota lowered, by a restart with new settings, below jobs already in
+    line), E_QUOTA_EXCEEDED, envelope first, then out of the store (fleet/worker/jobs/common.py
+    ``end_unleased``'s order). Without it such a job would head its project's queue for ever
+    (admission passes it over, and only heads are candidates), holding every job behind it.
+    Returns the refs ended. One HSCAN of the items per project with a quota: at start only."""
+    ended = []
+    for project in store.config.quotas:
+        quota = store.config.quota(project)
+        if quota is None:
+            continue
+        for ref, prompt_tokens, max_new in store.waiting_items(project):
+            cost = quota.reserve(prompt_tokens, max_new)
+            if not quota.never_fits(cost):
+                continue
+            _, job_id = split_ref(ref)
+            results.publish(Envelope.failure(
+                job_id, project, Code.E_QUOTA_EXCEEDED,
+                f"quota: this turn may cost {cost:,} (prompt {prompt_tokens:,} and output limit), more than the "
+                f"project's smallest token quota ({quota.smallest_tokens:,}) since the quota was lowered"))
+            store.cancel_pending(ref)
+            log.warning("quota: job=%s ended E_QUOTA_EXCEEDED at start: it can never fit the quota", ref)
+            ended.append(ref)
+    return ended
 
 
 class PrepBacklogCollector(Collector):

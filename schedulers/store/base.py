@@ -302,6 +302,11 @@ class AdmissionStore(Protocol):
 
     def admit_next(self, now: float) -> AdmitResult: ...
 
+    def waiting_items(self, project: str) -> list[tuple[str, int, int]]:
+        """(id, prompt tokens, output limit) of every job of ``project`` in line or waiting for its
+        not-before time."""
+        ...
+
     def admit_many(self, now: float, max_grants: int) -> list[AdmitResult]:
         """Up to ``max_grants`` grants decided at ``now`` (each as ``admit_next`` would, one after
         the other), followed by the hold that stopped them, if one did: a hold ends the list."""

@@ -477,6 +477,12 @@ class MemoryStore:
                 counts[state] = counts.get(state, 0) + 1
             return found
 
+    def waiting_items(self, project: str) -> list[tuple[str, int, int]]:
+        with self._lock:
+            entries = [*self._pending.values(), *(e for _due, e in self._deferred.values())]
+            return [(e.item.job_id, e.item.prompt_tokens, e.item.max_new_tokens) for e in entries
+                    if e.item.project == project]
+
     def lease_valid(self, job_id: str, fence: int) -> bool:
         with self._lock:
             lease = self._leases.get(job_id)

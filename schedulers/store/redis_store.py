@@ -677,6 +677,16 @@ class RedisStore:
         leases = self._client.hgetall(self._key("lease"))
         return {_text(job_id): int(Lease.unpack(_text(v)).fence) for job_id, v in leases.items()}
 
+    def waiting_items(self, project: str) -> list[tuple[str, int, int]]:
+        """(id, prompt tokens, output limit) of every job of ``project`` in line or deferred (one
+        HSCAN over the items: for a sweep at start, never per admission)."""
+        found = []
+        for job_id, raw in self._client.hscan_iter(self._key("items"), count=1000):
+            item = Item.unpack(_text(raw))
+            if item.project == project and (item.pending == "1" or item.deferred is not None):
+                found.append((_text(job_id), int(item.prompt), int(item.max_new)))
+        return found
+
     def pending_ids(self) -> set[str]:
         ids: set[str] = set()
         for key in self._client.scan_iter(match=f"{self._d}pending:*", count=500):

@@ -179,3 +179,32 @@ def test_the_metrics_show_each_window_against_its_limit_and_the_holds(make_store
     assert samples[("fleet_quota_used", (("project", "a"), ("window", "in_flight")))] == 2
     assert samples[("fleet_quota_held_total", (("project", "a"),))] == 2
     assert store.snapshot().quota_held == {"a": 2}
+
+
+def test_a_quota_lowered_below_waiting_jobs_ends_them_at_the_next_start(make_store: StoreFactory) -> None:
+    """A restart with a smaller quota: the waiting jobs (in line or deferred) it can never admit end
+    E_QUOTA_EXCEEDED, envelope first and then out of the store, so they no longer head their
+    project's queue for ever; the ones that fit, and other projects', stay in line."""
+    from fleet.core.codes import Code
+    from fleet.worker.dispatch import end_never_fitting
+
+    class Results:
+        def __init__(self) -> None:
+            self.published: list = []
+
+        def publish(self, envelope) -> bool:  # type: ignore[no-untyped-def]
+            self.published.append(envelope)
+            return True
+
+    # a day's quota of 1,000: 500 + 400 fits, 900 + 400 never does
+    store = make_store(quota_config(a=Quota(tokens_per_day=1000)))
+    store.add_pending(job("a1", project="a", prompt=900))
+    store.add_pending(job("a2", project="a"))
+    store.add_pending(job("a3", project="a", prompt=900, not_before=NOW + 60))  # deferred
+    store.add_pending(job("b1", project="b", prompt=900))
+    results = Results()
+    assert sorted(end_never_fitting(store, results)) == ["a1", "a3"]  # type: ignore[arg-type]
+    assert sorted(e.job_id for e in results.published) == ["a1", "a3"]
+    assert all(e.code == Code.E_QUOTA_EXCEEDED and "quota was lowered" in e.message for e in results.published)
+    assert sorted(j for j, *_ in store.waiting_items("a")) == ["a2"]
+    assert sorted(admit_ids(store, NOW)) == ["a2", "b1"]
