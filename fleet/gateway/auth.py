@@ -125,5 +125,37 @@ class LiveSettings:
         except (ConfigError, ValueError) as exc:
             log.error("config reload failed, keeping the settings in force: %s", exc)
             return
+        waiting = restart_only(self.settings, settings)
+        if waiting:
+            settings = keep_restart_only(self.settings, settings)
+            log.warning("config reload: %s change only with a restart of every process; the rest "
+                        "(API keys, key quotas, the repeat cache, limits read per request) is in force now",
+                        ", ".join(waiting))
         self.settings, self.keys = settings, ring
         log.info("config reloaded from %s: %d API keys", self._path, len(ring))
+
+
+# What a gateway built its process around at start: the backends it streams to and its admission
+# store (their limits, each project's weight and quota), the broker and keys, the workers' secret.
+# A reload keeps these as they were (``keep_restart_only``); changing them takes a restart of
+# every process, since dispatchers, workers and gateways must agree on them.
+RESTART_ONLY = ("backend", "backends", "broker_url", "key_prefix", "redis", "security", "admission")
+RESTART_ONLY_PROJECT = ("weight", "quota")
+
+
+def restart_only(old: Settings, new: Settings) -> list[str]:
+    """The settings ``new`` changes that only a restart applies (their names)."""
+    changed = [name for name in RESTART_ONLY if getattr(old, name) != getattr(new, name)]
+    for project, settings in new.projects.items():
+        before = old.projects.get(project)
+        for name in RESTART_ONLY_PROJECT:
+            if before is not None and getattr(before, name) != getattr(settings, name):
+                changed.append(f"projects.{project}.{name}")
+    return changed
+
+
+def keep_restart_only(old: Settings, new: Settings) -> Settings:
+    """``new`` with every restart-only setting as ``old`` has it."""
+    projects = {name: p.model_copy(update={k: getattr(old.projects[name], k) for k in RESTART_ONLY_PROJECT})
+                if name in old.projects else p for name, p in new.projects.items()}
+    return new.model_copy(update={**{name: getattr(old, name) for name in RESTART_ONLY}, "projects": projects})

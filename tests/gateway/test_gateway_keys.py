@@ -78,3 +78,33 @@ def test_fleet_keys_mint_prints_the_key_once_and_the_settings_line() -> None:
     key = out.split("shown once; give it to the project's client): ")[1].split()[0]
     assert f'api_keys = ["sha256:{digest(key)}"]' in out
     assert out.count(key) == 1
+
+
+def test_a_reload_applies_new_keys_and_keeps_what_only_a_restart_changes(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The backends, a project's weight and quota: what dispatchers, workers and gateways must
+    agree on stays as it was until a restart (with a WARNING naming it); new API keys, a key's
+    quota and the repeat cache take effect at once."""
+    config = make_config(tmp_path, gateway={"reload_check_s": 1})
+    live = LiveSettings(load_settings(config, env={}), config,
+                        lambda path: load_settings(path, env={}), clock=lambda: 0.0)
+    before = live.settings
+    data = tomllib.loads(config.read_text(encoding="utf-8"))
+    key, entry = mint()
+    data["projects"]["research"]["api_keys"] = [entry]
+    data["projects"]["research"]["weight"] = 7
+    data["projects"]["research"]["quota"] = {"tokens_per_minute": 5000}
+    data["projects"]["research"]["repeat_cache"] = {"enabled": True}
+    data.setdefault("backend", {})["max_num_seqs"] = before.backend.max_num_seqs + 5
+    write_config(config, data)
+    live.request_reload()
+    with caplog.at_level("WARNING", logger="fleet.gateway.auth"):
+        assert live.current().caller(f"Bearer {key}").project == "research"
+    after = live.settings
+    assert after.backends == before.backends and after.backend == before.backend
+    assert after.projects["research"].weight == before.projects["research"].weight
+    assert after.projects["research"].quota == before.projects["research"].quota
+    assert after.projects["research"].repeat_cache.enabled
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    for name in ("backend", "projects.research.weight", "projects.research.quota"):
+        assert name in warned
