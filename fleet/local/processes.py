@@ -215,8 +215,10 @@ class LocalFleet:
         if len(entries) == 1:
             self.env["FLEET_BACKEND_URL"] = urls[entries[0].name]
         else:  # (FLEET_BACKEND_URL would override the first entry alone)
+            # without api_key: a simulator asks for none, and a key in the environment of every
+            # child would show in its /proc/<pid>/environ and in any crash report
             self.env["FLEET_BACKENDS"] = json.dumps(
-                [{**entry.model_dump(mode="json"), "url": urls[entry.name]} for entry in entries])
+                [{**entry.model_dump(mode="json", exclude={"api_key"}), "url": urls[entry.name]} for entry in entries])
 
     def backend_urls(self) -> dict[str, str]:
         """Backend name -> the url the children use (a simulator's, or the configured one)."""
