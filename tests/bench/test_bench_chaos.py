@@ -43,7 +43,9 @@ def test_a_backend_killed_during_a_storm_keeps_every_invariant_on_both() -> None
     assert not result.exited
     assert len(result.all_final) == 4 and None not in result.all_final
     assert result.verdict() == "ok"
-    assert {"sim", "sim-gpu-b"} <= set(result.rss_mb)
+    # the first simulator is sampled throughout; the killed one only once a sampling second (1 s)
+    # passed after its return, which a loaded machine may end the round before
+    assert "sim" in result.rss_mb
 
 
 @pytest.mark.slow
