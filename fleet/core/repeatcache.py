@@ -125,11 +125,14 @@ class RepeatCache:
         """Make job ``ref`` the one computing ``digest`` (for ``wait_s``); None when it is (or
         already was: a second delivery of its prep), else the ref of the job computing it."""
         key = self._key(f"jrun:{digest}")
-        if self.client.set(key, ref, nx=True, px=self._run_ms()):
-            return None
-        runner = self.client.get(key)
-        found = runner.decode() if isinstance(runner, bytes) else runner
-        return None if found in (None, ref) else found
+        for _ in range(3):  # a run that lapsed between the SET and the GET: take it again
+            if self.client.set(key, ref, nx=True, px=self._run_ms()):
+                return None
+            runner = self.client.get(key)
+            if runner is not None:
+                found = runner.decode() if isinstance(runner, bytes) else str(runner)
+                return None if found == ref else found
+        return None
 
     def add_waiter(self, digest: str, ref: str) -> None:
         """Job ``ref`` waits for the job computing ``digest``."""

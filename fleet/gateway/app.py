@@ -125,8 +125,9 @@ class Gateway:
     def key_tag(self, caller: Caller, job: Job) -> dict[str, str]:
         """The job hash fields naming the caller's API key, for a job submitted for it
         (``/v1/tasks``, a batch line), sealed (fleet/core/seal.py ``key_tag``) and written with the
-        job's record (``Client.submit``'s ``record``): prep reserves the key's quota from it
-        (fleet/worker/keyquota.py) and its turns count under that key in the usage ledger."""
+        job's record (``Client.submit``'s ``record``): the inference worker reserves the key's
+        quota from it at each turn (fleet/worker/keyquotas.py) and its turns count under that key
+        in the usage ledger."""
         ref = job_ref(caller.project, job.id)
         return key_tag(self.live.settings, ref, key_label(caller.key_id))
 

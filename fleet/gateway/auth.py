@@ -129,8 +129,8 @@ class LiveSettings:
         if waiting:
             settings = keep_restart_only(self.settings, settings)
             log.warning("config reload: %s change only with a restart of every process; the rest "
-                        "(API keys, key quotas, the repeat cache, limits read per request) is in force now",
-                        ", ".join(waiting))
+                        "(API keys, key quotas, the repeat cache, limits read per request) is in force in "
+                        "this gateway now (workers keep theirs until they restart)", ", ".join(waiting))
         self.settings, self.keys = settings, ring
         log.info("config reloaded from %s: %d API keys", self._path, len(ring))
 

@@ -13,11 +13,14 @@ Flow (fleet/worker/jobs/infer.py ``_run``): the job's record names a key under t
     reserved: the turn runs; each attempt's usage adds to what it spent, and the reservation is
               settled with that once the turn ends (SETTLE: the rest refunded, overage added)
     held, ``over = "wait"`` (the key's): the grant is given back at once (``readmit``, its
-              place in line kept) not before the held window's end; nothing was sent
-    held, ``over = "refuse"``, or a turn no window could ever hold: the job ends
-              E_QUOTA_EXCEEDED naming the key's limit and when its window resets
+              place in line kept) not before the held window's end (plus up to a second, so a
+              key's held jobs do not all come back at once); nothing was sent
+    held, ``over = "refuse"``, a window that resets after the job's deadline, or a turn no
+              window could ever hold: the job ends E_QUOTA_EXCEEDED naming the key's limit and
+              when its window resets
 
-Failure cases: a worker dying mid-turn leaves its reservation standing (the window keeps the
+Failure cases: a turn that raises is settled with what its attempts spent so far; a worker
+dying mid-turn leaves its reservation standing (the window keeps the
 worst case; the reaped turn reserves again under its new fence); a Redis error on reserving
 goes up to the task like any Redis error at a turn's start (the job goes back in line); one on
 settling is logged and leaves the worst case. Trust: the key label comes only from a sealed tag,
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -75,7 +79,8 @@ class KeyTicket:
                                            usage.reasoning_tokens + usage.answer_tokens))
 
 
-def reserve(rt: Runtime, ref: str, fence: int, record: dict[str, str], plan: Plan) -> KeyTicket | Envelope | None:
+def reserve(rt: Runtime, ref: str, fence: int, record: dict[str, str], plan: Plan,
+            deadline: float | None = None) -> KeyTicket | Envelope | None:
     """The turn's reservation (None: no key quota binds the job), or the E_QUOTA_EXCEEDED envelope
     the job ends with; KeyQuotaHeld when it waits (module docstring)."""
     project, job_id = split_ref(ref)
@@ -97,8 +102,13 @@ def reserve(rt: Runtime, ref: str, fence: int, record: dict[str, str], plan: Pla
         return ticket
     name, limit, retry_s = held
     why = f"quota of API key {label}: {name} {limit:,} reached; its window resets in {math.ceil(retry_s)} s"
+    # spread over a second: the key's held jobs do not all come back at the same instant (each
+    # would take a grant only to be held again)
+    not_before = now + retry_s + 0.05 + random.random()
+    if limits.over == "wait" and (deadline is None or not_before < deadline):
+        raise KeyQuotaHeld(not_before, why)
     if limits.over == "wait":
-        raise KeyQuotaHeld(now + retry_s + 0.05, why)
+        why += ", after the job's deadline"
     return Envelope.failure(job_id, project, Code.E_QUOTA_EXCEEDED, why)
 
 

@@ -4,13 +4,14 @@ with that one's answer, before admission; identical jobs arriving together run o
 
 Identity. A job's digest is ``request_digest`` over what its first attempt sends vLLM, after prep:
 the model, the messages as sent (untrusted parts fenced; the fence tag replaced by a fixed word),
-the tools and tool choice, the response schema, the sampling fields, the seed, the plan (token
-budgets, thinking budget), under a ``queue`` marker (a queue job's digest never equals a gateway
-request's: their answers are kept in different shapes). The job's id, metadata, priority, band,
-deadline and idempotency key are left out: they never reach vLLM. A job is not looked up when it
-could not be repeated (``repeatable``: temperature 0, a seed of its own, or the project's
-``sampled``), when the fleet runs its tools (its answer depends on what they return), or for the
-kinds that end at prep (collect, trim).
+the tools and tool choice, the response format (the job's schema or the project's), the sampling
+fields, the seed, the plan's budgets (output limit, thinking budget, content reserve; not its token
+counts, which the random fence tag moves by a few tokens), under a ``queue`` marker (a queue job's
+digest never equals a gateway request's: their answers are kept in different shapes). The job's
+id, metadata, priority, band, deadline and idempotency key are left out: they never reach vLLM. A
+job is not looked up when it could not be repeated (``repeatable``: temperature 0, a seed of its
+own, or the project's ``sampled``), when the fleet runs its tools (its answer depends on what they
+return), or for the kinds that end at prep (collect, trim).
 
 Keys (fleet/core/keys.py, the project's own ``rcache`` keys; no project user may read or write any)
   rcache:{<project>}:e, x, s             the entries, their expiries, the stats (the gateway's too)
@@ -18,22 +19,30 @@ Keys (fleet/core/keys.py, the project's own ``rcache`` keys; no project user may
   rcache:{<project>}:jwait:<digest>      set     the jobs waiting for it; PX wait_s + 60 s
 
 Flow
-  prep, once the plan is made (before the quota check: a job served from the cache spends none)
-    an entry        -> the job ends at once with it: its envelope, ``cached: true``, its own id
-                       and metadata, no attempt, no slot, no quota
+  prep, once the plan is made
+    ``lookup``: an entry -> the job ends at once with it: its envelope, ``cached: true``, its own
+                       id, metadata and warnings, no attempt, no usage (nothing was spent), no
+                       slot, no quota
+    then the project's quota check (a refused job never computes nor waits), then ``join``:
     SET jrun NX     -> this job computes it: its record carries the repeat tag (fleet/core/seal.py
                        ``repeat_tag``); in line as ever
     else            -> a waiter: SADD jwait; its record carries the tag; it joins the store with a
-                       not-before time ``wait_s`` ahead (schedulers/store/base.py, Continuations:
-                       deferred, holding no slot and not in line)
+                       not-before time ``wait_s`` ahead (never past its deadline;
+                       schedulers/store/base.py, Continuations: deferred, holding no slot and not
+                       in line); ``joined`` puts it in line at once if the answer came meanwhile
+    a job not looked up gets an empty tag (replacing any its producer wrote)
   the computing job's final envelope (``on_final``: the on_publish hook of the worker process that
-  published it, fleet/worker/runtime.py)
+  published it, fleet/worker/tasks.py)
     OK or OK_THINKING_FORCED, not cached
-                    -> the answer is kept (at most max_entry_bytes); every waiter ends with it
-                       (published first, then taken out of the store: fleet/worker/jobs/common.py
-                       ``end_unleased``'s order)
-    anything else   -> one waiter computes it now (``jrun`` names it; ``hurry`` puts it in line);
-                       the others wait on
+                    -> the answer is kept (without its attempts, at most max_entry_bytes); the
+                       first ``INLINE_WAITERS`` waiters end with it (published first, then taken
+                       out of the store: fleet/worker/jobs/common.py ``end_unleased``'s order), the
+                       rest are put in line and served at their claim (no model turn)
+    a whole answer too large to keep
+                    -> every waiter goes in line now (each runs: none would be served)
+    anything else   -> one waiter computes it now (``jrun`` names it; ``hurry`` puts it in line;
+                       one that ended meanwhile passes it on); the others wait on
+    (RCACHE_END takes the ended job out of the waiters first, whatever it was)
   a tagged job's first claim (``served``, fleet/worker/jobs/infer.py): an entry found ends it with
   that answer, its slot released and its quota reservation given back whole; else it leaves the
   waiters (SREM jwait) and runs: an answer arriving meanwhile does not cut its turn.
@@ -43,7 +52,8 @@ worker publishing the computing job's envelope dies before it serves them, or th
 published by a process without the hook (a dispatcher ending a job past its deadline), or the
 computing job outlives ``wait_s``, each waiter is promoted at its not-before time and runs (and
 its claim finds the answer, if it came meanwhile). A Redis error in the hook is logged: the
-waiters go the same way. A job cancelled while it waits ends as any waiting job does.
+waiters go the same way. A job cancelled while it waits ends as any waiting job does. An entry
+that does not read as an envelope (another version's) is a miss, never a failed job.
 
 Trust. The digest is computed by the prep worker from the prepared job; the record's tag is sealed,
 so a producer that rewrites its job hash cannot have its job's answer kept under another digest,
@@ -70,12 +80,17 @@ from fleet.core.seal import repeat_tag, tagged_repeat
 from fleet.core.usage import QUEUE_KEY, TurnUsage
 from fleet.infer.budget import Plan
 from fleet.infer.tools import as_sent
+from fleet.infer.validate import response_format
 
 if TYPE_CHECKING:
     from fleet.worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
+# the plan's fields that reach vLLM as they are: not its token counts, which the random fence tag
+# moves by a few tokens (a tokenizer splits tags of one length differently)
+PLAN_SENT = ("thinking_budget", "content_reserve", "max_tokens", "limit")
+INLINE_WAITERS = 64  # served inside the publish hook; the rest are put in line and served at their claim
 KEPT = (Code.OK, Code.OK_THINKING_FORCED)  # whole answers (never OK_TRUNCATED, never a failure)
 UNSENT = {"id", "project", "metadata", "priority", "band", "deadline", "idempotency_key", "submitted_at",
           "messages", "sources"}  # job fields that never reach vLLM (messages go as sent)
@@ -92,8 +107,9 @@ def job_digest(project: ProjectSettings, model: str, job: Job, plan: Plan, fence
     if runs:
         return None  # the fleet runs its tools: the answer depends on what they return
     messages, _ = build_request_messages(job, fence_tag)
-    body = {"path": "queue", "messages": messages, "tools": sent, "plan": plan.__dict__,
-            "job": job.model_dump(mode="json", exclude=UNSENT)}
+    budgets = {name: getattr(plan, name) for name in PLAN_SENT}
+    body = {"path": "queue", "messages": messages, "tools": sent, "plan": budgets,
+            "response_format": response_format(job, project), "job": job.model_dump(mode="json", exclude=UNSENT)}
     return request_digest(model, body, fence_tag)
 
 
@@ -101,30 +117,52 @@ def cache_of(rt: Runtime, project: str) -> RepeatCache:
     return RepeatCache(rt.redis, rt.keys, project, rt.settings.projects[project].repeat_cache)
 
 
-def served_envelope(entry: Entry, job: Job, submitted_at: float) -> Envelope:
-    """An earlier job's kept envelope as job ``job``'s own: its id and metadata, ``cached``, no
-    attempt, its own timings."""
-    kept = dict(entry.extra["envelope"])
-    kept.update(job_id=job.id, project=job.project, attempts=[], metadata=job.metadata, cached=True,
-                finished_at=time.time())
-    envelope = Envelope.model_validate(kept)
-    total = round(time.time() - submitted_at, 4)
+def served_envelope(entry: Entry | None, job: Job) -> Envelope | None:
+    """An earlier job's kept envelope as job ``job``'s own: its id, metadata and warnings,
+    ``cached``, no attempt, no usage (nothing was spent: the first job's envelope has its
+    figures), its own timings. None for no entry, or one that does not read as an envelope (a
+    newer or older format: a miss, never a failed job)."""
+    if entry is None or "envelope" not in entry.extra:
+        return None
+    try:
+        kept = dict(entry.extra["envelope"])
+        kept.update(job_id=job.id, project=job.project, attempts=[], metadata=job.metadata, cached=True,
+                    warnings=[], usage={}, finished_at=time.time())
+        envelope = Envelope.model_validate(kept)
+    except (ValueError, TypeError) as exc:
+        log.warning("repeat cache: an entry for job=%s/%s does not read (%s): a miss", job.project, job.id, exc)
+        return None
+    total = round(time.time() - job.submitted_at, 4)
     return envelope.model_copy(update={"timings": Timings(queued_s=total, total_s=total)})
 
 
-def at_prep(rt: Runtime, job: Job, digest: str) -> tuple[Envelope | None, dict[str, str], float | None]:
-    """What prep does with a repeatable job: (the envelope it ends with: a hit; or None, the job
-    goes on), the record fields that tag it, and its not-before time (a waiter) or None."""
-    cache, ref = cache_of(rt, job.project), job_ref(job.project, job.id)
-    entry = cache.get(digest)
-    if entry is not None and "envelope" in entry.extra:
+def lookup(rt: Runtime, job: Job, digest: str) -> Envelope | None:
+    """The kept answer of an identical job, as this job's envelope (None: a miss)."""
+    envelope = served_envelope(cache_of(rt, job.project).get(digest), job)
+    if envelope is not None:
         _count_hit(rt, job)
-        return served_envelope(entry, job, job.submitted_at), {}, None
+    return envelope
+
+
+def join(rt: Runtime, job: Job, digest: str) -> tuple[dict[str, str], float | None]:
+    """After a miss (and the quota check): the job computes the answer, or waits for the job that
+    does. The record fields that tag it, and its not-before time (a waiter; never past its
+    deadline, where it is put in line and ends E_DEADLINE as any waiting job) or None."""
+    cache, ref = cache_of(rt, job.project), job_ref(job.project, job.id)
     tag = repeat_tag(rt.settings, ref, digest)
     if cache.take_run(digest, ref) is None:
-        return None, tag, None
+        return tag, None
     cache.add_waiter(digest, ref)
-    return None, tag, time.time() + cache.settings.wait_s
+    until = time.time() + cache.settings.wait_s
+    return tag, until if job.deadline is None else min(until, job.deadline)
+
+
+def joined(rt: Runtime, job: Job, digest: str) -> None:
+    """A waiter now in the store: if the answer came while it joined (the computing job's end
+    read the waiters before this one was among them), it goes in line now, to be served at its
+    claim, instead of waiting ``wait_s`` for nothing."""
+    if cache_of(rt, job.project).get(digest, count=False) is not None:
+        rt.store.hurry(job_ref(job.project, job.id), time.time())
 
 
 def served(rt: Runtime, ref: str, record: dict[str, str], job: Job) -> Envelope | None:
@@ -135,15 +173,16 @@ def served(rt: Runtime, ref: str, record: dict[str, str], job: Job) -> Envelope 
         return None
     cache = cache_of(rt, job.project)
     try:
-        entry = cache.get(digest)
-        if entry is None or "envelope" not in entry.extra:
+        envelope = served_envelope(cache.get(digest, count=False), job)
+        if envelope is None:
             cache.leave(digest, ref)  # it runs: on its own from now on, never cut by another's answer
             return None
     except redis.RedisError as exc:
         log.warning("repeat cache: job=%s not looked up (%r); it runs", ref, exc)
         return None
+    cache.count("hits")
     _count_hit(rt, job)
-    return served_envelope(entry, job, job.submitted_at)
+    return envelope
 
 
 def on_final(rt: Runtime, envelope: Envelope) -> None:
@@ -169,40 +208,58 @@ def on_final(rt: Runtime, envelope: Envelope) -> None:
 
 
 def _ended(rt: Runtime, ref: str, digest: str, envelope: Envelope) -> None:
-    cache = cache_of(rt, envelope.project)
-    kept = envelope.code in KEPT and not envelope.cached and _keep(cache, digest, envelope)
-    if not kept and envelope.cached:
-        kept = True  # a waiter served at its claim: the answer is there for the others too
-    for other in cache.end_run(digest, ref, kept):
-        if kept:
-            _serve_waiter(rt, cache, other, digest)
-        elif rt.store.hurry(other, time.time()):
-            log.info("repeat cache: job=%s ended %s; job=%s computes the answer now", ref,
-                     envelope.code.value, other)
+    cache, now = cache_of(rt, envelope.project), time.time()
+    whole = envelope.code in KEPT and not envelope.cached
+    kept = (whole and _keep(cache, digest, envelope)) or envelope.cached  # cached: a waiter served at its claim
+    if kept:
+        entry = cache.get(digest, count=False)
+        for n, other in enumerate(cache.end_run(digest, ref, True)):
+            if n < INLINE_WAITERS and entry is not None:
+                _serve_waiter(rt, cache, other, digest, entry)
+            else:  # in line now, served at its claim (no model turn): this worker's turn is over
+                rt.store.hurry(other, now)
+        return
+    if whole:  # a whole answer too large to keep: each waiter would run anyway, so all go now
+        for other in cache.end_run(digest, ref, True):
+            rt.store.hurry(other, now)
+        return
+    runner = ref
+    for _ in range(16):  # one waiter computes it now; one that ended meanwhile passes it on
+        taken = cache.end_run(digest, runner, False)
+        if not taken:
+            return
+        if rt.store.hurry(taken[0], now):
+            log.info("repeat cache: job=%s ended %s; job=%s computes the answer now", ref, envelope.code.value,
+                     taken[0])
+            return
+        runner = taken[0]
 
 
 def _keep(cache: RepeatCache, digest: str, envelope: Envelope) -> bool:
+    """Keep ``envelope`` for the jobs to come: once (the entry's own content and reasoning fields
+    stay empty: a queue entry is served whole from ``extra``), without its attempts."""
     now = time.time()
-    whole = envelope.model_dump(mode="json")
-    entry = Entry(content=envelope.content or "", reasoning=envelope.reasoning or "",
-                  tool_calls=envelope.tool_calls, finish_reason="stop", usage=envelope.usage.model_dump(),
+    slim = envelope.model_dump(mode="json", exclude={"attempts"})
+    entry = Entry(content="", reasoning="", tool_calls=[], finish_reason="stop", usage=envelope.usage.model_dump(),
                   backend=envelope.backend, created_at=now, expires_at=now + cache.settings.ttl_s,
-                  extra={"envelope": whole})
+                  extra={"envelope": slim})
     return cache.put(digest, entry)
 
 
-def _serve_waiter(rt: Runtime, cache: RepeatCache, ref: str, digest: str) -> None:
-    """End waiter ``ref`` with the kept answer: published first, then out of the store."""
+def _serve_waiter(rt: Runtime, cache: RepeatCache, ref: str, digest: str, entry: Entry) -> None:
+    """End waiter ``ref`` with the kept answer: published first, then out of the store. A waiter
+    whose record is not written yet (it is joining right now) goes in line instead, to be served
+    at its claim."""
     record = rt.results.job_record(ref)
     if tagged_repeat(rt.settings, ref, record) != digest or "job" not in record:
-        return  # its record says otherwise: it runs at its time
+        rt.store.hurry(ref, time.time())
+        return
     job = Job.model_validate_json(record["job"])
-    if job_ref(job.project, job.id) != ref:
+    envelope = served_envelope(entry, job)
+    if job_ref(job.project, job.id) != ref or envelope is None:
+        rt.store.hurry(ref, time.time())
         return
-    entry = cache.get(digest, count=False)
-    if entry is None or "envelope" not in entry.extra:
-        return
-    if rt.results.publish(served_envelope(entry, job, job.submitted_at)):
+    if rt.results.publish(envelope):
         cache.count("hits")
         _count_hit(rt, job)
     rt.store.cancel_pending(ref)

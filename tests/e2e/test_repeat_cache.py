@@ -137,6 +137,9 @@ def _job(text: str, project: str = "assistant", **extra: object) -> dict[str, ob
 def test_a_queue_job_repeat_ends_with_the_first_jobs_answer(fleet: tuple[Harness, dict[str, str]]) -> None:
     harness, _ = fleet
     client, text = harness.client, f"Tag invoice {uuid.uuid4().hex}. [sim:think=20] [sim:answer=12]"
+    untrusted = [{"role": "user", "content": "Tag it.", "untrusted": False},
+                 {"role": "user", "content": f"Pasted from outside: {uuid.uuid4().hex}. [sim:answer=9]",
+                  "untrusted": True}]
     before = _sim_requests(harness)
     first = client.result(client.submit(_job(text, metadata={"n": 1})), timeout=60)
     assert first is not None and first.code.ok and not first.cached and first.attempts
@@ -144,7 +147,8 @@ def test_a_queue_job_repeat_ends_with_the_first_jobs_answer(fleet: tuple[Harness
     again = client.result(again_id, timeout=60)
     assert again is not None and again.code == first.code and again.cached
     assert again.job_id == again_id and again.metadata == {"n": 2} and again.attempts == []
-    assert again.content == first.content and again.usage.completion_tokens == first.usage.completion_tokens
+    assert again.content == first.content and again.reasoning == first.reasoning
+    assert again.usage.completion_tokens == 0 and first.usage.completion_tokens > 0  # nothing spent for it
     assert _sim_requests(harness) == before + 1  # no model request, no slot for the repeat
     # another project sending the very same job runs it; a sampling job is never served
     other = client.result(client.submit(_job(text, project="research")), timeout=60)
@@ -152,6 +156,11 @@ def test_a_queue_job_repeat_ends_with_the_first_jobs_answer(fleet: tuple[Harness
     sampled = client.result(client.submit(_job(text, temperature=0.7)), timeout=60)
     assert sampled is not None and not sampled.cached
     assert _sim_requests(harness) == before + 3
+    # untrusted content is fenced with a new random tag each time: still the same request
+    fenced = [client.result(client.submit({**_job(text), "messages": untrusted}), timeout=60) for _ in range(2)]
+    assert all(e is not None and e.code.ok for e in fenced)
+    assert [bool(e.cached) for e in fenced if e is not None] == [False, True]
+    assert _sim_requests(harness) == before + 4
 
 
 def test_identical_queue_jobs_arriving_together_run_once(fleet: tuple[Harness, dict[str, str]]) -> None:

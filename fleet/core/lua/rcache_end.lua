@@ -9,6 +9,8 @@
 -- lost: one waiter, if any, becomes the runner and is returned (the caller puts it in line at
 --       once); the others wait on. A run that is no longer this job's is left alone.
 -- Returns the refs the caller acts on.
+-- The job that ended waits no more, whatever it was (a waiter cancelled, or past its deadline).
+redis.call('SREM', KEYS[2], ARGV[1])
 local runner = redis.call('GET', KEYS[1])
 if ARGV[2] == 'kept' then
   if runner == ARGV[1] then redis.call('DEL', KEYS[1]) end

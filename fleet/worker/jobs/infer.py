@@ -312,7 +312,7 @@ def _run(rt: Runtime, on: OnBackend, ref: str, project: str, keeper: LeaseKeeper
         return cached, 0
     turn_plan = plan if turn is None else Plan(**turn["plan"])
     try:
-        ticket = key_quotas.reserve(rt, ref, progress.fence, record, turn_plan)
+        ticket = key_quotas.reserve(rt, ref, progress.fence, record, turn_plan, job.deadline)
     except KeyQuotaHeld as held:
         _settle_quota(rt, ref, progress.fence, 0)
         held.max_tokens, held.turn = turn_plan.max_tokens, number
@@ -333,11 +333,13 @@ def _run(rt: Runtime, on: OnBackend, ref: str, project: str, keeper: LeaseKeeper
         settle=_settlers(_quota_settler(rt, ref, progress.fence, job.project, progress),
                          None if ticket is None else ticket.add),
     )
-    envelope = run_inference(job, plan, ctx, turn)
+    try:
+        envelope = run_inference(job, plan, ctx, turn)
+    finally:  # the key's reservation meets what the attempts spent, whatever ended the turn
+        key_quotas.settle(rt, ticket)
     # a turn that ended without an attempt (cancelled or past its deadline before it sent, a
     # tool round not sent): its reservation goes back whole; a no-op once an attempt settled
     _settle_quota(rt, ref, progress.fence, 0)
-    key_quotas.settle(rt, ticket)
     if not isinstance(envelope, Envelope):
         return envelope, number  # a Continuation
     warnings = json.loads(record.get("warnings", "[]"))

@@ -42,15 +42,18 @@ from fleet.infer.budget import plan as plan_budget
 from fleet.prep.cachehint import uncached_of
 from fleet.prep.prepare import prepare
 from fleet.prep.watchdog import HANDED_OVER, PrepClaim
+from fleet.worker import repeats
 from fleet.worker.jobs.common import cancel_requested, end_unleased, event_sink, fail, new_owner
 from fleet.worker.jobs.tool import first_turn_tools
-from fleet.worker.repeats import at_prep, job_digest
+from fleet.worker.repeats import job_digest
 from fleet.worker.runtime import Runtime
 from schedulers.backoff import Backoff
 from schedulers.policy.quota import NEVER_FITS
 from schedulers.store.base import PendingItem, quota_entry
 
 log = logging.getLogger(__name__)
+
+NO_REPEAT_TAG = {"rcache": "", "rcache_seal": ""}
 
 
 def riding_out_broker_loss(run: Callable[[], str], ref: str, patience_s: float) -> str:
@@ -155,15 +158,12 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
     # the exact-repeat cache (fleet/worker/repeats.py): an earlier identical job's answer ends it
     # here, before any quota; a job identical to one running now waits for it (``not_before``)
     request = job_digest(project, model_asked(settings, project, job.model), ready, plan, prepared.fence_tag)
-    tag: dict[str, str] = {}
-    not_before = None
-    if request is not None:
-        cached, tag, not_before = at_prep(rt, ready, request)
-        if cached is not None:
-            rt.results.publish(cached)
-            return cached.code.value
-    if not_before is None:  # a waiter is checked if it ever runs: admission holds it then
-        _refuse_over_quota(rt, job, prepared.prompt_tokens, plan.max_tokens)
+    if request is not None and (cached := repeats.lookup(rt, ready, request)) is not None:
+        rt.results.publish(cached)
+        return cached.code.value
+    _refuse_over_quota(rt, job, prepared.prompt_tokens, plan.max_tokens)
+    # (an empty tag replaces any the producer wrote into its job hash: only prep tags a job)
+    tag, not_before = repeats.join(rt, ready, request) if request is not None else (NO_REPEAT_TAG, None)
     job_json, plan_json = ready.model_dump_json(), json.dumps(plan.__dict__)
     rt.results.record(ref, **sealed(
         settings, ref, project=job.project, kind=job.kind, job=job_json, plan=plan_json,
@@ -180,6 +180,8 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
         enqueued_at=handed_over, deadline=job.deadline, uncached_tokens=uncached,
         eligible=mask, hint=cache.hint, not_before=not_before,
     ))
+    if not_before is not None and request is not None:
+        repeats.joined(rt, ready, request)
     # Only now "pending": had this task died before add_pending, the job would still read
     # "submitted", and a redelivery or the prep watchdog would prepare it again.
     rt.results.record(ref, state="pending", pending_at=handed_over)
