@@ -56,19 +56,22 @@ def queues_table(settings: Settings, client: redis.Redis) -> Table:
     table = Table(title="Dispatcher queues")
     backlog = prep_backlog(settings, client)
     continuing = store.continuations()
+    deferred = store.deferred_counts()
     quota_held, now = quota_holds(client, settings), time.time()
     columns = ["project", "weight", "interactive", "batch", "continuing", "waiting", "prep queue"]
     if store.config.quotas:
         columns += ["quota", "quota holds"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("project", "quota") else "right")
-    for project in sorted(set(snap.pending) | set(settings.projects) | set(continuing)):
+    for project in sorted(set(snap.pending) | set(settings.projects) | set(continuing) | set(deferred)):
         bands = snap.pending.get(project, {})
         weight = store.config.weight(project)
         cont = continuing.get(project, {})
         cells = [
             project, f"{weight:g}", str(bands.get("interactive", 0)), str(bands.get("batch", 0)),
-            str(cont.get("pending", 0)), str(cont.get("deferred", 0)),
+            # waiting: every job deferred until a not-before time (a continuation's backoff, a
+            # repeat of a job running now, a turn its API key's quota holds)
+            str(cont.get("pending", 0)), str(deferred.get(project, 0)),
             str(backlog.get(project, "-")),
         ]
         if store.config.quotas:

@@ -477,6 +477,13 @@ class MemoryStore:
                 counts[state] = counts.get(state, 0) + 1
             return found
 
+    def deferred_counts(self, limit: int = 10_000) -> dict[str, int]:
+        with self._lock:
+            counts: dict[str, int] = {}
+            for _due, entry in sorted(self._deferred.values(), key=lambda w: w[0])[:limit]:
+                counts[entry.item.project] = counts.get(entry.item.project, 0) + 1
+            return counts
+
     def waiting_items(self, project: str) -> list[tuple[str, int, int]]:
         with self._lock:
             entries = [*self._pending.values(), *(e for _due, e in self._deferred.values())]

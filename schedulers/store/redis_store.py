@@ -507,6 +507,18 @@ class RedisStore:
         first = self._client.zrange(self._key("deferred"), 0, 0, withscores=True)
         return float(first[0][1]) if first else None
 
+    def deferred_counts(self, limit: int = 10_000) -> dict[str, int]:
+        """Per project, the jobs waiting for a not-before time (continuations in backoff, queue jobs
+        waiting for an identical job's answer, turns held by their API key's quota): counted over
+        the first ``limit`` of them (``fleet queues``)."""
+        ids = [_text(i) for i in self._client.zrange(self._key("deferred"), 0, limit - 1)]
+        counts: dict[str, int] = {}
+        for raw in (self._client.hmget(self._key("items"), ids) if ids else []):
+            if raw is not None:
+                project = Item.unpack(_text(raw)).project
+                counts[project] = counts.get(project, 0) + 1
+        return counts
+
     def continuations(self) -> dict[str, dict[str, int]]:
         """Counted from the items the continuations set names; ids whose item is gone or is no
         continuation any more (submitted anew) leave the set."""

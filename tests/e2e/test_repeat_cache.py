@@ -23,10 +23,12 @@ import httpx
 import openai
 import pytest
 
+from fleet.cli.queues import queues_table
 from fleet.core.usage import UsageLedger
 from fleet.core.usagereport import totals
 from tests.support.fleet_harness import FleetProbe, Harness
 from tests.support.gateway_support import config_with_keys
+from tests.support.rendering import rendered
 
 pytestmark = pytest.mark.slow
 
@@ -189,6 +191,11 @@ def test_when_the_computing_job_fails_a_waiting_one_computes(fleet: tuple[Harnes
     deadline = time.monotonic() + 60
     while not all(probe.state(w) == "pending" for w in waiters) and time.monotonic() < deadline:
         time.sleep(0.05)
+    # the operator sees them: deferred, in `fleet queues`' waiting column
+    queues = rendered(queues_table(harness.settings, harness.client.redis), width=300)
+    row = next(line for line in queues.splitlines() if line.strip("│ ").startswith("assistant"))
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert cells[5] == "2", queues
     assert client.cancel(runner)
     ended = client.result(runner, timeout=60)
     assert ended is not None and ended.code.value == "E_CANCELLED"

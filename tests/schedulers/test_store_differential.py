@@ -351,10 +351,12 @@ class Differential(RuleBasedStateMachine):
         if not hasattr(self, "keys"):
             return
         for call in ("snapshot", "lease_fences", "pending_ids", "next_deadline", "next_expiry",
-                     "next_not_before", "continuations"):
+                     "next_not_before", "continuations", "deferred_counts"):
             self.both(call)
         for project in PROJECTS:
             self.both("quota_usage", project, self.clock.now)
+            mine, theirs = (sorted(store.waiting_items(project)) for store in (self.memory, self.redis))
+            assert mine == theirs, f"waiting_items({project}): memory {mine} != redis {theirs}"
         assert self.redis.recount() == {}  # each backend's counters are the sums over its leases
 
 
