@@ -95,8 +95,11 @@ class RepeatCache:
         raw = self.client.hget(self._key("e"), digest)
         entry = None
         if raw is not None:
-            found = Entry(**json.loads(raw))
-            entry = found if found.expires_at > self.clock() else None
+            try:
+                found = Entry(**json.loads(raw))
+            except (ValueError, TypeError):  # another version's format: a miss, never a failure
+                found = None
+            entry = found if found is not None and found.expires_at > self.clock() else None
         if count:
             self.client.hincrby(self._key("s"), "hits" if entry else "misses", 1)
         return entry

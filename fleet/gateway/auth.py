@@ -121,13 +121,14 @@ class LiveSettings:
         assert self._path is not None
         try:
             settings = self._load(self._path)
+            waiting = restart_only(self.settings, settings)
+            if waiting:
+                settings = keep_restart_only(self.settings, settings)
             ring = KeyRing(settings)
         except (ConfigError, ValueError) as exc:
             log.error("config reload failed, keeping the settings in force: %s", exc)
             return
-        waiting = restart_only(self.settings, settings)
         if waiting:
-            settings = keep_restart_only(self.settings, settings)
             log.warning("config reload: %s change only with a restart of every process; the rest "
                         "(API keys, key quotas, the repeat cache, limits read per request) is in force in "
                         "this gateway now (workers keep theirs until they restart)", ", ".join(waiting))
@@ -136,26 +137,33 @@ class LiveSettings:
 
 
 # What a gateway built its process around at start: the backends it streams to and its admission
-# store (their limits, each project's weight and quota), the broker and keys, the workers' secret.
+# store (their limits, each project's weight, quota and model), the broker and keys, the workers'
+# secret, the projects themselves.
 # A reload keeps these as they were (``keep_restart_only``); changing them takes a restart of
 # every process, since dispatchers, workers and gateways must agree on them.
 RESTART_ONLY = ("backend", "backends", "broker_url", "key_prefix", "redis", "security", "admission")
-RESTART_ONLY_PROJECT = ("weight", "quota")
+RESTART_ONLY_PROJECT = ("weight", "quota", "model")
 
 
 def restart_only(old: Settings, new: Settings) -> list[str]:
-    """The settings ``new`` changes that only a restart applies (their names)."""
+    """The settings ``new`` changes that only a restart applies (their names). A project added
+    is one of them (no worker or admission store knows it yet); a project removed is not: its
+    keys stop working at once."""
     changed = [name for name in RESTART_ONLY if getattr(old, name) != getattr(new, name)]
     for project, settings in new.projects.items():
         before = old.projects.get(project)
+        if before is None:
+            changed.append(f"projects.{project} (a new project)")
+            continue
         for name in RESTART_ONLY_PROJECT:
-            if before is not None and getattr(before, name) != getattr(settings, name):
+            if getattr(before, name) != getattr(settings, name):
                 changed.append(f"projects.{project}.{name}")
     return changed
 
 
 def keep_restart_only(old: Settings, new: Settings) -> Settings:
-    """``new`` with every restart-only setting as ``old`` has it."""
+    """``new`` with every restart-only setting as ``old`` has it, and without projects ``old``
+    does not have."""
     projects = {name: p.model_copy(update={k: getattr(old.projects[name], k) for k in RESTART_ONLY_PROJECT})
-                if name in old.projects else p for name, p in new.projects.items()}
+                for name, p in new.projects.items() if name in old.projects}
     return new.model_copy(update={**{name: getattr(old, name) for name in RESTART_ONLY}, "projects": projects})

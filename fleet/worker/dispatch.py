@@ -116,14 +116,18 @@ def end_never_fitting(store: AdmissionStore, results: ResultStore) -> list[str]:
             continue
         for ref, prompt_tokens, max_new in store.waiting_items(project):
             cost = quota.reserve(prompt_tokens, max_new)
-            if not quota.never_fits(cost):
+            # a gateway request is the gateway's to answer (it times out as held); a job granted
+            # since the scan (another dispatcher, on the old quota) runs
+            if (not quota.never_fits(cost) or results.job_record(ref).get("origin") == "gateway"
+                    or store.lease_project(ref) is not None):
                 continue
             _, job_id = split_ref(ref)
             results.publish(Envelope.failure(
                 job_id, project, Code.E_QUOTA_EXCEEDED,
                 f"quota: this turn may cost {cost:,} (prompt {prompt_tokens:,} and output limit), more than the "
                 f"project's smallest token quota ({quota.smallest_tokens:,}) since the quota was lowered"))
-            store.cancel_pending(ref)
+            if not store.cancel_pending(ref):  # granted meanwhile: its claim finds the result and stops
+                log.warning("quota: job=%s was granted while the start sweep ended it", ref)
             log.warning("quota: job=%s ended E_QUOTA_EXCEEDED at start: it can never fit the quota", ref)
             ended.append(ref)
     return ended

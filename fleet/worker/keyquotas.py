@@ -20,7 +20,7 @@ Flow (fleet/worker/jobs/infer.py ``_run``): the job's record names a key under t
               when its window resets
 
 Failure cases: a turn that raises is settled with what its attempts spent so far; a worker
-dying mid-turn leaves its reservation standing (the window keeps the
+dying or shut down mid-turn leaves its reservation standing (the window keeps the
 worst case; the reaped turn reserves again under its new fence); a Redis error on reserving
 goes up to the task like any Redis error at a turn's start (the job goes back in line); one on
 settling is logged and leaves the worst case. Trust: the key label comes only from a sealed tag,
@@ -104,9 +104,10 @@ def reserve(rt: Runtime, ref: str, fence: int, record: dict[str, str], plan: Pla
     why = f"quota of API key {label}: {name} {limit:,} reached; its window resets in {math.ceil(retry_s)} s"
     # spread over a second: the key's held jobs do not all come back at the same instant (each
     # would take a grant only to be held again)
-    not_before = now + retry_s + 0.05 + random.random()
-    if limits.over == "wait" and (deadline is None or not_before < deadline):
-        raise KeyQuotaHeld(not_before, why)
+    resets = now + retry_s + 0.05
+    if limits.over == "wait" and (deadline is None or resets < deadline):
+        spread = random.random() if deadline is None else min(random.random(), max(0.0, deadline - resets) / 2)
+        raise KeyQuotaHeld(resets + spread, why)
     if limits.over == "wait":
         why += ", after the job's deadline"
     return Envelope.failure(job_id, project, Code.E_QUOTA_EXCEEDED, why)

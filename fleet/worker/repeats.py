@@ -29,13 +29,14 @@ Flow
     else            -> a waiter: SADD jwait; its record carries the tag; it joins the store with a
                        not-before time ``wait_s`` ahead (never past its deadline;
                        schedulers/store/base.py, Continuations: deferred, holding no slot and not
-                       in line); ``joined`` puts it in line at once if the answer came meanwhile
+                       in line); ``joined`` checks once more: the answer that came meanwhile
+                       ends it at once; a run that ended without one makes it the computing job
     a job not looked up gets an empty tag (replacing any its producer wrote)
   the computing job's final envelope (``on_final``: the on_publish hook of the worker process that
   published it, fleet/worker/tasks.py)
     OK or OK_THINKING_FORCED, not cached
                     -> the answer is kept (without its attempts, at most max_entry_bytes); the
-                       first ``INLINE_WAITERS`` waiters end with it (published first, then taken
+                       first ``INLINE_WAITERS`` (500) waiters end with it (published first, then taken
                        out of the store: fleet/worker/jobs/common.py ``end_unleased``'s order), the
                        rest are put in line and served at their claim (no model turn)
     a whole answer too large to keep
@@ -63,6 +64,7 @@ and the lease carry.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -90,7 +92,7 @@ log = logging.getLogger(__name__)
 # the plan's fields that reach vLLM as they are: not its token counts, which the random fence tag
 # moves by a few tokens (a tokenizer splits tags of one length differently)
 PLAN_SENT = ("thinking_budget", "content_reserve", "max_tokens", "limit")
-INLINE_WAITERS = 64  # served inside the publish hook; the rest are put in line and served at their claim
+INLINE_WAITERS = 500  # served inside the publish hook; the rest are put in line and served at their claim
 KEPT = (Code.OK, Code.OK_THINKING_FORCED)  # whole answers (never OK_TRUNCATED, never a failure)
 UNSENT = {"id", "project", "metadata", "priority", "band", "deadline", "idempotency_key", "submitted_at",
           "messages", "sources"}  # job fields that never reach vLLM (messages go as sent)
@@ -117,8 +119,8 @@ def cache_of(rt: Runtime, project: str) -> RepeatCache:
     return RepeatCache(rt.redis, rt.keys, project, rt.settings.projects[project].repeat_cache)
 
 
-def served_envelope(entry: Entry | None, job: Job) -> Envelope | None:
-    """An earlier job's kept envelope as job ``job``'s own: its id, metadata and warnings,
+def served_envelope(entry: Entry | None, job: Job, warnings: list[str]) -> Envelope | None:
+    """An earlier job's kept envelope as job ``job``'s own: its id, metadata and ``warnings``,
     ``cached``, no attempt, no usage (nothing was spent: the first job's envelope has its
     figures), its own timings. None for no entry, or one that does not read as an envelope (a
     newer or older format: a miss, never a failed job)."""
@@ -127,7 +129,7 @@ def served_envelope(entry: Entry | None, job: Job) -> Envelope | None:
     try:
         kept = dict(entry.extra["envelope"])
         kept.update(job_id=job.id, project=job.project, attempts=[], metadata=job.metadata, cached=True,
-                    warnings=[], usage={}, finished_at=time.time())
+                    warnings=warnings, usage={}, finished_at=time.time())
         envelope = Envelope.model_validate(kept)
     except (ValueError, TypeError) as exc:
         log.warning("repeat cache: an entry for job=%s/%s does not read (%s): a miss", job.project, job.id, exc)
@@ -136,9 +138,9 @@ def served_envelope(entry: Entry | None, job: Job) -> Envelope | None:
     return envelope.model_copy(update={"timings": Timings(queued_s=total, total_s=total)})
 
 
-def lookup(rt: Runtime, job: Job, digest: str) -> Envelope | None:
+def lookup(rt: Runtime, job: Job, digest: str, warnings: list[str]) -> Envelope | None:
     """The kept answer of an identical job, as this job's envelope (None: a miss)."""
-    envelope = served_envelope(cache_of(rt, job.project).get(digest), job)
+    envelope = served_envelope(cache_of(rt, job.project).get(digest), job, warnings)
     if envelope is not None:
         _count_hit(rt, job)
     return envelope
@@ -157,12 +159,22 @@ def join(rt: Runtime, job: Job, digest: str) -> tuple[dict[str, str], float | No
     return tag, until if job.deadline is None else min(until, job.deadline)
 
 
-def joined(rt: Runtime, job: Job, digest: str) -> None:
-    """A waiter now in the store: if the answer came while it joined (the computing job's end
-    read the waiters before this one was among them), it goes in line now, to be served at its
-    claim, instead of waiting ``wait_s`` for nothing."""
-    if cache_of(rt, job.project).get(digest, count=False) is not None:
-        rt.store.hurry(job_ref(job.project, job.id), time.time())
+def joined(rt: Runtime, job: Job, digest: str, warnings: list[str]) -> Envelope | None:
+    """A waiter now in the store, checked once more: the answer that came while it joined (the
+    computing job's end read the waiters before this one was among them) is its envelope now
+    (the caller publishes it and takes the item out); a run that ended without one while it
+    joined is taken over, the job put in line to compute it. None: it waits."""
+    cache, ref = cache_of(rt, job.project), job_ref(job.project, job.id)
+    envelope = served_envelope(cache.get(digest, count=False), job, warnings)
+    if envelope is not None:
+        cache.leave(digest, ref)
+        cache.count("hits")
+        _count_hit(rt, job)
+        return envelope
+    if cache.take_run(digest, ref) is None:  # nobody computes it any more: this job does
+        cache.leave(digest, ref)
+        rt.store.hurry(ref, time.time())
+    return None
 
 
 def served(rt: Runtime, ref: str, record: dict[str, str], job: Job) -> Envelope | None:
@@ -173,7 +185,7 @@ def served(rt: Runtime, ref: str, record: dict[str, str], job: Job) -> Envelope 
         return None
     cache = cache_of(rt, job.project)
     try:
-        envelope = served_envelope(cache.get(digest, count=False), job)
+        envelope = served_envelope(cache.get(digest, count=False), job, json.loads(record.get("warnings", "[]")))
         if envelope is None:
             cache.leave(digest, ref)  # it runs: on its own from now on, never cut by another's answer
             return None
@@ -224,11 +236,12 @@ def _ended(rt: Runtime, ref: str, digest: str, envelope: Envelope) -> None:
             rt.store.hurry(other, now)
         return
     runner = ref
-    for _ in range(16):  # one waiter computes it now; one that ended meanwhile passes it on
+    for _ in range(16):  # one waiter computes it now; one that has ended meanwhile passes it on
         taken = cache.end_run(digest, runner, False)
         if not taken:
             return
-        if rt.store.hurry(taken[0], now):
+        # not deferred any more but alive (promoted, granted, still joining): it computes it
+        if rt.store.hurry(taken[0], now) or rt.results.get(taken[0]) is None:
             log.info("repeat cache: job=%s ended %s; job=%s computes the answer now", ref, envelope.code.value,
                      taken[0])
             return
@@ -255,7 +268,7 @@ def _serve_waiter(rt: Runtime, cache: RepeatCache, ref: str, digest: str, entry:
         rt.store.hurry(ref, time.time())
         return
     job = Job.model_validate_json(record["job"])
-    envelope = served_envelope(entry, job)
+    envelope = served_envelope(entry, job, json.loads(record.get("warnings", "[]")))
     if job_ref(job.project, job.id) != ref or envelope is None:
         rt.store.hurry(ref, time.time())
         return

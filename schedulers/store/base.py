@@ -307,6 +307,10 @@ class AdmissionStore(Protocol):
         not-before time."""
         ...
 
+    def deferred_counts(self, limit: int = 10_000) -> dict[str, int]:
+        """Per project, the jobs waiting for a not-before time, over the first ``limit``."""
+        ...
+
     def admit_many(self, now: float, max_grants: int) -> list[AdmitResult]:
         """Up to ``max_grants`` grants decided at ``now`` (each as ``admit_next`` would, one after
         the other), followed by the hold that stopped them, if one did: a hold ends the list."""

@@ -694,7 +694,10 @@ class RedisStore:
         HSCAN over the items: for a sweep at start, never per admission)."""
         found = []
         for job_id, raw in self._client.hscan_iter(self._key("items"), count=1000):
-            item = Item.unpack(_text(raw))
+            try:
+                item = Item.unpack(_text(raw))
+            except ValueError:  # not an item this version reads: admission's concern, not the sweep's
+                continue
             if item.project == project and (item.pending == "1" or item.deferred is not None):
                 found.append((_text(job_id), int(item.prompt), int(item.max_new)))
         return found

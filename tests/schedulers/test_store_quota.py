@@ -196,15 +196,19 @@ def test_a_quota_lowered_below_waiting_jobs_ends_them_at_the_next_start(make_sto
             self.published.append(envelope)
             return True
 
+        def job_record(self, ref: str) -> dict[str, str]:
+            return {"origin": "gateway"} if ref == "a9" else {}
+
     # a day's quota of 1,000: 500 + 400 fits, 900 + 400 never does
     store = make_store(quota_config(a=Quota(tokens_per_day=1000)))
     store.add_pending(job("a1", project="a", prompt=900))
     store.add_pending(job("a2", project="a"))
     store.add_pending(job("a3", project="a", prompt=900, not_before=NOW + 60))  # deferred
     store.add_pending(job("b1", project="b", prompt=900))
+    store.add_pending(job("a9", project="a", prompt=900))  # a gateway request: the gateway's to answer
     results = Results()
     assert sorted(end_never_fitting(store, results)) == ["a1", "a3"]  # type: ignore[arg-type]
     assert sorted(e.job_id for e in results.published) == ["a1", "a3"]
     assert all(e.code == Code.E_QUOTA_EXCEEDED and "quota was lowered" in e.message for e in results.published)
-    assert sorted(j for j, *_ in store.waiting_items("a")) == ["a2"]
+    assert sorted(j for j, *_ in store.waiting_items("a")) == ["a2", "a9"]
     assert sorted(admit_ids(store, NOW)) == ["a2", "b1"]

@@ -51,3 +51,21 @@ def test_requests_that_sample_or_end_at_prep_are_not_looked_up() -> None:
     assert _digest(_job(kind="trim"), 812) is None
     off = SETTINGS.projects["research"]
     assert job_digest(off, "local", _job(), plan(_job(), off, SETTINGS, 812), new_fence_tag()) is None
+
+
+def test_an_entry_this_version_cannot_read_is_a_miss(redis_client, key_prefix: str) -> None:  # type: ignore[no-untyped-def]
+    """An entry written by another version (a field more, broken JSON, no envelope) is a miss at
+    every step that reads one, never a failed job."""
+    from fleet.core.config import RepeatCacheSettings
+    from fleet.core.keys import Keys
+    from fleet.core.repeatcache import Entry, RepeatCache
+    from fleet.worker.repeats import served_envelope
+
+    keys = Keys(key_prefix)
+    cache = RepeatCache(redis_client, keys, "research", RepeatCacheSettings(enabled=True))
+    redis_client.hset(keys.rcache("research", "e"), "d1", '{"content": "x", "newer_field": 1}')
+    redis_client.hset(keys.rcache("research", "e"), "d2", "not json")
+    assert cache.get("d1") is None and cache.get("d2") is None
+    odd = Entry("", "", [], "stop", {}, "", 0.0, 10**10, extra={"envelope": {"code": "NOT_A_CODE"}})
+    assert served_envelope(odd, _job(), []) is None
+    assert served_envelope(Entry("", "", [], "stop", {}, "", 0.0, 10**10), _job(), []) is None

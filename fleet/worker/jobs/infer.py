@@ -47,6 +47,7 @@ from fleet.core.seal import cancel_valid, check_seal, seal_turn, tagged_key
 from fleet.core.usage import QUEUE_KEY, TurnUsage
 from fleet.infer.attempts import Continuation, InferenceContext, run_inference
 from fleet.infer.budget import Plan
+from fleet.infer.turns import TurnRecord
 from fleet.infer.turnusage import TurnProgress
 from fleet.worker import keyquotas as key_quotas
 from fleet.worker.jobs.common import cancel_requested, current_turn, end_unleased, event_sink, new_owner
@@ -253,6 +254,24 @@ def _quota_settler(rt: Runtime, ref: str, fence: int, project: str,
         usage.reasoning_tokens + usage.answer_tokens))
 
 
+def _infer(rt: Runtime, on: OnBackend, ref: str, job: Job, plan: Plan, turn: TurnRecord | None,
+           record: dict[str, str], keeper: LeaseKeeper, progress: TurnProgress,
+           key_spent: Callable[[TurnUsage], None] | None) -> Envelope | Continuation:
+    """The turn itself (fleet/infer/attempts.py ``run_inference``), once everything checked."""
+    _settle(rt, job, progress.fence)
+    progress.key = tagged_key(rt.settings, ref, record) or QUEUE_KEY
+    events = event_sink(rt, ref)
+    events.emit("admitted", queued_s=round(time.time() - job.submitted_at, 3))
+    ctx = InferenceContext(
+        settings=on.settings, project=rt.settings.projects[job.project], redis=rt.redis,
+        keys=rt.keys, events=events, cancel=keeper.cancel, client=on.vllm,
+        fence_tag=record.get("fence_tag") or None, count_prompt=on.counter.count_messages,
+        ledger=rt.ledger, fence=progress.fence, progress=progress, usage_key=progress.key,
+        settle=_settlers(_quota_settler(rt, ref, progress.fence, job.project, progress), key_spent),
+    )
+    return run_inference(job, plan, ctx, turn)
+
+
 def _settlers(*settlers: Callable[[TurnUsage], None] | None) -> Callable[[TurnUsage], None] | None:
     """One callback for an attempt's usage that gives it to each of ``settlers`` (None: none)."""
     given = [s for s in settlers if s is not None]
@@ -310,6 +329,7 @@ def _run(rt: Runtime, on: OnBackend, ref: str, project: str, keeper: LeaseKeeper
     if turn is None and (cached := served(rt, ref, record, job)) is not None:
         _settle_quota(rt, ref, progress.fence, 0)  # the answer of an identical job: no turn
         return cached, 0
+    admitted_at = time.time()
     turn_plan = plan if turn is None else Plan(**turn["plan"])
     try:
         ticket = key_quotas.reserve(rt, ref, progress.fence, record, turn_plan, job.deadline)
@@ -320,23 +340,13 @@ def _run(rt: Runtime, on: OnBackend, ref: str, project: str, keeper: LeaseKeeper
     if isinstance(ticket, Envelope):  # over its API key's quota, and not to wait
         _settle_quota(rt, ref, progress.fence, 0)
         return ticket, number
-    _settle(rt, job, progress.fence)
-    progress.key = tagged_key(rt.settings, ref, record) or QUEUE_KEY
-    admitted_at = time.time()
-    events = event_sink(rt, ref)
-    events.emit("admitted", queued_s=round(admitted_at - job.submitted_at, 3))
-    ctx = InferenceContext(
-        settings=on.settings, project=rt.settings.projects[job.project], redis=rt.redis,
-        keys=rt.keys, events=events, cancel=keeper.cancel, client=on.vllm,
-        fence_tag=record.get("fence_tag") or None, count_prompt=on.counter.count_messages,
-        ledger=rt.ledger, fence=progress.fence, progress=progress, usage_key=progress.key,
-        settle=_settlers(_quota_settler(rt, ref, progress.fence, job.project, progress),
-                         None if ticket is None else ticket.add),
-    )
-    try:
-        envelope = run_inference(job, plan, ctx, turn)
-    finally:  # the key's reservation meets what the attempts spent, whatever ended the turn
+    try:  # from the key's reservation on: whatever ends the turn (but the worker dying), it is settled
+        envelope = _infer(rt, on, ref, job, plan, turn, record, keeper, progress,
+                          None if ticket is None else ticket.add)
+    except Exception:
         key_quotas.settle(rt, ticket)
+        raise
+    key_quotas.settle(rt, ticket)
     # a turn that ended without an attempt (cancelled or past its deadline before it sent, a
     # tool round not sent): its reservation goes back whole; a no-op once an attempt settled
     _settle_quota(rt, ref, progress.fence, 0)

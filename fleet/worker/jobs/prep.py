@@ -158,7 +158,7 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
     # the exact-repeat cache (fleet/worker/repeats.py): an earlier identical job's answer ends it
     # here, before any quota; a job identical to one running now waits for it (``not_before``)
     request = job_digest(project, model_asked(settings, project, job.model), ready, plan, prepared.fence_tag)
-    if request is not None and (cached := repeats.lookup(rt, ready, request)) is not None:
+    if request is not None and (cached := repeats.lookup(rt, ready, request, prepared.warnings)) is not None:
         rt.results.publish(cached)
         return cached.code.value
     _refuse_over_quota(rt, job, prepared.prompt_tokens, plan.max_tokens)
@@ -181,7 +181,11 @@ def _prepare_and_enqueue(rt: Runtime, job: Job) -> str:
         eligible=mask, hint=cache.hint, not_before=not_before,
     ))
     if not_before is not None and request is not None:
-        repeats.joined(rt, ready, request)
+        cached = repeats.joined(rt, ready, request, prepared.warnings)
+        if cached is not None:  # the answer came while it joined: published first, then out of line
+            rt.results.publish(cached)
+            rt.store.cancel_pending(ref)
+            return cached.code.value
     # Only now "pending": had this task died before add_pending, the job would still read
     # "submitted", and a redelivery or the prep watchdog would prepare it again.
     rt.results.record(ref, state="pending", pending_at=handed_over)
