@@ -34,5 +34,8 @@ if tpmo > 0 then add(KEYS[3], nil, cost, 33 * 86400) end
 local flags = (tpm > 0 and 't' or '') .. (tpd > 0 and 'd' or '') .. (tpmo > 0 and 'm' or '')
 if flags ~= '' then
   redis.call('HSET', KEYS[4], ref, table.concat({label, '0', cost, ARGV[9], ARGV[11], ARGV[13], flags}, ' '))
+  -- the reservations of turns whose worker died are never settled: the hash goes once the
+  -- project's keys reserved nothing for as long as the longest window
+  redis.call('EXPIRE', KEYS[4], 33 * 86400)
 end
 return {'ok'}
