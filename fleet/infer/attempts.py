@@ -533,7 +533,7 @@ class _Run:
             now = ctx.clock()
             verdict = None
             if progress is not None and not delta.keepalive:
-                progress.seen(delta.reasoning, delta.content, bool(delta.tool_calls))
+                progress.seen(delta.reasoning, delta.content, bool(delta.tool_calls), delta.streamed)
             if delta.reasoning:
                 coalescer.add("reasoning", delta.reasoning)
                 if watcher is not None:

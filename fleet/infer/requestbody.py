@@ -12,7 +12,11 @@ tools)::
                            win over the deprecated max_tokens, and sending one number keeps the
                            two from ever disagreeing
     thinking_token_budget  TOP LEVEL (anywhere else vLLM silently drops it); -1 = unlimited
-    stream, stream_options {"include_usage": true}: the usage chunk gives reasoning_tokens
+    stream, stream_options {"include_usage": true, "continuous_usage_stats": true}: the usage
+                           chunk gives reasoning_tokens; every chunk carries the completion
+                           tokens so far (vLLM's running count), so a turn cut mid-stream (its
+                           worker dead, its stream dropped) is counted exactly as far as it was
+                           received
     request_id             f"{job id}-{attempt}" (also X-Request-Id)
     seed                   ``attempt_seed``: a new one every attempt, ``SEED_STEP`` apart. The
                            first: the job's own, else one drawn from the job id on the queue
@@ -73,12 +77,14 @@ def request_body(job_id: str, number: int, messages: list[dict[str, Any]], *, ma
                  tool_choice: str | dict[str, Any] | None = None,
                  tools_off: bool = False) -> dict[str, Any]:
     """The body of attempt ``number`` of job ``job_id`` (see the module doc); a None is left out."""
+    # every chunk says the tokens so far: a turn cut mid-stream is counted exactly
+    options = {"include_usage": True, "continuous_usage_stats": True}
     body: dict[str, Any] = {
         "messages": messages,
         "max_completion_tokens": max_tokens,
         "thinking_token_budget": thinking_budget,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": options,
         "request_id": request_id(job_id, number),
     }
     if seed is not None:

@@ -40,8 +40,9 @@ class TurnProgress:
     """What the streaming turn of one delivery has received so far, for the usage ledger's
     progress entry (``UsageLedger.checkpoint``), read by the lease keeper's thread at each
     renewal while the inference thread updates it (plain counters: a read sees a recent value).
-    The estimate is ``StreamResult``'s: a delta is at least one token, about 4 characters a
-    token."""
+    Exact when the server sends its running count in every chunk (the queue path asks for it:
+    ``continuous_usage_stats``), else ``StreamResult``'s estimate: a delta is at least one token,
+    about 4 characters a token."""
 
     def __init__(self, project: str, job_id: str, fence: int, model: str, key: str = QUEUE_KEY) -> None:
         self.project, self.job_id, self.fence, self.model = project, job_id, fence, model
@@ -49,13 +50,18 @@ class TurnProgress:
         self.turn = 0
         self.prompt_tokens = 0
         self._counts = [0, 0, 0, 0]  # reasoning deltas, chars; content deltas, chars
+        self._exact: tuple[int, int] | None = None  # the server's running (reasoning, completion)
         self._streaming = False
 
     def start(self, turn: int, prompt_tokens: int) -> None:
         self.turn, self.prompt_tokens, self._counts = turn, prompt_tokens, [0, 0, 0, 0]
+        self._exact = None
         self._streaming = False
 
-    def seen(self, reasoning: str, content: str, tool_calls: bool = False) -> None:
+    def seen(self, reasoning: str, content: str, tool_calls: bool = False,
+             streamed: tuple[int, int] | None = None) -> None:
+        if streamed is not None:
+            self._exact = streamed
         counts = self._counts
         if reasoning:
             counts[0] += 1
@@ -73,8 +79,11 @@ class TurnProgress:
         """What a crash now would leave counted; None before the first token or after the end."""
         if not self._streaming:
             return None
-        counts = list(self._counts)
+        counts, exact = list(self._counts), self._exact
+        if exact is not None:  # the server's own running count: exact as far as it was received
+            reasoning, answer = exact[0], exact[1] - exact[0]
+        else:
+            reasoning, answer = max(counts[0], round(counts[1] / 4)), max(counts[2], round(counts[3] / 4))
         return TurnUsage(project=self.project, job_id=self.job_id, fence=self.fence, turn=self.turn,
                          code="", key=self.key, model=self.model, prompt_tokens=self.prompt_tokens,
-                         reasoning_tokens=max(counts[0], round(counts[1] / 4)),
-                         answer_tokens=max(counts[2], round(counts[3] / 4)), ended_at=time.time())
+                         reasoning_tokens=reasoning, answer_tokens=answer, ended_at=time.time())

@@ -89,6 +89,8 @@ class Delta:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     keepalive: bool = False
+    # the server's running counts so far, (reasoning, completion) tokens, when it sends them
+    streamed: tuple[int, int] | None = None
 
 
 @dataclass
@@ -104,6 +106,10 @@ class StreamResult:
     reasoning_deltas: int = 0
     content_deltas: int = 0
     response_id: str | None = None
+    # the server's running counts (stream_options.continuous_usage_stats): completion tokens so
+    # far, and of them those that came in reasoning chunks; None when it sends none
+    streamed_tokens: int | None = None
+    streamed_reasoning: int = 0
 
     @property
     def reasoning_tokens(self) -> int:
@@ -113,6 +119,8 @@ class StreamResult:
         value = details.get("reasoning_tokens")
         if value is not None:
             return int(value)
+        if self.usage is None and self.streamed_tokens is not None:  # cut: the running count
+            return self.streamed_reasoning
         return max(self.reasoning_deltas, round(len(self.reasoning) / 4))
 
     @property
@@ -120,6 +128,8 @@ class StreamResult:
         value = (self.usage or {}).get("completion_tokens")
         if value is not None:
             return int(value)
+        if self.streamed_tokens is not None:
+            return self.streamed_tokens
         return self.reasoning_tokens + max(self.content_deltas, round(len(self.content) / 4))
 
     @property
@@ -364,15 +374,21 @@ class _Assembler:
             raise UpstreamError(f"error event mid-stream: {error.get('message', error)}")
         if data.get("id") and self.result.response_id is None:
             self.result.response_id = data["id"]
-        if data.get("usage"):
-            self.result.usage = data["usage"]
         choices = data.get("choices") or []
+        usage = data.get("usage")
+        if usage and not choices:  # the usage chunk, after the last choice
+            self.result.usage = usage
         if not choices:
             return None
         choice = choices[0]
         delta = choice.get("delta") or {}
         reasoning = delta.get("reasoning") or delta.get("reasoning_content") or ""
         content = delta.get("content") or ""
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):  # a running count
+            before = self.result.streamed_tokens or 0
+            self.result.streamed_tokens = max(before, usage["completion_tokens"])
+            if reasoning:
+                self.result.streamed_reasoning += self.result.streamed_tokens - before
         tools = delta.get("tool_calls") or []
         finish = choice.get("finish_reason")
         if reasoning:
@@ -385,7 +401,10 @@ class _Assembler:
             self._tool_delta(call)
         if finish:
             self.result.finish_reason = finish
-        return Delta(reasoning=reasoning, content=content, tool_calls=tools, finish_reason=finish)
+        streamed = None if self.result.streamed_tokens is None else (self.result.streamed_reasoning,
+                                                                      self.result.streamed_tokens)
+        return Delta(reasoning=reasoning, content=content, tool_calls=tools, finish_reason=finish,
+                     streamed=streamed)
 
     def _tool_delta(self, call: dict[str, Any]) -> None:
         index = int(call.get("index", len(self._tools)))

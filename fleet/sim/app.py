@@ -189,7 +189,7 @@ class ChatHandler:
         self.s.engine.submit(seq)
         breaking = next((n for n in ("drop", "error_event") if scenario.has(n)), None)
         completion = Completion(self.s.engine, seq, plan, f"chatcmpl-{rid}", int(time.time()),
-                                req.model, req.include_usage, breaking)
+                                req.model, req.include_usage, breaking, req.continuous_usage)
         return StreamWriter(completion) if req.stream else FullWriter(completion)
 
     def _refuse_by_scenario(self, scenario: Scenario) -> None:

@@ -11,7 +11,8 @@ Stream shape (docs/vllm-api.md): a first chunk ``delta: {"role": "assistant", "c
 ``reasoning`` deltas, ``content`` deltas or hermes ``tool_calls`` deltas, at most a few tokens per
 chunk (1 token per chunk at low speed, up to 8 when a tick carries many tokens); a last chunk with
 ``delta: {}`` and the ``finish_reason``; a usage chunk with ``choices: []`` when
-``stream_options.include_usage``; ``data: [DONE]``. An error after the stream started is
+``stream_options.include_usage``; ``data: [DONE]``. With ``stream_options.continuous_usage_stats``
+every chunk also carries ``usage`` (prompt, completion and total tokens so far). An error after the stream started is
 ``data: {"error": {...}}`` then ``[DONE]``, HTTP status 200.
 """
 
@@ -45,6 +46,9 @@ class Completion:
     model: str
     include_usage: bool
     breaking: str | None = None  # "drop" or "error_event"
+    # stream_options.continuous_usage_stats: every chunk carries the usage so far (prompt,
+    # completion and total tokens, as vLLM's running counts; the details only in the last chunk)
+    continuous_usage: bool = False
 
     def usage(self) -> dict[str, Any]:
         generated = self.seq.generated
@@ -73,6 +77,7 @@ class _Writer:
         self.c = c
         self.cursor = OutputCursor(c.plan)
         self.consumed = 0
+        self.streamed = 0  # tokens written in chunks so far (continuous usage)
         self.calls_started = 0  # tool calls whose first delta was written (their index)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
@@ -147,8 +152,15 @@ class StreamWriter(_Writer):
                     "more_body": not done})
         # drop: return without ending the body; uvicorn closes the connection.
 
-    def _frame(self, delta: dict[str, Any]) -> str:
-        return "data: " + self.head + json.dumps(delta, ensure_ascii=False) + self.tail
+    def _frame(self, delta: dict[str, Any], tokens: int = 0) -> str:
+        """One chunk; with continuous usage, the usage so far (``tokens`` more generated)."""
+        self.streamed += tokens
+        if not self.c.continuous_usage:
+            return "data: " + self.head + json.dumps(delta, ensure_ascii=False) + self.tail
+        prompt = self.c.seq.prompt_len
+        usage = {"prompt_tokens": prompt, "completion_tokens": self.streamed, "total_tokens": prompt + self.streamed}
+        return ("data: " + self.head + json.dumps(delta, ensure_ascii=False) + self.tail[:-3]
+                + ',"usage":' + json.dumps(usage) + "}\n\n")
 
     def _frames(self, new: int) -> list[str]:
         if new <= 0:
@@ -158,9 +170,12 @@ class StreamWriter(_Writer):
         frames: list[str] = []
         for kind, pieces in self.cursor.take_pieces(new):
             for i in range(0, len(pieces), per):
-                delta = self._delta(kind, "".join(pieces[i : i + per]))
+                part = pieces[i : i + per]
+                delta = self._delta(kind, "".join(part))
                 if delta is not None:
-                    frames.append(self._frame(delta))
+                    frames.append(self._frame(delta, len(part)))
+                else:
+                    self.streamed += len(part)
         return frames
 
     def _delta(self, kind: str, text: str) -> dict[str, Any] | None:

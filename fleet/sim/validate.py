@@ -52,6 +52,7 @@ class ChatRequest:
     tool_choice: Any
     response_format: dict[str, Any] | None
     cache_salt: str | None = None
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -142,6 +143,7 @@ def parse_chat(body: Any, served_models: tuple[str, ...]) -> ChatRequest:
         messages=_messages(body),
         stream=stream,
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+        continuous_usage=bool(isinstance(options, dict) and options.get("continuous_usage_stats")),
         max_tokens=max_tokens,
         budget=_budget(body),
         thinking=kwargs.get("enable_thinking", True) is not False if isinstance(kwargs, dict)

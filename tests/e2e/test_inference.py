@@ -97,7 +97,7 @@ def test_project_budget_is_sent_top_level(fleet: Harness, probe: FleetProbe) -> 
     [body] = probe.sim_requests(job_id)
     assert body["thinking_token_budget"] == project.thinking_budget
     assert body["max_completion_tokens"] == project.thinking_budget + project.content_reserve
-    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert envelope.attempts[0].thinking_budget == project.thinking_budget
 
 

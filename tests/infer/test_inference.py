@@ -127,7 +127,7 @@ def test_ok_request_shape_usage_and_events(h: Harness) -> None:
     [body] = h.requests(job)
     assert body["thinking_token_budget"] == 10000  # top level, the project's budget
     assert body["max_completion_tokens"] == 10000 + 2048 and "max_tokens" not in body
-    assert body["stream_options"] == {"include_usage": True}
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert body["request_id"] == f"{job.id}-1"
     kinds = [e["type"] for e in h.events(job)]
     assert kinds[0] == "attempt" and "reasoning" in kinds and "content" in kinds
