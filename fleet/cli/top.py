@@ -52,6 +52,9 @@ class ProjectRow:
     quota: str = "-"  # its windows against its limits (fleet queues' quota_cell)
     quota_held: int = 0  # admission calls that passed it over for its quota (since the last frame)
     quota_held_total: int = 0
+    # deferred until a not-before time: continuations in backoff, repeats of a job running now
+    # (the exact-repeat cache), turns their API key's quota holds
+    waiting: int = 0
 
 
 @dataclass
@@ -75,8 +78,9 @@ def read_frame(settings: Settings, client: redis.Redis, now: float,
     keys = Keys(settings.key_prefix)
     rows = [_project_row(client, keys, p, snap, now)
             for p in sorted(set(snap.pending) | set(settings.projects))]
-    quota_held = quota_holds(client, settings)
+    quota_held, deferred = quota_holds(client, settings), store.deferred_counts()
     for row in rows:
+        row.waiting = deferred.get(row.project, 0)
         row.quota = quota_cell(store, row.project, now)
         row.quota_held = quota_held.get(row.project, 0)
         if previous is not None:
@@ -129,7 +133,8 @@ def render(frame: TopFrame, live: bool) -> Group:
     )
     table = Table(title=f"projects (finished in the last {WINDOW_S:g} s)")
     quotas = any(r.quota != "-" for r in frame.rows)
-    columns = ["project", "pending", "finished", "mean wait s", "tokens/s"] + (["quota"] if quotas else [])
+    columns = ["project", "pending", "finished", "mean wait s", "tokens/s"] + (["quota"] if quotas else []) + [
+        "waiting"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("project", "quota") else "right")
     for r in frame.rows:
@@ -137,6 +142,7 @@ def render(frame: TopFrame, live: bool) -> Group:
         cells = [r.project, str(r.pending), str(r.finished), wait, f"{r.tokens_per_s:.1f}"]
         if quotas:
             cells.append(r.quota + (f" (held {r.quota_held}x)" if r.quota_held > 0 else ""))
+        cells.append(str(r.waiting))
         table.add_row(*cells)
     label = "holds since the last frame" if live else "holds (totals)"
     holds = ", ".join(f"{reason}={n}" for reason, n in sorted(frame.holds.items())) or "-"

@@ -45,8 +45,8 @@ def top_rows(harness: Harness) -> dict[str, list[str]]:
     rows = {}
     for line in out.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("│").split("│")]
-        if len(cells) == 5:
-            rows[cells[0]] = cells[1:]
+        if len(cells) == 6:  # ... and waiting (deferred jobs), last
+            rows[cells[0]] = cells[1:5]
     return rows
 
 

@@ -188,8 +188,8 @@ def test_fleet_top_once_shows_pending_work(tmp_path: Path, redis_client: Any, ke
     rows = {}
     for line in out.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("│").split("│")]
-        if len(cells) == 5:
-            rows[cells[0]] = cells[1:]  # pending, finished, mean wait s, tokens/s
+        if len(cells) == 6:  # ... and waiting (deferred jobs), last
+            rows[cells[0]] = cells[1:5]  # pending, finished, mean wait s, tokens/s
     assert rows["research"][0] == "3"
     assert rows["triage"] == ["0", "1", "2.0", f"{600 / WINDOW_S:.1f}"]
     assert "in flight 0/32" in out.stdout and "backend" in out.stdout

@@ -24,6 +24,7 @@ import openai
 import pytest
 
 from fleet.cli.queues import queues_table
+from fleet.cli.top import read_frame, render
 from fleet.core.usage import UsageLedger
 from fleet.core.usagereport import totals
 from tests.support.fleet_harness import FleetProbe, Harness
@@ -196,6 +197,9 @@ def test_when_the_computing_job_fails_a_waiting_one_computes(fleet: tuple[Harnes
     row = next(line for line in queues.splitlines() if line.strip("│ ").startswith("assistant"))
     cells = [c.strip() for c in row.strip("│ ").split("│")]
     assert cells[5] == "2", queues
+    top = rendered(render(read_frame(harness.settings, harness.client.redis, time.time()), live=False), width=300)
+    top_row = next(line for line in top.splitlines() if line.strip("│ ").startswith("assistant"))
+    assert top_row.rstrip(" │").endswith("2"), top  # fleet top's last column: waiting
     assert client.cancel(runner)
     ended = client.result(runner, timeout=60)
     assert ended is not None and ended.code.value == "E_CANCELLED"
