@@ -49,6 +49,7 @@ import tomli_w
 
 from fleet.bench.dispatch import PROJECTS, _Backlog, _delete
 from fleet.bench.measure import percentile
+from fleet.client import Client
 from fleet.core.apikeys import mint
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
 from fleet.core.redisconn import redis_client
@@ -89,7 +90,7 @@ class QuotaFleet:
     """The processes of one run (module docstring), under a fresh prefix."""
 
     def __init__(self, redis_url: str, quotas: dict[str, int], gateways: int, dispatchers: int,
-                 speed: float, cache: bool = False) -> None:
+                 speed: float, cache: bool = False, workers: int = 0) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="fleet-bench-quota-"))
         data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
         data.update(broker_url=redis_url, key_prefix=f"qbench-{uuid.uuid4().hex[:8]}:")
@@ -110,7 +111,7 @@ class QuotaFleet:
         path = self.tmp / "fleet.toml"
         path.write_text(tomli_w.dumps(data), encoding="utf-8")
         self.settings = load_settings(path, env={})
-        self.fleet = LocalFleet(self.settings, sim_speed=speed, workers=0, dispatchers=dispatchers,
+        self.fleet = LocalFleet(self.settings, sim_speed=speed, workers=workers, dispatchers=dispatchers,
                                 config_path=str(path), log_dir=str(self.tmp),
                                 sim_args=["--max-num-seqs", str(SEATS)],
                                 gateway_port=self.ports[0], inherit_env=False)
@@ -282,7 +283,7 @@ def cache_latency(redis_url: str, requests: int = 40, speed: float = 20.0, think
     ``requests`` new temperature-0 requests (each a model turn: the miss), each followed by its
     identical repeat (the hit); end-to-end latency of both (p50, p99), the model requests the
     simulator saw, and the admissions the store made while the repeats were answered."""
-    with QuotaFleet(redis_url, {}, gateways=1, dispatchers=1, speed=speed, cache=True) as fleet:
+    with QuotaFleet(redis_url, {}, gateways=1, dispatchers=1, speed=speed, cache=True, workers=1) as fleet:
         store = make_store(fleet.settings, redis_client(fleet.settings))
         url = f"http://127.0.0.1:{fleet.ports[0]}/v1/chat/completions"
         auth = {"Authorization": f"Bearer {fleet.keys[FREE_PROJECT]}"}
@@ -306,6 +307,8 @@ def cache_latency(redis_url: str, requests: int = 40, speed: float = 20.0, think
                     misses.append(times[0])
                     hits.append(times[1])
             model_requests = http.get(f"{fleet.sim_url}/sim/stats").json()["total_requests"] - before
+            queue = _queue_pairs(fleet, store, requests, think, answer)
+            queue_requests = http.get(f"{fleet.sim_url}/sim/stats").json()["total_requests"] - before - model_requests
     return {
         "request pairs": float(requests + 2),
         "repeats answered from the cache": float(cached),
@@ -316,4 +319,36 @@ def cache_latency(redis_url: str, requests: int = 40, speed: float = 20.0, think
         "cache hit p99 ms": 1000 * percentile(hits, 99),
         "hit / miss, p50": percentile(hits, 50) / percentile(misses, 50),
         "admissions made for the repeats": float(in_flight),
+        "queue jobs: repeats ended from the cache": queue["cached"],
+        "queue jobs: model requests the simulator saw": float(queue_requests),
+        "queue jobs: model turn (miss) p50 ms": 1000 * percentile(queue["misses"], 50),
+        "queue jobs: cache hit p50 ms": 1000 * percentile(queue["hits"], 50),
+        "queue jobs: hit / miss, p50": percentile(queue["hits"], 50) / percentile(queue["misses"], 50),
+        "queue jobs: admissions made for the repeats": queue["admitted"],
     }
+
+
+def _queue_pairs(fleet: QuotaFleet, store: Any, requests: int, think: int, answer: int) -> dict[str, Any]:
+    """The same pairs as queue jobs (``fleet.Client``: submit, then wait for the envelope): the
+    miss is prep, admission and a model turn, the repeat ends at prep (fleet/worker/repeats.py)."""
+    misses, hits, admitted, cached = [], [], 0, 0
+    with Client(fleet.settings) as client:
+        for n in range(requests + 2):
+            job = {"project": FREE_PROJECT, "temperature": 0, "max_tokens": 4000, "messages": [
+                {"role": "user", "content": f"queued repeat {uuid.uuid4().hex} [sim:think={think}] "
+                                            f"[sim:answer={answer}]"}]}
+            times, before = [], 0
+            for attempt in range(2):
+                started = time.perf_counter()
+                envelope = client.result(client.submit(job), timeout=120)
+                times.append(time.perf_counter() - started)
+                if envelope is None or not envelope.code.ok:
+                    raise RuntimeError(f"queue job ended {envelope and envelope.code.value}")
+                if attempt == 0:  # what the repeat alone makes
+                    before = store.snapshot().admissions
+            admitted += store.snapshot().admissions - before
+            cached += int(envelope is not None and envelope.cached)
+            if n >= 2:
+                misses.append(times[0])
+                hits.append(times[1])
+    return {"misses": misses, "hits": hits, "admitted": float(admitted), "cached": float(cached)}

@@ -40,3 +40,7 @@ def test_the_cache_latency_bench_answers_every_repeat_from_the_cache(redis_url: 
     assert figures["model requests the simulator saw"] == 4  # the misses only
     assert figures["admissions made for the repeats"] == 0
     assert figures["cache hit p50 ms"] > 0 and figures["model turn (miss) p50 ms"] > 0
+    # the same as queue jobs: each repeat ends at prep
+    assert figures["queue jobs: repeats ended from the cache"] == 4
+    assert figures["queue jobs: model requests the simulator saw"] == 4
+    assert figures["queue jobs: admissions made for the repeats"] == 0
