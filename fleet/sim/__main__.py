@@ -27,6 +27,8 @@ _HELP = {
     "log_level": "debug, info, warning, error",
     "served_model_name": "model names requests may give (vLLM's flag; the first is the one "
                          "responses carry)",
+    "chat_template": "qwen3 (the generation prompt opens <think>) or plain (the assistant header "
+                     "only)",
 }
 
 

@@ -1,6 +1,7 @@
 """The simulator's ASGI app: vLLM's OpenAI-compatible routes plus a few ``/sim/*`` helpers.
 
-vLLM routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+vLLM routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (fleet/sim/completions.py),
+``GET /v1/models``, ``GET /health``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``, ``GET /load``.
 
 Simulator-only routes (for the fleet's tests and benchmarks; a real vLLM has none of them):
@@ -15,8 +16,8 @@ Simulator-only routes (for the fleet's tests and benchmarks; a real vLLM has non
   ``/health`` answers 503, new requests get 500) until ``POST /sim/revive`` (or reset), which
   brings it back and keeps every count (so ``/K`` markers stay spent: jobs that come back after an
   outage are not hit by them again).
-- ``GET /sim/requests?limit=N``: the last N chat request bodies received (oldest first), each
-  ``{"id", "received_at" (unix s), "sim_time", "body"}``; the log keeps 2,000.
+- ``GET /sim/requests?limit=N``: the last N chat and completion request bodies received (oldest
+  first), each ``{"id", "received_at" (unix s), "sim_time", "body", "path"}``; the log keeps 2,000.
 
 A chat request goes: parse and validate (400/404) -> render the chat template and count tokens
 (400 ``input_tokens`` if too long) -> scenario markers (500/503 answers, engine death) -> output
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import random
@@ -43,13 +43,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from fleet.sim.completions import CompletionHandler
 from fleet.sim.engine import Engine, Sequence
 from fleet.sim.kvcache import block_hashes
 from fleet.sim.metrics import SimMetrics
-from fleet.sim.plan import LengthDistribution, RequestShape, build_plan
+from fleet.sim.plan import LengthDistribution, RequestShape, build_plan, seeded
 from fleet.sim.profiles import SimProfile
 from fleet.sim.responses import Completion, FullWriter, StreamWriter
-from fleet.sim.scenarios import MarkerError, Scenario, ScenarioBook
+from fleet.sim.scenarios import MarkerError, Scenario, ScenarioBook, enact_refusals
 from fleet.sim.template import message_text, render_chat
 from fleet.sim.tokenizer import Tokenizer
 from fleet.sim.validate import APIError, ChatRequest, error_body, parse_chat
@@ -67,6 +68,7 @@ class SimConfig:
     lengths: LengthDistribution = field(default_factory=LengthDistribution)
     request_log_size: int = 2_000
     tick_real_s: float | None = None
+    chat_template: str = "qwen3"
 
 
 class SimState:
@@ -120,9 +122,8 @@ def _user_texts(messages: list[dict[str, Any]]) -> tuple[str, str]:
 
 
 def _rng(seed: int, req: ChatRequest) -> random.Random:
-    key = json.dumps([seed, req.body.get("seed"), req.messages, req.tools, req.response_format,
-                      req.thinking], sort_keys=True, default=str)
-    return random.Random(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big"))
+    return seeded(seed, [req.body.get("seed"), req.messages, req.tools, req.response_format,
+                         req.thinking])
 
 
 def _chosen_tool(req: ChatRequest, scenario: Scenario) -> dict[str, Any] | None:
@@ -150,14 +151,15 @@ class ChatHandler:
             body = await _read_json(request)
             rid = _request_id(request, body)
             self.s.requests.append({"id": rid, "received_at": time.time(),
-                                    "sim_time": self.s.engine.sim_now(), "body": body})
+                                    "sim_time": self.s.engine.sim_now(), "body": body,
+                                    "path": "/v1/chat/completions"})
             return self.accept(parse_chat(body, self.s.profile.served_model_names), rid)
         except APIError as exc:
             log.info("sim: refused request: %d %s", exc.status, exc.message)
             return _json_error(exc)
 
     def _prompt(self, req: ChatRequest, pad: int) -> tuple[list[int], int]:
-        text = render_chat(req.messages, req.tools, True, req.thinking)
+        text = render_chat(req.messages, req.tools, True, req.thinking, self.s.config.chat_template)
         ids = self.s.tokenizer.encode(text)
         prompt_len = len(ids) + pad
         limit = self.s.profile.max_model_len
@@ -174,7 +176,7 @@ class ChatHandler:
         except MarkerError as exc:
             raise APIError(400, str(exc), "messages") from exc
         ids, prompt_len = self._prompt(req, scenario.integer("prompt_pad") or 0)
-        self._refuse_by_scenario(scenario)
+        enact_refusals(scenario, self.s.engine)
         room = self.s.profile.max_model_len - prompt_len
         max_tokens = room if req.max_tokens is None else min(room, req.max_tokens)
         shape = RequestShape(max_tokens, req.thinking, req.budget, req.response_format,
@@ -192,20 +194,22 @@ class ChatHandler:
                                 req.model, req.include_usage, breaking, req.continuous_usage)
         return StreamWriter(completion) if req.stream else FullWriter(completion)
 
-    def _refuse_by_scenario(self, scenario: Scenario) -> None:
-        if scenario.has("dead"):
-            self.s.engine.kill(scenario.number("dead", float("inf")))
-        if self.s.engine.dead:
-            raise APIError(500, "EngineCore is dead (simulated).")
-        if scenario.has("http500"):
-            raise APIError(500, "Internal server error (simulated).")
-        if scenario.has("http503"):
-            raise APIError(503, "The engine is currently busy (simulated).")
 
 
 def _routes(state: SimState) -> list[Route]:
     s = state
     served = s.profile.served_model_names
+
+    async def completions(request: Request) -> Any:
+        try:
+            body = await _read_json(request)
+            rid = _request_id(request, body)
+            s.requests.append({"id": rid, "received_at": time.time(), "sim_time": s.engine.sim_now(),
+                               "body": body, "path": "/v1/completions"})
+            return CompletionHandler(s).accept(body, rid)
+        except APIError as exc:
+            log.info("sim: refused completion request: %d %s", exc.status, exc.message)
+            return _json_error(exc)
 
     async def models(request: Request) -> Response:
         # vLLM lists one card per --served-model-name, all of the one model
@@ -220,7 +224,7 @@ def _routes(state: SimState) -> list[Route]:
     async def tokenize(request: Request) -> Response:
         try:
             body = await _read_json(request)
-            text = _tokenize_text(body)
+            text = _tokenize_text(body, s.config.chat_template)
         except APIError as exc:
             return _json_error(exc)
         ids = s.tokenizer.encode(text)
@@ -246,6 +250,7 @@ def _routes(state: SimState) -> list[Route]:
 
     return [
         Route("/v1/chat/completions", ChatHandler(s).__call__, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models),
         Route("/health", health),
         Route("/tokenize", tokenize, methods=["POST"]),
@@ -286,7 +291,7 @@ def _sim_routes(s: SimState) -> list[Route]:
     ]
 
 
-def _tokenize_text(body: Any) -> str:
+def _tokenize_text(body: Any, template: str) -> str:
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     if isinstance(body.get("prompt"), str):
@@ -297,7 +302,7 @@ def _tokenize_text(body: Any) -> str:
     kwargs = body.get("chat_template_kwargs") or {}
     return render_chat(messages, body.get("tools") or None,
                        bool(body.get("add_generation_prompt", True)),
-                       kwargs.get("enable_thinking", True) is not False)
+                       kwargs.get("enable_thinking", True) is not False, template)
 
 
 def sim_stats(s: SimState) -> dict[str, Any]:

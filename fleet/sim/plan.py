@@ -18,6 +18,7 @@ Length rules (docs/vllm-api.md):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -39,6 +40,7 @@ from fleet.sim.tokenizer import split_pieces
 
 REASONING, CONTENT, HIDDEN, TOOL_START, TOOL_ARGS = "reasoning", "content", "hidden", "tool", "args"
 LOOPS = ("loop", "loop_fuzzy", "loop_short")  # markers whose reasoning never ends by itself
+MIN_RESUMED_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,13 @@ class LengthDistribution:
 
     def answer(self, rng: random.Random) -> int:
         return _log_uniform(rng, self.answer_min, self.answer_max)
+
+
+def seeded(seed: int, parts: list[Any]) -> random.Random:
+    """A request's own random source: the simulator's seed and the request's fields that shape
+    its output, so the same request draws the same output in every run."""
+    key = json.dumps([seed, *parts], sort_keys=True, default=str)
+    return random.Random(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big"))
 
 
 def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
@@ -78,6 +87,8 @@ class RequestShape:
     budget: int | None = None
     response_format: dict[str, Any] | None = None
     tool: dict[str, Any] | None = None  # the chosen tool definition, when a call is due
+    thought: int = 0  # reasoning tokens the prompt already holds (a continued reasoning)
+    stop_at_think_end: bool = False  # "</think>" is a stop string: end where the reasoning does
 
 
 @dataclass
@@ -170,12 +181,16 @@ def build_plan(
         looping = any(scenario.has(name) for name in LOOPS)
         fixed = scenario.integer("think")
         natural = m if looping else (dist.thinking(rng) if fixed is None else fixed)
+        if shape.thought and not looping:  # a resumed thought needs the rest, and a little at least
+            natural = max(natural - shape.thought, min(natural, MIN_RESUMED_TOKENS))
         reasoning = natural if shape.budget is None else min(natural, shape.budget)
         stream = _reasoning_stream(scenario, rng)
         if reasoning >= m:
             segments.append((REASONING, m, stream))
             return _with_events(OutputPlan(segments, m, "length"), scenario)
         segments.append((REASONING, reasoning, stream))
+        if shape.stop_at_think_end:
+            return _with_events(OutputPlan(segments, reasoning, "stop"), scenario)
         segments.append((HIDDEN, 1, FixedPieces(["</think>"])))
     content, full, calls = _content_pieces(shape, scenario, rng, dist)
     room = m - sum(n for _, n, _ in segments)

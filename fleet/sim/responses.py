@@ -49,17 +49,20 @@ class Completion:
     # stream_options.continuous_usage_stats: every chunk carries the usage so far (prompt,
     # completion and total tokens, as vLLM's running counts; the details only in the last chunk)
     continuous_usage: bool = False
+    details: bool = True  # completion_tokens_details (the chat route's; not on /v1/completions)
 
     def usage(self) -> dict[str, Any]:
         generated = self.seq.generated
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": self.seq.prompt_len,
             "completion_tokens": generated,
             "total_tokens": self.seq.prompt_len + generated,
-            "completion_tokens_details": {
-                "reasoning_tokens": min(self.plan.reasoning_tokens, generated)},
             "prompt_tokens_details": {"cached_tokens": self.seq.cached_tokens},
         }
+        if self.details:
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": min(self.plan.reasoning_tokens, generated)}
+        return usage
 
 
 async def _watch_disconnect(receive: Any, engine: Engine, seq: Sequence) -> None:
@@ -105,16 +108,17 @@ class _Writer:
 
 
 class StreamWriter(_Writer):
+    OBJECT = "chat.completion.chunk"
+
     async def respond(self, send: Any) -> None:
         c = self.c
-        head = (f'{{"id":"{c.completion_id}","object":"chat.completion.chunk",'
-                f'"created":{c.created},"model":{json.dumps(c.model)},"choices":[{{"index":0,'
-                f'"delta":')
+        head = (f'{{"id":"{c.completion_id}","object":"{self.OBJECT}",'
+                f'"created":{c.created},"model":{json.dumps(c.model)},"choices":[{{"index":0,')
         self.head, self.tail = head, ',"logprobs":null,"finish_reason":null}]}\n\n'
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache")]})
-        out = [self._frame({"role": "assistant", "content": ""})]
+        out = self._opening()
         while True:
             new = await self.next_tokens()
             if new is None:
@@ -152,14 +156,21 @@ class StreamWriter(_Writer):
                     "more_body": not done})
         # drop: return without ending the body; uvicorn closes the connection.
 
+    def _opening(self) -> list[str]:
+        return [self._frame({"role": "assistant", "content": ""})]
+
+    def _field(self, delta: dict[str, Any]) -> str:
+        """The choice's payload: a chat chunk's ``delta``."""
+        return '"delta":' + json.dumps(delta, ensure_ascii=False)
+
     def _frame(self, delta: dict[str, Any], tokens: int = 0) -> str:
         """One chunk; with continuous usage, the usage so far (``tokens`` more generated)."""
         self.streamed += tokens
         if not self.c.continuous_usage:
-            return "data: " + self.head + json.dumps(delta, ensure_ascii=False) + self.tail
+            return "data: " + self.head + self._field(delta) + self.tail
         prompt = self.c.seq.prompt_len
         usage = {"prompt_tokens": prompt, "completion_tokens": self.streamed, "total_tokens": prompt + self.streamed}
-        return ("data: " + self.head + json.dumps(delta, ensure_ascii=False) + self.tail[:-3]
+        return ("data: " + self.head + self._field(delta) + self.tail[:-3]
                 + ',"usage":' + json.dumps(usage) + "}\n\n")
 
     def _frames(self, new: int) -> list[str]:
@@ -194,14 +205,30 @@ class StreamWriter(_Writer):
         return None
 
     def _finish_frame(self) -> str:
-        return ("data: " + self.head + "{}" + ',"logprobs":null,"finish_reason":'
+        return ("data: " + self.head + self._field({}) + ',"logprobs":null,"finish_reason":'
                 + json.dumps(self.c.plan.finish_reason) + ',"stop_reason":null}]}\n\n')
 
     def _usage_frame(self) -> str:
         c = self.c
-        body = {"id": c.completion_id, "object": "chat.completion.chunk", "created": c.created,
+        body = {"id": c.completion_id, "object": self.OBJECT, "created": c.created,
                 "model": c.model, "choices": [], "usage": c.usage()}
         return "data: " + json.dumps(body) + "\n\n"
+
+
+class CompletionStreamWriter(StreamWriter):
+    """The /v1/completions stream: ``choices[0].text`` chunks, everything the model writes as
+    text (no reasoning or tool parser on this route), no opening role chunk."""
+
+    OBJECT = "text_completion"
+
+    def _opening(self) -> list[str]:
+        return []
+
+    def _field(self, delta: dict[str, Any]) -> str:
+        return '"text":' + json.dumps(delta.get("text", ""), ensure_ascii=False)
+
+    def _delta(self, kind: str, text: str) -> dict[str, Any] | None:
+        return {"text": text}
 
 
 def _error_frame(status: int, message: str) -> str:
@@ -271,3 +298,18 @@ async def _send_json(send: Any, status: int, body: dict[str, Any]) -> None:
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+class CompletionFullWriter(FullWriter):
+    """The one-shot /v1/completions answer: every generated piece as one ``text``."""
+
+    def _body(self) -> dict[str, Any]:
+        c = self.c
+        text = "".join("".join(pieces) for _, pieces in self.cursor.take_pieces(c.seq.generated))
+        return {
+            "id": c.completion_id, "object": "text_completion", "created": c.created,
+            "model": c.model,
+            "choices": [{"index": 0, "text": text, "logprobs": None,
+                         "finish_reason": c.plan.finish_reason, "stop_reason": None}],
+            "usage": c.usage(),
+        }

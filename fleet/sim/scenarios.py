@@ -61,6 +61,7 @@ import random
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 MARKER_RE = re.compile(r"\[sim:([a-z0-9_]+)(?:=([^\]/\s]+))?(?:/(\d+))?\]")
 FAULTS = ("http500", "http503", "drop", "error_event")
@@ -139,3 +140,18 @@ class ScenarioBook:
         if self._fault_rate > 0 and self._faults.random() < self._fault_rate:
             scenario.active.setdefault(self._faults.choice(FAULTS), "")
         return scenario
+
+
+def enact_refusals(scenario: Scenario, engine: Any) -> None:
+    """The markers that refuse a request before it reaches the engine (``dead`` kills the engine
+    first): an ``APIError`` as vLLM would answer; nothing when none is active."""
+    from fleet.sim.validate import APIError
+
+    if scenario.has("dead"):
+        engine.kill(scenario.number("dead", float("inf")))
+    if engine.dead:
+        raise APIError(500, "EngineCore is dead (simulated).")
+    if scenario.has("http500"):
+        raise APIError(500, "Internal server error (simulated).")
+    if scenario.has("http503"):
+        raise APIError(503, "The engine is currently busy (simulated).")

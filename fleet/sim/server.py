@@ -60,6 +60,7 @@ class SimOptions:
     answer_max_tokens: int = 600
     log_level: str = "info"
     served_model_name: tuple[str, ...] = ("local",)
+    chat_template: str = "qwen3"
 
     def config(self) -> SimConfig:
         from fleet.sim.app import SimConfig
@@ -77,6 +78,9 @@ class SimOptions:
             raise ValueError("served_model_name: give one or more non-empty names")
         if self.speed <= 0:
             raise ValueError("speed must be positive")
+        from fleet.sim.template import TEMPLATES
+        if self.chat_template not in TEMPLATES:
+            raise ValueError(f"chat_template: one of {', '.join(TEMPLATES)}")
         if profile.max_model_len > profile.kv_pool_tokens:
             log.warning("sim: max_model_len %d exceeds the KV pool (%d tokens)",
                         profile.max_model_len, profile.kv_pool_tokens)
@@ -84,7 +88,7 @@ class SimOptions:
                                      self.answer_min_tokens, self.answer_max_tokens)
         return SimConfig(profile=profile, speed=self.speed, seed=self.seed,
                          fault_rate=self.fault_rate, long_threshold=self.long_threshold,
-                         lengths=lengths)
+                         lengths=lengths, chat_template=self.chat_template)
 
     def to_args(self) -> list[str]:
         """Command-line arguments for ``python -m fleet.sim`` that rebuild these options."""
@@ -206,6 +210,9 @@ def sim_command(
     served_model_name: Annotated[list[str] | None, typer.Option(
         help="vLLM's flag: a model name requests may give (repeat it for several; the first is "
              "the one responses carry). Default: local.")] = None,
+    chat_template: Annotated[str, typer.Option(
+        help="qwen3: the generation prompt opens <think> (the deployment's model); plain: the "
+             "assistant header only.")] = "qwen3",
 ) -> None:
     """Run a vLLM OpenAI-compatible server simulator (docs/deployment.md's server by default)."""
     given = {k: v for k, v in locals().items() if k != "served_model_name"}

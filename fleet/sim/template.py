@@ -7,12 +7,20 @@ cost ~20K tokens); assistant tool calls are ``<tool_call>`` JSON blocks; tool re
 user turn wrapped in ``<tool_response>``. With ``add_generation_prompt`` the prompt ends with the
 assistant header and ``<think>\\n`` (thinking on), or an empty ``<think>\\n\\n</think>\\n\\n`` block
 (``enable_thinking: false``). The wording of the tools preamble is the simulator's own.
+
+Two templates (``fleet sim --chat-template``): ``qwen3`` (the default, the deployment's thinking
+model: the generation prompt opens ``<think>``) and ``plain`` (a template whose generation prompt
+is the assistant header only and leaves ``<think>`` to the model, as hybrid templates do). The
+inference worker checks which one a server has before it continues a cut reasoning on it
+(fleet/infer/resume.py): a partial reasoning can only be appended to a prompt that opened it.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+TEMPLATES = ("qwen3", "plain")
 
 _TOOLS_HEADER = (
     "# Tools\n\nThe following functions may be called to help answer the user. Their signatures "
@@ -74,6 +82,7 @@ def render_chat(
     tools: list[Any] | None = None,
     add_generation_prompt: bool = True,
     enable_thinking: bool = True,
+    template: str = "qwen3",
 ) -> str:
     parts: list[str] = []
     rest = messages
@@ -86,5 +95,6 @@ def render_chat(
     parts.extend(_render_message(m) for m in rest if isinstance(m, dict))
     if add_generation_prompt:
         parts.append("<|im_start|>assistant\n")
-        parts.append("<think>\n" if enable_thinking else "<think>\n\n</think>\n\n")
+        if template == "qwen3":
+            parts.append("<think>\n" if enable_thinking else "<think>\n\n</think>\n\n")
     return "".join(parts)

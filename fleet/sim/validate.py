@@ -59,7 +59,7 @@ def _bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
-def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
+def opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
     value = body.get(key)
     if value is None:
         return None
@@ -71,7 +71,7 @@ def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
 
 
 def _budget(body: dict[str, Any]) -> int | None:
-    value = _opt_int(body, "thinking_token_budget", -1)
+    value = opt_int(body, "thinking_token_budget", -1)
     return None if value is None or value == -1 else value
 
 
@@ -99,7 +99,7 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any]:
     return tools, choice
 
 
-def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+def response_format_of(body: dict[str, Any]) -> dict[str, Any] | None:
     rf = body.get("response_format")
     if rf is None:
         return None
@@ -111,7 +111,7 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     return None if rf["type"] == "text" else rf
 
 
-def _cache_salt(body: dict[str, Any]) -> str | None:
+def salt_of(body: dict[str, Any]) -> str | None:
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise _bad("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
@@ -134,9 +134,9 @@ def parse_chat(body: Any, served_models: tuple[str, ...]) -> ChatRequest:
         raise _bad("the simulator supports n=1 only", "n")
     kwargs = body.get("chat_template_kwargs") or {}
     tools, choice = _tools(body)
-    max_tokens = _opt_int(body, "max_completion_tokens", 1)
+    max_tokens = opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
-        max_tokens = _opt_int(body, "max_tokens", 1)
+        max_tokens = opt_int(body, "max_tokens", 1)
     return ChatRequest(
         body=body,
         model=model,
@@ -150,6 +150,6 @@ def parse_chat(body: Any, served_models: tuple[str, ...]) -> ChatRequest:
         else True,
         tools=tools,
         tool_choice=choice,
-        response_format=_response_format(body),
-        cache_salt=_cache_salt(body),
+        response_format=response_format_of(body),
+        cache_salt=salt_of(body),
     )
