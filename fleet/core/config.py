@@ -391,6 +391,13 @@ class RoutingSettings(_Section):
     sequences in flight beyond the least loaded one ..."""
     balance_rel: float = Field(1.5, ge=1.0)
     """... and its load is above this multiple of the least loaded one's."""
+    continue_cut_turns: Literal["restart", "continue"] = "restart"
+    """A queue job's turn whose stream a backend cut (dropped, unavailable, an upstream error)
+    after some reasoning: ``restart`` runs it again with a carry-over note of its conclusions;
+    ``continue`` sends the same prompt with the reasoning so far to a backend of the same model
+    (it may be another one) and the model thinks only the rest (docs/backends.md, section 7). A
+    backend whose chat template does not open ``<think>`` in its generation prompt, a turn that
+    sends tools and a prompt that changed restart instead."""
 
 
 class UsageSettings(_Section):

@@ -197,6 +197,9 @@ class Attempt(_Strict):
     started_at: float = 0.0
     duration_s: float = 0.0
     backend: str = ""  # the name of the backend it ran on ([[backends]]); '' in older envelopes
+    # reasoning tokens an earlier attempt cut by its backend had generated and this one continued
+    # instead of generating them again (routing.continue_cut_turns = "continue")
+    continued_tokens: int = 0
 
 
 class Envelope(_Strict):

@@ -91,10 +91,12 @@ class TurnRecord(TypedDict):
     tool_rounds: list[ToolRound]
     invalid_rounds: int
     tools_off: bool
+    kept: NotRequired[dict[str, Any]]  # a cut reasoning to continue (fleet/infer/resume.py Kept)
 
 
-# The fields a turn carries over as they are (``number`` and ``plan`` are the turn's own).
-CARRIED = tuple(name for name in TurnRecord.__annotations__ if name not in ("number", "plan"))
+# The fields a turn carries over as they are (``number`` and ``plan`` are the turn's own; ``kept``
+# is written only when there is one).
+CARRIED = tuple(name for name in TurnRecord.__annotations__ if name not in ("number", "plan", "kept"))
 
 
 @dataclass
@@ -115,15 +117,19 @@ class Turn:
     tool_rounds: list[ToolRound]
     invalid_rounds: int  # rounds with invalid calls (at most tool_invalid_max)
     tools_off: bool  # an untrusted tool result came in: no tools any more
+    kept: dict[str, Any] | None = None  # the cut reasoning the next attempt continues
 
     @classmethod
     def from_record(cls, record: TurnRecord) -> Turn:
         """The turn a record names; other keys are ignored, a missing one is a KeyError."""
         carried = {name: record[name] for name in CARRIED}  # type: ignore[literal-required]
-        return cls(number=record["number"], plan=Plan(**record["plan"]), **carried)
+        return cls(number=record["number"], plan=Plan(**record["plan"]), kept=record.get("kept"),
+                   **carried)
 
     def record(self) -> TurnRecord:
         fields = asdict(self)
         if fields["plan"]["limit"] is None:  # no client limit: written as before there was one
             del fields["plan"]["limit"]
+        if fields["kept"] is None:
+            del fields["kept"]
         return TurnRecord(**fields)  # type: ignore[typeddict-item]

@@ -110,6 +110,9 @@ class StreamResult:
     # far, and of them those that came in reasoning chunks; None when it sends none
     streamed_tokens: int | None = None
     streamed_reasoning: int = 0
+    # a continued reasoning (fleet/infer/resume.py): tokens of ``reasoning`` an earlier attempt
+    # generated (not this one's, not in its usage)
+    kept_tokens: int = 0
 
     @property
     def reasoning_tokens(self) -> int:
@@ -360,9 +363,10 @@ def translate(exc: httpx.HTTPError, streaming: bool) -> FleetError:
 class _Assembler:
     """Turns parsed chunks into Deltas and the final StreamResult."""
 
-    def __init__(self, thinking_budget: int | None) -> None:
+    def __init__(self, thinking_budget: int | None, text_is: str | None = None) -> None:
         self.result = StreamResult()
         self._budget = thinking_budget
+        self._text_is = text_is  # a text completion's chunks: their text is this kind
         self._reasoning: list[str] = []
         self._content: list[str] = []
         self._tools: dict[int, dict[str, Any]] = {}
@@ -382,6 +386,8 @@ class _Assembler:
             return None
         choice = choices[0]
         delta = choice.get("delta") or {}
+        if self._text_is is not None:
+            delta = {self._text_is: choice.get("text") or ""}
         reasoning = delta.get("reasoning") or delta.get("reasoning_content") or ""
         content = delta.get("content") or ""
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):  # a running count
@@ -476,12 +482,31 @@ class VllmClient:
         deadline: float | None = None,
     ) -> StreamResult:
         """Stream one chat completion. Raises a FleetError (with ``.partial``) on any failure."""
+        budget = body.get("thinking_token_budget")
+        return self._stream("/v1/chat/completions", body, _Assembler(budget if isinstance(budget, int) else None),
+                            on_delta, cancel, deadline)
+
+    def stream_completion(
+        self,
+        body: dict[str, Any],
+        on_delta: Callable[[Delta], None],
+        cancel: threading.Event,
+        deadline: float | None = None,
+        text_is: str = "content",
+    ) -> StreamResult:
+        """Stream one text completion (``POST /v1/completions``, a ``prompt`` of token ids): its
+        text comes as ``reasoning`` or ``content`` deltas (``text_is``), since no reasoning
+        parser runs on that route; limits, errors and ``.partial`` as ``stream_chat``."""
+        return self._stream("/v1/completions", body, _Assembler(None, text_is), on_delta, cancel,
+                            deadline)
+
+    def _stream(self, path: str, body: dict[str, Any], assembler: _Assembler,
+                on_delta: Callable[[Delta], None], cancel: threading.Event,
+                deadline: float | None) -> StreamResult:
         body = {"model": self.model, **body, "stream": True}
         body.setdefault("stream_options", {"include_usage": True})
         headers = {"X-Request-Id": str(body["request_id"])} if body.get("request_id") else {}
         clock = _StreamClock(self.timeouts, cancel, deadline)
-        budget = body.get("thinking_token_budget")
-        assembler = _Assembler(budget if isinstance(budget, int) else None)
         _local.clock = clock
         if isinstance(cancel, Cancel):
             cancel.hook(clock.wake)
@@ -492,9 +517,7 @@ class VllmClient:
             left = clock.check()
             timeout = httpx.Timeout(PLAIN_READ_TIMEOUT_S, connect=self.timeouts.connect_s,
                                     read=left, pool=self.timeouts.connect_s)
-            with self._http.stream(
-                "POST", "/v1/chat/completions", json=body, headers=headers, timeout=timeout
-            ) as response:
+            with self._http.stream("POST", path, json=body, headers=headers, timeout=timeout) as response:
                 try:
                     if response.status_code != 200:
                         response.read()
@@ -567,12 +590,26 @@ class VllmClient:
     def tokenize(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
                  ) -> int:
         """Exact prompt tokens of a chat request, as vLLM's template counts them."""
+        return len(self.render(messages, tools))
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+               ) -> list[int]:
+        """The token ids of a chat request's prompt as the server's template renders it, up to
+        and with the generation prompt (``POST /tokenize``)."""
         body: dict[str, Any] = {"model": self.model, "messages": messages,
                                 "add_generation_prompt": True}
         if tools:
             body["tools"] = tools
         data = self._call("POST", "/tokenize", json=body).json()
-        return int(data["count"])
+        return [int(t) for t in data["tokens"]]
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of plain ``text`` (no special tokens added)."""
+        body = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        return [int(t) for t in self._call("POST", "/tokenize", json=body).json()["tokens"]]
+
+    def decode(self, tokens: list[int]) -> str:
+        return str(self._call("POST", "/detokenize", json={"model": self.model, "tokens": tokens}).json()["prompt"])
 
     def metrics_text(self) -> str:
         return self._call("GET", "/metrics").text
