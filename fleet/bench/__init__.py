@@ -323,6 +323,24 @@ def continuations(
             f.write(rows_markdown(rows))
 
 
+@bench_app.command("resume")
+def resume(
+    jobs: Annotated[int, typer.Option(help="jobs in the backlog")] = 32,
+    think: Annotated[int, typer.Option(help="reasoning tokens of each job")] = 4000,
+    answer: Annotated[int, typer.Option(help="answer tokens of each job")] = 60,
+    cap: Annotated[int, typer.Option(help="sequences per simulator")] = 8,
+    speed: Annotated[float, typer.Option(help="simulator speed")] = 20.0,
+) -> None:
+    """A backend killed under a backlog of reasoning jobs, once with routing.continue_cut_turns
+    restart and once with continue: the reasoning tokens generated again, those continued, jobs
+    lost or doubled, seconds to the last envelope (fleet/bench/resume.py; each run starts its own
+    Redis and fleet)."""
+    from fleet.bench.resume import markdown, resume_bench
+
+    runs = resume_bench(jobs=jobs, think=think, answer=answer, cap=cap, speed=speed)
+    console.print(markdown(runs), markup=False, soft_wrap=True)
+
+
 @bench_app.command("loops")
 def loops(
     jobs: Annotated[int, typer.Option()] = 40,

@@ -181,7 +181,7 @@ class ChaosFleet:
     """One round's fleet, its observers and its supervisor."""
 
     def __init__(self, broker: Broker, jobs: int, cap: int, speed: float, sim_args: list[str],
-                 lease_ttl_s: float, backends: int = 1) -> None:
+                 lease_ttl_s: float, backends: int = 1, sections: dict[str, dict[str, Any]] | None = None) -> None:
         self.broker, self.jobs, self.cap = broker, jobs, cap
         self.tmp = Path(tempfile.mkdtemp(prefix="fleet-chaos-"))
         data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
@@ -199,6 +199,8 @@ class ChaosFleet:
         # a killed prep worker's jobs come back after these (the defaults, 60 s and 600 s, suit a
         # deployment, not a round of a minute)
         data.update(prep_lease_s=5.0, prep_unclaimed_s=15.0)
+        for section, values in (sections or {}).items():  # a bench's own settings
+            data.setdefault(section, {}).update(values)
         (self.tmp / "fleet.toml").write_text(tomli_w.dumps(data), encoding="utf-8")
         self.settings: Settings = load_settings(self.tmp / "fleet.toml", env={})
         self.fleet = LocalFleet(self.settings, sim_speed=speed, workers=0, dispatchers=2,

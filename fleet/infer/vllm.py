@@ -590,7 +590,11 @@ class VllmClient:
     def tokenize(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
                  ) -> int:
         """Exact prompt tokens of a chat request, as vLLM's template counts them."""
-        return len(self.render(messages, tools))
+        body: dict[str, Any] = {"model": self.model, "messages": messages,
+                                "add_generation_prompt": True}
+        if tools:
+            body["tools"] = tools
+        return int(self._call("POST", "/tokenize", json=body).json()["count"])
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
                ) -> list[int]:

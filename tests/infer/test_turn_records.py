@@ -128,7 +128,18 @@ def test_a_saved_turn_reads_into_the_types_and_writes_back_byte_for_byte(text: s
 
 def test_the_record_keeps_the_turns_field_order() -> None:
     assert list(TurnRecord.__annotations__) == [f.name for f in fields(Turn)]
-    assert tuple(f.name for f in fields(Turn))[2:] == CARRIED
+    assert tuple(f.name for f in fields(Turn))[2:-1] == CARRIED
+    assert fields(Turn)[-1].name == "kept"  # written only when there is one
+
+
+def test_a_kept_reasoning_is_written_only_when_there_is_one() -> None:
+    turn = Turn.from_record(json.loads(TOOL_ROUNDS))
+    assert turn.kept is None and "kept" not in turn.record()
+    kept = {"reasoning": "so x is 3", "closed": False, "tokens": 120, "model": "local", "backend": "a",
+            "digest": "0" * 64}
+    record = {**turn.record(), "kept": kept}
+    again = Turn.from_record(json.loads(json.dumps(record)))
+    assert again.kept == kept and json.dumps(again.record()) == json.dumps(record)
 
 
 def test_tool_rounds_read_by_key_as_the_workers_read_them() -> None:

@@ -1,0 +1,147 @@
+"""``fleet bench resume``: what continuing a cut reasoning saves (docs/backends.md section 7).
+
+One run per mode of ``routing.continue_cut_turns`` (``restart``, then ``continue``), each on its own
+Redis and a REAL fleet (two dispatchers, two inference workers, a prep worker) with two replica
+simulators of one model: a backlog of reasoning jobs (``think`` tokens each) is submitted, and once
+the second simulator has generated a third of what its running jobs will think, it is killed
+(SIGKILL) and stays down until every job has ended. The turns it cut go back through admission to
+the survivor: with ``restart`` they think again from the start (with a carry-over note), with
+``continue`` they send the reasoning so far and think only the rest.
+
+Figures per mode, from the envelopes (the simulators' own usage chunks):
+  jobs OK, envelopes per job (exactly one each: nothing lost or doubled), the cut turns,
+  reasoning tokens generated in all (every attempt's), of them generated again (a cut attempt's
+  reasoning that a later attempt generated anew; 0 when continued), tokens continued (the
+  attempts' ``continued_tokens``), seconds from the kill to the last envelope.
+The ratio ``continue / restart`` of the reasoning generated and of the seconds is measured in the
+same run, on the same machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from fleet.bench.chaos import Broker, ChaosFleet
+from fleet.bench.fleet.workload import PROJECTS, Spec
+from fleet.core.codes import Code
+from fleet.core.models import Envelope
+
+log = logging.getLogger(__name__)
+MODES = ("restart", "continue")
+CUT_CODES = {Code.E_STREAM_DROPPED, Code.E_UPSTREAM_UNAVAILABLE, Code.E_UPSTREAM_ERROR,
+             Code.E_CONNECT_TIMEOUT}
+
+
+@dataclass
+class ResumeRun:
+    mode: str
+    jobs: int = 0
+    ok: int = 0
+    envelopes: dict[str, int] = field(default_factory=dict)  # job id -> envelopes seen
+    cut: int = 0  # attempts a backend cut after some reasoning
+    reasoning: int = 0  # reasoning tokens generated, every attempt
+    again: int = 0  # of them, generated a second time
+    continued: int = 0  # reasoning tokens continued instead
+    seconds_after_kill: float | None = None
+    error: str = ""
+
+    @property
+    def exact(self) -> bool:
+        return len(self.envelopes) == self.jobs and set(self.envelopes.values()) == {1}
+
+
+def _stats(url: str) -> dict[str, Any]:
+    with contextlib.suppress(httpx.HTTPError):
+        return dict(httpx.get(f"{url}/sim/stats", timeout=2).json())
+    return {}
+
+
+def _account(run: ResumeRun, envelopes: list[Envelope]) -> None:
+    for envelope in envelopes:
+        run.ok += envelope.code == Code.OK
+        cut_reasoning = 0
+        for attempt in envelope.attempts:
+            run.reasoning += attempt.usage.reasoning_tokens
+            run.continued += attempt.continued_tokens
+            if attempt.code in CUT_CODES and attempt.usage.reasoning_tokens:
+                run.cut += 1
+                cut_reasoning += attempt.usage.reasoning_tokens
+            elif cut_reasoning:  # the attempt after a cut: what it thought again
+                run.again += max(0, min(cut_reasoning, attempt.usage.reasoning_tokens) - attempt.continued_tokens)
+                cut_reasoning = 0
+
+
+def one_run(mode: str, jobs: int, think: int, answer: int, cap: int, speed: float) -> ResumeRun:
+    run = ResumeRun(mode, jobs)
+    broker = Broker(node_args=[]).start()
+    sections: dict[str, dict[str, Any]] = {"routing": {"continue_cut_turns": mode},
+                                           "retry": {"max_outage_returns": 30}}
+    cf = ChaosFleet(broker, jobs, cap, speed, ["--answer-min-tokens", str(answer),
+                                               "--answer-max-tokens", str(answer)],
+                    lease_ttl_s=10.0, backends=2, sections=sections)
+    try:
+        cf.start()
+        victim = cf.settings.backends[1].name
+        specs = [Spec(PROJECTS[i % len(PROJECTS)], think, answer, tag=f"{mode}-{i}")
+                 for i in range(jobs)]
+        ids, _failed = cf.submit(specs)
+        url = cf.urls[victim]
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # a third into what its running jobs think
+            seen = _stats(url)
+            if seen.get("generation_tokens", 0) >= seen.get("running", 0) * think // 3 > 0:
+                break
+            time.sleep(0.1)
+        cf.kill(f"sim-{victim}")
+        killed_at = time.time()
+        deadline = time.monotonic() + 600
+        while cf.open_jobs(ids) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        run.seconds_after_kill = cf.last_final(ids, killed_at)
+        cf.start_again(f"sim-{victim}")
+        time.sleep(1.0)  # a late duplicate would show here
+        counts = cf.envelope_counts()
+        run.envelopes = {job_id: counts.get(job_id, 0) for job_id in ids}
+        envelopes = [cf.client.result(job_id, timeout=10) for job_id in ids]
+        _account(run, [e for e in envelopes if e is not None])
+    except Exception as exc:  # a run that cannot finish is reported, never the end of the bench
+        log.exception("resume run %s", mode)
+        run.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        cf.close()
+        broker.close()
+    return run
+
+
+def resume_bench(jobs: int = 32, think: int = 4000, answer: int = 60, cap: int = 8,
+                 speed: float = 20.0) -> list[ResumeRun]:
+    return [one_run(mode, jobs, think, answer, cap, speed) for mode in MODES]
+
+
+def markdown(runs: list[ResumeRun]) -> str:
+    head = ("| mode | jobs OK | exactly one envelope each | cut turns | reasoning tokens generated "
+            "| generated again | continued | s from the kill to the last envelope |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    rows = []
+    for r in runs:
+        if r.error:
+            rows.append(f"| {r.mode} | error: {r.error} | | | | | | |")
+            continue
+        after = "never" if r.seconds_after_kill is None else f"{r.seconds_after_kill:.1f}"
+        rows.append(f"| {r.mode} | {r.ok} / {r.jobs} | {'yes' if r.exact else 'NO'} | {r.cut} | "
+                    f"{r.reasoning:,} | {r.again:,} | {r.continued:,} | {after} |")
+    out = head + "\n".join(rows)
+    by = {r.mode: r for r in runs if not r.error}
+    if {"restart", "continue"} <= set(by) and by["restart"].reasoning:
+        restart, cont = by["restart"], by["continue"]
+        out += (f"\n\ncontinue / restart: reasoning tokens generated {cont.reasoning / restart.reasoning:.2f}")
+        if restart.seconds_after_kill and cont.seconds_after_kill is not None:
+            ratio = cont.seconds_after_kill / restart.seconds_after_kill
+            out += f", seconds from the kill to the last envelope {ratio:.2f}"
+    return out
