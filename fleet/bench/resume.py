@@ -3,16 +3,17 @@
 One run per mode of ``routing.continue_cut_turns`` (``restart``, then ``continue``), each on its own
 Redis and a REAL fleet (two dispatchers, two inference workers, a prep worker) with two replica
 simulators of one model: a backlog of reasoning jobs (``think`` tokens each) is submitted, and once
-the second simulator has generated a third of what its running jobs will think, it is killed
+the second simulator has generated half of what its running jobs will think, it is killed
 (SIGKILL) and stays down until every job has ended. The turns it cut go back through admission to
 the survivor: with ``restart`` they think again from the start (with a carry-over note), with
 ``continue`` they send the reasoning so far and think only the rest.
 
 Figures per mode, from the envelopes (the simulators' own usage chunks):
   jobs OK, envelopes per job (exactly one each: nothing lost or doubled), the cut turns,
-  reasoning tokens generated in all (every attempt's), of them generated again (a cut attempt's
-  reasoning that a later attempt generated anew; 0 when continued), tokens continued (the
-  attempts' ``continued_tokens``), seconds from the kill to the last envelope.
+  reasoning tokens generated in all (every attempt's), of them beyond the thought each answer came
+  from (generated and thrown away: the cut attempts' reasoning when restarted, 0 when continued),
+  tokens continued (the last attempt's ``continued_tokens``: its thought's part an earlier attempt
+  generated), seconds from the kill to the last envelope.
 The ratio ``continue / restart`` of the reasoning generated and of the seconds is measured in the
 same run, on the same machine.
 """
@@ -46,8 +47,8 @@ class ResumeRun:
     envelopes: dict[str, int] = field(default_factory=dict)  # job id -> envelopes seen
     cut: int = 0  # attempts a backend cut after some reasoning
     reasoning: int = 0  # reasoning tokens generated, every attempt
-    again: int = 0  # of them, generated a second time
-    continued: int = 0  # reasoning tokens continued instead
+    again: int = 0  # of them, beyond the thought each answer came from (thrown away)
+    continued: int = 0  # reasoning tokens of the final thoughts an earlier attempt generated
     seconds_after_kill: float | None = None
     error: str = ""
 
@@ -65,16 +66,14 @@ def _stats(url: str) -> dict[str, Any]:
 def _account(run: ResumeRun, envelopes: list[Envelope]) -> None:
     for envelope in envelopes:
         run.ok += envelope.code == Code.OK
-        cut_reasoning = 0
-        for attempt in envelope.attempts:
-            run.reasoning += attempt.usage.reasoning_tokens
-            run.continued += attempt.continued_tokens
-            if attempt.code in CUT_CODES and attempt.usage.reasoning_tokens:
-                run.cut += 1
-                cut_reasoning += attempt.usage.reasoning_tokens
-            elif cut_reasoning:  # the attempt after a cut: what it thought again
-                run.again += max(0, min(cut_reasoning, attempt.usage.reasoning_tokens) - attempt.continued_tokens)
-                cut_reasoning = 0
+        attempts = envelope.attempts
+        generated = sum(a.usage.reasoning_tokens for a in attempts)
+        run.reasoning += generated
+        run.cut += sum(1 for a in attempts if a.code in CUT_CODES and a.usage.reasoning_tokens)
+        if attempts:  # the thought the answer came from: the last attempt's and what it continued
+            final = attempts[-1]
+            run.continued += final.continued_tokens
+            run.again += max(0, generated - final.usage.reasoning_tokens - final.continued_tokens)
 
 
 def one_run(mode: str, jobs: int, think: int, answer: int, cap: int, speed: float) -> ResumeRun:
@@ -93,9 +92,9 @@ def one_run(mode: str, jobs: int, think: int, answer: int, cap: int, speed: floa
         ids, _failed = cf.submit(specs)
         url = cf.urls[victim]
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:  # a third into what its running jobs think
+        while time.monotonic() < deadline:  # half-way through what its running jobs think
             seen = _stats(url)
-            if seen.get("generation_tokens", 0) >= seen.get("running", 0) * think // 3 > 0:
+            if seen.get("generation_tokens", 0) >= seen.get("running", 0) * think // 2 > 0:
                 break
             time.sleep(0.1)
         cf.kill(f"sim-{victim}")
@@ -126,7 +125,7 @@ def resume_bench(jobs: int = 32, think: int = 4000, answer: int = 60, cap: int =
 
 def markdown(runs: list[ResumeRun]) -> str:
     head = ("| mode | jobs OK | exactly one envelope each | cut turns | reasoning tokens generated "
-            "| generated again | continued | s from the kill to the last envelope |\n"
+            "| thrown away | continued | s from the kill to the last envelope |\n"
             "|---|---|---|---|---|---|---|---|\n")
     rows = []
     for r in runs:

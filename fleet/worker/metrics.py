@@ -8,6 +8,10 @@ Observed once per final envelope this process publishes (the ``on_publish`` hook
   fleet_worker_ttft_seconds{project}                first token of the last attempt, from its start
   fleet_worker_latency_seconds{project}             submission to final envelope
   fleet_worker_attempts{project}                    attempts per inference job
+  fleet_worker_continued_tokens_total{project,backend}
+                                                    reasoning tokens a job's final attempt continued
+                                                    instead of generating again (a cut reasoning,
+                                                    routing.continue_cut_turns), on its backend
   fleet_worker_refused_messages_total{queue,reason} broker messages refused before anything ran
                                                     (fleet/worker/screen.py), per queue taken from
   fleet_usage_turns_total{project,code}             model turns counted in the usage ledger by
@@ -82,6 +86,9 @@ class WorkerMetrics:
                                  ["project"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.attempts = Histogram("fleet_worker_attempts", "Attempts per inference job",
                                   ["project"], buckets=ATTEMPT_BUCKETS, registry=r)
+        self.continued = Counter("fleet_worker_continued_tokens",
+                                 "Reasoning tokens final attempts continued instead of generating again",
+                                 ["project", "backend"], registry=r)
         self.refused = Counter("fleet_worker_refused_messages",
                                "Broker messages refused before anything ran (E_MESSAGE_REFUSED)",
                                ["queue", "reason"], registry=r)
@@ -107,6 +114,9 @@ class WorkerMetrics:
             self.latency.labels(project).observe(timings.total_s)
         if envelope.attempts:
             self.attempts.labels(project).observe(len(envelope.attempts))
+            final = envelope.attempts[-1]
+            if final.continued_tokens:
+                self.continued.labels(project, final.backend).inc(final.continued_tokens)
 
 
 def serve_when_started(app: Celery, metrics: WorkerMetrics, port: int, host: str = "127.0.0.1") -> None:

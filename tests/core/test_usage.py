@@ -261,3 +261,21 @@ def test_a_repeat_tag_holds_only_with_the_workers_seal_and_on_its_own_job() -> N
     assert tagged_repeat(settings, "a/j1", {**tag, "rcache": "cd" * 32}) is None
     assert tagged_repeat(settings, "a/j1", repeat_tag(other, "a/j1", digest)) is None
     assert tagged_repeat(settings, "a/j1", {"rcache": digest}) is None
+
+
+def test_prometheus_counts_the_reasoning_a_final_attempt_continued():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fleet.core.models import Attempt, Envelope
+    from fleet.worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics()
+    cut = Attempt(number=1, code="E_STREAM_DROPPED", backend="a")
+    done = Attempt(number=2, code="OK", backend="b", continued_tokens=1500)
+    metrics.observe(Envelope(job_id="j1", project="p", code="OK", attempts=[cut, done]))
+    metrics.observe(Envelope(job_id="j2", project="p", code="OK", attempts=[Attempt(number=1, code="OK", backend="a")]))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    samples = [(s.labels, s.value) for s in families["fleet_worker_continued_tokens"].samples
+               if s.name.endswith("_total")]
+    assert samples == [({"project": "p", "backend": "b"}, 1500.0)]  # the final attempt's, its backend

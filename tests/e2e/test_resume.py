@@ -67,6 +67,8 @@ def test_a_dropped_reasoning_continues_where_it_stopped(tmp_path, mode: str) -> 
         if mode == "continue":
             assert last.continued_tokens == half
             assert paths.count("/v1/completions") == 2  # the rest of the thought, then the answer
+            salts = {e["body"].get("cache_salt") for e in logged(fleet.backend_url)}
+            assert len(salts) == 1 and None not in salts  # the project's own prefix cache, always
             # the server's counts: the rest of the thought, then the answer; the half only once
             assert last.usage.completion_tokens == (THINK - half) + 30
             assert last.usage.reasoning_tokens == THINK - half
