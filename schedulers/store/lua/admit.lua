@@ -206,7 +206,7 @@ for _, member in ipairs(members) do
 end
 
 -- Is backend b in the mask?
-local function on(mask, b) return math.floor(mask / 2 ^ b) % 2 == 1 end
+local function on(mask, b) return bit.band(bit.rshift(mask, b), 1) == 1 end
 
 -- The heads of a project's queues: {band = {{short = head, long = head}, ...}}, a pair per group.
 local function read_heads(pr)
@@ -379,36 +379,45 @@ local function best(tried)
   return best_b
 end
 
--- Backend B as this decision sees it: its gate and counters (placement._global: the gate, then
--- limits.check_global) and whether its quiet windows protect anything (an interactive lease on
--- it, or an interactive candidate that may run on it).
-local function view(B, cands)
-  B.why, B.retry, B.gated = nil, nil, false
-  local outside = 0
+-- Backend B's gate and counters, read once per call: later decisions of the call see them as this
+-- call's own writes left them (grant, reserves and decide keep the copy), so with many backends a
+-- call reads each backend's two hashes once, not once per grant. A grant that freed another lease
+-- (free_lease: any backend's counters) makes every backend read again.
+local function read_backend(B)
+  B.gate_why, B.outside = nil, 0
   if gate then
     local g = redis.call('HMGET', B.scrape, 'scraped_at', 'hold', 'outside')
-    if not g[1] or now - tonumber(g[1]) > stale then B.why, B.gated = 'backend_stale', true
-    elseif g[2] and g[2] ~= '' then B.why, B.gated = 'backend_' .. g[2], true end
-    outside = num(g[3], 0)
+    if not g[1] or now - tonumber(g[1]) > stale then B.gate_why = 'backend_stale'
+    elseif g[2] and g[2] ~= '' then B.gate_why = 'backend_' .. g[2] end
+    B.outside = num(g[3], 0)
   end
   local s = redis.call('HMGET', B.st, 'in_flight', 'kv', 'long', 'bucket', 'bucket_at', 'last_admit',
     'blocked_job', 'blocked_since', 'prefill_until', 'prefill_longs', 'inter')
   B.in_flight, B.kv_used, B.long_used = num(s[1], 0), num(s[2], 0), num(s[3], 0)
+  B.bucket, B.bucket_at, B.last_admit = num(s[4], nil), num(s[5], nil), num(s[6], nil)
   B.blocked_job, B.blocked_since = s[7], num(s[8], 0)
   B.prefill_until, B.prefill_longs = num(s[9], 0), num(s[10], 0)
+  B.inter = num(s[11], 0)
+  B.read = true
+end
+
+-- Backend B as this decision sees it: its gate and counters (placement._global: the gate, then
+-- limits.check_global) and whether its quiet windows protect anything (an interactive lease on
+-- it, or an interactive candidate that may run on it).
+local function view(B, inter_mask)
+  if not B.read then read_backend(B) end
+  B.why, B.retry, B.gated = B.gate_why, nil, B.gate_why ~= nil
   if not B.why then
     if B.in_flight >= B.max_seqs then B.why = 'seqs'
-    elseif B.in_flight + outside >= B.max_seqs then B.why = 'outside'
-    elseif s[6] and B.spacing > 0 then
-      local wait = tonumber(s[6]) + B.spacing - now
+    elseif B.in_flight + B.outside >= B.max_seqs then B.why = 'outside'
+    elseif B.last_admit and B.spacing > 0 then
+      local wait = B.last_admit + B.spacing - now
       if wait > 0 then B.why, B.retry = 'spacing', wait end
     end
   end
-  local quiet = num(s[11], 0) > 0
-  for _, c in ipairs(cands) do quiet = quiet or (c.band == 'interactive' and on(c.mask, B.index)) end
-  B.quiet = quiet and B.prefill_rate > 0
+  B.quiet = (B.inter > 0 or on(inter_mask, B.index)) and B.prefill_rate > 0
   B.level = B.burst
-  if s[4] then B.level = math.min(B.burst, tonumber(s[4]) + math.max(0, now - tonumber(s[5])) * B.rate) end
+  if B.bucket then B.level = math.min(B.burst, B.bucket + math.max(0, now - B.bucket_at) * B.rate) end
 end
 
 -- limits.check_job on backend B: the reason candidate c does not fit (and when it lifts), or nil.
@@ -442,7 +451,11 @@ end
 -- when it lifts.
 local function decide(cands)
   if #cands == 0 then return nil, hold('empty') end
-  for b = 0, m do view(backends[b], cands) end
+  local inter_mask = 0  -- the backends an interactive candidate may run on
+  for _, c in ipairs(cands) do
+    if c.band == 'interactive' then inter_mask = bit.bor(inter_mask, c.mask) end
+  end
+  for b = 0, m do view(backends[b], inter_mask) end
   local headed, closed, open = {}, {}, m + 1
   local first_reason, soonest = nil, nil
   for i, c in ipairs(cands) do
@@ -461,29 +474,60 @@ local function decide(cands)
       if i == 1 then first_reason = 'no_backend' end
     else
       local refused = nil  -- admit_only's answer, asked once a backend's global limits pass
-      local verdicts, usable = {}, {}
-      for _, b in ipairs(tried) do
+      local whys, retries = {}, {}
+      local function verdict(b)  -- c's verdict on backend b (every verdict is pure: any order)
         local B = backends[b]
         local why, retry = B.why, B.retry
         if not why then
           if refused == nil then refused = admit_only ~= nil and not admit_only(c) end
           if refused then why = 'no_workers' else why, retry = check_job(B, c) end
         end
-        verdicts[b] = {why = why, retry = retry}
-        if not why then usable[#usable + 1] = b end
+        whys[b], retries[b] = why or false, retry
+        return not why
       end
-      if #usable > 0 then
+      local chosen = nil
+      if policy == 'round_robin' then
+        local usable = {}
         for _, b in ipairs(tried) do
-          if not headed[b] then redis.call('HDEL', backends[b].st, 'blocked_job', 'blocked_since') end
+          if verdict(b) then usable[#usable + 1] = b end
         end
-        return {c = c, b = pick(usable, c)}
+        if #usable > 0 then chosen = pick(usable, c) end
+      else
+        -- pick's answer without a verdict on every backend: the least loaded usable one (by load,
+        -- then the settings' order) is the first usable in that order; under `fleet` the hint
+        -- instead when it is usable and not loaded past the thresholds against it
+        local by_load = {}
+        for _, b in ipairs(tried) do by_load[#by_load + 1] = {b = b, load = load(backends[b])} end
+        table.sort(by_load, function(x, y)
+          if x.load ~= y.load then return x.load < y.load end
+          return x.b < y.b
+        end)
+        for _, e in ipairs(by_load) do
+          if verdict(e.b) then chosen = e.b break end
+        end
+        if chosen and policy == 'fleet' and c.hint ~= nil and c.hint ~= chosen then
+          local listed = false
+          for _, b in ipairs(tried) do listed = listed or b == c.hint end
+          if listed and (whys[c.hint] == nil and verdict(c.hint) or whys[c.hint] == false) then
+            chosen = pick({chosen, c.hint}, c)
+          end
+        end
+      end
+      if chosen then
+        for _, b in ipairs(tried) do
+          if not headed[b] and backends[b].blocked_job then  -- (no write when nothing is held)
+            redis.call('HDEL', backends[b].st, 'blocked_job', 'blocked_since')
+            backends[b].blocked_job, backends[b].blocked_since = false, 0
+          end
+        end
+        return {c = c, b = chosen}
       end
       for _, b in ipairs(tried) do
-        local retry = verdicts[b].retry
+        local retry = retries[b]
         if retry and (not soonest or retry < soonest) then soonest = retry end
       end
       local target = best(tried)
-      local why = verdicts[target].why
+      local why = whys[target]
       if i == 1 then first_reason = why end
       if not headed[target] and reserves(backends[target], c, why) then
         closed[target], open = true, open - 1
@@ -498,20 +542,29 @@ end
 local function grant(c, top, b)
   local B = backends[b]
   local kv, long, long_prefill, uncached = cost(B, c)
-  free_lease(states, KEYS[6], lease_info, c.id)
+  local freed = free_lease(states, KEYS[6], lease_info, c.id)
   redis.call('HINCRBY', B.st, 'in_flight', 1)
   redis.call('HINCRBY', B.st, 'kv', kv)
   if long then redis.call('HINCRBY', B.st, 'long', 1) end
   if c.band == 'interactive' then redis.call('HINCRBY', B.st, 'inter', 1) end
+  local prefill_until, prefill_longs = B.prefill_until, B.prefill_longs
   if long_prefill and B.prefill_rate > 0 then
-    local prefill_longs = B.prefill_longs
     if now >= B.prefill_until then prefill_longs = 0 end
-    redis.call('HSET', B.st, 'prefill_until',
-      fmt(math.max(now, B.prefill_until) + uncached / B.prefill_rate), 'prefill_longs', prefill_longs + 1)
+    prefill_until, prefill_longs = math.max(now, B.prefill_until) + uncached / B.prefill_rate, prefill_longs + 1
+    redis.call('HSET', B.st, 'prefill_until', fmt(prefill_until), 'prefill_longs', prefill_longs)
   end
   redis.call('HINCRBY', st, 'queued', -1)
   redis.call('HSET', B.st, 'bucket', fmt(B.level - uncached), 'bucket_at', fmt(now),
     'last_admit', fmt(now))
+  if freed then  -- another lease's counters went down somewhere: read every backend again
+    for i = 0, m do backends[i].read = false end
+  else  -- the copy as these writes left the hash
+    B.in_flight, B.kv_used = B.in_flight + 1, B.kv_used + kv
+    if long then B.long_used = B.long_used + 1 end
+    if c.band == 'interactive' then B.inter = B.inter + 1 end
+    B.prefill_until, B.prefill_longs = prefill_until, prefill_longs
+    B.bucket, B.bucket_at, B.last_admit = B.level - uncached, now, now
+  end
   if policy == 'round_robin' then
     rr_last = b
     redis.call('HSET', st, 'rr', b)
