@@ -253,6 +253,7 @@ class _Run:
         self.first_token_s: float | None = None
         self.kept: continuing.Kept | None = None  # a cut reasoning this turn continues
         self.sent: dict[str, Any] = {}  # the last attempt's request body
+        self.refused = False  # the last attempt's backend would not take its continuation
         self.number = 0  # of this turn: 0 the first, then one more per continuation
         self.earlier: list[Attempt] = []
         self.previous = self._load_history()
@@ -315,6 +316,8 @@ class _Run:
         """The prompt tokens of the request ``body``: the server's count (its usage chunk); for a
         stream cut before it, prep's count when the request is the prompt prep counted (no
         conversation, no note, the tools prep counted: not the registry's), else None."""
+        if result.rendered_prompt_tokens is not None:  # a continuation: the chat prompt's own
+            return result.rendered_prompt_tokens
         if result.prompt_tokens is not None:
             return result.prompt_tokens
         if body["messages"] == self.messages and body.get("tools") == self.prepared_tools:
@@ -346,9 +349,11 @@ class _Run:
 
     def _continuation(self, delay_s: float, how: RetryKind, cause: Code,
                       calls: list[ToolTask] | None = None) -> Continuation:
+        # a kept reasoning goes into the next prompt and comes out of its output allowance
+        kept = self.kept["tokens"] if self.kept else 0
         return Continuation(turn=self.turn().record(), not_before=self.ctx.clock() + delay_s,
-                            delay_s=delay_s, max_tokens=self.plan.max_tokens,
-                            prompt_tokens=self.plan.prompt_tokens, how=how, cause=cause,
+                            delay_s=delay_s, max_tokens=max(1, self.plan.max_tokens - kept),
+                            prompt_tokens=self.plan.prompt_tokens + kept, how=how, cause=cause,
                             tool_calls=calls or [],
                             eligible=job_eligible(self.s, self.job.project, self.job.model,
                                                   self.plan.prompt_tokens + self.plan.max_tokens))
@@ -473,7 +478,7 @@ class _Run:
                         carried=len(carried))
         started = ctx.clock()
         if ctx.progress is not None:
-            ctx.progress.start(number, self.plan.prompt_tokens)
+            ctx.progress.start(number, self.plan.prompt_tokens + (kept["tokens"] if kept else 0))
         outcome = self._stream(body, kept)
         if ctx.progress is not None:
             ctx.progress.stop()
@@ -485,7 +490,8 @@ class _Run:
             thinking_budget=self.plan.thinking_budget, max_tokens=self.plan.max_tokens,
             temperature=temperature, seed=seed, usage=usage, carried=list(carried),
             started_at=started, duration_s=round(ctx.clock() - started, 3), backend=self.s.backend.name,
-            continued_tokens=kept["tokens"] if kept is not None else 0,
+            continued_tokens=kept["tokens"] if kept is not None and result is not None
+            and result.completion_tokens > 0 else 0,
         )
         self.attempts.append(attempt)
         self._record(attempt, self._conclusions_of(outcome), body, result, self._turn_usage(number, outcome))
@@ -503,10 +509,7 @@ class _Run:
             return None
         why = None if self.s.routing.continue_cut_turns == "continue" else "routing.continue_cut_turns is restart"
         backend = self.s.backend
-        try:
-            why = why or continuing.why_not(kept, body, backend.model, self.ctx.client, backend.name or backend.url)
-        except FleetError:  # the backend is away: the continuation fails as the attempt would
-            why = None
+        why = why or continuing.why_not(kept, body, backend.model, self.ctx.client, backend.name or backend.url)
         if why is None:
             self.ctx.events.emit("continue", tokens=kept["tokens"], cut_on=kept["backend"],
                                  closed=kept["closed"])
@@ -551,6 +554,7 @@ class _Run:
 
     def _stream(self, body: dict[str, Any], kept: continuing.Kept | None = None) -> _Outcome:
         ctx = self.ctx
+        self.refused = False
         watcher = LoopWatcher(self.s.watcher) if self.s.watcher.enabled else None
         looped = self._primed(watcher, kept)
         if looped is not None:
@@ -582,6 +586,7 @@ class _Run:
             return _Outcome(Code.E_THINK_LOOP, f"loop watcher: {exc.message}",
                             getattr(exc, "partial", None), retry=RetryKind.CARRY)
         except FleetError as exc:
+            self.refused = isinstance(exc, continuing.ContinuationRefused)
             return _Outcome(exc.code, exc.message, getattr(exc, "partial", None),
                             retry=self._retry_kind(exc.code))
         finally:
@@ -592,19 +597,20 @@ class _Run:
         """A continued reasoning is read by the watcher first, so a loop across the cut is caught."""
         if watcher is None or kept is None:
             return None
-        seen = watcher.feed(kept["reasoning"], self.ctx.clock())
+        seen = watcher.read_before(kept["reasoning"])
         if seen is None:
             return None
         return _Outcome(Code.E_THINK_LOOP, f"loop watcher: {seen.kind}: {seen.detail}",
-                        StreamResult(reasoning=kept["reasoning"]), retry=RetryKind.CARRY)
+                        continuing.kept_only(kept), retry=RetryKind.CARRY)
 
     def _send(self, body: dict[str, Any], kept: continuing.Kept | None,
               on_delta: Callable[[Delta], None]) -> StreamResult:
         ctx = self.ctx
         if kept is None:
             return ctx.client.stream_chat(body, on_delta, ctx.cancel, self.job.deadline)
-        return continuing.resume_turn(ctx.client, body, kept, self.plan, on_delta, ctx.cancel,
-                                  self.job.deadline)
+        backend = self.s.backend
+        return continuing.resume_turn(ctx.client, body, kept, self.plan, backend.name or backend.url,
+                                      on_delta, ctx.cancel, self.job.deadline)
 
     def _retry_kind(self, code: Code) -> RetryKind | None:
         """An unreachable backend, or any retryable failure while its /health says it is down
@@ -707,7 +713,10 @@ class _Run:
             self.plan = grow_budget(self.plan, self.s.retry.thinking_budget_ceiling)
         elif kind == RetryKind.RESERVE:
             self.plan = grow_reserve(self.plan)
-        if kind in (RetryKind.BACKOFF, RetryKind.OUTAGE) and self.s.routing.continue_cut_turns == "continue":
+        if self.refused and result is not None:
+            self.warnings.append(f"a cut reasoning of {result.reasoning_tokens + result.kept_tokens} "
+                                 f"tokens was thought again: {outcome.cause}")
+        elif kind in (RetryKind.BACKOFF, RetryKind.OUTAGE) and self.s.routing.continue_cut_turns == "continue":
             # the backend cut it: the next turn goes on from its reasoning (fleet/infer/resume.py)
             self.kept = continuing.keep(result, self.sent, self.s.backend.model, self.s.backend.name)
         if self.kept is None and kind in (RetryKind.CARRY, RetryKind.BACKOFF, RetryKind.OUTAGE) \

@@ -122,6 +122,17 @@ class LoopWatcher:
             self.verdict = verdict
         return verdict
 
+    def read_before(self, text: str) -> Verdict | None:
+        """Reasoning that came before this stream (a continued reasoning, fleet/infer/resume.py):
+        read in the pieces a stream brings, so every detector sees it as it would have, without
+        starting the stall clock (that starts with this stream's first text)."""
+        step = max(1, self.s.check_every_chars)
+        for start in range(0, len(text), step):
+            if self.feed(text[start:start + step], 0.0) is not None:
+                break
+        self._last_progress = None
+        return self.verdict
+
     def touch(self, now: float) -> None:
         """Progress outside the reasoning (answer content): keeps the stall detector quiet."""
         self._last_progress = now

@@ -49,15 +49,18 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypedDict
 
-from fleet.core.errors import FleetError
+from fleet.core.errors import FleetError, PromptTooLong, UpstreamError, UpstreamRejected
+from fleet.core.request import neutralise
 from fleet.infer.budget import Plan
 from fleet.infer.vllm import Delta, StreamResult, VllmClient
 
 THINK_END = "</think>"
+END_TOKENS = 8  # what "\n</think>\n\n" costs, with room to spare
 MIN_KEPT_TOKENS = 64  # less than this is not worth a continuation
 MAX_KEPT_CHARS = 400_000  # the turn record stays bounded
 PROBE = [{"role": "user", "content": "Reply with OK."}]
@@ -65,11 +68,17 @@ PROBE = [{"role": "user", "content": "Reply with OK."}]
 
 class Kept(TypedDict):
     reasoning: str  # as the server streamed it
-    closed: bool  # the reasoning had ended: the answer had begun
+    closed: bool  # the reasoning had ended: the answer had begun (or was about to)
+    forced: bool  # its end was forced: the thinking budget was spent
     tokens: int  # reasoning tokens kept
     model: str  # the model that wrote it (the backend's)
     backend: str  # the backend that cut it
     digest: str  # of the messages and tools it was written for
+
+
+class ContinuationRefused(UpstreamError):
+    """This backend will not take the continuation (its template, its completions route, no room
+    left): the turn restarts with carry-over instead (a retry, like any upstream error)."""
 
 
 def digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
@@ -84,8 +93,15 @@ def keep(result: StreamResult | None, body: dict[str, Any], model: str, backend:
     tokens = result.reasoning_tokens + result.kept_tokens
     if tokens < MIN_KEPT_TOKENS or len(result.reasoning) > MAX_KEPT_CHARS:
         return None
-    return Kept(reasoning=result.reasoning, closed=bool(result.content), tokens=tokens, model=model,
-                backend=backend, digest=digest(body["messages"], body.get("tools")))
+    return Kept(reasoning=result.reasoning, closed=bool(result.content) or result.thought_ended,
+                forced=result.thinking_forced, tokens=tokens, model=model, backend=backend,
+                digest=digest(body["messages"], body.get("tools")))
+
+
+def kept_only(kept: Kept) -> StreamResult:
+    """An attempt that sent nothing: the kept reasoning, none of it this attempt's."""
+    return StreamResult(reasoning=kept["reasoning"], kept_tokens=kept["tokens"], streamed_tokens=0,
+                        thought_ended=kept["closed"], thinking_forced=kept["forced"])
 
 
 _opens: dict[str, bool] = {}
@@ -106,8 +122,12 @@ def opens_think(client: VllmClient, key: str) -> bool:
     return found
 
 
+NO_THINK = "the backend's chat template does not open <think> in its generation prompt"
+
+
 def why_not(kept: Kept, body: dict[str, Any], model: str, client: VllmClient, key: str) -> str | None:
-    """Why this turn cannot continue ``kept`` on this backend; None when it can."""
+    """Why this turn cannot continue ``kept`` on this backend; None when it can (or when the
+    template could not be checked because the backend is away: ``resume_turn`` checks it again)."""
     if kept["model"] != model:
         return f"the backend serves {model!r}, the reasoning is {kept['model']!r}'s"
     if body.get("tools"):
@@ -116,62 +136,30 @@ def why_not(kept: Kept, body: dict[str, Any], model: str, client: VllmClient, ke
         return "the prompt changed since the reasoning was written"
     try:
         if not opens_think(client, key):
-            return "the backend's chat template does not open <think> in its generation prompt"
+            return NO_THINK
     except FleetError as exc:
         if exc.code.retryable:  # the backend is away: the attempt fails as it would, kept intact
-            raise
+            return None
         return f"the backend's template could not be checked: {exc.message}"
     return None
 
 
-def _usage(parts: list[StreamResult], reasoning_tokens: int) -> dict[str, Any]:
-    prompt = sum(p.prompt_tokens or 0 for p in parts)
-    completion = sum(p.completion_tokens for p in parts)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "prompt_tokens_details": {"cached_tokens": sum(p.cached_tokens for p in parts)}}
-
-
-def joined(kept: Kept, thought: StreamResult | None, answer: StreamResult | None,
-           forced: bool) -> StreamResult:
-    """One attempt's result from its requests: the whole reasoning (kept and new), the answer, the
-    usage of what was generated (the usage is left out while a part is still cut, so a cut
-    continuation is counted by its running counts, as a cut chat stream is)."""
-    parts = [p for p in (thought, answer) if p is not None]
-    new_reasoning = thought.completion_tokens if thought is not None else 0
-    complete = all(p.usage is not None for p in parts)
-    streamed = [p.streamed_tokens for p in parts]
-    first = next((p.first_token_s for p in parts if p.first_token_s is not None), None)
-    return StreamResult(
-        content=answer.content if answer is not None else "",
-        reasoning=kept["reasoning"] + (thought.reasoning if thought is not None else ""),
-        finish_reason=answer.finish_reason if answer is not None else None,
-        usage=_usage(parts, new_reasoning) if complete and parts else None,
-        first_token_s=first, duration_s=sum(p.duration_s for p in parts),
-        thinking_forced=forced,
-        reasoning_deltas=thought.reasoning_deltas if thought is not None else 0,
-        content_deltas=answer.content_deltas if answer is not None else 0,
-        response_id=parts[-1].response_id if parts else None,
-        streamed_tokens=None if None in streamed else sum(s or 0 for s in streamed),
-        streamed_reasoning=new_reasoning,
-        kept_tokens=kept["tokens"],
-    )
-
-
-def resume_turn(client: VllmClient, body: dict[str, Any], kept: Kept, plan: Plan,
+def resume_turn(client: VllmClient, body: dict[str, Any], kept: Kept, plan: Plan, key: str,
                 on_delta: Callable[[Delta], None], cancel: threading.Event,
                 deadline: float | None) -> StreamResult:
     """Continue ``kept`` with the chat request ``body`` (as built for this attempt) on
-    ``client``'s backend. Any exception (a FleetError, the loop watcher's verdict) carries
-    ``.partial``: the attempt so far, the kept reasoning included, so a continuation cut again is
-    kept again."""
+    ``client``'s backend (``key`` names it for the template check). Any exception (a FleetError,
+    the loop watcher's verdict) carries ``.partial``: the attempt so far, the kept reasoning
+    included, so a continuation cut again is kept again; ``ContinuationRefused`` when this
+    backend will not take it."""
     run = _Continuation(client, body, kept, plan, cancel, deadline)
     try:
+        if not opens_think(client, key):
+            raise ContinuationRefused(NO_THINK)
         return run.go(on_delta)
     except Exception as exc:
-        exc.partial = joined(kept, run.thought or run.cut(exc, "thought"),  # type: ignore[attr-defined]
-                             run.cut(exc, "answer"), run.forced)
+        exc.partial = run.joined(run.thought or run.cut(exc, "thought"),  # type: ignore[attr-defined]
+                                 run.cut(exc, "answer"))
         raise
 
 
@@ -183,34 +171,52 @@ class _Continuation:
         self.common: dict[str, Any] = {key: body[key] for key in ("seed", "temperature", "cache_salt",
                                                                   "stream_options") if key in body}
         self.rid = str(body.get("request_id", "resume"))
+        self.t0 = time.monotonic()
         self.thought: StreamResult | None = None
-        self.forced = False
+        self.forced = kept["forced"]
         self.phase = "render"
+        self.rendered: int | None = None  # the chat prompt's tokens
+        self.prompts: dict[str, int] = {}  # phase -> prompt tokens sent
+        self.offsets: dict[str, float] = {}  # phase -> seconds from the start to its request
 
     def cut(self, exc: Exception, phase: str) -> StreamResult | None:
         """The partial result of ``phase`` when the exception came from it."""
         return getattr(exc, "partial", None) if self.phase == phase else None
 
+    def _stream(self, phase: str, ask: dict[str, Any], on_delta: Callable[[Delta], None],
+                text_is: str) -> StreamResult:
+        self.phase, self.prompts[phase] = phase, len(ask["prompt"])
+        self.offsets[phase] = time.monotonic() - self.t0
+        try:
+            return self.client.stream_completion(ask, on_delta, self.cancel, self.deadline, text_is)
+        except (UpstreamRejected, PromptTooLong) as exc:  # the route, a field, the length
+            refused = ContinuationRefused(f"the completions route refused the continuation: {exc.message}")
+            refused.partial = getattr(exc, "partial", None)  # type: ignore[attr-defined]
+            raise refused from exc
+
     def go(self, on_delta: Callable[[Delta], None]) -> StreamResult:
+        limit = self.plan.max_model_len
         prompt = self.client.render(self.body["messages"], self.body.get("tools"))
-        reasoning = self.kept["reasoning"]
+        self.rendered = len(prompt)
+        so_far = prompt + self.client.encode(neutralise(self.kept["reasoning"]))
         if not self.kept["closed"]:
             plan = self.plan
             budget = plan.thinking_budget if plan.thinking_budget >= 0 else plan.max_tokens - plan.content_reserve
-            left = budget - self.kept["tokens"]
+            # the answer keeps its reserve inside max_model_len, as the chat request's plan does
+            left = min(budget - self.kept["tokens"], limit - len(so_far) - plan.content_reserve - END_TOKENS)
             if left > 0:
-                ask = {**self.common, "prompt": prompt + self.client.encode(reasoning),
-                       "max_tokens": left, "stop": [THINK_END], "request_id": f"{self.rid}-think"}
-                self.phase = "thought"
-                self.thought = self.client.stream_completion(ask, on_delta, self.cancel, self.deadline,
-                                                             "reasoning")
-                reasoning += self.thought.reasoning
-            self.forced = self.thought is None or self.thought.finish_reason == "length"
-        done = self.thought.completion_tokens if self.thought is not None else 0
+                ask = {**self.common, "prompt": so_far, "max_tokens": left, "stop": [THINK_END],
+                       "request_id": f"{self.rid}-think"}
+                self.thought = self._stream("thought", ask, on_delta, "reasoning")
+                so_far = so_far + self.client.encode(neutralise(self.thought.reasoning))
+            self.forced = self.forced or self.thought is None or self.thought.finish_reason == "length"
         self.phase = "render"
-        ask = {**self.common, "prompt": prompt + self.client.encode(reasoning.rstrip("\n") + f"\n{THINK_END}\n\n"),
-               "max_tokens": max(1, self.plan.max_tokens - self.kept["tokens"] - done - 1),
-               "request_id": f"{self.rid}-answer"}
+        done = self.thought.completion_tokens if self.thought is not None else 0
+        answer_prompt = so_far + self.client.encode(f"\n{THINK_END}\n\n")
+        room = min(self.plan.max_tokens - self.kept["tokens"] - done, limit - len(answer_prompt))
+        if room < 1:
+            raise ContinuationRefused(f"no room left for the answer ({len(answer_prompt)} prompt tokens)")
+        ask = {**self.common, "prompt": answer_prompt, "max_tokens": room, "request_id": f"{self.rid}-answer"}
         if self.body.get("response_format") is not None:
             ask["response_format"] = self.body["response_format"]
 
@@ -219,6 +225,40 @@ class _Continuation:
                 delta = replace(delta, streamed=(delta.streamed[0] + done, delta.streamed[1] + done))
             on_delta(delta)
 
-        self.phase = "answer"
-        answer = self.client.stream_completion(ask, on_answer, self.cancel, self.deadline, "content")
-        return joined(self.kept, self.thought, answer, self.forced)
+        return self.joined(self.thought, self._stream("answer", ask, on_answer, "content"))
+
+    def joined(self, thought: StreamResult | None, answer: StreamResult | None) -> StreamResult:
+        """The attempt's result from its requests: the whole reasoning (kept and new), the answer,
+        the counts of what these requests generated only (never the kept part's: it was counted
+        when it was generated). The usage is the server's when the answer came to its end; a
+        continuation cut on the way has none and is counted by its parts' counts, as a cut chat
+        stream is by its running count."""
+        parts = [p for p in (thought, answer) if p is not None]
+        new_reasoning = thought.completion_tokens if thought is not None else 0
+        completion = sum(p.completion_tokens for p in parts)
+        complete = answer is not None and answer.usage is not None and (thought is None or thought.usage is not None)
+        usage = None
+        if complete:
+            prompt = sum(p.prompt_tokens or 0 for p in parts)
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                     "completion_tokens_details": {"reasoning_tokens": new_reasoning},
+                     "prompt_tokens_details": {"cached_tokens": sum(p.cached_tokens for p in parts)}}
+        served = [phase for phase, p in (("thought", thought), ("answer", answer))
+                  if p is not None and (p.first_token_s is not None or p.usage is not None)]
+        firsts = [self.offsets[phase] + p.first_token_s for phase, p in (("thought", thought), ("answer", answer))
+                  if p is not None and p.first_token_s is not None]
+        ended = (self.kept["closed"] or bool(answer is not None and answer.content)
+                 or (thought is not None and thought.finish_reason in ("stop", "length")))
+        return StreamResult(
+            content=answer.content if answer is not None else "",
+            reasoning=self.kept["reasoning"] + (thought.reasoning if thought is not None else ""),
+            finish_reason=answer.finish_reason if answer is not None else None,
+            usage=usage, first_token_s=firsts[0] if firsts else None,
+            duration_s=time.monotonic() - self.t0, thinking_forced=self.forced,
+            reasoning_deltas=thought.reasoning_deltas if thought is not None else 0,
+            content_deltas=answer.content_deltas if answer is not None else 0,
+            response_id=parts[-1].response_id if parts else None,
+            streamed_tokens=completion, streamed_reasoning=new_reasoning, kept_tokens=self.kept["tokens"],
+            sent_prompt_tokens=sum(self.prompts[phase] for phase in served) if served else None,
+            rendered_prompt_tokens=self.rendered, thought_ended=ended,
+        )

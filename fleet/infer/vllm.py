@@ -111,8 +111,13 @@ class StreamResult:
     streamed_tokens: int | None = None
     streamed_reasoning: int = 0
     # a continued reasoning (fleet/infer/resume.py): tokens of ``reasoning`` an earlier attempt
-    # generated (not this one's, not in its usage)
+    # generated (not this one's, not in its usage); the prompt tokens its requests sent (the
+    # prompt's figure while the usage is missing: a cut continuation); the chat prompt's tokens as
+    # the server rendered it (what the prefix-cache record holds); whether the reasoning ended
     kept_tokens: int = 0
+    sent_prompt_tokens: int | None = None
+    rendered_prompt_tokens: int | None = None
+    thought_ended: bool = False
 
     @property
     def reasoning_tokens(self) -> int:
@@ -138,7 +143,7 @@ class StreamResult:
     @property
     def prompt_tokens(self) -> int | None:
         value = (self.usage or {}).get("prompt_tokens")
-        return int(value) if value is not None else None
+        return int(value) if value is not None else self.sent_prompt_tokens
 
     @property
     def cached_tokens(self) -> int:
@@ -339,6 +344,14 @@ def http_error(response: httpx.Response) -> FleetError:
     if 400 <= status < 500:
         return UpstreamRejected(text)
     return UpstreamError(text)
+
+
+def _ids(response: httpx.Response) -> list[int]:
+    """The token ids of a ``/tokenize`` reply; UpstreamError for anything else."""
+    try:
+        return [int(t) for t in response.json()["tokens"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UpstreamError(f"unexpected /tokenize reply: {response.text[:200]!r}") from exc
 
 
 def translate(exc: httpx.HTTPError, streaming: bool) -> FleetError:
@@ -604,16 +617,19 @@ class VllmClient:
                                 "add_generation_prompt": True}
         if tools:
             body["tools"] = tools
-        data = self._call("POST", "/tokenize", json=body).json()
-        return [int(t) for t in data["tokens"]]
+        return _ids(self._call("POST", "/tokenize", json=body))
 
     def encode(self, text: str) -> list[int]:
         """The token ids of plain ``text`` (no special tokens added)."""
         body = {"model": self.model, "prompt": text, "add_special_tokens": False}
-        return [int(t) for t in self._call("POST", "/tokenize", json=body).json()["tokens"]]
+        return _ids(self._call("POST", "/tokenize", json=body))
 
     def decode(self, tokens: list[int]) -> str:
-        return str(self._call("POST", "/detokenize", json={"model": self.model, "tokens": tokens}).json()["prompt"])
+        response = self._call("POST", "/detokenize", json={"model": self.model, "tokens": tokens})
+        try:
+            return str(response.json()["prompt"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UpstreamError(f"unexpected /detokenize reply: {response.text[:200]!r}") from exc
 
     def metrics_text(self) -> str:
         return self._call("GET", "/metrics").text
