@@ -54,7 +54,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypedDict
 
-from fleet.core.errors import FleetError, PromptTooLong, UpstreamError, UpstreamRejected
+from fleet.core.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FleetError,
+    PromptTooLong,
+    UpstreamError,
+    UpstreamRejected,
+)
 from fleet.core.request import neutralise
 from fleet.infer.budget import Plan
 from fleet.infer.vllm import Delta, StreamResult, VllmClient
@@ -194,11 +201,20 @@ class _Continuation:
             refused.partial = getattr(exc, "partial", None)  # type: ignore[attr-defined]
             raise refused from exc
 
+    def _encode(self, text: str) -> list[int]:
+        """``/tokenize`` of ``text``, after a check of the cancel and the deadline (the plain calls
+        have only their read timeout)."""
+        if self.cancel.is_set():
+            raise Cancelled("cancelled during the continuation")
+        if self.deadline is not None and time.time() >= self.deadline:
+            raise DeadlineExceeded("the job's deadline passed during the continuation")
+        return self.client.encode(text)
+
     def go(self, on_delta: Callable[[Delta], None]) -> StreamResult:
         limit = self.plan.max_model_len
         prompt = self.client.render(self.body["messages"], self.body.get("tools"))
         self.rendered = len(prompt)
-        so_far = prompt + self.client.encode(neutralise(self.kept["reasoning"]))
+        so_far = prompt + self._encode(neutralise(self.kept["reasoning"]))
         if not self.kept["closed"]:
             plan = self.plan
             budget = plan.thinking_budget if plan.thinking_budget >= 0 else plan.max_tokens - plan.content_reserve
@@ -208,11 +224,11 @@ class _Continuation:
                 ask = {**self.common, "prompt": so_far, "max_tokens": left, "stop": [THINK_END],
                        "request_id": f"{self.rid}-think"}
                 self.thought = self._stream("thought", ask, on_delta, "reasoning")
-                so_far = so_far + self.client.encode(neutralise(self.thought.reasoning))
+                so_far = so_far + self._encode(neutralise(self.thought.reasoning))
             self.forced = self.forced or self.thought is None or self.thought.finish_reason == "length"
         self.phase = "render"
         done = self.thought.completion_tokens if self.thought is not None else 0
-        answer_prompt = so_far + self.client.encode(f"\n{THINK_END}\n\n")
+        answer_prompt = so_far + self._encode(f"\n{THINK_END}\n\n")
         room = min(self.plan.max_tokens - self.kept["tokens"] - done, limit - len(answer_prompt))
         if room < 1:
             raise ContinuationRefused(f"no room left for the answer ({len(answer_prompt)} prompt tokens)")

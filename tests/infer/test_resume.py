@@ -120,3 +120,16 @@ def test_the_watcher_reads_the_kept_reasoning_without_starting_its_stall_clock()
     looping = LoopWatcher(WatcherSettings())
     verdict = looping.read_before("Let me check the sum again: 3 + 4 = 7, so 7. " * 400)
     assert verdict is not None and verdict.kind in ("repeat", "paragraph", "cycle", "share")
+
+
+def test_a_cancel_stops_the_continuation_before_its_next_request(client: VllmClient) -> None:
+    from fleet.core.codes import Code
+
+    text = "[sim:think=900] cancelled"
+    kept = kept_of(text, client)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(FleetError) as caught:
+        resume.resume_turn(client, body_of(text), kept, plan(), "a", lambda d: None, cancel, None)
+    assert caught.value.code == Code.E_CANCELLED
+    assert caught.value.partial.reasoning == KEPT_TEXT  # type: ignore[attr-defined]
