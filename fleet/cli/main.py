@@ -96,6 +96,29 @@ def workers_key_or_exit(settings: Settings) -> None:
         raise typer.Exit(2)
 
 
+def backend_order_or_exit(role: str, settings: Settings) -> None:
+    """A worker or gateway whose [[backends]] are in another order than the dispatchers' store
+    would read and write positions naming other backends: it does not start (docs/backends.md).
+    A broker it cannot read now is left to the role's own handling of an unreachable Redis."""
+    import redis
+
+    from fleet.core.keys import Keys
+    from fleet.core.redisconn import redis_client
+    from schedulers.store.redis_store import order_conflict, stored_backends
+
+    try:
+        client = redis_client(settings, socket_timeout=5, socket_connect_timeout=5)
+        try:
+            stored = stored_backends(client, Keys(settings.key_prefix))
+        finally:
+            client.close()
+    except redis.RedisError:
+        return
+    why = order_conflict([b.name for b in settings.backends], stored)
+    if why is not None:
+        fail(ConfigError(f"{role}: {why}"), 2)
+
+
 def fail(exc: FleetError, exit_code: int = 1) -> NoReturn:
     """The one line a command prints for an error: its code and message (no rich wrapping)."""
     typer.echo(f"{exc.code.value} {exc.message}", err=True)
@@ -193,6 +216,7 @@ def worker(
     broker_or_exit("worker", settings)  # a refusal first: then it is the only line printed
     secrets_or_exit("worker", settings)
     workers_key_or_exit(settings)
+    backend_order_or_exit("worker", settings)
     worker_app(settings, tools="tools" in roles).worker_main([
         "worker", "-Q", ",".join(queues), "-P", pool, "-c", str(concurrency), "-E",
         "-n", hostname, "--loglevel", log_level, "--without-mingle", "--without-gossip",
@@ -238,6 +262,7 @@ def gateway(
     setup_logging(log_level)
     secrets_or_exit("gateway", settings)
     workers_key_or_exit(settings)
+    backend_order_or_exit("gateway", settings)
     serve_gateway(settings, host, port)
 
 

@@ -99,6 +99,25 @@ class BackendOrderChanged(ConfigError):
     """The settings' backends are not the stored order with entries appended (``register_backends``)."""
 
 
+def order_conflict(names: list[str], stored: list[str] | None) -> str | None:
+    """Why a process with the backends ``names`` must not work beside a dispatcher store written
+    with ``stored`` (``D backends``), or None. A job's eligibility bits and a grant's backend are
+    positions in the store's order: a prep worker or a gateway with another order would compute
+    masks naming other backends. Entries either side appended at the end are fine."""
+    if stored is None or all(a == b for a, b in zip(names, stored, strict=False)):
+        return None
+    return (f"the dispatcher store's backends are {', '.join(stored)} in this order, these settings "
+            f"have {', '.join(names)}: a job's backends are positions in that order, so every "
+            "dispatcher, worker and gateway needs [[backends]] in the same order (entries may only "
+            "be added at the end)")
+
+
+def stored_backends(client: redis.Redis, keys: Keys) -> list[str] | None:
+    """The backends' order the dispatchers recorded (``register_backends``), None before any."""
+    raw = client.get(keys.dispatch + "backends")
+    return json.loads(_text(raw)) if raw is not None else None
+
+
 class RedisStore:
     def __init__(
         self,
