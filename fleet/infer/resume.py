@@ -9,11 +9,14 @@ turn, wherever admission grants it, goes on from there (``resume_turn``):
 1. the prompt the cut attempt sent, rendered by the backend's own template up to and with its
    generation prompt (``POST /tokenize`` with the same messages and tools), which for the
    deployment's thinking model ends in the open ``<think>``;
-2. ``POST /v1/completions`` with that prompt plus the kept reasoning (as token ids), ``stop:
-   ["</think>"]`` and at most what the thinking budget has left: the model thinks only the rest.
-   The loop watcher reads the kept reasoning first, so a loop that spans the cut is caught;
-3. ``POST /v1/completions`` with the prompt, the whole reasoning and ``</think>``: the answer,
-   under the job's ``response_format`` when it has one (the grammar starts where the answer does).
+2. ``POST /v1/completions`` with that prompt plus the kept reasoning (as token ids, its control
+   tags broken by ``neutralise`` as carry-over quotes model text), ``stop: ["</think>"]`` and at
+   most what the thinking budget has left, keeping the answer's reserve inside ``max_model_len``:
+   the model thinks only the rest. The loop watcher reads the kept reasoning first
+   (``LoopWatcher.read_before``), so a loop that spans the cut is caught;
+3. ``POST /v1/completions`` with the same ids, the rest of the thought and ``</think>``: the answer,
+   under the job's ``response_format`` when it has one (the grammar starts where the answer does),
+   at most what is left of the turn's output allowance and of ``max_model_len``.
 
 A turn cut after its reasoning ended (its answer had begun) keeps the reasoning and runs step 3
 only: the answer is short, and continuing a half-written answer would restart a schema's grammar
@@ -37,11 +40,17 @@ envelope's warnings say it too):
   finishing the big one's thought);
 - the prompt the next turn would send is not the one the reasoning was written for (a digest of
   messages and tools);
-- the turn sends tools.
+- the turn sends tools;
+- the server refuses the continuation (a 400 on the completions route, no room left for the
+  answer): ``ContinuationRefused``, an upstream error, so the turn is retried as a restart.
+
+Cancel and the job's deadline are checked before each tokenizer call and bound each stream.
 
 Token counts: ``Kept.tokens`` are the reasoning tokens kept (the server's running count when it
 sent one): what the continuation did not generate again, the attempt's ``continued_tokens``. The
-continued attempt's usage is what its two requests cost (both prompts, the second one cached).
+continued attempt's usage is what its two requests cost (both prompts, the second one cached);
+cut again, it counts what its requests generated, never the kept part again (``joined``), and
+keeps the kept reasoning, its end and its forced end for the next continuation.
 """
 
 from __future__ import annotations
