@@ -23,7 +23,11 @@ across projects (each has its own ``cache_salt``).
 Figures, per run (the simulators' own counters and the envelopes):
 
 * prefix hit rate: ``prefix_cache_hits`` / ``prefix_cache_queries`` summed over the simulators;
-* time to first token, p50 and p90: from submission (queue wait included) to the first token;
+* time to first token, p50 and p90: from submission (queue wait included) to the first token
+  (real seconds at the simulators' speed);
+* the servers' own time to first token, p50 and p90: from a request's arrival at its simulator to
+  its first token, in simulated seconds (the deployment's seconds: a cached prefix saves its
+  prefill here at full size), over every backend's requests (``GET /sim/ttft``);
 * output tokens/s over the run;
 * Jain's index over each project's served tokens (prompt + output) relative to what least-loaded
   served it in the same size and load (closed-loop demand differs by project, so shares per
@@ -84,6 +88,10 @@ class RoutingRun:
     hit_rate: float = 0.0
     ttft_p50: float = 0.0
     ttft_p90: float = 0.0
+    # the servers' own time to first token (arrival at the simulator to its first token, in
+    # simulated seconds: the deployment's seconds), p50 and p90 over every backend's requests
+    server_ttft_p50: float = 0.0
+    server_ttft_p90: float = 0.0
     tokens_per_s: float = 0.0
     jain: float = 0.0
     per_backend: dict[str, int] = field(default_factory=dict)  # jobs each backend served
@@ -200,6 +208,7 @@ def _measure(run: RoutingRun, settings: Any, urls: dict[str, str], seats_in_all:
     clients = [(project, i) for project, count in client_counts(weights, round(run.load * seats_in_all)).items()
                for i in range(count)]
     before = {name: _stats(url) for name, url in urls.items()}
+    ttft_before = {name: _ttfts(url)[0] for name, url in urls.items()}
     ended: list[tuple[str, Envelope | None]] = []
     stays: list[bool] = []
     lock = threading.Lock()
@@ -227,6 +236,12 @@ def _measure(run: RoutingRun, settings: Any, urls: dict[str, str], seats_in_all:
         thread.join()
     elapsed = time.time() - started
     after = {name: _stats(url) for name, url in urls.items()}
+    server_ttfts: list[float] = []
+    for name, url in urls.items():
+        total, seconds = _ttfts(url)
+        server_ttfts += seconds[len(seconds) - min(len(seconds), total - ttft_before[name]):]
+    run.server_ttft_p50 = percentile(server_ttfts, 50, default=0.0)
+    run.server_ttft_p90 = percentile(server_ttfts, 90, default=0.0)
     queries = sum(after[n]["prefix_cache_queries"] - before[n]["prefix_cache_queries"] for n in urls)
     hits = sum(after[n]["prefix_cache_hits"] - before[n]["prefix_cache_hits"] for n in urls)
     envelopes = [e for _, e in ended if e is not None]
@@ -257,6 +272,12 @@ def client_counts(weights: dict[str, float], total: int) -> dict[str, int]:
     for p in by_remainder[: max(0, total - sum(counts.values()))]:
         counts[p] += 1
     return counts
+
+
+def _ttfts(url: str) -> tuple[int, list[float]]:
+    """A simulator's ended requests so far and its last time-to-first-token samples (``GET /sim/ttft``)."""
+    data = httpx.get(f"{url}/sim/ttft", timeout=10).json()
+    return int(data["total"]), [float(x) for x in data["seconds"]]
 
 
 def _stats(url: str) -> dict[str, Any]:
@@ -303,8 +324,9 @@ def relative_jain(run: RoutingRun, baseline: RoutingRun) -> float:
 
 def markdown(runs: list[RoutingRun]) -> str:
     lines = ["| backends | load | policy | hit rate | of oracle | TTFT p50 s | TTFT p90 s | p90 / least-loaded "
+             "| server TTFT p50 / p90 (sim s) | server p90 / least-loaded "
              "| out tok/s | / least-loaded | Jain | stayed | jobs | lost |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         group = [r for r in runs if r.backends == run.backends and r.load == run.load]
         oracle = next((r for r in group if r.policy.startswith("oracle")), None)
@@ -312,7 +334,10 @@ def markdown(runs: list[RoutingRun]) -> str:
         of_oracle = run.hit_rate / oracle.hit_rate if oracle and oracle.hit_rate else 0.0
         p90_ratio = run.ttft_p90 / least.ttft_p90 if least and least.ttft_p90 else 0.0
         tok_ratio = run.tokens_per_s / least.tokens_per_s if least and least.tokens_per_s else 0.0
+        server_ratio = run.server_ttft_p90 / least.server_ttft_p90 if least and least.server_ttft_p90 else 0.0
         lines.append(f"| {run.backends} | {run.load:.0%} | {run.policy} | {run.hit_rate:.3f} | {of_oracle:.2f} "
-                     f"| {run.ttft_p50:.2f} | {run.ttft_p90:.2f} | {p90_ratio:.2f} | {run.tokens_per_s:.0f} "
+                     f"| {run.ttft_p50:.2f} | {run.ttft_p90:.2f} | {p90_ratio:.2f} "
+                     f"| {run.server_ttft_p50:.2f} / {run.server_ttft_p90:.2f} | {server_ratio:.2f} "
+                     f"| {run.tokens_per_s:.0f} "
                      f"| {tok_ratio:.2f} | {run.jain:.3f} | {run.stayed:.2f} | {run.jobs} | {run.lost} |")
     return "\n".join(lines)

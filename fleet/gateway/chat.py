@@ -276,8 +276,7 @@ class _Session:
                 return entry
             lock = cache.lock(self.cache_digest)
             if await self.gw.run(lock.acquire):
-                self.cache_lock = lock
-                return None
+                return await self._computing(cache, lock)
             await self.gw.run(cache.count, "waits")
             until, pause = time.monotonic() + cache.settings.wait_s, FIRST_POLL_S
             while time.monotonic() < until and not self.disconnected.is_set():
@@ -287,12 +286,22 @@ class _Session:
                 if entry is not None:
                     await self.gw.run(cache.count, "hits")
                     return entry
-                if await self.gw.run(lock.acquire):  # the first one ended without an answer
-                    self.cache_lock = lock
-                    return None
+                if await self.gw.run(lock.acquire):  # the first one ended (maybe without an answer)
+                    return await self._computing(cache, lock)
         except redis.RedisError as exc:
             log.warning("chat job=%s: repeat cache skipped (%r)", self.job_id, exc)
         return None
+
+    async def _computing(self, cache: RepeatCache, lock: Lock) -> Entry | None:
+        """The lock is this request's: it computes, unless the answer was kept between its last
+        look and the lock (the request that held it kept its answer, then let the lock go)."""
+        entry = await self.gw.run(cache.get, self.cache_digest, count=False)
+        if entry is None:
+            self.cache_lock = lock
+            return None
+        await self._release_cache_lock(lock)
+        await self.gw.run(cache.count, "hits")
+        return entry
 
     async def _renew_cache_lock(self, lock: Lock) -> None:
         with contextlib.suppress(redis.RedisError, LockError):

@@ -16,6 +16,10 @@ Simulator-only routes (for the fleet's tests and benchmarks; a real vLLM has non
   ``/health`` answers 503, new requests get 500) until ``POST /sim/revive`` (or reset), which
   brings it back and keeps every count (so ``/K`` markers stay spent: jobs that come back after an
   outage are not hit by them again).
+- ``GET /sim/ttft``: ``{"total", "seconds"}``: how many requests that produced a token have ended,
+  and the simulated seconds from arrival to first token of the last 20,000 of them (the server's
+  own time to first token, as vLLM's histogram counts it, unrounded; cleared by a reset, the total
+  not).
 - ``GET /sim/requests?limit=N``: the last N chat and completion request bodies received (oldest
   first), each ``{"id", "received_at" (unix s), "sim_time", "body", "path"}``; the log keeps 2,000.
 
@@ -56,6 +60,7 @@ from fleet.sim.tokenizer import Tokenizer
 from fleet.sim.validate import APIError, ChatRequest, error_body, parse_chat
 
 log = logging.getLogger(__name__)
+TTFT_SAMPLES = 20_000
 
 
 @dataclass
@@ -84,9 +89,15 @@ class SimState:
         self.scenarios = ScenarioBook(config.seed, config.fault_rate)
         self.requests: deque[dict[str, Any]] = deque(maxlen=config.request_log_size)
         self.started = int(time.time())
+        # simulated seconds from arrival to first token of the requests that ended (GET /sim/ttft)
+        self.ttfts: deque[float] = deque(maxlen=TTFT_SAMPLES)
+        self.ttft_total = 0
 
     def _on_finish(self, seq: Sequence) -> None:
         self.metrics.observe_finished(seq)
+        if seq.first_token_t is not None:
+            self.ttfts.append(seq.first_token_t - seq.arrival_t)
+            self.ttft_total += 1
 
     def reset(self) -> None:
         self.engine.reset_stats()
@@ -94,6 +105,7 @@ class SimState:
         self.metrics = SimMetrics(self.engine, self.profile.served_model_names[0])
         self.scenarios.reset()
         self.requests.clear()
+        self.ttfts.clear()
 
 
 def _json_error(exc: APIError) -> JSONResponse:
@@ -277,6 +289,9 @@ def _sim_routes(s: SimState) -> list[Route]:
         s.engine.revive()
         return JSONResponse({"ok": True})
 
+    async def ttft(request: Request) -> Response:
+        return JSONResponse({"total": s.ttft_total, "seconds": list(s.ttfts)})
+
     async def requests_log(request: Request) -> Response:
         limit = int(request.query_params.get("limit", "100"))
         items = list(s.requests)[-limit:] if limit > 0 else []
@@ -288,6 +303,7 @@ def _sim_routes(s: SimState) -> list[Route]:
         Route("/sim/kill", kill, methods=["POST"]),
         Route("/sim/revive", revive, methods=["POST"]),
         Route("/sim/requests", requests_log),
+        Route("/sim/ttft", ttft),
     ]
 
 

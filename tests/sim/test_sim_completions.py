@@ -105,3 +105,12 @@ def test_the_plain_template_leaves_think_to_the_model() -> None:
         ids = rendered(qwen3, "hello")
         text = httpx.post(qwen3.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"]
         assert text.endswith("<|im_start|>assistant\n<think>\n")
+
+
+def test_the_servers_own_time_to_first_token_is_kept_per_request(sim: SimProcess,
+                                                                  client: openai.OpenAI) -> None:
+    before = httpx.get(sim.base_url + "/sim/ttft").json()
+    streamed(client, rendered(sim, "[sim:think=50] [sim:slow_first_token=3] timed"), max_tokens=200)
+    after = httpx.get(sim.base_url + "/sim/ttft").json()
+    assert after["total"] == before["total"] + 1
+    assert after["seconds"][-1] >= 3.0  # simulated seconds: the held first token counts
