@@ -27,7 +27,8 @@ Figures, per run (the simulators' own counters and the envelopes):
   (real seconds at the simulators' speed);
 * the servers' own time to first token, p50 and p90: from a request's arrival at its simulator to
   its first token, in simulated seconds (the deployment's seconds: a cached prefix saves its
-  prefill here at full size), over every backend's requests (``GET /sim/ttft``);
+  prefill here at full size), over every backend's requests (``GET /sim/ttft``), and the p90 of
+  the requests other than the reports' (whose never-cached prefill sets the whole p90);
 * output tokens/s over the run;
 * Jain's index over each project's served tokens (prompt + output) relative to what least-loaded
   served it in the same size and load (closed-loop demand differs by project, so shares per
@@ -92,6 +93,7 @@ class RoutingRun:
     # simulated seconds: the deployment's seconds), p50 and p90 over every backend's requests
     server_ttft_p50: float = 0.0
     server_ttft_p90: float = 0.0
+    server_ttft_p90_others: float = 0.0  # the same p90 without the reports' requests
     tokens_per_s: float = 0.0
     jain: float = 0.0
     per_backend: dict[str, int] = field(default_factory=dict)  # jobs each backend served
@@ -209,6 +211,7 @@ def _measure(run: RoutingRun, settings: Any, urls: dict[str, str], seats_in_all:
                for i in range(count)]
     before = {name: _stats(url) for name, url in urls.items()}
     ttft_before = {name: _ttfts(url)[0] for name, url in urls.items()}
+    reports: set[str] = set()  # the reports' job ids
     ended: list[tuple[str, Envelope | None]] = []
     stays: list[bool] = []
     lock = threading.Lock()
@@ -222,6 +225,9 @@ def _measure(run: RoutingRun, settings: Any, urls: dict[str, str], seats_in_all:
             while time.time() < stop_at:
                 job, in_conversation = conversation.next_job()
                 job_id = client.submit(job)
+                if not in_conversation:
+                    with lock:
+                        reports.add(job_id)
                 envelope = client.result(job_id, timeout=240)
                 stayed = conversation.answered(envelope, in_conversation)
                 with lock:
@@ -236,12 +242,15 @@ def _measure(run: RoutingRun, settings: Any, urls: dict[str, str], seats_in_all:
         thread.join()
     elapsed = time.time() - started
     after = {name: _stats(url) for name, url in urls.items()}
-    server_ttfts: list[float] = []
+    server_ttfts: list[tuple[str, float]] = []
     for name, url in urls.items():
-        total, seconds = _ttfts(url)
-        server_ttfts += seconds[len(seconds) - min(len(seconds), total - ttft_before[name]):]
-    run.server_ttft_p50 = percentile(server_ttfts, 50, default=0.0)
-    run.server_ttft_p90 = percentile(server_ttfts, 90, default=0.0)
+        total, samples = _ttfts(url)
+        server_ttfts += samples[len(samples) - min(len(samples), total - ttft_before[name]):]
+    seconds = [t for _, t in server_ttfts]
+    others = [t for rid, t in server_ttfts if rid.rsplit("-", 1)[0] not in reports]
+    run.server_ttft_p50 = percentile(seconds, 50, default=0.0)
+    run.server_ttft_p90 = percentile(seconds, 90, default=0.0)
+    run.server_ttft_p90_others = percentile(others, 90, default=0.0)
     queries = sum(after[n]["prefix_cache_queries"] - before[n]["prefix_cache_queries"] for n in urls)
     hits = sum(after[n]["prefix_cache_hits"] - before[n]["prefix_cache_hits"] for n in urls)
     envelopes = [e for _, e in ended if e is not None]
@@ -274,10 +283,11 @@ def client_counts(weights: dict[str, float], total: int) -> dict[str, int]:
     return counts
 
 
-def _ttfts(url: str) -> tuple[int, list[float]]:
-    """A simulator's ended requests so far and its last time-to-first-token samples (``GET /sim/ttft``)."""
+def _ttfts(url: str) -> tuple[int, list[tuple[str, float]]]:
+    """A simulator's ended requests so far and its last (request id, time to first token) samples
+    (``GET /sim/ttft``)."""
     data = httpx.get(f"{url}/sim/ttft", timeout=10).json()
-    return int(data["total"]), [float(x) for x in data["seconds"]]
+    return int(data["total"]), [(str(r), float(x)) for r, x in zip(data["requests"], data["seconds"], strict=True)]
 
 
 def _stats(url: str) -> dict[str, Any]:
@@ -325,8 +335,9 @@ def relative_jain(run: RoutingRun, baseline: RoutingRun) -> float:
 def markdown(runs: list[RoutingRun]) -> str:
     lines = ["| backends | load | policy | hit rate | of oracle | TTFT p50 s | TTFT p90 s | p90 / least-loaded "
              "| server TTFT p50 / p90 (sim s) | server p90 / least-loaded "
+             "| server p90 without reports (sim s) | / least-loaded "
              "| out tok/s | / least-loaded | Jain | stayed | jobs | lost |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         group = [r for r in runs if r.backends == run.backends and r.load == run.load]
         oracle = next((r for r in group if r.policy.startswith("oracle")), None)
@@ -335,9 +346,12 @@ def markdown(runs: list[RoutingRun]) -> str:
         p90_ratio = run.ttft_p90 / least.ttft_p90 if least and least.ttft_p90 else 0.0
         tok_ratio = run.tokens_per_s / least.tokens_per_s if least and least.tokens_per_s else 0.0
         server_ratio = run.server_ttft_p90 / least.server_ttft_p90 if least and least.server_ttft_p90 else 0.0
+        others_ratio = (run.server_ttft_p90_others / least.server_ttft_p90_others
+                        if least and least.server_ttft_p90_others else 0.0)
         lines.append(f"| {run.backends} | {run.load:.0%} | {run.policy} | {run.hit_rate:.3f} | {of_oracle:.2f} "
                      f"| {run.ttft_p50:.2f} | {run.ttft_p90:.2f} | {p90_ratio:.2f} "
                      f"| {run.server_ttft_p50:.2f} / {run.server_ttft_p90:.2f} | {server_ratio:.2f} "
+                     f"| {run.server_ttft_p90_others:.2f} | {others_ratio:.2f} "
                      f"| {run.tokens_per_s:.0f} "
                      f"| {tok_ratio:.2f} | {run.jain:.3f} | {run.stayed:.2f} | {run.jobs} | {run.lost} |")
     return "\n".join(lines)

@@ -16,8 +16,9 @@ Simulator-only routes (for the fleet's tests and benchmarks; a real vLLM has non
   ``/health`` answers 503, new requests get 500) until ``POST /sim/revive`` (or reset), which
   brings it back and keeps every count (so ``/K`` markers stay spent: jobs that come back after an
   outage are not hit by them again).
-- ``GET /sim/ttft``: ``{"total", "seconds"}``: how many requests that produced a token have ended,
-  and the simulated seconds from arrival to first token of the last 20,000 of them (the server's
+- ``GET /sim/ttft``: ``{"total", "seconds", "requests"}``: how many requests that produced a token
+  have ended, and the simulated seconds from arrival to first token of the last 20,000 of them
+  with their request ids (the server's
   own time to first token, as vLLM's histogram counts it, unrounded; cleared by a reset, the total
   not).
 - ``GET /sim/requests?limit=N``: the last N chat and completion request bodies received (oldest
@@ -90,13 +91,13 @@ class SimState:
         self.requests: deque[dict[str, Any]] = deque(maxlen=config.request_log_size)
         self.started = int(time.time())
         # simulated seconds from arrival to first token of the requests that ended (GET /sim/ttft)
-        self.ttfts: deque[float] = deque(maxlen=TTFT_SAMPLES)
+        self.ttfts: deque[tuple[str, float]] = deque(maxlen=TTFT_SAMPLES)
         self.ttft_total = 0
 
     def _on_finish(self, seq: Sequence) -> None:
         self.metrics.observe_finished(seq)
         if seq.first_token_t is not None:
-            self.ttfts.append(seq.first_token_t - seq.arrival_t)
+            self.ttfts.append((seq.request_id, seq.first_token_t - seq.arrival_t))
             self.ttft_total += 1
 
     def reset(self) -> None:
@@ -290,7 +291,8 @@ def _sim_routes(s: SimState) -> list[Route]:
         return JSONResponse({"ok": True})
 
     async def ttft(request: Request) -> Response:
-        return JSONResponse({"total": s.ttft_total, "seconds": list(s.ttfts)})
+        return JSONResponse({"total": s.ttft_total, "seconds": [t for _, t in s.ttfts],
+                             "requests": [rid for rid, _ in s.ttfts]})
 
     async def requests_log(request: Request) -> Response:
         limit = int(request.query_params.get("limit", "100"))

@@ -34,6 +34,8 @@ def test_the_routing_comparison_runs_real_fleets_and_accounts_for_every_job(redi
         assert run.jobs > 0 and run.lost == 0, run
         assert 0.0 < run.hit_rate < 1.0 and run.ttft_p90 >= run.ttft_p50 > 0 and run.tokens_per_s > 0, run
         assert 0.0 < run.jain <= 1.0, run
+        assert run.server_ttft_p90 >= run.server_ttft_p50 > 0, run  # the servers' own, simulated s
+        assert run.server_ttft_p90_others > 0, run
     assert runs[1].jain == 1.0  # least-loaded against itself
     for run in runs[1:]:
         assert sorted(run.per_backend) == ["gpu-a", "gpu-b"] and sum(run.per_backend.values()) == run.jobs
