@@ -23,7 +23,13 @@ from admission to its end; at admission its prompt is looked up (the hit counter
 enter the cache; its uncached tokens prefill one prompt at a time at ``prefill_tokens_per_s``,
 then it decodes ``output`` tokens at ``decode_tokens_per_s``.
 
-Policies (who goes when a seat is free; a pick that does not fit the KV pool waits for room, no
+The fleet's own order, ``fleet`` (``replay_fleet``: the dispatcher store itself), also with
+locality in each project's line (``fleet_look8``, ``fleet_look32``: ``admission.locality_lookahead``
+8 and 32, schedulers/policy/locality.py: each queue offers the most cached of its first 8 or 32,
+as the store's own estimate sees it: prep's estimate when queued, stale once the server took in a
+pool's worth of uncached tokens since).
+
+The replay's own policies (who goes when a seat is free; a pick that does not fit the KV pool waits for room, no
 job passing it, as the fleet's head-of-line hold does):
 
 * ``fair``: the fleet's order: token-weighted start-time fair queuing across projects
@@ -58,10 +64,13 @@ from fleet.bench.measure import jain, percentile
 from fleet.core.config import EXAMPLE_CONFIG, load_settings
 from fleet.sim.kvcache import PrefixCache
 from schedulers.policy.fairshare import charge, start_tag
+from schedulers.policy.locality import Locality
 from schedulers.store.base import PendingItem, StoreConfig
 from schedulers.store.memory_store import MemoryStore
 
-POLICIES = ("fleet", "fair", "oracle", "dlpm", "dlpm_8", "dlpm_1", "dlpm_wait120")
+POLICIES = ("fleet", "fleet_look8", "fleet_look32", "fair", "oracle", "dlpm", "dlpm_8", "dlpm_1", "dlpm_wait120")
+# the fleet's own store with ``admission.locality_lookahead`` (schedulers/policy/locality.py)
+FLEET_LOCALITY = {"fleet": Locality(), "fleet_look8": Locality(8), "fleet_look32": Locality(32)}
 # per policy: how far into each project's line it looks (None: every waiting job), and how long a
 # job may wait before it goes first, cached or not (None: no bound)
 LOOKAHEAD: dict[str, int | None] = {"oracle": None, "dlpm": None, "dlpm_8": 8, "dlpm_1": 1, "dlpm_wait120": None}
@@ -304,14 +313,15 @@ def replay(policy: str, *, clients_per_seat: float = 1.5, admissions: int = 4_00
 
 
 def replay_fleet(*, clients_per_seat: float = 1.5, admissions: int = 4_000, turns: int = 8, seed: int = 1,
-                 server: Server = Server()) -> Run:
+                 server: Server = Server(), locality: Locality = Locality(), policy: str = "fleet") -> Run:
     """The workload in the order the fleet's own admission gives it: the dispatcher store (its
     in-memory twin, equal to the Redis store's scripts) with the example config's limits and
     weights decides every grant (bands, long prompts first in the batch band, ``max_long``, the
     prefill pacing, the KV budget); the server model is ``replay``'s. Each job's uncached tokens
     are prep's kind of estimate: the cache as it is when the job is submitted."""
-    model = Model(Run("fleet", clients_per_seat), admissions, turns, seed, server)
-    config = dataclasses.replace(StoreConfig.from_settings(load_settings(EXAMPLE_CONFIG, env={})), gate=False)
+    model = Model(Run(policy, clients_per_seat), admissions, turns, seed, server)
+    config = dataclasses.replace(StoreConfig.from_settings(load_settings(EXAMPLE_CONFIG, env={})), gate=False,
+                                 locality=locality)
     store = MemoryStore(config, clock=lambda: model.now)  # no scrape here: the server is always up
     jobs: dict[str, Job] = {}
 
@@ -352,8 +362,9 @@ def locality_bench(loads: tuple[float, ...] = (1.5, 3.0), admissions: int = 4_00
         for seed in seeds:
             fair = replay("fair", clients_per_seat=load, admissions=admissions, seed=seed)
             for policy in POLICIES:
-                if policy == "fleet":
-                    run = replay_fleet(clients_per_seat=load, admissions=admissions, seed=seed)
+                if policy in FLEET_LOCALITY:
+                    run = replay_fleet(clients_per_seat=load, admissions=admissions, seed=seed,
+                                       locality=FLEET_LOCALITY[policy], policy=policy)
                 else:
                     run = fair if policy == "fair" else replay(policy, clients_per_seat=load, admissions=admissions,
                                                                deficit=deficit, seed=seed)
@@ -375,7 +386,7 @@ def markdown(runs: list[Run]) -> str:
              "| Jain vs fair | largest lead (tokens/weight) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        lead = "" if r.policy == "fleet" else f"{r.spread:,.0f}"
+        lead = "" if r.policy in FLEET_LOCALITY else f"{r.spread:,.0f}"
         lines.append(f"| {r.clients:g} | {r.policy} | {r.hit_rate:.3f} | {r.hit_rate / oracle[r.clients]:.2f} "
                      f"| {r.tokens_per_s:,.0f} | {r.ttft_p50:.1f} / {r.ttft_p90:.1f} / {r.ttft_p99:.1f} "
                      f"| {r.jain:.3f} | {lead} |")

@@ -192,6 +192,15 @@ class AdmissionSettings(_Section):
     hol_bypass_s: float = Field(10.0, ge=0)
     """How long smaller jobs may pass the first job in fair order while it does not fit the KV
     budget or the prefill bucket; after that everyone waits for it."""
+    locality_lookahead: int = Field(1, ge=1, le=32)
+    """How many of each queue's first jobs admission looks at: above 1, a queue offers the one of
+    them whose cached prompt tokens are the most still expected in the server's prefix cache
+    (ties: the first in line), not its first. Which project goes next and what each is charged do
+    not change; a job can be passed only by later jobs of its own queue (docs/backends.md,
+    section 6). 1: the first in line (off)."""
+    locality_max_wait_s: float = Field(0.0, ge=0)
+    """With locality_lookahead above 1: a queue whose first job has waited this long offers it,
+    cached or not (a bound on the wait locality adds). 0: no bound."""
     max_wait_s: float = Field(1.0, gt=0, le=4)
     """Longest blocking wait of an idle dispatcher (wake-ups are events; this is a safety net).
     At most 4: the wait is a BLPOP, and redis-py 8's default 5 s socket timeout would cut a

@@ -67,6 +67,20 @@ class Head:
     # the backend expected to hold its longest cached prefix (its uncached tokens count there; on
     # any other the whole prompt does), or None: no backend holds any (placement.pick)
     hint: int | None = None
+    # the first job of its queue's score and enqueue time, when locality offered a later one in
+    # its place (schedulers/policy/locality.py): the queue keeps its place in every order (the
+    # line's score) and its age (``tier``), so which project goes next does not change
+    line_score: float | None = None
+    line_enqueued_at: float | None = None
+
+    @property
+    def place(self) -> float:
+        """The score its queue's place in line is ordered by."""
+        return self.score if self.line_score is None else self.line_score
+
+    @property
+    def waiting_since(self) -> float:
+        return self.enqueued_at if self.line_enqueued_at is None else min(self.enqueued_at, self.line_enqueued_at)
 
     @property
     def cost(self) -> int:
@@ -132,7 +146,7 @@ def band_candidates(heads: Iterable[Head], band: str) -> list[Head]:
 
 def _line_key(head: Head, band: str) -> tuple[bool, float, str]:
     """A band's line order: by score (then id); in the batch band long prompts first."""
-    return (band == "batch" and not head.long, head.score, head.job_id)
+    return (band == "batch" and not head.long, head.place, head.job_id)
 
 
 def project_candidates(view: ProjectView) -> list[Head]:
@@ -146,7 +160,7 @@ def tier(candidates: Sequence[Head], now: float, aging_s: float) -> int:
     project would sit in tier 1 for as long as fresh long prompts keep arriving)."""
     if candidates[0].band == "interactive":
         return 0
-    oldest = min(c.enqueued_at for c in candidates)
+    oldest = min(c.waiting_since for c in candidates)
     return 0 if now - oldest >= aging_s else 1
 
 
@@ -160,7 +174,7 @@ def order(snapshot: FairSnapshot, aging_s: float) -> list[Head]:
         key = (
             tier(candidates, snapshot.now, aging_s) if banded else 0,
             start_tag(snapshot.vtime, view.finish_tag),
-            candidates[0].score,
+            candidates[0].place,
             view.project,
         )
         ranked.append((key, candidates))

@@ -94,6 +94,9 @@ class Limits:
     short_beside_long: int = 2
     long_prefills: int = 1  # long prefills one quiet window may take
     short_job_s: float = 0.0  # a short job's time at the backend, what a drain waits for; 0: always drain
+    # the server's prefix cache room in tokens (its KV pool): how long a cached estimate holds
+    # (schedulers/policy/locality.py); 0: no horizon
+    cache_tokens: int = 0
 
     @classmethod
     def from_settings(cls, settings: Settings, backend: BackendSettings | None = None) -> Limits:
@@ -114,6 +117,7 @@ class Limits:
             short_beside_long=admission.short_beside_long_prefill,
             long_prefills=long_prefills_at_once(settings, backend),
             short_job_s=admission.short_job_s,
+            cache_tokens=backend.kv_pool_tokens,
         )
 
 
@@ -143,6 +147,7 @@ class LimitState:
     prefill_until: float = 0.0  # when the last admitted long prompt's prefill should be done
     prefill_longs: int = 0  # long prefills admitted into the window ending at prefill_until
     interactive_in_flight: int = 0  # live leases of interactive-band jobs
+    filled: int = 0  # uncached prompt tokens ever granted here (locality.py's cache horizon)
 
 
 @dataclass(frozen=True)
@@ -245,6 +250,7 @@ def admit(limits: Limits, state: LimitState, cost: Cost, now: float) -> None:
     state.reserved_kv_tokens += cost.kv_tokens
     state.long_in_flight += 1 if cost.long else 0
     state.interactive_in_flight += 1 if cost.interactive else 0
+    state.filled += cost.uncached_tokens
     if cost.long_prefill and limits.long_prefill_tokens_per_s > 0:
         if now >= state.prefill_until:
             state.prefill_longs = 0

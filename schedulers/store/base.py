@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from schedulers.policy.limits import Limits
+from schedulers.policy.locality import Locality
 from schedulers.policy.placement import Routing
 from schedulers.policy.quota import Quota, Remaining, Usage, Windows, refusal, remaining
 
@@ -202,6 +203,8 @@ class StoreConfig:
     routing: Routing = field(default_factory=Routing)
     # project -> its quota (schedulers/policy/quota.py); a project not named has none
     quotas: dict[str, Quota] = field(default_factory=dict)
+    # which of a queue's first jobs goes (schedulers/policy/locality.py); the default: its first
+    locality: Locality = field(default_factory=Locality)
 
     def __post_init__(self) -> None:
         names = [b.name for b in self.backends]
@@ -225,6 +228,7 @@ class StoreConfig:
             routing=Routing(settings.routing.policy, settings.routing.balance_abs_seqs,
                             settings.routing.balance_rel),
             quotas=quotas_from_settings(settings),
+            locality=Locality(settings.admission.locality_lookahead, settings.admission.locality_max_wait_s),
         )
 
     @classmethod

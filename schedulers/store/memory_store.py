@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from schedulers.policy import fairshare, limits, placement, quota
+from schedulers.policy import fairshare, limits, locality, placement, quota
 from schedulers.policy.backend_gate import gate_reason
 from schedulers.store.base import (
     AdmitResult,
@@ -44,6 +44,7 @@ class _Entry:
     score: float
     size: str
     turn: int = 0  # readmitted for another model turn: that turn's number
+    fill: int = 0  # its cache backend's ``filled`` when it was queued (locality.py)
 
 
 @dataclass(frozen=True)
@@ -102,11 +103,12 @@ class MemoryStore:
                 return  # pending, in flight or a waiting continuation: each comes back itself
             if not self._pending and not self._leases:
                 self._vtime = fairshare.forgive(self._vtime, self._finish.values())
+            entry = _Entry(item, score, size, fill=self._filled(item))
             if item.not_before is not None and item.not_before > item.enqueued_at:
-                self._deferred[item.job_id] = (item.not_before, _Entry(item, score, size))
+                self._deferred[item.job_id] = (item.not_before, entry)
                 heapq.heappush(self._not_before, (item.not_before, item.job_id))
             else:
-                self._push(_Entry(item, score, size))
+                self._push(entry)
             self._signal()
 
     def add_pending_many(self, items: Iterable[PendingItem]) -> None:
@@ -276,12 +278,35 @@ class MemoryStore:
         with self._lock:
             return self._usage(project, quota.Windows.at(now))
 
+    def _filled(self, item: PendingItem) -> int:
+        """The ``filled`` count of the item's cache backend now (locality.py)."""
+        b = locality.cache_backend(item.eligible, item.hint)
+        return self._states[b].filled if b < len(self._states) else 0
+
+    def _offered(self, heap: list[tuple[float, str]], band: str, now: float) -> fairshare.Head | None:
+        """The job a queue offers: its first, or with locality the most cached of its first
+        ``lookahead`` (locality.choose)."""
+        first = self._top(heap)
+        if first is None or not self.config.locality.on:
+            return None if first is None else _head(first, band)
+        valid = (pair for pair in heap if (e := self._pending.get(pair[1])) is not None and e.score == pair[0])
+        line = [self._pending[job_id] for _, job_id in heapq.nsmallest(self.config.locality.lookahead, valid)]
+        cached = []
+        for e in line:
+            item, b = e.item, locality.cache_backend(e.item.eligible, e.item.hint)
+            uncached = item.prompt_tokens if item.uncached_tokens is None else item.uncached_tokens
+            filled = self._states[b].filled if b < len(self._states) else 0
+            cache = self.config.backends[b].limits.cache_tokens if b < len(self._states) else 0
+            cached.append(locality.fresh_cached(item.prompt_tokens, uncached, e.fill, filled, cache))
+        chosen = line[locality.choose(cached, now - first.item.enqueued_at, self.config.locality)]
+        return replace(_head(chosen, band), line_score=first.score, line_enqueued_at=first.item.enqueued_at)
+
     def _heads(self, now: float) -> list[fairshare.Head]:
         views: dict[str, list[fairshare.Head]] = {}
         for (project, band, _size, _mask), heap in self._queues.items():
-            entry = self._top(heap)
-            if entry is not None:
-                views.setdefault(project, []).append(_head(entry, band))
+            head = self._offered(heap, band, now)
+            if head is not None:
+                views.setdefault(project, []).append(head)
         snapshot = fairshare.FairSnapshot(
             projects=tuple(
                 fairshare.ProjectView(
@@ -396,7 +421,7 @@ class MemoryStore:
             # the next turn's prompt starts with this one's, now cached where it ran
             several = item.eligible & (item.eligible - 1) != 0
             item = replace(item, hint=lease.backend if several else None)
-            entry = replace(entry, item=item, turn=turn)
+            entry = replace(entry, item=item, turn=turn, fill=self._filled(item))
             if not_before > now:
                 self._deferred[job_id] = (not_before, entry)
                 heapq.heappush(self._not_before, (not_before, job_id))

@@ -61,24 +61,25 @@ class Item(NamedTuple):
     # the index of the backend expected to hold its longest cached prefix (placement.pick);
     # written only when there is one (then elig is written too, even 1)
     hint: str | None = None
+    # with locality on (schedulers/policy/locality.py): its cache backend's ``filled`` count when
+    # it was queued; written only then, after elig and hint (``-`` for none)
+    fill: str | None = None
 
     @classmethod
     def unpack(cls, raw: str) -> Item:
         fields: list[Any] = raw.split(" ", _ITEM_LEN)
         if len(fields) > _ITEM_LEN:  # fields of a newer version
             del fields[_ITEM_LEN:]
-        elif len(fields) == _ITEM_LEN - 3:  # written before `uncached` existed
-            fields += ["", "1", None]
-        elif len(fields) == _ITEM_LEN - 2:  # elig 1 and no hint, or written before they existed
-            fields += ["1", None]
-        elif len(fields) == _ITEM_LEN - 1:  # no hint
-            fields.append(None)
+        elif _UNCACHED <= len(fields) < _ITEM_LEN:  # the fields after uncached not written
+            fields += ["", "1", None, None][len(fields) - _UNCACHED:]
         elif len(fields) != _ITEM_LEN:
             raise ValueError(f"not a packed item: {raw!r}")
         if fields[_DEADLINE] == "-":
             fields[_DEADLINE] = None
         if fields[_DEFERRED] == "-":
             fields[_DEFERRED] = None
+        if fields[_HINT] == "-":
+            fields[_HINT] = None
         if not fields[_UNCACHED]:  # what the scripts count then: the whole prompt
             fields[_UNCACHED] = fields[_PROMPT]
         return cls._make(fields)
@@ -86,10 +87,12 @@ class Item(NamedTuple):
     def pack(self) -> str:
         """The stored string, as ``item_put`` writes it (for tests and tools: only Lua writes)."""
         values = ["-" if value is None else value for value in self]
-        if self.hint is None:
+        if self.fill is None:
             del values[-1]
-            if self.elig == "1":
+            if self.hint is None:
                 del values[-1]
+                if self.elig == "1":
+                    del values[-1]
         return " ".join(values)
 
     @property
@@ -148,5 +151,6 @@ _DEADLINE = Item._fields.index("deadline")
 _DEFERRED = Item._fields.index("deferred")
 _PROMPT = Item._fields.index("prompt")
 _UNCACHED = Item._fields.index("uncached")
+_HINT = Item._fields.index("hint")
 _BACKEND = Lease._fields.index("backend")
 _OWNER = Lease._fields.index("owner")

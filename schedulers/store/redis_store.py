@@ -69,7 +69,7 @@ import redis
 from fleet.core.config import ConfigError
 from fleet.core.keys import Keys
 from fleet.core.lua import Scripts
-from schedulers.policy import fairshare
+from schedulers.policy import fairshare, locality
 from schedulers.policy.limits import kv_tokens
 from schedulers.policy.quota import Usage, Windows
 from schedulers.store.base import (
@@ -205,6 +205,8 @@ class RedisStore:
             elig,
             "" if item.hint is None else item.hint,
             "" if item.not_before is None else repr(float(item.not_before)),
+            # with locality, the backend whose `filled` count the item records (locality.py)
+            locality.cache_backend(item.eligible, item.hint) if self.config.locality.on else "",
         ]
 
     def cancel_pending(self, job_id: str) -> bool:
@@ -259,7 +261,7 @@ class RedisStore:
             self._groups = sorted({*self._groups, group})
         assert item.not_before is None, "a gateway request is in line at once"
         add_keys, add_args = self._add_call(item)
-        add_keys, add_args = add_keys[:8], add_args[:14]  # GATEWAY's ADD: no deferred key, no not_before
+        add_keys = add_keys[:8]  # GATEWAY's ADD: no deferred key (not_before is none)
         keys = [*add_keys, *(self._key(k) for k in ("lease", "leases", "state", "workers", "gateway"))]
         args = [owner, repr(now), "1" if worker_gate else "0", *add_args]
         script = self._scripts["gateway"]
@@ -349,6 +351,8 @@ class RedisStore:
         routing = config.routing
         args += [routing.policy, routing.balance_abs_seqs, repr(routing.balance_rel)]
         args += [repr(backend.charge_per_token) for backend in config.backends]
+        args += [config.locality.lookahead, repr(config.locality.max_wait_s),
+                 *(backend.limits.cache_tokens for backend in config.backends)]
         quotas = [(name, quota) for name, quota in sorted(config.quotas.items()) if quota.limited]
         windows = Windows.at(now)
         args += [len(quotas), windows.minute, repr(windows.minute_end), windows.day, repr(windows.day_end),
@@ -488,7 +492,7 @@ class RedisStore:
                 *map(self._key, ("projects", "deadlines", "wake", "deferred", "continuations")),
                 *self._more_states]
         args = [job_id, fence, project, band, size, max_new_tokens, kv, repr(not_before), repr(now),
-                prompt, uncached, turn, elig]
+                prompt, uncached, turn, elig, "1" if self.config.locality.on else ""]
         return bool(self._run("readmit", keys, args))
 
     def grow(self, job_id: str, prompt_tokens: int, eligible: int | None = None) -> bool:

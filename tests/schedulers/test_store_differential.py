@@ -60,6 +60,7 @@ from hypothesis.stateful import (
 
 from fleet.core.keys import Keys
 from schedulers.policy.limits import Limits
+from schedulers.policy.locality import Locality
 from schedulers.policy.placement import Routing
 from schedulers.policy.quota import Quota
 from schedulers.store.base import BackendLimits, PendingItem, StoreConfig
@@ -88,6 +89,8 @@ small_limits = st.builds(
     short_beside_long=st.integers(0, 1),
     long_prefills=st.integers(1, 2),
     short_job_s=st.sampled_from([0.0, 0.0, 2.0, 60.0]),
+    # the prefix cache's room (locality): none, a few jobs' worth, many
+    cache_tokens=st.sampled_from([0, 6_000, 30_000]),
 )
 NAMES = ("gpu-a", "gpu-b", "small")
 # Backends beside the first: another block size and long threshold now and then (the queues are
@@ -119,6 +122,8 @@ quota_maps = st.one_of(st.just({}), st.dictionaries(st.sampled_from(PROJECTS), q
 routings = st.builds(
     Routing, policy=st.sampled_from(["fleet", "fleet", "least_loaded", "round_robin"]),
     balance_abs_seqs=st.sampled_from([0, 1, 4]), balance_rel=st.sampled_from([1.0, 1.5]))
+# which of a queue's first jobs goes (schedulers/policy/locality.py): mostly off in ``configs``
+localities = st.builds(Locality, lookahead=st.sampled_from([1, 1, 2, 4]), max_wait_s=st.sampled_from([0.0, 0.0, 20.0]))
 configs = st.builds(
     with_backends,
     first=small_limits,
@@ -131,6 +136,7 @@ configs = st.builds(
     routing=routings,
     charges=st.tuples(*[st.sampled_from([1.0, 1.0, 0.25, 3.0])] * 3),
     quotas=quota_maps,
+    locality=localities,
 )
 # Quiet long prefills in play all along: room for long prompts (KV, bucket), so that admissions
 # reach the window, the drain (paying or not) and the bands' protection instead of stopping at kv.
@@ -376,6 +382,32 @@ class BackendsDifferential(Differential):
         Differential.start(self, config)
 
 
+class LocalityDifferential(Differential):
+    """The same machine with locality on in every config (a look-ahead of 2 to 4, with and without
+    the wait bound), on one to three backends."""
+
+    @initialize(config=configs, locality=st.builds(Locality, lookahead=st.integers(2, 4),
+                                                    max_wait_s=st.sampled_from([0.0, 20.0])),
+                cache=st.sampled_from([1_000, 3_000, 6_000]))
+    def start(self, config: StoreConfig, locality: Locality, cache: int) -> None:  # type: ignore[override]
+        """A small cache room on every backend, so that estimates go stale within a run."""
+        more = tuple(replace(b, limits=replace(b.limits, cache_tokens=cache)) for b in config.more_backends)
+        Differential.start(self, replace(config, locality=locality, more_backends=more,
+                                         limits=replace(config.limits, cache_tokens=cache)))
+
+    @rule(project=st.sampled_from(PROJECTS), band=st.sampled_from(["interactive", "batch"]),
+          prompt=st.sampled_from([2_500, 9_000]), cls=st.integers(0, 4), hint=st.sampled_from([None, 0, 1]),
+          uncached=st.lists(st.sampled_from([None, 0, 800, 2_500]), min_size=2, max_size=4))
+    def submit_line(self, project: str, band: str, prompt: int, cls: int, hint: int | None,
+                    uncached: list[int | None]) -> None:
+        """Jobs of one queue that differ in what is cached: what locality chooses between."""
+        for tokens in uncached:
+            item = PendingItem(f"j{len(self.submitted)}", project, prompt, 500, band=band, uncached_tokens=tokens,
+                               eligible=self.masks[cls % len(self.masks)], hint=hint)
+            self.submitted.append(item)
+            self.both("add_pending", item)
+
+
 def test_memory_and_redis_stores_agree(key_prefix: str) -> None:
     _agree(Differential, key_prefix)
 
@@ -388,6 +420,11 @@ def test_memory_and_redis_stores_agree_on_quiet_long_prefills(key_prefix: str) -
 def test_memory_and_redis_stores_agree_across_backends(key_prefix: str) -> None:
     """Two or three backends, one of another model: placement, per-backend limits and gates."""
     _agree(BackendsDifferential, key_prefix)
+
+
+def test_memory_and_redis_stores_agree_with_locality(key_prefix: str) -> None:
+    """Each queue offering the most cached of its first jobs still expected in the cache."""
+    _agree(LocalityDifferential, key_prefix)
 
 
 def _agree(base: type[Differential], key_prefix: str) -> None:

@@ -42,6 +42,8 @@ ITEM = Item(project="proj-a", band="batch", size="long", prompt="9001", max_new=
             cont="3", deferred="1712346000.75", uncached="4242")
 ROUTED = ITEM._replace(elig="6", hint="2")  # several backends: its class and its prefix-cache hint
 HINTED_ON_ONE = ITEM._replace(hint="0")  # elig 1 written before a hint
+FILLED = ITEM._replace(fill="5150")  # locality: elig 1 and hint "-" written before its fill
+ROUTED_FILLED = ROUTED._replace(fill="4096")
 LEASE = Lease(fence="77", kv="9472", long="1", expires="1712345999.5", admitted_at="1712345690.125",
               project="proj-a", owner="celery@host-1 #4711-ab")
 
@@ -69,15 +71,17 @@ def named(record: Any) -> dict[str, str]:
     return {name: value for name, value in record._asdict().items() if value is not None}
 
 
-@pytest.mark.parametrize("record", [ITEM, ROUTED, HINTED_ON_ONE, LEASE],
-                         ids=["item", "routed item", "hinted class-1 item", "lease"])
+@pytest.mark.parametrize("record", [ITEM, ROUTED, HINTED_ON_ONE, FILLED, ROUTED_FILLED, LEASE],
+                         ids=["item", "routed item", "hinted class-1 item", "filled item", "routed filled item",
+                              "lease"])
 def test_lua_reads_what_python_packs(redis_client: redis.Redis, items_key: str, record: Any) -> None:
     kind = type(record).__name__.lower()
     assert lua_get(redis_client, items_key, kind, record.pack()) == named(record)
 
 
-@pytest.mark.parametrize("record", [ITEM, ROUTED, HINTED_ON_ONE, LEASE],
-                         ids=["item", "routed item", "hinted class-1 item", "lease"])
+@pytest.mark.parametrize("record", [ITEM, ROUTED, HINTED_ON_ONE, FILLED, ROUTED_FILLED, LEASE],
+                         ids=["item", "routed item", "hinted class-1 item", "filled item", "routed filled item",
+                              "lease"])
 def test_python_reads_what_lua_packs(redis_client: redis.Redis, items_key: str, record: Any) -> None:
     kind = type(record).__name__.lower()
     raw = lua_put(redis_client, items_key, kind, named(record))
@@ -103,9 +107,14 @@ def test_an_item_written_before_uncached_counts_its_whole_prompt(redis_client: r
 
 def test_fields_of_a_later_version_are_ignored_on_both_sides(redis_client: redis.Redis,
                                                             items_key: str) -> None:
-    raw = ROUTED.pack() + " 17 future"
-    assert Item.unpack(raw) == ROUTED
-    assert lua_get(redis_client, items_key, "item", raw) == named(ROUTED)
+    raw = ROUTED_FILLED.pack() + " 17 future"
+    assert Item.unpack(raw) == ROUTED_FILLED
+    assert lua_get(redis_client, items_key, "item", raw) == named(ROUTED_FILLED)
+
+
+def test_a_filled_item_without_a_hint_writes_the_none_marker() -> None:
+    assert FILLED.pack().split(" ")[-3:] == ["1", "-", "5150"]
+    assert Item.unpack(FILLED.pack()).hint is None
 
 
 def test_a_lease_written_without_an_owner_has_none(redis_client: redis.Redis, items_key: str) -> None:

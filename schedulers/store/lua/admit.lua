@@ -1,5 +1,7 @@
 -- ADMIT: up to max_grants grants in one call. Each grant reads the head of every queue of every
--- project (one ZRANGE 0 0 each: O(log n) in the backlog), orders them with the fair policy
+-- project (one ZRANGE 0 0 each: O(log n) in the backlog; with locality its first `lookahead`, of
+-- which it offers the one with the most cached tokens still expected in the server's cache:
+-- choose), orders them with the fair policy
 -- (schedulers/policy/fairshare.py ``order``, the same keys), tries each candidate on the backends
 -- of its eligibility mask with the backend gate and every limit of each (schedulers/policy/
 -- placement.py ``place``, applying limits.py's rules in the same order) and grants the first
@@ -36,7 +38,9 @@
 --       bypass, prefill_rate, beside, long_prefills, long_threshold, short_job_s, block_tokens;
 --       then the routing policy (fleet | least_loaded | round_robin), balance_abs_seqs,
 --       balance_rel (placement.Routing); then each backend's charge_per_token (b = 0 .. m: the
---       fair-share tokens one of its tokens counts for); then the quotas (schedulers/policy/
+--       fair-share tokens one of its tokens counts for); then the locality
+--       (schedulers/policy/locality.py): lookahead, max_wait_s, each backend's cache_tokens
+--       (b = 0 .. m); then the quotas (schedulers/policy/
 --       quota.py): nq (projects with one), the windows of `now` (minute, its end, day YYYYMMDD,
 --       its end, month YYYYMM, its end), and 9 per such project: its name, tokens_per_minute,
 --       requests_per_minute, tokens_per_day, tokens_per_month, max_in_flight (0: no limit),
@@ -94,11 +98,23 @@ end
 local policy = ARGV[20 + 13 * m]
 local balance_abs, balance_rel = tonumber(ARGV[21 + 13 * m]), tonumber(ARGV[22 + 13 * m])
 for b = 0, m do backends[b].charge = tonumber(ARGV[23 + 13 * m + b]) end
+-- locality (schedulers/policy/locality.py): how many of each queue's first jobs it looks at (1:
+-- its first only), the wait after which the first goes anyway (0: none), each backend's cache
+-- room; with it, each backend's `filled` count (the state's `filled`, `filled:<b>`)
+local lookahead, max_wait = tonumber(ARGV[24 + 14 * m]), tonumber(ARGV[25 + 14 * m])
+local filled = {}
+for b = 0, m do backends[b].cache = tonumber(ARGV[26 + 14 * m + b]) end
+if lookahead > 1 then
+  local fields = {'filled'}
+  for b = 1, m do fields[#fields + 1] = 'filled:' .. b end
+  local got = redis.call('HMGET', st, unpack(fields))
+  for b = 0, m do filled[b] = num(got[b + 1], 0) end
+end
 local rr_last = -1
 if policy == 'round_robin' then rr_last = num(redis.call('HGET', st, 'rr'), -1) end
 
 -- quotas: by project, with their window keys (schedulers/policy/quota.py)
-local q0 = 24 + 14 * m
+local q0 = 27 + 15 * m
 local nq = tonumber(ARGV[q0])
 local win = {minute = ARGV[q0 + 1], minute_end = tonumber(ARGV[q0 + 2]), day = ARGV[q0 + 3],
   day_end = tonumber(ARGV[q0 + 4]), month = ARGV[q0 + 5], month_end = tonumber(ARGV[q0 + 6])}
@@ -208,27 +224,74 @@ end
 -- Is backend b in the mask?
 local function on(mask, b) return bit.band(bit.rshift(mask, b), 1) == 1 end
 
--- The heads of a project's queues: {band = {{short = head, long = head}, ...}}, a pair per group.
+-- A queue member's admission facts as a candidate.
+local function member(id, score, queue, band, size, g, pr)
+  local f = item_get(items, id)
+  return {id = id, score = tonumber(score), queue = queue, band = band, long = size == 'long',
+    prompt = tonumber(f.prompt), max_new = tonumber(f.max_new), uncached = tonumber(f.uncached),
+    hint = tonumber(f.hint), mask = g.mask, kv = tonumber(f.kv), enq = tonumber(f.enq),
+    fill = num(f.fill, 0), project = pr.name, weight = pr.weight}
+end
+
+-- locality.fresh_cached of candidate c on its cache backend (locality.cache_backend: its hint,
+-- else its mask's lowest backend)
+local function fresh_cached(c)
+  local b = c.hint
+  if b == nil then
+    b = 0
+    while b < 32 and not on(c.mask, b) do b = b + 1 end
+  end
+  local B = backends[b]
+  local cached = math.max(0, c.prompt - c.uncached)
+  if B and B.cache > 0 and filled[b] - c.fill >= B.cache then return 0 end
+  return cached
+end
+
+-- locality.choose: the one of a queue's first jobs it offers (line: them in line order); it
+-- keeps the first's score and enqueue time as its queue's place and age (fairshare.Head).
+local function choose(line)
+  local first = line[1]
+  first.line_enq, first.line_score = first.enq, first.score
+  if #line == 1 or (max_wait > 0 and now - first.enq >= max_wait) then return first end
+  local best, best_cached = first, fresh_cached(first)
+  for i = 2, #line do
+    local cached = fresh_cached(line[i])
+    if cached > best_cached then best, best_cached = line[i], cached end
+  end
+  best.line_enq, best.line_score = first.enq, first.score
+  return best
+end
+
+-- The first jobs of each of a project's queues (one; with locality `lookahead`), as g.lines.
 local function read_heads(pr)
-  local heads, any = {}, false
-  for _, band in ipairs(BANDS) do heads[band] = {} end
   for _, g in ipairs(pr.groups) do
-    g.any = false
+    g.any, g.lines = false, {}
     for b, band in ipairs(BANDS) do
-      local pair = {}
       for z, size in ipairs(SIZES) do
         local queue = KEYS[g.k + 2 * (b - 1) + (z - 1)]
         local top
         if admit_head then top = admit_head(queue, pr.name, band, size, g.elig)
-        else top = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES') end
-        if top[1] then
-          local f = item_get(items, top[1])
-          pair[size] = {id = top[1], score = tonumber(top[2]), queue = queue, band = band,
-            long = size == 'long', prompt = tonumber(f.prompt), max_new = tonumber(f.max_new),
-            uncached = tonumber(f.uncached), hint = tonumber(f.hint), mask = g.mask,
-            kv = tonumber(f.kv), enq = tonumber(f.enq), project = pr.name, weight = pr.weight}
-          any, g.any = true, true
-        end
+        else top = redis.call('ZRANGE', queue, 0, lookahead - 1, 'WITHSCORES') end
+        local line = {}
+        for i = 1, #top, 2 do line[#line + 1] = member(top[i], top[i + 1], queue, band, size, g, pr) end
+        g.lines[2 * (b - 1) + z] = line
+        if line[1] then g.any = true end
+      end
+    end
+  end
+end
+
+-- The heads a project's queues offer: {band = {{short = head, long = head}, ...}}, a pair per
+-- group (pr.heads; nil when every queue is empty).
+local function choose_heads(pr)
+  local heads, any = {}, false
+  for b, band in ipairs(BANDS) do
+    heads[band] = {}
+    for _, g in ipairs(pr.groups) do
+      local pair = {}
+      for z, size in ipairs(SIZES) do
+        local line = g.lines[2 * (b - 1) + z]
+        if line[1] then pair[size], any = choose(line), true end
       end
       table.insert(heads[band], pair)
     end
@@ -236,11 +299,12 @@ local function read_heads(pr)
   pr.heads = any and heads or nil
 end
 
--- fairshare._line_key: a band's line order (by score, then id; in the batch band longs first).
+-- fairshare._line_key: a band's line order (by its queue's place, then id; in the batch band
+-- longs first).
 local function line_before(x, y, band)
   local xs, ys = band == 'batch' and not x.long, band == 'batch' and not y.long
   if xs ~= ys then return ys end
-  if x.score ~= y.score then return x.score < y.score end
+  if x.line_score ~= y.line_score then return x.line_score < y.line_score end
   return x.id < y.id
 end
 
@@ -271,6 +335,7 @@ for _, member in ipairs(members) do in_set[member] = true end
 for _, pr in ipairs(projects) do
   tags[pr.name] = num(redis.call('HGET', vtime, pr.name), 0)
   read_heads(pr)
+  choose_heads(pr)
   for _, g in ipairs(pr.groups) do
     if not g.any and in_set[g.member] then redis.call('SREM', KEYS[8], g.member) end
   end
@@ -288,14 +353,14 @@ local function order(V)
   end
   for _, r in ipairs(ranked) do  -- fairshare.tier: the oldest candidate's age counts
     local oldest = r.c[1].enq
-    for _, c in ipairs(r.c) do oldest = math.min(oldest, c.enq) end
+    for _, c in ipairs(r.c) do oldest = math.min(oldest, c.enq, c.line_enq) end
     r.tier = 0
     if banded and r.c[1].band ~= 'interactive' and now - oldest < aging then r.tier = 1 end
   end
   table.sort(ranked, function(x, y)
     if x.tier ~= y.tier then return x.tier < y.tier end
     if x.start ~= y.start then return x.start < y.start end
-    if x.c[1].score ~= y.c[1].score then return x.c[1].score < y.c[1].score end
+    if x.c[1].line_score ~= y.c[1].line_score then return x.c[1].line_score < y.c[1].line_score end
     return x.name < y.name
   end)
   local out = {}
@@ -554,6 +619,10 @@ local function grant(c, top, b)
     redis.call('HSET', B.st, 'prefill_until', fmt(prefill_until), 'prefill_longs', prefill_longs)
   end
   redis.call('HINCRBY', st, 'queued', -1)
+  if lookahead > 1 then  -- locality: the tokens this backend's cache takes in
+    redis.call('HINCRBY', st, b == 0 and 'filled' or 'filled:' .. b, uncached)
+    filled[b] = filled[b] + uncached
+  end
   redis.call('HSET', B.st, 'bucket', fmt(B.level - uncached), 'bucket_at', fmt(now),
     'last_admit', fmt(now))
   if freed then  -- another lease's counters went down somewhere: read every backend again
@@ -602,8 +671,11 @@ while granted < max_grants do
   end
   for _, field in ipairs(grant(pick_.c, cands[1], pick_.b)) do table.insert(out, field) end
   granted = granted + 1
-  for _, pr in ipairs(projects) do
-    if pr.name == pick_.c.project then read_heads(pr) end
+  for _, pr in ipairs(projects) do  -- (with locality another project's choice may change too)
+    if pr.name == pick_.c.project then
+      read_heads(pr)
+      choose_heads(pr)
+    elseif lookahead > 1 and pr.heads then choose_heads(pr) end
   end
 end
 return out

@@ -12,12 +12,13 @@
 --                             live entries); an entry is pruned once that passed: the job can
 --                             be pending no more (GWADMIT's KEYS[2])
 -- KEYS[14..]   ADMIT's keys (GWADMIT's KEYS[3..])
--- ARGV: owner, now, worker_gate (1|0), ADD's 14 arguments (the deadline is required), then
+-- ARGV: owner, now, worker_gate (1|0), ADD's 16 arguments (the deadline is required, not_before
+--       is ''), then
 --       ADMIT's arguments (max_grants 0: no round)
 -- Returns {fence of the own claimed lease or 0, ADMIT's reply...}; with max_grants 0 the reply
 -- is {'ok', '', ''}.
 local owner, now = ARGV[1], ARGV[2]
-local add_argv, admit_argv = slice(ARGV, 4, 17), slice(ARGV, 18)
+local add_argv, admit_argv = slice(ARGV, 4, 19), slice(ARGV, 20)
 local id = add_argv[1]
 local rnow = redis_now()
 redis.call('ZREMRANGEBYSCORE', KEYS[13], '-inf', rnow)

@@ -10,9 +10,10 @@
 -- tests/test_store_records.py runs these accessors against it). A field added later goes at the
 -- end, on both sides. An item's `elig` and a lease's `backend` are written only when they are not
 -- backend 0's, an item's `hint` only when it has one, with `elig` before it (records.py says why
--- and how a lease's backend is told from its owner). `item_get` ignores fields after `hint` (a
--- later version's); the versions before `hint` existed read an item that has one as no item at
--- all, so dispatchers and workers are upgraded before the writers of hints (docs/backends.md).
+-- and how a lease's backend is told from its owner), its `fill` only with locality on, after
+-- `elig` and `hint` (`-`: none). `item_get` ignores fields after `fill` (a later version's); the
+-- versions before `hint` existed read an item that has one as no item at all, so dispatchers and
+-- workers are upgraded before the writers of hints (docs/backends.md).
 --
 -- Backends: backend 0's lease counters are in `state` (with the fleet-wide `queued` and `vtime`),
 -- backend b's in `bstate:<name>`; a script that frees or claims leases gets them all as a table
@@ -55,20 +56,24 @@ local function item_get(items, id)
   local s = redis.call('HGET', items, id)
   if not s then return nil end
   local project, band, size, prompt, max_new, kv, long, enq, score, pending, deadline, cont, deferred,
-    uncached, elig, hint = string.match(s,
-      '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) ?(%S*) ?(%S*) ?(%S*).*$')
+    uncached, elig, hint, fill = string.match(s,
+      '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) ?(%S*) ?(%S*) ?(%S*) ?(%S*).*$')
   return {project = project, band = band, size = size, prompt = prompt, max_new = max_new, kv = kv,
     long = long, enq = enq, score = score, pending = pending,
     deadline = deadline ~= '-' and deadline or nil, cont = cont,
     deferred = deferred ~= '-' and deferred or nil,
     uncached = uncached ~= '' and uncached or prompt, elig = elig ~= '' and elig or '1',
-    hint = hint ~= '' and hint or nil}
+    hint = hint ~= '' and hint ~= '-' and hint or nil, fill = fill ~= '' and fill or nil}
 end
 
 local function item_put(items, id, f)
   local fields = {f.project, f.band, f.size, f.prompt, f.max_new, f.kv, f.long, f.enq, f.score,
     f.pending, f.deadline or '-', f.cont or '0', f.deferred or '-', f.uncached or f.prompt}
-  if f.hint then
+  if f.fill then  -- (locality: schedulers/policy/locality.py) elig and hint ('-': none) before it
+    fields[#fields + 1] = f.elig or '1'
+    fields[#fields + 1] = f.hint or '-'
+    fields[#fields + 1] = f.fill
+  elseif f.hint then
     fields[#fields + 1] = f.elig or '1'
     fields[#fields + 1] = f.hint
   elseif f.elig and f.elig ~= '1' then fields[#fields + 1] = f.elig end

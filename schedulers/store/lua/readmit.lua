@@ -22,7 +22,8 @@
 --                                                 backend_states): the lease frees its backend's
 -- ARGV: id, fence, project, band, size (of the new prompt), max_new, kv, not_before, now,
 --       prompt, uncached, turn, elig (the backends it may run on now: the item's, or the one its
---       grown prompt fits)
+--       grown prompt fits), then '1' with locality on: the item's `fill` becomes its cache
+--       backend's `filled` count (the state's `filled[:<b>]`; schedulers/policy/locality.py)
 -- Returns 1 when the job was readmitted, 0 for a stale fence or a job without its item.
 local id = ARGV[1]
 local lease = lease_get(KEYS[1], id)
@@ -38,6 +39,13 @@ f.elig = ARGV[13]
 local mask, bit = tonumber(f.elig), 1
 while bit < mask do bit = bit * 2 end
 if bit ~= mask then f.hint = lease.backend else f.hint = nil end
+if ARGV[14] == '1' then  -- locality.cache_backend: the hint, else the mask's lowest backend
+  local b = 0
+  if f.hint then b = tonumber(f.hint) else
+    while mask > 0 and mask % 2 == 0 do mask, b = mask / 2, b + 1 end
+  end
+  f.fill = num(redis.call('HGET', KEYS[3], b == 0 and 'filled' or 'filled:' .. b), 0)
+end
 redis.call('SADD', KEYS[10], id)
 if tonumber(ARGV[8]) > tonumber(ARGV[9]) then
   f.deferred = ARGV[8]
