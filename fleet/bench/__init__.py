@@ -188,13 +188,14 @@ def backends(
     seats: Annotated[int, typer.Option(help="sequences per simulator")] = 8,
     duration: Annotated[float, typer.Option(help="seconds of load per routing run")] = 40.0,
     speed: Annotated[float, typer.Option(help="simulator speed")] = 20.0,
+    one_server: Annotated[bool, typer.Option(help="add a run on one simulator with every seat and pool")] = False,
     redis_url: RedisUrl = "",
     force: Force = False,
 ) -> None:
     """Several backends: admission pairs/s at a backlog with one backend against many (the
     same total room) and Redis bytes per pending job (fleet/bench/backends.py); then the routing
-    policies side by side on real simulators: prefix hit rate against a one-server oracle, time to
-    first token, output tokens/s and Jain's index (fleet/bench/routing.py)."""
+    policies side by side on real simulators: prefix hit rate against an oracle placement of each
+    run's own requests, time to first token, output tokens/s and Jain's index (fleet/bench/routing.py)."""
     from rich.table import Table
 
     from fleet.bench.backends import many_backends_cost
@@ -212,7 +213,8 @@ def backends(
         if routing:
             runs = routing_bench(broker.url, sizes=tuple(int(x) for x in sizes.split(",")),
                                  loads=tuple(float(x) for x in loads.split(",")), seats=seats,
-                                 duration_s=duration, speed=speed, policies=tuple(policies.split(",")))
+                                 duration_s=duration, speed=speed, policies=tuple(policies.split(",")),
+                                 one_server=one_server)
             console.print(markdown(runs), markup=False, soft_wrap=True)
 
 

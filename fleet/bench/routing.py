@@ -4,10 +4,13 @@ real simulators (docs/backends.md, section 9).
 Each run is a fresh fleet (its own key prefix, one ``fleet sim`` per backend, one dispatcher, the
 inference workers), so no run finds another's prompts in a prefix cache. Every backend is a
 replica of one model with the deployment's sizes except its sequence cap (``seats``); the
-policies are ``routing.policy`` (placement.py ``pick``). The one-server *oracle* is the same
-workload on a single simulator holding every seat and every backend's KV pool: it computes each
-prefix once, which is what perfect routing with no eviction would reach; routing's hit rate is
-given as a share of it.
+policies are ``routing.policy`` (placement.py ``pick``). Each run's hit rate is given as a share
+of its *oracle's*: an oracle placement of that run's own requests (``oracle_hit_rate``: every
+request the simulators logged in the run, in arrival order, sent to the server whose cache holds
+its longest prefix, each cache known exactly, load ignored). With ``one_server`` a run of the same
+workload on a single simulator holding every seat and every backend's KV pool is added (it
+computes each prefix once, but under a closed loop serves another mix of requests, so it bounds
+nothing).
 
 Workload (closed loop, the deployment's shapes): every project of the example config runs
 clients in proportion to its weight, each sending its next job once the last one ended. The
@@ -22,7 +25,8 @@ across projects (each has its own ``cache_salt``).
 
 Figures, per run (the simulators' own counters and the envelopes):
 
-* prefix hit rate: ``prefix_cache_hits`` / ``prefix_cache_queries`` summed over the simulators;
+* prefix hit rate: ``prefix_cache_hits`` / ``prefix_cache_queries`` summed over the simulators,
+  and the oracle's over the same requests;
 * time to first token, p50 and p90: from submission (queue wait included) to the first token
   (real seconds at the simulators' speed);
 * the servers' own time to first token, p50 and p90: from a request's arrival at its simulator to
@@ -64,6 +68,8 @@ from fleet.client import Client
 from fleet.core.config import load_settings
 from fleet.core.models import Envelope
 from fleet.local.processes import LocalFleet
+from fleet.sim.app import REQUEST_LOG_SIZE
+from fleet.sim.kvcache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +106,10 @@ class RoutingRun:
     stayed: float = 0.0  # of the editor's later turns, the share on the previous turn's backend
     served: dict[str, float] = field(default_factory=dict)  # project -> tokens served (prompt + output)
     prefix: str = ""  # the run's key prefix (deleted at its end)
+    # the oracle placement's hit rate over this run's own requests (``oracle_hit_rate``), and how
+    # many requests it placed (0: the servers' logs did not cover the run)
+    oracle_hit_rate: float = 0.0
+    oracle_requests: int = 0
 
 
 def _words(tag: str, count: int) -> str:
@@ -270,6 +280,13 @@ def _measure(run: RoutingRun, settings: Any, urls: dict[str, str], seats_in_all:
         counts[e.backend or settings.backends[0].name] += 1
     run.per_backend = dict(counts)
     run.stayed = sum(stays) / len(stays) if stays else 0.0
+    logs = [_run_requests(url, started) for url in urls.values()]
+    if all(log is not None for log in logs):
+        entry = settings.backends[0]
+        run.oracle_hit_rate, run.oracle_requests = oracle_hit_rate(
+            [requests for requests in logs if requests is not None], entry.kv_pool_tokens, entry.block_tokens)
+    else:
+        log.warning("a simulator's request log does not cover the run: no oracle for %s", run.policy)
 
 
 def client_counts(weights: dict[str, float], total: int) -> dict[str, int]:
@@ -290,6 +307,36 @@ def _ttfts(url: str) -> tuple[int, list[tuple[str, float]]]:
     return int(data["total"]), [(str(r), float(x)) for r, x in zip(data["requests"], data["seconds"], strict=True)]
 
 
+def oracle_hit_rate(logs: list[list[dict[str, Any]]], pool_tokens: int, block_tokens: int) -> tuple[float, int]:
+    """The prefix hit rate of an oracle placement of a run's own requests (``logs``: each
+    simulator's request log entries of the run, with their ``blocks`` and ``prompt_tokens``): every
+    request in arrival order, on as many servers as there are logs, each with the simulator's own
+    prefix cache (fleet/sim/kvcache.py ``PrefixCache``: whole blocks, least recently used over
+    ``pool_tokens``), sent to the server whose cache holds its longest prefix (ties: the one that
+    took the fewest requests so far, then the first): every cache known exactly, load ignored.
+    Returns (hits / queries in tokens, as the simulators count them; requests placed)."""
+    entries = sorted((e for log in logs for e in log if "blocks" in e), key=lambda e: e["received_at"])
+    caches = [PrefixCache(pool_tokens // block_tokens, block_tokens) for _ in logs]
+    taken = [0] * len(caches)
+    for entry in entries:
+        blocks, tokens = [int(b) for b in entry["blocks"]], int(entry["prompt_tokens"])
+        best = max(range(len(caches)), key=lambda i: (caches[i].peek(blocks, tokens), -taken[i], -i))
+        caches[best].lookup(blocks, tokens)
+        caches[best].insert(blocks)
+        taken[best] += 1
+    queries, hits = sum(c.queries for c in caches), sum(c.hits for c in caches)
+    return (hits / queries if queries else 0.0), len(entries)
+
+
+def _run_requests(url: str, since: float) -> list[dict[str, Any]] | None:
+    """A simulator's logged requests received since ``since`` (None: its log no longer reaches
+    back that far, so it cannot stand for the run's requests)."""
+    logged = httpx.get(f"{url}/sim/requests", params={"limit": 100_000}, timeout=30).json()["requests"]
+    if logged and logged[0]["received_at"] >= since and len(logged) >= REQUEST_LOG_SIZE:
+        return None
+    return [e for e in logged if e["received_at"] >= since]
+
+
 def _stats(url: str) -> dict[str, Any]:
     return httpx.get(f"{url}/sim/stats", timeout=10).json()
 
@@ -308,17 +355,21 @@ def _delete_prefix(redis_url: str, prefix: str) -> None:
 
 def routing_bench(redis_url: str, sizes: tuple[int, ...] = (2, 4), loads: tuple[float, ...] = (0.5, 0.9),
                   seats: int = 8, duration_s: float = 40.0, speed: float = 20.0, turns: int = 8,
-                  seed: int = 7, policies: tuple[str, ...] = POLICIES) -> list[RoutingRun]:
-    """Every policy on every size and load, and the one-server oracle of each (module docstring);
-    the same seed, so every policy of a size and load gets the same clients and first prompts."""
+                  seed: int = 7, policies: tuple[str, ...] = POLICIES, one_server: bool = False) -> list[RoutingRun]:
+    """Every policy on every size and load (and with ``one_server`` the one-server run of each:
+    module docstring); the same seed, so every policy of a size and load gets the same clients and
+    first prompts."""
     runs = []
     for backends in sizes:
         for load in loads:
-            oracle = one_run(redis_url, "least_loaded", 1, seats * backends, load, duration_s, speed, turns, seed,
-                             pools=backends)
-            oracle.policy, oracle.backends = "oracle (one server)", backends
-            group = [oracle, *(one_run(redis_url, policy, backends, seats, load, duration_s, speed, turns, seed)
-                               for policy in policies)]
+            group = []
+            if one_server:
+                single = one_run(redis_url, "least_loaded", 1, seats * backends, load, duration_s, speed, turns,
+                                 seed, pools=backends)
+                single.policy, single.backends = "one server", backends
+                group.append(single)
+            group += [one_run(redis_url, policy, backends, seats, load, duration_s, speed, turns, seed)
+                      for policy in policies]
             least = next((r for r in group if r.policy == "least_loaded"), None)
             for run in group:  # 0 without a least-loaded run to compare with
                 run.jain = relative_jain(run, least) if least else 0.0
@@ -333,22 +384,21 @@ def relative_jain(run: RoutingRun, baseline: RoutingRun) -> float:
 
 
 def markdown(runs: list[RoutingRun]) -> str:
-    lines = ["| backends | load | policy | hit rate | of oracle | TTFT p50 s | TTFT p90 s | p90 / least-loaded "
+    lines = ["| backends | load | policy | hit rate | oracle's (own requests) | of oracle | TTFT p50 s | TTFT p90 s | p90 / least-loaded "
              "| server TTFT p50 / p90 (sim s) | server p90 / least-loaded "
              "| server p90 without reports (sim s) | / least-loaded "
              "| out tok/s | / least-loaded | Jain | stayed | jobs | lost |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         group = [r for r in runs if r.backends == run.backends and r.load == run.load]
-        oracle = next((r for r in group if r.policy.startswith("oracle")), None)
         least = next((r for r in group if r.policy == "least_loaded"), None)
-        of_oracle = run.hit_rate / oracle.hit_rate if oracle and oracle.hit_rate else 0.0
+        of_oracle = run.hit_rate / run.oracle_hit_rate if run.oracle_hit_rate else 0.0
         p90_ratio = run.ttft_p90 / least.ttft_p90 if least and least.ttft_p90 else 0.0
         tok_ratio = run.tokens_per_s / least.tokens_per_s if least and least.tokens_per_s else 0.0
         server_ratio = run.server_ttft_p90 / least.server_ttft_p90 if least and least.server_ttft_p90 else 0.0
         others_ratio = (run.server_ttft_p90_others / least.server_ttft_p90_others
                         if least and least.server_ttft_p90_others else 0.0)
-        lines.append(f"| {run.backends} | {run.load:.0%} | {run.policy} | {run.hit_rate:.3f} | {of_oracle:.2f} "
+        lines.append(f"| {run.backends} | {run.load:.0%} | {run.policy} | {run.hit_rate:.3f} | {run.oracle_hit_rate:.3f} | {of_oracle:.2f} "
                      f"| {run.ttft_p50:.2f} | {run.ttft_p90:.2f} | {p90_ratio:.2f} "
                      f"| {run.server_ttft_p50:.2f} / {run.server_ttft_p90:.2f} | {server_ratio:.2f} "
                      f"| {run.server_ttft_p90_others:.2f} | {others_ratio:.2f} "

@@ -22,7 +22,9 @@ Simulator-only routes (for the fleet's tests and benchmarks; a real vLLM has non
   own time to first token, as vLLM's histogram counts it, unrounded; cleared by a reset, the total
   not).
 - ``GET /sim/requests?limit=N``: the last N chat and completion request bodies received (oldest
-  first), each ``{"id", "received_at" (unix s), "sim_time", "body", "path"}``; the log keeps 2,000.
+  first), each ``{"id", "received_at" (unix s), "sim_time", "body", "path"}`` and, once its prompt
+  was counted, ``"prompt_tokens"`` and ``"blocks"`` (its whole blocks' chained hashes, equal for
+  equal prompts in every simulator process); the log keeps 2,000.
 
 A chat request goes: parse and validate (400/404) -> render the chat template and count tokens
 (400 ``input_tokens`` if too long) -> scenario markers (500/503 answers, engine death) -> output
@@ -50,7 +52,7 @@ from starlette.routing import Route
 
 from fleet.sim.completions import CompletionHandler
 from fleet.sim.engine import Engine, Sequence
-from fleet.sim.kvcache import block_hashes
+from fleet.sim.kvcache import block_hashes, note_prompt
 from fleet.sim.metrics import SimMetrics
 from fleet.sim.plan import LengthDistribution, RequestShape, build_plan, seeded
 from fleet.sim.profiles import SimProfile
@@ -64,6 +66,9 @@ log = logging.getLogger(__name__)
 TTFT_SAMPLES = 20_000
 
 
+REQUEST_LOG_SIZE = 2_000  # requests GET /sim/requests can give back
+
+
 @dataclass
 class SimConfig:
     profile: SimProfile
@@ -72,7 +77,7 @@ class SimConfig:
     fault_rate: float = 0.0
     long_threshold: int = 32_768
     lengths: LengthDistribution = field(default_factory=LengthDistribution)
-    request_log_size: int = 2_000
+    request_log_size: int = REQUEST_LOG_SIZE
     tick_real_s: float | None = None
     chat_template: str = "qwen3"
 
@@ -195,9 +200,10 @@ class ChatHandler:
         shape = RequestShape(max_tokens, req.thinking, req.budget, req.response_format,
                              _chosen_tool(req, scenario))
         plan = build_plan(shape, scenario, _rng(self.s.config.seed, req), self.s.config.lengths)
+        hashes = block_hashes(ids, self.s.profile.block_tokens, req.cache_salt)
+        note_prompt(self.s.requests, rid, prompt_len, hashes)
         seq = Sequence(
-            request_id=rid, prompt_len=prompt_len,
-            hashes=block_hashes(ids, self.s.profile.block_tokens, req.cache_salt), total=plan.total,
+            request_id=rid, prompt_len=prompt_len, hashes=hashes, total=plan.total,
             finish_reason=plan.finish_reason, long=prompt_len > self.s.config.long_threshold,
             slow_first_s=scenario.number("slow_first_token"), stall_at=plan.stall_at,
             stall_s=scenario.number("stall"))

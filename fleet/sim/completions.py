@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from fleet.sim.engine import Sequence
-from fleet.sim.kvcache import block_hashes
+from fleet.sim.kvcache import block_hashes, note_prompt
 from fleet.sim.plan import RequestShape, build_plan, seeded
 from fleet.sim.responses import Completion, CompletionFullWriter, CompletionStreamWriter
 from fleet.sim.scenarios import MarkerError, enact_refusals
@@ -115,10 +115,10 @@ class CompletionHandler:
                              stop_at_think_end=THINK_CLOSE in stops)
         plan = build_plan(shape, scenario, seeded(self.s.config.seed, [body.get("seed"), text,
                                                                        stops]), self.s.config.lengths)
-        salt = salt_of(body)
+        hashes = block_hashes(ids, self.s.profile.block_tokens, salt_of(body))
+        note_prompt(self.s.requests, rid, prompt_len, hashes)
         seq = Sequence(
-            request_id=rid, prompt_len=prompt_len,
-            hashes=block_hashes(ids, self.s.profile.block_tokens, salt), total=plan.total,
+            request_id=rid, prompt_len=prompt_len, hashes=hashes, total=plan.total,
             finish_reason=plan.finish_reason, long=prompt_len > self.s.config.long_threshold,
             slow_first_s=scenario.number("slow_first_token"), stall_at=plan.stall_at,
             stall_s=scenario.number("stall"))

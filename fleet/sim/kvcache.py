@@ -21,20 +21,39 @@ recently used beyond the pool's block count. ``queries`` and ``hits`` count toke
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Reversible, Sequence
+from typing import Any
 
 
 def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str | None = None) -> list[int]:
     """Chained hash of every whole block of ``token_ids``; ``salt`` (a request's ``cache_salt``)
-    is mixed into the first block's only, as vLLM adds it to that block's extra keys."""
+    is mixed into the first block's only, as vLLM adds it to that block's extra keys. A digest
+    (BLAKE2b, 8 bytes), not Python's ``hash``: the same prompt hashes the same in every simulator
+    process, so the blocks a request log names can be compared across servers (the routing
+    benchmark's oracle, fleet/bench/routing.py)."""
     out: list[int] = []
-    prev: int | None = None
+    prev = b""
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        extra = (salt,) if start == 0 and salt else None
-        prev = hash((prev, tuple(token_ids[start : start + block_tokens]), extra))
-        out.append(prev)
+        h = hashlib.blake2b(prev, digest_size=8)
+        h.update(array("q", token_ids[start : start + block_tokens]).tobytes())
+        if start == 0 and salt:
+            h.update(b"\x00salt\x00" + salt.encode())
+        prev = h.digest()
+        out.append(int.from_bytes(prev, "big", signed=True))
     return out
+
+
+def note_prompt(requests: Reversible[dict[str, Any]], rid: str, prompt_len: int, hashes: list[int]) -> None:
+    """Add the prompt's length and block hashes to request ``rid``'s log entry (the newest few
+    entries are searched: it was logged just before)."""
+    for entry in itertools.islice(reversed(requests), 64):
+        if entry["id"] == rid:
+            entry["prompt_tokens"], entry["blocks"] = prompt_len, hashes
+            return
 
 
 class BlockPool:

@@ -189,6 +189,28 @@ def test_request_log(sim: SimProcess, client: openai.OpenAI) -> None:
     assert last[0]["body"]["messages"][0]["content"].endswith("logged")
 
 
+def test_the_request_log_names_a_prompts_blocks_alike_in_every_simulator(sim: SimProcess,
+                                                                         client: openai.OpenAI) -> None:
+    """Equal prompts log equal block hashes in two simulator processes (what the routing bench's
+    oracle compares across servers); another cache_salt changes every block."""
+    other = start_sim_process(speed=200.0, seed=12, log_level="warning")
+    long_text = " ".join(f"w{i % 97}" for i in range(4_000))
+    try:
+        logged = []
+        for base_url, salt in ((sim.base_url, None), (other.base_url, None), (other.base_url, "p2")):
+            with openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0) as c:
+                c.chat.completions.create(model="local", max_tokens=2, messages=user(long_text),
+                                          extra_body={"cache_salt": salt} if salt else {})
+            logged.append(httpx.get(base_url + "/sim/requests", params={"limit": 1}).json()["requests"][0])
+    finally:
+        other.stop()
+    plain, again, salted = logged
+    assert plain["prompt_tokens"] == again["prompt_tokens"] == salted["prompt_tokens"] > 2 * 1072
+    assert len(plain["blocks"]) == plain["prompt_tokens"] // 1072 >= 2
+    assert plain["blocks"] == again["blocks"]
+    assert not set(plain["blocks"]) & set(salted["blocks"])
+
+
 def test_fault_rate_is_seeded() -> None:
     draws = [[ScenarioBook(seed=3, fault_rate=0.5).resolve("x", "x").active for _ in range(1)]
              for _ in range(2)]
