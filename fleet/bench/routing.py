@@ -384,7 +384,8 @@ def relative_jain(run: RoutingRun, baseline: RoutingRun) -> float:
 
 
 def markdown(runs: list[RoutingRun]) -> str:
-    lines = ["| backends | load | policy | hit rate | oracle's (own requests) | of oracle | TTFT p50 s | TTFT p90 s | p90 / least-loaded "
+    lines = ["| backends | load | policy | hit rate | oracle's (own requests) | of oracle | TTFT p50 s | TTFT p90 s "
+             "| p90 / least-loaded "
              "| server TTFT p50 / p90 (sim s) | server p90 / least-loaded "
              "| server p90 without reports (sim s) | / least-loaded "
              "| out tok/s | / least-loaded | Jain | stayed | jobs | lost |",
@@ -398,7 +399,8 @@ def markdown(runs: list[RoutingRun]) -> str:
         server_ratio = run.server_ttft_p90 / least.server_ttft_p90 if least and least.server_ttft_p90 else 0.0
         others_ratio = (run.server_ttft_p90_others / least.server_ttft_p90_others
                         if least and least.server_ttft_p90_others else 0.0)
-        lines.append(f"| {run.backends} | {run.load:.0%} | {run.policy} | {run.hit_rate:.3f} | {run.oracle_hit_rate:.3f} | {of_oracle:.2f} "
+        lines.append(f"| {run.backends} | {run.load:.0%} | {run.policy} | {run.hit_rate:.3f} "
+                     f"| {run.oracle_hit_rate:.3f} | {of_oracle:.2f} "
                      f"| {run.ttft_p50:.2f} | {run.ttft_p90:.2f} | {p90_ratio:.2f} "
                      f"| {run.server_ttft_p50:.2f} / {run.server_ttft_p90:.2f} | {server_ratio:.2f} "
                      f"| {run.server_ttft_p90_others:.2f} | {others_ratio:.2f} "
