@@ -184,7 +184,8 @@ def backends(
     routing: Annotated[bool, typer.Option(help="compare routing policies on real simulators")] = True,
     sizes: Annotated[str, typer.Option(help="simulators per routing run, comma-separated")] = "2,4",
     loads: Annotated[str, typer.Option(help="loads (share of the seats), comma-separated")] = "0.5,0.9",
-    policies: Annotated[str, typer.Option(help="routing policies, comma-separated")] = "round_robin,least_loaded,fleet",
+    policies: Annotated[str, typer.Option(help="routing policies, comma-separated")] = (
+        "round_robin,least_loaded,fleet,first_token"),
     seats: Annotated[int, typer.Option(help="sequences per simulator")] = 8,
     duration: Annotated[float, typer.Option(help="seconds of load per routing run")] = 40.0,
     speed: Annotated[float, typer.Option(help="simulator speed")] = 20.0,

@@ -73,7 +73,7 @@ from fleet.sim.kvcache import PrefixCache
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("round_robin", "least_loaded", "fleet")
+POLICIES = ("round_robin", "least_loaded", "fleet", "first_token")
 SIM_ARGS = ["--answer-min-tokens", "30", "--answer-max-tokens", "60"]
 THINK = 150  # reasoning tokens per turn ([sim:think=N])
 # Texts are made of five-letter words, one token each as the simulator counts them.

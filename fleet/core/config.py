@@ -391,10 +391,13 @@ class RoutingSettings(_Section):
     """How admission picks a backend for a job among those of its model that can take it
     (docs/backends.md, section 6)."""
 
-    policy: Literal["fleet", "least_loaded", "round_robin"] = "fleet"
+    policy: Literal["fleet", "first_token", "least_loaded", "round_robin"] = "fleet"
     """``fleet``: the backend expected to hold the job's longest cached prefix, unless it is
-    loaded past both imbalance thresholds, else the least loaded; ``least_loaded`` and
-    ``round_robin`` are the benchmark's baselines."""
+    loaded past both imbalance thresholds, else the least loaded; ``first_token``: the backend
+    expected to give its first token soonest, the prefill the fleet sent it and has not yet
+    finished (at its prefill_tokens_per_s) plus this prompt's tokens that miss its cache there,
+    with the same imbalance thresholds; ``least_loaded`` and ``round_robin`` are the benchmark's
+    baselines."""
     balance_abs_seqs: int = Field(4, ge=0)
     """Load wins over the cached prefix when the prefix's backend has more than this many
     sequences in flight beyond the least loaded one ..."""

@@ -97,6 +97,9 @@ class Limits:
     # the server's prefix cache room in tokens (its KV pool): how long a cached estimate holds
     # (schedulers/policy/locality.py); 0: no horizon
     cache_tokens: int = 0
+    # the server's prefill rate for the first-token routing's queue model (placement.py
+    # ``first_token``); 0: no model
+    queue_tokens_per_s: float = 0.0
 
     @classmethod
     def from_settings(cls, settings: Settings, backend: BackendSettings | None = None) -> Limits:
@@ -118,6 +121,7 @@ class Limits:
             long_prefills=long_prefills_at_once(settings, backend),
             short_job_s=admission.short_job_s,
             cache_tokens=backend.kv_pool_tokens,
+            queue_tokens_per_s=backend.prefill_tokens_per_s,
         )
 
 
@@ -148,6 +152,9 @@ class LimitState:
     prefill_longs: int = 0  # long prefills admitted into the window ending at prefill_until
     interactive_in_flight: int = 0  # live leases of interactive-band jobs
     filled: int = 0  # uncached prompt tokens ever granted here (locality.py's cache horizon)
+    # when the prefill of every grant so far should be done, one after another at
+    # ``queue_tokens_per_s`` (placement.py ``first_token``)
+    queue_until: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -251,6 +258,8 @@ def admit(limits: Limits, state: LimitState, cost: Cost, now: float) -> None:
     state.long_in_flight += 1 if cost.long else 0
     state.interactive_in_flight += 1 if cost.interactive else 0
     state.filled += cost.uncached_tokens
+    if limits.queue_tokens_per_s > 0:
+        state.queue_until = max(now, state.queue_until) + cost.uncached_tokens / limits.queue_tokens_per_s
     if cost.long_prefill and limits.long_prefill_tokens_per_s > 0:
         if now >= state.prefill_until:
             state.prefill_longs = 0

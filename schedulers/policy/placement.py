@@ -17,11 +17,18 @@ to hold its longest cached prefix) unless the hint is loaded past both imbalance
 against the least loaded (more than ``balance_abs_seqs`` sequences more, and a load above
 ``balance_rel`` times its load: SGLang's two thresholds), else the least loaded; load =
 max(in flight / max_num_seqs, reserved KV / KV budget), ties by the settings' order.
-``least_loaded`` ignores the hint; ``round_robin`` takes the first usable backend after the one
-of the last grant (``Routing.last``; the benchmark's baselines). A candidate no backend can take
-is passed over and the next one is tried, so a full backend never stalls another; its reason is
-the one of its *best* backend: the least loaded whose gate passes (else the least loaded), ties
-by order.
+``first_token`` takes the backend expected to give the candidate its first token soonest: the
+prefill the fleet granted there and that should not be done yet (every grant adds its uncached
+tokens / the server's prefill rate, ``queue_tokens_per_s``, one after another: ``queue_until``),
+plus the candidate's own tokens that miss the cache there (its uncached tokens on its hint, its
+whole prompt elsewhere), ties by load then order, with the same imbalance guard against the
+least loaded (a backend with no rate falls back to ``fleet``'s rule): the cached prefix and the
+line of prefills before it weighed in one figure, as NVIDIA Dynamo's KV router weighs the blocks
+to prefill against the load. ``least_loaded`` ignores the hint; ``round_robin`` takes the first
+usable backend after the one of the last grant (``Routing.last``; the benchmark's baselines). A
+candidate no backend can take is passed over and the next one is tried, so a full backend never
+stalls another; its reason is the one of its *best* backend: the least loaded whose gate passes
+(else the least loaded), ties by order.
 
 The head-of-line reservation (limits.py: ``hol_bypass_s``) is per backend. A backend's *head* is
 the first candidate in fair order whose mask names it. A head no backend takes reserves its best
@@ -39,12 +46,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from schedulers.policy.fairshare import Head
 from schedulers.policy.limits import RESERVING_REASONS, Cost, Limits, LimitState, check_global, check_job
 
 NO_BACKEND = "no_backend"
-POLICIES = ("fleet", "least_loaded", "round_robin")
+POLICIES = ("fleet", "first_token", "least_loaded", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -102,14 +110,27 @@ def load(view: BackendView) -> float:
     return max(seqs, kv)
 
 
+def first_token_s(view: BackendView, uncached: int, now: float) -> float:
+    """When a prompt with ``uncached`` tokens missing this backend's cache would get its first
+    token if sent now, in seconds from now: the prefill the fleet sent it before and that is not
+    done yet (``queue_until``), then its own (module docstring, ``first_token``)."""
+    rate = view.limits.queue_tokens_per_s
+    return max(0.0, view.state.queue_until - now) + uncached / rate
+
+
 def pick(views: Sequence[BackendView], usable: Sequence[int], hint: int | None,
-         routing: Routing = Routing()) -> int:
+         routing: Routing = Routing(), first_token: Callable[[int], float] | None = None) -> int:
     """The backend a candidate whose prefix is expected on ``hint`` goes to among ``usable``
-    (the backends that can take it, in the settings' order): module docstring."""
+    (the backends that can take it, in the settings' order): module docstring. ``first_token(b)``:
+    the candidate's ``first_token_s`` on backend b (the ``first_token`` policy)."""
     if routing.policy == "round_robin":
         after = [b for b in usable if b > routing.last]
         return after[0] if after else usable[0]
     least = min(usable, key=lambda b: (load(views[b]), b))
+    timed = first_token is not None and all(views[b].limits.queue_tokens_per_s > 0 for b in usable)
+    if routing.policy == "first_token" and first_token is not None and timed:
+        soonest = min(usable, key=lambda b: (first_token(b), load(views[b]), b))
+        return least if soonest != least and imbalanced(views[soonest], views[least], routing) else soonest
     if routing.policy == "least_loaded" or hint is None or hint not in usable or hint == least:
         return least
     return least if imbalanced(views[hint], views[least], routing) else hint
@@ -172,7 +193,8 @@ def place(
             for b in tried:
                 if not headed[b]:
                     views[b].state.blocked_job = None
-            return Placement(index, pick(views, usable, head.hint, routing))
+            first_token = partial(_first_token, views, costs, index, now)
+            return Placement(index, pick(views, usable, head.hint, routing, first_token))
         soonest = _soonest(soonest, [retry for _why, retry in verdicts.values()])
         target = best(views, tried)
         why = verdicts[target][0]
@@ -185,6 +207,12 @@ def place(
         if all(closed):
             break
     return Placement(None, reason=first_reason, retry_in_s=soonest)
+
+
+def _first_token(views: Sequence[BackendView], costs: Callable[[int, int], Cost], index: int, now: float,
+                 backend: int) -> float:
+    """Candidate ``index``'s ``first_token_s`` on ``backend``."""
+    return first_token_s(views[backend], costs(index, backend).uncached_tokens, now)
 
 
 def _soonest(soonest: float | None, retries: Sequence[float | None]) -> float | None:

@@ -352,7 +352,8 @@ class RedisStore:
         args += [routing.policy, routing.balance_abs_seqs, repr(routing.balance_rel)]
         args += [repr(backend.charge_per_token) for backend in config.backends]
         args += [config.locality.lookahead, repr(config.locality.max_wait_s),
-                 *(backend.limits.cache_tokens for backend in config.backends)]
+                 *(backend.limits.cache_tokens for backend in config.backends),
+                 *(repr(backend.limits.queue_tokens_per_s) for backend in config.backends)]
         quotas = [(name, quota) for name, quota in sorted(config.quotas.items()) if quota.limited]
         windows = Windows.at(now)
         args += [len(quotas), windows.minute, repr(windows.minute_end), windows.day, repr(windows.day_end),

@@ -189,6 +189,30 @@ def test_uncached_tokens_count_on_the_hint_backend_only(make_store: StoreFactory
     assert result.grant is None and result.hold_reason == "bucket"
 
 
+@pytest.mark.parametrize(("policy", "expected"), [("fleet", "gpu-a"), ("first_token", "gpu-b")])
+def test_first_token_weighs_the_cached_prefix_against_the_prefills_before_it(
+        make_store: StoreFactory, policy: str, expected: str) -> None:
+    """Both servers prefill 1,000 tokens/s. gpu-a was just sent a 9,000-token report (its prefill
+    runs until NOW + 9 s). A 9,000-token prompt cached on gpu-a but for 2,000 tokens would get its
+    first token there in 9 + 2 = 11 s, on gpu-b in 9 s: first_token sends it to gpu-b, the fleet
+    rule to its hint."""
+    config = backends(4, 4, b0_queue_tokens_per_s=1_000.0, b1_queue_tokens_per_s=1_000.0)
+    store = make_store(replace(config, routing=Routing(policy=policy)))
+    store.add_pending(job("r0", prompt=9_000, new=0, eligible=1, uncached_tokens=9_000))
+    assert granted(store) == [("r0", "gpu-a")]
+    store.add_pending(job("c1", project="b", prompt=9_000, eligible=3, hint=0, uncached_tokens=2_000))
+    assert granted(store) == [("c1", expected)]
+
+
+def test_first_token_keeps_a_job_on_its_cached_prefix_when_that_is_sooner(make_store: StoreFactory) -> None:
+    config = backends(4, 4, b0_queue_tokens_per_s=1_000.0, b1_queue_tokens_per_s=1_000.0)
+    store = make_store(replace(config, routing=Routing(policy="first_token")))
+    store.add_pending(job("r0", prompt=3_000, new=0, eligible=1, uncached_tokens=3_000))  # gpu-a busy 3 s
+    assert granted(store) == [("r0", "gpu-a")]
+    store.add_pending(job("c1", project="b", prompt=9_000, eligible=3, hint=0, uncached_tokens=1_000))
+    assert granted(store) == [("c1", "gpu-a")]  # 3 + 1 s there against 9 s on gpu-b
+
+
 def test_least_loaded_ignores_the_hint(make_store: StoreFactory) -> None:
     store = make_store(replace(backends(4, 4), routing=Routing(policy="least_loaded")))
     for i in range(3):

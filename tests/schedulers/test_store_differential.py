@@ -91,6 +91,8 @@ small_limits = st.builds(
     short_job_s=st.sampled_from([0.0, 0.0, 2.0, 60.0]),
     # the prefix cache's room (locality): none, a few jobs' worth, many
     cache_tokens=st.sampled_from([0, 6_000, 30_000]),
+    # the first_token routing's prefill rate: none (the fleet rule), slow, fast
+    queue_tokens_per_s=st.sampled_from([0.0, 2_000.0, 20_000.0]),
 )
 NAMES = ("gpu-a", "gpu-b", "small")
 # Backends beside the first: another block size and long threshold now and then (the queues are
@@ -120,7 +122,7 @@ quota_specs = st.builds(
     cost_cached=st.sampled_from([1.0, 0.5]), cost_output=st.sampled_from([1.0, 2.0]))
 quota_maps = st.one_of(st.just({}), st.dictionaries(st.sampled_from(PROJECTS), quota_specs, min_size=1, max_size=2))
 routings = st.builds(
-    Routing, policy=st.sampled_from(["fleet", "fleet", "least_loaded", "round_robin"]),
+    Routing, policy=st.sampled_from(["fleet", "fleet", "first_token", "first_token", "least_loaded", "round_robin"]),
     balance_abs_seqs=st.sampled_from([0, 1, 4]), balance_rel=st.sampled_from([1.0, 1.5]))
 # which of a queue's first jobs goes (schedulers/policy/locality.py): mostly off in ``configs``
 localities = st.builds(Locality, lookahead=st.sampled_from([1, 1, 2, 4]), max_wait_s=st.sampled_from([0.0, 0.0, 20.0]))
@@ -408,6 +410,20 @@ class LocalityDifferential(Differential):
             self.both("add_pending", item)
 
 
+class FirstTokenDifferential(Differential):
+    """The same machine on two or three backends under the ``first_token`` routing, every backend
+    with a prefill rate (placement.first_token_s: the queue of prefills it was sent)."""
+
+    @initialize(config=configs.filter(lambda config: len(config.backends) > 1),
+                rate=st.sampled_from([1_000.0, 5_000.0]), balance=st.sampled_from([0, 4]))
+    def start(self, config: StoreConfig, rate: float, balance: int) -> None:  # type: ignore[override]
+        more = tuple(replace(b, limits=replace(b.limits, queue_tokens_per_s=rate * (i + 2)))
+                     for i, b in enumerate(config.more_backends))
+        Differential.start(self, replace(config, more_backends=more,
+                                         limits=replace(config.limits, queue_tokens_per_s=rate),
+                                         routing=Routing("first_token", balance_abs_seqs=balance)))
+
+
 def test_memory_and_redis_stores_agree(key_prefix: str) -> None:
     _agree(Differential, key_prefix)
 
@@ -425,6 +441,11 @@ def test_memory_and_redis_stores_agree_across_backends(key_prefix: str) -> None:
 def test_memory_and_redis_stores_agree_with_locality(key_prefix: str) -> None:
     """Each queue offering the most cached of its first jobs still expected in the cache."""
     _agree(LocalityDifferential, key_prefix)
+
+
+def test_memory_and_redis_stores_agree_on_first_token_routing(key_prefix: str) -> None:
+    """Each candidate on the backend expected to give its first token soonest."""
+    _agree(FirstTokenDifferential, key_prefix)
 
 
 def _agree(base: type[Differential], key_prefix: str) -> None:

@@ -40,7 +40,8 @@
 --       balance_rel (placement.Routing); then each backend's charge_per_token (b = 0 .. m: the
 --       fair-share tokens one of its tokens counts for); then the locality
 --       (schedulers/policy/locality.py): lookahead, max_wait_s, each backend's cache_tokens
---       (b = 0 .. m); then the quotas (schedulers/policy/
+--       (b = 0 .. m); then each backend's queue_tokens_per_s (b = 0 .. m: the first_token
+--       policy's prefill rate, placement.first_token_s); then the quotas (schedulers/policy/
 --       quota.py): nq (projects with one), the windows of `now` (minute, its end, day YYYYMMDD,
 --       its end, month YYYYMM, its end), and 9 per such project: its name, tokens_per_minute,
 --       requests_per_minute, tokens_per_day, tokens_per_month, max_in_flight (0: no limit),
@@ -103,7 +104,10 @@ for b = 0, m do backends[b].charge = tonumber(ARGV[23 + 13 * m + b]) end
 -- room; with it, each backend's `filled` count (the state's `filled`, `filled:<b>`)
 local lookahead, max_wait = tonumber(ARGV[24 + 14 * m]), tonumber(ARGV[25 + 14 * m])
 local filled = {}
-for b = 0, m do backends[b].cache = tonumber(ARGV[26 + 14 * m + b]) end
+for b = 0, m do
+  backends[b].cache = tonumber(ARGV[26 + 14 * m + b])
+  backends[b].queue_rate = tonumber(ARGV[27 + 15 * m + b])  -- placement.first_token_s's rate
+end
 if lookahead > 1 then
   local fields = {'filled'}
   for b = 1, m do fields[#fields + 1] = 'filled:' .. b end
@@ -114,7 +118,7 @@ local rr_last = -1
 if policy == 'round_robin' then rr_last = num(redis.call('HGET', st, 'rr'), -1) end
 
 -- quotas: by project, with their window keys (schedulers/policy/quota.py)
-local q0 = 27 + 15 * m
+local q0 = 28 + 16 * m
 local nq = tonumber(ARGV[q0])
 local win = {minute = ARGV[q0 + 1], minute_end = tonumber(ARGV[q0 + 2]), day = ARGV[q0 + 3],
   day_end = tonumber(ARGV[q0 + 4]), month = ARGV[q0 + 5], month_end = tonumber(ARGV[q0 + 6])}
@@ -419,7 +423,27 @@ local function pick(usable, c)
     local l = load(backends[b])
     if not least or l < least_load then least, least_load = b, l end
   end
-  if policy ~= 'fleet' or c.hint == nil or c.hint == least then return least end
+  if policy == 'first_token' then  -- placement.first_token_s, when every usable backend has a rate
+    local timed = true
+    for _, b in ipairs(usable) do timed = timed and backends[b].queue_rate > 0 end
+    if timed then
+      local soonest, soonest_key = nil, nil
+      for _, b in ipairs(usable) do
+        local B = backends[b]
+        local _, _, _, uncached = cost(B, c)
+        local key = {math.max(0, B.queue_until - now) + uncached / B.queue_rate, load(B), b}
+        if not soonest or key[1] < soonest_key[1] or (key[1] == soonest_key[1] and (key[2] < soonest_key[2]
+            or (key[2] == soonest_key[2] and key[3] < soonest_key[3]))) then
+          soonest, soonest_key = b, key
+        end
+      end
+      if soonest == least then return least end
+      local S, L = backends[soonest], backends[least]
+      if S.in_flight - L.in_flight > balance_abs and load(S) > balance_rel * least_load then return least end
+      return soonest
+    end
+  end
+  if (policy ~= 'fleet' and policy ~= 'first_token') or c.hint == nil or c.hint == least then return least end
   local H = nil
   for _, b in ipairs(usable) do
     if b == c.hint then H = backends[b] end
@@ -457,12 +481,13 @@ local function read_backend(B)
     B.outside = num(g[3], 0)
   end
   local s = redis.call('HMGET', B.st, 'in_flight', 'kv', 'long', 'bucket', 'bucket_at', 'last_admit',
-    'blocked_job', 'blocked_since', 'prefill_until', 'prefill_longs', 'inter')
+    'blocked_job', 'blocked_since', 'prefill_until', 'prefill_longs', 'inter', 'queue_until')
   B.in_flight, B.kv_used, B.long_used = num(s[1], 0), num(s[2], 0), num(s[3], 0)
   B.bucket, B.bucket_at, B.last_admit = num(s[4], nil), num(s[5], nil), num(s[6], nil)
   B.blocked_job, B.blocked_since = s[7], num(s[8], 0)
   B.prefill_until, B.prefill_longs = num(s[9], 0), num(s[10], 0)
   B.inter = num(s[11], 0)
+  B.queue_until = num(s[12], 0)
   B.read = true
 end
 
@@ -551,7 +576,7 @@ local function decide(cands)
         return not why
       end
       local chosen = nil
-      if policy == 'round_robin' then
+      if policy == 'round_robin' or policy == 'first_token' then
         local usable = {}
         for _, b in ipairs(tried) do
           if verdict(b) then usable[#usable + 1] = b end
@@ -637,6 +662,10 @@ local function grant(c, top, b)
   if policy == 'round_robin' then
     rr_last = b
     redis.call('HSET', st, 'rr', b)
+  end
+  if policy == 'first_token' and B.queue_rate > 0 then  -- limits.admit's queue_until
+    B.queue_until = math.max(now, B.queue_until) + uncached / B.queue_rate
+    redis.call('HSET', B.st, 'queue_until', fmt(B.queue_until))
   end
   local V = math.max(num(redis.call('HGET', st, 'vtime'), 0), tags[top.project])
   local start = math.max(V, tags[c.project])
