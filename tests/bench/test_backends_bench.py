@@ -41,8 +41,8 @@ def test_the_routing_comparison_runs_real_fleets_and_accounts_for_every_job(redi
     of either fleet is left behind."""
     client = redis.Redis.from_url(redis_url)
     runs = routing_bench(redis_url, sizes=(2,), loads=(0.5,), seats=4, duration_s=6.0, speed=40.0,
-                         policies=("least_loaded", "fleet"), one_server=True)
-    assert [r.policy for r in runs] == ["one server", "least_loaded", "fleet"]
+                         policies=("least_loaded", "fleet", "first_token"), one_server=True)
+    assert [r.policy for r in runs] == ["one server", "least_loaded", "fleet", "first_token"]
     for run in runs:
         assert run.jobs > 0 and run.lost == 0, run
         assert 0.0 < run.hit_rate < 1.0 and run.ttft_p90 >= run.ttft_p50 > 0 and run.tokens_per_s > 0, run
@@ -56,6 +56,6 @@ def test_the_routing_comparison_runs_real_fleets_and_accounts_for_every_job(redi
         assert sorted(run.per_backend) == ["gpu-a", "gpu-b"] and sum(run.per_backend.values()) == run.jobs
     assert list(runs[0].per_backend) == ["gpu-a"]
     table = markdown(runs)
-    assert table.count("\n") == 4 and "| 2 | 50% | fleet |" in table
+    assert table.count("\n") == 5 and "| 2 | 50% | fleet |" in table and "| 2 | 50% | first_token |" in table
     for run in runs:
         assert run.prefix and not list(client.scan_iter(match=f"{run.prefix}*"))
