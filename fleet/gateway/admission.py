@@ -216,13 +216,14 @@ class Admission:
                     enqueued_at: float) -> Ticket:
         self.forget(job_id)
         fence = int(grant["fence"])
-        claimed = grant["claimed"] if "claimed" in grant else await self.run(
-            self.store.claim, job_id, fence, self.owner, time.time())
-        if not claimed:
+        backend: str | None = str(grant.get("backend") or "")  # claimed by GATEWAY: its own reply
+        if not grant.get("claimed"):  # a dispatcher's grant: the lease names the backend
+            backend = await self.run(self.store.claim_on, job_id, fence, self.owner, time.time())
+        if backend is None:
             if self.store.config.quota(project) is not None:
                 await self.run(self.store.settle, job_id, fence, 0)
             raise UpstreamUnavailable("the admission lease expired before the gateway claimed it")
-        return Ticket(job_id, project, fence, time.time() - enqueued_at, str(grant.get("backend") or ""))
+        return Ticket(job_id, project, fence, time.time() - enqueued_at, backend)
 
     async def release(self, ticket: Ticket) -> None:
         await self.run(self.store.release, ticket.job_id, ticket.fence)

@@ -363,17 +363,20 @@ class MemoryStore:
 
     # -- leases ------------------------------------------------------------------------------
     def claim(self, job_id: str, fence: int, owner: str, now: float) -> bool:
+        return self.claim_on(job_id, fence, owner, now) is not None
+
+    def claim_on(self, job_id: str, fence: int, owner: str, now: float) -> str | None:
         with self._lock:
             lease = self._leases.get(job_id)
             if lease is None or lease.fence != fence or lease.expires_at < now:
-                return False
+                return None
             if lease.owner is not None and lease.owner != owner:
-                return False
+                return None
             if lease.owner is None:
                 self._states[lease.backend].claimed += 1
             expires_at = now + self.config.lease_ttl_s
             self._leases[job_id] = replace(lease, owner=owner, expires_at=expires_at)
-            return True
+            return self.config.backends[lease.backend].name
 
     def renew(self, job_id: str, fence: int, now: float) -> bool:
         with self._lock:

@@ -430,8 +430,12 @@ class RedisStore:
 
     # -- leases ------------------------------------------------------------------------------
     def claim(self, job_id: str, fence: int, owner: str, now: float) -> bool:
+        return self.claim_on(job_id, fence, owner, now) is not None
+
+    def claim_on(self, job_id: str, fence: int, owner: str, now: float) -> str | None:
         keys = [self._key("lease"), self._key("leases"), self._key("state"), *self._more_states]
-        return bool(self._run("claim", keys, [job_id, fence, owner, repr(now), repr(self.config.lease_ttl_s)]))
+        on = int(self._run("claim", keys, [job_id, fence, owner, repr(now), repr(self.config.lease_ttl_s)]))
+        return None if not on else self._names[on - 1] if on <= len(self._names) else f"#{on - 1}"
 
     def renew(self, job_id: str, fence: int, now: float) -> bool:
         keys = [self._key("lease"), self._key("leases")]

@@ -279,6 +279,20 @@ def test_a_lease_frees_only_its_own_backends_counters(make_store: StoreFactory, 
         assert granted(store, NOW + 31) == [("b1", "gpu-b")]
 
 
+def test_a_claim_answers_the_backend_its_lease_was_granted_on(make_store: StoreFactory) -> None:
+    """The worker and the gateway stream to what the claim answers, not to what a task names."""
+    store = make_store(backends(1, 1, 1))
+    for i, mask in enumerate((4, 2, 1)):
+        store.add_pending(job(f"j{i}", project="abc"[i], eligible=mask))
+    assert sorted(granted(store)) == [("j0", "small"), ("j1", "gpu-b"), ("j2", "gpu-a")]
+    fences = store.lease_fences()
+    assert store.claim_on("j0", fences["j0"] + 1, "w1", NOW) is None  # a stale fence
+    assert [store.claim_on(f"j{i}", fences[f"j{i}"], "w1", NOW) for i in range(3)] == ["small", "gpu-b", "gpu-a"]
+    assert store.claim_on("j1", fences["j1"], "w1", NOW + 1) == "gpu-b"  # the same owner again
+    assert store.claim_on("j1", fences["j1"], "w2", NOW + 1) is None  # a duplicate delivery
+    assert {name: b.claimed for name, b in store.snapshot().backends.items()} == {"gpu-a": 1, "gpu-b": 1, "small": 1}
+
+
 # -- the gate per backend ---------------------------------------------------------------------
 def test_a_stale_backend_is_passed_over_and_used_again_once_fresh(make_store: StoreFactory) -> None:
     clock = FakeClock(NOW)

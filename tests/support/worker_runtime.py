@@ -44,9 +44,11 @@ LEASE_TTL_S = 5.0
 
 def runtime(sim: str, key_prefix: str, reports: dict[str, Any] | None = None,
             backend: dict[str, Any] | None = None, admission: dict[str, Any] | None = None,
-            others: dict[str, dict[str, Any]] | None = None) -> Iterator[Runtime]:
+            others: dict[str, dict[str, Any]] | None = None,
+            backends: list[str] | None = None) -> Iterator[Runtime]:
     """A worker's runtime on the test Redis and ``sim``; ``reports``: more project settings;
-    ``others``: more projects, by name, with their settings."""
+    ``others``: more projects, by name, with their settings; ``backends``: several entries of
+    these names instead of one, each ``sim`` with ``backend``'s settings."""
     cfg: Settings = load_settings(
         EXAMPLE_CONFIG, env={}, broker_url=TEST_REDIS_URL, key_prefix=key_prefix,
         backend={"url": sim, **(backend or {})},
@@ -58,6 +60,9 @@ def runtime(sim: str, key_prefix: str, reports: dict[str, Any] | None = None,
                   **{name: {"secret": f"test-{name}-{uuid.uuid4().hex}", **more}
                      for name, more in (others or {}).items()}},
     )
+    if backends:
+        entries = [cfg.backend.model_copy(update={"name": name}) for name in backends]
+        cfg = cfg.model_copy(update={"backend": entries[0], "backends": entries})
     made = Runtime(cfg)
     yield made
     made.vllm.close()

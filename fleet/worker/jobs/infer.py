@@ -77,25 +77,30 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int, backend: str = ""
 
 
 def run_turn(rt: Runtime, ref: str, project: str, fence: int, backend: str = "") -> TurnOutcome:
-    """One model turn of the job, on the backend its grant names (``backend``, '' the first). A
-    name these settings do not have (a dispatcher with other settings) runs nothing: the lease,
-    never claimed, expires and the job is admitted again (a grant given back at once would come
-    straight back to the same dispatcher)."""
+    """One model turn of the job, on the backend its lease was granted on: the claim answers it,
+    so a task naming another (``backend``, '' for any) changes nothing. A lease on a backend
+    these settings do not have (a dispatcher with other ``[[backends]]``), or a task that names
+    another backend than its lease, runs nothing: the lease, claimed and never renewed, expires
+    and the job is admitted again (a grant given back at once would come straight back to the
+    same dispatcher)."""
     store = rt.store
-    try:
-        on = rt.on_backend(backend)
-    except KeyError as exc:
-        log.error("grant of job=%s names %s: nothing run, the lease expires; the dispatcher's "
-                  "[[backends]] and this worker's differ", ref, exc)
-        return TurnOutcome("unknown-backend")
     # Claim first (it checks the fence itself: one round trip on the way to the backend); only a
     # refused claim reads the lease, to tell a stale delivery from a duplicate one.
-    if not store.claim(ref, fence, new_owner(), time.time()):
+    granted = store.claim_on(ref, fence, new_owner(), time.time())
+    if granted is None:
         if not store.lease_valid(ref, fence):
             log.info("dropped stale delivery job=%s fence=%d", ref, fence)
             return TurnOutcome("stale")
         log.info("dropped duplicate delivery job=%s fence=%d", ref, fence)
         return TurnOutcome("duplicate")
+    try:
+        if backend and backend != granted:
+            raise KeyError(f"{backend!r} in the task, {granted!r} in its lease")
+        on = rt.on_backend(granted)
+    except KeyError as exc:
+        log.error("grant of job=%s names %s: nothing run, the lease expires; the dispatcher's "
+                  "[[backends]] and this worker's differ", ref, exc)
+        return TurnOutcome("unknown-backend")
     owner, job_id = split_ref(ref)  # envelopes go to the ref's own job, whatever the task says
     if rt.results.get(ref) is not None:
         _settle_quota(rt, ref, fence, 0)

@@ -34,7 +34,7 @@ if reply[1] == 'ok' then
   for i = 4, #reply, 9 do
     if reply[i] == id then
       local fence = tostring(reply[i + 2])
-      if CLAIM(claim_keys, {id, fence, owner, now, admit_argv[2]}) == 1 then
+      if CLAIM(claim_keys, {id, fence, owner, now, admit_argv[2]}) ~= 0 then
         claimed = reply[i + 2]
       end
     end
