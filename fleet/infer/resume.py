@@ -35,7 +35,8 @@ When a continuation is not safe, the turn restarts with carry-over (``why_not`` 
 envelope's warnings say it too):
 
 - the backend's template does not open ``<think>`` in its generation prompt (``opens_think``: checked
-  once per backend and process through the server's own ``/tokenize`` and ``/detokenize``);
+  once per backend and ``PROBE_TTL_S`` in a process through the server's own ``/tokenize`` and
+  ``/detokenize``, so a server restarted with another template is seen within ten minutes);
 - the backend serves another model than the one that wrote the reasoning (never the small model
   finishing the big one's thought);
 - the prompt the next turn would send is not the one the reasoning was written for (a digest of
@@ -44,7 +45,9 @@ envelope's warnings say it too):
 - the server refuses the continuation (a 400 on the completions route, no room left for the
   answer): ``ContinuationRefused``, an upstream error, so the turn is retried as a restart.
 
-Cancel and the job's deadline are checked before each tokenizer call and bound each stream.
+Cancel and the job's deadline are checked before each tokenizer call and bound each stream; a
+tokenizer call reads for at most ``timeouts.idle_s`` (never past the job's deadline), so a server
+that hangs on ``/tokenize`` costs a continuation what a silent stream would.
 
 Token counts: ``Kept.tokens`` are the reasoning tokens kept (the server's running count when it
 sent one): what the continuation did not generate again, the attempt's ``continued_tokens``. The
@@ -73,7 +76,7 @@ from fleet.core.errors import (
 )
 from fleet.core.request import neutralise
 from fleet.infer.budget import Plan
-from fleet.infer.vllm import Delta, StreamResult, VllmClient
+from fleet.infer.vllm import PLAIN_READ_TIMEOUT_S, Delta, StreamResult, VllmClient
 
 THINK_END = "</think>"
 END_TOKENS = 8  # what "\n</think>\n\n" costs, with room to spare
@@ -120,21 +123,25 @@ def kept_only(kept: Kept) -> StreamResult:
                         thought_ended=kept["closed"], thinking_forced=kept["forced"])
 
 
-_opens: dict[str, bool] = {}
+PROBE_TTL_S = 600.0  # a backend restarted with another template is checked again within this
+_opens: dict[str, tuple[bool, float]] = {}  # key -> (verdict, monotonic time of the check)
 _opens_lock = threading.Lock()
 
 
 def opens_think(client: VllmClient, key: str) -> bool:
     """Whether the backend's chat template ends its generation prompt in an open ``<think>``
-    (checked once per ``key``, the backend, in this process; a failed check is not kept)."""
+    (checked once per ``key``, the backend, and ``PROBE_TTL_S`` in this process; a failed check
+    is not kept). The probe's calls read for at most ``timeouts.idle_s``."""
+    now = time.monotonic()
     with _opens_lock:
         known = _opens.get(key)
-    if known is not None:
-        return known
-    text = client.decode(client.render(PROBE))
+    if known is not None and now - known[1] < PROBE_TTL_S:
+        return known[0]
+    limit = min(PLAIN_READ_TIMEOUT_S, client.timeouts.idle_s)
+    text = client.decode(client.render(PROBE, timeout_s=limit), timeout_s=limit)
     found = text.rstrip(" \n").endswith("<think>")
     with _opens_lock:
-        _opens[key] = found
+        _opens[key] = (found, now)
     return found
 
 
@@ -210,18 +217,27 @@ class _Continuation:
             refused.partial = getattr(exc, "partial", None)  # type: ignore[attr-defined]
             raise refused from exc
 
-    def _encode(self, text: str) -> list[int]:
-        """``/tokenize`` of ``text``, after a check of the cancel and the deadline (the plain calls
-        have only their read timeout)."""
+    def _read_s(self) -> float:
+        """The read timeout of the next tokenizer call, after a check of the cancel and the
+        deadline: the plain one, at most ``timeouts.idle_s`` (the stream's silence limit) and the
+        time left to the job's deadline."""
         if self.cancel.is_set():
             raise Cancelled("cancelled during the continuation")
-        if self.deadline is not None and time.time() >= self.deadline:
-            raise DeadlineExceeded("the job's deadline passed during the continuation")
-        return self.client.encode(text)
+        limit = min(PLAIN_READ_TIMEOUT_S, self.client.timeouts.idle_s)
+        if self.deadline is not None:
+            left = self.deadline - time.time()
+            if left <= 0:
+                raise DeadlineExceeded("the job's deadline passed during the continuation")
+            limit = min(limit, left)
+        return limit
+
+    def _encode(self, text: str) -> list[int]:
+        """``/tokenize`` of ``text`` within ``_read_s``."""
+        return self.client.encode(text, timeout_s=self._read_s())
 
     def go(self, on_delta: Callable[[Delta], None]) -> StreamResult:
         limit = self.plan.max_model_len
-        prompt = self.client.render(self.body["messages"], self.body.get("tools"))
+        prompt = self.client.render(self.body["messages"], self.body.get("tools"), timeout_s=self._read_s())
         self.rendered = len(prompt)
         so_far = prompt + self._encode(neutralise(self.kept["reasoning"]))
         if not self.kept["closed"]:

@@ -346,6 +346,11 @@ def http_error(response: httpx.Response) -> FleetError:
     return UpstreamError(text)
 
 
+def _read_timeout(timeout_s: float | None) -> dict[str, Any]:
+    """``timeout`` for ``_call`` when a call has a read timeout of its own."""
+    return {} if timeout_s is None else {"timeout": float(max(timeout_s, 0.001))}
+
+
 def _ids(response: httpx.Response) -> list[int]:
     """The token ids of a ``/tokenize`` reply; UpstreamError for anything else."""
     try:
@@ -592,6 +597,10 @@ class VllmClient:
 
     # -- plain calls ----------------------------------------------------------------------------
     def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        # (a ``timeout`` in ``kwargs`` is a read timeout of its own; connect stays connect_s)
+        if isinstance(kwargs.get("timeout"), float):
+            kwargs["timeout"] = httpx.Timeout(kwargs["timeout"], connect=self.timeouts.connect_s,
+                                              pool=self.timeouts.connect_s)
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
@@ -609,23 +618,25 @@ class VllmClient:
             body["tools"] = tools
         return int(self._call("POST", "/tokenize", json=body).json()["count"])
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-               ) -> list[int]:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               timeout_s: float | None = None) -> list[int]:
         """The token ids of a chat request's prompt as the server's template renders it, up to
-        and with the generation prompt (``POST /tokenize``)."""
+        and with the generation prompt (``POST /tokenize``). ``timeout_s``: the read timeout of
+        this call (else the plain one)."""
         body: dict[str, Any] = {"model": self.model, "messages": messages,
                                 "add_generation_prompt": True}
         if tools:
             body["tools"] = tools
-        return _ids(self._call("POST", "/tokenize", json=body))
+        return _ids(self._call("POST", "/tokenize", json=body, **_read_timeout(timeout_s)))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, timeout_s: float | None = None) -> list[int]:
         """The token ids of plain ``text`` (no special tokens added)."""
         body = {"model": self.model, "prompt": text, "add_special_tokens": False}
-        return _ids(self._call("POST", "/tokenize", json=body))
+        return _ids(self._call("POST", "/tokenize", json=body, **_read_timeout(timeout_s)))
 
-    def decode(self, tokens: list[int]) -> str:
-        response = self._call("POST", "/detokenize", json={"model": self.model, "tokens": tokens})
+    def decode(self, tokens: list[int], timeout_s: float | None = None) -> str:
+        response = self._call("POST", "/detokenize", json={"model": self.model, "tokens": tokens},
+                              **_read_timeout(timeout_s))
         try:
             return str(response.json()["prompt"])
         except (ValueError, KeyError, TypeError) as exc:

@@ -4,14 +4,15 @@ sends, what it counts when it is cut again, and what it keeps for the next one."
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from fleet.core.config import WatcherSettings
-from fleet.core.errors import FleetError
+from fleet.core.config import TimeoutSettings, WatcherSettings
+from fleet.core.errors import Cancelled, DeadlineExceeded, FleetError
 from fleet.infer import resume
 from fleet.infer.budget import Plan
 from fleet.infer.loopwatch import LoopWatcher
@@ -133,3 +134,33 @@ def test_a_cancel_stops_the_continuation_before_its_next_request(client: VllmCli
         resume.resume_turn(client, body_of(text), kept, plan(), "a", lambda d: None, cancel, None)
     assert caught.value.code == Code.E_CANCELLED
     assert caught.value.partial.reasoning == KEPT_TEXT  # type: ignore[attr-defined]
+
+
+def test_a_tokenizer_call_reads_no_longer_than_a_silent_stream_may_last_nor_past_the_deadline(
+        sim: SimProcess) -> None:
+    cancel = threading.Event()
+    with VllmClient(sim.base_url, "local", timeouts=TimeoutSettings(idle_s=4.0)) as quick:
+        body = body_of("What is the total?")
+        run = resume._Continuation(quick, body, kept_of("What is the total?", quick), plan(), cancel, None)
+        assert run._read_s() == 4.0  # idle_s, below the plain 30 s
+        run.deadline = time.time() + 1.5
+        assert 0 < run._read_s() <= 1.5  # the time left to the deadline
+        assert run._encode("fourteen")  # a real call within that bound
+        run.deadline = time.time() - 1
+        with pytest.raises(DeadlineExceeded):
+            run._encode("fourteen")
+        run.deadline = None
+        cancel.set()
+        with pytest.raises(Cancelled):
+            run._encode("fourteen")
+
+
+def test_the_template_check_is_made_again_once_it_is_older_than_its_ttl(
+        client: VllmClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = f"ttl-{time.monotonic()}"
+    assert resume.opens_think(client, key) is True  # fleet sim's template opens <think>
+    first = resume._opens[key]
+    assert resume.opens_think(client, key) is True and resume._opens[key] == first  # kept
+    monkeypatch.setattr(resume, "PROBE_TTL_S", 0.0)
+    assert resume.opens_think(client, key) is True
+    assert resume._opens[key][1] > first[1]  # checked again
