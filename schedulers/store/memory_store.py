@@ -298,8 +298,11 @@ class MemoryStore:
             filled = self._states[b].filled if b < len(self._states) else 0
             cache = self.config.backends[b].limits.cache_tokens if b < len(self._states) else 0
             cached.append(locality.fresh_cached(item.prompt_tokens, uncached, e.fill, filled, cache))
-        chosen = line[locality.choose(cached, now - first.item.enqueued_at, self.config.locality)]
-        return replace(_head(chosen, band), line_score=first.score, line_enqueued_at=first.item.enqueued_at)
+        at = locality.choose(cached, now - first.item.enqueued_at, self.config.locality)
+        head = replace(_head(line[at], band), line_score=first.score, line_enqueued_at=first.item.enqueued_at)
+        # a prefix evicted since it was queued is a whole prompt to compute again, for the quiet
+        # long prefills, the prefill bucket and first_token alike
+        return replace(head, uncached_tokens=head.prompt_tokens) if cached[at] == 0 else head
 
     def _heads(self, now: float) -> list[fairshare.Head]:
         views: dict[str, list[fairshare.Head]] = {}

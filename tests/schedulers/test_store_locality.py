@@ -77,6 +77,22 @@ def test_an_estimate_goes_stale_once_the_cache_took_in_its_room(make_store: Stor
     assert grant(store, 1_010.0)[0] == "j2"
 
 
+def test_a_stale_estimate_is_a_whole_prompt_to_the_prefill_limits(make_store: StoreFactory) -> None:
+    """j1's 3,000 cached tokens went stale while it waited: its grant takes 3,000 tokens from the
+    prefill bucket (its whole prompt, computed again), so j2's 2,000 uncached wait for the refill;
+    counted by the estimate made at queue time, j1 would have taken nothing and j2 gone at once."""
+    base = config(lookahead=4, seqs=4)
+    store = make_store(replace(base, limits=replace(base.limits, prefill_tokens_per_s=1.0,
+                                                     prefill_burst_tokens=10_000)))
+    store.add_pending(job("j1", prompt=3_000, uncached_tokens=0))
+    store.add_pending(ijob("x5", project="b", prompt=6_000, uncached_tokens=6_000))  # bucket 10,000 -> 4,000
+    release_all(store, [x := grant(store, 1_010.0)])
+    assert x[0] == "x5"
+    assert grant(store, 1_010.0)[0] == "j1"  # bucket 4,000 -> 1,000
+    store.add_pending(job("j2", project="c", prompt=3_000, uncached_tokens=2_000))
+    assert store.admit_next(1_010.0).hold_reason == "bucket"
+
+
 def test_a_cached_estimate_within_the_room_holds(make_store: StoreFactory) -> None:
     store = make_store(config(lookahead=4))
     store.add_pending(job("j1", prompt=3_000, uncached_tokens=0))

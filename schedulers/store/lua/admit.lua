@@ -277,7 +277,13 @@ local function read_heads(pr)
         if admit_head then top = admit_head(queue, pr.name, band, size, g.elig)
         else top = redis.call('ZRANGE', queue, 0, lookahead - 1, 'WITHSCORES') end
         local line = {}
-        for i = 1, #top, 2 do line[#line + 1] = member(top[i], top[i + 1], queue, band, size, g, pr) end
+        for i = 1, #top, 2 do
+          local c = member(top[i], top[i + 1], queue, band, size, g, pr)
+          -- locality: a prefix evicted since it was queued is a whole prompt to compute again,
+          -- for the quiet long prefills, the prefill bucket and first_token alike
+          if lookahead > 1 and fresh_cached(c) == 0 then c.uncached = c.prompt end
+          line[#line + 1] = c
+        end
         g.lines[2 * (b - 1) + z] = line
         if line[1] then g.any = true end
       end
