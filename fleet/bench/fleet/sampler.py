@@ -37,6 +37,7 @@ class Sampler:
         self.http.close()
 
     def _run(self) -> None:
+        missed = 0  # samples missed in a row: a simulator or Redis killed by a round is one line
         while not self._stop.is_set():
             try:
                 stats = self.http.get("/sim/stats").json()
@@ -46,8 +47,13 @@ class Sampler:
                     stats["pending"] = sum(sum(b.values()) for b in snap.pending.values())
                 stats["t"] = time.time()
                 self.samples.append(stats)
+                if missed:
+                    log.warning("sampler: back after %d samples missed", missed)
+                missed = 0
             except (httpx.HTTPError, redis.RedisError) as exc:
-                log.warning("sampler: %s", exc)
+                if not missed:
+                    log.warning("sampler: %s (no more lines until it answers again)", exc)
+                missed += 1
             self._stop.wait(self.interval_s)
 
     def between(self, t0: float, t1: float) -> list[dict[str, Any]]:
