@@ -24,9 +24,13 @@ held by running sequences are not free for others, so the real horizon is shorte
 The price: a job passed over in its line waits longer. At most K - 1 later jobs of its own queue
 can pass it at each grant, and only jobs of its own project: another project's share or wait does
 not move. ``locality_max_wait_s`` bounds it: a queue whose first job has waited that long offers
-it, cached or not (0: no bound).
+it, cached or not (0: no bound). The aging time (``admission.aging_s``) bounds it too, whatever
+that setting: a queue's age is its first job's, and a batch line whose first job has aged ranks
+with the interactive work (fairshare.tier), so that first job is the one it offers. Otherwise a
+project could keep one old uncached job at the head of its line and have the cached jobs behind it
+ride its age ahead of other projects' batch work for as long as it liked.
 
-Pure functions; the Redis store's admission script repeats them (admit.lua ``read_heads``), the
+Pure functions; the Redis store's admission script repeats them (admit.lua ``choose``), the
 in-memory twin calls them, the differential test keeps them equal.
 """
 
@@ -66,13 +70,15 @@ def fresh_cached(prompt: int, uncached: int, fill: int, filled: int, cache_token
     return cached
 
 
-def choose(cached: Sequence[int], first_waited_s: float, locality: Locality) -> int:
+def choose(cached: Sequence[int], first_waited_s: float, locality: Locality, aging_s: float = 0.0) -> int:
     """Which of a queue's first jobs (in line order; ``cached``: each one's ``fresh_cached``)
     goes: the index of the most cached, the first of equals; the first when it has waited
-    ``max_wait_s``."""
+    ``max_wait_s`` or ``aging_s`` (module docstring; 0: no such bound)."""
     if not cached:
         raise ValueError("choose needs at least one job")
     if locality.max_wait_s > 0 and first_waited_s >= locality.max_wait_s:
+        return 0
+    if aging_s > 0 and first_waited_s >= aging_s:
         return 0
     best = 0
     for i, c in enumerate(cached):

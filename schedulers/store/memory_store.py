@@ -283,14 +283,18 @@ class MemoryStore:
         b = locality.cache_backend(item.eligible, item.hint)
         return self._states[b].filled if b < len(self._states) else 0
 
-    def _offered(self, heap: list[tuple[float, str]], band: str, now: float) -> fairshare.Head | None:
+    def _offered(self, key: QueueKey, heap: list[tuple[float, str]], band: str,
+                 now: float) -> fairshare.Head | None:
         """The job a queue offers: its first, or with locality the most cached of its first
         ``lookahead`` (locality.choose)."""
-        first = self._top(heap)
+        first = self._top(key, heap)
         if first is None or not self.config.locality.on:
             return None if first is None else _head(first, band)
-        valid = (pair for pair in heap if (e := self._pending.get(pair[1])) is not None and e.score == pair[0])
-        line = [self._pending[job_id] for _, job_id in heapq.nsmallest(self.config.locality.lookahead, valid)]
+        # each job once, in the queue it is in now (a job put back in line with its old score is
+        # pushed again: its older pair, here or in the queue it left, is not a second entry)
+        valid = {pair for pair in heap if self._live(key, pair)}
+        valid_first = heapq.nsmallest(self.config.locality.lookahead, valid)
+        line = [self._pending[job_id] for _, job_id in valid_first]
         cached = []
         for e in line:
             item, b = e.item, locality.cache_backend(e.item.eligible, e.item.hint)
@@ -298,7 +302,7 @@ class MemoryStore:
             filled = self._states[b].filled if b < len(self._states) else 0
             cache = self.config.backends[b].limits.cache_tokens if b < len(self._states) else 0
             cached.append(locality.fresh_cached(item.prompt_tokens, uncached, e.fill, filled, cache))
-        at = locality.choose(cached, now - first.item.enqueued_at, self.config.locality)
+        at = locality.choose(cached, now - first.item.enqueued_at, self.config.locality, self.config.aging_s)
         head = replace(_head(line[at], band), line_score=first.score, line_enqueued_at=first.item.enqueued_at)
         # a prefix evicted since it was queued is a whole prompt to compute again, for the quiet
         # long prefills, the prefill bucket and first_token alike
@@ -306,8 +310,9 @@ class MemoryStore:
 
     def _heads(self, now: float) -> list[fairshare.Head]:
         views: dict[str, list[fairshare.Head]] = {}
-        for (project, band, _size, _mask), heap in self._queues.items():
-            head = self._offered(heap, band, now)
+        for key, heap in self._queues.items():
+            project, band = key[0], key[1]
+            head = self._offered(key, heap, band, now)
             if head is not None:
                 views.setdefault(project, []).append(head)
         snapshot = fairshare.FairSnapshot(
@@ -325,14 +330,21 @@ class MemoryStore:
         )
         return fairshare.order(snapshot, self.config.aging_s)
 
-    def _top(self, heap: list[tuple[float, str]]) -> _Entry | None:
+    def _top(self, key: QueueKey, heap: list[tuple[float, str]]) -> _Entry | None:
         while heap:
-            score, job_id = heap[0]
-            entry = self._pending.get(job_id)
-            if entry is not None and entry.score == score:
-                return entry
+            if self._live(key, heap[0]):
+                return self._pending[heap[0][1]]
             heapq.heappop(heap)
         return None
+
+    def _live(self, key: QueueKey, pair: tuple[float, str]) -> bool:
+        """Is (score, job id) of queue ``key`` the job's place now (pending, with that score, in
+        that queue)?"""
+        entry = self._pending.get(pair[1])
+        if entry is None or entry.score != pair[0]:
+            return False
+        item = entry.item
+        return (item.project, item.band, entry.size, item.eligible) == key
 
     def _grant(
         self, top: fairshare.Head, head: fairshare.Head, cost: limits.Cost, backend: int, now: float

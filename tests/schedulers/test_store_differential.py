@@ -366,6 +366,28 @@ class Differential(RuleBasedStateMachine):
             mine, theirs = (sorted(store.waiting_items(project)) for store in (self.memory, self.redis))
             assert mine == theirs, f"waiting_items({project}): memory {mine} != redis {theirs}"
         assert self.redis.recount() == {}  # each backend's counters are the sums over its leases
+        assert self.pacing(self.memory) == self.pacing(self.redis)
+
+    def pacing(self, store: MemoryStore | RedisStore) -> list[tuple[Any, ...]]:
+        """Each backend's pacing state as the store last wrote it: the prefill bucket's level and
+        window, and where they are read, the locality ``filled`` count and first_token's
+        ``queue_until`` (rounded: the Redis store writes them as decimal text)."""
+        config = store.config
+        out = []
+        for b in range(len(self.names)):
+            if isinstance(store, MemoryStore):
+                s = store._states[b]
+                got = [s.bucket_tokens, s.prefill_until, s.filled, s.queue_until]
+            else:  # (every backend's filled count lives in backend 0's hash)
+                bucket, until, queue = self.client.hmget(store._states[b], "bucket", "prefill_until", "queue_until")
+                filled = self.client.hget(store._states[0], f"filled:{b}" if b else "filled")
+                got = [None if bucket is None else float(bucket), *(float(v or 0) for v in (until, filled, queue))]
+            if not config.locality.on:
+                got[2] = None
+            if config.routing.policy != "first_token":
+                got[3] = None
+            out.append(tuple(None if v is None else round(v, 6) for v in got))
+        return out
 
 
 class QuietDifferential(Differential):

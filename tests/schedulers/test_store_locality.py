@@ -132,6 +132,56 @@ def test_which_project_goes_next_does_not_change(make_store: StoreFactory, looka
     assert [i for i in ids if i[0] == "a"] == expected_a
 
 
+def test_an_aged_first_job_goes_itself_and_lends_its_age_to_no_other(make_store: StoreFactory) -> None:
+    """Project a keeps one old uncached job at the head of its batch line and cached jobs behind
+    it. Its line's age (its first job's) ranks it with the interactive work once aged; that first
+    job is then the one the line offers, so the cached jobs behind it do not ride its age ahead of
+    project b's batch work (with locality they would take every grant a got, and b none of 16)."""
+    store = make_store(replace(config(lookahead=4, seqs=100, cache=0), aging_s=60.0,
+                               limits=replace(BASE.limits, max_num_seqs=100, kv_budget_tokens=10**9)))
+    store.add_pending(job("a_anchor", "a", prompt=1_000, uncached_tokens=1_000, enqueued_at=1_000.0))
+    for i in range(8):
+        for project in ("a", "b"):
+            store.add_pending(job(f"{project}{i}", project, prompt=1_000, uncached_tokens=10,
+                                  enqueued_at=1_095.0 + i / 100))
+        store.add_pending(ijob(f"c{i}", project="c", prompt=1_000, uncached_tokens=10, enqueued_at=1_095.0 + i / 100))
+    order = [grant(store, 1_100.0)[0] for _ in range(24)]
+    assert order[0] == "a_anchor"
+    assert [i for i in order if i[0] == "a"][:2] == ["a_anchor", "a0"]
+    # after the anchor, a's batch line is young again: b's share is as a's
+    assert sum(i[0] == "b" for i in order) >= sum(i[0] == "a" for i in order) - 2, order
+
+
+def test_a_job_put_back_in_line_is_offered_once(make_store: StoreFactory) -> None:
+    """j2, granted from behind the head and put back in line at once with its old place, is one
+    job in its queue: the next grant is j3 (the most cached now), not j2 a second time."""
+    store = make_store(config(lookahead=3, seqs=4, cache=0))
+    store.add_pending(job("j1", prompt=3_000, uncached_tokens=3_000))
+    store.add_pending(job("j2", prompt=3_000, uncached_tokens=100))
+    j2 = grant(store, 1_010.0)
+    assert j2[0] == "j2"
+    assert store.readmit("j2", j2[1], 100, 1_010.0, 1_010.0)
+    store.add_pending(job("j3", prompt=3_000, uncached_tokens=0))
+    assert grant(store, 1_011.0)[0] == "j3"
+    assert grant(store, 1_011.0)[0] == "j2"
+
+
+def test_an_estimate_gone_stale_within_one_admission_call_counts_whole(make_store: StoreFactory) -> None:
+    """One call grants x1 (6,000 uncached, past the 5,000-token room) then y1, whose 2,800 cached
+    tokens went stale with x1: y1 takes its whole 3,000-token prompt from the bucket and the
+    filled count, in both stores (Redis counted its queue-time 200 before)."""
+    base = config(lookahead=2, seqs=8)
+    store = make_store(replace(base, limits=replace(base.limits, prefill_tokens_per_s=1.0,
+                                                     prefill_burst_tokens=10_000)))
+    store.add_pending(job("y1", project="b", prompt=3_000, uncached_tokens=200, enqueued_at=1_002.0))
+    store.add_pending(ijob("x1", project="a", prompt=6_000, uncached_tokens=6_000, enqueued_at=1_001.0))
+    results = store.admit_many(1_010.0, 3)
+    assert [r.grant.job_id for r in results if r.grant] == ["x1", "y1"]
+    store.add_pending(job("z1", project="c", prompt=1_500, uncached_tokens=1_500, enqueued_at=1_003.0))
+    # bucket 10,000 - 6,000 - 3,000 = 1,000 < 1,500 (with y1's 200 it would be 3,800: z1 would go)
+    assert store.admit_next(1_010.0).hold_reason == "bucket"
+
+
 def test_cache_backend_and_fresh_cached() -> None:
     assert loc.cache_backend(0b110, None) == 1
     assert loc.cache_backend(0b110, 2) == 2
@@ -140,3 +190,5 @@ def test_cache_backend_and_fresh_cached() -> None:
     assert loc.fresh_cached(3_000, 1_000, fill=0, filled=10**9, cache_tokens=0) == 2_000
     assert loc.choose([0, 5, 5, 3], 0.0, Locality(4)) == 1
     assert loc.choose([0, 5], 31.0, Locality(4, 30.0)) == 0
+    assert loc.choose([0, 5], 59.0, Locality(4), aging_s=60.0) == 1
+    assert loc.choose([0, 5], 60.0, Locality(4), aging_s=60.0) == 0

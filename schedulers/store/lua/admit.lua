@@ -251,17 +251,29 @@ local function fresh_cached(c)
   return cached
 end
 
+-- locality: candidate c's fresh_cached, and a prefix evicted since it was queued made a whole
+-- prompt to compute again (for the quiet long prefills, the prefill bucket and first_token
+-- alike); checked at every choice, since an earlier grant of this call may have evicted it
+local function fresh(c)
+  local cached = fresh_cached(c)
+  if cached == 0 then c.uncached = c.prompt end
+  return cached
+end
+
 -- locality.choose: the one of a queue's first jobs it offers (line: them in line order); it
--- keeps the first's score and enqueue time as its queue's place and age (fairshare.Head).
+-- keeps the first's score and enqueue time as its queue's place and age (fairshare.Head). The
+-- first goes once it has waited max_wait or the aging time (a line's age is its first job's).
 local function choose(line)
   local first = line[1]
   first.line_enq, first.line_score = first.enq, first.score
-  if #line == 1 or (max_wait > 0 and now - first.enq >= max_wait) then return first end
-  local best, best_cached = first, fresh_cached(first)
+  if lookahead == 1 then return first end
+  local best, best_cached = first, fresh(first)
   for i = 2, #line do
-    local cached = fresh_cached(line[i])
+    local cached = fresh(line[i])
     if cached > best_cached then best, best_cached = line[i], cached end
   end
+  local waited = now - first.enq
+  if (max_wait > 0 and waited >= max_wait) or (aging > 0 and waited >= aging) then return first end
   best.line_enq, best.line_score = first.enq, first.score
   return best
 end
@@ -278,11 +290,7 @@ local function read_heads(pr)
         else top = redis.call('ZRANGE', queue, 0, lookahead - 1, 'WITHSCORES') end
         local line = {}
         for i = 1, #top, 2 do
-          local c = member(top[i], top[i + 1], queue, band, size, g, pr)
-          -- locality: a prefix evicted since it was queued is a whole prompt to compute again,
-          -- for the quiet long prefills, the prefill bucket and first_token alike
-          if lookahead > 1 and fresh_cached(c) == 0 then c.uncached = c.prompt end
-          line[#line + 1] = c
+          line[#line + 1] = member(top[i], top[i + 1], queue, band, size, g, pr)
         end
         g.lines[2 * (b - 1) + z] = line
         if line[1] then g.any = true end
