@@ -78,12 +78,19 @@ def infer_job(rt: Runtime, ref: str, project: str, fence: int, backend: str = ""
 
 def run_turn(rt: Runtime, ref: str, project: str, fence: int, backend: str = "") -> TurnOutcome:
     """One model turn of the job, on the backend its lease was granted on: the claim answers it,
-    so a task naming another (``backend``, '' for any) changes nothing. A lease on a backend
-    these settings do not have (a dispatcher with other ``[[backends]]``), or a task that names
-    another backend than its lease, runs nothing: the lease, claimed and never renewed, expires
-    and the job is admitted again (a grant given back at once would come straight back to the
-    same dispatcher)."""
+    so a task naming another (``backend``, '' for any) changes nothing. A task naming a backend
+    these settings do not have is not claimed (another delivery of the grant still runs it; none
+    coming, the dispatcher takes the unclaimed lease back). A lease on a backend these settings do
+    not have, or a task that names another known backend than its lease, runs nothing: the lease,
+    claimed and never renewed, expires and the job is admitted again (a grant given back at once
+    would come straight back to the same dispatcher)."""
     store = rt.store
+    # before the claim: a copy naming a backend unknown here leaves the lease to a delivery that
+    # knows it (or to the dispatcher's reaper of unclaimed leases)
+    if backend and backend not in {b.name for b in rt.settings.backends}:
+        log.error("task for job=%s names backend %r, which this worker's [[backends]] do not have: "
+                  "nothing run, not claimed", ref, backend)
+        return TurnOutcome("unknown-backend")
     # Claim first (it checks the fence itself: one round trip on the way to the backend); only a
     # refused claim reads the lease, to tell a stale delivery from a duplicate one.
     granted = store.claim_on(ref, fence, new_owner(), time.time())
