@@ -1,7 +1,8 @@
 """The backend a turn streams to is the one its lease was granted on (the claim answers it), not
 the one its task names: a task naming another backend (a dispatcher with other ``[[backends]]``,
 or a message written by anyone but a dispatcher) sends nothing; its lease expires and the job is
-admitted again and runs. A task naming a backend the worker does not have claims nothing. One process with the real pieces (Redis store, records, ``fleet sim``).
+admitted again and runs. A task naming a backend the worker does not have claims nothing. One
+process with the real pieces (Redis store, records, ``fleet sim``).
 """
 
 from __future__ import annotations
