@@ -509,7 +509,8 @@ class _Run:
             return None
         why = None if self.s.routing.continue_cut_turns == "continue" else "routing.continue_cut_turns is restart"
         backend = self.s.backend
-        why = why or continuing.why_not(kept, body, backend.model, self.ctx.client, backend.name or backend.url)
+        why = why or continuing.why_not(kept, body, backend.model, self.ctx.client, backend.name or backend.url,
+                                        self.ctx.cancel, self.job.deadline)
         if why is None:
             self.ctx.events.emit("continue", tokens=kept["tokens"], cut_on=kept["backend"],
                                  closed=kept["closed"])

@@ -124,41 +124,83 @@ def kept_only(kept: Kept) -> StreamResult:
 
 
 PROBE_TTL_S = 600.0  # a backend restarted with another template is checked again within this
+FAILED_TTL_S = 60.0  # a check that failed this recently is not made again for the next turn
 _opens: dict[str, tuple[bool, float]] = {}  # key -> (verdict, monotonic time of the check)
+_failed: dict[str, tuple[str, float]] = {}  # key -> (why, monotonic time of the failed check)
 _opens_lock = threading.Lock()
 
 
-def opens_think(client: VllmClient, key: str) -> bool:
+def read_s(client: VllmClient, cancel: threading.Event, deadline: float | None) -> float:
+    """The read timeout of a continuation's next tokenizer call, after a check of the cancel and
+    the deadline: the plain one, at most ``timeouts.idle_s`` (the stream's silence limit) and the
+    time left to the job's deadline."""
+    if cancel.is_set():
+        raise Cancelled("cancelled during the continuation")
+    limit = min(PLAIN_READ_TIMEOUT_S, client.timeouts.idle_s)
+    if deadline is not None:
+        left = deadline - time.time()
+        if left <= 0:
+            raise DeadlineExceeded("the job's deadline passed during the continuation")
+        limit = min(limit, left)
+    return limit
+
+
+def opens_think(client: VllmClient, key: str, limit_s: float) -> bool:
     """Whether the backend's chat template ends its generation prompt in an open ``<think>``
-    (checked once per ``key``, the backend, and ``PROBE_TTL_S`` in this process; a failed check
-    is not kept). The probe's calls read for at most ``timeouts.idle_s``."""
+    (checked once per ``key``, the backend, and ``PROBE_TTL_S`` in this process). Each of the
+    probe's two calls reads for at most ``limit_s`` (``read_s``). A failed check is not kept as a
+    verdict; it is remembered for ``FAILED_TTL_S`` (``recent_failure``)."""
     now = time.monotonic()
     with _opens_lock:
         known = _opens.get(key)
     if known is not None and now - known[1] < PROBE_TTL_S:
         return known[0]
-    limit = min(PLAIN_READ_TIMEOUT_S, client.timeouts.idle_s)
-    text = client.decode(client.render(PROBE, timeout_s=limit), timeout_s=limit)
+    try:
+        text = client.decode(client.render(PROBE, timeout_s=limit_s), timeout_s=limit_s)
+    except FleetError as exc:
+        with _opens_lock:
+            _failed[key] = (exc.message, now)
+        raise
     found = text.rstrip(" \n").endswith("<think>")
     with _opens_lock:
         _opens[key] = (found, now)
+        _failed.pop(key, None)
     return found
+
+
+def recent_failure(key: str) -> str | None:
+    """Why the template check of ``key`` failed within ``FAILED_TTL_S``, or None."""
+    with _opens_lock:
+        failed = _failed.get(key)
+    if failed is None or time.monotonic() - failed[1] >= FAILED_TTL_S:
+        return None
+    return failed[0]
 
 
 NO_THINK = "the backend's chat template does not open <think> in its generation prompt"
 
 
-def why_not(kept: Kept, body: dict[str, Any], model: str, client: VllmClient, key: str) -> str | None:
+def why_not(kept: Kept, body: dict[str, Any], model: str, client: VllmClient, key: str,
+            cancel: threading.Event, deadline: float | None) -> str | None:
     """Why this turn cannot continue ``kept`` on this backend; None when it can (or when the
-    template could not be checked because the backend is away: ``resume_turn`` checks it again)."""
+    template could not be checked because the backend is away: ``resume_turn`` checks it again).
+    A check that failed within ``FAILED_TTL_S`` is a reason: the turn restarts with carry-over
+    rather than fail again on a tokenizer that does not answer."""
     if kept["model"] != model:
         return f"the backend serves {model!r}, the reasoning is {kept['model']!r}'s"
     if body.get("tools"):
         return "the turn sends tools (the completions route has no tool parser)"
     if digest(body["messages"], body.get("tools")) != kept["digest"]:
         return "the prompt changed since the reasoning was written"
+    failed = recent_failure(key)
+    if failed is not None:
+        return f"the backend's template check failed within {FAILED_TTL_S:.0f} s: {failed}"
     try:
-        if not opens_think(client, key):
+        limit = read_s(client, cancel, deadline)
+    except (Cancelled, DeadlineExceeded):  # no check: the attempt ends on it, the reasoning kept
+        return None
+    try:
+        if not opens_think(client, key, limit):
             return NO_THINK
     except FleetError as exc:
         if exc.code.retryable:  # the backend is away: the attempt fails as it would, kept intact
@@ -177,7 +219,7 @@ def resume_turn(client: VllmClient, body: dict[str, Any], kept: Kept, plan: Plan
     backend will not take it."""
     run = _Continuation(client, body, kept, plan, cancel, deadline)
     try:
-        if not opens_think(client, key):
+        if not opens_think(client, key, run.read_s()):
             raise ContinuationRefused(NO_THINK)
         return run.go(on_delta)
     except Exception as exc:
@@ -217,27 +259,17 @@ class _Continuation:
             refused.partial = getattr(exc, "partial", None)  # type: ignore[attr-defined]
             raise refused from exc
 
-    def _read_s(self) -> float:
-        """The read timeout of the next tokenizer call, after a check of the cancel and the
-        deadline: the plain one, at most ``timeouts.idle_s`` (the stream's silence limit) and the
-        time left to the job's deadline."""
-        if self.cancel.is_set():
-            raise Cancelled("cancelled during the continuation")
-        limit = min(PLAIN_READ_TIMEOUT_S, self.client.timeouts.idle_s)
-        if self.deadline is not None:
-            left = self.deadline - time.time()
-            if left <= 0:
-                raise DeadlineExceeded("the job's deadline passed during the continuation")
-            limit = min(limit, left)
-        return limit
+    def read_s(self) -> float:
+        """The next tokenizer call's read timeout (module ``read_s``)."""
+        return read_s(self.client, self.cancel, self.deadline)
 
     def _encode(self, text: str) -> list[int]:
         """``/tokenize`` of ``text`` within ``_read_s``."""
-        return self.client.encode(text, timeout_s=self._read_s())
+        return self.client.encode(text, timeout_s=self.read_s())
 
     def go(self, on_delta: Callable[[Delta], None]) -> StreamResult:
         limit = self.plan.max_model_len
-        prompt = self.client.render(self.body["messages"], self.body.get("tools"), timeout_s=self._read_s())
+        prompt = self.client.render(self.body["messages"], self.body.get("tools"), timeout_s=self.read_s())
         self.rendered = len(prompt)
         so_far = prompt + self._encode(neutralise(self.kept["reasoning"]))
         if not self.kept["closed"]:

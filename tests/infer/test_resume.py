@@ -3,6 +3,7 @@ sends, what it counts when it is cut again, and what it keeps for the next one."
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -142,9 +143,9 @@ def test_a_tokenizer_call_reads_no_longer_than_a_silent_stream_may_last_nor_past
     with VllmClient(sim.base_url, "local", timeouts=TimeoutSettings(idle_s=4.0)) as quick:
         body = body_of("What is the total?")
         run = resume._Continuation(quick, body, kept_of("What is the total?", quick), plan(), cancel, None)
-        assert run._read_s() == 4.0  # idle_s, below the plain 30 s
+        assert run.read_s() == 4.0  # idle_s, below the plain 30 s
         run.deadline = time.time() + 1.5
-        assert 0 < run._read_s() <= 1.5  # the time left to the deadline
+        assert 0 < run.read_s() <= 1.5  # the time left to the deadline
         assert run._encode("fourteen")  # a real call within that bound
         run.deadline = time.time() - 1
         with pytest.raises(DeadlineExceeded):
@@ -158,9 +159,62 @@ def test_a_tokenizer_call_reads_no_longer_than_a_silent_stream_may_last_nor_past
 def test_the_template_check_is_made_again_once_it_is_older_than_its_ttl(
         client: VllmClient, monkeypatch: pytest.MonkeyPatch) -> None:
     key = f"ttl-{time.monotonic()}"
-    assert resume.opens_think(client, key) is True  # fleet sim's template opens <think>
+    assert resume.opens_think(client, key, 30.0) is True  # fleet sim's template opens <think>
     first = resume._opens[key]
-    assert resume.opens_think(client, key) is True and resume._opens[key] == first  # kept
+    assert resume.opens_think(client, key, 30.0) is True and resume._opens[key] == first  # kept
     monkeypatch.setattr(resume, "PROBE_TTL_S", 0.0)
-    assert resume.opens_think(client, key) is True
+    assert resume.opens_think(client, key, 30.0) is True
     assert resume._opens[key][1] > first[1]  # checked again
+
+
+@pytest.fixture
+def silent() -> Iterator[str]:
+    """The URL of a server that takes connections and never answers (a hung tokenizer)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def test_a_hung_template_check_is_cut_and_the_next_turn_restarts(client: VllmClient, silent: str) -> None:
+    """The backend's tokenizer takes the check and never answers: the check ends at its read
+    limit with a retryable error (the attempt fails as a backend away would); within
+    FAILED_TTL_S the next turn does not wait on it again but restarts with carry-over."""
+    key = f"hung-{time.monotonic()}"
+    text = "What is the total?"
+    kept = kept_of(text, client)
+    with VllmClient(silent, "local", timeouts=TimeoutSettings(idle_s=0.5)) as hung:
+        assert resume.why_not(kept, body_of(text), "local", hung, key, threading.Event(), None) is None
+        why = resume.why_not(kept, body_of(text), "local", hung, key, threading.Event(), None)
+    assert why is not None and "failed within" in why, why
+    assert key not in resume._opens  # no verdict kept
+
+
+def test_a_cancelled_turn_makes_no_template_check(client: VllmClient) -> None:
+    """Cancelled (or past its deadline): no check is made and nothing speaks against continuing;
+    the continuation itself then ends E_CANCELLED with the kept reasoning (the test above)."""
+    text = "What is the total?"
+    cancel = threading.Event()
+    cancel.set()
+    for stop, deadline in ((cancel, None), (threading.Event(), time.time() - 1)):
+        key = f"stopped-{time.monotonic()}"
+        assert resume.why_not(kept_of(text, client), body_of(text), "local", client, key, stop, deadline) is None
+        assert key not in resume._opens and resume.recent_failure(key) is None
