@@ -314,7 +314,14 @@ def oracle_hit_rate(logs: list[list[dict[str, Any]]], pool_tokens: int, block_to
     prefix cache (fleet/sim/kvcache.py ``PrefixCache``: whole blocks, least recently used over
     ``pool_tokens``), sent to the server whose cache holds its longest prefix (ties: the one that
     took the fewest requests so far, then the first): every cache known exactly, load ignored.
-    Returns (hits / queries in tokens, as the simulators count them; requests placed)."""
+    Returns (hits / queries in tokens, as the simulators count them; requests placed).
+
+    A greedy reference, not an upper bound: placing a request where it hits most now can evict
+    what a later one would have hit (two caches of 4 blocks, prompts sharing prefixes in the
+    order B B C D A A D: greedy 0.333, the best placement 0.381, by exhaustive search), it ignores
+    time (the simulator counts a hit at prefill, the greedy one at arrival), and each run's
+    reference is over that run's own requests, so a policy can score above it and two policies'
+    shares do not share a denominator."""
     entries = sorted((e for log in logs for e in log if "blocks" in e), key=lambda e: e["received_at"])
     caches = [PrefixCache(pool_tokens // block_tokens, block_tokens) for _ in logs]
     taken = [0] * len(caches)
