@@ -66,6 +66,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypedDict
 
+from fleet.core.codes import Code
 from fleet.core.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -73,6 +74,7 @@ from fleet.core.errors import (
     PromptTooLong,
     UpstreamError,
     UpstreamRejected,
+    UpstreamUnavailable,
 )
 from fleet.core.request import neutralise
 from fleet.infer.budget import Plan
@@ -149,7 +151,8 @@ def opens_think(client: VllmClient, key: str, limit_s: float) -> bool:
     """Whether the backend's chat template ends its generation prompt in an open ``<think>``
     (checked once per ``key``, the backend, and ``PROBE_TTL_S`` in this process). Each of the
     probe's two calls reads for at most ``limit_s`` (``read_s``). A failed check is not kept as a
-    verdict; it is remembered for ``FAILED_TTL_S`` (``recent_failure``)."""
+    verdict; one that failed after connecting is remembered for ``FAILED_TTL_S``
+    (``recent_failure``)."""
     now = time.monotonic()
     with _opens_lock:
         known = _opens.get(key)
@@ -158,8 +161,13 @@ def opens_think(client: VllmClient, key: str, limit_s: float) -> bool:
     try:
         text = client.decode(client.render(PROBE, timeout_s=limit_s), timeout_s=limit_s)
     except FleetError as exc:
-        with _opens_lock:
-            _failed[key] = (exc.message, now)
+        # a backend that took the connection and then did not answer (or answered wrong): a
+        # tokenizer that hangs or errs. One that is away is not remembered: its turns fail over
+        # with their reasoning kept, to be continued where another backend's check passes.
+        away = isinstance(exc, UpstreamUnavailable) or exc.code == Code.E_CONNECT_TIMEOUT
+        if not away:
+            with _opens_lock:
+                _failed[key] = (exc.message, now)
         raise
     found = text.rstrip(" \n").endswith("<think>")
     with _opens_lock:

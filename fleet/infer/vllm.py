@@ -346,9 +346,6 @@ def http_error(response: httpx.Response) -> FleetError:
     return UpstreamError(text)
 
 
-def _read_timeout(timeout_s: float | None) -> dict[str, Any]:
-    """``timeout`` for ``_call`` when a call has a read timeout of its own."""
-    return {} if timeout_s is None else {"timeout": float(max(timeout_s, 0.001))}
 
 
 def _ids(response: httpx.Response) -> list[int]:
@@ -596,11 +593,15 @@ class VllmClient:
         return assembler.chunk(data)
 
     # -- plain calls ----------------------------------------------------------------------------
+    def _read_timeout(self, timeout_s: float | None) -> dict[str, Any]:
+        """``_call``'s ``timeout`` for a call with a read timeout of its own (None: the client's):
+        connecting keeps ``connect_s``."""
+        if timeout_s is None:
+            return {}
+        connect = self.timeouts.connect_s
+        return {"timeout": httpx.Timeout(max(timeout_s, 0.001), connect=connect, pool=connect)}
+
     def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        # (a ``timeout`` in ``kwargs`` is a read timeout of its own; connect stays connect_s)
-        if isinstance(kwargs.get("timeout"), float):
-            kwargs["timeout"] = httpx.Timeout(kwargs["timeout"], connect=self.timeouts.connect_s,
-                                              pool=self.timeouts.connect_s)
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
@@ -627,16 +628,16 @@ class VllmClient:
                                 "add_generation_prompt": True}
         if tools:
             body["tools"] = tools
-        return _ids(self._call("POST", "/tokenize", json=body, **_read_timeout(timeout_s)))
+        return _ids(self._call("POST", "/tokenize", json=body, **self._read_timeout(timeout_s)))
 
     def encode(self, text: str, timeout_s: float | None = None) -> list[int]:
         """The token ids of plain ``text`` (no special tokens added)."""
         body = {"model": self.model, "prompt": text, "add_special_tokens": False}
-        return _ids(self._call("POST", "/tokenize", json=body, **_read_timeout(timeout_s)))
+        return _ids(self._call("POST", "/tokenize", json=body, **self._read_timeout(timeout_s)))
 
     def decode(self, tokens: list[int], timeout_s: float | None = None) -> str:
         response = self._call("POST", "/detokenize", json={"model": self.model, "tokens": tokens},
-                              **_read_timeout(timeout_s))
+                              **self._read_timeout(timeout_s))
         try:
             return str(response.json()["prompt"])
         except (ValueError, KeyError, TypeError) as exc:

@@ -140,6 +140,8 @@ class RedisStore:
         self._states = [self._key("state"), *(self._key(f"bstate:{n}") for n in names[1:])]
         self._scrapes = [self._key("backend"), *(self._key(f"backend:{n}") for n in names[1:])]
         self._more_states = self._states[1:]  # what the lease scripts get after their own keys
+        self._packed = b""  # ADMIT's packed settings (_admit_settings), for _packed_for
+        self._packed_for: StoreConfig | None = None
 
     # -- keys (all under D, one hash tag) -------------------------------------------------------
     def _key(self, name: str) -> str:
@@ -317,32 +319,50 @@ class RedisStore:
         return [AdmitResult(None, "conflict", 0.0)]
 
     def _admit_call(self, now: float, max_grants: int) -> tuple[list[str], list[Any]]:
-        limits, config = self.config.limits, self.config
+        """ADMIT's keys and arguments as it is sent them: now, max_grants, the settings packed in
+        one argument (``_admit_settings``), the quota windows of ``now``, the groups."""
+        config = self.config
         keys = [self._key(k) for k in ("state", "stats", "backend", "vtime", "fences", "leases",
                                        "deadlines", "projects", "items", "lease")]
+        for b in range(1, len(config.backends)):
+            keys += [self._states[b], self._scrapes[b]]
+        windows = Windows.at(now)
+        args: list[Any] = [repr(now), max_grants, self._admit_settings(),
+                           windows.minute, repr(windows.minute_end), windows.day, repr(windows.day_end),
+                           windows.month, repr(windows.month_end)]
+        for group in self._groups:
+            keys += self._group_queues(group)
+            args += [group, repr(config.weight(group.partition(":")[0]))]
+        quotas = self._limited_quotas()
+        if quotas:
+            keys.append(self._key("qres"))
+            for name in quotas:
+                keys += self._quota_keys(name, str(windows.minute), windows.day, windows.month)
+        return keys, args
+
+    def _limited_quotas(self) -> list[str]:
+        """The projects with a quota that limits anything, in ADMIT's order."""
+        return [name for name, quota in sorted(self.config.quotas.items()) if quota.limited]
+
+    def _admit_settings(self) -> bytes:
+        """ADMIT's arguments that only the settings decide, in its layout (admit.lua's header),
+        with '' for the values of each call (now, max_grants, the quota windows), as one JSON
+        array of strings: built once per settings. One argument instead of about 16 per backend:
+        the client encodes a script's arguments one by one, and with 16 backends that was the
+        largest part of an ADMIT call's time (``fleet bench backends``)."""
+        config = self.config
+        if self._packed_for is config:
+            return self._packed
+        limits = config.limits
         args: list[Any] = [
-            repr(now),
-            repr(config.lease_ttl_s),
-            limits.max_num_seqs,
-            limits.kv_budget_tokens,
-            limits.max_long,
-            repr(limits.prefill_tokens_per_s),
-            limits.prefill_burst_tokens,
-            repr(limits.min_spacing_s),
-            repr(limits.hol_bypass_s),
-            "1" if config.gate else "0",
-            repr(config.scrape_stale_s),
-            repr(config.aging_s),
-            max_grants,
-            repr(limits.long_prefill_tokens_per_s),
-            limits.short_beside_long,
-            limits.long_prefills,
-            limits.long_prompt_tokens,
-            repr(limits.short_job_s),
+            "", repr(config.lease_ttl_s), limits.max_num_seqs, limits.kv_budget_tokens, limits.max_long,
+            repr(limits.prefill_tokens_per_s), limits.prefill_burst_tokens, repr(limits.min_spacing_s),
+            repr(limits.hol_bypass_s), "1" if config.gate else "0", repr(config.scrape_stale_s),
+            repr(config.aging_s), "", repr(limits.long_prefill_tokens_per_s), limits.short_beside_long,
+            limits.long_prefills, limits.long_prompt_tokens, repr(limits.short_job_s),
             len(config.more_backends),
         ]
-        for b, backend in enumerate(config.more_backends, start=1):
-            keys += [self._states[b], self._scrapes[b]]
+        for backend in config.more_backends:
             more = backend.limits
             args += [more.max_num_seqs, more.kv_budget_tokens, more.max_long, repr(more.prefill_tokens_per_s),
                      more.prefill_burst_tokens, repr(more.min_spacing_s), repr(more.hol_bypass_s),
@@ -354,22 +374,16 @@ class RedisStore:
         args += [config.locality.lookahead, repr(config.locality.max_wait_s),
                  *(backend.limits.cache_tokens for backend in config.backends),
                  *(repr(backend.limits.queue_tokens_per_s) for backend in config.backends)]
-        quotas = [(name, quota) for name, quota in sorted(config.quotas.items()) if quota.limited]
-        windows = Windows.at(now)
-        args += [len(quotas), windows.minute, repr(windows.minute_end), windows.day, repr(windows.day_end),
-                 windows.month, repr(windows.month_end)]
-        for name, quota in quotas:
+        quotas = self._limited_quotas()
+        args += [len(quotas), "", "", "", "", "", ""]
+        for name in quotas:
+            quota = config.quotas[name]
             args += [name, quota.tokens_per_minute, quota.requests_per_minute, quota.tokens_per_day,
                      quota.tokens_per_month, quota.max_in_flight, repr(quota.cost_prompt),
                      repr(quota.cost_cached), repr(quota.cost_output)]
-        for group in self._groups:
-            keys += self._group_queues(group)
-            args += [group, repr(config.weight(group.partition(":")[0]))]
-        if quotas:
-            keys.append(self._key("qres"))
-            for name, _quota in quotas:
-                keys += self._quota_keys(name, str(windows.minute), windows.day, windows.month)
-        return keys, args
+        self._packed = json.dumps([str(a) for a in args], separators=(",", ":")).encode()
+        self._packed_for = config
+        return self._packed
 
     # -- quotas (schedulers/policy/quota.py) ----------------------------------------------------
     def _quota_keys(self, project: str, minute: str, day: str, month: str) -> list[str]:

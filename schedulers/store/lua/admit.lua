@@ -29,6 +29,11 @@
 -- ARGV):
 -- KEYS[11+2m+4g .. 14+2m+4g] pending:<project>:<band>:<size>[:<elig>]  zset  interactive short,
 --                             interactive long, batch short, batch long
+-- ARGV, as the caller sends it: now, max_grants, the settings (one JSON array of strings: the
+-- layout below with '' for now, max_grants and the quota windows; the same for every call until
+-- the settings change, so one argument instead of some 16 per backend, which the client encodes
+-- one by one), the quota windows of `now` (6, as below), then (group, weight) per group.
+-- prelude.admit_layout rebuilds the layout below from them, and ADMIT reads that:
 -- ARGV: now, ttl, then backend 0's max_seqs, kv_budget, max_long, rate, burst, spacing, bypass,
 --       then gate (1|0), stale, aging, max_grants, then backend 0's prefill_rate (the server's; 0:
 --       no quiet long prefills), beside (short sequences in flight at most when a long prefill
@@ -72,6 +77,7 @@
 -- id, project, fence, prompt, kv, long (1|0), expires, waited, backend (its number). A named
 -- group whose queues are all empty leaves the set; the caller may keep naming it (it costs four
 -- empty reads).
+local ARGV = admit_layout(ARGV)
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local gate, stale = ARGV[10] == '1', tonumber(ARGV[11])
 local aging, max_grants = tonumber(ARGV[12]), tonumber(ARGV[13])
@@ -600,14 +606,25 @@ local function decide(cands)
         -- pick's answer without a verdict on every backend: the least loaded usable one (by load,
         -- then the settings' order) is the first usable in that order; under `fleet` the hint
         -- instead when it is usable and not loaded past the thresholds against it
-        local by_load = {}
-        for _, b in ipairs(tried) do by_load[#by_load + 1] = {b = b, load = load(backends[b])} end
-        table.sort(by_load, function(x, y)
-          if x.load ~= y.load then return x.load < y.load end
-          return x.b < y.b
-        end)
-        for _, e in ipairs(by_load) do
-          if verdict(e.b) then chosen = e.b break end
+        -- (the least loaded by one scan, as it is usually usable; the rest sorted only if not)
+        local least, least_load = nil, nil
+        for _, b in ipairs(tried) do  -- (tried is in the settings' order: ties go to the first)
+          local l = load(backends[b])
+          if not least or l < least_load then least, least_load = b, l end
+        end
+        if verdict(least) then chosen = least
+        elseif #tried > 1 then
+          local by_load = {}
+          for _, b in ipairs(tried) do
+            if b ~= least then by_load[#by_load + 1] = {b = b, load = load(backends[b])} end
+          end
+          table.sort(by_load, function(x, y)
+            if x.load ~= y.load then return x.load < y.load end
+            return x.b < y.b
+          end)
+          for _, e in ipairs(by_load) do
+            if verdict(e.b) then chosen = e.b break end
+          end
         end
         if chosen and policy == 'fleet' and c.hint ~= nil and c.hint ~= chosen then
           local listed = false

@@ -14,7 +14,7 @@
 -- KEYS[14..]   ADMIT's keys (GWADMIT's KEYS[3..])
 -- ARGV: owner, now, worker_gate (1|0), ADD's 16 arguments (the deadline is required, not_before
 --       is ''), then
---       ADMIT's arguments (max_grants 0: no round)
+--       ADMIT's arguments as its caller sends them (admit.lua; max_grants 0: no round)
 -- Returns {fence of the own claimed lease or 0, ADMIT's reply...}; with max_grants 0 the reply
 -- is {'ok', '', ''}.
 local owner, now = ARGV[1], ARGV[2]
@@ -24,17 +24,18 @@ local rnow = redis_now()
 redis.call('ZREMRANGEBYSCORE', KEYS[13], '-inf', rnow)
 redis.call('ZADD', KEYS[13], rnow + (tonumber(add_argv[11]) - tonumber(now)), id)
 ADD(slice(KEYS, 1, 8), add_argv)
-if tonumber(admit_argv[13]) == 0 then return {0, 'ok', '', ''} end
+if tonumber(admit_argv[2]) == 0 then return {0, 'ok', '', ''} end
+local admitting = admit_layout(admit_argv)  -- (ADMIT's ttl and m, for the claim)
 
 local reply = GWADMIT(slice(KEYS, 12), {ARGV[3], unpack(admit_argv)})
 local claimed = 0
 if reply[1] == 'ok' then
   local claim_keys = slice(KEYS, 9, 11)
-  for b = 1, tonumber(admit_argv[19]) do claim_keys[3 + b] = KEYS[22 + 2 * b] end
+  for b = 1, tonumber(admitting[19]) do claim_keys[3 + b] = KEYS[22 + 2 * b] end
   for i = 4, #reply, 9 do
     if reply[i] == id then
       local fence = tostring(reply[i + 2])
-      if CLAIM(claim_keys, {id, fence, owner, now, admit_argv[2]}) ~= 0 then
+      if CLAIM(claim_keys, {id, fence, owner, now, admitting[2]}) ~= 0 then
         claimed = reply[i + 2]
       end
     end

@@ -31,6 +31,19 @@ local admit_only = nil
 -- queue's first member.
 local admit_head = nil
 
+-- ADMIT's arguments in the layout it reads (admit.lua's header) from the ones its caller sends:
+-- now, max_grants, the settings (a JSON array of strings: that layout up to the groups, '' for
+-- the values of the call), the 6 quota-window values, then the (group, weight) pairs.
+local function admit_layout(argv)
+  local a = cjson.decode(argv[3])
+  a[1], a[13] = argv[1], argv[2]
+  local q0 = 28 + 16 * tonumber(a[19])
+  for i = 1, 6 do a[q0 + i] = argv[3 + i] end
+  local first = q0 + 7 + 9 * tonumber(a[q0])
+  for i = 10, #argv do a[first + i - 10] = argv[i] end
+  return a
+end
+
 -- t[from .. to] (to: the end) as a new table: a composing script's share of its KEYS or ARGV.
 local function slice(t, from, to)
   local out = {}
