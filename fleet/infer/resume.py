@@ -272,7 +272,7 @@ class _Continuation:
         return read_s(self.client, self.cancel, self.deadline)
 
     def _encode(self, text: str) -> list[int]:
-        """``/tokenize`` of ``text`` within ``_read_s``."""
+        """``/tokenize`` of ``text`` within ``read_s``."""
         return self.client.encode(text, timeout_s=self.read_s())
 
     def go(self, on_delta: Callable[[Delta], None]) -> StreamResult:
