@@ -465,6 +465,12 @@ class GatewaySettings(_Section):
     Retry-After that they do."""
     reasoning_content: bool = False
     """Also send reasoning as ``reasoning_content``, for clients that expect vLLM's old name."""
+    fail_over: int = Field(2, ge=0)
+    """Times a request whose backend cut it (the stream dropped, the server went away or answered
+    an upstream error) goes back through admission, to another backend of its model when there
+    is one, before the client gets that error: while nothing of its answer reached the client the
+    turn runs again, and a reasoning already streamed is continued where it stopped
+    (``routing.continue_cut_turns = "continue"``; else the error ends the stream). 0: never."""
     reload_check_s: float = Field(1.0, gt=0)
     """How often the config file's mtime is checked for new API keys (SIGHUP reloads at once)."""
     chat_template_kwargs: list[str] = Field(default_factory=lambda: ["enable_thinking", "thinking"])

@@ -66,6 +66,7 @@ from fleet.gateway.metrics import GatewayMetrics
 from fleet.gateway.tasks import TaskRoutes
 from fleet.gateway.usage import UsageRoutes
 from fleet.gateway.wire import ChatRequest, broker_down, error_body, error_headers, redis_failure, status_of
+from fleet.infer.budget import Plan
 from fleet.infer.budget import plan as plan_budget
 from fleet.infer.requestbody import base_temperature, request_body
 from fleet.infer.retrying import RetryBudget
@@ -247,7 +248,7 @@ class Gateway:
         cache = estimate_routed(rt.redis, rt.keys, fleet_settings, caller.project, wire=body["messages"],
                                 tools=body.get("tools"), salt=body["cache_salt"],
                                 prompt_tokens=prepared.prompt_tokens, eligible=mask)
-        return Built(body, prepared.prompt_tokens, max_tokens, warnings, mask, cache, prepared.fence_tag)
+        return Built(body, prepared.prompt_tokens, max_tokens, warnings, mask, cache, prepared.fence_tag, plan)
 
 
 def chat_too_long(exc: PromptTooLong, max_model_len: int, max_tokens: int) -> PromptTooLong:
@@ -272,6 +273,7 @@ class Built(NamedTuple):
     eligible: int = 1  # the backends it may run on (fleet/core/routing.py ``eligible``)
     cache: CacheEstimate | None = None  # its expected prefix-cache misses and hint backend
     fence_tag: str | None = None  # the random tag marking its untrusted content (repeat cache key)
+    plan: Plan | None = None  # its budget plan: what a continuation after a failover keeps to
 
 
 async def _off_loop(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -31,8 +31,10 @@ import contextlib
 import json
 import logging
 import math
+import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -58,7 +60,7 @@ from fleet.core.routing import backends_serving
 from fleet.core.usage import TurnUsage, key_label
 from fleet.gateway.admission import Ticket
 from fleet.gateway.auth import Caller
-from fleet.gateway.upstream import Failed, Finished, UpstreamStream
+from fleet.gateway.upstream import Failed, Finished, Resume, UpstreamStream
 from fleet.gateway.wire import (
     DONE,
     KEEPALIVE,
@@ -76,6 +78,8 @@ from fleet.gateway.wire import (
     warning_headers,
 )
 from fleet.infer.requestbody import retry_body
+from fleet.infer.resume import Kept, keep, resume_turn, why_not
+from fleet.infer.retrying import should_retry
 from fleet.infer.turnusage import turn_usage
 from fleet.infer.vllm import Delta, StreamResult
 from fleet.prep.cachehint import CacheEstimate
@@ -164,6 +168,12 @@ class _Session:
         self.held: list[str] = []  # reasoning held back while loop_retry may still retry
         self.fence = 0  # of the grant, once admitted
         self.turns: list[TurnUsage] = []  # each attempt sent to vLLM, for the usage ledger
+        self.ticket: Ticket | None = None  # the grant the request holds now
+        self.ticket_turns = 0  # of self.turns, the first that ran on self.ticket (its quota's)
+        self.plan = built.plan
+        self.failovers = 0  # times a backend cut it and it went back through admission
+        self.kept: Kept | None = None  # the cut reasoning the next attempt continues
+        self.sent_answer = False  # answer text or a tool call reached the client
 
     # -- the client side --------------------------------------------------------------------
     async def _watch_disconnect(self) -> None:
@@ -209,7 +219,6 @@ class _Session:
     # -- one request ------------------------------------------------------------------------
     async def run(self) -> None:
         watcher = asyncio.create_task(self._watch_disconnect())
-        ticket: Ticket | None = None
         code = Code.E_INTERNAL
         message = ""
         renewer: asyncio.Task[None] | None = None
@@ -220,11 +229,11 @@ class _Session:
             else:
                 if self.cache_lock is not None:
                     renewer = asyncio.create_task(self._renew_cache_lock(self.cache_lock))
-                ticket = await self._admit()
-                if ticket is None:
+                self.ticket = await self._admit()
+                if self.ticket is None:
                     code, message = Code.E_CANCELLED, "the client went away while waiting"
                 else:
-                    code = await self._stream(ticket)
+                    code = await self._stream(self.ticket)
                     if code is Code.OK and self.cache_lock is not None:
                         await self._keep()
         except FleetError as exc:
@@ -246,12 +255,8 @@ class _Session:
                 # Ends the stream thread's read if this task was cancelled mid-stream (uvicorn's
                 # shutdown), so the pool thread is free and the exit does not wait for vLLM.
                 self.keeper.cancel.set()
-            if self.keeper is not None and self.keeper_running:
-                await self.gw.run(self.keeper.__exit__, None, None, None)
-            if ticket is not None:
-                await self._settle_quota(ticket)
-                await self.gw.admission.release(ticket)
-            await self._settle_key_quota(admitted=ticket is not None)
+            await self._hand_back()
+            await self._settle_key_quota(admitted=bool(self.turns))
             await self._account(code, message)
 
     # -- the exact-repeat cache (fleet/core/repeatcache.py) -------------------------------------
@@ -425,7 +430,7 @@ class _Session:
         # a prompt sent counts whole even when the attempt was cut before its first token (vLLM
         # computed some of it; a client hanging up mid-prefill gets nothing back)
         spent = sum(quota.spent(max(t.prompt_tokens, self.prompt_tokens), t.cached_tokens,
-                                t.reasoning_tokens + t.answer_tokens) for t in self.turns)
+                                t.reasoning_tokens + t.answer_tokens) for t in self.turns[self.ticket_turns:])
         try:
             await self.gw.run(store.settle, self.ref, ticket.fence, spent)
         except redis.RedisError as exc:
@@ -464,14 +469,15 @@ class _Session:
         self.waited_s = ticket.waited_s
         return ticket
 
-    async def _stream(self, ticket: Ticket) -> Code:
-        gw = self.gw
-        rt = gw.runtime
+    def _on_ticket(self, ticket: Ticket) -> None:
+        """The backend the grant names, and a lease keeper for it (entered by the caller)."""
+        rt = self.gw.runtime
         try:
             self.on = rt.on_backend(ticket.backend)
         except KeyError as exc:  # a dispatcher with other settings granted it
             raise UpstreamUnavailable(f"the grant names {exc}") from exc
         # every answer says which backend served it; the chunks carry its model's name
+        self.headers = [h for h in self.headers if h[0] != b"x-fleet-backend"]
         self.headers.append((b"x-fleet-backend", self.on.settings.backend.name.encode()))
         self.chunks.model = self.on.settings.backend.model
         # A chat request is cancelled by its client leaving (self.disconnected), never by a request.
@@ -480,6 +486,9 @@ class _Session:
         self.fence = ticket.fence
         if self.disconnected.is_set():
             self.keeper.cancel.set()
+
+    async def _stream(self, ticket: Ticket) -> Code:
+        self._on_ticket(ticket)
         attempt = 1
         while True:
             outcome = await self._attempt(attempt)
@@ -487,27 +496,128 @@ class _Session:
                 break
             if self.disconnected.is_set():
                 raise Cancelled("the client disconnected")
-            if not await self._retry_loop(outcome.error, attempt):
+            if await self._retry_loop(outcome.error, attempt):
+                log.info("chat job=%s: loop cut before any content was sent; attempt %d", self.job_id, attempt + 1)
+            elif not await self._fail_over(outcome):
                 raise outcome.error
             attempt += 1
-            log.info("chat job=%s: loop cut before any content was sent; attempt %d", self.job_id, attempt)
         self.result = outcome.result
         return await self._finish(outcome.result)
 
     async def _attempt(self, attempt: int) -> Finished | Failed:
         body = self.body
-        if attempt > 1:  # a new seed, as a worker's retry has
+        if attempt > 1 and self.kept is None:  # a new seed, as a worker's retry has
             body = retry_body(body, self.job_id, attempt)
-        assert self.on is not None
-        upstream = UpstreamStream(self.on.vllm, body, self.gw.live.settings.watcher,
-                                  self.keeper.cancel, asyncio.get_running_loop(),  # type: ignore[union-attr]
-                                  self.gw.streams).start()
+        assert self.on is not None and self.keeper is not None
+        kept, resume = self.kept, None
+        if kept is not None:
+            resume = self._resume(body, kept, self.on, self.keeper.cancel)
+        upstream = UpstreamStream(self.on.vllm, body, self.gw.live.settings.watcher, self.keeper.cancel,
+                                  asyncio.get_running_loop(), self.gw.streams, kept, resume).start()
         if attempt == 1:  # the request is on its way to vLLM before anything else is done
             await self._started()
         outcome = await self._relay(upstream)
         await upstream.done.wait()
         self._turn_ended(attempt, outcome)
         return outcome
+
+    def _resume(self, body: dict[str, Any], kept: Kept, on: OnBackend, cancel: threading.Event) -> Resume:
+        """The continuation of ``kept`` on backend ``on`` (fleet/infer/resume.py), as a stream."""
+        assert self.plan is not None
+        backend = on.settings.backend
+        plan = replace(self.plan, max_model_len=backend.max_model_len)
+        return lambda on_delta: resume_turn(on.vllm, body, kept, plan, backend.name or backend.url, on_delta,
+                                            cancel, None)
+
+    async def _fail_over(self, outcome: Failed) -> bool:
+        """Whether a turn its backend cut goes on, on a new grant (``gateway.fail_over``): only
+        while nothing of the answer reached the client. A reasoning already streamed is continued
+        where it stopped (``routing.continue_cut_turns = "continue"``, a backend whose template
+        allows it), else the turn runs again (a reasoning only held back is dropped with it). The
+        grant is given up (its quota settled with what it spent), the request goes back in line,
+        to another backend of its model when there is one, for at most ``max_queue_wait_s``."""
+        error, settings = outcome.error, self.gw.live.settings
+        if (isinstance(error, ThinkLoop) or not should_retry(error.code) or self.sent_answer
+                or self.failovers >= settings.gateway.fail_over or self.on is None):
+            return False
+        kept = None
+        if settings.routing.continue_cut_turns == "continue" and self.plan is not None:
+            backend = self.on.settings.backend
+            kept = keep(outcome.partial, self.body, backend.model, backend.name)
+        if kept is None and self.sent_deltas:  # a restart would stream its reasoning a second time
+            return False
+        failed = self.on.settings.backend.name
+        self.failovers += 1
+        await self._hand_back()
+        index = [b.name for b in self.gw.runtime.settings.backends].index(failed)
+        mask = self.eligible & ~(1 << index) or self.eligible
+        ticket = await self._readmit(mask)
+        if ticket is None:
+            return False
+        self.ticket = ticket
+        self._on_ticket(ticket)
+        assert self.keeper is not None and self.on is not None
+        self.keeper.__enter__()
+        self.keeper_running = True
+        self.kept = await self._continuable(kept)
+        if self.kept is None:
+            if self.sent_deltas:
+                return False
+            self.held.clear()
+        how = "continue" if self.kept is not None else "restart"
+        self.gw.metrics.failed_over(self.caller.project, failed, how)
+        log.info("chat job=%s: %s cut it (%s); %s on %s", self.job_id, failed, error.code.value, how,
+                 self.on.settings.backend.name)
+        return True
+
+    async def _continuable(self, kept: Kept | None) -> Kept | None:
+        """``kept``, when the new grant's backend can continue it (fleet/infer/resume.py ``why_not``)."""
+        if kept is None or self.on is None or self.keeper is None:
+            return None
+        backend = self.on.settings.backend
+        why = await self.gw.run(why_not, kept, self.body, backend.model, self.on.vllm, backend.name or backend.url,
+                                self.keeper.cancel, None)
+        if why is not None:
+            log.info("chat job=%s: a cut reasoning of %d tokens is not continued on %s: %s", self.job_id,
+                     kept["tokens"], backend.name, why)
+            return None
+        return kept
+
+    async def _readmit(self, mask: int) -> Ticket | None:
+        """Back in line after a failover; the new grant, or None when the client left or the wait
+        passed ``max_queue_wait_s``."""
+        adm, settings = self.gw.admission, self.gw.live.settings.gateway
+        enqueued_at = await adm.enqueue(self.ref, self.caller.project, self.caller.band, self.prompt_tokens,
+                                        self.max_tokens, settings.max_queue_wait_s, mask,
+                                        CacheEstimate(self.prompt_tokens))
+        give_up_at = time.monotonic() + settings.max_queue_wait_s
+        grant = None
+        while grant is None and not self.disconnected.is_set() and time.monotonic() < give_up_at:
+            wait_s = min(give_up_at, self.last_write + settings.keepalive_s) - time.monotonic()
+            grant = await adm.next_grant(self.ref, wait_s, self.disconnected)
+            if grant is None and self.headers_sent and time.monotonic() - self.last_write >= settings.keepalive_s:
+                await self._write(KEEPALIVE)  # a stream already open: the client hears us wait
+        if grant is None:
+            grant = await adm.withdraw(self.ref)
+            if grant is not None and self.disconnected.is_set():
+                await adm.give_back(self.ref, grant)
+                return None
+        if grant is None:
+            return None
+        return await adm.claim(self.ref, self.caller.project, grant, enqueued_at)
+
+    async def _hand_back(self) -> None:
+        """Give the grant up: its lease no longer renewed, its quota reservation settled with what
+        the turns run on it spent, its slot released."""
+        keeper, ticket = self.keeper, self.ticket
+        self.ticket = None
+        if keeper is not None and self.keeper_running:
+            self.keeper_running = False
+            await self.gw.run(keeper.__exit__, None, None, None)
+        if ticket is not None:
+            await self._settle_quota(ticket)
+            await self.gw.admission.release(ticket)
+            self.ticket_turns = len(self.turns)
 
     def _turn_ended(self, attempt: int, outcome: Finished | Failed) -> None:
         """What the usage ledger counts for this attempt (counted in ``_account``)."""
@@ -574,6 +684,7 @@ class _Session:
             return
         await self._flush_held()
         self.sent_deltas = True
+        self.sent_answer = self.sent_answer or bool(item.content or item.tool_calls)
         await self._write(self.chunks.delta(item.reasoning, item.content, item.tool_calls))
 
     async def _flush_held(self) -> None:
@@ -586,7 +697,7 @@ class _Session:
         """The answer's end, with the fleet's code: ``X-Fleet-Code`` on a non-streaming answer
         and ``fleet.code`` in its body; a stream's headers went before the code was known, so
         its finishing chunk (and the usage chunk after it) carry ``fleet.code``."""
-        usage = result.usage or {}
+        usage = self._answer_usage(result.usage or {})
         code = Code.OK_TRUNCATED if result.finish_reason == "length" else Code.OK
         if self.req.stream:
             await self._flush_held()
@@ -600,6 +711,21 @@ class _Session:
             self.headers_sent = True
             await send_json(self._send, 200, _json(body), [code_header(code), *self.headers])
         return code
+
+    def _answer_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The answer's usage: the last attempt's, and after a failover the tokens generated before
+        it too (the part of the reasoning a continuation kept, or a cut attempt's whole output),
+        with the prompt counted once: what the request cost the model."""
+        if not self.failovers or not usage or len(self.turns) < 2:
+            return usage
+        earlier = self.turns[:-1]
+        reasoning = sum(t.reasoning_tokens for t in earlier)
+        completion = int(usage.get("completion_tokens") or 0) + reasoning + sum(t.answer_tokens for t in earlier)
+        prompt = self.turns[0].prompt_tokens or int(usage.get("prompt_tokens") or 0)
+        details = dict(usage.get("completion_tokens_details") or {})
+        details["reasoning_tokens"] = int(details.get("reasoning_tokens") or 0) + reasoning
+        return {**usage, "prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion, "completion_tokens_details": details}
 
     async def _account(self, code: Code, message: str) -> None:
         """The access log line, the metrics and the Envelope (code, usage, timings; no text)."""
@@ -625,18 +751,23 @@ class _Session:
             except redis.RedisError:  # an estimate only: the next request counts its prompt whole
                 log.warning("chat job=%s: recording what was sent failed", self.job_id)
         log.info("chat job=%s project=%s code=%s stream=%s waited=%s ttft=%s total=%.3fs "
-                 "prompt=%d completion=%d", self.job_id, project, code.value, self.req.stream,
-                 _secs(self.waited_s), _secs(self.first_token_s), total_s, usage.prompt_tokens,
-                 usage.completion_tokens)
+                 "prompt=%d completion=%d backend=%s failovers=%d", self.job_id, project, code.value,
+                 self.req.stream, _secs(self.waited_s), _secs(self.first_token_s), total_s, usage.prompt_tokens,
+                 usage.completion_tokens, self._served_by() or "-", self.failovers)
         envelope = Envelope.failure(self.job_id, project, code, message, usage=usage,
                                     timings=Timings(queued_s=self.waited_s, first_token_s=self.first_token_s,
                                                     total_s=round(total_s, 4)),
-                                    metadata={"origin": "gateway"}, warnings=self.warnings,
-                                    cached=hit is not None, backend=hit.backend if hit is not None else "")
+                                    metadata={"origin": "gateway", "failovers": self.failovers},
+                                    warnings=self.warnings, cached=hit is not None,
+                                    backend=hit.backend if hit is not None else self._served_by())
         try:
             await self.gw.run(self.gw.runtime.results.publish, envelope, stream="gateway")
         except redis.RedisError:  # accounting only: the client has its answer
             log.exception("publishing the envelope of gateway job %s failed", self.job_id)
+
+    def _served_by(self) -> str:
+        """The backend of the request's last attempt ('' when none ran)."""
+        return self.on.settings.backend.name if self.on is not None and self.turns else ""
 
     def _record_sent(self, result: StreamResult) -> None:
         """What this request sent to its backend (fleet/core/promptcache.py), once the server

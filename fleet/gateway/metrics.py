@@ -33,7 +33,14 @@ class GatewayMetrics:
         self.connections_closed = Counter(
             "fleet_gateway_connections_closed", "Client connections closed by the connection limits",
             ["reason"], registry=self.registry)
+        self.failovers = Counter(
+            "fleet_gateway_failovers", "Requests a backend cut that went back through admission, by the "
+            "backend that cut them and how they went on (continue: the reasoning kept; restart)",
+            ["project", "backend", "how"], registry=self.registry)
         self.usage = UsageMetrics(self.registry)
+
+    def failed_over(self, project: str, backend: str, how: str) -> None:
+        self.failovers.labels(project, backend, how).inc()
 
     def finished(self, project: str, code: Code) -> None:
         self.requests.labels(project, code.value).inc()

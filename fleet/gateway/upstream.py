@@ -23,6 +23,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 from fleet.core.config import WatcherSettings
 from fleet.core.errors import FleetError, ThinkLoop
 from fleet.infer.loopwatch import LoopWatcher
+from fleet.infer.resume import Kept, kept_only
 from fleet.infer.vllm import Delta, StreamResult, VllmClient
 
 log = logging.getLogger(__name__)
@@ -46,11 +48,18 @@ class Failed:
     partial: StreamResult | None
 
 
+Resume = Callable[[Callable[[Delta], None]], StreamResult]
+
+
 class UpstreamStream:
     def __init__(self, client: VllmClient, body: dict[str, Any], watcher: WatcherSettings | None,
-                 cancel: threading.Event, loop: asyncio.AbstractEventLoop, pool: Executor) -> None:
+                 cancel: threading.Event, loop: asyncio.AbstractEventLoop, pool: Executor,
+                 kept: Kept | None = None, resume: Resume | None = None) -> None:
         self.client = client
         self.body = body
+        # A continuation after a failover (fleet/gateway/chat.py): ``resume(on_delta)`` streams the
+        # rest of the ``kept`` reasoning, which the watcher reads first (a loop across the cut).
+        self.kept, self.resume = kept, resume
         self.watcher = LoopWatcher(watcher) if watcher is not None and watcher.enabled else None
         self.cancel = cancel
         self.queue: asyncio.Queue[Delta | Finished | Failed] = asyncio.Queue()
@@ -64,6 +73,15 @@ class UpstreamStream:
 
     def _post(self, item: Delta | Finished | Failed) -> None:
         self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def _primed(self) -> Failed | None:
+        """The watcher's verdict on the kept reasoning of a continuation, before anything is sent."""
+        if self.watcher is None or self.kept is None:
+            return None
+        seen = self.watcher.read_before(self.kept["reasoning"])
+        if seen is None:
+            return None
+        return Failed(ThinkLoop(f"loop watcher: {seen.kind}: {seen.detail}"), kept_only(self.kept))
 
     def _on_delta(self, delta: Delta) -> None:
         if self.watcher is not None:
@@ -79,7 +97,14 @@ class UpstreamStream:
 
     def _run(self) -> None:
         try:
-            result = self.client.stream_chat(self.body, self._on_delta, self.cancel)
+            seen = self._primed()
+            if seen is not None:
+                self._post(seen)
+                return
+            if self.resume is not None:
+                result = self.resume(self._on_delta)
+            else:
+                result = self.client.stream_chat(self.body, self._on_delta, self.cancel)
             self._post(Finished(result))
         except FleetError as exc:
             self._post(Failed(exc, getattr(exc, "partial", None)))

@@ -1,0 +1,202 @@
+"""A gateway request its backend cut goes on (``gateway.fail_over``, fleet/gateway/chat.py) on a
+REAL fleet: the gateway, a dispatcher, ``fleet sim`` processes, the official ``openai`` SDK.
+
+- A streamed reasoning dropped half-way (``[sim:drop/1]``) with ``routing.continue_cut_turns =
+  "continue"``: the client's one stream goes on where it stopped, the simulator generated the
+  reasoning once (its own counter), the rest through ``/v1/completions``; the answer arrives, the
+  stream ends OK.
+- The same with ``restart``: the reasoning already reached the client, so the stream ends with the
+  backend's error (a restart would stream the reasoning twice) and nothing is continued.
+- Two replicas, the editor's request with tools (not streamed, so nothing reached the client):
+  the replica running it is killed, the request runs again on the other and the client gets one
+  answer from it (``x-fleet-backend``).
+- ``fail_over = 0``: the cut is the client's error, as it was before.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from fleet.core.usage import UsageLedger
+from fleet.core.usagereport import totals
+from schedulers.policy.quota import Windows
+from tests.support.fleet_harness import Harness
+from tests.support.gateway_support import METRICS_AUTH, config_with_keys
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.slow
+
+SIM_ARGS = ["--answer-min-tokens", "20", "--answer-max-tokens", "40"]
+THINK = 1200  # within the test project's thinking budget: the whole thought is generated
+TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": "a tool of the editor",
+                                           "parameters": {"type": "object", "properties": {}}}}
+         for i in range(8)]
+
+
+def replica(name: str) -> dict[str, Any]:
+    return {"name": name, "url": "http://127.0.0.1:1", "served_model_names": ["local"], "max_num_seqs": 4,
+            "max_model_len": 262144, "kv_pool_tokens": 530000, "max_num_batched_tokens": 2048,
+            "block_tokens": 1072, "long_prompt_tokens": 32768, "max_long": 3}
+
+
+def stats(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/sim/stats", timeout=10).json()
+
+
+def paths(url: str) -> list[str]:
+    logged = httpx.get(f"{url}/sim/requests", params={"limit": 2000}, timeout=10).json()["requests"]
+    return [entry.get("path") for entry in logged]
+
+
+def sdk(fleet: Harness, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{fleet.settings.gateway.port}/v1", api_key=key,
+                         max_retries=0, timeout=120)
+
+
+def streamed(client: openai.OpenAI, text: str) -> tuple[str, str, str | None, Any, Any]:
+    """Reasoning, content, finish reason, the last chunk's fleet fields and the usage of one stream."""
+    reasoning, content, finish, fleet_of, usage = [], [], None, None, None
+    with client.chat.completions.create(model="local", stream=True, stream_options={"include_usage": True},
+                                        messages=[{"role": "user", "content": text}]) as stream:
+        for chunk in stream:
+            extra = chunk.model_extra or {}
+            fleet_of = extra.get("fleet", fleet_of)
+            usage = chunk.usage.model_dump() if chunk.usage is not None else usage
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            reasoning.append((delta.model_extra or {}).get("reasoning") or "")
+            content.append(delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    return "".join(reasoning), "".join(content), finish, fleet_of, usage
+
+
+def test_a_streamed_reasoning_cut_by_its_backend_continues_in_the_same_stream(tmp_path) -> None:
+    config, keys = config_with_keys(tmp_path, routing={"continue_cut_turns": "continue"})
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as fleet:
+        reasoning, content, finish, fleet_of, usage = streamed(
+            sdk(fleet, keys["assistant"]), f"[sim:think={THINK}] [sim:drop/1] [sim:answer=30] add")
+        assert finish == "stop" and content, (finish, content)
+        assert fleet_of is not None and fleet_of.get("code") == "OK", fleet_of
+        assert len(reasoning) > 4 * THINK * 0.8  # both parts of the thought, in the one stream
+        sent = paths(fleet.backend_url)
+        assert sent.count("/v1/chat/completions") == 1 and sent.count("/v1/completions") == 2, sent
+        # the engine's own count: the reasoning once (the cut half, then the rest), and the answer
+        # what the engine generated for it: the cut half, the rest of the thought, the answer
+        assert usage is not None and usage["completion_tokens"] == THINK + 30, usage
+        assert usage["completion_tokens_details"]["reasoning_tokens"] == THINK, usage
+
+
+def test_with_restart_a_streamed_reasoning_cut_ends_with_the_backends_error(tmp_path) -> None:
+    config, keys = config_with_keys(tmp_path, routing={"continue_cut_turns": "restart"})
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as fleet:
+        with pytest.raises(openai.APIError) as caught:
+            streamed(sdk(fleet, keys["assistant"]), f"[sim:think={THINK}] [sim:drop/1] [sim:answer=30] add")
+        assert "E_STREAM_DROPPED" in str(caught.value.body), caught.value.body
+        assert paths(fleet.backend_url) == ["/v1/chat/completions"]
+
+
+def _killed_under(fleet: Harness, start: Any) -> tuple[str, Any]:
+    """Start a request, kill the replica that is thinking on it; (victim, the request's future)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(start)
+    pool.shutdown(wait=False)
+    busy: dict[str, str] = {}
+
+    def thinking() -> bool:
+        for name, url in fleet.sim_urls.items():
+            if stats(url)["generation_tokens"] > THINK // 3:
+                busy["name"] = name
+                return True
+        return False
+
+    wait_until(thinking, 60, "a backend thinking")
+    victim = busy["name"]
+    child = "sim" if victim == "a" else "sim-b"  # the first backend's simulator is "sim"
+    process = next(p for name, p in fleet.fleet.children if name == child)
+    os.killpg(process.pid, signal.SIGKILL)
+    return victim, future
+
+
+def test_a_request_with_tools_whose_replica_dies_runs_again_on_the_other(tmp_path) -> None:
+    config, keys = config_with_keys(tmp_path, backends=[replica("a"), replica("b")],
+                                    retry={"backoff_base_s": 0.05, "backoff_max_s": 0.2})
+    with Harness(config, sim_speed=20, sim_args=SIM_ARGS, gateway=True) as fleet:
+        client = sdk(fleet, keys["assistant"])
+        messages = [{"role": "user", "content": f"[sim:think={THINK}] [sim:answer=30] plan the change"}]
+        victim, future = _killed_under(fleet, lambda: client.chat.completions.with_raw_response.create(
+            model="local", messages=messages, tools=TOOLS))
+        raw = future.result(timeout=180)
+        answer = raw.parse()
+        survivor = "b" if victim == "a" else "a"
+        assert raw.headers["x-fleet-backend"] == survivor
+        assert answer.choices[0].finish_reason in ("stop", "tool_calls")
+        assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
+        assert paths(fleet.sim_urls[survivor]).count("/v1/chat/completions") == 1
+        metrics = httpx.get(f"http://127.0.0.1:{fleet.settings.gateway.port}/metrics", headers=METRICS_AUTH,
+                            timeout=10).text
+        assert f'fleet_gateway_failovers_total{{backend="{victim}",how="restart",project="assistant"}} 1.0' \
+            in metrics
+
+
+def test_a_streamed_reasoning_whose_replica_dies_continues_on_the_other(tmp_path) -> None:
+    config, keys = config_with_keys(tmp_path, backends=[replica("a"), replica("b")],
+                                    routing={"continue_cut_turns": "continue"},
+                                    retry={"backoff_base_s": 0.05, "backoff_max_s": 0.2})
+    with Harness(config, sim_speed=20, sim_args=SIM_ARGS, gateway=True) as fleet:
+        client = sdk(fleet, keys["assistant"])
+        victim, future = _killed_under(fleet, lambda: streamed(client, f"[sim:think={THINK}] [sim:answer=30] far"))
+        reasoning, content, finish, fleet_of, usage = future.result(timeout=180)
+        survivor = "b" if victim == "a" else "a"
+        assert finish == "stop" and content and fleet_of.get("code") == "OK", (finish, fleet_of)
+        assert paths(fleet.sim_urls[survivor]) == ["/v1/completions", "/v1/completions"]
+        assert stats(fleet.sim_urls[survivor])["generation_tokens"] < THINK  # only the rest of it
+        assert len(reasoning) > 4 * THINK * 0.8
+        assert usage is not None and usage["completion_tokens"] == THINK + 30, usage
+
+
+def test_with_fail_over_off_the_cut_is_the_clients_error(tmp_path) -> None:
+    config, keys = config_with_keys(tmp_path, gateway={"fail_over": 0})
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as fleet:
+        with pytest.raises(openai.APIStatusError) as caught:
+            sdk(fleet, keys["assistant"]).chat.completions.create(
+                model="local", messages=[{"role": "user", "content": "[sim:think=400] [sim:drop/1] add"}])
+        assert caught.value.response.headers.get("x-fleet-code") == "E_STREAM_DROPPED"
+        assert paths(fleet.backend_url) == ["/v1/chat/completions"]
+
+
+def test_a_failed_over_request_spends_its_quota_once_per_attempt(tmp_path) -> None:
+    """Each grant reserves its worst case; the cut one is settled with what its attempt spent
+    before the request goes back in line, the new one with the rest: the minute's token counter
+    ends equal to what the usage ledger counted for both attempts, nothing left reserved."""
+    quota = {"tokens_per_minute": 200_000, "requests_per_minute": 100}
+    config, keys = config_with_keys(tmp_path, projects={"research": {"quota": quota}})
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as fleet:
+        left = Windows.at(time.time()).minute_end - time.time()
+        if left < 20:  # what the test counts falls in one window
+            time.sleep(left + 0.2)
+        answer = sdk(fleet, keys["research"]).chat.completions.create(
+            model="local", messages=[{"role": "user", "content": "[sim:think=600] [sim:drop/1] [sim:answer=20] sum"}])
+        assert answer.choices[0].message.content
+        redis, prefix = fleet.client.redis, fleet.client.keys.dispatch
+        minute = redis.hgetall(f"{prefix}quota:research:m:{Windows.at(time.time()).minute}")
+        ledger = UsageLedger(redis, fleet.client.keys, fleet.settings.usage)
+        now = time.time()
+
+        def counted() -> dict[str, int]:
+            return totals(ledger.read("research", now - 3600, now + 3600))
+
+        wait_until(lambda: counted()["requests"] == 2, 10, "both attempts in the ledger")
+        spent = counted()
+        assert int(minute[b"t"]) == spent["prompt_tokens"] + spent["reasoning_tokens"] + spent["answer_tokens"]
+        assert int(minute[b"r"]) == 2  # two model requests, as a job's two turns count
+        assert not redis.hgetall(f"{prefix}qres")
