@@ -47,7 +47,8 @@ envelope's warnings say it too):
 
 Cancel and the job's deadline are checked before each tokenizer call and bound each stream; a
 tokenizer call reads for at most ``timeouts.idle_s`` (never past the job's deadline), so a server
-that hangs on ``/tokenize`` costs a continuation what a silent stream would.
+that hangs on ``/tokenize`` costs a continuation what a silent stream would, and a cancel ends a
+call under way at once (its reads go through the same sliced, cancellable reads as a stream's).
 
 Token counts: ``Kept.tokens`` are the reasoning tokens kept (the server's running count when it
 sent one): what the continuation did not generate again, the attempt's ``continued_tokens``. The
@@ -147,19 +148,22 @@ def read_s(client: VllmClient, cancel: threading.Event, deadline: float | None) 
     return limit
 
 
-def opens_think(client: VllmClient, key: str, limit_s: float) -> bool:
+def opens_think(client: VllmClient, key: str, limit_s: float, cancel: threading.Event | None = None) -> bool:
     """Whether the backend's chat template ends its generation prompt in an open ``<think>``
     (checked once per ``key``, the backend, and ``PROBE_TTL_S`` in this process). Each of the
-    probe's two calls reads for at most ``limit_s`` (``read_s``). A failed check is not kept as a
-    verdict; one that failed after connecting is remembered for ``FAILED_TTL_S``
-    (``recent_failure``)."""
+    probe's two calls reads for at most ``limit_s`` (``read_s``) and ends at once on ``cancel``.
+    A failed check is not kept as a verdict; one that failed after connecting is remembered for
+    ``FAILED_TTL_S`` (``recent_failure``); a cancelled one is neither."""
     now = time.monotonic()
     with _opens_lock:
         known = _opens.get(key)
     if known is not None and now - known[1] < PROBE_TTL_S:
         return known[0]
     try:
-        text = client.decode(client.render(PROBE, timeout_s=limit_s), timeout_s=limit_s)
+        text = client.decode(client.render(PROBE, timeout_s=limit_s, cancel=cancel), timeout_s=limit_s,
+                             cancel=cancel)
+    except Cancelled:
+        raise
     except FleetError as exc:
         # a backend that took the connection and then did not answer (or answered wrong): a
         # tokenizer that hangs or errs. One that is away is not remembered: its turns fail over
@@ -208,8 +212,10 @@ def why_not(kept: Kept, body: dict[str, Any], model: str, client: VllmClient, ke
     except (Cancelled, DeadlineExceeded):  # no check: the attempt ends on it, the reasoning kept
         return None
     try:
-        if not opens_think(client, key, limit):
+        if not opens_think(client, key, limit, cancel):
             return NO_THINK
+    except Cancelled:  # no verdict: the attempt ends on it, the reasoning kept
+        return None
     except FleetError as exc:
         if exc.code.retryable:  # the backend is away: the attempt fails as it would, kept intact
             return None
@@ -227,7 +233,7 @@ def resume_turn(client: VllmClient, body: dict[str, Any], kept: Kept, plan: Plan
     backend will not take it."""
     run = _Continuation(client, body, kept, plan, cancel, deadline)
     try:
-        if not opens_think(client, key, run.read_s()):
+        if not opens_think(client, key, run.read_s(), cancel):
             raise ContinuationRefused(NO_THINK)
         return run.go(on_delta)
     except Exception as exc:
@@ -273,11 +279,12 @@ class _Continuation:
 
     def _encode(self, text: str) -> list[int]:
         """``/tokenize`` of ``text`` within ``read_s``."""
-        return self.client.encode(text, timeout_s=self.read_s())
+        return self.client.encode(text, timeout_s=self.read_s(), cancel=self.cancel)
 
     def go(self, on_delta: Callable[[Delta], None]) -> StreamResult:
         limit = self.plan.max_model_len
-        prompt = self.client.render(self.body["messages"], self.body.get("tools"), timeout_s=self.read_s())
+        prompt = self.client.render(self.body["messages"], self.body.get("tools"), timeout_s=self.read_s(),
+                                    cancel=self.cancel)
         self.rendered = len(prompt)
         so_far = prompt + self._encode(neutralise(self.kept["reasoning"]))
         if not self.kept["closed"]:

@@ -238,6 +238,26 @@ class _StreamClock:
         return left
 
 
+class _CallClock(_StreamClock):
+    """The one limit of a plain call (a tokenizer call of a continuation): its read timeout. The
+    sliced reads ask it as they ask a stream's clock, so a cancel ends the call at once."""
+
+    def __init__(self, timeouts: TimeoutSettings, cancel: threading.Event, limit_s: float) -> None:
+        super().__init__(timeouts, cancel, None)
+        self.limit_s = limit_s
+
+    def remaining(self) -> tuple[float, Code]:
+        return self.start + self.limit_s - time.monotonic(), Code.E_UPSTREAM_TIMEOUT
+
+    def check(self) -> float:
+        if self.cancel.is_set():
+            raise Cancelled("cancelled while waiting for the server's reply")
+        left = self.remaining()[0]
+        if left <= 0:
+            raise UpstreamTimeout(f"no reply within {self.limit_s:g} s", code=Code.E_UPSTREAM_TIMEOUT)
+        return left
+
+
 def _expired(code: Code, clock: _StreamClock) -> FleetError:
     elapsed = time.monotonic() - clock.start
     if code is Code.E_DEADLINE:
@@ -601,14 +621,41 @@ class VllmClient:
         connect = self.timeouts.connect_s
         return {"timeout": httpx.Timeout(max(timeout_s, 0.001), connect=connect, pool=connect)}
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _call(self, method: str, path: str, cancel: threading.Event | None = None, limit_s: float | None = None,
+              **kwargs: Any) -> httpx.Response:
+        """One plain request. With ``cancel``, its reads go through a ``_CallClock`` of
+        ``limit_s`` (else the plain read timeout): setting a ``Cancel`` ends a blocked read at
+        once (any other event within a read slice), as it ends a stream's."""
         try:
-            response = self._http.request(method, path, **kwargs)
+            if cancel is None:
+                response = self._http.request(method, path, **kwargs)
+            else:
+                response = self._cancellable(method, path, cancel, limit_s or PLAIN_READ_TIMEOUT_S, **kwargs)
         except httpx.HTTPError as exc:
             raise translate(exc, streaming=False) from exc
         if response.status_code != 200:
             raise http_error(response)
         return response
+
+    def _cancellable(self, method: str, path: str, cancel: threading.Event, limit_s: float,
+                     **kwargs: Any) -> httpx.Response:
+        clock = _CallClock(self.timeouts, cancel, limit_s)
+        previous, _local.clock = getattr(_local, "clock", None), clock
+        if isinstance(cancel, Cancel):
+            cancel.hook(clock.wake)
+        try:
+            clock.check()
+            with self._http.stream(method, path, **kwargs) as response:
+                try:
+                    response.read()
+                finally:
+                    clock.detach()  # before the connection can go back to the pool
+            return response
+        finally:
+            clock.detach()
+            if isinstance(cancel, Cancel):
+                cancel.unhook(clock.wake)
+            _local.clock = previous
 
     def tokenize(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
                  ) -> int:
@@ -620,24 +667,24 @@ class VllmClient:
         return int(self._call("POST", "/tokenize", json=body).json()["count"])
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-               timeout_s: float | None = None) -> list[int]:
+               timeout_s: float | None = None, cancel: threading.Event | None = None) -> list[int]:
         """The token ids of a chat request's prompt as the server's template renders it, up to
         and with the generation prompt (``POST /tokenize``). ``timeout_s``: the read timeout of
-        this call (else the plain one)."""
+        this call (else the plain one); ``cancel`` ends it (``_call``)."""
         body: dict[str, Any] = {"model": self.model, "messages": messages,
                                 "add_generation_prompt": True}
         if tools:
             body["tools"] = tools
-        return _ids(self._call("POST", "/tokenize", json=body, **self._read_timeout(timeout_s)))
+        return _ids(self._call("POST", "/tokenize", cancel, timeout_s, json=body, **self._read_timeout(timeout_s)))
 
-    def encode(self, text: str, timeout_s: float | None = None) -> list[int]:
+    def encode(self, text: str, timeout_s: float | None = None, cancel: threading.Event | None = None) -> list[int]:
         """The token ids of plain ``text`` (no special tokens added)."""
         body = {"model": self.model, "prompt": text, "add_special_tokens": False}
-        return _ids(self._call("POST", "/tokenize", json=body, **self._read_timeout(timeout_s)))
+        return _ids(self._call("POST", "/tokenize", cancel, timeout_s, json=body, **self._read_timeout(timeout_s)))
 
-    def decode(self, tokens: list[int], timeout_s: float | None = None) -> str:
-        response = self._call("POST", "/detokenize", json={"model": self.model, "tokens": tokens},
-                              **self._read_timeout(timeout_s))
+    def decode(self, tokens: list[int], timeout_s: float | None = None, cancel: threading.Event | None = None) -> str:
+        response = self._call("POST", "/detokenize", cancel, timeout_s,
+                              json={"model": self.model, "tokens": tokens}, **self._read_timeout(timeout_s))
         try:
             return str(response.json()["prompt"])
         except (ValueError, KeyError, TypeError) as exc:

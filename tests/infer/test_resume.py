@@ -17,7 +17,7 @@ from fleet.core.errors import Cancelled, DeadlineExceeded, FleetError
 from fleet.infer import resume
 from fleet.infer.budget import Plan
 from fleet.infer.loopwatch import LoopWatcher
-from fleet.infer.vllm import VllmClient
+from fleet.infer.vllm import Cancel, VllmClient
 from fleet.sim.server import SimProcess, start_sim_process
 
 KEPT_TEXT = " so far we know that the total is 14 and the rest follows" * 40
@@ -218,3 +218,23 @@ def test_a_cancelled_turn_makes_no_template_check(client: VllmClient) -> None:
         key = f"stopped-{time.monotonic()}"
         assert resume.why_not(kept_of(text, client), body_of(text), "local", client, key, stop, deadline) is None
         assert key not in resume._opens and resume.recent_failure(key) is None
+
+
+@pytest.mark.parametrize("event", ["Cancel", "Event"])
+def test_a_cancel_ends_a_tokenizer_call_under_way(silent: str, event: str) -> None:
+    """The server takes the call and never answers; the turn is cancelled a moment later. The
+    call ends E_CANCELLED (a ``Cancel`` shuts its socket down, a plain event is seen between read
+    slices), not at its 30 s read limit with E_UPSTREAM_TIMEOUT, and records no template verdict."""
+    cancel = Cancel() if event == "Cancel" else threading.Event()
+    key = f"cancelled-{event}-{time.monotonic()}"
+    with VllmClient(silent, "local", timeouts=TimeoutSettings(idle_s=30.0)) as hung:
+        timer = threading.Timer(0.3, cancel.set)
+        timer.start()
+        try:
+            with pytest.raises(Cancelled):
+                resume.opens_think(hung, key, 30.0, cancel)
+        finally:
+            timer.cancel()
+        with pytest.raises(Cancelled):  # set already: the next call ends before it is sent
+            hung.encode("fourteen", timeout_s=30.0, cancel=cancel)
+    assert key not in resume._opens and resume.recent_failure(key) is None
