@@ -188,6 +188,8 @@ def test_a_failed_over_request_spends_its_quota_once_per_attempt(tmp_path) -> No
             model="local", messages=[{"role": "user", "content": "[sim:think=600] [sim:drop/1] [sim:answer=20] sum"}])
         assert answer.choices[0].message.content
         redis, prefix = fleet.client.redis, fleet.client.keys.dispatch
+        # the last grant is settled once the answer went out: wait for it, then read the minute
+        wait_until(lambda: not redis.hgetall(f"{prefix}qres"), 10, "the reservations settled")
         minute = redis.hgetall(f"{prefix}quota:research:m:{Windows.at(time.time()).minute}")
         ledger = UsageLedger(redis, fleet.client.keys, fleet.settings.usage)
         now = time.time()
@@ -199,4 +201,3 @@ def test_a_failed_over_request_spends_its_quota_once_per_attempt(tmp_path) -> No
         spent = counted()
         assert int(minute[b"t"]) == spent["prompt_tokens"] + spent["reasoning_tokens"] + spent["answer_tokens"]
         assert int(minute[b"r"]) == 2  # two model requests, as a job's two turns count
-        assert not redis.hgetall(f"{prefix}qres")
