@@ -897,6 +897,11 @@ class Settings(BaseSettings):
                 return entry
         raise KeyError(f"no backend named {name!r} (configured: {', '.join(e.name for e in self.backends)})")
 
+    def backend_bit(self, name: str) -> int:
+        """Backend ``name``'s bit in an eligibility mask (fleet/core/routing.py: the entries'
+        order); 0 for a name no entry has."""
+        return next((1 << i for i, entry in enumerate(self.backends) if entry.name == name), 0)
+
     def on_backend(self, name: str) -> Settings:
         """These settings as a turn granted on backend ``name`` reads them: ``backend`` is that
         entry ('' or the first entry's name: these settings themselves). Everything downstream of

@@ -78,8 +78,7 @@ from fleet.gateway.wire import (
     warning_headers,
 )
 from fleet.infer.requestbody import retry_body
-from fleet.infer.resume import Kept, keep, resume_turn, why_not
-from fleet.infer.retrying import should_retry
+from fleet.infer.resume import ContinuationRefused, Kept, keep, resume_turn, why_not
 from fleet.infer.turnusage import turn_usage
 from fleet.infer.vllm import Delta, StreamResult
 from fleet.prep.cachehint import CacheEstimate
@@ -94,6 +93,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Send = Any
+# What a backend that went away cuts a request with; a failover sends it to another backend.
+FAILOVER_CODES = frozenset({Code.E_STREAM_DROPPED, Code.E_UPSTREAM_UNAVAILABLE, Code.E_CONNECT_TIMEOUT})
 
 
 async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
@@ -170,6 +171,9 @@ class _Session:
         self.turns: list[TurnUsage] = []  # each attempt sent to vLLM, for the usage ledger
         self.ticket: Ticket | None = None  # the grant the request holds now
         self.ticket_turns = 0  # of self.turns, the first that ran on self.ticket (its quota's)
+        self.key_turns = 0  # of self.turns, the first the key quota's reservation now covers
+        self.tried = 0  # the backends (a mask) that cut this request
+        self.grant_attempts = 0  # attempts made on the grant held now (loop_retry's count)
         self.plan = built.plan
         self.failovers = 0  # times a backend cut it and it went back through admission
         self.kept: Kept | None = None  # the cut reasoning the next attempt continues
@@ -325,7 +329,7 @@ class _Session:
             return
         now = time.time()
         entry = Entry(content=r.content, reasoning=r.reasoning, tool_calls=r.tool_calls,
-                      finish_reason=r.finish_reason or "stop", usage=r.usage or {},
+                      finish_reason=r.finish_reason or "stop", usage=self._answer_usage(r.usage or {}),
                       backend=self.on.settings.backend.name if self.on else "", created_at=now,
                       expires_at=now + cache.settings.ttl_s)
         try:
@@ -414,7 +418,8 @@ class _Session:
         if quota is None:
             return
         spent = sum(quota.spent(max(t.prompt_tokens, self.prompt_tokens), t.cached_tokens,
-                                t.reasoning_tokens + t.answer_tokens) for t in self.turns) if admitted else 0
+                                t.reasoning_tokens + t.answer_tokens) for t in self.turns[self.key_turns:]) \
+            if admitted else 0
         try:
             await self.gw.run(self.gw.key_quotas.settle, self.caller.project, self.ref, spent)
         except redis.RedisError as exc:
@@ -457,7 +462,9 @@ class _Session:
                     await self._quota(waited=True)  # held by its quota: say so, not "busy"
                     raise adm.timeout_error(settings.max_queue_wait_s)
                 break
-            wait_s = min(give_up_at - now, self.last_write + settings.keepalive_s - now)
+            wait_s = give_up_at - now
+            if self.req.stream and settings.wait_keepalive:  # the next keep-alive is due sooner
+                wait_s = min(wait_s, self.last_write + settings.keepalive_s - now)
             grant = await adm.next_grant(self.ref, wait_s, self.disconnected)
             if grant is not None:
                 break
@@ -496,7 +503,7 @@ class _Session:
                 break
             if self.disconnected.is_set():
                 raise Cancelled("the client disconnected")
-            if await self._retry_loop(outcome.error, attempt):
+            if await self._retry_loop(outcome.error, self.grant_attempts):
                 log.info("chat job=%s: loop cut before any content was sent; attempt %d", self.job_id, attempt + 1)
             elif not await self._fail_over(outcome):
                 raise outcome.error
@@ -506,7 +513,8 @@ class _Session:
 
     async def _attempt(self, attempt: int) -> Finished | Failed:
         body = self.body
-        if attempt > 1 and self.kept is None:  # a new seed, as a worker's retry has
+        self.grant_attempts += 1
+        if attempt > 1:  # its own request id; a new seed, as a worker's retry has
             body = retry_body(body, self.job_id, attempt)
         assert self.on is not None and self.keeper is not None
         kept, resume = self.kept, None
@@ -531,14 +539,25 @@ class _Session:
 
     async def _fail_over(self, outcome: Failed) -> bool:
         """Whether a turn its backend cut goes on, on a new grant (``gateway.fail_over``): only
-        while nothing of the answer reached the client. A reasoning already streamed is continued
-        where it stopped (``routing.continue_cut_turns = "continue"``, a backend whose template
-        allows it), else the turn runs again (a reasoning only held back is dropped with it). The
-        grant is given up (its quota settled with what it spent), the request goes back in line,
-        to another backend of its model when there is one, for at most ``max_queue_wait_s``."""
+        for a backend that went away (``FAILOVER_CODES``: a server's own 500, a timeout or a
+        refusal would meet the next one alike), only while nothing of the answer reached the
+        client, within the project's retry budget (a request that brings servers down does not
+        visit them all). A reasoning already streamed is continued where it stopped
+        (``routing.continue_cut_turns = "continue"``, a backend whose template allows it), else
+        the turn runs again (a reasoning only held back is dropped with it). The grant is given
+        up (its quota settled with what it spent), the request goes back in line, to a backend
+        of its model that has not cut it when there is one, for at most ``max_queue_wait_s``."""
         error, settings = outcome.error, self.gw.live.settings
-        if (isinstance(error, ThinkLoop) or not should_retry(error.code) or self.sent_answer
-                or self.failovers >= settings.gateway.fail_over or self.on is None):
+        if isinstance(error, ContinuationRefused):  # this backend will not continue it: run it again
+            if self.sent_deltas:
+                return False
+            self.kept = None
+            self.held.clear()
+            log.info("chat job=%s: the continuation was refused (%s); the turn runs again", self.job_id,
+                     error.message)
+            return True
+        if (error.code not in FAILOVER_CODES or self.sent_answer or self.on is None
+                or self.failovers >= settings.gateway.fail_over or self.disconnected.is_set()):
             return False
         kept = None
         if settings.routing.continue_cut_turns == "continue" and self.plan is not None:
@@ -546,29 +565,32 @@ class _Session:
             kept = keep(outcome.partial, self.body, backend.model, backend.name)
         if kept is None and self.sent_deltas:  # a restart would stream its reasoning a second time
             return False
+        if not await self.gw.run(self.gw.retry_budget(self.caller.project).try_spend):
+            log.warning("chat job=%s: cut by %s, not failed over: the project's retry budget is spent",
+                        self.job_id, self.on.settings.backend.name)
+            return False
         failed = self.on.settings.backend.name
-        self.failovers += 1
+        self.tried |= self.gw.runtime.settings.backend_bit(failed)
         await self._hand_back()
-        index = [b.name for b in self.gw.runtime.settings.backends].index(failed)
-        mask = self.eligible & ~(1 << index) or self.eligible
-        ticket = await self._readmit(mask)
+        ticket = await self._readmit(kept)
         if ticket is None:
             return False
-        self.ticket = ticket
+        self.failovers += 1
         self._on_ticket(ticket)
         assert self.keeper is not None and self.on is not None
         self.keeper.__enter__()
         self.keeper_running = True
+        self.grant_attempts = 0
         self.kept = await self._continuable(kept)
+        if self.kept is None and self.sent_deltas:
+            return False
         if self.kept is None:
-            if self.sent_deltas:
-                return False
             self.held.clear()
         how = "continue" if self.kept is not None else "restart"
         self.gw.metrics.failed_over(self.caller.project, failed, how)
         log.info("chat job=%s: %s cut it (%s); %s on %s", self.job_id, failed, error.code.value, how,
                  self.on.settings.backend.name)
-        return True
+        return not self.disconnected.is_set()
 
     async def _continuable(self, kept: Kept | None) -> Kept | None:
         """``kept``, when the new grant's backend can continue it (fleet/infer/resume.py ``why_not``)."""
@@ -583,41 +605,70 @@ class _Session:
             return None
         return kept
 
-    async def _readmit(self, mask: int) -> Ticket | None:
-        """Back in line after a failover; the new grant, or None when the client left or the wait
-        passed ``max_queue_wait_s``."""
+    async def _readmit(self, kept: Kept | None) -> Ticket | None:
+        """Back in line after a failover, sized as what the next attempt sends (a continuation's
+        prompt holds the kept reasoning, all of it uncached on another backend), with a new
+        reservation of the API key's quota; the new grant, or None when the client left, the
+        key's quota has no room or the wait passed ``max_queue_wait_s``."""
         adm, settings = self.gw.admission, self.gw.live.settings.gateway
-        enqueued_at = await adm.enqueue(self.ref, self.caller.project, self.caller.band, self.prompt_tokens,
-                                        self.max_tokens, settings.max_queue_wait_s, mask,
-                                        CacheEstimate(self.prompt_tokens))
+        mask = self.eligible & ~self.tried or self.eligible
+        prompt, max_tokens = self.prompt_tokens, self.max_tokens
+        if kept is not None:
+            prompt, max_tokens = prompt + kept["tokens"], max(1, max_tokens - kept["tokens"])
+        if self.disconnected.is_set() or not await self._key_quota_again(prompt, max_tokens):
+            return None
+        enqueued_at = await adm.enqueue(self.ref, self.caller.project, self.caller.band, prompt, max_tokens,
+                                        settings.max_queue_wait_s, mask, CacheEstimate(prompt))
         give_up_at = time.monotonic() + settings.max_queue_wait_s
         grant = None
         while grant is None and not self.disconnected.is_set() and time.monotonic() < give_up_at:
-            wait_s = min(give_up_at, self.last_write + settings.keepalive_s) - time.monotonic()
+            wait_s = give_up_at - time.monotonic()
+            if self.headers_sent:  # a stream already open: the client hears us wait
+                wait_s = min(wait_s, self.last_write + settings.keepalive_s - time.monotonic())
             grant = await adm.next_grant(self.ref, wait_s, self.disconnected)
             if grant is None and self.headers_sent and time.monotonic() - self.last_write >= settings.keepalive_s:
-                await self._write(KEEPALIVE)  # a stream already open: the client hears us wait
+                await self._write(KEEPALIVE)
         if grant is None:
             grant = await adm.withdraw(self.ref)
-            if grant is not None and self.disconnected.is_set():
-                await adm.give_back(self.ref, grant)
-                return None
-        if grant is None:
+        if grant is not None and self.disconnected.is_set():
+            await adm.give_back(self.ref, grant)
             return None
-        return await adm.claim(self.ref, self.caller.project, grant, enqueued_at)
+        if grant is None:
+            log.info("chat job=%s: not admitted again within %g s after its backend cut it", self.job_id,
+                     settings.max_queue_wait_s)
+            return None
+        self.ticket = await adm.claim(self.ref, self.caller.project, grant, enqueued_at)
+        return self.ticket
+
+    async def _key_quota_again(self, prompt: int, max_tokens: int) -> bool:
+        """The API key's reservation settled with what the attempts so far spent and made again
+        for the next one's worst case (no key quota: nothing to do); False when it has no room."""
+        quota = self.key_quota
+        if quota is None:
+            return True
+        await self._settle_key_quota(admitted=True)
+        self.key_turns, project, label = len(self.turns), self.caller.project, key_label(self.caller.key_id)
+        held = await self.gw.run(self.gw.key_quotas.reserve, project, label, quota, self.ref, prompt, max_tokens,
+                                 time.time())
+        if held is not None:
+            self.key_quota = None  # nothing reserved: nothing to settle at the end
+            log.info("chat job=%s: not failed over: its API key's %s has no room", self.job_id, held[0])
+            return False
+        return True
 
     async def _hand_back(self) -> None:
         """Give the grant up: its lease no longer renewed, its quota reservation settled with what
-        the turns run on it spent, its slot released."""
+        the turns run on it spent, its slot released (the ticket forgotten only then: a failure on
+        the way leaves it for ``run``'s last call)."""
         keeper, ticket = self.keeper, self.ticket
-        self.ticket = None
         if keeper is not None and self.keeper_running:
             self.keeper_running = False
             await self.gw.run(keeper.__exit__, None, None, None)
         if ticket is not None:
             await self._settle_quota(ticket)
-            await self.gw.admission.release(ticket)
             self.ticket_turns = len(self.turns)
+            await self.gw.admission.release(ticket)
+            self.ticket = None
 
     def _turn_ended(self, attempt: int, outcome: Finished | Failed) -> None:
         """What the usage ledger counts for this attempt (counted in ``_account``)."""
@@ -634,15 +685,14 @@ class _Session:
 
     async def _started(self) -> None:
         """What the first attempt needs, off its critical path: lease renewals (the claim just
-        renewed it, so the first one is a third of the TTL away), the role chunk, and for
-        ``loop_retry`` the credit of a first attempt to the project's retry budget."""
+        renewed it, so the first one is a third of the TTL away), the role chunk, and the credit
+        of a first attempt to the project's retry budget (loop retries and failovers spend it)."""
         assert self.keeper is not None
         self.keeper.__enter__()
         self.keeper_running = True
         if self.req.stream:
             await self._write(self.chunks.role())
-        if self.req.loop_retry:
-            await self.gw.run(self.gw.retry_budget(self.caller.project).first_attempt)
+        await self.gw.run(self.gw.retry_budget(self.caller.project).first_attempt)
 
     async def _retry_loop(self, error: FleetError, attempt: int) -> bool:
         """Whether a failed attempt is retried: only a loop cut, only when the client asked for it
@@ -652,9 +702,12 @@ class _Session:
             return False
         if attempt >= self.gw.live.settings.retry.max_attempts:
             return False
-        self.held.clear()
         budget = self.gw.retry_budget(self.caller.project)
-        return bool(await self.gw.run(budget.try_spend))
+        if not await self.gw.run(budget.try_spend):
+            return False
+        self.held.clear()
+        self.kept = None  # a restart, on a new seed: the held reasoning, kept part included, goes
+        return True
 
     async def _relay(self, upstream: UpstreamStream) -> Finished | Failed:
         keepalive_s = self.gw.live.settings.gateway.keepalive_s
@@ -724,8 +777,11 @@ class _Session:
         prompt = self.turns[0].prompt_tokens or int(usage.get("prompt_tokens") or 0)
         details = dict(usage.get("completion_tokens_details") or {})
         details["reasoning_tokens"] = int(details.get("reasoning_tokens") or 0) + reasoning
+        cached = dict(usage.get("prompt_tokens_details") or {})
+        cached["cached_tokens"] = min(int(cached.get("cached_tokens") or 0), prompt)
         return {**usage, "prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion, "completion_tokens_details": details}
+                "total_tokens": prompt + completion, "completion_tokens_details": details,
+                "prompt_tokens_details": cached}
 
     async def _account(self, code: Code, message: str) -> None:
         """The access log line, the metrics and the Envelope (code, usage, timings; no text)."""
@@ -735,6 +791,12 @@ class _Session:
                       completion_tokens=r.completion_tokens if r else 0,
                       reasoning_tokens=r.reasoning_tokens if r else 0,
                       cached_tokens=r.cached_tokens if r else 0)
+        if self.failovers and self.turns:  # every attempt's output, the prompt once (as the answer's)
+            prompt = self.turns[0].prompt_tokens or self.prompt_tokens
+            usage = Usage(prompt_tokens=prompt,
+                          completion_tokens=sum(t.reasoning_tokens + t.answer_tokens for t in self.turns),
+                          reasoning_tokens=sum(t.reasoning_tokens for t in self.turns),
+                          cached_tokens=min(usage.cached_tokens, prompt))
         project = self.caller.project
         hit = self.cache_hit
         if hit is not None:  # what the first request was told; no model turn ran for this one
@@ -778,7 +840,8 @@ class _Session:
         settings, rt = self.on.settings, self.gw.runtime
         pipe = rt.redis.pipeline(transaction=False)
         record_sent(pipe, rt.keys, self.caller.project, wire=self.body["messages"], tools=self.body.get("tools"),
-                    salt=self.body["cache_salt"], prompt_tokens=result.prompt_tokens, prefix=[], prefix_tokens=0,
+                    salt=self.body["cache_salt"], prompt_tokens=result.rendered_prompt_tokens or result.prompt_tokens,
+                    prefix=[], prefix_tokens=0,
                     remember_s=settings.backend.prefix_cache_s, backend=backend_tag(settings))
         pipe.execute()
 

@@ -42,6 +42,8 @@ envelope's warnings say it too):
 - the prompt the next turn would send is not the one the reasoning was written for (a digest of
   messages and tools);
 - the turn sends tools;
+- the request sets a sampling field the continuation cannot keep (``NOT_CARRIED``: a stop string,
+  a token bias, a minimum length; the others, ``CARRIED``, go with both requests);
 - the server refuses the continuation (a 400 on the completions route, no room left for the
   answer): ``ContinuationRefused``, an upstream error, so the turn is retried as a restart.
 
@@ -86,6 +88,11 @@ END_TOKENS = 8  # what "\n</think>\n\n" costs, with room to spare
 MIN_KEPT_TOKENS = 64  # less than this is not worth a continuation
 MAX_KEPT_CHARS = 400_000  # the turn record stays bounded
 PROBE = [{"role": "user", "content": "Reply with OK."}]
+# A request's sampling fields: those the completions route takes as the chat route does go with
+# both requests of a continuation; a turn that sets one of the others is not continued (a stop
+# string or a token bias would have to apply to the answer only, a minimum length to the whole).
+CARRIED = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+NOT_CARRIED = ("stop", "stop_token_ids", "logit_bias", "min_tokens", "reasoning_effort")
 
 
 class Kept(TypedDict):
@@ -202,6 +209,9 @@ def why_not(kept: Kept, body: dict[str, Any], model: str, client: VllmClient, ke
         return f"the backend serves {model!r}, the reasoning is {kept['model']!r}'s"
     if body.get("tools"):
         return "the turn sends tools (the completions route has no tool parser)"
+    unkept = [field for field in NOT_CARRIED if body.get(field) is not None]
+    if unkept:
+        return f"the request sets {', '.join(unkept)}, which a continuation does not keep"
     if digest(body["messages"], body.get("tools")) != kept["digest"]:
         return "the prompt changed since the reasoning was written"
     failed = recent_failure(key)
@@ -248,7 +258,7 @@ class _Continuation:
         self.client, self.body, self.kept, self.plan = client, body, kept, plan
         self.cancel, self.deadline = cancel, deadline
         self.common: dict[str, Any] = {key: body[key] for key in ("seed", "temperature", "cache_salt",
-                                                                  "stream_options") if key in body}
+                                                                  "stream_options", *CARRIED) if key in body}
         self.rid = str(body.get("request_id", "resume"))
         self.t0 = time.monotonic()
         self.thought: StreamResult | None = None
