@@ -2,15 +2,19 @@
 REAL fleet: the gateway, a dispatcher, ``fleet sim`` processes, the official ``openai`` SDK.
 
 - A streamed reasoning dropped half-way (``[sim:drop/1]``) with ``routing.continue_cut_turns =
-  "continue"``: the client's one stream goes on where it stopped, the simulator generated the
-  reasoning once (its own counter), the rest through ``/v1/completions``; the answer arrives, the
-  stream ends OK.
+  "continue"``: the client's one stream goes on where it stopped (as long as a stream that was
+  never cut, so nothing came twice), the rest through ``/v1/completions``, the answer's usage the
+  thought once and the answer; the stream ends OK and the store holds nothing of it after.
 - The same with ``restart``: the reasoning already reached the client, so the stream ends with the
   backend's error (a restart would stream the reasoning twice) and nothing is continued.
 - Two replicas, the editor's request with tools (not streamed, so nothing reached the client):
   the replica running it is killed, the request runs again on the other and the client gets one
   answer from it (``x-fleet-backend``).
-- ``fail_over = 0``: the cut is the client's error, as it was before.
+- ``fail_over = 0``: the cut is the client's error, as it was before; a backend that cuts every
+  attempt is tried ``fail_over`` + 1 times, then the error is the client's.
+- A backend whose template does not open ``<think>`` cannot continue: a request not streamed
+  runs again, a streamed one whose reasoning went out ends with the error.
+- Each grant's quota reservation is settled with its own attempts.
 """
 
 from __future__ import annotations
@@ -81,17 +85,23 @@ def streamed(client: openai.OpenAI, text: str) -> tuple[str, str, str | None, An
 def test_a_streamed_reasoning_cut_by_its_backend_continues_in_the_same_stream(tmp_path) -> None:
     config, keys = config_with_keys(tmp_path, routing={"continue_cut_turns": "continue"})
     with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as fleet:
+        client = sdk(fleet, keys["assistant"])
+        whole = streamed(client, f"[sim:think={THINK}] [sim:answer=30] a stream never cut")[0]
+        httpx.post(f"{fleet.backend_url}/sim/reset", timeout=10)
         reasoning, content, finish, fleet_of, usage = streamed(
-            sdk(fleet, keys["assistant"]), f"[sim:think={THINK}] [sim:drop/1] [sim:answer=30] add")
+            client, f"[sim:think={THINK}] [sim:drop/1] [sim:answer=30] add")
         assert finish == "stop" and content, (finish, content)
         assert fleet_of is not None and fleet_of.get("code") == "OK", fleet_of
-        assert len(reasoning) > 4 * THINK * 0.8  # both parts of the thought, in the one stream
+        # both parts of the thought in the one stream, none of it twice: as long as an uncut one
+        assert 0.8 * len(whole) < len(reasoning) < 1.2 * len(whole), (len(reasoning), len(whole))
         sent = paths(fleet.backend_url)
         assert sent.count("/v1/chat/completions") == 1 and sent.count("/v1/completions") == 2, sent
         # the engine's own count: the reasoning once (the cut half, then the rest), and the answer
         # what the engine generated for it: the cut half, the rest of the thought, the answer
         assert usage is not None and usage["completion_tokens"] == THINK + 30, usage
         assert usage["completion_tokens_details"]["reasoning_tokens"] == THINK, usage
+        store = fleet.client.keys.dispatch  # nothing of the request is left: no lease, item, reservation
+        assert not any(fleet.client.redis.hlen(f"{store}{name}") for name in ("lease", "items", "qres"))
 
 
 def test_with_restart_a_streamed_reasoning_cut_ends_with_the_backends_error(tmp_path) -> None:
@@ -201,3 +211,27 @@ def test_a_failed_over_request_spends_its_quota_once_per_attempt(tmp_path) -> No
         spent = counted()
         assert int(minute[b"t"]) == spent["prompt_tokens"] + spent["reasoning_tokens"] + spent["answer_tokens"]
         assert int(minute[b"r"]) == 2  # two model requests, as a job's two turns count
+
+
+def test_a_backend_that_cuts_every_attempt_is_tried_fail_over_plus_one_times(tmp_path) -> None:
+    config, keys = config_with_keys(tmp_path, gateway={"fail_over": 2})
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as fleet:
+        with pytest.raises(openai.APIStatusError) as caught:
+            sdk(fleet, keys["assistant"]).chat.completions.create(
+                model="local", messages=[{"role": "user", "content": "[sim:think=400] [sim:drop] add"}])
+        assert caught.value.response.headers.get("x-fleet-code") == "E_STREAM_DROPPED"
+        assert paths(fleet.backend_url) == ["/v1/chat/completions"] * 3
+
+
+def test_a_template_that_cannot_continue_runs_a_request_again_or_ends_a_stream(tmp_path) -> None:
+    config, keys = config_with_keys(tmp_path, routing={"continue_cut_turns": "continue"})
+    with Harness(config, sim_speed=50, sim_args=[*SIM_ARGS, "--chat-template", "plain"], gateway=True) as fleet:
+        client = sdk(fleet, keys["assistant"])
+        ask = [{"role": "user", "content": f"[sim:think={THINK}] [sim:drop/1] [sim:answer=30] a"}]
+        answer = client.chat.completions.create(model="local", messages=ask)
+        assert answer.choices[0].finish_reason == "stop" and answer.choices[0].message.content
+        assert paths(fleet.backend_url) == ["/v1/chat/completions"] * 2  # run again, nothing continued
+        with pytest.raises(openai.APIError) as caught:
+            streamed(client, f"[sim:think={THINK}] [sim:drop/1] [sim:answer=30] b")
+        assert "E_STREAM_DROPPED" in str(caught.value.body), caught.value.body
+        assert "/v1/completions" not in paths(fleet.backend_url)
