@@ -235,3 +235,31 @@ def test_a_template_that_cannot_continue_runs_a_request_again_or_ends_a_stream(t
             streamed(client, f"[sim:think={THINK}] [sim:drop/1] [sim:answer=30] b")
         assert "E_STREAM_DROPPED" in str(caught.value.body), caught.value.body
         assert "/v1/completions" not in paths(fleet.backend_url)
+
+
+def test_a_client_that_leaves_while_its_request_waits_to_fail_over_leaves_nothing(tmp_path) -> None:
+    """One seat: A is cut and goes back in line behind B, which holds the seat; A's client gives
+    up while A waits. A never runs again, and once B is answered the store holds no lease, item
+    or reservation of either."""
+    config, keys = config_with_keys(tmp_path, backend={"max_num_seqs": 1}, gateway={"max_queue_wait_s": 60})
+    with Harness(config, sim_speed=2, sim_args=SIM_ARGS, gateway=True) as fleet:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def ask(text: str, timeout_s: float) -> Any:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{fleet.settings.gateway.port}/v1",
+                                   api_key=keys["assistant"], max_retries=0, timeout=timeout_s)
+            return client.chat.completions.create(model="local", messages=[{"role": "user", "content": text}])
+
+        with ThreadPoolExecutor(2) as pool:
+            a = pool.submit(ask, "[sim:think=400] [sim:drop/1] [sim:answer=10] a", 4.0)
+            wait_until(lambda: stats(fleet.backend_url)["running"] == 1, 30, "A running")
+            b = pool.submit(ask, "[sim:think=1200] [sim:answer=10] b", 120.0)  # ~7 s: past A's 4 s
+            with pytest.raises(openai.APITimeoutError):
+                a.result(timeout=60)
+            assert b.result(timeout=120).choices[0].message.content
+        sent = [entry["body"]["messages"][0]["content"][-1] for entry in
+                httpx.get(f"{fleet.backend_url}/sim/requests", timeout=10).json()["requests"]]
+        assert sent == ["a", "b"], sent  # A was cut once and never sent again
+        store = fleet.client.keys.dispatch
+        wait_until(lambda: not any(fleet.client.redis.hlen(f"{store}{name}") for name in ("lease", "items", "qres")),
+                   10, "nothing left in the store")
