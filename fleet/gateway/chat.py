@@ -341,6 +341,7 @@ class _Session:
         """The kept answer, as the first request got it (stream or not), marked ``cached``."""
         code = Code.OK
         self.headers += [(b"x-fleet-cache", b"hit"), (b"x-fleet-backend", entry.backend.encode())]
+        self.chunks.backend = entry.backend
         if self.req.stream:
             calls = [{**call, "index": i} for i, call in enumerate(entry.tool_calls)]
             data = self.chunks.role() + self.chunks.delta(entry.reasoning, entry.content, calls)
@@ -487,6 +488,7 @@ class _Session:
         self.headers = [h for h in self.headers if h[0] != b"x-fleet-backend"]
         self.headers.append((b"x-fleet-backend", self.on.settings.backend.name.encode()))
         self.chunks.model = self.on.settings.backend.model
+        self.chunks.backend = self.on.settings.backend.name
         # A chat request is cancelled by its client leaving (self.disconnected), never by a request.
         self.keeper = LeaseKeeper(rt.lease_store, lambda: False, ticket.job_id, ticket.fence,
                                   rt.settings.admission.lease_ttl_s)

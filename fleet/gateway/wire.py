@@ -331,6 +331,11 @@ class ChunkMaker:
         self.model = model
         self.created = int(time.time())
         self.reasoning_content = reasoning_content
+        self.backend = ""  # the backend that finished the answer (after a failover: not the first)
+
+    def _fleet(self, code: Code) -> dict[str, str]:
+        """The answer's ``fleet`` field: its code, and the backend that finished it."""
+        return {"code": code.value, "backend": self.backend} if self.backend else {"code": code.value}
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         return sse({"id": self.completion_id, "object": "chat.completion.chunk",
@@ -355,18 +360,20 @@ class ChunkMaker:
 
     def finish(self, finish_reason: str | None, code: Code) -> bytes:
         """The chunk with the ``finish_reason``, and the fleet's code as ``fleet.code`` (an extra
-        field SDKs keep: the ``openai`` SDK's ``chunk.model_extra``)."""
+        field SDKs keep: the ``openai`` SDK's ``chunk.model_extra``) with ``fleet.backend``, the
+        backend that finished the answer (a stream's ``x-fleet-backend`` header went before a
+        failover could move it)."""
         return sse({"id": self.completion_id, "object": "chat.completion.chunk",
                     "created": self.created, "model": self.model,
                     "choices": [{"index": 0, "delta": {}, "logprobs": None,
                                  "finish_reason": finish_reason or "stop"}],
-                    "fleet": {"code": code.value}})
+                    "fleet": self._fleet(code)})
 
     def usage(self, usage: dict[str, Any], code: Code) -> bytes:
         """The usage chunk (``choices: []``), the last: the fleet's code on it too."""
         return sse({"id": self.completion_id, "object": "chat.completion.chunk",
                     "created": self.created, "model": self.model, "choices": [], "usage": usage,
-                    "fleet": {"code": code.value}})
+                    "fleet": self._fleet(code)})
 
     def full(self, content: str, reasoning: str, tool_calls: list[dict[str, Any]],
              finish_reason: str | None, usage: dict[str, Any], code: Code) -> dict[str, Any]:
@@ -380,4 +387,4 @@ class ChunkMaker:
                 "model": self.model,
                 "choices": [{"index": 0, "message": message, "logprobs": None,
                              "finish_reason": finish_reason or "stop"}],
-                "usage": usage, "fleet": {"code": code.value}}
+                "usage": usage, "fleet": self._fleet(code)}

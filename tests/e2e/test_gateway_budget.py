@@ -66,7 +66,7 @@ def test_max_tokens_lowers_the_thinking_budget_so_the_answer_fits(
     assert answer.choices[0].message.content and answer.choices[0].finish_reason == "stop"
     assert raw.headers["x-fleet-code"] == "OK"
     assert raw.headers["x-fleet-backend"] == "default"  # the backend that served it
-    assert (answer.model_extra or {})["fleet"] == {"code": "OK"}
+    assert (answer.model_extra or {})["fleet"] == {"code": "OK", "backend": "default"}
 
 
 def test_a_stream_cut_by_max_tokens_says_ok_truncated_on_its_last_chunk(
@@ -80,7 +80,7 @@ def test_a_stream_cut_by_max_tokens_says_ok_truncated_on_its_last_chunk(
     assert (sent["thinking_token_budget"], sent["max_completion_tokens"]) == (1100 - RESERVE, 1100)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
-    assert (chunks[-1].model_extra or {})["fleet"] == {"code": "OK_TRUNCATED"}
+    assert (chunks[-1].model_extra or {})["fleet"] == {"code": "OK_TRUNCATED", "backend": "default"}
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])

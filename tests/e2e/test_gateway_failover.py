@@ -168,6 +168,7 @@ def test_a_streamed_reasoning_whose_replica_dies_continues_on_the_other(tmp_path
         reasoning, content, finish, fleet_of, usage = future.result(timeout=180)
         survivor = "b" if victim == "a" else "a"
         assert finish == "stop" and content and fleet_of.get("code") == "OK", (finish, fleet_of)
+        assert fleet_of.get("backend") == survivor  # the stream's last chunk names who finished it
         assert paths(fleet.sim_urls[survivor]) == ["/v1/completions", "/v1/completions"]
         assert stats(fleet.sim_urls[survivor])["generation_tokens"] < THINK  # only the rest of it
         assert len(reasoning) > 4 * THINK * 0.8

@@ -60,9 +60,11 @@ DIFFERENCES: dict[tuple[str, str], dict[str, tuple[dict[str, Any] | None, str]]]
                                       "warnings and the parsed answer; SDKs keep it as an extra field"),
     },
     ("CreateChatCompletionStreamResponse", ""): {
-        "fleet": ({"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        "fleet": ({"type": "object", "properties": {"code": {"type": "string"}, "backend": {"type": "string"}},
+                   "required": ["code"]},
                   "the chunk with the finish reason (and the usage chunk) carries the request's message "
-                  "code, which a streaming client cannot read from a header sent before the answer"),
+                  "code and the backend that finished the answer, which a streaming client cannot read "
+                  "from headers sent before the answer (or before a failover)"),
     },
     ("Batch", ""): {
         "output_file_id": (None, "null until there is an output file, as OpenAI's API sends it (its "
