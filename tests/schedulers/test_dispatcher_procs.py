@@ -43,7 +43,7 @@ rng = random.Random()
 t = prefix + "test:"
 
 def finish(grant):
-    time.sleep(rng.uniform(0, 0.01))  # the simulated request
+    time.sleep(rng.uniform(0.005, 0.02))  # the simulated request: long enough for all to take part
     client.decr(t + "observed")
     if not store.release(grant.job_id, grant.fence):
         client.rpush(t + "errors", "release failed " + grant.job_id)
@@ -59,6 +59,7 @@ def watch():
     store.wake()
 
 threading.Thread(target=watch, daemon=True).start()
+client.rpush(t + "ready", os.getpid())  # the test adds its jobs once every child got this far
 run_dispatcher(settings, client, send, stop)
 """
 
@@ -74,6 +75,12 @@ def test_many_dispatchers_hold_the_cap(key_prefix: str, redis_client: redis.Redi
     store = make_store(settings, redis_client)
     t = key_prefix + "test:"
     try:
+        # the jobs come once every child is about to dispatch: a child that a loaded machine
+        # started a second late would otherwise find them all granted by the others
+        for _ in range(600):
+            if redis_client.llen(t + "ready") >= DISPATCHERS:
+                break
+            threading.Event().wait(0.05)
         for i in range(JOBS):
             store.add_pending(PendingItem(f"j{i:03d}", f"p{i % 3}", 100 + i, 100))
         done = threading.Event()
