@@ -19,8 +19,6 @@ REAL fleet: the gateway, a dispatcher, ``fleet sim`` processes, the official ``o
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from typing import Any
 
@@ -31,7 +29,7 @@ import pytest
 from fleet.core.usage import UsageLedger
 from fleet.core.usagereport import totals
 from schedulers.policy.quota import Windows
-from tests.support.fleet_harness import Harness
+from tests.support.fleet_harness import Harness, kill_the_busy_backend
 from tests.support.gateway_support import METRICS_AUTH, config_with_keys
 from tests.support.waiting import wait_until
 
@@ -120,21 +118,7 @@ def _killed_under(fleet: Harness, start: Any) -> tuple[str, Any]:
     pool = ThreadPoolExecutor(1)
     future = pool.submit(start)
     pool.shutdown(wait=False)
-    busy: dict[str, str] = {}
-
-    def thinking() -> bool:
-        for name, url in fleet.sim_urls.items():
-            if stats(url)["generation_tokens"] > THINK // 3:
-                busy["name"] = name
-                return True
-        return False
-
-    wait_until(thinking, 60, "a backend thinking")
-    victim = busy["name"]
-    child = "sim" if victim == "a" else "sim-b"  # the first backend's simulator is "sim"
-    process = next(p for name, p in fleet.fleet.children if name == child)
-    os.killpg(process.pid, signal.SIGKILL)
-    return victim, future
+    return kill_the_busy_backend(fleet, THINK // 3), future
 
 
 def test_a_request_with_tools_whose_replica_dies_runs_again_on_the_other(tmp_path) -> None:

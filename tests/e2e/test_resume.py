@@ -14,16 +14,13 @@ dispatcher, workers and ``fleet sim`` processes.
 
 from __future__ import annotations
 
-import os
-import signal
 from typing import Any
 
 import httpx
 import pytest
 
 from fleet.core.codes import Code
-from tests.support.fleet_harness import Harness, make_config
-from tests.support.waiting import wait_until
+from tests.support.fleet_harness import Harness, kill_the_busy_backend, make_config
 
 pytestmark = pytest.mark.slow
 
@@ -85,20 +82,7 @@ def test_a_turn_cut_by_a_killed_backend_continues_on_the_other(tmp_path) -> None
     cfg = config(tmp_path, "continue", backends=[{"name": "a", **replica}, {"name": "b", **replica}])
     with Harness(cfg, sim_speed=20, sim_args=SIM_ARGS) as fleet:
         job_id = fleet.client.submit(job(f"[sim:think={THINK}] [sim:answer=30] far"))
-        busy = {}
-
-        def thinking() -> bool:
-            for name, url in fleet.sim_urls.items():
-                if sim_stats(url)["generation_tokens"] > THINK // 3:
-                    busy["name"] = name
-                    return True
-            return False
-
-        wait_until(thinking, 60, "a backend thinking")
-        victim = busy["name"]
-        child = "sim" if victim == "a" else "sim-b"  # the first backend's simulator is "sim"
-        process = next(p for name, p in fleet.fleet.children if name == child)
-        os.killpg(process.pid, signal.SIGKILL)
+        victim = kill_the_busy_backend(fleet, THINK // 3)
         envelope = fleet.client.result(job_id, timeout=180)
         assert envelope is not None and envelope.code == Code.OK, envelope
         survivor = "b" if victim == "a" else "a"

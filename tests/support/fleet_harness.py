@@ -95,6 +95,26 @@ def make_config(tmp: Path, **sections: Any) -> Path:
     return path
 
 
+def kill_the_busy_backend(harness: Harness, over_tokens: int) -> str:
+    """SIGKILL the simulator of the backend (of two, "a" and "b") that has generated more than
+    ``over_tokens`` tokens, once one has; its name."""
+    busy: dict[str, str] = {}
+
+    def generating() -> bool:
+        for name, url in harness.sim_urls.items():
+            if httpx.get(f"{url}/sim/stats", timeout=10).json()["generation_tokens"] > over_tokens:
+                busy["name"] = name
+                return True
+        return False
+
+    wait_until(generating, 60, "a backend generating")
+    victim = busy["name"]
+    child = "sim" if victim == "a" else "sim-b"  # the first backend's simulator is "sim"
+    process = next(p for name, p in harness.fleet.children if name == child)
+    os.killpg(process.pid, signal.SIGKILL)
+    return victim
+
+
 class Harness:
     def __init__(self, config: Path, sim_speed: float = 50.0, sim_args: list[str] | None = None,
                  workers: int = 1, dispatchers: int = 1, concurrency: int = 40,
