@@ -243,6 +243,10 @@ class RetrySettings(_Section):
     max_outage_returns: int = Field(10, ge=0)
     """Times a job goes back in line because the backend was unavailable, before it ends with
     that error (outage returns count apart from max_attempts and the retry budget)."""
+    max_cut_returns: int = Field(2, ge=0)
+    """Of those, times a backend may fail under the job's own request (it reached the server: a
+    stream dropped, a 500 while /health is down): the first is free, each further one takes a
+    retry-budget token. A job that brings servers down is sent at most 1 + this many times."""
 
 
 class WatcherSettings(_Section):

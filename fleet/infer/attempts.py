@@ -35,7 +35,10 @@ How an attempt ends and what follows:
     backend unavailable (connection    an outage return: back in line behind the backend gate
     refused, 502/503/504/429, connect  after a backoff, at its place; counted apart from the
     timeout; any retryable failure     retries (at most retry.max_outage_returns), never from
-    while /health is not 200)          the project's retry budget
+    while /health is not 200)          the project's retry budget; but a backend failing under
+                                       the request itself (it reached the server) more than once
+                                       takes a budget token per return, at most
+                                       retry.max_cut_returns: a job that kills servers is bounded
     cancel / deadline / rejected       final at once: E_CANCELLED / E_DEADLINE / the error's code
 
 Retries (not re-asks, not outage returns) are bounded by retry.max_attempts, every retry by
@@ -247,6 +250,7 @@ class _Run:
         self.retries = 0
         self.reasks = 0
         self.outages = 0
+        self.cuts = 0
         self.heat = 0
         self.budget = RetryBudget(ctx.redis, ctx.keys, job.project, self.s.retry.budget_ratio,
                                   clock=ctx.clock)
@@ -665,27 +669,24 @@ class _Run:
     def _prepare_retry(self, outcome: _Outcome) -> float | None:
         """Set up the next turn; its backoff in seconds, or None when no retry may happen (the
         outcome is final)."""
-        kind, r = outcome.retry, self.s.retry
-        if kind == RetryKind.OUTAGE:
-            if self.outages >= r.max_outage_returns:
-                self.warnings.append(f"no retry: the backend was unavailable {self.outages + 1} times")
-                return None
-        elif kind == RetryKind.REASK:
-            if self.reasks >= r.reask_invalid:
-                return None
-        elif self.retries >= r.max_attempts - 1:
+        kind = outcome.retry
+        cut = kind == RetryKind.OUTAGE and outcome.code not in OUTAGE_CODES
+        if not self._may_return(kind, cut):
             return None
         delay_s = self._delay(kind)
         if delay_s is None:
             return None
-        # An outage return waits behind the backend gate and adds no load: no budget token.
-        if kind != RetryKind.OUTAGE and not self.budget.try_spend():
+        # An outage return waits behind the backend gate and adds no load: no budget token,
+        # unless a backend already failed under this job's request before (it may be the cause).
+        paid = kind != RetryKind.OUTAGE or (cut and self.cuts > 0)
+        if paid and not self.budget.try_spend():
             self.warnings.append("no retry: the project's retry budget is used up")
             return None
         if kind == RetryKind.REASK:
             self.reasks += 1
         elif kind == RetryKind.OUTAGE:
             self.outages += 1
+            self.cuts += cut
         else:
             self.retries += 1
         self._adapt(outcome)
@@ -694,6 +695,23 @@ class _Run:
                              thinking_budget=self.plan.thinking_budget,
                              max_tokens=self.plan.max_tokens, carried=len(self.conclusions))
         return delay_s
+
+    def _may_return(self, kind: RetryKind | None, cut: bool) -> bool:
+        """Whether the counters of ``kind`` leave room for one more turn. ``cut``: an outage
+        return whose request reached the backend (see retry.max_cut_returns)."""
+        r = self.s.retry
+        if kind == RetryKind.OUTAGE:
+            if self.outages >= r.max_outage_returns:
+                self.warnings.append(f"no retry: the backend was unavailable {self.outages + 1} times")
+                return False
+            if cut and self.cuts >= r.max_cut_returns:
+                self.warnings.append(f"no retry: a backend failed under this job's request "
+                                     f"{self.cuts + 1} times")
+                return False
+            return True
+        if kind == RetryKind.REASK:
+            return self.reasks < r.reask_invalid
+        return self.retries < r.max_attempts - 1
 
     def _delay(self, kind: RetryKind | None) -> float | None:
         if kind not in (RetryKind.BACKOFF, RetryKind.OUTAGE):

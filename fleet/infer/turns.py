@@ -17,7 +17,10 @@ the envelope's ``tool_rounds`` is the same list. Keys a record gains later in it
 ``sends`` once it was sent again, a result's ``tokens`` once it was counted.
 
 Failure cases: ``Turn.from_record`` raises KeyError for a record missing a field (it ignores
-keys it does not know); the inference turn reading it ends the job E_INTERNAL.
+keys it does not know); the inference turn reading it ends the job E_INTERNAL. Fields added to
+``TurnRecord`` after records were stored (``ADDED_LATER``) read as their default when missing, so
+a job saved by the release before goes on after an upgrade, and they are written only when they
+differ from it.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class TurnRecord(TypedDict):
     retries: int
     reasks: int
     outages: int
+    cuts: NotRequired[int]  # written only when not 0, so a record reads back as it was before
     heat: int
     warnings: list[str]
     conversation: list[dict[str, Any]]
@@ -93,6 +97,10 @@ class TurnRecord(TypedDict):
     tools_off: bool
     kept: NotRequired[dict[str, Any]]  # a cut reasoning to continue (fleet/infer/resume.py Kept)
 
+
+# Fields added after records were stored, with the value that reads as "none so far": a record
+# without one reads as that value, and the value is not written (the record stays as it was).
+ADDED_LATER: dict[str, Any] = {"cuts": 0}
 
 # The fields a turn carries over as they are (``number`` and ``plan`` are the turn's own; ``kept``
 # is written only when there is one).
@@ -111,6 +119,7 @@ class Turn:
     retries: int  # counted against retry.max_attempts
     reasks: int  # against retry.reask_invalid
     outages: int  # against retry.max_outage_returns
+    cuts: int  # outage returns whose request reached the backend: against retry.max_cut_returns
     heat: int  # answer-level failures so far: the temperature's step
     warnings: list[str]
     conversation: list[dict[str, Any]]  # messages after the job's own: the tool rounds'
@@ -122,7 +131,9 @@ class Turn:
     @classmethod
     def from_record(cls, record: TurnRecord) -> Turn:
         """The turn a record names; other keys are ignored, a missing one is a KeyError."""
-        carried = {name: record[name] for name in CARRIED}  # type: ignore[literal-required]
+        carried: dict[str, Any] = {
+            name: record.get(name, ADDED_LATER[name]) if name in ADDED_LATER
+            else record[name] for name in CARRIED}  # type: ignore[literal-required]
         return cls(number=record["number"], plan=Plan(**record["plan"]), kept=record.get("kept"),
                    **carried)
 
@@ -132,4 +143,7 @@ class Turn:
             del fields["plan"]["limit"]
         if fields["kept"] is None:
             del fields["kept"]
+        for name, default in ADDED_LATER.items():
+            if fields[name] == default:
+                del fields[name]
         return TurnRecord(**fields)  # type: ignore[typeddict-item]

@@ -86,6 +86,14 @@ class Harness:
         if cont.how in ("budget", "reserve"):
             self.plans.append(Plan(**cont.turn["plan"]))
 
+    def run_reviving(self, job: Job) -> Envelope:
+        """``run``, then the simulator's engine revived (a ``dead`` marker killed it); its
+        request log is kept."""
+        try:
+            return self.run(job)
+        finally:
+            httpx.post(f"{self.sim}/sim/revive")
+
     def requests(self, job: Job) -> list[dict[str, Any]]:
         data = httpx.get(f"{self.sim}/sim/requests", params={"limit": 200}).json()
         bodies = [r["body"] for r in data["requests"]
@@ -291,6 +299,38 @@ def test_outage_returns_take_no_retry_budget(h: Harness) -> None:
     job = h.job("[sim:http503/2] [sim:think=100]")
     env = h.run(job)
     assert codes(env) == [Code.E_UPSTREAM_UNAVAILABLE] * 2 + [Code.OK]
+
+
+# Long enough (0.25 s at the simulator's speed) that /health is still 503 when the attempt loop
+# asks; the turns run back to back, so each request of the job meets a dead or a killed engine.
+DEAD_SIM_S = 10
+
+
+def test_a_job_that_kills_its_backend_is_sent_at_most_1_plus_max_cut_returns_times(h: Harness) -> None:
+    """Every request of this job kills the engine (a 500, then /health 503): an outage, but one
+    whose request reached the server, so it may be the cause. The first return is free, the
+    second takes a retry-budget token, the third is refused by retry.max_cut_returns (2), well
+    before max_outage_returns (10)."""
+    bucket = RetryBudget(h.redis, h.keys, "reports", ratio=0.2)
+    before = bucket.tokens()
+    job = h.job(f"[sim:dead={DEAD_SIM_S}]")
+    env = h.run_reviving(job)
+    assert codes(env) == [Code.E_UPSTREAM_ERROR] * 3 and env.code is Code.E_UPSTREAM_ERROR
+    assert any("failed under this job's request 3 times" in w for w in env.warnings)
+    assert len(h.requests(job)) == 3
+    # one token spent, 0.2 credited for the first attempt up to the capacity (the reserve trickles in)
+    assert bucket.tokens() == pytest.approx(min(bucket.capacity, before + 0.2) - 1, abs=0.1)
+
+
+def test_a_second_cut_needs_the_retry_budget(h: Harness) -> None:
+    bucket = RetryBudget(h.redis, h.keys, "reports", ratio=0.2)
+    while bucket.try_spend():
+        pass
+    job = h.job(f"[sim:dead={DEAD_SIM_S}]")
+    env = h.run_reviving(job)
+    assert codes(env) == [Code.E_UPSTREAM_ERROR] * 2
+    assert any("retry budget is used up" in w for w in env.warnings)
+    assert len(h.requests(job)) == 2
 
 
 def test_deadline_during_a_slow_first_token(h: Harness) -> None:

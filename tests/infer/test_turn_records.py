@@ -167,3 +167,16 @@ def test_a_record_missing_a_field_is_refused_and_an_unknown_key_ignored() -> Non
     del record["heat"]
     with pytest.raises(KeyError):
         Turn.from_record(record)
+
+
+def test_a_field_added_later_reads_as_its_default_and_is_written_only_when_set() -> None:
+    """A record saved before ``cuts`` existed reads as no cuts and writes back without it; a
+    turn with cuts writes them after ``outages``."""
+    record = json.loads(CARRIED_OVER)
+    assert "cuts" not in record and Turn.from_record(record).cuts == 0
+    turn = Turn.from_record(record)
+    turn.cuts = 2
+    written = turn.record()
+    keys = list(written)
+    assert written["cuts"] == 2 and keys.index("cuts") == keys.index("outages") + 1
+    assert Turn.from_record(written).cuts == 2
