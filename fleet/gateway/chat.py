@@ -48,6 +48,7 @@ from fleet.core.errors import (
     FleetError,
     InputInvalid,
     NotFound,
+    QueueTimeout,
     QuotaExceeded,
     ThinkLoop,
     UpstreamUnavailable,
@@ -610,8 +611,8 @@ class _Session:
     async def _readmit(self, kept: Kept | None) -> Ticket | None:
         """Back in line after a failover, sized as what the next attempt sends (a continuation's
         prompt holds the kept reasoning, all of it uncached on another backend), with a new
-        reservation of the API key's quota; the new grant, or None when the client left, the
-        key's quota has no room or the wait passed ``max_queue_wait_s``."""
+        reservation of the API key's quota; the new grant, or None when the client left or the
+        key's quota has no room. QueueTimeout when the wait passed ``max_queue_wait_s``."""
         adm, settings = self.gw.admission, self.gw.live.settings.gateway
         mask = self.eligible & ~self.tried or self.eligible
         prompt, max_tokens = self.prompt_tokens, self.max_tokens
@@ -638,9 +639,17 @@ class _Session:
         if grant is None:
             log.info("chat job=%s: not admitted again within %g s after its backend cut it", self.job_id,
                      settings.max_queue_wait_s)
-            return None
+            raise self._not_readmitted(settings.max_queue_wait_s)
         self.ticket = await adm.claim(self.ref, self.caller.project, grant, enqueued_at)
         return self.ticket
+
+    def _not_readmitted(self, max_wait_s: float) -> QueueTimeout:
+        """E_QUEUE_TIMEOUT (a 429 with Retry-After when nothing was sent yet) for a request cut by
+        its backend that found no seat again: the fleet was full, not the request wrong."""
+        busy = self.gw.admission.timeout_error(max_wait_s)
+        exc = QueueTimeout(f"cut by its backend, then {busy.message}")
+        exc.retry_after_s = busy.retry_after_s
+        return exc
 
     async def _key_quota_again(self, prompt: int, max_tokens: int) -> bool:
         """The API key's reservation settled with what the attempts so far spent and made again

@@ -15,6 +15,8 @@ REAL fleet: the gateway, a dispatcher, ``fleet sim`` processes, the official ``o
 - A backend whose template does not open ``<think>`` cannot continue: a request not streamed
   runs again, a streamed one whose reasoning went out ends with the error.
 - Each grant's quota reservation is settled with its own attempts.
+- A cut request that finds no seat again ends E_QUEUE_TIMEOUT (429); a spent retry budget ends a cut
+  with the backend's error; three replicas dropping every stream are tried once each.
 """
 
 from __future__ import annotations
@@ -248,3 +250,66 @@ def test_a_client_that_leaves_while_its_request_waits_to_fail_over_leaves_nothin
         store = fleet.client.keys.dispatch
         wait_until(lambda: not any(fleet.client.redis.hlen(f"{store}{name}") for name in ("lease", "items", "qres")),
                    10, "nothing left in the store")
+
+
+def test_a_cut_request_that_finds_no_seat_again_ends_with_the_queue_timeout(tmp_path) -> None:
+    """One seat: A is cut and goes back in line behind B, which holds the seat past A's wait
+    (max_queue_wait_s). A's client gets the 429 E_QUEUE_TIMEOUT with Retry-After that a full fleet
+    gives, saying its backend cut it; A is not sent again and B is answered."""
+    config, keys = config_with_keys(tmp_path, backend={"max_num_seqs": 1}, gateway={"max_queue_wait_s": 3})
+    with Harness(config, sim_speed=2, sim_args=SIM_ARGS, gateway=True) as fleet:
+        from concurrent.futures import ThreadPoolExecutor
+
+        client = sdk(fleet, keys["assistant"])
+
+        def ask(text: str) -> Any:
+            return client.chat.completions.create(model="local", messages=[{"role": "user", "content": text}])
+
+        with ThreadPoolExecutor(2) as pool:
+            a = pool.submit(ask, "[sim:think=400] [sim:drop/1] [sim:answer=10] a")
+            wait_until(lambda: stats(fleet.backend_url)["running"] == 1, 30, "A running")
+            b = pool.submit(ask, "[sim:think=1800] [sim:answer=10] b")  # ~10 s: past A's 3 s
+            with pytest.raises(openai.RateLimitError) as caught:
+                a.result(timeout=60)
+            assert b.result(timeout=120).choices[0].message.content
+        response = caught.value.response
+        assert response.headers.get("x-fleet-code") == "E_QUEUE_TIMEOUT"
+        assert response.headers.get("retry-after") == "3"
+        assert "cut by its backend" in str(caught.value.body), caught.value.body
+        sent = [entry["body"]["messages"][0]["content"][-1] for entry in
+                httpx.get(f"{fleet.backend_url}/sim/requests", timeout=10).json()["requests"]]
+        assert sent == ["a", "b"], sent
+
+
+def test_a_spent_retry_budget_ends_a_cut_request_with_the_backends_error(tmp_path) -> None:
+    """Failing over is paid from the project's retry budget: with the budget spent (and no
+    credit per first attempt, budget_ratio 0), the cut is the client's error and the request goes
+    to the backend once."""
+    from fleet.infer.retrying import RetryBudget
+
+    config, keys = config_with_keys(tmp_path, retry={"budget_ratio": 0.0})
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as fleet:
+        # spent "in ten minutes": the reserve trickles in only once the clock passes that
+        bucket = RetryBudget(fleet.client.redis, fleet.client.keys, "assistant", 0.0, clock=lambda: time.time() + 600)
+        while bucket.try_spend():
+            pass
+        with pytest.raises(openai.APIStatusError) as caught:
+            sdk(fleet, keys["assistant"]).chat.completions.create(
+                model="local", messages=[{"role": "user", "content": "[sim:think=400] [sim:drop/1] add"}])
+        assert caught.value.response.headers.get("x-fleet-code") == "E_STREAM_DROPPED"
+        assert paths(fleet.backend_url) == ["/v1/chat/completions"]
+
+
+def test_a_request_cut_on_every_backend_tries_each_of_three_once(tmp_path) -> None:
+    """Three replicas, each dropping every stream: a failover never returns to a backend that
+    cut the request while another is left, so its three attempts (fail_over 2) meet the three
+    replicas once each, and the last backend's error is the client's."""
+    config, keys = config_with_keys(tmp_path, backends=[replica("a"), replica("b"), replica("c")],
+                                    gateway={"fail_over": 2})
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as fleet:
+        with pytest.raises(openai.APIStatusError) as caught:
+            sdk(fleet, keys["assistant"]).chat.completions.create(
+                model="local", messages=[{"role": "user", "content": "[sim:think=400] [sim:drop] add"}])
+        assert caught.value.response.headers.get("x-fleet-code") == "E_STREAM_DROPPED"
+        assert {name: paths(url) for name, url in fleet.sim_urls.items()} == {
+            name: ["/v1/chat/completions"] for name in ("a", "b", "c")}
