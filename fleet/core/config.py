@@ -244,9 +244,9 @@ class RetrySettings(_Section):
     """Times a job goes back in line because the backend was unavailable, before it ends with
     that error (outage returns count apart from max_attempts and the retry budget)."""
     max_cut_returns: int = Field(2, ge=0)
-    """Of those, times a backend may fail under the job's own request (it reached the server: a
-    stream dropped, a 500 while /health is down): the first is free, each further one takes a
-    retry-budget token. A job that brings servers down is sent at most 1 + this many times."""
+    """Of those, times a backend may fail under the job's own request (its stream was open when
+    the engine failed or went away): the first is free, each further one takes a retry-budget
+    token. A job that brings servers down is sent at most 1 + this many times."""
 
 
 class WatcherSettings(_Section):

@@ -36,7 +36,7 @@ How an attempt ends and what follows:
     refused, 502/503/504/429, connect  after a backoff, at its place; counted apart from the
     timeout; any retryable failure     retries (at most retry.max_outage_returns), never from
     while /health is not 200)          the project's retry budget; but a backend failing under
-                                       the request itself (it reached the server) more than once
+                                       the request itself (its stream was open) more than once
                                        takes a budget token per return, at most
                                        retry.max_cut_returns: a job that kills servers is bounded
     cancel / deadline / rejected       final at once: E_CANCELLED / E_DEADLINE / the error's code
@@ -670,7 +670,9 @@ class _Run:
         """Set up the next turn; its backoff in seconds, or None when no retry may happen (the
         outcome is final)."""
         kind = outcome.retry
-        cut = kind == RetryKind.OUTAGE and outcome.code not in OUTAGE_CODES
+        # an outage that began under this job's own request: its stream was open when the engine
+        # failed (one already dead answers 500 before any stream: the job only met the outage)
+        cut = kind == RetryKind.OUTAGE and outcome.result is not None and outcome.result.opened
         if not self._may_return(kind, cut):
             return None
         delay_s = self._delay(kind)

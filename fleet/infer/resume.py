@@ -358,5 +358,5 @@ class _Continuation:
             response_id=parts[-1].response_id if parts else None,
             streamed_tokens=completion, streamed_reasoning=new_reasoning, kept_tokens=self.kept["tokens"],
             sent_prompt_tokens=sum(self.prompts[phase] for phase in served) if served else None,
-            rendered_prompt_tokens=self.rendered, thought_ended=ended,
+            rendered_prompt_tokens=self.rendered, thought_ended=ended, opened=any(p.opened for p in parts),
         )

@@ -118,6 +118,9 @@ class StreamResult:
     sent_prompt_tokens: int | None = None
     rendered_prompt_tokens: int | None = None
     thought_ended: bool = False
+    # the server answered 200 and the stream began: the request reached a working engine (an
+    # engine already dead answers 500 first), so a failure after it may be this request's doing
+    opened: bool = False
 
     @property
     def reasoning_tokens(self) -> int:
@@ -557,7 +560,7 @@ class VllmClient:
                     if response.status_code != 200:
                         response.read()
                         raise http_error(response)
-                    streaming = True
+                    streaming = assembler.result.opened = True
                     self._consume(response, assembler, clock, on_delta)
                 finally:
                     clock.detach()  # before the connection can go back to the pool

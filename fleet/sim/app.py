@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
 import time
 import uuid
@@ -57,7 +58,7 @@ from fleet.sim.metrics import SimMetrics
 from fleet.sim.plan import LengthDistribution, RequestShape, build_plan, seeded
 from fleet.sim.profiles import SimProfile
 from fleet.sim.responses import Completion, FullWriter, StreamWriter
-from fleet.sim.scenarios import MarkerError, Scenario, ScenarioBook, enact_refusals
+from fleet.sim.scenarios import MarkerError, Scenario, ScenarioBook, breaking_of, enact_refusals
 from fleet.sim.template import message_text, render_chat
 from fleet.sim.tokenizer import Tokenizer
 from fleet.sim.validate import APIError, ChatRequest, error_body, parse_chat
@@ -208,9 +209,9 @@ class ChatHandler:
             slow_first_s=scenario.number("slow_first_token"), stall_at=plan.stall_at,
             stall_s=scenario.number("stall"))
         self.s.engine.submit(seq)
-        breaking = next((n for n in ("drop", "error_event") if scenario.has(n)), None)
         completion = Completion(self.s.engine, seq, plan, f"chatcmpl-{rid}", int(time.time()),
-                                req.model, req.include_usage, breaking, req.continuous_usage)
+                                req.model, req.include_usage, breaking_of(scenario), req.continuous_usage,
+                                crash_s=scenario.number("crash", math.inf))
         return StreamWriter(completion) if req.stream else FullWriter(completion)
 
 

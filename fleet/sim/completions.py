@@ -24,6 +24,7 @@ hermes tool calls), since no reasoning or tool parser runs on this route.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from typing import Any
@@ -32,7 +33,7 @@ from fleet.sim.engine import Sequence
 from fleet.sim.kvcache import block_hashes, note_prompt
 from fleet.sim.plan import RequestShape, build_plan, seeded
 from fleet.sim.responses import Completion, CompletionFullWriter, CompletionStreamWriter
-from fleet.sim.scenarios import MarkerError, enact_refusals
+from fleet.sim.scenarios import MarkerError, breaking_of, enact_refusals
 from fleet.sim.validate import APIError, opt_int, response_format_of, salt_of
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -124,9 +125,9 @@ class CompletionHandler:
             stall_s=scenario.number("stall"))
         enact_refusals(scenario, self.s.engine)
         self.s.engine.submit(seq)
-        breaking = next((n for n in ("drop", "error_event") if scenario.has(n)), None)
         include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
         continuous = bool(isinstance(options, dict) and options.get("continuous_usage_stats"))
         completion = Completion(self.s.engine, seq, plan, f"cmpl-{rid}", int(time.time()), served[0],
-                                include_usage, breaking, continuous, details=False)
+                                include_usage, breaking_of(scenario), continuous, details=False,
+                                crash_s=scenario.number("crash", math.inf))
         return CompletionStreamWriter(completion) if stream else CompletionFullWriter(completion)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleet.sim.jsongen import generate_json, generate_object
-from fleet.sim.scenarios import MAX_PARALLEL, Scenario
+from fleet.sim.scenarios import MAX_PARALLEL, Scenario, breaking_of
 from fleet.sim.textgen import (
     FixedPieces,
     LoopStream,
@@ -213,7 +213,7 @@ def _with_events(plan: OutputPlan, scenario: Scenario) -> OutputPlan:
     middle = max(1, min(plan.reasoning_tokens, plan.total) // 2)
     if scenario.has("stall"):
         plan.stall_at = middle
-    if scenario.has("drop") or scenario.has("error_event"):
+    if breaking_of(scenario) is not None:
         plan.break_at = min(middle, max(0, plan.total - 1))
     return plan
 

@@ -45,11 +45,19 @@ class Completion:
     created: int
     model: str
     include_usage: bool
-    breaking: str | None = None  # "drop" or "error_event"
+    breaking: str | None = None  # "drop", "error_event" or "crash" (fleet/sim/scenarios.py)
     # stream_options.continuous_usage_stats: every chunk carries the usage so far (prompt,
     # completion and total tokens, as vLLM's running counts; the details only in the last chunk)
     continuous_usage: bool = False
     details: bool = True  # completion_tokens_details (the chat route's; not on /v1/completions)
+    crash_s: float = math.inf  # how long a "crash" leaves the engine dead
+
+    def end_half_way(self) -> None:
+        """The stream's break: this sequence aborted, or for a crash the whole engine down."""
+        if self.breaking == "crash":
+            self.engine.kill(self.crash_s)
+        else:
+            self.engine.abort(self.seq)
 
     def usage(self) -> dict[str, Any]:
         generated = self.seq.generated
@@ -150,7 +158,7 @@ class StreamWriter(_Writer):
             out.append("data: [DONE]\n\n")
         log.info("sim: %s scenario for %s after %d tokens", self.c.breaking,
                  self.c.seq.request_id, stop)
-        self.c.engine.abort(self.c.seq)
+        self.c.end_half_way()
         done = self.c.breaking == "error_event"
         await send({"type": "http.response.body", "body": "".join(out).encode(),
                     "more_body": not done})
@@ -254,7 +262,7 @@ class FullWriter(_Writer):
         await _send_json(send, 200, self._body())
 
     async def _break(self, send: Any) -> None:
-        self.c.engine.abort(self.c.seq)
+        self.c.end_half_way()
         if self.c.breaking == "error_event":
             await _send_json(send, 500, error_body(500, "Simulated engine error."))
             return

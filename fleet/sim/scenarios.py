@@ -42,6 +42,10 @@ Names (times are simulated seconds):
 ``prompt_pad=N``     count the prompt as N tokens longer (unique tokens, never prefix-cached)
 ``dead`` / ``dead=S``  the engine dies: in-flight requests fail, ``/health`` answers 503, new
                      requests get 500; for S seconds, or until ``POST /sim/reset``
+``crash`` / ``crash=S``  this request brings the engine down mid-reasoning: its stream opens and
+                     streams as ``drop`` does, then the engine dies as with ``dead`` (every
+                     request in flight fails, the dropped connection included; dead for S
+                     seconds): a request that crashes the server it runs on
 ===================  ======================================================================
 
 Numeric values (``S`` and ``N`` above) must be finite numbers >= 0; anything else (``inf``,
@@ -68,9 +72,15 @@ FAULTS = ("http500", "http503", "drop", "error_event")
 KNOWN = {
     "loop", "loop_fuzzy", "loop_short", "slow_first_token", "stall", "http500", "http503", "drop",
     "error_event", "bad_json", "empty", "tool", "bad_args", "parallel", "think", "answer", "prompt_pad",
-    "dead", "unicode",
+    "dead", "unicode", "crash",
 }
-NUMERIC = {"slow_first_token", "stall", "parallel", "think", "answer", "prompt_pad", "dead"}
+NUMERIC = {"slow_first_token", "stall", "parallel", "think", "answer", "prompt_pad", "dead", "crash"}
+BREAKING = ("drop", "error_event", "crash")  # the markers that end a stream half-way (OutputPlan.break_at)
+
+
+def breaking_of(scenario: Scenario) -> str | None:
+    """The marker that ends this request's stream half-way, if any (``BREAKING``, in that order)."""
+    return next((n for n in BREAKING if scenario.has(n)), None)
 MAX_PARALLEL = 64
 
 

@@ -30,6 +30,7 @@ from fleet.infer.budget import plan as make_plan
 from fleet.infer.retrying import RetryBudget, backoff_s, fits_deadline, should_retry
 from fleet.infer.vllm import VllmClient
 from tests.support.testenv import corpus_file
+from tests.support.waiting import wait_until
 
 
 def _sim_parses(marker: str) -> bool:
@@ -63,6 +64,7 @@ class Harness:
         self.plans: list[Any] = []  # grown plans handed to the next turn's admission
         self.cancel = threading.Event()
         self.vllm = VllmClient(sim, "local", timeouts=cfg.timeouts)
+        self.continued, self.wait_healthy, self.revive_after = 0, False, None
 
     def job(self, text: str, project: str = "reports", **fields: Any) -> Job:
         job_id = uuid.uuid4().hex[:12]
@@ -80,19 +82,33 @@ class Harness:
         return run_turns(job, plan, ctx, self._continued)
 
     def _continued(self, cont: Continuation) -> None:
-        """What admission would see: the backoff before the next turn and a grown plan."""
+        """What admission would see: the backoff before the next turn and a grown plan; with
+        ``wait_healthy`` the health gate; ``revive_after`` revives a killed engine after that
+        many continuations."""
+        self.continued += 1
+        if self.revive_after is not None and self.continued >= self.revive_after:
+            httpx.post(f"{self.sim}/sim/revive").raise_for_status()
+        if self.wait_healthy:
+            self.until_healthy()
         if cont.delay_s > 0:
             self.sleeps.append(cont.delay_s)
         if cont.how in ("budget", "reserve"):
             self.plans.append(Plan(**cont.turn["plan"]))
 
-    def run_reviving(self, job: Job) -> Envelope:
-        """``run``, then the simulator's engine revived (a ``dead`` marker killed it); its
-        request log is kept."""
+    def run_healthy(self, job: Job) -> Envelope:
+        """``run``, each next turn only once the simulator's /health is 200 again (a ``crash``
+        marker took the engine down for a while), as the dispatcher's health gate holds it; the
+        engine is back before the first turn and after the last."""
+        self.wait_healthy = True
         try:
+            self.until_healthy()
             return self.run(job)
         finally:
-            httpx.post(f"{self.sim}/sim/revive")
+            self.wait_healthy = False
+            self.until_healthy()
+
+    def until_healthy(self) -> None:
+        wait_until(lambda: httpx.get(f"{self.sim}/health").status_code == 200, 30, "the engine back")
 
     def requests(self, job: Job) -> list[dict[str, Any]]:
         data = httpx.get(f"{self.sim}/sim/requests", params={"limit": 200}).json()
@@ -301,36 +317,50 @@ def test_outage_returns_take_no_retry_budget(h: Harness) -> None:
     assert codes(env) == [Code.E_UPSTREAM_UNAVAILABLE] * 2 + [Code.OK]
 
 
-# Long enough (0.25 s at the simulator's speed) that /health is still 503 when the attempt loop
-# asks; the turns run back to back, so each request of the job meets a dead or a killed engine.
-DEAD_SIM_S = 10
+# The engine stays dead 0.25 s at the simulator's speed: /health is still 503 when the attempt
+# loop asks, and the next turn starts only once it is back (``run_healthy``).
+CRASH_SIM_S = 10
 
 
-def test_a_job_that_kills_its_backend_is_sent_at_most_1_plus_max_cut_returns_times(h: Harness) -> None:
-    """Every request of this job kills the engine (a 500, then /health 503): an outage, but one
-    whose request reached the server, so it may be the cause. The first return is free, the
-    second takes a retry-budget token, the third is refused by retry.max_cut_returns (2), well
+def test_a_job_that_crashes_its_backend_is_sent_at_most_1_plus_max_cut_returns_times(h: Harness) -> None:
+    """Every request of this job brings the engine down mid-stream (``crash``): an outage, but
+    one under the job's own open stream, so it may be the cause. The first return is free, the
+    second takes a retry-budget token, the third is refused by retry.max_cut_returns (2), long
     before max_outage_returns (10)."""
     bucket = RetryBudget(h.redis, h.keys, "reports", ratio=0.2)
     before = bucket.tokens()
-    job = h.job(f"[sim:dead={DEAD_SIM_S}]")
-    env = h.run_reviving(job)
-    assert codes(env) == [Code.E_UPSTREAM_ERROR] * 3 and env.code is Code.E_UPSTREAM_ERROR
+    job = h.job(f"[sim:crash={CRASH_SIM_S}] [sim:think=200]")
+    env = h.run_healthy(job)
+    assert codes(env) == [Code.E_STREAM_DROPPED] * 3 and env.code is Code.E_STREAM_DROPPED
     assert any("failed under this job's request 3 times" in w for w in env.warnings)
     assert len(h.requests(job)) == 3
     # one token spent, 0.2 credited for the first attempt up to the capacity (the reserve trickles in)
     assert bucket.tokens() == pytest.approx(min(bucket.capacity, before + 0.2) - 1, abs=0.1)
 
 
-def test_a_second_cut_needs_the_retry_budget(h: Harness) -> None:
+def test_a_second_crash_needs_the_retry_budget(h: Harness) -> None:
     bucket = RetryBudget(h.redis, h.keys, "reports", ratio=0.2)
     while bucket.try_spend():
         pass
-    job = h.job(f"[sim:dead={DEAD_SIM_S}]")
-    env = h.run_reviving(job)
-    assert codes(env) == [Code.E_UPSTREAM_ERROR] * 2
+    job = h.job(f"[sim:crash={CRASH_SIM_S}] [sim:think=200]")
+    env = h.run_healthy(job)
+    assert codes(env) == [Code.E_STREAM_DROPPED] * 2
     assert any("retry budget is used up" in w for w in env.warnings)
     assert len(h.requests(job)) == 2
+
+
+def test_meeting_an_engine_already_dead_is_no_cut(h: Harness) -> None:
+    """An engine that died before the request answers 500 before any stream: the job only met
+    the outage, so its returns are free however many (here until the engine is back), even
+    with the retry budget spent."""
+    bucket = RetryBudget(h.redis, h.keys, "reports", ratio=0.2)
+    while bucket.try_spend():
+        pass
+    httpx.post(f"{h.sim}/sim/kill").raise_for_status()
+    job = h.job("[sim:think=100]")
+    h.revive_after = 4  # the engine comes back after the job met it dead four times
+    env = h.run(job)
+    assert codes(env) == [Code.E_UPSTREAM_ERROR] * 4 + [Code.OK], codes(env)
 
 
 def test_deadline_during_a_slow_first_token(h: Harness) -> None:

@@ -235,6 +235,23 @@ def test_dead_engine_fails_inflight_and_health(sim: SimProcess, client: openai.O
     assert httpx.get(sim.base_url + "/health").status_code == 200
 
 
+def test_a_crashing_request_streams_then_takes_the_engine_down(sim: SimProcess, client: openai.OpenAI) -> None:
+    """``crash``: the request's stream opens (200) and streams reasoning, then the engine dies:
+    this stream breaks, another in flight fails, /health answers 503 until the engine is back."""
+    bystander = client.chat.completions.create(
+        model="local", messages=user("[sim:think=200000] bystander"), stream=True)
+    next(iter(bystander))
+    status, lines, error = sse_lines(sim, "[sim:crash] [sim:think=400] the poison")
+    assert status == 200 and error is not None  # an open stream, cut without [DONE]
+    assert any('"reasoning"' in line for line in lines) and "data: [DONE]" not in lines
+    assert httpx.get(sim.base_url + "/health").status_code == 503
+    with pytest.raises(openai.APIError):
+        for _ in bystander:
+            pass
+    httpx.post(sim.base_url + "/sim/revive")
+    assert httpx.get(sim.base_url + "/health").status_code == 200
+
+
 def _cached(client: openai.OpenAI, messages: list[dict[str, Any]], salt: str | None) -> int:
     extra = {"cache_salt": salt} if salt is not None else {}
     answer = client.chat.completions.create(model="local", max_tokens=3, messages=messages,
