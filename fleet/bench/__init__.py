@@ -464,11 +464,12 @@ def chaos(
     redis_url: RedisUrl = "",
 ) -> None:
     """Faults an operator meets (kill storm, Redis restarts with and without AOF, Sentinel
-    failover, backend faults and death), each on a fleet and Redis of its own: jobs, envelopes,
-    missing, doubled, max in flight vs cap, time back to a full backend, process exits, RSS."""
+    failover, backend faults and death, a backend killed under queue jobs and gateway streams),
+    each on a fleet and Redis of its own: jobs, envelopes, missing, doubled, max in flight vs cap,
+    time back to a full backend, process exits, RSS, and what the gateway's clients saw."""
     from rich.table import Table
 
-    from fleet.bench.chaos import COLUMNS, ROUNDS, chaos_bench, row_of, rss_rows
+    from fleet.bench.chaos import COLUMNS, GATEWAY_COLUMNS, ROUNDS, chaos_bench, gateway_rows, row_of, rss_rows
     from fleet.bench.chaos import markdown as to_markdown
 
     _own_redis_only("chaos", redis_url)
@@ -492,5 +493,13 @@ def chaos(
     for row in rss_rows(results):
         rss.add_row(*row)
     console.print(rss)
+    gateway = gateway_rows(results)
+    if gateway:
+        streams = Table(title="gateway clients (streamed requests through the fault)")
+        for column in GATEWAY_COLUMNS:
+            streams.add_column(column)
+        for row in gateway:
+            streams.add_row(*row)
+        console.print(streams)
     if markdown:
         Path(markdown).write_text(to_markdown(results), encoding="utf-8")

@@ -14,7 +14,10 @@ Rounds (``ROUNDS``; ``--rounds`` picks some):
                     stream in flight fails, /health answers 503
   backends-storm    two backends (one ``fleet sim`` each, ``cap`` sequences each): kill -9 of the
                     second simulator, the kill storm while it is down, the simulator started
-                    again on its port; every simulator's peak is checked against its own cap
+                    again on its port; every simulator's peak is checked against its own cap.
+                    ``fleet gateway`` runs beside the fleet with streaming clients
+                    (fleet/bench/chaosgateway.py) and ``routing.continue_cut_turns = "continue"``:
+                    the streams the kill cuts fail over to the survivor mid-reasoning
 
 What runs per round: its own Redis (fleet/local/topology.py: a ``RedisNode`` on a free loopback
 port, or a ``SentinelGroup``), ``fleet sim``, two dispatchers, two inference workers
@@ -46,6 +49,9 @@ What it reports (``RoundResult``):
   RSS                 each process's resident memory (VmRSS) sampled every second from the first
                       envelopes on (imports done, work under way): first, max, last; a process
                       restarted during the round keeps its row (its last figure is the new process's)
+  gateway             (rounds with gateway clients) requests, their codes as the clients saw
+                      them, requests moved by a failover, streams without an end, envelopes
+                      missing or disagreeing, entries left in the dispatcher store
 Verdict: ``ok`` when nothing is missing or doubled, the cap held and no process exited; ``loss``
 when only jobs of a Redis without persistence are missing (what that configuration promises);
 ``FAIL`` naming what broke otherwise; ``error`` when the round itself could not run.
@@ -76,12 +82,15 @@ import httpx
 import redis
 import tomli_w
 
+from fleet.bench.chaosgateway import GatewayAccount, GatewayClients
 from fleet.bench.fleet.sampler import Sampler
 from fleet.bench.fleet.workload import PROJECTS, Spec, job_of, short_mix
 from fleet.client import Client
+from fleet.core.apikeys import mint
 from fleet.core.config import EXAMPLE_CONFIG, Settings, load_settings
 from fleet.core.models import Envelope
 from fleet.core.redisconn import redis_client
+from fleet.local.embedded import free_port
 from fleet.local.processes import LocalFleet
 from fleet.local.topology import MASTER_NAME, RedisNode, SentinelGroup
 
@@ -93,6 +102,7 @@ ROUNDS = ("storm", "redis-aof-clean", "redis-aof-kill9", "redis-none-clean", "re
           "sentinel", "backend-faults", "backend-dead", "backends-storm")
 OUTAGE_S = 1.0  # how long Redis stays down in the restart rounds
 DEAD_S = 3.0  # how long the engine stays dead in backend-dead
+GATEWAY_CLIENTS = 4  # streaming clients of a round with a gateway
 
 
 @dataclass
@@ -114,6 +124,7 @@ class RoundResult:
     submit_failures: int = 0
     codes: Counter[str] = field(default_factory=Counter)
     rss_mb: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # first, max, last
+    gateway: GatewayAccount | None = None  # rounds with gateway clients
     seconds: float = 0.0
     error: str = ""
     logs: str = ""  # the processes' logs, kept when the round did not end ok
@@ -137,6 +148,8 @@ class RoundResult:
             broken.append(f"{sum(self.exited.values())} process exits")
         if self.submit_failures:
             broken.append(f"{self.submit_failures} submissions failed")
+        if self.gateway is not None:
+            broken += self.gateway.broken()
         if broken:
             expected = f"; {len(self.lost)} lost (no persistence)" if self.lost and "none" in self.name else ""
             return "FAIL: " + ", ".join(broken) + expected
@@ -181,7 +194,8 @@ class ChaosFleet:
     """One round's fleet, its observers and its supervisor."""
 
     def __init__(self, broker: Broker, jobs: int, cap: int, speed: float, sim_args: list[str],
-                 lease_ttl_s: float, backends: int = 1, sections: dict[str, dict[str, Any]] | None = None) -> None:
+                 lease_ttl_s: float, backends: int = 1, sections: dict[str, dict[str, Any]] | None = None,
+                 gateway: bool = False) -> None:
         self.broker, self.jobs, self.cap = broker, jobs, cap
         self.tmp = Path(tempfile.mkdtemp(prefix="fleet-chaos-"))
         data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
@@ -189,6 +203,10 @@ class ChaosFleet:
         data["redis"] = {"master_name": MASTER_NAME}
         for project in data["projects"].values():
             project["secret"] = f"chaos-{uuid.uuid4().hex}"
+        # the gateway's clients call as the first project, with a key of the round's own
+        self.gateway_project = next(iter(data["projects"]))
+        self.gateway_key, entry = mint()
+        data["projects"][self.gateway_project]["api_keys"] = [entry]
         data["backend"]["max_num_seqs"] = cap
         if backends > 1:  # replicas of the example's server, each with the round's cap
             entry = data.pop("backend")
@@ -206,8 +224,9 @@ class ChaosFleet:
         self.fleet = LocalFleet(self.settings, sim_speed=speed, workers=0, dispatchers=2,
                                 sim_args=["--max-num-seqs", str(max(cap, 32)), *sim_args],
                                 config_path=str(self.tmp / "fleet.toml"), log_dir=str(self.tmp),
-                                inherit_env=False)
+                                inherit_env=False, gateway_port=free_port() if gateway else None)
         self.lock = threading.Lock()  # the supervisor and the bench's own kills
+        self.clients: GatewayClients | None = None  # a round's gateway clients
         self.exited: Counter[str] = Counter()
         # (stream, entry id) -> job id, code, when first seen; entry ids repeat across streams
         self.seen: dict[tuple[str, bytes], tuple[str, str, float]] = {}
@@ -318,6 +337,26 @@ class ChaosFleet:
             return None
         return max((first[j] - after for j in still_open), default=0.0)
 
+    def gateway_clients(self, think: int, answer: int) -> GatewayClients:
+        assert self.fleet.gateway_port is not None
+        self.clients = GatewayClients(f"http://127.0.0.1:{self.fleet.gateway_port}", self.gateway_key,
+                                      GATEWAY_CLIENTS, think, answer)
+        return self.clients
+
+    def account_gateway(self, clients: GatewayClients, settle_s: float = 15.0) -> GatewayAccount:
+        """The gateway clients' account, once the store's leases, items and quota reservations
+        are gone (an expired lease of a killed process goes at the dispatcher's next sweep), or
+        after ``settle_s`` with what is left."""
+        store = self.client.keys.dispatch
+        hashes = [f"{store}{name}" for name in ("lease", "items", "qres")]
+        stream = self.client.keys.gateway_results(self.gateway_project)
+        deadline = time.monotonic() + settle_s
+        while True:
+            account = clients.account(self.reader, stream, hashes)
+            if not account.left or time.monotonic() > deadline:
+                return account
+            time.sleep(0.5)
+
     def close(self, keep_logs: bool = False) -> None:
         self._stop.set()
         for thread in self._threads:
@@ -362,8 +401,16 @@ def _restart_redis(cf: ChaosFleet, clean: bool) -> list[float]:
 
 
 def _backends_storm(cf: ChaosFleet, kills: int) -> list[float]:
-    """The second simulator killed, the storm while it is down, the simulator back."""
-    name = f"sim-{cf.settings.backends[1].name}"
+    """The second simulator killed (with gateway clients: once one of their streams is thinking
+    on it, for up to 30 s, so the kill cuts a reasoning the gateway fails over), the storm while
+    it is down, the simulator back."""
+    second = cf.settings.backends[1].name
+    if cf.clients is not None:
+        clients = cf.clients
+        deadline = time.monotonic() + 30
+        while not clients.thinking_on(second) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    name = f"sim-{second}"
     cf.kill(name)
     ends = _storm(cf, kills)
     cf.start_again(name)
@@ -404,6 +451,8 @@ class RoundPlan:
     inject: Callable[[ChaosFleet], list[float]]
     sim_args: list[str] = field(default_factory=list)
     backends: int = 1
+    gateway: bool = False  # fleet gateway and its streaming clients beside the queue jobs
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)  # settings of the round
 
 
 def plans(kills: int) -> dict[str, RoundPlan]:
@@ -425,7 +474,8 @@ def plans(kills: int) -> dict[str, RoundPlan]:
         "backend-dead": RoundPlan(f"[sim:dead={DEAD_S:g}/1]: the engine dies for {DEAD_S:g} s",
                                   lambda: Broker(AOF), lambda cf: _engine_death(cf, PROJECTS[0])),
         "backends-storm": RoundPlan(f"2 backends: kill -9 of one, {kills} x kill -9 while it is down, it returns",
-                                    lambda: Broker(AOF), lambda cf: _backends_storm(cf, kills), backends=2),
+                                    lambda: Broker(AOF), lambda cf: _backends_storm(cf, kills), backends=2,
+                                    gateway=True, sections={"routing": {"continue_cut_turns": "continue"}}),
     }
 
 
@@ -439,8 +489,10 @@ def run_round(name: str, plan: RoundPlan, jobs: int, cap: int, speed: float, thi
     try:
         broker = plan.broker()  # named before it starts: the finally below stops what it started
         broker.start()
-        cf = ChaosFleet(broker, jobs, cap, speed, plan.sim_args, lease_ttl_s, plan.backends)
+        cf = ChaosFleet(broker, jobs, cap, speed, plan.sim_args, lease_ttl_s, plan.backends, plan.sections,
+                        plan.gateway)
         cf.start()
+        clients = cf.gateway_clients(think, answer) if plan.gateway else None
         others = [Sampler(url, interval_s=0.1) for url in list(cf.urls.values())[1:]]
         with Sampler(cf.base_url, interval_s=0.1) as sampler, contextlib.ExitStack() as stack:
             for other in others:
@@ -448,10 +500,16 @@ def run_round(name: str, plan: RoundPlan, jobs: int, cap: int, speed: float, thi
             ids, result.submit_failures = cf.submit(short_mix(jobs, think, answer))
             _wait(lambda: sum(1 for c in cf.envelope_counts().values() if c) >= max(1, jobs // 5), 300)
             cf.warm.set()
+            if clients is not None:
+                clients.start()
             full = _steady_level(sampler, cap)
             ends = plan.inject(cf)
+            if clients is not None:
+                clients.stop(timeout_s=clients.read_timeout_s + 30)
             _settle(cf, ids, stall_s)
             _account(result, cf, ids)
+            if clients is not None:
+                result.gateway = cf.account_gateway(clients)
             result.full_level = full
             lost = set(result.lost)  # gone with the Redis that held them: never to run again
             targets = [min(full, cf.open_jobs([j for j in ids if j not in lost], end)) for end in ends]
@@ -573,9 +631,29 @@ def rss_rows(results: list[RoundResult]) -> list[list[str]]:
             for r in results for name, (first, peak, last) in sorted(r.rss_mb.items())]
 
 
+GATEWAY_COLUMNS = ("round", "gateway streams", "codes as the clients saw them", "moved by a failover",
+                   "without an end", "envelopes missing / doubled / other code", "left in the store")
+
+
+def gateway_rows(results: list[RoundResult]) -> list[list[str]]:
+    rows = []
+    for r in results:
+        g = r.gateway
+        if g is None:
+            continue
+        codes = ", ".join(f"{code} {n}" for code, n in sorted(g.codes.items())) or "-"
+        rows.append([r.name, str(g.requests), codes, str(g.failovers), str(g.unended), str(g.unmatched),
+                     str(g.left)])
+    return rows
+
+
 def markdown(results: list[RoundResult]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row_of(r)) + " |" for r in results]
+    gateway = gateway_rows(results)
+    if gateway:
+        lines += ["", "| " + " | ".join(GATEWAY_COLUMNS) + " |", "|" + "---|" * len(GATEWAY_COLUMNS)]
+        lines += ["| " + " | ".join(row) + " |" for row in gateway]
     lines += ["", "| round | process | RSS MB first / max / last |", "|---|---|---|"]
     lines += ["| " + " | ".join(row) + " |" for row in rss_rows(results)]
     return "\n".join(lines) + "\n"

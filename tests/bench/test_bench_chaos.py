@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from fleet.bench.chaos import ROUNDS, ChaosFleet, RoundResult, chaos_bench, markdown, plans
+from fleet.bench.chaosgateway import GatewayAccount
 
 
 @pytest.mark.slow
@@ -43,6 +44,12 @@ def test_a_backend_killed_during_a_storm_keeps_every_invariant_on_both() -> None
     assert not result.exited
     assert len(result.all_final) == 4 and None not in result.all_final
     assert result.verdict() == "ok"
+    # the gateway's streaming clients through the same storm: every stream ended with a code,
+    # each had exactly one envelope with that code, and nothing was left in the store
+    gateway = result.gateway
+    assert gateway is not None and gateway.requests > 0, gateway
+    assert (gateway.unended, gateway.unmatched, gateway.left) == (0, 0, 0), gateway
+    assert sum(gateway.codes.values()) == gateway.requests
     # the first simulator is sampled throughout; the killed one only once a sampling second (1 s)
     # passed after its return, which a loaded machine may end the round before
     assert "sim" in result.rss_mb
@@ -78,6 +85,10 @@ def test_the_verdict_names_what_broke() -> None:
     # a Redis without persistence loses what it held: reported as such, not as a fleet failure
     assert RoundResult("redis-none-kill9", "x", lost=["a"], cap=4).verdict() == "loss (no persistence)"
     assert RoundResult("storm", "x", error="TimeoutError: no").verdict() == "error: TimeoutError: no"
+    streams = RoundResult("backends-storm", "x", cap=4, gateway=GatewayAccount(requests=5, unended=1, unmatched=2,
+                                                                             left=3))
+    assert streams.verdict() == ("FAIL: 1 gateway streams without an end, 2 gateway envelopes missing, "
+                                 "doubled or disagreeing, 3 entries left in the store")
     assert "| storm |" in markdown([good])
 
 
