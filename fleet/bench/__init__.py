@@ -333,13 +333,19 @@ def resume(
     answer: Annotated[int, typer.Option(help="answer tokens of each job")] = 60,
     cap: Annotated[int, typer.Option(help="sequences per simulator")] = 8,
     speed: Annotated[float, typer.Option(help="simulator speed")] = 20.0,
+    gateway: Annotated[bool, typer.Option(help="gateway requests (not streamed, then streamed) instead of queue "
+                                               "jobs, as many as the seats (--jobs is not used)")] = False,
 ) -> None:
     """A backend killed under a backlog of reasoning jobs, once with routing.continue_cut_turns
     restart and once with continue: the reasoning tokens generated again, those continued, jobs
     lost or doubled, seconds to the last envelope (fleet/bench/resume.py; each run starts its own
-    Redis and fleet)."""
-    from fleet.bench.resume import markdown, resume_bench
+    Redis and fleet). --gateway: the same under gateway requests."""
+    from fleet.bench.resume import gateway_bench, gateway_markdown, markdown, resume_bench
 
+    if gateway:
+        found = gateway_bench(requests=2 * cap, think=think, answer=answer, cap=cap, speed=speed)
+        console.print(gateway_markdown(found), markup=False, soft_wrap=True)
+        return
     runs = resume_bench(jobs=jobs, think=think, answer=answer, cap=cap, speed=speed)
     console.print(markdown(runs), markup=False, soft_wrap=True)
 

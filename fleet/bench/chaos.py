@@ -195,7 +195,7 @@ class ChaosFleet:
 
     def __init__(self, broker: Broker, jobs: int, cap: int, speed: float, sim_args: list[str],
                  lease_ttl_s: float, backends: int = 1, sections: dict[str, dict[str, Any]] | None = None,
-                 gateway: bool = False) -> None:
+                 gateway: bool = False, gateway_project: str | None = None) -> None:
         self.broker, self.jobs, self.cap = broker, jobs, cap
         self.tmp = Path(tempfile.mkdtemp(prefix="fleet-chaos-"))
         data = tomllib.loads(EXAMPLE_CONFIG.read_text(encoding="utf-8"))
@@ -203,8 +203,8 @@ class ChaosFleet:
         data["redis"] = {"master_name": MASTER_NAME}
         for project in data["projects"].values():
             project["secret"] = f"chaos-{uuid.uuid4().hex}"
-        # the gateway's clients call as the first project, with a key of the round's own
-        self.gateway_project = next(iter(data["projects"]))
+        # the gateway's clients call as one project (the first by default), with a key of the round's own
+        self.gateway_project = gateway_project or next(iter(data["projects"]))
         self.gateway_key, entry = mint()
         data["projects"][self.gateway_project]["api_keys"] = [entry]
         data["backend"]["max_num_seqs"] = cap
