@@ -21,8 +21,13 @@ turn, wherever admission grants it, goes on from there (``resume_turn``):
 A turn cut after its reasoning ended (its answer had begun) keeps the reasoning and runs step 3
 only: the answer is short, and continuing a half-written answer would restart a schema's grammar
 mid-document. The completions route runs neither vLLM's reasoning parser nor its tool parser, so
-the fleet splits the reasoning from the answer itself (the stop string), and a turn that sends
-tools is never continued (its tool calls would come back as text): it restarts with carry-over.
+the fleet splits the reasoning from the answer itself (the stop string) and, for a turn that sends
+tools with ``tool_choice`` auto (or unset), reads the answer's hermes ``<tool_call>`` blocks as the
+chat route's parser would (fleet/infer/hermes.py): the content streams on as it comes, a block is
+held back and goes out as one ``tool_calls`` delta at the end, ``finish_reason`` "tool_calls". A
+turn that forces a call (``tool_choice`` "required" or a named function: the chat route would
+constrain the output, the completions route cannot) is not continued. A turn cut once its tool
+call had begun is not either (the call would be written twice).
 
 Why not the chat route's ``continue_final_message``: it renders the conversation with the final
 assistant message left open right after its *content*. Qwen3's template renders an assistant
@@ -41,7 +46,7 @@ envelope's warnings say it too):
   finishing the big one's thought);
 - the prompt the next turn would send is not the one the reasoning was written for (a digest of
   messages and tools);
-- the turn sends tools;
+- the turn forces a tool call (``tool_choice``), or its cut attempt had begun one;
 - the request sets a sampling field the continuation cannot keep (``NOT_CARRIED``: a stop string,
   a token bias, a minimum length; the others, ``CARRIED``, go with both requests);
 - the server refuses the continuation (a 400 on the completions route, no room left for the
@@ -80,6 +85,7 @@ from fleet.core.errors import (
     UpstreamUnavailable,
 )
 from fleet.core.request import neutralise
+from fleet.infer import hermes
 from fleet.infer.budget import Plan
 from fleet.infer.vllm import PLAIN_READ_TIMEOUT_S, Delta, StreamResult, VllmClient
 
@@ -116,8 +122,8 @@ def digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -
 
 def keep(result: StreamResult | None, body: dict[str, Any], model: str, backend: str) -> Kept | None:
     """What a cut attempt leaves for a continuation; None when there is nothing worth keeping (too
-    little reasoning, too much, tool calls begun, tools sent)."""
-    if result is None or body.get("tools") or result.tool_calls:
+    little reasoning, too much, tool calls begun)."""
+    if result is None or result.tool_calls:
         return None
     tokens = result.reasoning_tokens + result.kept_tokens
     if tokens < MIN_KEPT_TOKENS or len(result.reasoning) > MAX_KEPT_CHARS:
@@ -207,8 +213,8 @@ def why_not(kept: Kept, body: dict[str, Any], model: str, client: VllmClient, ke
     rather than fail again on a tokenizer that does not answer."""
     if kept["model"] != model:
         return f"the backend serves {model!r}, the reasoning is {kept['model']!r}'s"
-    if body.get("tools"):
-        return "the turn sends tools (the completions route has no tool parser)"
+    if body.get("tools") and body.get("tool_choice") not in (None, "auto", "none"):
+        return "the request forces a tool call (tool_choice), which the completions route cannot"
     unkept = [field for field in NOT_CARRIED if body.get(field) is not None]
     if unkept:
         return f"the request sets {', '.join(unkept)}, which a continuation does not keep"
@@ -318,12 +324,34 @@ class _Continuation:
         if self.body.get("response_format") is not None:
             ask["response_format"] = self.body["response_format"]
 
+        calls = hermes.Splitter() if self.parses_calls() else None
+
         def on_answer(delta: Delta) -> None:  # running counts over the attempt, not this request
             if delta.streamed is not None and done:
                 delta = replace(delta, streamed=(delta.streamed[0] + done, delta.streamed[1] + done))
+            if calls is not None and delta.content:  # tool-call blocks held back until the end
+                delta = replace(delta, content=calls.feed(delta.content))
             on_delta(delta)
 
-        return self.joined(self.thought, self._stream("answer", ask, on_answer, "content"))
+        answer = self._stream("answer", ask, on_answer, "content")
+        if calls is not None:
+            answer = self._calls_of(answer, calls, on_delta)
+        return self.joined(self.thought, answer)
+
+    def parses_calls(self) -> bool:
+        """Whether the answer is read for tool calls, as the chat route's parser would (tools
+        sent, ``tool_choice`` auto: ``why_not`` refuses the forcing ones)."""
+        return bool(self.body.get("tools")) and self.body.get("tool_choice") in (None, "auto")
+
+    @staticmethod
+    def _calls_of(answer: StreamResult, calls: hermes.Splitter, on_delta: Callable[[Delta], None]) -> StreamResult:
+        """The answer with its hermes tool-call blocks read as calls (fleet/infer/hermes.py), what
+        the splitter held back sent on: the rest of the content, then the calls as one delta."""
+        content, rest, found = calls.end()
+        if rest or found:
+            on_delta(Delta(content=rest, tool_calls=hermes.as_deltas(found)))
+        finish = "tool_calls" if found and answer.finish_reason == "stop" else answer.finish_reason
+        return replace(answer, content=content, tool_calls=found, finish_reason=finish)
 
     def joined(self, thought: StreamResult | None, answer: StreamResult | None) -> StreamResult:
         """The attempt's result from its requests: the whole reasoning (kept and new), the answer,
@@ -349,6 +377,7 @@ class _Continuation:
                  or (thought is not None and thought.finish_reason in ("stop", "length")))
         return StreamResult(
             content=answer.content if answer is not None else "",
+            tool_calls=answer.tool_calls if answer is not None else [],
             reasoning=self.kept["reasoning"] + (thought.reasoning if thought is not None else ""),
             finish_reason=answer.finish_reason if answer is not None else None,
             usage=usage, first_token_s=firsts[0] if firsts else None,

@@ -58,7 +58,7 @@ from fleet.sim.metrics import SimMetrics
 from fleet.sim.plan import LengthDistribution, RequestShape, build_plan, seeded
 from fleet.sim.profiles import SimProfile
 from fleet.sim.responses import Completion, FullWriter, StreamWriter
-from fleet.sim.scenarios import MarkerError, Scenario, ScenarioBook, breaking_of, enact_refusals
+from fleet.sim.scenarios import MarkerError, ScenarioBook, breaking_of, chosen_tool, enact_refusals
 from fleet.sim.template import message_text, render_chat
 from fleet.sim.tokenizer import Tokenizer
 from fleet.sim.validate import APIError, ChatRequest, error_body, parse_chat
@@ -145,22 +145,6 @@ def _rng(seed: int, req: ChatRequest) -> random.Random:
                          req.thinking])
 
 
-def _chosen_tool(req: ChatRequest, scenario: Scenario) -> dict[str, Any] | None:
-    if not req.tools or req.tool_choice == "none":
-        return None
-    wanted = scenario.active.get("tool") or None
-    if isinstance(req.tool_choice, dict):
-        wanted = (req.tool_choice.get("function") or {}).get("name") or wanted
-    elif req.tool_choice == "auto" and not scenario.has("tool"):
-        return None
-    if wanted is None:
-        return req.tools[0]
-    for tool in req.tools:
-        if (tool.get("function") or {}).get("name") == wanted:
-            return tool
-    return {"type": "function", "function": {"name": wanted, "parameters": {}}}
-
-
 class ChatHandler:
     def __init__(self, state: SimState) -> None:
         self.s = state
@@ -199,7 +183,7 @@ class ChatHandler:
         room = self.s.profile.max_model_len - prompt_len
         max_tokens = room if req.max_tokens is None else min(room, req.max_tokens)
         shape = RequestShape(max_tokens, req.thinking, req.budget, req.response_format,
-                             _chosen_tool(req, scenario))
+                             chosen_tool(req.tools, req.tool_choice, scenario))
         plan = build_plan(shape, scenario, _rng(self.s.config.seed, req), self.s.config.lengths)
         hashes = block_hashes(ids, self.s.profile.block_tokens, req.cache_salt)
         note_prompt(self.s.requests, rid, prompt_len, hashes)

@@ -12,7 +12,9 @@ The request: ``model``, ``prompt`` (a string or a list of token ids, as vLLM tak
   already holds (at least a little: a model that resumes a thought still closes it), then
   ``</think>`` and the answer; with ``</think>`` among the ``stop`` strings it stops there
   (``finish_reason: "stop"``, the stop string not in the text, as vLLM does);
-- after ``</think>``: the answer only (JSON of the ``response_format`` when there is one);
+- after ``</think>``: the answer only (JSON of the ``response_format`` when there is one; under a
+  ``tool`` marker, with tools in the prompt's tools section, a hermes ``<tool_call>`` block as the
+  chat route would write it, in the text: the tool as ``tool_choice: "auto"`` picks it);
 - anything else: prose.
 
 The scenario markers of the conversation's user turns apply as they do on the chat route (the
@@ -33,7 +35,8 @@ from fleet.sim.engine import Sequence
 from fleet.sim.kvcache import block_hashes, note_prompt
 from fleet.sim.plan import RequestShape, build_plan, seeded
 from fleet.sim.responses import Completion, CompletionFullWriter, CompletionStreamWriter
-from fleet.sim.scenarios import MarkerError, breaking_of, enact_refusals
+from fleet.sim.scenarios import MarkerError, breaking_of, chosen_tool, enact_refusals
+from fleet.sim.template import tools_in
 from fleet.sim.validate import APIError, opt_int, response_format_of, salt_of
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -112,6 +115,7 @@ class CompletionHandler:
         mode, reasoning = where_it_ends(text)
         shape = RequestShape(max_tokens, thinking=mode == "reasoning",
                              response_format=response_format_of(body),
+                             tool=chosen_tool(tools_in(text), "auto", scenario),
                              thought=self.s.tokenizer.count(reasoning) if reasoning else 0,
                              stop_at_think_end=THINK_CLOSE in stops)
         plan = build_plan(shape, scenario, seeded(self.s.config.seed, [body.get("seed"), text,

@@ -78,6 +78,25 @@ NUMERIC = {"slow_first_token", "stall", "parallel", "think", "answer", "prompt_p
 BREAKING = ("drop", "error_event", "crash")  # the markers that end a stream half-way (OutputPlan.break_at)
 
 
+def chosen_tool(tools: list[dict[str, Any]] | None, tool_choice: Any, scenario: Scenario) -> dict[str, Any] | None:
+    """The tool this request calls, if any: a named ``tool_choice`` or ``[sim:tool=NAME]`` (a name
+    no tool has gets a bare definition), else the first tool; with ``auto`` only under a ``tool``
+    marker; never with ``none`` or without tools."""
+    if not tools or tool_choice == "none":
+        return None
+    wanted = scenario.active.get("tool") or None
+    if isinstance(tool_choice, dict):
+        wanted = (tool_choice.get("function") or {}).get("name") or wanted
+    elif tool_choice == "auto" and not scenario.has("tool"):
+        return None
+    if wanted is None:
+        return tools[0]
+    for tool in tools:
+        if (tool.get("function") or {}).get("name") == wanted:
+            return tool
+    return {"type": "function", "function": {"name": wanted, "parameters": {}}}
+
+
 def breaking_of(scenario: Scenario) -> str | None:
     """The marker that ends this request's stream half-way, if any (``BREAKING``, in that order)."""
     return next((n for n in BREAKING if scenario.has(n)), None)

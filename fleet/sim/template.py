@@ -55,6 +55,25 @@ def _tools_block(tools: list[Any]) -> str:
     return _TOOLS_HEADER + "\n".join(lines) + _TOOLS_FOOTER
 
 
+def tools_in(text: str) -> list[dict[str, Any]]:
+    """The tool schemas a rendered prompt's tools section holds (``_tools_block``'s lines), as
+    the completions route reads them back: a text prompt carries no ``tools`` field."""
+    start = text.find(_TOOLS_HEADER)
+    if start < 0:
+        return []
+    end = text.find(_TOOLS_FOOTER, start + len(_TOOLS_HEADER))
+    block = text[start + len(_TOOLS_HEADER): end if end >= 0 else len(text)]
+    tools = []
+    for line in block.split("\n"):
+        try:
+            tool = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(tool, dict):
+            tools.append(tool)
+    return tools
+
+
 def _tool_calls_text(calls: Any) -> str:
     out = []
     for call in calls or []:

@@ -21,6 +21,7 @@ REAL fleet: the gateway, a dispatcher, ``fleet sim`` processes, the official ``o
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -42,6 +43,9 @@ THINK = 1200  # within the test project's thinking budget: the whole thought is 
 TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": "a tool of the editor",
                                            "parameters": {"type": "object", "properties": {}}}}
          for i in range(8)]
+# the editor's project as a deployment sets it up: the editor runs its own tools, all of them allowed
+# (the example's assistant allows two names only, and the gateway removes the others)
+EDITOR = {"assistant": {"allowed_tools": [t["function"]["name"] for t in TOOLS]}}
 
 
 def replica(name: str) -> dict[str, Any]:
@@ -124,7 +128,7 @@ def _killed_under(fleet: Harness, start: Any) -> tuple[str, Any]:
 
 
 def test_a_request_with_tools_whose_replica_dies_runs_again_on_the_other(tmp_path) -> None:
-    config, keys = config_with_keys(tmp_path, backends=[replica("a"), replica("b")],
+    config, keys = config_with_keys(tmp_path, EDITOR, backends=[replica("a"), replica("b")],
                                     retry={"backoff_base_s": 0.05, "backoff_max_s": 0.2})
     with Harness(config, sim_speed=20, sim_args=SIM_ARGS, gateway=True) as fleet:
         client = sdk(fleet, keys["assistant"])
@@ -135,6 +139,8 @@ def test_a_request_with_tools_whose_replica_dies_runs_again_on_the_other(tmp_pat
         answer = raw.parse()
         survivor = "b" if victim == "a" else "a"
         assert raw.headers["x-fleet-backend"] == survivor
+        sent = httpx.get(f"{fleet.sim_urls[survivor]}/sim/requests", timeout=10).json()["requests"]
+        assert len(sent[0]["body"]["tools"]) == len(TOOLS)  # the tools went with it
         assert answer.choices[0].finish_reason in ("stop", "tool_calls")
         assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
         assert paths(fleet.sim_urls[survivor]).count("/v1/chat/completions") == 1
@@ -313,3 +319,37 @@ def test_a_request_cut_on_every_backend_tries_each_of_three_once(tmp_path) -> No
         assert caught.value.response.headers.get("x-fleet-code") == "E_STREAM_DROPPED"
         assert {name: paths(url) for name, url in fleet.sim_urls.items()} == {
             name: ["/v1/chat/completions"] for name in ("a", "b", "c")}
+
+
+def test_the_editors_streamed_request_with_tools_cut_mid_reasoning_continues_to_its_tool_call(tmp_path) -> None:
+    """The editor streams with its tools; its reasoning is cut half-way (``[sim:drop/1]``) after
+    the client has it. With ``continue`` the same stream goes on: the rest of the thought, then
+    the tool call the model writes, read from the completions route's text as the chat route
+    would (one call, its JSON arguments, finish_reason "tool_calls"), no markup in the content."""
+    config, keys = config_with_keys(tmp_path, EDITOR, routing={"continue_cut_turns": "continue"})
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as fleet:
+        client = sdk(fleet, keys["assistant"])
+        reasoning, content, calls, finish, fleet_of = [], [], {}, None, None
+        with client.chat.completions.create(
+                model="local", stream=True, tools=TOOLS,
+                messages=[{"role": "user", "content": f"[sim:think={THINK}] [sim:drop/1] [sim:tool=tool_3] edit"}],
+        ) as stream:
+            for chunk in stream:
+                fleet_of = (chunk.model_extra or {}).get("fleet", fleet_of)
+                if not chunk.choices:
+                    continue
+                delta = chunk.choices[0].delta
+                reasoning.append((delta.model_extra or {}).get("reasoning") or "")
+                content.append(delta.content or "")
+                for call in delta.tool_calls or []:
+                    slot = calls.setdefault(call.index, {"name": "", "arguments": "", "id": None})
+                    slot["id"] = call.id or slot["id"]
+                    slot["name"] += (call.function.name or "") if call.function else ""
+                    slot["arguments"] += (call.function.arguments or "") if call.function else ""
+                finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls" and fleet_of is not None and fleet_of.get("code") == "OK", (finish, fleet_of)
+        assert [c["name"] for c in calls.values()] == ["tool_3"] and calls[0]["id"]
+        assert isinstance(json.loads(calls[0]["arguments"]), dict)
+        assert "<tool_call>" not in "".join(content) and "".join(reasoning)
+        sent = paths(fleet.backend_url)
+        assert sent.count("/v1/chat/completions") == 1 and sent.count("/v1/completions") == 2, sent

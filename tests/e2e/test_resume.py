@@ -14,6 +14,7 @@ dispatcher, workers and ``fleet sim`` processes.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -114,3 +115,27 @@ def test_a_continued_answer_meets_the_jobs_schema(tmp_path) -> None:
         assert set(envelope.parsed) == {"total"}
         answer = [e for e in logged(fleet.backend_url) if e.get("path") == "/v1/completions"][-1]
         assert answer["body"]["response_format"]["json_schema"]["schema"] == SCHEMA
+
+
+SEARCH = {"type": "function", "function": {"name": "search_docs", "description": "search the docs",
+                                           "parameters": {"type": "object", "properties": {
+                                               "query": {"type": "string"}}, "required": ["query"]}}}
+
+
+def test_a_cut_turn_with_tools_continues_to_the_call_the_model_makes(tmp_path) -> None:
+    """A job that sends tools (the client runs them), cut half-way through its reasoning: the
+    continuation thinks the rest and its answer, written as a hermes block on the completions
+    route, ends the job as the chat route's tool call would: OK with the call (name, JSON
+    arguments) and no markup in the content."""
+    with Harness(config(tmp_path, "continue"), sim_speed=50, sim_args=SIM_ARGS) as fleet:
+        envelope = fleet.client.result(fleet.client.submit(job(
+            f"[sim:think={THINK}] [sim:drop/1] [sim:tool=search_docs] find the invoices", tools=[SEARCH])),
+            timeout=120)
+        assert envelope is not None and envelope.code == Code.OK, envelope
+        assert envelope.attempts[-1].continued_tokens > 0
+        [call] = envelope.tool_calls
+        assert call["function"]["name"] == "search_docs"
+        assert isinstance(json.loads(call["function"]["arguments"])["query"], str)
+        assert "<tool_call>" not in (envelope.content or "")
+        paths = [entry.get("path") for entry in logged(fleet.backend_url)]
+        assert paths.count("/v1/chat/completions") == 1 and paths.count("/v1/completions") == 2, paths

@@ -3,6 +3,7 @@ sends, what it counts when it is cut again, and what it keeps for the next one."
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -74,6 +75,54 @@ def test_a_continuation_thinks_the_rest_and_counts_only_what_it_generated(sim: S
     assert {thought["body"]["cache_salt"], answer["body"]["cache_salt"]} == {"salt-of-the-project"}
     # the answer's prompt extends the thought's: the prefix cache holds it
     assert answer["body"]["prompt"][:len(thought["body"]["prompt"])] == thought["body"]["prompt"]
+
+
+TOOLS = [{"type": "function", "function": {"name": "search_docs", "description": "search the docs",
+                                           "parameters": {"type": "object", "properties": {
+                                               "query": {"type": "string"}}, "required": ["query"]}}},
+         {"type": "function", "function": {"name": "open_file", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_a_continued_turn_with_tools_answers_with_the_tool_call_the_chat_route_would_parse(
+        sim: SimProcess, client: VllmClient) -> None:
+    """The editor's turn, cut mid-reasoning: the continuation's answer comes from the completions
+    route as text with a hermes block; the result holds the call (name, JSON arguments), none of
+    the block's text is streamed as content, the call goes out as one tool_calls delta and the
+    finish reason is "tool_calls", as the chat route would give it."""
+    text = "[sim:think=1200] [sim:tool=search_docs] find the invoices"
+    body = {**body_of(text), "tools": TOOLS}
+    kept = {**kept_of(text, client), "digest": resume.digest(body["messages"], TOOLS)}
+    deltas: list[Any] = []
+    result = resume.resume_turn(client, body, kept, plan(), "a", deltas.append, threading.Event(), None)
+    assert result.finish_reason == "tool_calls" and result.content == ""
+    [call] = result.tool_calls
+    assert call["function"]["name"] == "search_docs"
+    assert isinstance(json.loads(call["function"]["arguments"]).get("query"), str)
+    assert not any("<tool_call>" in d.content or "search_docs" in d.content for d in deltas)
+    [sent] = [d.tool_calls for d in deltas if d.tool_calls]
+    assert sent == [{"index": 0, **call}]
+    # the answer's prompt is the one the chat route rendered, with the tools
+    answer = logged(sim)[-1]["body"]
+    assert '"name": "search_docs"' in client.decode(answer["prompt"])
+
+
+def test_a_continued_turn_with_tools_and_no_call_answers_in_prose(client: VllmClient) -> None:
+    text = "[sim:think=1200] [sim:answer=20] explain the invoices"
+    body = {**body_of(text), "tools": TOOLS}
+    kept = {**kept_of(text, client), "digest": resume.digest(body["messages"], TOOLS)}
+    deltas: list[Any] = []
+    result = resume.resume_turn(client, body, kept, plan(), "a", deltas.append, threading.Event(), None)
+    assert result.finish_reason == "stop" and result.content and not result.tool_calls
+    assert "".join(d.content for d in deltas) == result.content
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "open_file"}}])
+def test_a_turn_that_forces_a_tool_call_is_not_continued(client: VllmClient, choice: Any) -> None:
+    text = "[sim:think=1200] find"
+    body = {**body_of(text), "tools": TOOLS, "tool_choice": choice}
+    kept = {**kept_of(text, client), "digest": resume.digest(body["messages"], TOOLS)}
+    why = resume.why_not(kept, body, "local", client, "a", threading.Event(), None)
+    assert why is not None and "tool_choice" in why
 
 
 def test_an_answer_refused_before_its_first_chunk_counts_nothing_it_did_not_generate(
