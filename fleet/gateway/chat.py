@@ -179,6 +179,7 @@ class _Session:
         self.failovers = 0  # times a backend cut it and it went back through admission
         self.kept: Kept | None = None  # the cut reasoning the next attempt continues
         self.sent_answer = False  # answer text or a tool call reached the client
+        self.sent_calls = False  # a tool call reached the client: never continued
 
     # -- the client side --------------------------------------------------------------------
     async def _watch_disconnect(self) -> None:
@@ -543,11 +544,12 @@ class _Session:
     async def _fail_over(self, outcome: Failed) -> bool:
         """Whether a turn its backend cut goes on, on a new grant (``gateway.fail_over``): only
         for a backend that went away (``FAILOVER_CODES``: a server's own 500, a timeout or a
-        refusal would meet the next one alike), only while nothing of the answer reached the
-        client, within the project's retry budget (a request that brings servers down does not
-        visit them all). A reasoning already streamed is continued where it stopped
-        (``routing.continue_cut_turns = "continue"``, a backend whose template allows it), else
-        the turn runs again (a reasoning only held back is dropped with it). The grant is given
+        refusal would meet the next one alike), never once a tool call reached the client, within
+        the project's retry budget (a request that brings servers down does not visit them all).
+        A reasoning, or answer text, already streamed is continued where it stopped
+        (``routing.continue_cut_turns = "continue"``, a backend whose template allows it, not an
+        answer under a ``response_format``); else the turn runs again while nothing reached the
+        client (a reasoning only held back is dropped with it) and ends with the error after. The grant is given
         up (its quota settled with what it spent), the request goes back in line, to a backend
         of its model that has not cut it when there is one, for at most ``max_queue_wait_s``."""
         error, settings = outcome.error, self.gw.live.settings
@@ -559,14 +561,14 @@ class _Session:
             log.info("chat job=%s: the continuation was refused (%s); the turn runs again", self.job_id,
                      error.message)
             return True
-        if (error.code not in FAILOVER_CODES or self.sent_answer or self.on is None
+        if (error.code not in FAILOVER_CODES or self.sent_calls or self.on is None
                 or self.failovers >= settings.gateway.fail_over or self.disconnected.is_set()):
             return False
         kept = None
         if settings.routing.continue_cut_turns == "continue" and self.plan is not None:
             backend = self.on.settings.backend
-            kept = keep(outcome.partial, self.body, backend.model, backend.name)
-        if kept is None and self.sent_deltas:  # a restart would stream its reasoning a second time
+            kept = keep(outcome.partial, self.body, backend.model, backend.name, answer=self.sent_answer)
+        if kept is None and self.sent_deltas:  # a restart would stream what the client has a second time
             return False
         if not await self.gw.run(self.gw.retry_budget(self.caller.project).try_spend):
             log.warning("chat job=%s: cut by %s, not failed over: the project's retry budget is spent",
@@ -749,6 +751,7 @@ class _Session:
         await self._flush_held()
         self.sent_deltas = True
         self.sent_answer = self.sent_answer or bool(item.content or item.tool_calls)
+        self.sent_calls = self.sent_calls or bool(item.tool_calls)
         await self._write(self.chunks.delta(item.reasoning, item.content, item.tool_calls))
 
     async def _flush_held(self) -> None:

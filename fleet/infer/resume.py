@@ -20,14 +20,19 @@ turn, wherever admission grants it, goes on from there (``resume_turn``):
 
 A turn cut after its reasoning ended (its answer had begun) keeps the reasoning and runs step 3
 only: the answer is short, and continuing a half-written answer would restart a schema's grammar
-mid-document. The completions route runs neither vLLM's reasoning parser nor its tool parser, so
-the fleet splits the reasoning from the answer itself (the stop string) and, for a turn that sends
-tools with ``tool_choice`` auto (or unset), reads the answer's hermes ``<tool_call>`` blocks as the
-chat route's parser would (fleet/infer/hermes.py): the content streams on as it comes, a block is
-held back and goes out as one ``tool_calls`` delta at the end, ``finish_reason`` "tool_calls". A
-turn that forces a call (``tool_choice`` "required" or a named function: the chat route would
-constrain the output, the completions route cannot) is not continued. A turn cut once its tool
-call had begun is not either (the call would be written twice).
+mid-document. Except when a client already has part of the answer (a gateway stream cut after its
+answer text began, ``keep(..., answer=True)``): then the text it has goes into step 3's prompt
+after ``</think>`` and the model writes the rest, so the stream goes on where it stopped (not
+under a ``response_format``: that one is not continued).
+
+The completions route runs neither vLLM's reasoning parser nor its tool parser, so the fleet
+splits the reasoning from the answer itself (the stop string) and, for a turn that sends tools
+with ``tool_choice`` auto (or unset), reads the answer's hermes ``<tool_call>`` blocks as the chat
+route's parser would (fleet/infer/hermes.py): the content streams on as it comes, a block is held
+back and goes out as one ``tool_calls`` delta at the end, ``finish_reason`` "tool_calls". A turn
+that forces a call (``tool_choice`` "required" or a named function: the chat route would constrain
+the output, the completions route cannot) is not continued. A turn cut once its tool call had
+begun is not either (the call would be written twice).
 
 Why not the chat route's ``continue_final_message``: it renders the conversation with the final
 assistant message left open right after its *content*. Qwen3's template renders an assistant
@@ -72,7 +77,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from fleet.core.codes import Code
 from fleet.core.errors import (
@@ -109,6 +114,9 @@ class Kept(TypedDict):
     model: str  # the model that wrote it (the backend's)
     backend: str  # the backend that cut it
     digest: str  # of the messages and tools it was written for
+    # the answer text a client already has (a gateway stream cut after its answer began): the
+    # continuation goes on after it instead of answering again
+    answer: NotRequired[str]
 
 
 class ContinuationRefused(UpstreamError):
@@ -120,22 +128,31 @@ def digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -
     return hashlib.sha256(json.dumps([messages, tools], sort_keys=True).encode()).hexdigest()
 
 
-def keep(result: StreamResult | None, body: dict[str, Any], model: str, backend: str) -> Kept | None:
+def keep(result: StreamResult | None, body: dict[str, Any], model: str, backend: str,
+         answer: bool = False) -> Kept | None:
     """What a cut attempt leaves for a continuation; None when there is nothing worth keeping (too
-    little reasoning, too much, tool calls begun)."""
+    little reasoning, too much, tool calls begun). ``answer``: its answer text reached a client
+    and is kept too, so the continuation goes on after it (None when that cannot be: an answer
+    under a ``response_format``, whose grammar would start again mid-document)."""
     if result is None or result.tool_calls:
         return None
     tokens = result.reasoning_tokens + result.kept_tokens
-    if tokens < MIN_KEPT_TOKENS or len(result.reasoning) > MAX_KEPT_CHARS:
+    if tokens < MIN_KEPT_TOKENS or len(result.reasoning) + len(result.content) > MAX_KEPT_CHARS:
         return None
-    return Kept(reasoning=result.reasoning, closed=bool(result.content) or result.thought_ended,
+    kept = Kept(reasoning=result.reasoning, closed=bool(result.content) or result.thought_ended,
                 forced=result.thinking_forced, tokens=tokens, model=model, backend=backend,
                 digest=digest(body["messages"], body.get("tools")))
+    if answer and result.content:
+        if body.get("response_format") is not None:
+            return None
+        kept["answer"] = result.content
+    return kept
 
 
 def kept_only(kept: Kept) -> StreamResult:
     """An attempt that sent nothing: the kept reasoning, none of it this attempt's."""
-    return StreamResult(reasoning=kept["reasoning"], kept_tokens=kept["tokens"], streamed_tokens=0,
+    return StreamResult(reasoning=kept["reasoning"], content=kept.get("answer", ""), kept_tokens=kept["tokens"],
+                        streamed_tokens=0,
                         thought_ended=kept["closed"], thinking_forced=kept["forced"])
 
 
@@ -268,6 +285,7 @@ class _Continuation:
         self.rid = str(body.get("request_id", "resume"))
         self.t0 = time.monotonic()
         self.thought: StreamResult | None = None
+        self.said = kept.get("answer", "")  # the answer text a client already has
         self.forced = kept["forced"]
         self.phase = "render"
         self.rendered: int | None = None  # the chat prompt's tokens
@@ -317,7 +335,9 @@ class _Continuation:
         self.phase = "render"
         done = self.thought.completion_tokens if self.thought is not None else 0
         answer_prompt = so_far + self._encode(f"\n{THINK_END}\n\n")
-        room = min(self.plan.max_tokens - self.kept["tokens"] - done, limit - len(answer_prompt))
+        said = self._encode(neutralise(self.said)) if self.said else []  # the answer the client has
+        answer_prompt = answer_prompt + said
+        room = min(self.plan.max_tokens - self.kept["tokens"] - done - len(said), limit - len(answer_prompt))
         if room < 1:
             raise ContinuationRefused(f"no room left for the answer ({len(answer_prompt)} prompt tokens)")
         ask = {**self.common, "prompt": answer_prompt, "max_tokens": room, "request_id": f"{self.rid}-answer"}
@@ -376,7 +396,7 @@ class _Continuation:
         ended = (self.kept["closed"] or bool(answer is not None and answer.content)
                  or (thought is not None and thought.finish_reason in ("stop", "length")))
         return StreamResult(
-            content=answer.content if answer is not None else "",
+            content=self.said + (answer.content if answer is not None else ""),
             tool_calls=answer.tool_calls if answer is not None else [],
             reasoning=self.kept["reasoning"] + (thought.reasoning if thought is not None else ""),
             finish_reason=answer.finish_reason if answer is not None else None,

@@ -12,7 +12,9 @@ The request: ``model``, ``prompt`` (a string or a list of token ids, as vLLM tak
   already holds (at least a little: a model that resumes a thought still closes it), then
   ``</think>`` and the answer; with ``</think>`` among the ``stop`` strings it stops there
   (``finish_reason: "stop"``, the stop string not in the text, as vLLM does);
-- after ``</think>``: the answer only (JSON of the ``response_format`` when there is one; under a
+- after ``</think>``: the answer only, less what the prompt already holds of it (a continued
+  answer: the rest of a prose answer's planned length, at least a little), (JSON of the
+  ``response_format`` when there is one; under a
   ``tool`` marker, with tools in the prompt's tools section, a hermes ``<tool_call>`` block as the
   chat route would write it, in the text: the tool as ``tool_choice: "auto"`` picks it);
 - anything else: prose.
@@ -67,14 +69,14 @@ def _prompt(body: dict[str, Any], state: Any) -> tuple[str, list[int]]:
 
 
 def where_it_ends(text: str) -> tuple[str, str]:
-    """Where a rendered prompt ends: ("reasoning", the reasoning so far), ("answer", "") after
-    ``</think>``, or ("text", "")."""
+    """Where a rendered prompt ends: ("reasoning", the reasoning so far), ("answer", the answer so
+    far) after ``</think>``, or ("text", "")."""
     cut = text.rfind(_ASSISTANT)
     if cut < 0:
         return "text", ""
     turn = text[cut + len(_ASSISTANT):]
     if THINK_CLOSE in turn:
-        return "answer", ""
+        return "answer", turn[turn.index(THINK_CLOSE) + len(THINK_CLOSE):].lstrip("\n")
     opened = turn.find(THINK_OPEN)
     if opened < 0:
         return "text", ""
@@ -112,8 +114,10 @@ class CompletionHandler:
                            "of the input.", "input_tokens")
         room = limit - prompt_len
         max_tokens = min(room, DEFAULT_MAX_TOKENS if requested is None else requested)
-        mode, reasoning = where_it_ends(text)
+        mode, so_far = where_it_ends(text)
+        reasoning = so_far if mode == "reasoning" else ""
         shape = RequestShape(max_tokens, thinking=mode == "reasoning",
+                             answered=self.s.tokenizer.count(so_far) if mode == "answer" and so_far else 0,
                              response_format=response_format_of(body),
                              tool=chosen_tool(tools_in(text), "auto", scenario),
                              thought=self.s.tokenizer.count(reasoning) if reasoning else 0,

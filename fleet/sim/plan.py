@@ -88,6 +88,7 @@ class RequestShape:
     response_format: dict[str, Any] | None = None
     tool: dict[str, Any] | None = None  # the chosen tool definition, when a call is due
     thought: int = 0  # reasoning tokens the prompt already holds (a continued reasoning)
+    answered: int = 0  # answer tokens the prompt already holds (a continued answer)
     stop_at_think_end: bool = False  # "</think>" is a stop string: end where the reasoning does
 
 
@@ -135,7 +136,10 @@ def _content_pieces(
         return [(CONTENT, pieces)], len(pieces), []
     n = scenario.integer("answer")
     prose = UnicodeStream(rng) if scenario.has("unicode") else ProseStream(rng)
-    return prose, dist.answer(rng) if n is None else n, []
+    length = dist.answer(rng) if n is None else n
+    if shape.answered:  # a resumed answer writes the rest, and a little at least
+        length = max(length - shape.answered, min(length, MIN_RESUMED_TOKENS))
+    return prose, length, []
 
 
 def _json_text(response_format: dict[str, Any] | None, rng: random.Random) -> str | None:
@@ -214,7 +218,8 @@ def _with_events(plan: OutputPlan, scenario: Scenario) -> OutputPlan:
     if scenario.has("stall"):
         plan.stall_at = middle
     if breaking_of(scenario) is not None:
-        plan.break_at = min(middle, max(0, plan.total - 1))
+        at = scenario.integer("drop")  # drop=N: after N tokens of output (its answer too), else mid-reasoning
+        plan.break_at = min(middle if at is None else max(1, at), max(0, plan.total - 1))
     return plan
 
 

@@ -21,7 +21,8 @@ Names (times are simulated seconds):
 ``stall=S``          the stream pauses S seconds in the middle of the reasoning, then goes on
 ``http500``          500 InternalServerError JSON answer, before any streaming
 ``http503``          503 ServiceUnavailableError JSON answer ("engine busy")
-``drop``             connection closed mid-reasoning without ``[DONE]`` (incomplete body)
+``drop``             connection closed mid-reasoning without ``[DONE]`` (incomplete body);
+                     ``drop=N``: after N tokens of output (reasoning, then answer)
 ``error_event``      mid-stream ``data: {"error": ...}`` then ``[DONE]``, HTTP 200
                      (non-streaming: a 500 error answer after the same delay)
 ``bad_json``         the answer is invalid JSON, even with ``response_format``
@@ -74,7 +75,7 @@ KNOWN = {
     "error_event", "bad_json", "empty", "tool", "bad_args", "parallel", "think", "answer", "prompt_pad",
     "dead", "unicode", "crash",
 }
-NUMERIC = {"slow_first_token", "stall", "parallel", "think", "answer", "prompt_pad", "dead", "crash"}
+NUMERIC = {"slow_first_token", "stall", "parallel", "think", "answer", "prompt_pad", "dead", "crash", "drop"}
 BREAKING = ("drop", "error_event", "crash")  # the markers that end a stream half-way (OutputPlan.break_at)
 
 

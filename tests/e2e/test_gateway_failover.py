@@ -353,3 +353,31 @@ def test_the_editors_streamed_request_with_tools_cut_mid_reasoning_continues_to_
         assert "<tool_call>" not in "".join(content) and "".join(reasoning)
         sent = paths(fleet.backend_url)
         assert sent.count("/v1/chat/completions") == 1 and sent.count("/v1/completions") == 2, sent
+
+
+def test_a_stream_cut_in_its_answer_goes_on_after_the_text_the_client_has(tmp_path) -> None:
+    """Cut 100 tokens into its answer (``[sim:drop=500/1]`` after a 400-token thought): with
+    ``continue`` the stream goes on after the text its client has, nothing of it twice (as long
+    as an uncut answer), the rest from one completions request (the thought had ended), OK."""
+    config, keys = config_with_keys(tmp_path, routing={"continue_cut_turns": "continue"})
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as fleet:
+        client = sdk(fleet, keys["assistant"])
+        _r, whole, _f, _fl, _u = streamed(client, "[sim:think=400] [sim:answer=200] an answer never cut")
+        httpx.post(f"{fleet.backend_url}/sim/reset", timeout=10)
+        reasoning, content, finish, fleet_of, _usage = streamed(
+            client, "[sim:think=400] [sim:answer=200] [sim:drop=500/1] sum")
+        assert finish == "stop" and fleet_of is not None and fleet_of.get("code") == "OK", (finish, fleet_of)
+        assert 0.8 * len(whole) < len(content) < 1.2 * len(whole), (len(content), len(whole))
+        assert paths(fleet.backend_url) == ["/v1/chat/completions", "/v1/completions"]
+
+
+def test_an_answer_under_a_response_format_cut_after_its_text_began_ends_with_the_error(tmp_path) -> None:
+    config, keys = config_with_keys(tmp_path, routing={"continue_cut_turns": "continue"})
+    with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as fleet:
+        with pytest.raises(openai.APIError) as caught, sdk(fleet, keys["assistant"]).chat.completions.create(
+                model="local", stream=True, response_format={"type": "json_object"},
+                messages=[{"role": "user", "content": "[sim:think=400] [sim:drop=420/1] sum"}]) as stream:
+            for _chunk in stream:
+                pass
+        assert "E_STREAM_DROPPED" in str(caught.value.body), caught.value.body
+        assert paths(fleet.backend_url) == ["/v1/chat/completions"]

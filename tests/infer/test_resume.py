@@ -125,6 +125,38 @@ def test_a_turn_that_forces_a_tool_call_is_not_continued(client: VllmClient, cho
     assert why is not None and "tool_choice" in why
 
 
+SAID = "The total of the March invoices is 14,200 euros, made up of"
+
+
+def test_an_answer_the_client_already_has_part_of_goes_on_after_that_part(sim: SimProcess,
+                                                                         client: VllmClient) -> None:
+    """A gateway stream cut after its answer began keeps the answer text its client has: the
+    continuation's answer prompt ends with it after ``</think>``, the model writes only the rest
+    (the simulator: its planned length less what the prompt holds), and the result's content is
+    the text the client had, then the rest."""
+    text = "[sim:think=1200] [sim:answer=200] sum the invoices"
+    kept = {**kept_of(text, client, closed=True), "answer": SAID}
+    deltas: list[Any] = []
+    result = resume.resume_turn(client, body_of(text), kept, plan(), "a", deltas.append, threading.Event(), None)
+    new = "".join(d.content for d in deltas)
+    assert new and result.content == SAID + new
+    assert result.reasoning_tokens == 0  # the thought had ended: nothing thought again
+    said_tokens = len(client.encode(SAID))
+    assert result.completion_tokens == 200 - said_tokens  # the rest of the answer only
+    [answer] = logged(sim)[-1:]
+    assert client.decode(answer["body"]["prompt"]).endswith("</think>\n\n" + SAID)
+
+
+def test_an_answer_under_a_response_format_is_not_kept_to_go_on_after() -> None:
+    from fleet.infer.vllm import StreamResult
+
+    cut = StreamResult(reasoning="x " * 200, content='{"total": 1', streamed_tokens=300, streamed_reasoning=200)
+    body = body_of("sum")
+    assert resume.keep(cut, body, "local", "a", answer=True)["answer"] == '{"total": 1'  # type: ignore[index]
+    assert resume.keep(cut, {**body, "response_format": {"type": "json_object"}}, "local", "a", answer=True) is None
+    assert "answer" not in (resume.keep(cut, body, "local", "a") or {})  # a queue job's: answered again
+
+
 def test_an_answer_refused_before_its_first_chunk_counts_nothing_it_did_not_generate(
         client: VllmClient) -> None:
     text = "[sim:http503/1] [sim:answer=25] closed already"
