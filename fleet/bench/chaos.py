@@ -344,16 +344,19 @@ class ChaosFleet:
         return self.clients
 
     def account_gateway(self, clients: GatewayClients, settle_s: float = 15.0) -> GatewayAccount:
-        """The gateway clients' account, once the store's leases, items and quota reservations
-        are gone (an expired lease of a killed process goes at the dispatcher's next sweep), or
-        after ``settle_s`` with what is left."""
+        """The gateway clients' account, once every request has its envelope (the gateway
+        publishes it after the answer went out) and the store's leases, items and quota
+        reservations are gone (an expired lease of a killed process goes at the dispatcher's next
+        sweep), or after ``settle_s`` with what is still wrong."""
         store = self.client.keys.dispatch
         hashes = [f"{store}{name}" for name in ("lease", "items", "qres")]
         stream = self.client.keys.gateway_results(self.gateway_project)
         deadline = time.monotonic() + settle_s
         while True:
             account = clients.account(self.reader, stream, hashes)
-            if not account.left or time.monotonic() > deadline:
+            if not (account.left or account.unmatched) or time.monotonic() > deadline:
+                if account.mismatched:
+                    log.warning("gateway envelopes: %s", "; ".join(account.mismatched[:10]))
                 return account
             time.sleep(0.5)
 

@@ -60,6 +60,7 @@ class GatewayAccount:
     unmatched: int = 0  # envelopes missing, doubled, or with another code than the client saw
     failovers: int = 0  # requests a cut moved to another grant (the envelopes' metadata)
     left: int = 0  # leases, items and quota reservations left in the store at the end
+    mismatched: list[str] = field(default_factory=list)  # "job: the client's code, the envelopes'"
 
     def broken(self) -> list[str]:
         out = []
@@ -184,6 +185,7 @@ class GatewayClients:
             mine = envelopes.get(o.job_id, [])
             if len(mine) != 1 or mine[0].code.value != o.code:
                 account.unmatched += 1
+                account.mismatched.append(f"{o.job_id}: client {o.code}, envelopes {[e.code.value for e in mine]}")
             account.failovers += sum(1 for e in mine if int(e.metadata.get("failovers") or 0) > 0)
         account.left = sum(int(reader.hlen(key)) for key in store_keys)
         return account

@@ -243,10 +243,11 @@ class RetrySettings(_Section):
     max_outage_returns: int = Field(10, ge=0)
     """Times a job goes back in line because the backend was unavailable, before it ends with
     that error (outage returns count apart from max_attempts and the retry budget)."""
-    max_cut_returns: int = Field(2, ge=0)
+    max_cut_returns: int = Field(3, ge=0)
     """Of those, times a backend may fail under the job's own request (its stream was open when
-    the engine failed or went away): the first is free, each further one takes a retry-budget
-    token. A job that brings servers down is sent at most 1 + this many times."""
+    the engine failed or went away) before the job ends with that error: a job that brings
+    servers down is sent at most 1 + this many times. No retry-budget token: a crash cuts every
+    job in flight, and the others' projects are not charged for it."""
 
 
 class WatcherSettings(_Section):

@@ -78,6 +78,7 @@ from fleet.gateway.wire import (
     status_of,
     warning_headers,
 )
+from fleet.infer.attempts import CHARS_PER_TOKEN_ESTIMATE
 from fleet.infer.requestbody import retry_body
 from fleet.infer.resume import ContinuationRefused, Kept, keep, resume_turn, why_not
 from fleet.infer.turnusage import turn_usage
@@ -618,8 +619,9 @@ class _Session:
         adm, settings = self.gw.admission, self.gw.live.settings.gateway
         mask = self.eligible & ~self.tried or self.eligible
         prompt, max_tokens = self.prompt_tokens, self.max_tokens
-        if kept is not None:
-            prompt, max_tokens = prompt + kept["tokens"], max(1, max_tokens - kept["tokens"])
+        if kept is not None:  # the kept answer text too, at the estimate's 3 characters a token (more, not less)
+            held = kept["tokens"] + len(kept.get("answer", "")) // CHARS_PER_TOKEN_ESTIMATE
+            prompt, max_tokens = prompt + held, max(1, max_tokens - held)
         if self.disconnected.is_set() or not await self._key_quota_again(prompt, max_tokens):
             return None
         enqueued_at = await adm.enqueue(self.ref, self.caller.project, self.caller.band, prompt, max_tokens,
@@ -637,6 +639,8 @@ class _Session:
             grant = await adm.withdraw(self.ref)
         if grant is not None and self.disconnected.is_set():
             await adm.give_back(self.ref, grant)
+            return None
+        if grant is None and self.disconnected.is_set():
             return None
         if grant is None:
             log.info("chat job=%s: not admitted again within %g s after its backend cut it", self.job_id,
@@ -741,6 +745,8 @@ class _Session:
                 self.first_token_s = time.monotonic() - self.started
             if self.req.stream and (item.reasoning or item.content or item.tool_calls):
                 await self._send_delta(item)
+            elif self.req.stream and item.held and time.monotonic() - self.last_write >= keepalive_s:
+                await self._write(KEEPALIVE)  # a tool call being written, held back: the client hears us
 
     async def _send_delta(self, item: Delta) -> None:
         """With ``loop_retry``, reasoning is held back until the answer starts (or the stream

@@ -87,7 +87,7 @@ class UpstreamStream:
         if self.watcher is not None:
             now = time.monotonic()
             verdict = self.watcher.feed(delta.reasoning, now) if delta.reasoning else None
-            if delta.content:
+            if delta.content or delta.tool_calls or delta.held:  # the answer goes on: no stall
                 self.watcher.touch(now)
             verdict = verdict or self.watcher.check_stall(now)
             if verdict is not None:

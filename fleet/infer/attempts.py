@@ -35,10 +35,10 @@ How an attempt ends and what follows:
     backend unavailable (connection    an outage return: back in line behind the backend gate
     refused, 502/503/504/429, connect  after a backoff, at its place; counted apart from the
     timeout; any retryable failure     retries (at most retry.max_outage_returns), never from
-    while /health is not 200)          the project's retry budget; but a backend failing under
-                                       the request itself (its stream was open) more than once
-                                       takes a budget token per return, at most
-                                       retry.max_cut_returns: a job that kills servers is bounded
+    while /health is not 200)          the project's retry budget; a backend failing under the
+                                       request itself (its stream was open: a cut) at most
+                                       retry.max_cut_returns times: a job that kills servers is
+                                       bounded
     cancel / deadline / rejected       final at once: E_CANCELLED / E_DEADLINE / the error's code
 
 Retries (not re-asks, not outage returns) are bounded by retry.max_attempts, every retry by
@@ -578,8 +578,8 @@ class _Run:
                     verdict = watcher.feed(delta.reasoning, now)
             if delta.content:
                 coalescer.add("content", delta.content)
-                if watcher is not None:
-                    watcher.touch(now)
+            if watcher is not None and (delta.content or delta.tool_calls or delta.held):
+                watcher.touch(now)  # the answer goes on (text, a tool call written): no stall
             if watcher is not None and verdict is None:
                 verdict = watcher.check_stall(now)
             if verdict is not None:
@@ -678,10 +678,10 @@ class _Run:
         delay_s = self._delay(kind)
         if delay_s is None:
             return None
-        # An outage return waits behind the backend gate and adds no load: no budget token,
-        # unless a backend already failed under this job's request before (it may be the cause).
-        paid = kind != RetryKind.OUTAGE or (cut and self.cuts > 0)
-        if paid and not self.budget.try_spend():
+        # An outage return waits behind the backend gate and adds no load: no budget token. (Nor
+        # a cut: every job in flight is cut by a crash, the one that caused it or not, and a
+        # token would charge the others' projects for it; max_cut_returns bounds them all.)
+        if kind != RetryKind.OUTAGE and not self.budget.try_spend():
             self.warnings.append("no retry: the project's retry budget is used up")
             return None
         if kind == RetryKind.REASK:

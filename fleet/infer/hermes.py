@@ -11,7 +11,8 @@ answer::
 one block per call, the last one possibly without its closing tag (the stream ended there). The
 chat route turns them into ``tool_calls`` and keeps only the text before the first block as the
 content; so does ``parse``. A block that is not a JSON object with a string ``name`` makes the
-whole answer content, with no calls (what the parser does with text it cannot read: the fleet's
+whole answer content, with no calls (so does a block without ``arguments``, or JSON nested too deep to read:
+what the parser does with text it cannot read: the fleet's
 validation then sees a prose answer, never a half-read call). ``arguments`` are sent on as a JSON
 string (``ensure_ascii=False``), the call ids are new (``chatcmpl-tool-`` and 32 hex digits, the
 shape vLLM gives them).
@@ -37,11 +38,11 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 def _call(raw: str) -> dict[str, Any] | None:
     try:
         block = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser goes
         return None
-    if not isinstance(block, dict) or not isinstance(block.get("name"), str):
+    if not isinstance(block, dict) or not isinstance(block.get("name"), str) or "arguments" not in block:
         return None
-    arguments = block.get("arguments", {})
+    arguments = block["arguments"]
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
             "function": {"name": block["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 

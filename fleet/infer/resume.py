@@ -286,6 +286,7 @@ class _Continuation:
         self.t0 = time.monotonic()
         self.thought: StreamResult | None = None
         self.said = kept.get("answer", "")  # the answer text a client already has
+        self.calls: hermes.Splitter | None = None  # the answer's tool-call splitter, when it is read for calls
         self.forced = kept["forced"]
         self.phase = "render"
         self.rendered: int | None = None  # the chat prompt's tokens
@@ -293,8 +294,13 @@ class _Continuation:
         self.offsets: dict[str, float] = {}  # phase -> seconds from the start to its request
 
     def cut(self, exc: Exception, phase: str) -> StreamResult | None:
-        """The partial result of ``phase`` when the exception came from it."""
-        return getattr(exc, "partial", None) if self.phase == phase else None
+        """The partial result of ``phase`` when the exception came from it; an answer's holds
+        only the content passed on (what the tool-call splitter held back never reached anyone:
+        the next attempt writes it again)."""
+        partial = getattr(exc, "partial", None) if self.phase == phase else None
+        if partial is not None and phase == "answer" and self.calls is not None:
+            partial = replace(partial, content=partial.content[:self.calls.sent])
+        return partial
 
     def _stream(self, phase: str, ask: dict[str, Any], on_delta: Callable[[Delta], None],
                 text_is: str) -> StreamResult:
@@ -344,13 +350,14 @@ class _Continuation:
         if self.body.get("response_format") is not None:
             ask["response_format"] = self.body["response_format"]
 
-        calls = hermes.Splitter() if self.parses_calls() else None
+        calls = self.calls = hermes.Splitter() if self.parses_calls() else None
 
         def on_answer(delta: Delta) -> None:  # running counts over the attempt, not this request
             if delta.streamed is not None and done:
                 delta = replace(delta, streamed=(delta.streamed[0] + done, delta.streamed[1] + done))
             if calls is not None and delta.content:  # tool-call blocks held back until the end
-                delta = replace(delta, content=calls.feed(delta.content))
+                shown = calls.feed(delta.content)
+                delta = replace(delta, content=shown, held=len(shown) < len(delta.content))
             on_delta(delta)
 
         answer = self._stream("answer", ask, on_answer, "content")

@@ -91,6 +91,9 @@ class Delta:
     keepalive: bool = False
     # the server's running counts so far, (reasoning, completion) tokens, when it sends them
     streamed: tuple[int, int] | None = None
+    # answer text came that is held back (a continuation's tool call being written, fleet/infer/
+    # hermes.py): progress for the stall watch, nothing to show yet
+    held: bool = False
 
 
 @dataclass
