@@ -369,6 +369,14 @@ def test_a_stream_cut_in_its_answer_goes_on_after_the_text_the_client_has(tmp_pa
         assert finish == "stop" and fleet_of is not None and fleet_of.get("code") == "OK", (finish, fleet_of)
         assert 0.8 * len(whole) < len(content) < 1.2 * len(whole), (len(content), len(whole))
         assert paths(fleet.backend_url) == ["/v1/chat/completions", "/v1/completions"]
+        # the continuation's prompt ends with the answer text the client had: what came after it
+        # in the client's stream is the rest, in order
+        logged = httpx.get(f"{fleet.backend_url}/sim/requests", timeout=10).json()["requests"]
+        ids = next(e["body"]["prompt"] for e in logged if e.get("path") == "/v1/completions")
+        prompt = httpx.post(f"{fleet.backend_url}/detokenize", json={"model": "local", "tokens": ids},
+                            timeout=10).json()["prompt"]
+        said = prompt[prompt.rindex("</think>") + len("</think>"):].lstrip("\n")
+        assert len(said) > 50 and content.startswith(said) and len(content) > len(said), (said, content)
 
 
 def test_an_answer_under_a_response_format_cut_after_its_text_began_ends_with_the_error(tmp_path) -> None:

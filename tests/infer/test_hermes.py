@@ -39,7 +39,9 @@ def test_a_last_block_without_its_closing_tag_is_read() -> None:
     '<tool_call>\n{"name": "a", "arguments": {"x": </tool_call>',  # not JSON
     '<tool_call>["a"]</tool_call>',  # not an object
     '<tool_call>{"arguments": {}}</tool_call>',  # no name
-    '<tool_call>{"name": "a"}</tool_call> then <tool_call>oops</tool_call>',  # one block unreadable
+    '<tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>oops</tool_call>',  # one unreadable
+    '<tool_call>{"name": "a"}</tool_call>',  # no arguments: vLLM's parser gives up on it too
+    "<tool_call>" + "[" * 100_000,  # nested past the JSON parser's depth (a RecursionError)
 ])
 def test_text_that_does_not_read_as_calls_is_all_content(text: str) -> None:
     assert parse(text) == (text, [])

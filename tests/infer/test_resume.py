@@ -106,6 +106,27 @@ def test_a_continued_turn_with_tools_answers_with_the_tool_call_the_chat_route_w
     assert '"name": "search_docs"' in client.decode(answer["prompt"])
 
 
+def test_a_continuation_cut_inside_its_tool_call_keeps_none_of_the_call_and_the_next_writes_it_whole(
+        client: VllmClient) -> None:
+    """Cut 15 tokens into the answer, inside the hermes block: nothing of the block reached the
+    client (the deltas held it back, and said so: ``held``), the cut attempt's content is what
+    was passed on (none), so the next continuation, kept with the answer its client has, writes
+    the call whole."""
+    text = "[sim:think=1200] [sim:tool=search_docs] [sim:drop=15/1] find the invoices"
+    body = {**body_of(text), "tools": TOOLS}
+    kept = {**kept_of(text, client, closed=True), "digest": resume.digest(body["messages"], TOOLS)}
+    deltas: list[Any] = []
+    with pytest.raises(FleetError) as cut:
+        resume.resume_turn(client, body, kept, plan(), "a", deltas.append, threading.Event(), None)
+    partial = cut.value.partial  # type: ignore[attr-defined]
+    assert partial.content == "" and not partial.tool_calls
+    assert any(d.held for d in deltas) and not any("tool_call" in d.content for d in deltas)
+    again = resume.keep(partial, body, "local", "a", answer=True)
+    assert again is not None and "answer" not in again
+    result = resume.resume_turn(client, body, again, plan(), "a", lambda d: None, threading.Event(), None)
+    assert [c["function"]["name"] for c in result.tool_calls] == ["search_docs"]
+
+
 def test_a_continued_turn_with_tools_and_no_call_answers_in_prose(client: VllmClient) -> None:
     text = "[sim:think=1200] [sim:answer=20] explain the invoices"
     body = {**body_of(text), "tools": TOOLS}
