@@ -634,7 +634,8 @@ def rss_rows(results: list[RoundResult]) -> list[list[str]]:
             for r in results for name, (first, peak, last) in sorted(r.rss_mb.items())]
 
 
-GATEWAY_COLUMNS = ("round", "gateway streams", "codes as the clients saw them", "moved by a failover",
+GATEWAY_COLUMNS = ("round", "gateway streams", "codes as the clients saw them", "with a tool call",
+                   "moved by a failover",
                    "without an end", "envelopes missing / doubled / other code", "left in the store")
 
 
@@ -645,8 +646,8 @@ def gateway_rows(results: list[RoundResult]) -> list[list[str]]:
         if g is None:
             continue
         codes = ", ".join(f"{code} {n}" for code, n in sorted(g.codes.items())) or "-"
-        rows.append([r.name, str(g.requests), codes, str(g.failovers), str(g.unended), str(g.unmatched),
-                     str(g.left)])
+        rows.append([r.name, str(g.requests), codes, str(g.tool_calls), str(g.failovers), str(g.unended),
+                     str(g.unmatched), str(g.left)])
     return rows
 
 

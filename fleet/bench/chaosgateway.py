@@ -4,7 +4,8 @@ fault, each read to its end, and what the fleet recorded for each.
 A round with ``RoundPlan.gateway`` starts ``fleet gateway`` beside its fleet and, once the first
 queue jobs are final, ``GatewayClients``: ``clients`` threads, each sending one streamed request
 after another (``[sim:think=N]``, so every request is under way for a while and a killed backend
-cuts some mid-reasoning) until the fault has ended, then reading the last one to its end. Each
+cuts some mid-reasoning; every other client is the editor, sending its tools and answered with a
+call) until the fault has ended, then reading the last one to its end. Each
 request's outcome (``Streamed``) is what its client saw:
 
   code        the ``fleet.code`` of its last chunks, or the code of an error event or of an HTTP
@@ -37,6 +38,10 @@ from fleet.core.models import Envelope
 
 NO_END = "no end"
 HUNG = "hung"
+# the editor's clients send these (the example's assistant project allows search_docs)
+EDITOR_TOOLS = [{"type": "function", "function": {
+    "name": "search_docs", "description": "search the project's documents",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}]
 
 
 @dataclass
@@ -48,6 +53,7 @@ class Streamed:
     content_chars: int = 0
     backend: str = ""  # its x-fleet-backend header: where it began
     ended: bool = False
+    calls: int = 0  # tool-call deltas (a tool-bearing request's answer)
 
 
 @dataclass
@@ -59,6 +65,7 @@ class GatewayAccount:
     unended: int = 0  # no final code, or hung
     unmatched: int = 0  # envelopes missing, doubled, or with another code than the client saw
     failovers: int = 0  # requests a cut moved to another grant (the envelopes' metadata)
+    tool_calls: int = 0  # streams answered with a tool call (the editor's clients)
     left: int = 0  # leases, items and quota reservations left in the store at the end
     mismatched: list[str] = field(default_factory=list)  # "job: the client's code, the envelopes'"
 
@@ -80,19 +87,23 @@ def _code_of(payload: dict[str, Any]) -> str | None:
     return str(fleet["code"]) if isinstance(fleet, dict) and "code" in fleet else None
 
 
-def stream_once(http: httpx.Client, url: str, key: str, text: str, out: Streamed | None = None) -> Streamed:
+def stream_once(http: httpx.Client, url: str, key: str, text: str, out: Streamed | None = None,
+                tools: list[dict[str, Any]] | None = None) -> Streamed:
     """One streamed chat request read to its end into ``out`` (see the module doc for what is
     recorded; ``out`` is filled as the stream goes, so another thread can watch it)."""
     out = out if out is not None else Streamed()
     try:
-        return _read(http, url, key, text, out)
+        return _read(http, url, key, text, out, tools)
     finally:
         out.ended = True
 
 
-def _read(http: httpx.Client, url: str, key: str, text: str, out: Streamed) -> Streamed:
-    body = {"model": "local", "stream": True, "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": text}]}
+def _read(http: httpx.Client, url: str, key: str, text: str, out: Streamed,
+          tools: list[dict[str, Any]] | None) -> Streamed:
+    body: dict[str, Any] = {"model": "local", "stream": True, "stream_options": {"include_usage": True},
+                            "messages": [{"role": "user", "content": text}]}
+    if tools:
+        body["tools"] = tools
     try:
         with http.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}) as response:
             if response.status_code != 200:
@@ -115,6 +126,7 @@ def _read(http: httpx.Client, url: str, key: str, text: str, out: Streamed) -> S
                     delta = choice.get("delta") or {}
                     out.reasoning_chars += len(delta.get("reasoning") or "")
                     out.content_chars += len(delta.get("content") or "")
+                    out.calls += len(delta.get("tool_calls") or [])
     except httpx.TimeoutException:
         out.code = HUNG
     except httpx.HTTPError:
@@ -147,11 +159,14 @@ class GatewayClients:
         with httpx.Client(timeout=timeout) as http:
             sent = 0
             while not self._stop.is_set():
-                text = f"[sim:think={self.think}] [sim:answer={self.answer}] chaos client {n} request {sent}"
+                # odd clients are the editor: its tools with each request, and a call to answer with
+                editor = n % 2 == 1
+                call = " [sim:tool=search_docs]" if editor else f" [sim:answer={self.answer}]"
+                text = f"[sim:think={self.think}]{call} chaos client {n} request {sent}"
                 outcome = Streamed()
                 with self._lock:
                     self.outcomes.append(outcome)
-                stream_once(http, self.url, self.key, text, outcome)
+                stream_once(http, self.url, self.key, text, outcome, EDITOR_TOOLS if editor else None)
                 sent += 1
 
     def thinking_on(self, backend: str) -> int:
@@ -176,7 +191,8 @@ class GatewayClients:
         for _entry_id, fields in entries:
             envelope = Envelope.model_validate_json(fields[b"envelope"])
             envelopes.setdefault(envelope.job_id, []).append(envelope)
-        account = GatewayAccount(requests=len(outcomes), codes=Counter(o.code for o in outcomes))
+        account = GatewayAccount(requests=len(outcomes), codes=Counter(o.code for o in outcomes),
+                                 tool_calls=sum(1 for o in outcomes if o.calls))
         for o in outcomes:
             if o.code in (NO_END, HUNG):
                 account.unended += 1

@@ -43,13 +43,14 @@ def test_a_backend_killed_during_a_storm_keeps_every_invariant_on_both() -> None
     assert 0 < result.max_running <= 4
     assert not result.exited
     assert len(result.all_final) == 4 and None not in result.all_final
-    assert result.verdict() == "ok"
     # the gateway's streaming clients through the same storm: every stream ended with a code,
     # each had exactly one envelope with that code, and nothing was left in the store
     gateway = result.gateway
     assert gateway is not None and gateway.requests > 0, gateway
     assert (gateway.unended, gateway.unmatched, gateway.left) == (0, 0, 0), gateway
+    assert result.verdict() == "ok", gateway
     assert sum(gateway.codes.values()) == gateway.requests
+    assert gateway.tool_calls > 0  # the editor's clients were answered with their tool calls
     # the first simulator is sampled throughout; the killed one only once a sampling second (1 s)
     # passed after its return, which a loaded machine may end the round before
     assert "sim" in result.rss_mb
