@@ -412,9 +412,11 @@ class RoutingSettings(_Section):
     """A queue job's turn whose stream a backend cut (dropped, unavailable, an upstream error)
     after some reasoning: ``restart`` runs it again with a carry-over note of its conclusions;
     ``continue`` sends the same prompt with the reasoning so far to a backend of the same model
-    (it may be another one) and the model thinks only the rest (docs/backends.md, section 7). A
-    backend whose chat template does not open ``<think>`` in its generation prompt, a turn that
-    sends tools and a prompt that changed restart instead."""
+    (it may be another one) and the model thinks only the rest (docs/backends.md, section 7);
+    with tools, the calls it then writes are read as vLLM's hermes parser reads them. A reasoning
+    cut before 64 tokens, a backend whose chat template does not open ``<think>`` in its
+    generation prompt, a turn that forces a tool call (``tool_choice`` required or named) and a
+    prompt that changed restart instead. Gateway requests follow it too (``gateway.fail_over``)."""
 
 
 class UsageSettings(_Section):

@@ -15,8 +15,8 @@ REAL fleet: the gateway, a dispatcher, ``fleet sim`` processes, the official ``o
 - A backend whose template does not open ``<think>`` cannot continue: a request not streamed
   runs again, a streamed one whose reasoning went out ends with the error.
 - Each grant's quota reservation is settled with its own attempts.
-- A cut request that finds no seat again ends E_QUEUE_TIMEOUT (429); a spent retry budget ends a cut
-  with the backend's error; three replicas dropping every stream are tried once each.
+- A cut request that finds no seat again ends E_QUEUE_TIMEOUT (429); a spent retry budget does not stop a
+  failover; three replicas dropping every stream are tried once each.
 """
 
 from __future__ import annotations
@@ -287,10 +287,11 @@ def test_a_cut_request_that_finds_no_seat_again_ends_with_the_queue_timeout(tmp_
         assert sent == ["a", "b"], sent
 
 
-def test_a_spent_retry_budget_ends_a_cut_request_with_the_backends_error(tmp_path) -> None:
-    """Failing over is paid from the project's retry budget: with the budget spent (and no
-    credit per first attempt, budget_ratio 0), the cut is the client's error and the request goes
-    to the backend once."""
+def test_a_failover_takes_no_retry_budget_token(tmp_path) -> None:
+    """A crash cuts every stream on its server, the request that caused it or not, so a failover
+    is not paid from the project's retry budget (a token would charge the projects of the streams
+    it cut): with the budget spent (and no credit per first attempt, budget_ratio 0), a cut request
+    still goes back and is answered (it went to the backend twice)."""
     from fleet.infer.retrying import RetryBudget
 
     config, keys = config_with_keys(tmp_path, retry={"budget_ratio": 0.0})
@@ -299,11 +300,10 @@ def test_a_spent_retry_budget_ends_a_cut_request_with_the_backends_error(tmp_pat
         bucket = RetryBudget(fleet.client.redis, fleet.client.keys, "assistant", 0.0, clock=lambda: time.time() + 600)
         while bucket.try_spend():
             pass
-        with pytest.raises(openai.APIStatusError) as caught:
-            sdk(fleet, keys["assistant"]).chat.completions.create(
-                model="local", messages=[{"role": "user", "content": "[sim:think=400] [sim:drop/1] add"}])
-        assert caught.value.response.headers.get("x-fleet-code") == "E_STREAM_DROPPED"
-        assert paths(fleet.backend_url) == ["/v1/chat/completions"]
+        answer = sdk(fleet, keys["assistant"]).chat.completions.create(
+            model="local", messages=[{"role": "user", "content": "[sim:think=400] [sim:drop/1] add"}])
+        assert answer.choices[0].message.content
+        assert paths(fleet.backend_url) == ["/v1/chat/completions"] * 2
 
 
 def test_a_request_cut_on_every_backend_tries_each_of_three_once(tmp_path) -> None:
