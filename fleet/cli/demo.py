@@ -8,25 +8,36 @@ live under a fresh prefix that is deleted at the end on a named broker, so nothi
 Its dispatcher and worker run on the configured projects' secrets, the example's public ones
 included, with a warning even on a named broker (``local_broker``): the demo's jobs are its own.
 A process of the fleet that dies ends the demo at once with its name, exit code and last lines.
+
+Several backends: settings that name one backend run as ``replicas`` replicas of it (``gpu-a``,
+``gpu-b``: the same entry, each its own ``fleet sim``), so the demo shows jobs routed across two
+servers and the summary counts each backend's. The fleet's processes read them from a copy of
+the settings file with the one entry written out as ``[[backends]]`` (in the demo's log folder);
+settings that name several backends, or whose backend comes from ``FLEET_BACKEND*`` variables,
+run as they are.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
 import time
+import tomllib
 import uuid
 from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Any
 
+import tomli_w
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from fleet.bench.measure import percentile
 from fleet.client import Client
-from fleet.core.config import Settings
+from fleet.core.config import Settings, config_path, load_settings
 from fleet.core.models import Envelope
 from fleet.core.redisconn import mask_url, redis_client
 from fleet.core.results import ResultFollower
@@ -72,10 +83,11 @@ def demo_job(n: int, project: str, tools: list[str]) -> dict[str, Any]:
 
 
 def summary_table(envelopes: list[Envelope]) -> Table:
-    table = Table("project", "jobs", "codes", "attempts", "prompt tok", "output tok",
+    table = Table("project", "jobs", "codes", "backends", "attempts", "prompt tok", "output tok",
                   "wait p50/p95 s", "latency p50/p95 s", title="fleet demo",
-                  caption="attempts: backend requests in all (first tries, retries and continuations "
-                          "after a cut reasoning loop); wait: queued until admitted")
+                  caption="backends: the server that gave each job its answer; attempts: backend "
+                          "requests in all (first tries, retries and continuations after a cut "
+                          "reasoning loop); wait: queued until admitted")
     by_project: dict[str, list[Envelope]] = defaultdict(list)
     for envelope in envelopes:
         by_project[envelope.project].append(envelope)
@@ -83,8 +95,10 @@ def summary_table(envelopes: list[Envelope]) -> Table:
         waits = [e.timings.queued_s or 0.0 for e in items]
         totals = [e.timings.total_s or 0.0 for e in items]
         codes = Counter(e.code.value for e in items)
+        backends = Counter(e.backend or "-" for e in items)
         table.add_row(
             project, str(len(items)), " ".join(f"{c}={n}" for c, n in sorted(codes.items())),
+            " ".join(f"{b}={n}" for b, n in sorted(backends.items())),
             str(sum(len(e.attempts) for e in items)),
             str(sum(e.usage.prompt_tokens for e in items)),
             str(sum(e.usage.completion_tokens for e in items)),
@@ -94,15 +108,37 @@ def summary_table(envelopes: list[Envelope]) -> Table:
     return table
 
 
+def replicated(settings: Settings, replicas: int, folder: Path) -> tuple[Settings, str | None]:
+    """``settings`` with its one backend as ``replicas`` replicas (module docstring), and the
+    settings file the fleet's processes read; ``(settings, None)`` when they run as configured."""
+    given = os.environ.get("FLEET_BACKENDS") or any(key.startswith("FLEET_BACKEND_") for key in os.environ)
+    if replicas <= 1 or len(settings.backends) > 1 or given:
+        return settings, None
+    source = config_path()
+    data = tomllib.loads(source.read_text(encoding="utf-8"))
+    entry = data.pop("backend", None) or data.pop("backends", [{}])[0]
+    stem = entry.get("name") or "gpu"
+    served = entry.get("served_model_names") or [entry.get("model", settings.backend.model)]
+    data["backends"] = [{**entry, "name": f"{stem}-{chr(97 + i)}", "served_model_names": served}
+                        for i in range(replicas)]
+    path = folder / "fleet.toml"
+    path.write_text(tomli_w.dumps(data), encoding="utf-8")
+    path.chmod(0o600)  # it holds the file's secrets, as the file it copies does
+    # broker_url: a --broker given on the command line
+    return load_settings(path, broker_url=settings.broker_url), str(path)
+
+
 def run_demo(settings: Settings, *, jobs: int, speed: float, console: Console,
-             private_broker: bool = True) -> int:
+             private_broker: bool = True, replicas: int = 2) -> int:
     """Run the demo; returns the exit code. ``private_broker`` (the default) runs it on a
     redis-server of its own; otherwise on ``settings.broker_url``, deleting only its own keys.
+    ``replicas``: how many servers one configured backend runs as (``replicated``).
     Raises ``ChildExited`` as soon as one of the fleet's processes dies."""
-    settings = settings.model_copy(update={"key_prefix": f"fleet-demo-{uuid.uuid4().hex[:8]}:"})
     started = time.monotonic()
     logs = tempfile.mkdtemp(prefix="fleet-demo-logs-")
-    fleet = LocalFleet(settings, sim_speed=speed, sim_args=SIM_ARGS, log_dir=logs,
+    settings, path = replicated(settings, replicas, Path(logs))
+    settings = settings.model_copy(update={"key_prefix": f"fleet-demo-{uuid.uuid4().hex[:8]}:"})
+    fleet = LocalFleet(settings, sim_speed=speed, sim_args=SIM_ARGS, log_dir=logs, config_path=path,
                        private_broker=private_broker, local_broker=True, handle_signals=True)
     try:
         with fleet:

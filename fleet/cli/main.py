@@ -345,6 +345,8 @@ def demo(
     broker: Annotated[str | None, typer.Option(
         help="Redis URL to run on (default: FLEET_BROKER_URL if set, else a private redis-server)")]
     = None,
+    replicas: Annotated[int, typer.Option(
+        min=1, help="servers the one configured backend runs as (gpu-a, gpu-b, ...), each a fleet sim")] = 2,
 ) -> None:
     """Run the fleet end to end on a private Redis, push a mixed batch through it and summarise.
 
@@ -364,7 +366,8 @@ def demo(
         settings = settings.model_copy(update={"broker_url": broker})
     wide = Console(width=max(console.width, 120))
     with stopped_cleanly():
-        code = run_demo(settings, jobs=jobs, speed=speed, console=wide, private_broker=broker is None)
+        code = run_demo(settings, jobs=jobs, speed=speed, console=wide, private_broker=broker is None,
+                        replicas=replicas)
         raise typer.Exit(code)
 
 

@@ -4,9 +4,11 @@ answering where the configuration points (the usual 127.0.0.1:6379) is never tou
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -32,13 +34,28 @@ def test_demo_leaves_the_configured_redis_alone(tmp_path: Path) -> None:
         config = make_config(tmp_path, broker_url=default.url)
         watcher = redis.Redis.from_url(default.url)
         connections = watcher.info("stats")["total_connections_received"]
-        result = demo(config, "--jobs", "2", "--speed", "100")
+        result = demo(config, "--jobs", "2", "--speed", "100", "--replicas", "1")
         assert result.returncode == 0, result.stdout + result.stderr
         assert "2 results, 0 not OK, 0 missing" in result.stdout
         assert f"broker {default.url}" not in result.stdout
         assert watcher.dbsize() == 0
         assert watcher.info("stats")["total_connections_received"] == connections  # nobody else came
         watcher.close()
+
+
+def test_demo_runs_one_configured_backend_as_two_replicas_and_counts_each_ones_jobs(tmp_path: Path) -> None:
+    """The example's one [backend] runs as gpu-a and gpu-b, a simulator each; the jobs, submitted
+    at once, are spread over both (least loaded while nothing is cached), and the summary's
+    backends column counts them: every job answered by one of the two, both used."""
+    config = make_config(tmp_path)
+    result = demo(config, "--jobs", "20", "--speed", "30")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "20 results, 0 not OK, 0 missing" in result.stdout
+    assert re.search(r"backend gpu-a http://127\.0\.0\.1:\d+, gpu-b http://127\.0\.0\.1:\d+", result.stdout)
+    counts = Counter()
+    for backend, count in re.findall(r"\b(gpu-[ab])=(\d+)", result.stdout):
+        counts[backend] += int(count)
+    assert sum(counts.values()) == 20 and set(counts) == {"gpu-a", "gpu-b"}, result.stdout
 
 
 def test_demo_refuses_a_named_broker_that_does_not_answer(tmp_path: Path) -> None:

@@ -135,13 +135,15 @@ def test_jobs_sharing_a_cached_prefix_go_to_the_backend_that_holds_it(tmp_path) 
                          routing={"balance_abs_seqs": 8})
     systems = {"one": "rules one " * 3000, "two": "rules two " * 3000}  # about 6,000 tokens each
 
-    def sharing(name: str, question: str) -> dict[str, Any]:
-        return ask(None, f"[sim:think=200] {question}",
+    def sharing(name: str, question: str, think: int = 200) -> dict[str, Any]:
+        return ask(None, f"[sim:think={think}] {question}",
                    messages=[{"role": "system", "content": systems[name]},
-                             {"role": "user", "content": f"[sim:think=200] {question}"}])
+                             {"role": "user", "content": f"[sim:think={think}] {question}"}])
 
     with Harness(config, sim_speed=50, sim_args=SIM_ARGS) as fleet:
-        warm = {name: fleet.client.submit(sharing(name, f"warm {name}")) for name in systems}
+        # long enough (about 2 s) that the first is still in flight when the second is admitted,
+        # however late prep hands the second one over: least-loaded then puts one on each
+        warm = {name: fleet.client.submit(sharing(name, f"warm {name}", think=3000)) for name in systems}
         warmed = finals(fleet, list(warm.values()))
         home = {name: warmed[job_id].backend for name, job_id in warm.items()}
         assert sorted(home.values()) == ["a", "b"], home
