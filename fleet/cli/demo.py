@@ -12,9 +12,10 @@ A process of the fleet that dies ends the demo at once with its name, exit code 
 Several backends: settings that name one backend run as ``replicas`` replicas of it (``gpu-a``,
 ``gpu-b``: the same entry, each its own ``fleet sim``), so the demo shows jobs routed across two
 servers and the summary counts each backend's. The fleet's processes read them from a copy of
-the settings file with the one entry written out as ``[[backends]]`` (in the demo's log folder);
-settings that name several backends, or whose backend comes from ``FLEET_BACKEND*`` variables,
-run as they are.
+the settings file with the one entry written out as ``[[backends]]`` (in a folder of its own,
+deleted at the end however the demo ends: it holds the file's secrets); settings that name
+several backends, or whose backend comes from ``FLEET_BACKEND*`` variables, run as they are, and
+the demo says so.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from rich.table import Table
 from fleet.bench.measure import percentile
 from fleet.client import Client
 from fleet.core.config import Settings, config_path, load_settings
+from fleet.core.errors import ConfigError
 from fleet.core.models import Envelope
 from fleet.core.redisconn import mask_url, redis_client
 from fleet.core.results import ResultFollower
@@ -108,36 +110,63 @@ def summary_table(envelopes: list[Envelope]) -> Table:
     return table
 
 
-def replicated(settings: Settings, replicas: int, folder: Path) -> tuple[Settings, str | None]:
-    """``settings`` with its one backend as ``replicas`` replicas (module docstring), and the
-    settings file the fleet's processes read; ``(settings, None)`` when they run as configured."""
-    given = os.environ.get("FLEET_BACKENDS") or any(key.startswith("FLEET_BACKEND_") for key in os.environ)
-    if replicas <= 1 or len(settings.backends) > 1 or given:
-        return settings, None
-    source = config_path()
-    data = tomllib.loads(source.read_text(encoding="utf-8"))
+MAX_REPLICAS = 26  # gpu-a to gpu-z
+
+
+def replicated(settings: Settings, replicas: int, folder: Path) -> tuple[Settings, str | None, str]:
+    """``settings`` with its one backend as ``replicas`` replicas (module docstring), the settings
+    file the fleet's processes read, written into ``folder``, and a line saying why not when they
+    run as configured (``(settings, None, why)``). Only the backends change: the broker, secrets
+    and everything else stay what the caller's settings say (a ``--broker`` included). Raises
+    ``ConfigError`` when the copy does not load (what the original's entry holds, repeated)."""
+    if replicas <= 1:
+        return settings, None, ""
+    if len(settings.backends) > 1:
+        return settings, None, f"{len(settings.backends)} backends configured: they run as they are"
+    given = sorted(key for key in os.environ if key.startswith("FLEET_BACKEND"))
+    if given:
+        return settings, None, f"the backend is set by {', '.join(given)}: it runs as one server"
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise ConfigError(f"--replicas: at most {MAX_REPLICAS}, not {replicas}")
+    data = tomllib.loads(config_path().read_text(encoding="utf-8"))
     entry = data.pop("backend", None) or data.pop("backends", [{}])[0]
-    stem = entry.get("name") or "gpu"
+    stem = (entry.get("name") or "gpu")[:62]  # a name has at most 64 characters
     served = entry.get("served_model_names") or [entry.get("model", settings.backend.model)]
     data["backends"] = [{**entry, "name": f"{stem}-{chr(97 + i)}", "served_model_names": served}
                         for i in range(replicas)]
     path = folder / "fleet.toml"
+    path.touch(mode=0o600)  # it holds the file's secrets, as the file it copies does
     path.write_text(tomli_w.dumps(data), encoding="utf-8")
-    path.chmod(0o600)  # it holds the file's secrets, as the file it copies does
-    # broker_url: a --broker given on the command line
-    return load_settings(path, broker_url=settings.broker_url), str(path)
+    backends = load_settings(path).backends
+    return settings.model_copy(update={"backends": backends, "backend": backends[0]}), str(path), ""
 
 
 def run_demo(settings: Settings, *, jobs: int, speed: float, console: Console,
              private_broker: bool = True, replicas: int = 2) -> int:
     """Run the demo; returns the exit code. ``private_broker`` (the default) runs it on a
     redis-server of its own; otherwise on ``settings.broker_url``, deleting only its own keys.
-    ``replicas``: how many servers one configured backend runs as (``replicated``).
-    Raises ``ChildExited`` as soon as one of the fleet's processes dies."""
+    ``replicas``: how many servers one configured backend runs as (``replicated``; the copy of
+    the settings it writes is deleted at the end whatever happens, apart from the logs, which a
+    failed run keeps). Raises ``ChildExited`` as soon as one of the fleet's processes dies."""
     started = time.monotonic()
+    copies = tempfile.mkdtemp(prefix="fleet-demo-config-")
+    try:
+        try:
+            settings, path, why_not = replicated(settings, replicas, Path(copies))
+        except ConfigError as exc:
+            console.print(f"{exc.code.value} {exc.message}", markup=False, soft_wrap=True)
+            return 2
+        if why_not:
+            console.print(f"one backend, not {replicas} replicas: {why_not}", markup=False, soft_wrap=True)
+        return _run(settings.model_copy(update={"key_prefix": f"fleet-demo-{uuid.uuid4().hex[:8]}:"}), path,
+                    jobs=jobs, speed=speed, console=console, private_broker=private_broker, started=started)
+    finally:
+        shutil.rmtree(copies, ignore_errors=True)
+
+
+def _run(settings: Settings, path: str | None, *, jobs: int, speed: float, console: Console,
+         private_broker: bool, started: float) -> int:
     logs = tempfile.mkdtemp(prefix="fleet-demo-logs-")
-    settings, path = replicated(settings, replicas, Path(logs))
-    settings = settings.model_copy(update={"key_prefix": f"fleet-demo-{uuid.uuid4().hex[:8]}:"})
     fleet = LocalFleet(settings, sim_speed=speed, sim_args=SIM_ARGS, log_dir=logs, config_path=path,
                        private_broker=private_broker, local_broker=True, handle_signals=True)
     try:

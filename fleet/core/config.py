@@ -246,8 +246,10 @@ class RetrySettings(_Section):
     max_cut_returns: int = Field(3, ge=0)
     """Of those, times a backend may fail under the job's own request (its stream was open when
     the engine failed or went away) before the job ends with that error: a job that brings
-    servers down is sent at most 1 + this many times. No retry-budget token: a crash cuts every
-    job in flight, and the others' projects are not charged for it."""
+    servers down is sent at most 1 + this many times. A job's first cut takes no retry-budget
+    token (a crash cuts every job in flight, and the others' projects are not charged for it);
+    each later one takes one from its project's, so a project's crashing jobs are bounded by its
+    budget too."""
 
 
 class WatcherSettings(_Section):
@@ -415,8 +417,9 @@ class RoutingSettings(_Section):
     (it may be another one) and the model thinks only the rest (docs/backends.md, section 7);
     with tools, the calls it then writes are read as vLLM's hermes parser reads them. A reasoning
     cut before 64 tokens, a backend whose chat template does not open ``<think>`` in its
-    generation prompt, a turn that forces a tool call (``tool_choice`` required or named) and a
-    prompt that changed restart instead. Gateway requests follow it too (``gateway.fail_over``)."""
+    generation prompt, a turn that forces a tool call (``tool_choice`` required or named), a
+    cut attempt that had begun writing a tool call and a prompt that changed restart instead.
+    Gateway requests follow it too (``gateway.fail_over``)."""
 
 
 class UsageSettings(_Section):

@@ -545,10 +545,12 @@ class _Session:
     async def _fail_over(self, outcome: Failed) -> bool:
         """Whether a turn its backend cut goes on, on a new grant (``gateway.fail_over``): only
         for a backend that went away (``FAILOVER_CODES``: a server's own 500, a timeout or a
-        refusal would meet the next one alike), never once a tool call reached the client. No
-        retry-budget token, as a queue job's cut takes none: a crash cuts every stream on its
-        server, and a token would charge the projects of the streams it cut for the one that
-        caused it; ``fail_over`` bounds what a request that brings servers down can visit.
+        refusal would meet the next one alike), never once a tool call reached the client. The
+        first failover takes no retry-budget token, as a queue job's first cut takes none: a crash
+        cuts every stream on its server, and a token would charge the projects of the streams it
+        cut for the one that caused it. A later one does (a request cut again is more likely the
+        one that brings servers down): its project's budget bounds its requests' crashes, and
+        ``fail_over`` each one's.
         A reasoning, or answer text, already streamed is continued where it stopped
         (``routing.continue_cut_turns = "continue"``, a backend whose template allows it, not an
         answer under a ``response_format``); else the turn runs again while nothing reached the
@@ -572,6 +574,10 @@ class _Session:
             backend = self.on.settings.backend
             kept = keep(outcome.partial, self.body, backend.model, backend.name, answer=self.sent_answer)
         if kept is None and self.sent_deltas:  # a restart would stream what the client has a second time
+            return False
+        if self.failovers >= 1 and not await self.gw.run(self.gw.retry_budget(self.caller.project).try_spend):
+            log.warning("chat job=%s: cut by %s again, not failed over: the project's retry budget is spent",
+                        self.job_id, self.on.settings.backend.name)
             return False
         failed = self.on.settings.backend.name
         self.tried |= self.gw.runtime.settings.backend_bit(failed)
@@ -701,7 +707,7 @@ class _Session:
     async def _started(self) -> None:
         """What the first attempt needs, off its critical path: lease renewals (the claim just
         renewed it, so the first one is a third of the TTL away), the role chunk, and the credit
-        of a first attempt to the project's retry budget (loop retries spend it)."""
+        of a first attempt to the project's retry budget (loop retries and later failovers spend it)."""
         assert self.keeper is not None
         self.keeper.__enter__()
         self.keeper_running = True

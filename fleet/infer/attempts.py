@@ -678,11 +678,16 @@ class _Run:
         delay_s = self._delay(kind)
         if delay_s is None:
             return None
-        # An outage return waits behind the backend gate and adds no load: no budget token. (Nor
-        # a cut: every job in flight is cut by a crash, the one that caused it or not, and a
-        # token would charge the others' projects for it; max_cut_returns bounds them all.)
-        if kind != RetryKind.OUTAGE and not self.budget.try_spend():
-            self.warnings.append("no retry: the project's retry budget is used up")
+        # An outage return waits behind the backend gate and adds no load: no budget token. Nor
+        # a job's first cut: a crash cuts every job in flight, the one that caused it or not, and
+        # a token would charge the others' projects for it. A job cut again is more likely the
+        # one that brings servers down (its bystanders seldom meet a second crash): from its
+        # second cut on its project pays, so a project's crashing jobs are bounded by its budget
+        # as well as each by max_cut_returns.
+        paid = kind != RetryKind.OUTAGE or (cut and self.cuts >= 1)
+        if paid and not self.budget.try_spend():
+            self.warnings.append("no retry: the project's retry budget is used up"
+                                 + (" (a backend failed under this job's request before)" if cut else ""))
             return None
         if kind == RetryKind.REASK:
             self.reasks += 1

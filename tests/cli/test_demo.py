@@ -22,9 +22,9 @@ from tests.support.waiting import wait_until
 pytestmark = pytest.mark.slow
 
 
-def demo(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def demo(config: Path, *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env |= {"FLEET_CONFIG": str(config), "COLUMNS": "200"}
+    env |= {"FLEET_CONFIG": str(config), "COLUMNS": "200", **extra_env}
     return subprocess.run([sys.executable, "-m", "fleet", "demo", *args], env=env,
                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
 
@@ -34,7 +34,7 @@ def test_demo_leaves_the_configured_redis_alone(tmp_path: Path) -> None:
         config = make_config(tmp_path, broker_url=default.url)
         watcher = redis.Redis.from_url(default.url)
         connections = watcher.info("stats")["total_connections_received"]
-        result = demo(config, "--jobs", "2", "--speed", "100", "--replicas", "1")
+        result = demo(config, "--jobs", "2", "--speed", "100")
         assert result.returncode == 0, result.stdout + result.stderr
         assert "2 results, 0 not OK, 0 missing" in result.stdout
         assert f"broker {default.url}" not in result.stdout
@@ -46,16 +46,45 @@ def test_demo_leaves_the_configured_redis_alone(tmp_path: Path) -> None:
 def test_demo_runs_one_configured_backend_as_two_replicas_and_counts_each_ones_jobs(tmp_path: Path) -> None:
     """The example's one [backend] runs as gpu-a and gpu-b, a simulator each; the jobs, submitted
     at once, are spread over both (least loaded while nothing is cached), and the summary's
-    backends column counts them: every job answered by one of the two, both used."""
+    backends column counts them: every job answered by one of the two, both used. The copy of
+    the settings it wrote for them is gone after."""
     config = make_config(tmp_path)
-    result = demo(config, "--jobs", "20", "--speed", "30")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    result = demo(config, "--jobs", "20", "--speed", "30", TMPDIR=str(temp))
     assert result.returncode == 0, result.stdout + result.stderr
+    assert not list(temp.glob("fleet-demo-config-*"))  # the copy of the settings, secrets and all
     assert "20 results, 0 not OK, 0 missing" in result.stdout
     assert re.search(r"backend gpu-a http://127\.0\.0\.1:\d+, gpu-b http://127\.0\.0\.1:\d+", result.stdout)
     counts = Counter()
     for backend, count in re.findall(r"\b(gpu-[ab])=(\d+)", result.stdout):
         counts[backend] += int(count)
     assert sum(counts.values()) == 20 and set(counts) == {"gpu-a", "gpu-b"}, result.stdout
+
+
+def test_demo_on_a_named_broker_stays_on_it_whatever_fleet_broker_url_says(tmp_path: Path) -> None:
+    """``--broker`` wins over FLEET_BROKER_URL, also for the replicas' settings: the demo runs on
+    the named Redis (its keys deleted after) and never connects to the variable's."""
+    with start_redis() as named, start_redis() as other:
+        watchers = {url: redis.Redis.from_url(url) for url in (named.url, other.url)}
+        before = {url: w.info("stats")["total_connections_received"] for url, w in watchers.items()}
+        result = demo(make_config(tmp_path), "--jobs", "2", "--speed", "100", "--broker", named.url,
+                      FLEET_BROKER_URL=other.url)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"broker {named.url}" in result.stdout and "gpu-b" in result.stdout
+        assert watchers[named.url].info("stats")["total_connections_received"] > before[named.url] + 5
+        assert watchers[other.url].info("stats")["total_connections_received"] == before[other.url]
+        assert watchers[named.url].dbsize() == 0 and watchers[other.url].dbsize() == 0
+        for watcher in watchers.values():
+            watcher.close()
+
+
+def test_demo_says_why_it_runs_one_backend_when_the_environment_sets_it(tmp_path: Path) -> None:
+    result = demo(make_config(tmp_path), "--jobs", "2", "--speed", "100", FLEET_BACKEND_MAX_NUM_SEQS="8")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ("one backend, not 2 replicas: the backend is set by FLEET_BACKEND_MAX_NUM_SEQS: it runs as one "
+            "server") in result.stdout
+    assert "gpu-a" not in result.stdout and "2 results, 0 not OK, 0 missing" in result.stdout
 
 
 def test_demo_refuses_a_named_broker_that_does_not_answer(tmp_path: Path) -> None:

@@ -141,7 +141,7 @@ def test_jobs_sharing_a_cached_prefix_go_to_the_backend_that_holds_it(tmp_path) 
                              {"role": "user", "content": f"[sim:think={think}] {question}"}])
 
     with Harness(config, sim_speed=50, sim_args=SIM_ARGS) as fleet:
-        # long enough (about 2 s) that the first is still in flight when the second is admitted,
+        # long enough (about a second) that the first is still in flight when the second is admitted,
         # however late prep hands the second one over: least-loaded then puts one on each
         warm = {name: fleet.client.submit(sharing(name, f"warm {name}", think=3000)) for name in systems}
         warmed = finals(fleet, list(warm.values()))

@@ -16,7 +16,7 @@ REAL fleet: the gateway, a dispatcher, ``fleet sim`` processes, the official ``o
   runs again, a streamed one whose reasoning went out ends with the error.
 - Each grant's quota reservation is settled with its own attempts.
 - A cut request that finds no seat again ends E_QUEUE_TIMEOUT (429); a spent retry budget does not stop a
-  failover; three replicas dropping every stream are tried once each.
+  first failover, and stops a second; three replicas dropping every stream are tried once each.
 """
 
 from __future__ import annotations
@@ -287,22 +287,31 @@ def test_a_cut_request_that_finds_no_seat_again_ends_with_the_queue_timeout(tmp_
         assert sent == ["a", "b"], sent
 
 
-def test_a_failover_takes_no_retry_budget_token(tmp_path) -> None:
-    """A crash cuts every stream on its server, the request that caused it or not, so a failover
-    is not paid from the project's retry budget (a token would charge the projects of the streams
-    it cut): with the budget spent (and no credit per first attempt, budget_ratio 0), a cut request
-    still goes back and is answered (it went to the backend twice)."""
+def test_a_first_failover_is_free_and_a_second_is_paid_by_the_requests_project(tmp_path) -> None:
+    """A crash cuts every stream on its server, the request that caused it or not, so a first
+    failover is not paid from the project's retry budget (a token would charge the projects of
+    the streams it cut); a request cut again is the likelier cause and its project pays. With
+    the budget spent (and no credit per first attempt, budget_ratio 0): a request cut once goes
+    back and is answered; one cut every time goes to the backend twice, not fail_over + 1 times,
+    and the cut is its error."""
     from fleet.infer.retrying import RetryBudget
 
     config, keys = config_with_keys(tmp_path, retry={"budget_ratio": 0.0})
     with Harness(config, sim_speed=50, sim_args=SIM_ARGS, gateway=True) as fleet:
-        # spent "in ten minutes": the reserve trickles in only once the clock passes that
-        bucket = RetryBudget(fleet.client.redis, fleet.client.keys, "assistant", 0.0, clock=lambda: time.time() + 600)
+        later = time.time() + 600  # written "later": no reserve trickles in while the test runs
+        bucket = RetryBudget(fleet.client.redis, fleet.client.keys, "assistant", 0.0, clock=lambda: later)
         while bucket.try_spend():
             pass
-        answer = sdk(fleet, keys["assistant"]).chat.completions.create(
+        client = sdk(fleet, keys["assistant"])
+        answer = client.chat.completions.create(
             model="local", messages=[{"role": "user", "content": "[sim:think=400] [sim:drop/1] add"}])
         assert answer.choices[0].message.content
+        assert paths(fleet.backend_url) == ["/v1/chat/completions"] * 2
+        httpx.post(f"{fleet.backend_url}/sim/reset", timeout=10).raise_for_status()
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.chat.completions.create(
+                model="local", messages=[{"role": "user", "content": "[sim:think=400] [sim:drop] add"}])
+        assert caught.value.response.headers.get("x-fleet-code") == "E_STREAM_DROPPED"
         assert paths(fleet.backend_url) == ["/v1/chat/completions"] * 2
 
 

@@ -10,7 +10,9 @@ import json
 import random
 import re
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -324,18 +326,40 @@ CRASH_SIM_S = 10
 
 def test_a_job_that_crashes_its_backend_is_sent_at_most_1_plus_max_cut_returns_times(h: Harness) -> None:
     """Every request of this job brings the engine down mid-stream (``crash``): an outage, but
-    one under the job's own open stream, so it may be the cause. It comes back (free, as any
-    outage return: a crash cuts every job in flight, and no project's budget pays for it) until
-    retry.max_cut_returns (3) is reached, long before max_outage_returns (10); the retry budget
-    plays no part: an empty one changes nothing."""
-    bucket = RetryBudget(h.redis, h.keys, "reports", ratio=0.2)
-    while bucket.try_spend():
-        pass
+    one under the job's own open stream, so it may be the cause. It comes back until
+    retry.max_cut_returns (3) is reached, long before max_outage_returns (10), its project's
+    budget paying for the returns after the first (the bucket starts full: 10 tokens)."""
+    bucket = RetryBudget(h.redis, h.keys, "reports", ratio=0.2, clock=frozen_later())
+    assert bucket.tokens() == 10  # full, and written "later": no trickle until the test is over
     job = h.job(f"[sim:crash={CRASH_SIM_S}] [sim:think=200]")
     env = h.run_healthy(job)
     assert codes(env) == [Code.E_STREAM_DROPPED] * 4 and env.code is Code.E_STREAM_DROPPED
     assert any("failed under this job's request 4 times" in w for w in env.warnings)
     assert len(h.requests(job)) == 4
+    # three returns: the first free, two paid (the first attempt's credit met a full bucket)
+    assert bucket.tokens() == pytest.approx(8, abs=0.01)
+
+
+def test_a_first_cut_is_free_and_a_second_is_paid_by_the_jobs_project(h: Harness) -> None:
+    """A crash cuts every job in flight, so a job's first cut takes no retry-budget token (a
+    bystander's project does not pay for another's crash); a job cut again is the likelier
+    cause, and its project pays: with the budget spent it ends at its second cut, sent twice."""
+    bucket = RetryBudget(h.redis, h.keys, "reports", ratio=0.2, clock=frozen_later())
+    while bucket.try_spend():
+        pass
+    job = h.job(f"[sim:crash={CRASH_SIM_S}] [sim:think=200]")
+    env = h.run_healthy(job)
+    assert codes(env) == [Code.E_STREAM_DROPPED] * 2 and env.code is Code.E_STREAM_DROPPED
+    assert any("retry budget is used up (a backend failed under this job's request before)" in w
+               for w in env.warnings), env.warnings
+    assert len(h.requests(job)) == 2
+
+
+def frozen_later() -> Callable[[], float]:
+    """A clock ten minutes ahead, standing still: a bucket written with it gets no reserve
+    trickle while the test runs (the script counts time only past the bucket's last write)."""
+    later = time.time() + 600
+    return lambda: later
 
 
 def test_cut_returns_are_bounded_by_their_setting(h: Harness) -> None:
@@ -360,7 +384,6 @@ def test_meeting_an_engine_already_dead_is_no_cut(h: Harness) -> None:
 
 
 def test_deadline_during_a_slow_first_token(h: Harness) -> None:
-    import time
     job = h.job("[sim:slow_first_token=400]", deadline=time.time() + 0.8)
     cfg = settings(timeouts={"first_token_s": 30})
     h.vllm = VllmClient(h.sim, "local", timeouts=cfg.timeouts)
