@@ -126,7 +126,7 @@ def replicated(settings: Settings, replicas: int, folder: Path) -> tuple[Setting
     given = sorted(key for key in os.environ if key.startswith("FLEET_BACKEND"))
     if given:
         return settings, None, f"the backend is set by {', '.join(given)}: it runs as one server"
-    if not 1 <= replicas <= MAX_REPLICAS:
+    if replicas > MAX_REPLICAS:
         raise ConfigError(f"--replicas: at most {MAX_REPLICAS}, not {replicas}")
     data = tomllib.loads(config_path().read_text(encoding="utf-8"))
     entry = data.pop("backend", None) or data.pop("backends", [{}])[0]

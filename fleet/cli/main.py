@@ -346,7 +346,8 @@ def demo(
         help="Redis URL to run on (default: FLEET_BROKER_URL if set, else a private redis-server)")]
     = None,
     replicas: Annotated[int, typer.Option(
-        min=1, max=26, help="servers the one configured backend runs as (gpu-a, gpu-b, ...), each a fleet sim")] = 2,
+        min=1, max=26,  # demo.MAX_REPLICAS: gpu-a to gpu-z
+        help="servers the one configured backend runs as (gpu-a, gpu-b, ...), each a fleet sim")] = 2,
 ) -> None:
     """Run the fleet end to end on a private Redis, push a mixed batch through it and summarise.
 
